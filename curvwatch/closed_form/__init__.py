@@ -1,0 +1,21 @@
+"""Closed-form, per-block Hessian quantities of Transformer blocks: pure functions, tensors in, named numbers out."""
+
+from .attention import multi_head_attention, self_attention
+from .block import transformer_block
+from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
+from .ffn import ffn
+from .layernorm import layernorm
+
+__all__ = [
+    # attention
+    "self_attention",
+    "multi_head_attention",
+    # other sub-blocks and the whole block
+    "layernorm",
+    "ffn",
+    "transformer_block",
+    # bound terms
+    "attention_bounds",
+    "softmax_jacobian_norm",
+    "softmax_hessian_frobenius",
+]

@@ -1,0 +1,106 @@
+"""Input checks and loss conventions shared by the closed-form kernels."""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_batched(X: torch.Tensor, name: str = "X") -> tuple[torch.Tensor, bool]:
+    """Return ``(X3, was_batched)`` with ``X3`` of shape ``(B, L, d)``.
+
+    Raises:
+        ValueError: if ``X`` is not 2-D or 3-D, not floating point, or has an empty dimension.
+    """
+    if not isinstance(X, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(X).__name__}.")
+    if X.ndim not in (2, 3):
+        raise ValueError(f"{name} must have shape (L, d) or (B, L, d); got shape {tuple(X.shape)}.")
+    if not X.is_floating_point():
+        raise ValueError(f"{name} must be floating point (float32 or float64); got dtype {X.dtype}. Cast it first.")
+    if X.numel() == 0:
+        raise ValueError(f"{name} has an empty dimension: shape {tuple(X.shape)}.")
+    return (X.unsqueeze(0), False) if X.ndim == 2 else (X, True)
+
+
+def check_like(t: torch.Tensor | None, shape: tuple[int, ...], name: str, ref: torch.Tensor) -> torch.Tensor | None:
+    """Check an optional tensor's shape and move it to ``ref``'s dtype/device."""
+    if t is None:
+        return None
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(t.shape)}.")
+    return t.to(dtype=ref.dtype, device=ref.device)
+
+
+def check_weight(W: torch.Tensor, rows: int, name: str, ref: torch.Tensor) -> torch.Tensor:
+    """Check a weight in math convention (``X @ W``): 2-D with ``rows`` rows."""
+    if not isinstance(W, torch.Tensor) or W.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (d_in, d_out) used as X @ {name}; got {getattr(W, 'shape', W)}.")
+    if W.shape[0] != rows:
+        raise ValueError(
+            f"{name} has shape {tuple(W.shape)} but the input width is {rows}: weights follow the math "
+            f"convention X @ W (pass nn.Linear.weight.T)."
+        )
+    return W.to(dtype=ref.dtype, device=ref.device)
+
+
+def output_cotangent(
+    F: torch.Tensor,
+    row_keep: torch.Tensor,
+    *,
+    target: torch.Tensor | None,
+    grad_output: torch.Tensor | None,
+    output_curvature: float | None,
+    batched: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Resolve the loss convention into the cotangent ``g = dl/dF`` and the output curvature per sequence.
+
+    * ``target``: ``l = mean_b ||F_b - T_b||^2 / (L_b m)``, so ``c_b = 2 / (L_b m B)`` and ``g = c_b (F - T)``
+      (``L_b``: kept rows of sequence ``b``).
+    * ``grad_output``: ``l = sum_b <G_b, F_b'> + (c/2) ||F_b' - F_b||^2``; ``g = G``, ``c_b = c``
+      (default ``2 / (L m)``).
+
+    Args:
+        F: block output ``(B, L, m)``.
+        row_keep: ``(B, L)`` bool, rows that belong to the loss.
+        target, grad_output: exactly one, shaped like the unbatched/batched output.
+        output_curvature: ``c`` of the grad_output mode.
+        batched: whether the user passed batched tensors.
+
+    Returns:
+        ``(g, c, residual)`` with ``g`` ``(B, L, m)`` (zero on dropped rows), ``c`` ``(B,)`` and the
+        residual ``F - T`` (target mode) or ``g`` itself (grad_output mode).
+    """
+    B, L, m = F.shape
+    if (target is None) == (grad_output is None):
+        raise ValueError(
+            "Pass exactly one of target= (the papers' loss ||F - target||^2/(L m)) or grad_output= "
+            "(the back-propagated dl/dF, for a block inside a network)."
+        )
+    keep = row_keep.to(F.dtype).unsqueeze(-1)
+    other = target if target is not None else grad_output
+    name = "target" if target is not None else "grad_output"
+    expected = (B, L, m) if batched else (L, m)
+    if tuple(other.shape) != expected:
+        raise ValueError(f"{name} must have the output's shape {expected}; got {tuple(other.shape)}.")
+    other = other.to(dtype=F.dtype, device=F.device)
+    if not batched:
+        other = other.unsqueeze(0)
+    if target is not None:
+        if output_curvature is not None:
+            raise ValueError("output_curvature only applies with grad_output=; target mode fixes c = 2/(L m).")
+        L_b = row_keep.sum(-1).clamp_min(1).to(F.dtype)  # (B,)
+        c = 2.0 / (L_b * m * B)
+        R = (F - other) * keep
+        return c.unsqueeze(-1).unsqueeze(-1) * R, c, R
+    c_val = 2.0 / (L * m) if output_curvature is None else float(output_curvature)
+    if not c_val >= 0.0:
+        raise ValueError(f"output_curvature must be >= 0 (a curvature of the loss in the output); got {output_curvature}.")
+    g = other * keep
+    return g, torch.full((B,), c_val, dtype=F.dtype, device=F.device), g
+
+
+def spectral_norm_2d(M: torch.Tensor) -> torch.Tensor:
+    """Largest singular value of each matrix in a batch ``(..., p, q)`` (exact, via the smaller Gram)."""
+    p, q = M.shape[-2:]
+    G = M.mT @ M if q <= p else M @ M.mT
+    return torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt()

@@ -1,0 +1,308 @@
+"""Block Hessian operators: spectral norms and dense blocks from closed-form Hessian-vector products.
+
+Every kernel in this package (attention, FFN, whole Transformer block) exposes its Hessian as a
+:class:`BlockOperator`: a map from a tangent (one perturbation per weight block) to the Gauss-Newton
+("outer") and functional parts of the Hessian applied to it, computed from closed-form Jacobians and
+contracted second derivatives, never from autograd. This module turns such an operator into
+
+* the spectral norm of any block ``H_XY`` (restriction to rows of block X, columns of block Y), by batched
+  Lanczos on the symmetric operator ``H_XX`` (X = Y) or ``[[0, H_XY], [H_YX, 0]]`` (X != Y), whose
+  largest |eigenvalue| is ``sigma_max(H_XY)``;
+* the dense block, by applying the operator to a basis (small sizes only; used by tests and docs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._lanczos import lanczos_max_abs
+
+KINDS = ("outer", "functional", "hessian")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Shape of one weight block; ``headed`` params carry a leading head dimension ``H``."""
+
+    shape: tuple[int, ...]
+    headed: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class BlockOperator:
+    """Interface of a closed-form block Hessian operator.
+
+    Attributes:
+        params: ``name -> ParamInfo`` for every weight block (e.g. ``"Q"``, ``"W1"``).
+        n_heads: ``H``; headed params have tangents of shape ``(nv, H, *shape)``, others ``(nv, *shape)``.
+        head_diagonal: True when the operator never couples different heads (attention alone), so the
+            vectors of all heads can share one tangent and the per-head blocks come out in one product.
+        dtype, device: of the tensors involved.
+    """
+
+    params: dict[str, ParamInfo]
+    n_heads: int
+    head_diagonal: bool
+    dtype: torch.dtype
+    device: torch.device
+
+    def apply(self, tangent: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Return ``(H_outer v, H_functional v)`` for a batch of ``nv`` tangents ``v``.
+
+        Missing names in ``tangent`` mean a zero perturbation; every param name is present in the outputs.
+        """
+        raise NotImplementedError
+
+
+def _pair_blocks(pair: str, names: Sequence[str]) -> tuple[str, str]:
+    """Split a pair name like ``"VQ"`` or ``"QW1"`` or ``"W1W2"`` into its two block names."""
+    for a in names:
+        if pair.startswith(a) and pair[len(a) :] in names:
+            return a, pair[len(a) :]
+    raise ValueError(f"Unknown block pair {pair!r}. Pairs are two of {list(names)} concatenated, e.g. 'VQ'.")
+
+
+class _Embedding:
+    """Moves Lanczos vectors ``(k, H, n)`` in and out of an operator's tangent layout for one block set."""
+
+    def __init__(self, op: BlockOperator, names: Sequence[str]):
+        self.op = op
+        self.names = list(names)
+        self.sizes = [op.params[nm].numel for nm in self.names]
+        self.n = sum(self.sizes)
+        # blocks without a head dimension need a single operator, not one per head
+        self.H = op.n_heads if any(op.params[nm].headed for nm in self.names) else 1
+
+    def embed(self, u: torch.Tensor, which: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Tangent holding the parts of ``u`` (shape ``(k, H, n)``) that belong to blocks ``which``."""
+        op, H = self.op, self.H
+        k = u.shape[0]
+        parts = torch.split(u, self.sizes, dim=-1)
+        tangent: dict[str, torch.Tensor] = {}
+        for nm, part in zip(self.names, parts):
+            if nm not in which:
+                continue
+            info = op.params[nm]
+            if op.head_diagonal:
+                # (k, H, n) -> (k, H, *shape); heads are independent operators
+                tangent[nm] = part.reshape(k, H, *info.shape) if info.headed else part[:, 0].reshape(k, *info.shape)
+            elif info.headed:
+                # batch member (k, h) perturbs head h only: (k*H, H, *shape), "diagonal" placement
+                t = torch.zeros(k, H, H, info.numel, dtype=u.dtype, device=u.device)
+                idx = torch.arange(H, device=u.device)
+                t[:, idx, idx] = part
+                tangent[nm] = t.reshape(k * H, H, *info.shape)
+            else:
+                tangent[nm] = part.reshape(k * H, *info.shape)
+        return tangent
+
+    def extract(self, out: dict[str, torch.Tensor], which: Sequence[str], k: int) -> torch.Tensor:
+        """Inverse of :meth:`embed` on an operator output: ``(k, H, n)`` with zeros outside ``which``."""
+        op, H = self.op, self.H
+        pieces = []
+        for nm, size in zip(self.names, self.sizes):
+            info = op.params[nm]
+            if nm not in which:
+                pieces.append(torch.zeros(k, H, size, dtype=op.dtype, device=op.device))
+                continue
+            o = out[nm]
+            if op.head_diagonal:
+                piece = o.reshape(k, H, size) if info.headed else o.reshape(k, 1, size).expand(k, H, size)
+            elif info.headed:
+                o = o.reshape(k, H, H, size)
+                idx = torch.arange(H, device=o.device)
+                piece = o[:, idx, idx]
+            else:
+                piece = o.reshape(k, H, size)
+            pieces.append(piece)
+        return torch.cat(pieces, dim=-1)
+
+
+def _combine(outer: torch.Tensor, func: torch.Tensor, kinds: Sequence[str]) -> torch.Tensor:
+    """Pick, for each Lanczos batch member ``i`` (operator kind ``kinds[i]``), the requested part."""
+    parts = []
+    for i, kind in enumerate(kinds):
+        if kind == "outer":
+            parts.append(outer[i])
+        elif kind == "functional":
+            parts.append(func[i])
+        else:
+            parts.append(outer[i] + func[i])
+    return torch.stack(parts)
+
+
+def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
+    """Symmetric matvec whose largest |eigenvalue| is ``||H_XY||_2`` for each kind, batched ``(len(kinds), H, n)``."""
+    X, Y = pair
+    if X == Y:
+        emb = _Embedding(op, [X])
+
+        def mv(u: torch.Tensor) -> torch.Tensor:
+            k = u.shape[0]
+            o, f = op.apply(emb.embed(u, [X]))
+            return _combine(emb.extract(o, [X], k), emb.extract(f, [X], k), kinds)
+
+        return emb, mv
+    emb = _Embedding(op, [X, Y])
+
+    def mv(u: torch.Tensor) -> torch.Tensor:
+        k = u.shape[0]
+        # One batched product: the first half perturbs block Y only (we read rows X), the second half
+        # perturbs block X only (we read rows Y).
+        tY = emb.embed(u, [Y])[Y]
+        tX = emb.embed(u, [X])[X]
+        tangent = {
+            Y: torch.cat([tY, torch.zeros_like(tY)]),
+            X: torch.cat([torch.zeros_like(tX), tX]),
+        }
+        o, f = op.apply(tangent)
+        first = {nm: t[: t.shape[0] // 2] for nm, t in o.items()}, {nm: t[: t.shape[0] // 2] for nm, t in f.items()}
+        second = {nm: t[t.shape[0] // 2 :] for nm, t in o.items()}, {nm: t[t.shape[0] // 2 :] for nm, t in f.items()}
+        out_o = emb.extract(first[0], [X], k) + emb.extract(second[0], [Y], k)
+        out_f = emb.extract(first[1], [X], k) + emb.extract(second[1], [Y], k)
+        return _combine(out_o, out_f, kinds)
+
+    return emb, mv
+
+
+def head_keys(op: BlockOperator, base: str, pair: tuple[str, str]) -> list[str]:
+    """Metric keys for a block pair: ``base`` alone, or ``base/h{i}`` when the pair involves a headed param."""
+    headed = op.params[pair[0]].headed or op.params[pair[1]].headed
+    if headed and op.n_heads >= 1 and getattr(op, "suffix_heads", True):
+        return [f"{base}/h{h}" for h in range(op.n_heads)]
+    return [base]
+
+
+def spectral_norms(
+    op: BlockOperator,
+    pairs: Sequence[str],
+    *,
+    kinds: Sequence[str] = KINDS,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    skip: Sequence[tuple[str, str]] = (),
+) -> dict[str, torch.Tensor]:
+    """Spectral norms ``{kind}/{pair}[/h{i}]`` of the requested block pairs, by batched Lanczos.
+
+    Args:
+        op: the block operator.
+        pairs: pair names such as ``"QQ"``, ``"VK"``, ``"W1W2"``.
+        kinds: subset of ``("outer", "functional", "hessian")``.
+        tol: relative accuracy of each norm (Lanczos residual criterion).
+        max_iter: most Lanczos steps per norm.
+        skip: ``(kind, pair)`` combinations computed elsewhere (exactly) and not needed here.
+
+    Returns:
+        Flat dict of 0-d tensors.
+    """
+    names = list(op.params)
+    out: dict[str, torch.Tensor] = {}
+    for pair_name in pairs:
+        pair = _pair_blocks(pair_name, names)
+        ks = [k for k in kinds if (k, pair_name) not in skip]
+        if not ks:
+            continue
+        emb, mv = pair_matvec(op, pair, ks)
+        vals, _ = lanczos_max_abs(
+            mv, (len(ks), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter
+        )
+        for i, kind in enumerate(ks):
+            keys = head_keys(op, f"{kind}/{pair_name}", pair)
+            if len(keys) == 1:
+                out[keys[0]] = vals[i, 0]
+            else:
+                for h, key in enumerate(keys):
+                    out[key] = vals[i, h]
+    return out
+
+
+def full_norms(
+    op: BlockOperator, names: Sequence[str], label: str, *, tol: float, max_iter: int | None
+) -> dict[str, torch.Tensor]:
+    """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
+    emb = _Embedding(op, names)
+    kinds = list(KINDS)
+
+    def mv(u: torch.Tensor) -> torch.Tensor:
+        k = u.shape[0]
+        o, f = op.apply(emb.embed(u, names))
+        return _combine(emb.extract(o, names, k), emb.extract(f, names, k), kinds)
+
+    vals, _ = lanczos_max_abs(mv, (3, emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter)
+    out = {}
+    headed = any(op.params[n].headed for n in names)
+    for i, kind in enumerate(kinds):
+        if headed and getattr(op, "suffix_heads", True):
+            for h in range(op.n_heads):
+                out[f"{kind}/{label}/h{h}"] = vals[i, h]
+        else:
+            out[f"{kind}/{label}"] = vals[i, 0]
+    return out
+
+
+def dense_blocks(op: BlockOperator, pairs: Sequence[str], full: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """Dense blocks ``dense/{kind}/{pair}[/h{i}]`` of shape ``(n_X, n_Y)`` (vec_r order), small sizes only.
+
+    ``full`` names blocks whose whole joint Hessian is also returned as ``dense/{kind}/{''.join(full)}``.
+    """
+    names = list(op.params)
+    H = op.n_heads
+    cols: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    needed = set()
+    for p in pairs:
+        needed.update(_pair_blocks(p, names))
+    needed.update(full)
+    emb = _Embedding(op, names)
+    offsets = {}
+    start = 0
+    for nm, size in zip(emb.names, emb.sizes):
+        offsets[nm] = (start, start + size)
+        start += size
+    for Y in needed:
+        a, b = offsets[Y]
+        nY = b - a
+        basis = torch.zeros(nY, H, emb.n, dtype=op.dtype, device=op.device)
+        basis[:, :, a:b] = torch.eye(nY, dtype=op.dtype, device=op.device).unsqueeze(1)
+        o, f = op.apply(emb.embed(basis, [Y]))
+        # columns of every block row, shape (n_total, H, nY) after transposing
+        cols[Y] = (emb.extract(o, names, nY).permute(2, 1, 0), emb.extract(f, names, nY).permute(2, 1, 0))
+    out: dict[str, torch.Tensor] = {}
+
+    def block(kind: str, X: str, Y: str) -> torch.Tensor:
+        o, f = cols[Y]
+        a, b = offsets[X]
+        if kind == "outer":
+            m = o[a:b]
+        elif kind == "functional":
+            m = f[a:b]
+        else:
+            m = o[a:b] + f[a:b]
+        return m.permute(1, 0, 2)  # (H, nX, nY)
+
+    for p in pairs:
+        X, Y = _pair_blocks(p, names)
+        for kind in KINDS:
+            m = block(kind, X, Y)
+            for key, h in zip(head_keys(op, f"dense/{kind}/{p}", (X, Y)), range(H)):
+                out[key] = m[h]
+    if full:
+        label = "".join(full)
+        for kind in KINDS:
+            rows = [torch.cat([block(kind, X, Y) for Y in full], dim=-1) for X in full]
+            m = torch.cat(rows, dim=-2)
+            headed = any(op.params[n].headed for n in full)
+            if headed and getattr(op, "suffix_heads", True):
+                for h in range(H):
+                    out[f"dense/{kind}/{label}/h{h}"] = m[h]
+            else:
+                out[f"dense/{kind}/{label}"] = m[0]
+    return out

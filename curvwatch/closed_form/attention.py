@@ -1,0 +1,430 @@
+"""Closed-form Hessian blocks of (multi-head) softmax self-attention: Gauss-Newton and functional parts.
+
+Notation (formula sheet §1-§3): ``X`` (L, d) tokens, per head ``P = X W_Q + b_Q``, ``K = X W_K + b_K``,
+``V = X W_V + b_V``, ``T = P K^T / sqrt(d_K)`` (masked), ``A = softmax_row(T)``, head output ``F_h = A V`` and
+the layer output ``F = sum_h F_h W_O^h (+ b_O)`` (``W_O = I`` for a single head without projection).
+
+The Hessian of the loss in the weights of head ``h`` splits into ``H = H_o + H_f``:
+
+* ``H_o = c J^T J`` (outer / Gauss-Newton), with ``J = dF/dW`` and ``c`` the output curvature;
+* ``H_f = sum_k g_k d^2 F_k / dW^2`` (functional), with ``g = dl/dF``.
+
+We never build the ``L^2 x L^2`` softmax Jacobian nor the ``L^4 x L^2`` second derivative. Products with
+``H_o`` and ``H_f`` are written directly from their closed forms:
+
+* softmax Jacobian on a row: ``dA_i = a_i * (dT_i - <a_i, dT_i>)`` (symmetric, so it is also its VJP);
+* softmax second derivative contracted with the cotangent ``G_A = g_h V^T``:
+  ``d/dA <G_A, J_A dT> = G_A*dT - G_A <a_i,dT_i> - <a_i,G_A,i> dT`` (P2 Lemma C.1 contracted);
+* the bilinear term of ``T`` in ``(W_Q, W_K)``: ``(X^T Gamma X) kron I / sqrt(d_K)``, ``Gamma = dl/dT``
+  (formula sheet §2, erratum 7).
+
+Each product costs ``O(L^2 (d_K + d_V) + L d (d_K + d_V))`` per head, like one forward pass.
+``||H_o(VV)||`` is exact in closed form: ``(sum_b c_b ||A_b X_b||^2-Gram) * ||W_O^h||^2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
+from ._lanczos import lanczos_max_abs
+from ._operator import BlockOperator, ParamInfo, dense_blocks, full_norms, spectral_norms
+from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
+
+ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
+
+
+def softmax_jvp(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
+    """Row-softmax Jacobian applied to ``dT``: ``A * (dT - rowsum(A * dT))``; also its VJP (symmetric)."""
+    return A * (dT - (A * dT).sum(-1, keepdim=True))
+
+
+class AttentionOperator(BlockOperator):
+    """Head-diagonal closed-form Hessian operator of multi-head attention for the weights of each head.
+
+    Args:
+        X: ``(B, L, d)`` block input.
+        W_Q, W_K: ``(H, d, d_K)`` per-head weights; W_V: ``(H, d, d_V)``.
+        W_O: ``(H, d_V, m)`` per-head output projection, or None (then ``m = d_V`` and ``H = 1``).
+        b_Q, b_K: ``(H, d_K)`` or None; b_V: ``(H, d_V)`` or None.
+        keep: ``(B, L, L)`` bool, True where query i may attend key j (causal and padding), or None.
+        row_keep: ``(B, L)`` bool, query rows that belong to the loss.
+        g: ``(B, L, m)`` cotangent ``dl/dF`` (zero on dropped rows).
+        c: ``(B,)`` output curvature per sequence.
+    """
+
+    suffix_heads = True
+
+    def __init__(self, X, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=True):
+        self.X = X
+        self.H, d, self.d_K = W_Q.shape
+        self.d_V = W_V.shape[-1]
+        self.n_heads = self.H
+        self.head_diagonal = True
+        self.suffix_heads = suffix_heads
+        self.dtype, self.device = X.dtype, X.device
+        self.params = {
+            "V": ParamInfo((d, self.d_V), True),
+            "Q": ParamInfo((d, self.d_K), True),
+            "K": ParamInfo((d, self.d_K), True),
+        }
+        self.scale = 1.0 / math.sqrt(self.d_K)
+        self.W_Q, self.W_K, self.W_V, self.W_O = W_Q, W_K, W_V, W_O
+        self.P = torch.einsum("bld,hdk->bhlk", X, W_Q)  # (B, H, L, d_K)
+        self.Kk = torch.einsum("bld,hdk->bhlk", X, W_K)  # (B, H, L, d_K)
+        self.Vv = torch.einsum("bld,hdv->bhlv", X, W_V)  # (B, H, L, d_V)
+        if b_Q is not None:
+            self.P = self.P + b_Q[None, :, None, :]
+        if b_K is not None:
+            self.Kk = self.Kk + b_K[None, :, None, :]
+        if b_V is not None:
+            self.Vv = self.Vv + b_V[None, :, None, :]
+        T = self.P @ self.Kk.mT * self.scale  # (B, H, L, L)
+        if keep is not None:
+            T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
+        A = torch.softmax(T, dim=-1)
+        self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
+        self.row_keep = row_keep.to(X.dtype)  # (B, L)
+        self.c = c  # (B,)
+        # per-head view of the output: cotangent g_h = g W_O^h^T and output metric W_O^h W_O^h^T
+        if W_O is None:
+            self.g_h = g.unsqueeze(1)  # (B, 1, L, d_V)
+            self.Mo = None
+        else:
+            self.g_h = torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
+            self.Mo = W_O @ W_O.mT  # (H, d_V, d_V)
+        self.G_A = self.g_h @ self.Vv.mT  # (B, H, L, L)
+        self.Gamma = softmax_jvp(self.A, self.G_A)  # dl/dT, (B, H, L, L)
+        self.rG = (self.A * self.G_A).sum(-1, keepdim=True)  # (B, H, L, 1)
+
+    # ---- first order -------------------------------------------------------------------------
+    def _tangent(self, tangent):
+        n = next(iter(tangent.values())).shape[0]
+        z = {nm: torch.zeros((n, self.H, *info.shape), dtype=self.dtype, device=self.device) for nm, info in self.params.items()}
+        z.update({k: v for k, v in tangent.items()})
+        return n, z
+
+    def jvp(self, tangent):
+        """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP."""
+        X = self.X
+        dP = torch.einsum("bld,nhdk->nbhlk", X, tangent["Q"])  # (n, B, H, L, d_K)
+        dK = torch.einsum("bld,nhdk->nbhlk", X, tangent["K"])
+        dV = torch.einsum("bld,nhdv->nbhlv", X, tangent["V"])  # (n, B, H, L, d_V)
+        dT = (dP @ self.Kk.mT + self.P @ dK.mT) * self.scale  # (n, B, H, L, L)
+        dA = softmax_jvp(self.A, dT)
+        dF = dA @ self.Vv + self.A @ dV
+        return dF, (dP, dK, dV, dT, dA)
+
+    def vjp(self, u):
+        """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``; returns per-head weight grads."""
+        X = self.X
+        gV = torch.einsum("bld,nbhlv->nhdv", X, self.A.mT @ u)
+        Gu = softmax_jvp(self.A, u @ self.Vv.mT)  # (n, B, H, L, L)
+        gQ = torch.einsum("bld,nbhlk->nhdk", X, Gu @ self.Kk) * self.scale
+        gK = torch.einsum("bld,nbhlk->nhdk", X, Gu.mT @ self.P) * self.scale
+        return {"V": gV, "Q": gQ, "K": gK}
+
+    # ---- second order ------------------------------------------------------------------------
+    def functional(self, inter, g_h=None, G_A=None, Gamma=None, rG=None):
+        """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
+        g_h = self.g_h if g_h is None else g_h
+        G_A = self.G_A if G_A is None else G_A
+        Gamma = self.Gamma if Gamma is None else Gamma
+        rG = self.rG if rG is None else rG
+        X, A = self.X, self.A
+        dP, dK, dV, dT, dA = inter
+        fV = torch.einsum("bld,nbhlv->nhdv", X, dA.mT @ g_h)
+        rdT = (A * dT).sum(-1, keepdim=True)
+        hA = G_A * dT - G_A * rdT - rG * dT + g_h @ dV.mT  # d/dA of <G_A, dA> + <g_h, A dV>
+        G2 = softmax_jvp(A, hA)
+        fQ = torch.einsum("bld,nbhlk->nhdk", X, G2 @ self.Kk + Gamma @ dK) * self.scale
+        fK = torch.einsum("bld,nbhlk->nhdk", X, G2.mT @ self.P + Gamma.mT @ dP) * self.scale
+        return {"V": fV, "Q": fQ, "K": fK}
+
+    def apply(self, tangent):
+        n, tangent = self._tangent(tangent)
+        dF, inter = self.jvp(tangent)
+        u = dF if self.Mo is None else dF @ self.Mo
+        u = u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
+        return self.vjp(u), self.functional(inter)
+
+    # ---- exact pieces ------------------------------------------------------------------------
+    def outer_vv_norm(self, tol: float, max_iter: int | None) -> torch.Tensor:
+        """Exact ``||H_o(VV)||`` per head: ``lambda_max(sum_b c_b (A X)_b^T (A X)_b) * ||W_O^h||^2``."""
+        M1 = (self.A @ self.X.unsqueeze(1)) * (self.c.sqrt()[:, None, None, None] * self.row_keep[:, None, :, None])
+        M1 = M1.permute(1, 0, 2, 3).reshape(self.H, -1, self.X.shape[-1])  # (H, B*L, d)
+        d = M1.shape[-1]
+        if d <= 256 or max_iter is None:
+            gram = spectral_norm_2d(M1) ** 2
+        else:
+            gram, _ = lanczos_max_abs(
+                lambda v: torch.einsum("hnd,hn->hd", M1, torch.einsum("hnd,hd->hn", M1, v)),
+                (self.H,), d, dtype=self.dtype, device=self.device, tol=tol, max_iter=max_iter,
+            )
+        if self.Mo is not None:
+            gram = gram * torch.linalg.eigvalsh(self.Mo)[..., -1]
+        return gram
+
+
+def _split_heads(W: torch.Tensor, n_heads: int, name: str, per_head_cols: bool = True) -> torch.Tensor:
+    """(d, H*k) -> (H, d, k) for column-packed heads; (H*k, m) -> (H, k, m) for row-packed W_O."""
+    if per_head_cols:
+        d, hk = W.shape
+        if hk % n_heads:
+            raise ValueError(f"{name} has {hk} columns, not divisible by n_heads={n_heads}.")
+        return W.reshape(d, n_heads, hk // n_heads).permute(1, 0, 2)
+    hk, m = W.shape
+    if hk % n_heads:
+        raise ValueError(f"{name} has {hk} rows, not divisible by n_heads={n_heads}.")
+    return W.reshape(n_heads, hk // n_heads, m)
+
+
+def _keep_masks(B: int, L: int, causal: bool, key_padding_mask, device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(keep (B, L, L) or None, row_keep (B, L))`` from the causal flag and a padding mask (True = padded)."""
+    row_keep = torch.ones(B, L, dtype=torch.bool, device=device)
+    keep = None
+    if causal:
+        keep = torch.ones(L, L, dtype=torch.bool, device=device).tril().expand(B, L, L)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.to(device=device, dtype=torch.bool)
+        if kpm.ndim == 1:
+            kpm = kpm.unsqueeze(0)
+        if tuple(kpm.shape) != (B, L):
+            raise ValueError(f"key_padding_mask must have shape (B, L) = {(B, L)}; got {tuple(kpm.shape)}.")
+        row_keep = ~kpm
+        kk = (~kpm).unsqueeze(1).expand(B, L, L)
+        keep = kk if keep is None else keep & kk
+    return keep, row_keep
+
+
+def _attention(
+    X, W_Q, W_K, W_V, W_O, *, b_Q, b_K, b_V, b_O, target, grad_output, output_curvature, causal,
+    key_padding_mask, pairs, tol, max_iter, dense, single,
+):
+    X3, batched = as_batched(X)
+    B, L, d = X3.shape
+    H = W_Q.shape[0]
+    keep, row_keep = _keep_masks(B, L, causal, key_padding_mask, X3.device)
+    # forward pass for the output and the loss convention
+    P = torch.einsum("bld,hdk->bhlk", X3, W_Q) + (0 if b_Q is None else b_Q[None, :, None, :])
+    Kk = torch.einsum("bld,hdk->bhlk", X3, W_K) + (0 if b_K is None else b_K[None, :, None, :])
+    Vv = torch.einsum("bld,hdv->bhlv", X3, W_V) + (0 if b_V is None else b_V[None, :, None, :])
+    T = P @ Kk.mT / math.sqrt(W_Q.shape[-1])
+    if keep is not None:
+        T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
+    A = torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)
+    Fh = A @ Vv  # (B, H, L, d_V)
+    F = Fh[:, 0] if W_O is None else torch.einsum("bhlv,hvm->blm", Fh, W_O)
+    if b_O is not None:
+        F = F + b_O
+    g, c, resid = output_cotangent(
+        F, row_keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
+    )
+    op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=not single)
+    pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
+    for p in pairs:
+        if p not in ATTENTION_PAIRS and p != "QKV":
+            raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',)}.")
+
+    def hk(base):  # per-head keys
+        return [base] if single else [f"{base}/h{h}" for h in range(H)]
+
+    out: dict[str, torch.Tensor] = {}
+    if "VV" in pairs:
+        vv = op.outer_vv_norm(tol, max_iter)
+        for h, key in enumerate(hk("VV")):
+            out[f"outer/{key}"] = vv[h]
+            out[f"functional/{key}"] = torch.zeros((), dtype=X3.dtype, device=X3.device)
+            out[f"hessian/{key}"] = vv[h]
+    iterative = [p for p in pairs if p not in ("VV", "QKV")]
+    out.update(spectral_norms(op, iterative, tol=tol, max_iter=max_iter))
+    if "QKV" in pairs or pairs == ATTENTION_PAIRS:
+        out.update(full_norms(op, ["Q", "K", "V"], "QKV", tol=tol, max_iter=max_iter))
+
+    # bound terms, per sequence and head
+    x_b = spectral_norm_2d(X3)  # (B,)
+    alpha = softmax_jacobian_norm(A)  # (B, H)
+    beta = softmax_hessian_frobenius(A)  # (B, H)
+    ent = -(A * torch.log(A.clamp_min(torch.finfo(A.dtype).tiny))).sum(-1)  # (B, H, L)
+    rk = row_keep.to(A.dtype).unsqueeze(1)
+    entropy = (ent * rk).sum((0, 2)) / rk.sum((0, 2)).clamp_min(1)  # (H,)
+    w_o = torch.ones(H, dtype=X3.dtype, device=X3.device) if W_O is None else spectral_norm_2d(W_O)
+    L_b = row_keep.sum(-1).to(X3.dtype)
+    terms = {
+        "x_norm": x_b.max(),
+        "x_norm6": x_b.max() ** 6,
+        "inv_L3": torch.tensor(1.0 / L**3, dtype=X3.dtype, device=X3.device),
+        "grad_norm": g.norm(),
+    }
+    if target is not None:
+        terms["residual_norm"] = resid.norm()
+    per_head = {
+        "softmax_jac_norm": alpha.amax(0),
+        "softmax_hess_frob": beta.amax(0),
+        "attn_entropy": entropy,
+        "attn_entropy_norm": entropy / torch.log(L_b.clamp_min(2)).mean(),
+        "wq_norm": spectral_norm_2d(W_Q),
+        "wk_norm": spectral_norm_2d(W_K),
+        "wv_norm": spectral_norm_2d(W_V),
+    }
+    if W_O is not None:
+        per_head["wo_norm"] = w_o
+    for name, val in terms.items():
+        out[f"term/{name}"] = val
+    for name, val in per_head.items():
+        for h, key in enumerate(hk(name)):
+            out[f"term/{key}"] = val[h]
+    bounds = attention_bounds(
+        x=x_b, P=op.P, Kk=op.Kk, Vv=op.Vv, g_h=op.g_h.expand(B, H, L, -1), c=c, alpha=alpha, beta=beta,
+        w_o=w_o, L_b=L_b, d_K=W_Q.shape[-1],
+    )
+    for name, val in bounds.items():
+        for h, key in enumerate(hk(name)):
+            out[f"bound/{key}"] = val[h]
+    if dense:
+        out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
+    return out
+
+
+def self_attention(
+    X: torch.Tensor,
+    W_Q: torch.Tensor,
+    W_K: torch.Tensor,
+    W_V: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    grad_output: torch.Tensor | None = None,
+    output_curvature: float | None = None,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    pairs=None,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    dense: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
+
+    Args:
+        X: ``(L, d)`` or ``(B, L, d)`` input tokens.
+        W_Q, W_K: ``(d, d_K)``; W_V: ``(d, d_V)`` (math convention ``X @ W``).
+        target: ``F``-shaped target of the papers' loss ``||F - target||_F^2 / (L d_V)`` (mean over a batch).
+        grad_output: ``F``-shaped back-propagated ``dl/dF`` (local quadratic model, summed over a batch).
+        output_curvature: ``c`` of the quadratic model (default ``2/(L d_V)``), grad_output mode only.
+        causal: mask future keys before the softmax.
+        key_padding_mask: ``(B, L)`` or ``(L,)`` bool, True = padded; padded keys are masked and padded
+            query rows leave the loss.
+        pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all).
+        tol: relative accuracy of the iterative spectral norms (Lanczos residual); 0 runs to max_iter.
+        max_iter: most Lanczos steps per norm (default: the block size, i.e. exact).
+        dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
+            (vec_r order, equal to ``torch.func.hessian`` reshaped) and ``dense/*/QKV``.
+
+    Returns:
+        Flat dict of 0-d tensors: ``outer/XY``, ``functional/XY``, ``hessian/XY`` (spectral norms) for XY in
+        VV, QQ, KK, VQ, VK, QK and QKV, corrected bounds ``bound/XY`` (and ``bound/outer/XY``,
+        ``bound/functional/XY``), and bound terms ``term/x_norm``, ``term/x_norm6``, ``term/softmax_jac_norm``
+        (measured ``||dA/dT||_2``), ``term/softmax_hess_frob``, ``term/inv_L3`` (the papers' ``1/L^3``,
+        valid only for uniform attention), ``term/w{q,k,v}_norm``, ``term/attn_entropy``.
+
+    Raises:
+        ValueError: on shape mismatches, or unless exactly one of ``target`` / ``grad_output`` is given.
+
+    Example:
+        >>> X = torch.randn(4, 3, dtype=torch.float64)
+        >>> W = torch.randn(3, 2, dtype=torch.float64)
+        >>> out = self_attention(X, W, W, torch.randn(3, 3, dtype=torch.float64), target=torch.zeros(4, 3, dtype=torch.float64))
+        >>> bool(out["hessian/QQ"] <= out["bound/QQ"])
+        True
+    """
+    X3, _ = as_batched(X)
+    d = X3.shape[-1]
+    W_Q = check_weight(W_Q, d, "W_Q", X3)
+    W_K = check_weight(W_K, d, "W_K", X3)
+    W_V = check_weight(W_V, d, "W_V", X3)
+    if W_Q.shape != W_K.shape:
+        raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
+    return _attention(
+        X, W_Q.unsqueeze(0), W_K.unsqueeze(0), W_V.unsqueeze(0), None, b_Q=None, b_K=None, b_V=None, b_O=None,
+        target=target, grad_output=grad_output, output_curvature=output_curvature, causal=causal,
+        key_padding_mask=key_padding_mask, pairs=pairs, tol=tol, max_iter=max_iter, dense=dense, single=True,
+    )
+
+
+def multi_head_attention(
+    X: torch.Tensor,
+    W_Q: torch.Tensor,
+    W_K: torch.Tensor,
+    W_V: torch.Tensor,
+    W_O: torch.Tensor,
+    n_heads: int,
+    *,
+    b_Q: torch.Tensor | None = None,
+    b_K: torch.Tensor | None = None,
+    b_V: torch.Tensor | None = None,
+    b_O: torch.Tensor | None = None,
+    target: torch.Tensor | None = None,
+    grad_output: torch.Tensor | None = None,
+    output_curvature: float | None = None,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    pairs=None,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    dense: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
+
+    ``F = concat_h(softmax(P_h K_h^T / sqrt(d_K)) V_h) W_O + b_O`` with ``P_h = X W_Q^h + b_Q^h`` etc., the way
+    real models compute attention. Blocks are those of each head's own ``W_Q^h, W_K^h, W_V^h``.
+
+    Args:
+        X: ``(L, d)`` or ``(B, L, d)``.
+        W_Q, W_K: ``(d, H d_K)``; W_V: ``(d, H d_V)``; W_O: ``(H d_V, m)``; head ``h`` owns columns
+            ``h d_K:(h+1) d_K`` (rows ``h d_V:(h+1) d_V`` of ``W_O``).
+        n_heads: ``H``.
+        b_Q, b_K: ``(H d_K,)``; b_V: ``(H d_V,)``; b_O: ``(m,)``; optional.
+        target, grad_output, output_curvature, causal, key_padding_mask, pairs, tol, max_iter, dense:
+            as in :func:`self_attention` (default ``c = 2/(L m)``).
+
+    Returns:
+        The keys of :func:`self_attention` suffixed ``/h{i}`` for per-head quantities, e.g.
+        ``hessian/QQ/h0``, ``term/softmax_jac_norm/h1``, ``bound/VQ/h0``.
+
+    Example:
+        >>> X = torch.randn(5, 4, dtype=torch.float64)
+        >>> W = lambda *s: torch.randn(*s, dtype=torch.float64)
+        >>> out = multi_head_attention(X, W(4, 4), W(4, 4), W(4, 4), W(4, 4), 2, grad_output=W(5, 4), causal=True)
+        >>> sorted(k for k in out if k.startswith("hessian/QQ"))
+        ['hessian/QQ/h0', 'hessian/QQ/h1']
+    """
+    if not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"Invalid n_heads={n_heads!r}. Must be an int >= 1.")
+    X3, _ = as_batched(X)
+    d = X3.shape[-1]
+    W_Q = _split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
+    W_K = _split_heads(check_weight(W_K, d, "W_K", X3), n_heads, "W_K")
+    W_V = _split_heads(check_weight(W_V, d, "W_V", X3), n_heads, "W_V")
+    if W_Q.shape != W_K.shape:
+        raise ValueError(f"W_Q and W_K must have the same shape; got {tuple(W_Q.shape)} and {tuple(W_K.shape)} per head.")
+    if W_O.ndim != 2 or W_O.shape[0] != n_heads * W_V.shape[-1]:
+        raise ValueError(
+            f"W_O must have shape (H*d_V, m) = ({n_heads * W_V.shape[-1]}, m) as used in concat(heads) @ W_O; "
+            f"got {tuple(W_O.shape)} (pass out_proj.weight.T)."
+        )
+    W_O = _split_heads(W_O.to(dtype=X3.dtype, device=X3.device), n_heads, "W_O", per_head_cols=False)
+    H, _, d_K = W_Q.shape
+    d_V = W_V.shape[-1]
+    b_Q = check_like(b_Q, (H * d_K,), "b_Q", X3)
+    b_K = check_like(b_K, (H * d_K,), "b_K", X3)
+    b_V = check_like(b_V, (H * d_V,), "b_V", X3)
+    b_O = check_like(b_O, (W_O.shape[-1],), "b_O", X3)
+    return _attention(
+        X, W_Q, W_K, W_V, W_O,
+        b_Q=None if b_Q is None else b_Q.reshape(H, d_K),
+        b_K=None if b_K is None else b_K.reshape(H, d_K),
+        b_V=None if b_V is None else b_V.reshape(H, d_V),
+        b_O=b_O, target=target, grad_output=grad_output, output_curvature=output_curvature, causal=causal,
+        key_padding_mask=key_padding_mask, pairs=pairs, tol=tol, max_iter=max_iter, dense=dense, single=False,
+    )

@@ -1,0 +1,173 @@
+"""Closed-form Hessian blocks of the feed-forward sub-block ``S = act(Y W_1 + b_1) W_2 + b_2 (+ Y)``.
+
+Formula sheet §5, with ``Z = Y W_1 + b_1`` (pre-activation), ``Hid = act(Z)`` and ``g = dl/dS``:
+
+* Jacobians: ``dS = (act'(Z) * (Y dW_1)) W_2 + Hid dW_2``.
+* Outer blocks ``c J^T J``; exactly ``||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b)`` (Kronecker ``x I``).
+* Functional blocks: ``H_f(W2W2) = 0``; ``H_f(W1,W2) dW_2 = Y^T ((g dW_2^T) * act'(Z))`` (non-zero even for ReLU:
+  this is where FFN curvature comes from); ``H_f(W1,W1) dW_1 = Y^T ((Y dW_1) * act''(Z) * (g W_2^T))``, zero
+  a.e. for ReLU, as large as the cross term for GELU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
+from ._operator import BlockOperator, ParamInfo, dense_blocks, spectral_norms
+
+FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+
+
+def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(act(Z), act'(Z), act''(Z))`` for ``relu``, exact ``gelu`` (erf) and ``gelu_tanh`` (GPT-2's gelu_new).
+
+    ReLU's second derivative is 0 almost everywhere (we take ``act'(0) = 0``, like autograd).
+    """
+    if activation == "relu":
+        pos = (Z > 0).to(Z.dtype)
+        return Z * pos, pos, torch.zeros_like(Z)
+    if activation == "gelu":
+        phi = torch.exp(-0.5 * Z * Z) / math.sqrt(2 * math.pi)
+        Phi = 0.5 * (1 + torch.erf(Z / math.sqrt(2.0)))
+        return Z * Phi, Phi + Z * phi, phi * (2 - Z * Z)
+    if activation == "gelu_tanh":
+        k = 0.044715
+        u = _SQRT_2_PI * (Z + k * Z**3)
+        du = _SQRT_2_PI * (1 + 3 * k * Z * Z)
+        d2u = _SQRT_2_PI * 6 * k * Z
+        th = torch.tanh(u)
+        sech2 = 1 - th * th
+        a = 0.5 * Z * (1 + th)
+        a1 = 0.5 * (1 + th) + 0.5 * Z * sech2 * du
+        a2 = sech2 * du + 0.5 * Z * (-2 * th * sech2 * du * du + sech2 * d2u)
+        return a, a1, a2
+    raise ValueError(f"Unknown activation={activation!r}. Use one of {ACTIVATIONS}.")
+
+
+class FFNOperator(BlockOperator):
+    """Closed-form Hessian operator of the FFN weights ``W1 (d, f)`` and ``W2 (f, m)``.
+
+    Args:
+        Y: ``(B, L, d)`` input; Z, Hid, act1, act2: ``(B, L, f)`` pre-activation, activation and its derivatives.
+        W_2: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)``; row_keep: ``(B, L)``.
+    """
+
+    def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep):
+        self.Y, self.Hid, self.act1, self.act2, self.W_2 = Y, Hid, act1, act2, W_2
+        self.g, self.c, self.keep = g, c, row_keep.to(Y.dtype)
+        self.params = {"W1": ParamInfo(tuple(W_1.shape), False), "W2": ParamInfo(tuple(W_2.shape), False)}
+        self.n_heads = 1
+        self.head_diagonal = True
+        self.dtype, self.device = Y.dtype, Y.device
+        self.gHid = g @ W_2.mT  # (B, L, f)
+
+    def apply(self, tangent):
+        n = next(iter(tangent.values())).shape[0]
+        dW1 = tangent.get("W1")
+        dW2 = tangent.get("W2")
+        if dW1 is None:
+            dW1 = torch.zeros((n, *self.params["W1"].shape), dtype=self.dtype, device=self.device)
+        if dW2 is None:
+            dW2 = torch.zeros((n, *self.params["W2"].shape), dtype=self.dtype, device=self.device)
+        Y, Hid, a1, a2 = self.Y, self.Hid, self.act1, self.act2
+        dZ = torch.einsum("bld,ndf->nblf", Y, dW1)  # (n, B, L, f)
+        dHid = a1 * dZ
+        dS = dHid @ self.W_2 + torch.einsum("blf,nfm->nblm", Hid, dW2)  # (n, B, L, m)
+        # outer: J^T (c dS)
+        u = dS * (self.c[:, None, None] * self.keep[..., None])
+        uZ = (u @ self.W_2.mT) * a1
+        outer = {"W1": torch.einsum("bld,nblf->ndf", Y, uZ), "W2": torch.einsum("blf,nblm->nfm", Hid, u)}
+        # functional: second derivatives contracted with g
+        gZ2 = torch.einsum("blm,nfm->nblf", self.g, dW2) * a1 + self.gHid * a2 * dZ
+        func = {"W1": torch.einsum("bld,nblf->ndf", Y, gZ2), "W2": torch.einsum("nblf,blm->nfm", dHid, self.g)}
+        return outer, func
+
+
+def ffn(
+    Y: torch.Tensor,
+    W_1: torch.Tensor,
+    W_2: torch.Tensor,
+    *,
+    b_1: torch.Tensor | None = None,
+    b_2: torch.Tensor | None = None,
+    activation: str = "relu",
+    residual: bool = True,
+    target: torch.Tensor | None = None,
+    grad_output: torch.Tensor | None = None,
+    output_curvature: float | None = None,
+    row_mask: torch.Tensor | None = None,
+    pairs=None,
+    tol: float = 1e-6,
+    max_iter: int | None = None,
+    dense: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
+
+    Args:
+        Y: ``(L, d)`` or ``(B, L, d)`` input.
+        W_1: ``(d, f)``; W_2: ``(f, m)`` (math convention); b_1 ``(f,)``, b_2 ``(m,)`` optional.
+        activation: ``"relu"``, ``"gelu"`` (exact erf) or ``"gelu_tanh"``.
+        residual: add ``Y`` to the output (needs ``m = d``; does not change the weight Hessian).
+        target / grad_output / output_curvature: loss convention as in
+            :func:`curvwatch.closed_form.self_attention` (``c = 2/(L m)``).
+        row_mask: ``(B, L)`` bool, True = token included.
+        pairs: subset of ``("W1W1", "W2W2", "W1W2")``.
+        tol, max_iter: Lanczos accuracy and step limit.
+        dense: also return ``dense/{outer,functional,hessian}/XY``.
+
+    Returns:
+        0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY``, ``dead_fraction`` (hidden units never
+        active on the kept tokens), ``active_fraction`` (mean fraction of positive pre-activations),
+        ``term/y_norm``, ``term/hidden_norm``, ``term/w1_norm``, ``term/w2_norm``.
+
+    Example:
+        >>> Y = torch.randn(6, 3, dtype=torch.float64)
+        >>> out = ffn(Y, torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64), target=torch.zeros(6, 3, dtype=torch.float64))
+        >>> float(out["functional/W2W2"])
+        0.0
+    """
+    Y3, batched = as_batched(Y, "Y")
+    B, L, d = Y3.shape
+    W_1 = check_weight(W_1, d, "W_1", Y3)
+    W_2 = check_weight(W_2, W_1.shape[1], "W_2", Y3)
+    b_1 = check_like(b_1, (W_1.shape[1],), "b_1", Y3)
+    b_2 = check_like(b_2, (W_2.shape[1],), "b_2", Y3)
+    if residual and W_2.shape[1] != d:
+        raise ValueError(f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False.")
+    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device)
+    if row_mask is not None:
+        keep = row_mask.to(device=Y3.device, dtype=torch.bool).reshape(B, L)
+    Z = Y3 @ W_1 + (0 if b_1 is None else b_1)
+    Hid, a1, a2 = activation_derivatives(Z, activation)
+    S = Hid @ W_2 + (0 if b_2 is None else b_2) + (Y3 if residual else 0)
+    g, c, _ = output_cotangent(
+        S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
+    )
+    op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep)
+    pairs = FFN_PAIRS if pairs is None else tuple(pairs)
+    for p in pairs:
+        if p not in FFN_PAIRS:
+            raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
+    out: dict[str, torch.Tensor] = {}
+    if "W2W2" in pairs:
+        Hk = (Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, -1)
+        o = spectral_norm_2d(Hk) ** 2
+        out["outer/W2W2"] = o
+        out["functional/W2W2"] = torch.zeros_like(o)
+        out["hessian/W2W2"] = o
+    out.update(spectral_norms(op, [p for p in pairs if p != "W2W2"], tol=tol, max_iter=max_iter))
+    kz = Z[keep]  # (N, f)
+    out["dead_fraction"] = (kz <= 0).all(0).to(Y3.dtype).mean()
+    out["active_fraction"] = (kz > 0).to(Y3.dtype).mean()
+    out["term/y_norm"] = spectral_norm_2d(Y3).max()
+    out["term/hidden_norm"] = spectral_norm_2d(Hid).max()
+    out["term/w1_norm"] = spectral_norm_2d(W_1)
+    out["term/w2_norm"] = spectral_norm_2d(W_2)
+    if dense:
+        out.update(dense_blocks(op, FFN_PAIRS))
+    return out

@@ -1,0 +1,558 @@
+"""Closed-form Jacobians of LayerNorm, the FFN and the post-LN block output (formula sheet §4-§6).
+
+Conventions (``docs/design.md``): a layer computes ``X @ W (+ b)``, so ``W_1`` is ``(d, d_ff)`` and ``W_2`` is
+``(d_ff, d_out)``; Jacobians are taken with row-major flattening, ``vec_r(W) = W.reshape(-1)``, so
+``d vec_r(S) / d vec_r(W)`` is exactly what ``torch.func.jacrev`` returns after a ``reshape(S.numel(), W.numel())``.
+Every function is row-wise over tokens: an input of shape ``(B, L, d)`` is treated as ``N = B * L`` rows.
+
+Two forms are offered for each Jacobian:
+
+* **dense**: the matrix autograd would give. Its size grows like ``N * d * d * d_ff``, so it is only for small
+  problems and for tests.
+* **structured**: the same object without materialising Kronecker products or block diagonals. LayerNorm gives
+  per-row blocks ``(N, n, n)``. The FFN and the block output give a :class:`RowKronecker`, whose row block for
+  token ``i`` is ``left_i ⊗ right_i``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "Activation",
+    "RowKronecker",
+    "layernorm_jacobian_blocks",
+    "layernorm_jacobian_dense",
+    "ffn_jacobian_W2",
+    "ffn_jacobian_W2_structured",
+    "ffn_jacobian_W1",
+    "ffn_jacobian_W1_structured",
+    "block_output_jacobians",
+    "block_output_jacobians_structured",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+class Activation(str, Enum):
+    """FFN non-linearity. ``"gelu"`` is the exact (erf) GELU, PyTorch's default ``approximate="none"``."""
+
+    RELU = "relu"
+    GELU = "gelu"
+
+
+@dataclass(frozen=True)
+class RowKronecker:
+    """A Jacobian stored as one Kronecker product per token row.
+
+    The rows of token ``i`` (``m`` output features) are ``left_i ⊗ right_i``, with ``left_i`` a ``1 × p`` row and
+    ``right_i`` an ``m × q`` matrix, so that
+
+    ``J[(i, k), (a, b)] = left[i, a] * right[i, k, b]``,  ``J`` of shape ``(N * m, p * q)``.
+
+    The column index ``(a, b)`` is ``vec_r`` of a ``(p, q)`` weight. Storage is ``N * (p + m * q)`` numbers
+    instead of ``N * m * p * q``.
+
+    Attributes:
+        left: ``(N, p)``.
+        right: ``(N, m, q)``; may be a stride-0 view (e.g. an expanded identity).
+
+    Example:
+        >>> K = RowKronecker(torch.ones(2, 3), torch.eye(4).expand(2, 4, 4))
+        >>> K.shape, K.to_dense().shape
+        ((8, 12), torch.Size([8, 12]))
+    """
+
+    left: Tensor
+    right: Tensor
+
+    def __post_init__(self) -> None:
+        if self.left.ndim != 2 or self.right.ndim != 3 or self.left.shape[0] != self.right.shape[0]:
+            raise ValueError(
+                f"RowKronecker needs left (N, p) and right (N, m, q) with the same N; got left "
+                f"{tuple(self.left.shape)} and right {tuple(self.right.shape)}."
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape ``(N * m, p * q)`` of the dense Jacobian."""
+        N, p = self.left.shape
+        _, m, q = self.right.shape
+        return (N * m, p * q)
+
+    def to_dense(self) -> Tensor:
+        """Materialise the Jacobian, ``(N * m, p * q)``: one broadcast multiply, no matmul."""
+        N, p = self.left.shape
+        _, m, q = self.right.shape
+        dense = self.left[:, None, :, None] * self.right[:, :, None, :]  # (N, m, p, q)
+        return dense.reshape(N * m, p * q)
+
+    def mv(self, V: Tensor) -> Tensor:
+        """Jacobian-vector product ``J vec_r(V)`` for a ``(p, q)`` tangent ``V``; returns ``(N, m)``."""
+        return torch.einsum("ikb,ib->ik", self.right, self.left @ V)
+
+    def rmv(self, U: Tensor) -> Tensor:
+        """Vector-Jacobian product ``J^T vec_r(U)`` for an ``(N, m)`` cotangent ``U``; returns ``(p, q)``."""
+        return self.left.T @ torch.einsum("ik,ikb->ib", U, self.right)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _check_tensor(name: str, t: Tensor, ndims: Sequence[int], shape_hint: str) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(
+            f"Invalid {name}: expected a torch.Tensor of shape {shape_hint}, got {type(t).__name__}."
+        )
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"Invalid {name}.dtype={t.dtype}. Must be torch.float32 or torch.float64; cast with {name}.float() "
+            f"or {name}.double()."
+        )
+    if t.ndim not in ndims:
+        raise ValueError(f"Invalid {name}.shape={tuple(t.shape)}. Must be {shape_hint}.")
+
+
+def _check_like(name: str, t: Tensor | None, ref: Tensor, shape: tuple[int, ...], hint: str) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise ValueError(f"Invalid {name}: expected a torch.Tensor of shape {shape}, got {type(t).__name__}.")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"Invalid {name}.shape={tuple(t.shape)}. Must be {shape} ({hint}).")
+    if t.dtype != ref.dtype or t.device != ref.device:
+        raise ValueError(
+            f"Invalid {name}: dtype {t.dtype} on {t.device}, but the input is {ref.dtype} on {ref.device}. "
+            f"Move it with {name}.to(input)."
+        )
+
+
+def _check_eps(eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(
+            f"Invalid eps={eps!r}. Must be a finite float >= 0 (PyTorch's LayerNorm default is 1e-5)."
+        )
+    return float(eps)
+
+
+def _check_activation(activation: str | Activation) -> Activation:
+    try:
+        return Activation(activation)
+    except ValueError:
+        allowed = ", ".join(repr(a.value) for a in Activation)
+        raise ValueError(f"Invalid activation={activation!r}. Must be one of {allowed}.") from None
+
+
+def _rows(name: str, X: Tensor) -> Tensor:
+    """Validate a ``(L, n)`` or ``(B, L, n)`` input and return it as ``(N, n)`` rows."""
+    _check_tensor(name, X, (2, 3), "(L, n) or (B, L, n)")
+    return X.reshape(-1, X.shape[-1])
+
+
+def _check_ffn(Y: Tensor, W_1: Tensor, W_2: Tensor | None, b_1: Tensor | None) -> Tensor:
+    Y_rows = _rows("Y", Y)
+    d = Y_rows.shape[1]
+    _check_tensor("W_1", W_1, (2,), "(d, d_ff)")
+    if W_1.shape[0] != d:
+        raise ValueError(
+            f"Invalid W_1.shape={tuple(W_1.shape)}. Must be (d, d_ff) with d={d} = Y.shape[-1]; "
+            "curvwatch uses the X @ W convention, so pass nn.Linear.weight.T."
+        )
+    _check_like("W_1", W_1, Y, tuple(W_1.shape), "")
+    d_ff = W_1.shape[1]
+    if W_2 is not None:
+        _check_tensor("W_2", W_2, (2,), "(d_ff, d_out)")
+        if W_2.shape[0] != d_ff:
+            raise ValueError(
+                f"Invalid W_2.shape={tuple(W_2.shape)}. Must be (d_ff, d_out) with d_ff={d_ff} = W_1.shape[1]; "
+                "curvwatch uses the X @ W convention, so pass nn.Linear.weight.T."
+            )
+        _check_like("W_2", W_2, Y, tuple(W_2.shape), "")
+    _check_like("b_1", b_1, Y, (d_ff,), "one bias per hidden unit")
+    return Y_rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared forward pieces
+
+
+def _activation(
+    Z_pre: Tensor, activation: Activation, derivative: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """``σ(Z_pre)`` and (if ``derivative``) ``σ'(Z_pre)``, both of the shape of ``Z_pre``."""
+    if activation is Activation.RELU:
+        H = torch.relu(Z_pre)
+        return H, torch.sign(H) if derivative else None  # sign(relu(z)) = 1[z > 0]
+    H = F.gelu(Z_pre)
+    if not derivative:
+        return H, None
+    cdf = 0.5 * (1.0 + torch.erf(Z_pre * _INV_SQRT_2))  # Φ
+    pdf = torch.exp(-0.5 * Z_pre * Z_pre) * _INV_SQRT_2PI  # φ
+    return H, cdf + Z_pre * pdf
+
+
+def _layernorm_stats(X: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Normalised rows ``ŷ = (x - μ) / s`` and ``1/s``, ``s = sqrt(σ² + eps)`` (biased variance).
+
+    One fused kernel (``torch.native_layer_norm``, the op behind ``F.layer_norm``). Returns ``(N, n)``, ``(N, 1)``.
+    """
+    y, _, rstd = torch.native_layer_norm(X, (X.shape[-1],), None, None, eps)
+    if eps == 0.0 and bool(torch.isinf(rstd).any()):
+        raise ValueError(
+            "LayerNorm with eps=0 is undefined for a row with zero variance (the Jacobian scales as 1/σ). "
+            "Pass eps > 0, e.g. PyTorch's default eps=1e-5."
+        )
+    return y, rstd
+
+
+@functools.lru_cache(maxsize=8)
+def _centering(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``C = I_n - 1 1ᵀ / n``, cached (read-only: never modify the returned tensor)."""
+    return torch.eye(n, dtype=dtype, device=device) - 1.0 / n
+
+
+def _layernorm_unit_blocks(y: Tensor, weight: Tensor | None) -> Tensor:
+    """``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``, ``(N, n, n)``: one batched rank-1 update of the broadcast ``C``."""
+    n = y.shape[-1]
+    C = _centering(n, y.dtype, y.device)
+    if weight is not None:
+        C, y_left = weight.unsqueeze(1) * C, y * weight
+    else:
+        y_left = y
+    return torch.baddbmm(C, y_left.unsqueeze(2), y.unsqueeze(1), alpha=-1.0 / n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LayerNorm (sheet §4)
+
+
+def layernorm_jacobian_blocks(X: Tensor, eps: float = 1e-5, weight: Tensor | None = None) -> Tensor:
+    """Per-row LayerNorm Jacobians (sheet §4, compact form), without the block-diagonal zeros.
+
+    For row ``x_i`` with ``y_i = (x_i - μ_i 1) / s_i``, ``s_i = sqrt(σ_i² + eps)`` (biased variance) and
+    ``C = I_n - 1 1ᵀ / n``:
+
+    ``J_i = ∂ LN(x_i) / ∂ x_i = diag(weight) (1 / s_i) (C - y_i y_iᵀ / n)``.
+
+    The LayerNorm bias does not enter. Rows do not interact, so the full Jacobian is ``blockdiag_i(J_i)``
+    (see :func:`layernorm_jacobian_dense`).
+
+    Args:
+        X: ``(N, n)`` or ``(B, L, n)``, flattened to ``N = B * L`` rows; float32 or float64.
+        eps: Variance floor, ``>= 0``. With ``eps = 0`` every row must have non-zero variance.
+        weight: Optional LayerNorm gain ``(n,)``.
+
+    Returns:
+        ``(N, n, n)``, ``J[i, k, a] = ∂ LN(X)_{ik} / ∂ X_{ia}``, on ``X``'s device and in its dtype.
+
+    Raises:
+        ValueError: for a wrong shape or dtype, ``eps < 0``, or a zero-variance row with ``eps = 0``.
+
+    Example:
+        >>> X = torch.randn(2, 3, 4)
+        >>> layernorm_jacobian_blocks(X).shape
+        torch.Size([6, 4, 4])
+    """
+    X_rows = _rows("X", X)
+    eps = _check_eps(eps)
+    _check_like("weight", weight, X, (X_rows.shape[1],), "the LayerNorm gain over the last dim")
+    y, rstd = _layernorm_stats(X_rows, eps)
+    return _layernorm_unit_blocks(y, weight).mul_(rstd.unsqueeze(2))
+
+
+def layernorm_jacobian_dense(X: Tensor, eps: float = 1e-5, weight: Tensor | None = None) -> Tensor:
+    """Dense LayerNorm Jacobian ``∂ vec_r LN(X) / ∂ vec_r X = blockdiag_i(J_i)``, the object autograd gives.
+
+    ``J_i`` as in :func:`layernorm_jacobian_blocks`. Memory is ``(N n)²`` numbers; prefer the blocks.
+
+    Args:
+        X: ``(N, n)`` or ``(B, L, n)``; float32 or float64.
+        eps: Variance floor, ``>= 0``.
+        weight: Optional LayerNorm gain ``(n,)``.
+
+    Returns:
+        ``(N n, N n)``, block-diagonal.
+
+    Raises:
+        ValueError: as :func:`layernorm_jacobian_blocks`.
+
+    Example:
+        >>> layernorm_jacobian_dense(torch.randn(3, 4)).shape
+        torch.Size([12, 12])
+    """
+    blocks = layernorm_jacobian_blocks(X, eps=eps, weight=weight)  # (N, n, n)
+    N, n, _ = blocks.shape
+    dense = blocks.new_zeros(N, n, N, n)
+    dense.diagonal(dim1=0, dim2=2).copy_(blocks.permute(1, 2, 0))  # view [k, a, i] = dense[i, k, i, a]
+    return dense.reshape(N * n, N * n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FFN (sheet §5): S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)
+
+
+def ffn_jacobian_W2_structured(
+    Y: Tensor,
+    W_1: Tensor,
+    b_1: Tensor | None = None,
+    activation: str | Activation = "relu",
+    d_out: int | None = None,
+) -> RowKronecker:
+    """``∂S/∂W_2 = σ(Y W_1 + b_1) ⊗ I_{d_out}`` as a :class:`RowKronecker` (left = ``σ(Y W_1 + b_1)``).
+
+    ``b_2`` and the residual ``+ Y`` do not enter, and neither does ``W_2`` itself (``S`` is linear in it).
+
+    Args:
+        Y: ``(L, d)`` or ``(B, L, d)``.
+        W_1: ``(d, d_ff)``.
+        b_1: Optional ``(d_ff,)``.
+        activation: ``"relu"`` or ``"gelu"`` (exact erf).
+        d_out: Output width ``W_2.shape[1]``; defaults to ``d`` (the residual block).
+
+    Returns:
+        ``RowKronecker(left=(N, d_ff), right=I_{d_out} expanded to (N, d_out, d_out))``.
+
+    Example:
+        >>> ffn_jacobian_W2_structured(torch.randn(5, 4), torch.randn(4, 8)).shape
+        (20, 32)
+    """
+    Y_rows = _check_ffn(Y, W_1, None, b_1)
+    act = _check_activation(activation)
+    d_out = Y_rows.shape[1] if d_out is None else d_out
+    if isinstance(d_out, bool) or not isinstance(d_out, int) or d_out < 1:
+        raise ValueError(f"Invalid d_out={d_out!r}. Must be an int >= 1 (W_2.shape[1]).")
+    Z_pre = torch.addmm(b_1, Y_rows, W_1) if b_1 is not None else Y_rows @ W_1  # (N, d_ff)
+    H, _ = _activation(Z_pre, act, derivative=False)
+    eye = torch.eye(d_out, dtype=Y.dtype, device=Y.device).expand(Y_rows.shape[0], d_out, d_out)
+    return RowKronecker(H, eye)
+
+
+def ffn_jacobian_W2(
+    Y: Tensor,
+    W_1: Tensor,
+    b_1: Tensor | None = None,
+    activation: str | Activation = "relu",
+    d_out: int | None = None,
+) -> Tensor:
+    """Dense ``∂ vec_r S / ∂ vec_r W_2 = σ(Y W_1 + b_1) ⊗ I_{d_out}`` (sheet §5, ``B_2``).
+
+    Args: as :func:`ffn_jacobian_W2_structured`.
+
+    Returns:
+        ``(N d_out, d_ff d_out)``.
+
+    Example:
+        >>> ffn_jacobian_W2(torch.randn(5, 4), torch.randn(4, 8)).shape
+        torch.Size([20, 32])
+    """
+    return ffn_jacobian_W2_structured(Y, W_1, b_1, activation, d_out).to_dense()
+
+
+def ffn_jacobian_W1_structured(
+    Y: Tensor,
+    W_1: Tensor,
+    W_2: Tensor,
+    b_1: Tensor | None = None,
+    activation: str | Activation = "relu",
+) -> RowKronecker:
+    """``∂S/∂W_1`` as a :class:`RowKronecker`: left = ``Y``, right ``[i, m, b] = W_2[b, m] σ'(Z_pre)_{ib}``.
+
+    Elementwise (sheet §5): ``[B_1]_{(i,m),(a,b)} = W_2[b, m] σ'(Z_pre)_{ib} Y_{ia}``, ``Z_pre = Y W_1 + b_1``;
+    equivalently ``B_1 = (I_N ⊗ W_2ᵀ) diag(vec_r σ'(Z_pre)) (Y ⊗ I_{d_ff})``.
+
+    Args:
+        Y: ``(L, d)`` or ``(B, L, d)``.
+        W_1: ``(d, d_ff)``.
+        W_2: ``(d_ff, d_out)``.
+        b_1: Optional ``(d_ff,)``.
+        activation: ``"relu"`` or ``"gelu"``.
+
+    Returns:
+        ``RowKronecker(left=(N, d), right=(N, d_out, d_ff))``.
+
+    Example:
+        >>> ffn_jacobian_W1_structured(torch.randn(5, 4), torch.randn(4, 8), torch.randn(8, 4)).shape
+        (20, 32)
+    """
+    Y_rows = _check_ffn(Y, W_1, W_2, b_1)
+    act = _check_activation(activation)
+    Z_pre = torch.addmm(b_1, Y_rows, W_1) if b_1 is not None else Y_rows @ W_1  # (N, d_ff)
+    _, dsigma = _activation(Z_pre, act)
+    right = W_2.T.unsqueeze(0) * dsigma.unsqueeze(1)  # (N, d_out, d_ff)
+    return RowKronecker(Y_rows, right)
+
+
+def ffn_jacobian_W1(
+    Y: Tensor,
+    W_1: Tensor,
+    W_2: Tensor,
+    b_1: Tensor | None = None,
+    activation: str | Activation = "relu",
+) -> Tensor:
+    """Dense ``∂ vec_r S / ∂ vec_r W_1`` (sheet §5, ``B_1``), ``[B_1]_{(i,m),(a,b)} = W_2[b,m] σ'(Z_pre)_{ib} Y_{ia}``.
+
+    Args: as :func:`ffn_jacobian_W1_structured`.
+
+    Returns:
+        ``(N d_out, d d_ff)``.
+
+    Example:
+        >>> ffn_jacobian_W1(torch.randn(5, 4), torch.randn(4, 8), torch.randn(8, 4)).shape
+        torch.Size([20, 32])
+    """
+    return ffn_jacobian_W1_structured(Y, W_1, W_2, b_1, activation).to_dense()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# post-LN block output (sheet §6, Thm 4): Z = LN(S), ∂Z/∂W_i = J_Z B_i
+
+
+_WRT = ("W_1", "W_2")
+
+
+def block_output_jacobians_structured(
+    Y: Tensor,
+    W_1: Tensor,
+    W_2: Tensor,
+    eps: float = 1e-5,
+    activation: str | Activation = "relu",
+    *,
+    b_1: Tensor | None = None,
+    b_2: Tensor | None = None,
+    residual: bool = True,
+    weight: Tensor | None = None,
+    wrt: Sequence[str] = _WRT,
+) -> dict[str, RowKronecker]:
+    """``∂Z/∂W_1`` and ``∂Z/∂W_2`` of ``Z = LN(S)``, ``S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)``, kept structured.
+
+    Sheet §6 Thm 4: ``∂Z/∂W_i = J_Z B_i`` with ``J_Z = blockdiag_i(J_i)`` the LayerNorm Jacobian at ``S``. The
+    per-row blocks are applied row by row, never as a dense block-diagonal matmul:
+
+    * ``∂Z/∂W_2``: the rows of token ``i`` are ``σ(z_i) ⊗ J_i``.
+    * ``∂Z/∂W_1``: the rows of token ``i`` are ``y_i ⊗ (J_i W_2ᵀ diag σ'(z_i))``.
+
+    Here ``z_i = y_i W_1 + b_1``, ``s_i`` is the LayerNorm scale of row ``i`` of ``S``, ``ŷ_i`` its normalised row,
+    and ``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``. The scalar ``1/s_i`` is kept on the left factor, so:
+
+    * ``W_2``: left ``σ(z_i) / s_i`` ``(N, d_ff)``, right ``diag(w) (C - ŷ_i ŷ_iᵀ / n)`` ``(N, d_out, d_out)``.
+    * ``W_1``: left ``y_i / s_i`` ``(N, d)``, right ``diag(w) (C W_2ᵀ - ŷ_i (W_2 ŷ_i)ᵀ / n) diag σ'(z_i)``
+      ``(N, d_out, d_ff)``. The rank-1 form costs ``O(d d_ff)`` per row, not a ``d × d × d_ff`` matmul.
+
+    The LayerNorm bias does not enter.
+
+    Args:
+        Y: Block input ``(L, d)`` or ``(B, L, d)``.
+        W_1: ``(d, d_ff)``.
+        W_2: ``(d_ff, d_out)``; ``d_out = d`` when ``residual``.
+        eps: LayerNorm variance floor, ``>= 0``.
+        activation: ``"relu"`` or ``"gelu"`` (exact erf).
+        b_1: Optional ``(d_ff,)``.
+        b_2: Optional ``(d_out,)``.
+        residual: Add ``Y`` to the FFN output (the papers' block).
+        weight: Optional LayerNorm gain ``(d_out,)``.
+        wrt: Which Jacobians to compute, a subset of ``("W_1", "W_2")``.
+
+    Returns:
+        ``{"W_1": RowKronecker((N, d), (N, d_out, d_ff)), "W_2": RowKronecker((N, d_ff), (N, d_out, d_out))}``,
+        restricted to ``wrt``, factors as listed above.
+
+    Raises:
+        ValueError: for wrong shapes or dtypes, an unknown activation or ``wrt`` name, ``eps < 0``, or
+            ``residual=True`` with ``d_out != d``.
+
+    Example:
+        >>> Y, W_1, W_2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16)
+        >>> jac = block_output_jacobians_structured(Y, W_1, W_2)
+        >>> jac["W_1"].shape, jac["W_2"].shape
+        ((128, 512), (128, 512))
+    """
+    Y_rows = _check_ffn(Y, W_1, W_2, b_1)
+    act = _check_activation(activation)
+    eps = _check_eps(eps)
+    d, d_out = Y_rows.shape[1], W_2.shape[1]
+    _check_like("b_2", b_2, Y, (d_out,), "one bias per output feature")
+    _check_like("weight", weight, Y, (d_out,), "the LayerNorm gain over the FFN output")
+    if residual and d_out != d:
+        raise ValueError(
+            f"Invalid residual=True with W_2.shape={tuple(W_2.shape)}: the residual Y + FFN(Y) needs d_out = d = {d}. "
+            "Pass residual=False or a (d_ff, d) W_2."
+        )
+    wrt = tuple(wrt)
+    unknown = [w for w in wrt if w not in _WRT]
+    if unknown or not wrt:
+        raise ValueError(f"Invalid wrt={wrt!r}. Must be a non-empty subset of {_WRT}.")
+
+    Z_pre = torch.addmm(b_1, Y_rows, W_1) if b_1 is not None else Y_rows @ W_1  # (N, d_ff)
+    H, dsigma = _activation(Z_pre, act, derivative="W_1" in wrt)  # (N, d_ff) each
+    if residual:
+        S = torch.addmm(Y_rows if b_2 is None else Y_rows + b_2, H, W_2)  # (N, d_out)
+    else:
+        S = torch.addmm(b_2, H, W_2) if b_2 is not None else H @ W_2
+    y, rstd = _layernorm_stats(S, eps)  # (N, d_out), (N, 1): ŷ_i and 1/s_i
+
+    out: dict[str, RowKronecker] = {}
+    if "W_2" in wrt:
+        # σ(z_i) ⊗ J_i = (σ(z_i) / s_i) ⊗ (s_i J_i)
+        out["W_2"] = RowKronecker(H * rstd, _layernorm_unit_blocks(y, weight))
+    if "W_1" in wrt:
+        # y_i ⊗ J_i W_2ᵀ diag σ'(z_i) = (y_i / s_i) ⊗ diag(w) (C W_2ᵀ - ŷ_i (W_2 ŷ_i)ᵀ / n) diag σ'(z_i)
+        C_W2T = W_2.T - W_2.T.mean(dim=0, keepdim=True)  # (d_out, d_ff): C W_2ᵀ
+        y_left = y
+        if weight is not None:
+            C_W2T, y_left = weight.unsqueeze(1) * C_W2T, y * weight
+        right = C_W2T.unsqueeze(0) * dsigma.unsqueeze(1)  # (N, d_out, d_ff)
+        V = torch.mm(y, W_2.T).mul_(dsigma)  # (N, d_ff): (W_2 ŷ_i) ⊙ σ'(z_i)
+        right.baddbmm_(y_left.unsqueeze(2), V.unsqueeze(1), alpha=-1.0 / d_out)
+        out["W_1"] = RowKronecker(Y_rows * rstd, right)
+    return {k: out[k] for k in wrt}
+
+
+def block_output_jacobians(
+    Y: Tensor,
+    W_1: Tensor,
+    W_2: Tensor,
+    eps: float = 1e-5,
+    activation: str | Activation = "relu",
+    *,
+    b_1: Tensor | None = None,
+    b_2: Tensor | None = None,
+    residual: bool = True,
+    weight: Tensor | None = None,
+    wrt: Sequence[str] = _WRT,
+) -> dict[str, Tensor]:
+    """Dense ``∂ vec_r Z / ∂ vec_r W_1`` and ``∂ vec_r Z / ∂ vec_r W_2`` of the post-LN block output (sheet §6 Thm 4).
+
+    ``Z = LN(S)``, ``S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)``, ``∂Z/∂W_i = J_Z B_i``; computed through
+    :func:`block_output_jacobians_structured` and materialised once, with no dense block-diagonal matmul:
+
+    ``[∂Z/∂W_2]_{(i,k),(b,e)} = σ(z_i)_b J_i[k, e]``,
+    ``[∂Z/∂W_1]_{(i,k),(a,b)} = Y_{ia} (J_i W_2ᵀ)_{kb} σ'(z_i)_b``.
+
+    Args: as :func:`block_output_jacobians_structured`.
+
+    Returns:
+        ``{"W_1": (N d_out, d d_ff), "W_2": (N d_out, d_ff d_out)}``, restricted to ``wrt``.
+
+    Raises:
+        ValueError: as :func:`block_output_jacobians_structured`.
+
+    Example:
+        >>> Y, W_1, W_2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16)
+        >>> {k: tuple(v.shape) for k, v in block_output_jacobians(Y, W_1, W_2).items()}
+        {'W_1': (128, 512), 'W_2': (128, 512)}
+    """
+    structured = block_output_jacobians_structured(
+        Y, W_1, W_2, eps, activation, b_1=b_1, b_2=b_2, residual=residual, weight=weight, wrt=wrt
+    )
+    return {k: v.to_dense() for k, v in structured.items()}

@@ -1,0 +1,46 @@
+"""Shared test helpers: the one table of tolerances and comparisons that say where they failed."""
+
+from __future__ import annotations
+
+import torch
+
+# Relative tolerances, in one place. float64 closed form vs torch.func: round-off only.
+TOL = {
+    "float64": 1e-10,
+    # float32 closed form vs float64 closed form (same inputs, cast): accumulated round-off
+    "float32": 2e-4,
+    # Lanczos run to convergence vs dense eigvalsh, float64
+    "lanczos": 1e-6,
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative Frobenius error ||a - e|| / max(||e||, tiny)."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    denom = max(e.norm().item(), 1e-300)
+    return (a - e).norm().item() / denom
+
+
+def assert_close_report(actual, expected, rtol: float, name: str = "", atol: float = 0.0) -> float:
+    """Assert ``||actual - expected|| <= rtol * ||expected|| + atol`` and report where it failed.
+
+    Returns the relative error so callers can record the worst one.
+    """
+    a = torch.as_tensor(actual).detach().to(torch.float64)
+    e = torch.as_tensor(expected).detach().to(torch.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"{name}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+    diff = (a - e).abs()
+    err = diff.norm().item()
+    ref = e.norm().item()
+    if not torch.isfinite(a).all():
+        raise AssertionError(f"{name}: non-finite values in actual")
+    if err > rtol * ref + atol:
+        idx = int(diff.reshape(-1).argmax())
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(idx), a.shape)) if a.ndim else ()
+        raise AssertionError(
+            f"{name}: relative error {err / max(ref, 1e-300):.3e} > rtol {rtol:.1e} (abs {err:.3e}); "
+            f"worst entry at {pos}: actual {a.reshape(-1)[idx].item():.6e} vs expected {e.reshape(-1)[idx].item():.6e}"
+        )
+    return err / max(ref, 1e-300)
