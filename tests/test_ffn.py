@@ -1,0 +1,72 @@
+"""Closed-form FFN Hessian blocks against torch.func (curvwatch.reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curvwatch import reference
+from curvwatch.closed_form import ffn
+from curvwatch.closed_form.ffn import activation_derivatives
+from tests.cases import DT, FFN_CASES, batch_shape, case_id, loss_kwargs, rand
+from tests.utils import TOL, assert_close_report
+
+
+@pytest.mark.parametrize("case", FFN_CASES, ids=case_id)
+def test_dense_blocks_and_norms_match_autograd(case):
+    gen = torch.Generator().manual_seed(0)
+    bs = batch_shape(case)
+    Y = rand(gen, *bs, case["L"], case["d"])
+    W_1, W_2, b_1 = rand(gen, case["d"], case["f"]), rand(gen, case["f"], case["d"]), rand(gen, case["f"])
+    kw = loss_kwargs(gen, case, tuple(Y.shape))
+    if case["activation"] == "gelu_tanh":
+        pytest.skip("the reference module has no gelu_tanh; checked in test_gelu_tanh_derivatives")
+    ref = reference.ffn_blocks(Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw)
+    out = ffn(Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], dense=True, tol=0.0, **kw)
+    norms = reference.dense_to_norms(ref)
+    for key, mat in ref.items():
+        if mat.ndim != 2:
+            continue
+        assert_close_report(out[f"dense/{key}"], mat, TOL["float64"], name=key, atol=1e-13)
+        assert_close_report(out[key], norms[key], TOL["float64"], name=key, atol=1e-13)
+
+
+def test_gelu_tanh_derivatives():
+    z = torch.linspace(-4, 4, 101, dtype=DT)
+    f = lambda t: torch.nn.functional.gelu(t, approximate="tanh")
+    a, a1, a2 = activation_derivatives(z, "gelu_tanh")
+    d1 = torch.func.vmap(torch.func.grad(f))(z)
+    d2 = torch.func.vmap(torch.func.grad(torch.func.grad(f)))(z)
+    assert_close_report(a, f(z), TOL["float64"])
+    assert_close_report(a1, d1, TOL["float64"])
+    assert_close_report(a2, d2, TOL["float64"])
+
+
+def test_relu_dead_units_and_vanishing_w1w1_functional():
+    gen = torch.Generator().manual_seed(2)
+    Y = rand(gen, 8, 3)
+    W_1 = rand(gen, 3, 6)
+    W_1[:, 0] = -10 * Y.abs().sum(0).reciprocal() * 0  # column 0 zero: pre-activation 0, never positive
+    b_1 = torch.zeros(6, dtype=DT)
+    b_1[1] = -1e3  # unit 1 is dead
+    out = ffn(Y, W_1, rand(gen, 6, 3), b_1=b_1, grad_output=rand(gen, 8, 3), tol=0.0)
+    assert float(out["dead_fraction"]) == pytest.approx(2 / 6)
+    assert float(out["functional/W1W1"]) == 0.0  # ReLU: act'' = 0 a.e.
+    assert float(out["functional/W1W2"]) > 0.0  # the cross term is where FFN curvature comes from
+
+
+def test_float32_agrees_with_float64():
+    gen = torch.Generator().manual_seed(3)
+    Y, W_1, W_2, G = rand(gen, 2, 6, 5), rand(gen, 5, 9), rand(gen, 9, 5), rand(gen, 2, 6, 5)
+    o64 = ffn(Y, W_1, W_2, activation="gelu", grad_output=G, tol=0.0)
+    o32 = ffn(Y.float(), W_1.float(), W_2.float(), activation="gelu", grad_output=G.float(), tol=0.0)
+    for k, v in o64.items():
+        assert_close_report(o32[k], v, TOL["float32"], name=k, atol=1e-6)
+
+
+def test_bad_input():
+    Y = torch.randn(3, 4, dtype=DT)
+    with pytest.raises(ValueError, match="activation"):
+        ffn(Y, torch.randn(4, 5, dtype=DT), torch.randn(5, 4, dtype=DT), activation="swish", target=Y)
+    with pytest.raises(ValueError, match="residual"):
+        ffn(Y, torch.randn(4, 5, dtype=DT), torch.randn(5, 3, dtype=DT), target=torch.zeros(3, 3, dtype=DT))
