@@ -29,10 +29,21 @@ def main() -> float:
     worst = 0.0
 
     print("== multi-head attention (target loss ||F - T||^2 / (L d)) ==")
-    att = multi_head_attention(X, params["W_Q"], params["W_K"], params["W_V"], params["W_O"], H, target=target,
-                               causal=True, tol=0.0, dense=True)
-    ref = reference.multi_head_attention_blocks(X, params["W_Q"], params["W_K"], params["W_V"], params["W_O"], H,
-                                                target=target, causal=True)
+    att = multi_head_attention(
+        X,
+        params["W_Q"],
+        params["W_K"],
+        params["W_V"],
+        params["W_O"],
+        H,
+        target=target,
+        causal=True,
+        tol=0.0,
+        dense=True,
+    )
+    ref = reference.multi_head_attention_blocks(
+        X, params["W_Q"], params["W_K"], params["W_V"], params["W_O"], H, target=target, causal=True
+    )
     for key, mat in ref.items():
         err = float((att[f"dense/{key}"] - mat).norm() / mat.norm().clamp_min(1e-300))
         worst = max(worst, err)
@@ -48,8 +59,12 @@ def main() -> float:
         print(f"  {key:32s} {float(ln[key]):.6g}")
 
     print("== whole pre-LN block (all 15 block pairs, per head) ==")
-    blk = transformer_block(X, params, norm="pre", activation="gelu", target=target, causal=True, tol=0.0, dense=True)
-    blk_ref = reference.transformer_block_blocks(X, params, norm="pre", activation="gelu", target=target, causal=True)
+    blk = transformer_block(
+        X, params, norm="pre", activation="gelu", target=target, causal=True, tol=0.0, dense=True
+    )
+    blk_ref = reference.transformer_block_blocks(
+        X, params, norm="pre", activation="gelu", target=target, causal=True
+    )
     for key, mat in blk_ref.items():
         worst = max(worst, float((blk[f"dense/{key}"] - mat).norm() / mat.norm().clamp_min(1e-300)))
     for key in sorted(k for k in blk if k.startswith("hessian/") and not k.endswith("/h1")):

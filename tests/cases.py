@@ -37,11 +37,39 @@ FFN_CASES = [
 ]
 
 BLOCK_CASES = [
-    dict(B=None, L=3, d=4, H=1, d_K=2, f=5, norm="post", activation="relu", eps=0.0, causal=False, mode="target"),
+    dict(
+        B=None,
+        L=3,
+        d=4,
+        H=1,
+        d_K=2,
+        f=5,
+        norm="post",
+        activation="relu",
+        eps=0.0,
+        causal=False,
+        mode="target",
+    ),
     dict(B=2, L=3, d=4, H=2, d_K=2, f=5, norm="pre", activation="gelu", eps=1e-5, causal=True, mode="grad"),
-    dict(B=None, L=2, d=4, H=2, d_K=3, f=3, norm="post", activation="gelu", eps=0.1, causal=True, mode="grad"),
-    dict(B=None, L=1, d=3, H=1, d_K=2, f=4, norm="pre", activation="relu", eps=1e-5, causal=False, mode="target"),
-    dict(B=2, L=2, d=3, H=1, d_K=2, f=4, norm="post", activation="gelu", eps=1e-5, causal=False, mode="target"),
+    dict(
+        B=None, L=2, d=4, H=2, d_K=3, f=3, norm="post", activation="gelu", eps=0.1, causal=True, mode="grad"
+    ),
+    dict(
+        B=None,
+        L=1,
+        d=3,
+        H=1,
+        d_K=2,
+        f=4,
+        norm="pre",
+        activation="relu",
+        eps=1e-5,
+        causal=False,
+        mode="target",
+    ),
+    dict(
+        B=2, L=2, d=3, H=1, d_K=2, f=4, norm="post", activation="gelu", eps=1e-5, causal=False, mode="target"
+    ),
 ]
 
 

@@ -44,7 +44,12 @@ def test_multi_head_attention_matches_autograd(case):
     bs = batch_shape(case)
     B, L, d, H, d_K, d_V, m = case["B"], case["L"], case["d"], case["H"], case["d_K"], case["d_V"], case["m"]
     X = rand(gen, *bs, L, d)
-    W = dict(W_Q=rand(gen, d, H * d_K), W_K=rand(gen, d, H * d_K), W_V=rand(gen, d, H * d_V), W_O=rand(gen, H * d_V, m))
+    W = dict(
+        W_Q=rand(gen, d, H * d_K),
+        W_K=rand(gen, d, H * d_K),
+        W_V=rand(gen, d, H * d_V),
+        W_O=rand(gen, H * d_V, m),
+    )
     if case["bias"]:
         W.update(b_Q=rand(gen, H * d_K), b_K=rand(gen, H * d_K), b_V=rand(gen, H * d_V), b_O=rand(gen, m))
     kw = loss_kwargs(gen, case, (*bs, L, m))
@@ -106,13 +111,21 @@ def test_functional_term_in_two_block_network_with_cross_entropy():
     out = multi_head_attention(X, *W1[:3], W1[3], H, grad_output=G, causal=True, dense=True, tol=0.0)
     names = ["Q", "K", "V"]
     for h in range(H):
-        sl = {"Q": slice(h * d_K, (h + 1) * d_K), "K": slice(h * d_K, (h + 1) * d_K), "V": slice(h * 2, (h + 1) * 2)}
+        sl = {
+            "Q": slice(h * d_K, (h + 1) * d_K),
+            "K": slice(h * d_K, (h + 1) * d_K),
+            "V": slice(h * 2, (h + 1) * 2),
+        }
         Jh = {n: J[i][:, :, :, sl[n]].reshape(L * d, -1) for i, n in enumerate(names)}
         for pair in ATTENTION_PAIRS:
             a, b = pair[0], pair[1]
-            full = Hfull[names.index(a)][names.index(b)][:, sl[a], :, sl[b]].reshape(Jh[a].shape[1], Jh[b].shape[1])
+            full = Hfull[names.index(a)][names.index(b)][:, sl[a], :, sl[b]].reshape(
+                Jh[a].shape[1], Jh[b].shape[1]
+            )
             expected = full - Jh[a].T @ H_down @ Jh[b]
-            assert_close_report(out[f"dense/functional/{pair}/h{h}"], expected, TOL["float64"], name=pair, atol=1e-13)
+            assert_close_report(
+                out[f"dense/functional/{pair}/h{h}"], expected, TOL["float64"], name=pair, atol=1e-13
+            )
 
 
 def _assert_bounds_hold(out: dict, rtol: float) -> None:
@@ -186,7 +199,9 @@ def test_data_scaling_exponents(key, exponent):
     X, W_Q, W_K, W_V = rand(gen, 6, 4), rand(gen, 4, 3), rand(gen, 4, 3), rand(gen, 4, 4)
     G = rand(gen, 6, 4)
     vals = [
-        self_attention(t * X, W_Q, W_K, W_V, grad_output=G, output_curvature=1.0, tol=0.0, pairs=["VV", "QQ", "VQ"])[key]
+        self_attention(
+            t * X, W_Q, W_K, W_V, grad_output=G, output_curvature=1.0, tol=0.0, pairs=["VV", "QQ", "VQ"]
+        )[key]
         for t in (1e-3, 2e-3)
     ]
     slope = math.log(float(vals[1] / vals[0])) / math.log(2.0)
@@ -198,7 +213,9 @@ def test_float32_agrees_with_float64():
     X, W = rand(gen, 2, 8, 6), [rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 4, 6)]
     G = rand(gen, 2, 8, 6)
     out64 = multi_head_attention(X, *W, 2, grad_output=G, causal=True, tol=0.0)
-    out32 = multi_head_attention(X.float(), *(w.float() for w in W), 2, grad_output=G.float(), causal=True, tol=0.0)
+    out32 = multi_head_attention(
+        X.float(), *(w.float() for w in W), 2, grad_output=G.float(), causal=True, tol=0.0
+    )
     for key, v in out64.items():
         assert out32[key].dtype == torch.float32
         assert_close_report(out32[key], v, TOL["float32"], name=key, atol=1e-6)

@@ -15,8 +15,14 @@ def _params(gen, case):
     d, H, d_K, f = case["d"], case["H"], case["d_K"], case["f"]
     d_V = d // H
     p = {
-        "n_heads": H, "W_Q": rand(gen, d, H * d_K), "W_K": rand(gen, d, H * d_K), "W_V": rand(gen, d, H * d_V),
-        "W_1": rand(gen, d, f), "W_2": rand(gen, f, d), "b_1": rand(gen, f), "ln1_weight": rand(gen, d),
+        "n_heads": H,
+        "W_Q": rand(gen, d, H * d_K),
+        "W_K": rand(gen, d, H * d_K),
+        "W_V": rand(gen, d, H * d_V),
+        "W_1": rand(gen, d, f),
+        "W_2": rand(gen, f, d),
+        "b_1": rand(gen, f),
+        "ln1_weight": rand(gen, d),
         "ln2_bias": rand(gen, d),
     }
     if H > 1:

@@ -21,8 +21,20 @@ def test_dense_blocks_and_norms_match_autograd(case):
     kw = loss_kwargs(gen, case, tuple(Y.shape))
     if case["activation"] == "gelu_tanh":
         pytest.skip("the reference module has no gelu_tanh; checked in test_gelu_tanh_derivatives")
-    ref = reference.ffn_blocks(Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw)
-    out = ffn(Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], dense=True, tol=0.0, **kw)
+    ref = reference.ffn_blocks(
+        Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw
+    )
+    out = ffn(
+        Y,
+        W_1,
+        W_2,
+        b_1=b_1,
+        activation=case["activation"],
+        residual=case["residual"],
+        dense=True,
+        tol=0.0,
+        **kw,
+    )
     norms = reference.dense_to_norms(ref)
     for key, mat in ref.items():
         if mat.ndim != 2:

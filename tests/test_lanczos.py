@@ -16,12 +16,24 @@ def test_lanczos_matches_eigvalsh_batched():
     M = torch.randn(3, 4, 40, 40, generator=gen, dtype=DT)
     S = M + M.mT
     expected = torch.linalg.eigvalsh(S).abs().amax(-1)
-    val, vec = lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu"))
+    val, vec = lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu")
+    )
     assert_close_report(val, expected, TOL["lanczos"])
-    exact, _ = lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu"), tol=0.0)
+    exact, _ = lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu"), tol=0.0
+    )
     assert_close_report(exact, expected, 1e-12)
     # the Ritz vector is an eigenvector: warm start converges at once
-    again, _ = lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu"), v0=vec, max_iter=3)
+    again, _ = lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1),
+        (3, 4),
+        40,
+        dtype=DT,
+        device=torch.device("cpu"),
+        v0=vec,
+        max_iter=3,
+    )
     assert_close_report(again, expected, 1e-6)
 
 
@@ -39,8 +51,11 @@ def _dense_softmax_terms(a: torch.Tensor):
     eye = torch.eye(L, dtype=DT)
     # d^2 a_j / dT_k dT_l = a_j [2 a_k a_l + d_jk d_jl - d_kl a_k - d_jk a_l - a_k d_jl]
     S = a[:, None, None] * (
-        2 * a[None, :, None] * a[None, None, :] + eye[:, :, None] * eye[:, None, :]
-        - eye[None, :, :] * a[None, :, None] - eye[:, :, None] * a[None, None, :] - a[None, :, None] * eye[:, None, :]
+        2 * a[None, :, None] * a[None, None, :]
+        + eye[:, :, None] * eye[:, None, :]
+        - eye[None, :, :] * a[None, :, None]
+        - eye[:, :, None] * a[None, None, :]
+        - a[None, :, None] * eye[:, None, :]
     )
     return torch.linalg.eigvalsh(J)[-1], S.norm()
 

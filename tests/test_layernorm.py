@@ -37,7 +37,9 @@ def test_exact_norms_match_dense(case):
     assert_close_report(out["jacobian_norm"], unit["jacobian"], TOL["float64"], name="jacobian_norm")
     assert_close_report(out["hessian_norm"], unit["hessian"], TOL["float64"], name="hessian_norm")
     Hc = reference.layernorm_contracted_hessian(X, G, eps=case["eps"], weight=w)
-    assert_close_report(out["contracted_hessian_norm"], reference.spectral_norm(Hc), TOL["float64"], name="contracted")
+    assert_close_report(
+        out["contracted_hessian_norm"], reference.spectral_norm(Hc), TOL["float64"], name="contracted"
+    )
     assert out["contracted_hessian_norm"] <= out["contracted_hessian_bound"]
     affine = reference.dense_to_norms(reference.layernorm_dense(X, eps=case["eps"], weight=w))
     assert affine["jacobian"] <= out["jacobian_norm_affine_bound"] * (1 + 1e-12)

@@ -31,16 +31,31 @@ def _finite_nonneg(out: dict) -> None:
 
 @SETTINGS
 @given(
-    B=st.integers(1, 2), L=st.integers(1, 6), d=st.integers(1, 5), H=st.integers(1, 2), d_K=st.integers(1, 3),
-    d_V=st.integers(1, 3), log_scale=st.floats(-2, 1), causal=st.booleans(), mode=st.sampled_from(["target", "grad"]),
+    B=st.integers(1, 2),
+    L=st.integers(1, 6),
+    d=st.integers(1, 5),
+    H=st.integers(1, 2),
+    d_K=st.integers(1, 3),
+    d_V=st.integers(1, 3),
+    log_scale=st.floats(-2, 1),
+    causal=st.booleans(),
+    mode=st.sampled_from(["target", "grad"]),
     seed=st.integers(0, 10_000),
 )
 def test_attention_finite_nonnegative_and_bounded(B, L, d, H, d_K, d_V, log_scale, causal, mode, seed):
     scale = 10.0**log_scale
     X = _tensor(seed, B, L, d, scale=scale)
-    W = [_tensor(seed + 1, d, H * d_K), _tensor(seed + 2, d, H * d_K), _tensor(seed + 3, d, H * d_V),
-         _tensor(seed + 4, H * d_V, d)]
-    kw = {"target": _tensor(seed + 5, B, L, d)} if mode == "target" else {"grad_output": _tensor(seed + 5, B, L, d)}
+    W = [
+        _tensor(seed + 1, d, H * d_K),
+        _tensor(seed + 2, d, H * d_K),
+        _tensor(seed + 3, d, H * d_V),
+        _tensor(seed + 4, H * d_V, d),
+    ]
+    kw = (
+        {"target": _tensor(seed + 5, B, L, d)}
+        if mode == "target"
+        else {"grad_output": _tensor(seed + 5, B, L, d)}
+    )
     out = multi_head_attention(X, *W, H, causal=causal, tol=0.0, **kw)
     _finite_nonneg(out)
     for key, bound in out.items():
@@ -53,8 +68,12 @@ def test_attention_finite_nonnegative_and_bounded(B, L, d, H, d_K, d_V, log_scal
 
 @SETTINGS
 @given(
-    L=st.integers(1, 5), n=st.integers(1, 7), eps=st.sampled_from([0.0, 1e-5, 0.1]), log_scale=st.floats(-4, 2),
-    seed=st.integers(0, 10_000), constant_row=st.booleans(),
+    L=st.integers(1, 5),
+    n=st.integers(1, 7),
+    eps=st.sampled_from([0.0, 1e-5, 0.1]),
+    log_scale=st.floats(-4, 2),
+    seed=st.integers(0, 10_000),
+    constant_row=st.booleans(),
 )
 def test_layernorm_finite_or_reported_infinite(L, n, eps, log_scale, seed, constant_row):
     X = _tensor(seed, L, n, scale=10.0**log_scale)
@@ -72,12 +91,22 @@ def test_layernorm_finite_or_reported_infinite(L, n, eps, log_scale, seed, const
 
 @SETTINGS
 @given(
-    L=st.integers(1, 5), d=st.integers(1, 4), f=st.integers(1, 6), act=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
-    log_scale=st.floats(-2, 1), seed=st.integers(0, 10_000),
+    L=st.integers(1, 5),
+    d=st.integers(1, 4),
+    f=st.integers(1, 6),
+    act=st.sampled_from(["relu", "gelu", "gelu_tanh"]),
+    log_scale=st.floats(-2, 1),
+    seed=st.integers(0, 10_000),
 )
 def test_ffn_finite_nonnegative(L, d, f, act, log_scale, seed):
     Y = _tensor(seed, L, d, scale=10.0**log_scale)
-    out = ffn(Y, _tensor(seed + 1, d, f), _tensor(seed + 2, f, d), activation=act, grad_output=_tensor(seed + 3, L, d),
-              tol=0.0)
+    out = ffn(
+        Y,
+        _tensor(seed + 1, d, f),
+        _tensor(seed + 2, f, d),
+        activation=act,
+        grad_output=_tensor(seed + 3, L, d),
+        tol=0.0,
+    )
     _finite_nonneg(out)
     assert 0.0 <= float(out["dead_fraction"]) <= 1.0

@@ -94,7 +94,9 @@ def output_cotangent(
         return c.unsqueeze(-1).unsqueeze(-1) * R, c, R
     c_val = 2.0 / (L * m) if output_curvature is None else float(output_curvature)
     if not c_val >= 0.0:
-        raise ValueError(f"output_curvature must be >= 0 (a curvature of the loss in the output); got {output_curvature}.")
+        raise ValueError(
+            f"output_curvature must be >= 0 (a curvature of the loss in the output); got {output_curvature}."
+        )
     g = other * keep
     return g, torch.full((B,), c_val, dtype=F.dtype, device=F.device), g
 

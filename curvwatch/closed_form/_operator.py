@@ -88,7 +88,7 @@ class _Embedding:
         k = u.shape[0]
         parts = torch.split(u, self.sizes, dim=-1)
         tangent: dict[str, torch.Tensor] = {}
-        for nm, part in zip(self.names, parts):
+        for nm, part in zip(self.names, parts, strict=True):
             if nm not in which:
                 continue
             info = op.params[nm]
@@ -109,7 +109,7 @@ class _Embedding:
         """Inverse of :meth:`embed` on an operator output: ``(k, H, n)`` with zeros outside ``which``."""
         op, H = self.op, self.H
         pieces = []
-        for nm, size in zip(self.names, self.sizes):
+        for nm, size in zip(self.names, self.sizes, strict=True):
             info = op.params[nm]
             if nm not in which:
                 pieces.append(torch.zeros(k, H, size, dtype=op.dtype, device=op.device))
@@ -127,17 +127,45 @@ class _Embedding:
         return torch.cat(pieces, dim=-1)
 
 
-def _combine(outer: torch.Tensor, func: torch.Tensor, kinds: Sequence[str]) -> torch.Tensor:
-    """Pick, for each Lanczos batch member ``i`` (operator kind ``kinds[i]``), the requested part."""
-    parts = []
-    for i, kind in enumerate(kinds):
-        if kind == "outer":
-            parts.append(outer[i])
-        elif kind == "functional":
-            parts.append(func[i])
-        else:
-            parts.append(outer[i] + func[i])
-    return torch.stack(parts)
+def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tangent rows that need the outer part and those that need the functional part.
+
+    The tangent batch is ``repeat`` copies (2 for off-diagonal pairs) of one row per kind, each expanded to
+    one row per head when the operator couples heads (see :meth:`_Embedding.embed`).
+    """
+    k = len(kinds)
+    f = 1 if emb.op.head_diagonal else emb.H
+    ro = [
+        (r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd != "functional" for h in range(f)
+    ]
+    rf = [(r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd != "outer" for h in range(f)]
+    dev = emb.op.device
+    return torch.tensor(ro, dtype=torch.long, device=dev), torch.tensor(rf, dtype=torch.long, device=dev)
+
+
+def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: tuple[torch.Tensor, torch.Tensor]):
+    """``H_kind(row) v_row`` for every tangent row: outer, functional or their sum, restricted to ``outputs``.
+
+    Operators that declare ``supports_subsets`` compute each part only for the rows that need it.
+    """
+    ro, rf = rows
+    if getattr(op, "supports_subsets", False):
+        o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf)
+    else:
+        o, f = op.apply(tangent)
+        o = {nm: t[ro] for nm, t in o.items()}
+        f = {nm: t[rf] for nm, t in f.items()}
+    out = {}
+    for nm in outputs:
+        ref = o[nm] if nm in o else f[nm]
+        n = next(iter(tangent.values())).shape[0]
+        total = torch.zeros((n, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+        if len(ro):
+            total.index_add_(0, ro, o[nm])
+        if len(rf):
+            total.index_add_(0, rf, f[nm])
+        out[nm] = total
+    return out
 
 
 def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
@@ -145,14 +173,15 @@ def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
     X, Y = pair
     if X == Y:
         emb = _Embedding(op, [X])
+        rows = _rows(kinds, 1, emb)
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            k = u.shape[0]
-            o, f = op.apply(emb.embed(u, [X]))
-            return _combine(emb.extract(o, [X], k), emb.extract(f, [X], k), kinds)
+            out = apply_kinds(op, emb.embed(u, [X]), [X], rows)
+            return emb.extract(out, [X], u.shape[0])
 
         return emb, mv
     emb = _Embedding(op, [X, Y])
+    rows = _rows(kinds, 2, emb)
 
     def mv(u: torch.Tensor) -> torch.Tensor:
         k = u.shape[0]
@@ -160,16 +189,12 @@ def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
         # perturbs block X only (we read rows Y).
         tY = emb.embed(u, [Y])[Y]
         tX = emb.embed(u, [X])[X]
-        tangent = {
-            Y: torch.cat([tY, torch.zeros_like(tY)]),
-            X: torch.cat([torch.zeros_like(tX), tX]),
-        }
-        o, f = op.apply(tangent)
-        first = {nm: t[: t.shape[0] // 2] for nm, t in o.items()}, {nm: t[: t.shape[0] // 2] for nm, t in f.items()}
-        second = {nm: t[t.shape[0] // 2 :] for nm, t in o.items()}, {nm: t[t.shape[0] // 2 :] for nm, t in f.items()}
-        out_o = emb.extract(first[0], [X], k) + emb.extract(second[0], [Y], k)
-        out_f = emb.extract(first[1], [X], k) + emb.extract(second[1], [Y], k)
-        return _combine(out_o, out_f, kinds)
+        tangent = {Y: torch.cat([tY, torch.zeros_like(tY)]), X: torch.cat([torch.zeros_like(tX), tX])}
+        out = apply_kinds(op, tangent, [X, Y], rows)
+        half = next(iter(out.values())).shape[0] // 2
+        first = {nm: t[:half] for nm, t in out.items()}
+        second = {nm: t[half:] for nm, t in out.items()}
+        return emb.extract(first, [X], k) + emb.extract(second, [Y], k)
 
     return emb, mv
 
@@ -230,17 +255,15 @@ def full_norms(
 ) -> dict[str, torch.Tensor]:
     """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
     emb = _Embedding(op, names)
-    kinds = list(KINDS)
+    rows = _rows(KINDS, 1, emb)
 
     def mv(u: torch.Tensor) -> torch.Tensor:
-        k = u.shape[0]
-        o, f = op.apply(emb.embed(u, names))
-        return _combine(emb.extract(o, names, k), emb.extract(f, names, k), kinds)
+        return emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
     vals, _ = lanczos_max_abs(mv, (3, emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter)
     out = {}
     headed = any(op.params[n].headed for n in names)
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(KINDS):
         if headed and getattr(op, "suffix_heads", True):
             for h in range(op.n_heads):
                 out[f"{kind}/{label}/h{h}"] = vals[i, h]
@@ -264,7 +287,7 @@ def dense_blocks(op: BlockOperator, pairs: Sequence[str], full: Sequence[str] = 
     emb = _Embedding(op, names)
     offsets = {}
     start = 0
-    for nm, size in zip(emb.names, emb.sizes):
+    for nm, size in zip(emb.names, emb.sizes, strict=True):
         offsets[nm] = (start, start + size)
         start += size
     for Y in needed:
@@ -292,7 +315,7 @@ def dense_blocks(op: BlockOperator, pairs: Sequence[str], full: Sequence[str] = 
         X, Y = _pair_blocks(p, names)
         for kind in KINDS:
             m = block(kind, X, Y)
-            for key, h in zip(head_keys(op, f"dense/{kind}/{p}", (X, Y)), range(H)):
+            for key, h in zip(head_keys(op, f"dense/{kind}/{p}", (X, Y)), range(H), strict=False):
                 out[key] = m[h]
     if full:
         label = "".join(full)

@@ -56,6 +56,7 @@ class AttentionOperator(BlockOperator):
     """
 
     suffix_heads = True
+    supports_subsets = True
 
     def __init__(self, X, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=True):
         self.X = X
@@ -100,55 +101,91 @@ class AttentionOperator(BlockOperator):
         self.rG = (self.A * self.G_A).sum(-1, keepdim=True)  # (B, H, L, 1)
 
     # ---- first order -------------------------------------------------------------------------
-    def _tangent(self, tangent):
-        n = next(iter(tangent.values())).shape[0]
-        z = {nm: torch.zeros((n, self.H, *info.shape), dtype=self.dtype, device=self.device) for nm, info in self.params.items()}
-        z.update({k: v for k, v in tangent.items()})
-        return n, z
-
     def jvp(self, tangent):
-        """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP."""
+        """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP.
+
+        ``tangent`` maps any of ``"Q", "K", "V"`` to ``(n, H, d, k)``; a missing name is a zero perturbation
+        and costs nothing.
+        """
         X = self.X
-        dP = torch.einsum("bld,nhdk->nbhlk", X, tangent["Q"])  # (n, B, H, L, d_K)
-        dK = torch.einsum("bld,nhdk->nbhlk", X, tangent["K"])
-        dV = torch.einsum("bld,nhdv->nbhlv", X, tangent["V"])  # (n, B, H, L, d_V)
-        dT = (dP @ self.Kk.mT + self.P @ dK.mT) * self.scale  # (n, B, H, L, L)
-        dA = softmax_jvp(self.A, dT)
-        dF = dA @ self.Vv + self.A @ dV
+        dP = _xw(X, tangent["Q"]) if "Q" in tangent else None  # (n, B, H, L, d_K)
+        dK = _xw(X, tangent["K"]) if "K" in tangent else None
+        dV = _xw(X, tangent["V"]) if "V" in tangent else None  # (n, B, H, L, d_V)
+        dT = None
+        if dP is not None:
+            dT = dP @ self.Kk.mT
+        if dK is not None:
+            dT = self.P @ dK.mT if dT is None else dT + self.P @ dK.mT
+        dA = None if dT is None else softmax_jvp(self.A, dT * self.scale)  # (n, B, H, L, L)
+        if dT is not None:
+            dT = dT * self.scale
+        dF = None
+        if dA is not None:
+            dF = dA @ self.Vv
+        if dV is not None:
+            dF = self.A @ dV if dF is None else dF + self.A @ dV
         return dF, (dP, dK, dV, dT, dA)
 
-    def vjp(self, u):
-        """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``; returns per-head weight grads."""
+    def vjp(self, u, outputs=("V", "Q", "K")):
+        """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``: the weight grads in ``outputs``."""
         X = self.X
-        gV = torch.einsum("bld,nbhlv->nhdv", X, self.A.mT @ u)
-        Gu = softmax_jvp(self.A, u @ self.Vv.mT)  # (n, B, H, L, L)
-        gQ = torch.einsum("bld,nbhlk->nhdk", X, Gu @ self.Kk) * self.scale
-        gK = torch.einsum("bld,nbhlk->nhdk", X, Gu.mT @ self.P) * self.scale
-        return {"V": gV, "Q": gQ, "K": gK}
+        out = {}
+        if "V" in outputs:
+            out["V"] = _xtm(X, self.A.mT @ u)
+        if "Q" in outputs or "K" in outputs:
+            Gu = softmax_jvp(self.A, u @ self.Vv.mT)  # (n, B, H, L, L)
+            if "Q" in outputs:
+                out["Q"] = _xtm(X, Gu @ self.Kk) * self.scale
+            if "K" in outputs:
+                out["K"] = _xtm(X, Gu.mT @ self.P) * self.scale
+        return out
 
     # ---- second order ------------------------------------------------------------------------
-    def functional(self, inter, g_h=None, G_A=None, Gamma=None, rG=None):
+    def functional(self, inter, outputs=("V", "Q", "K")):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
-        g_h = self.g_h if g_h is None else g_h
-        G_A = self.G_A if G_A is None else G_A
-        Gamma = self.Gamma if Gamma is None else Gamma
-        rG = self.rG if rG is None else rG
-        X, A = self.X, self.A
+        X, A, g_h, G_A = self.X, self.A, self.g_h, self.G_A
         dP, dK, dV, dT, dA = inter
-        fV = torch.einsum("bld,nbhlv->nhdv", X, dA.mT @ g_h)
-        rdT = (A * dT).sum(-1, keepdim=True)
-        hA = G_A * dT - G_A * rdT - rG * dT + g_h @ dV.mT  # d/dA of <G_A, dA> + <g_h, A dV>
-        G2 = softmax_jvp(A, hA)
-        fQ = torch.einsum("bld,nbhlk->nhdk", X, G2 @ self.Kk + Gamma @ dK) * self.scale
-        fK = torch.einsum("bld,nbhlk->nhdk", X, G2.mT @ self.P + Gamma.mT @ dP) * self.scale
-        return {"V": fV, "Q": fQ, "K": fK}
+        ref = next(t for t in inter if t is not None)
+        n = ref.shape[0]
+        out = {}
+        if "V" in outputs:
+            out["V"] = _xtm(X, dA.mT @ g_h) if dA is not None else self._zero(n, "V")
+        if "Q" in outputs or "K" in outputs:
+            hA = None  # d/dA of <G_A, dA> + <g_h, A dV>
+            if dT is not None:
+                rdT = (A * dT).sum(-1, keepdim=True)
+                hA = G_A * (dT - rdT) - self.rG * dT
+            if dV is not None:
+                hA = g_h @ dV.mT if hA is None else hA + g_h @ dV.mT
+            G2 = softmax_jvp(A, hA)
+            if "Q" in outputs:
+                mQ = G2 @ self.Kk if dK is None else G2 @ self.Kk + self.Gamma @ dK
+                out["Q"] = _xtm(X, mQ) * self.scale
+            if "K" in outputs:
+                mK = G2.mT @ self.P if dP is None else G2.mT @ self.P + self.Gamma.mT @ dP
+                out["K"] = _xtm(X, mK) * self.scale
+        return out
 
-    def apply(self, tangent):
-        n, tangent = self._tangent(tangent)
+    def _zero(self, n, name):
+        return torch.zeros((n, self.H, *self.params[name].shape), dtype=self.dtype, device=self.device)
+
+    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None):
+        """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs``.
+
+        ``outer_rows`` / ``func_rows`` (index tensors, default all) select the tangents for which each part
+        is needed; the returned tensors then hold only those rows, in that order.
+        """
         dF, inter = self.jvp(tangent)
-        u = dF if self.Mo is None else dF @ self.Mo
+        n = next(iter(tangent.values())).shape[0]
+        if dF is None:  # no perturbation at all
+            zero = {nm: self._zero(n, nm) for nm in outputs}
+            return zero, zero
+        u = dF if outer_rows is None else dF[outer_rows]
+        u = u if self.Mo is None else u @ self.Mo
         u = u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
-        return self.vjp(u), self.functional(inter)
+        if func_rows is not None:
+            inter = tuple(None if t is None else t[func_rows] for t in inter)
+        return self.vjp(u, outputs), self.functional(inter, outputs)
 
     # ---- exact pieces ------------------------------------------------------------------------
     def outer_vv_norm(self, tol: float, max_iter: int | None) -> torch.Tensor:
@@ -161,11 +198,28 @@ class AttentionOperator(BlockOperator):
         else:
             gram, _ = lanczos_max_abs(
                 lambda v: torch.einsum("hnd,hn->hd", M1, torch.einsum("hnd,hd->hn", M1, v)),
-                (self.H,), d, dtype=self.dtype, device=self.device, tol=tol, max_iter=max_iter,
+                (self.H,),
+                d,
+                dtype=self.dtype,
+                device=self.device,
+                tol=tol,
+                max_iter=max_iter,
             )
         if self.Mo is not None:
             gram = gram * torch.linalg.eigvalsh(self.Mo)[..., -1]
         return gram
+
+
+def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``X W`` for a batch of per-head weights: X ``(B, L, d)``, W ``(n, H, d, k)`` -> ``(n, B, H, L, k)``."""
+    return torch.matmul(X[:, None], W[:, None])
+
+
+def _xtm(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``sum_b X_b^T M_b``: X ``(B, L, d)``, M ``(n, B, H, L, k)`` -> ``(n, H, d, k)`` in one matmul over B*L."""
+    n, B, H, L, k = M.shape
+    Mr = M.permute(0, 2, 1, 3, 4).reshape(n, H, B * L, k)
+    return torch.matmul(X.reshape(B * L, -1).mT, Mr)
 
 
 def _split_heads(W: torch.Tensor, n_heads: int, name: str, per_head_cols: bool = True) -> torch.Tensor:
@@ -200,8 +254,26 @@ def _keep_masks(B: int, L: int, causal: bool, key_padding_mask, device) -> tuple
 
 
 def _attention(
-    X, W_Q, W_K, W_V, W_O, *, b_Q, b_K, b_V, b_O, target, grad_output, output_curvature, causal,
-    key_padding_mask, pairs, tol, max_iter, dense, single,
+    X,
+    W_Q,
+    W_K,
+    W_V,
+    W_O,
+    *,
+    b_Q,
+    b_K,
+    b_V,
+    b_O,
+    target,
+    grad_output,
+    output_curvature,
+    causal,
+    key_padding_mask,
+    pairs,
+    tol,
+    max_iter,
+    dense,
+    single,
 ):
     X3, batched = as_batched(X)
     B, L, d = X3.shape
@@ -220,7 +292,12 @@ def _attention(
     if b_O is not None:
         F = F + b_O
     g, c, resid = output_cotangent(
-        F, row_keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
+        F,
+        row_keep,
+        target=target,
+        grad_output=grad_output,
+        output_curvature=output_curvature,
+        batched=batched,
     )
     op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=not single)
     pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
@@ -277,8 +354,17 @@ def _attention(
         for h, key in enumerate(hk(name)):
             out[f"term/{key}"] = val[h]
     bounds = attention_bounds(
-        x=x_b, P=op.P, Kk=op.Kk, Vv=op.Vv, g_h=op.g_h.expand(B, H, L, -1), c=c, alpha=alpha, beta=beta,
-        w_o=w_o, L_b=L_b, d_K=W_Q.shape[-1],
+        x=x_b,
+        P=op.P,
+        Kk=op.Kk,
+        Vv=op.Vv,
+        g_h=op.g_h.expand(B, H, L, -1),
+        c=c,
+        alpha=alpha,
+        beta=beta,
+        w_o=w_o,
+        L_b=L_b,
+        d_K=W_Q.shape[-1],
     )
     for name, val in bounds.items():
         for h, key in enumerate(hk(name)):
@@ -332,9 +418,9 @@ def self_attention(
         ValueError: on shape mismatches, or unless exactly one of ``target`` / ``grad_output`` is given.
 
     Example:
-        >>> X = torch.randn(4, 3, dtype=torch.float64)
-        >>> W = torch.randn(3, 2, dtype=torch.float64)
-        >>> out = self_attention(X, W, W, torch.randn(3, 3, dtype=torch.float64), target=torch.zeros(4, 3, dtype=torch.float64))
+        >>> X, W = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+        >>> W_V, T = torch.randn(3, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
+        >>> out = self_attention(X, W, W, W_V, target=T)
         >>> bool(out["hessian/QQ"] <= out["bound/QQ"])
         True
     """
@@ -346,9 +432,25 @@ def self_attention(
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
     return _attention(
-        X, W_Q.unsqueeze(0), W_K.unsqueeze(0), W_V.unsqueeze(0), None, b_Q=None, b_K=None, b_V=None, b_O=None,
-        target=target, grad_output=grad_output, output_curvature=output_curvature, causal=causal,
-        key_padding_mask=key_padding_mask, pairs=pairs, tol=tol, max_iter=max_iter, dense=dense, single=True,
+        X,
+        W_Q.unsqueeze(0),
+        W_K.unsqueeze(0),
+        W_V.unsqueeze(0),
+        None,
+        b_Q=None,
+        b_K=None,
+        b_V=None,
+        b_O=None,
+        target=target,
+        grad_output=grad_output,
+        output_curvature=output_curvature,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        pairs=pairs,
+        tol=tol,
+        max_iter=max_iter,
+        dense=dense,
+        single=True,
     )
 
 
@@ -407,7 +509,9 @@ def multi_head_attention(
     W_K = _split_heads(check_weight(W_K, d, "W_K", X3), n_heads, "W_K")
     W_V = _split_heads(check_weight(W_V, d, "W_V", X3), n_heads, "W_V")
     if W_Q.shape != W_K.shape:
-        raise ValueError(f"W_Q and W_K must have the same shape; got {tuple(W_Q.shape)} and {tuple(W_K.shape)} per head.")
+        raise ValueError(
+            f"W_Q and W_K must have the same shape; got {tuple(W_Q.shape)} and {tuple(W_K.shape)} per head."
+        )
     if W_O.ndim != 2 or W_O.shape[0] != n_heads * W_V.shape[-1]:
         raise ValueError(
             f"W_O must have shape (H*d_V, m) = ({n_heads * W_V.shape[-1]}, m) as used in concat(heads) @ W_O; "
@@ -421,10 +525,23 @@ def multi_head_attention(
     b_V = check_like(b_V, (H * d_V,), "b_V", X3)
     b_O = check_like(b_O, (W_O.shape[-1],), "b_O", X3)
     return _attention(
-        X, W_Q, W_K, W_V, W_O,
+        X,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
         b_Q=None if b_Q is None else b_Q.reshape(H, d_K),
         b_K=None if b_K is None else b_K.reshape(H, d_K),
         b_V=None if b_V is None else b_V.reshape(H, d_V),
-        b_O=b_O, target=target, grad_output=grad_output, output_curvature=output_curvature, causal=causal,
-        key_padding_mask=key_padding_mask, pairs=pairs, tol=tol, max_iter=max_iter, dense=dense, single=False,
+        b_O=b_O,
+        target=target,
+        grad_output=grad_output,
+        output_curvature=output_curvature,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        pairs=pairs,
+        tol=tol,
+        max_iter=max_iter,
+        dense=dense,
+        single=False,
     )

@@ -50,8 +50,17 @@ class TransformerBlockOperator(BlockOperator):
             X_att = X
         # attention forward (its cotangent is set after the backward sweep below)
         att = AttentionOperator(
-            X_att, p["W_Q"], p["W_K"], p["W_V"], p["W_O"], p.get("b_Q"), p.get("b_K"), p.get("b_V"),
-            keep, row_keep, torch.zeros(B, L, d, dtype=X.dtype, device=X.device),
+            X_att,
+            p["W_Q"],
+            p["W_K"],
+            p["W_V"],
+            p["W_O"],
+            p.get("b_Q"),
+            p.get("b_K"),
+            p.get("b_V"),
+            keep,
+            row_keep,
+            torch.zeros(B, L, d, dtype=X.dtype, device=X.device),
             torch.zeros(B, dtype=X.dtype, device=X.device),
         )
         F = torch.einsum("bhlv,hvm->blm", att.A @ att.Vv, p["W_O"]) + (0 if p.get("b_O") is None else p["b_O"])
@@ -73,7 +82,12 @@ class TransformerBlockOperator(BlockOperator):
             Z = U + S
         self.Z = Z
         g, c, _ = output_cotangent(
-            Z, row_keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
+            Z,
+            row_keep,
+            target=target,
+            grad_output=grad_output,
+            output_curvature=output_curvature,
+            batched=batched,
         )
         self.g, self.c = g, c
         # primal backward sweep: cotangents at every intermediate
@@ -204,14 +218,30 @@ def _prepare_params(params: dict, X: torch.Tensor) -> dict:
     p["W_2"] = check_weight(params["W_2"], p["W_1"].shape[1], "W_2", X)
     if p["W_2"].shape[1] != d:
         raise ValueError(f"W_2 must map back to d={d} for the residual; got {tuple(p['W_2'].shape)}.")
-    for k, n in (("b_Q", "W_Q"), ("b_K", "W_K"), ("b_V", "W_V")):
+    for k in ("b_Q", "b_K", "b_V"):
         if params.get(k) is not None:
             p[k] = params[k].to(dtype=X.dtype, device=X.device).reshape(H, -1)
     for k in ("b_O", "b_1", "b_2", "ln1_weight", "ln1_bias", "ln2_weight", "ln2_bias"):
         if params.get(k) is not None:
             p[k] = params[k].to(dtype=X.dtype, device=X.device)
-    unknown = set(params) - set(required) - {"n_heads", "W_O", "b_Q", "b_K", "b_V", "b_O", "b_1", "b_2",
-                                             "ln1_weight", "ln1_bias", "ln2_weight", "ln2_bias"}
+    unknown = (
+        set(params)
+        - set(required)
+        - {
+            "n_heads",
+            "W_O",
+            "b_Q",
+            "b_K",
+            "b_V",
+            "b_O",
+            "b_1",
+            "b_2",
+            "ln1_weight",
+            "ln1_bias",
+            "ln2_weight",
+            "ln2_bias",
+        }
+    )
     if unknown:
         raise ValueError(f"Unknown params keys {sorted(unknown)}.")
     return p
@@ -267,8 +297,16 @@ def transformer_block(
     X3, batched = as_batched(X)
     p = _prepare_params(params, X3)
     op = TransformerBlockOperator(
-        X3, p, norm=norm, activation=activation, eps=float(eps), causal=causal, target=target,
-        grad_output=grad_output, output_curvature=output_curvature, batched=batched,
+        X3,
+        p,
+        norm=norm,
+        activation=activation,
+        eps=float(eps),
+        causal=causal,
+        target=target,
+        grad_output=grad_output,
+        output_curvature=output_curvature,
+        batched=batched,
     )
     op.suffix_heads = p["n_heads"] > 1
     pairs = BLOCK_PAIRS if pairs is None else tuple(pairs)

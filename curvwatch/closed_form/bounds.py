@@ -83,9 +83,7 @@ def _spec(M: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt()
 
 
-def attention_bounds(
-    *, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K
-) -> dict[str, torch.Tensor]:
+def attention_bounds(*, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K) -> dict[str, torch.Tensor]:
     """Corrected per-head bounds, summed over the batch.
 
     Args:
@@ -110,8 +108,14 @@ def attention_bounds(
     JQ = alpha * xb * kap * nu * w_o[None] * s
     JK = alpha * xb * p * nu * w_o[None] * s
     x2 = xb * xb
-    outer = {"VV": cb * JV * JV, "QQ": cb * JQ * JQ, "KK": cb * JK * JK,
-             "VQ": cb * JV * JQ, "VK": cb * JV * JK, "QK": cb * JQ * JK}
+    outer = {
+        "VV": cb * JV * JV,
+        "QQ": cb * JQ * JQ,
+        "KK": cb * JK * JK,
+        "VQ": cb * JV * JQ,
+        "VK": cb * JV * JK,
+        "QK": cb * JQ * JK,
+    }
     func = {
         "VV": torch.zeros_like(JV),
         "VQ": alpha * x2 * kap * gam * s,

@@ -84,7 +84,10 @@ class FFNOperator(BlockOperator):
         outer = {"W1": torch.einsum("bld,nblf->ndf", Y, uZ), "W2": torch.einsum("blf,nblm->nfm", Hid, u)}
         # functional: second derivatives contracted with g
         gZ2 = torch.einsum("blm,nfm->nblf", self.g, dW2) * a1 + self.gHid * a2 * dZ
-        func = {"W1": torch.einsum("bld,nblf->ndf", Y, gZ2), "W2": torch.einsum("nblf,blm->nfm", dHid, self.g)}
+        func = {
+            "W1": torch.einsum("bld,nblf->ndf", Y, gZ2),
+            "W2": torch.einsum("nblf,blm->nfm", dHid, self.g),
+        }
         return outer, func
 
 
@@ -126,8 +129,8 @@ def ffn(
         ``term/y_norm``, ``term/hidden_norm``, ``term/w1_norm``, ``term/w2_norm``.
 
     Example:
-        >>> Y = torch.randn(6, 3, dtype=torch.float64)
-        >>> out = ffn(Y, torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64), target=torch.zeros(6, 3, dtype=torch.float64))
+        >>> Y, T = torch.randn(6, 3, dtype=torch.float64), torch.zeros(6, 3, dtype=torch.float64)
+        >>> out = ffn(Y, torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64), target=T)
         >>> float(out["functional/W2W2"])
         0.0
     """
@@ -138,7 +141,9 @@ def ffn(
     b_1 = check_like(b_1, (W_1.shape[1],), "b_1", Y3)
     b_2 = check_like(b_2, (W_2.shape[1],), "b_2", Y3)
     if residual and W_2.shape[1] != d:
-        raise ValueError(f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False.")
+        raise ValueError(
+            f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False."
+        )
     keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device)
     if row_mask is not None:
         keep = row_mask.to(device=Y3.device, dtype=torch.bool).reshape(B, L)

@@ -1,0 +1,722 @@
+"""The Lightning callback: capture on due optimizer steps, evaluate the closed forms, warn, log."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+import zlib
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from enum import Enum
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from curvwatch import metrics as M
+from curvwatch.adapters import BlockSpec, find_blocks
+from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
+from curvwatch.capture import Capture, CapturedBlock
+
+__all__ = ["CurvatureMonitor", "OnError"]
+
+
+class OnError(str, Enum):
+    """What :class:`CurvatureMonitor` does when an evaluation raises."""
+
+    WARN = "warn"
+    RAISE = "raise"
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+# Headline summaries: put in ``trainer.callback_metrics`` and given a W&B run summary.
+_HEADLINES = {
+    "summary/max_hessian": "max",
+    "summary/heterogeneity/model": "max",
+    "summary/vv_qq_ratio/median": "max",
+    "summary/functional_outer/max": "max",
+    "summary/ln/var_min_over_eps": "min",
+    "summary/skipped_evaluations": "max",
+}
+# Bare keys of the LayerNorm and FFN closed forms get their block kind as quantity prefix (design.md).
+_KIND_PREFIX = {"layernorm": "ln", "ffn": "ffn", "attention": "attn"}
+
+
+def _qualify(kind: str, result: Mapping[str, Any]) -> dict[str, Any]:
+    """``"var_min" -> "ln/var_min"``: give keys without a quantity prefix the block kind's prefix."""
+    prefix = _KIND_PREFIX.get(kind, kind)
+    return {(k if "/" in k else f"{prefix}/{k}"): v for k, v in result.items()}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Invalid {name}={value!r}. Must be an int >= {minimum}.")
+
+
+class CurvatureMonitor(Callback):
+    r"""Monitor closed-form, per-block Hessian norms of a Transformer during training.
+
+    Every ``every_n_train_steps`` optimizer steps (starting at step 0) the callback records, with hooks that
+    exist only for that step, the input ``X`` and the back-propagated output gradient ``grad_output`` of every
+    sub-block (attention, LayerNorm, FFN) found by :func:`curvwatch.find_blocks`; before the optimizer step it
+    evaluates the closed forms (:meth:`CapturedBlock.evaluate`) under ``torch.no_grad`` on the model's device,
+    aggregates them (:mod:`curvwatch.metrics`), decides on warnings (:mod:`curvwatch.alerts`) and logs.
+
+    **Steps.** Values captured on optimizer step ``s`` (``trainer.global_step == s`` during that step) are
+    logged with ``step=s`` to every logger in ``trainer.loggers``, on rank zero, regardless of
+    ``log_every_n_steps``. With ``accumulate_grad_batches=k`` the last micro-batch of the window is captured;
+    Lightning divides that loss by ``k``, so ``grad_output`` is multiplied by ``k`` (and divided by the AMP
+    loss scale when a ``GradScaler`` is active) to give the curvature of one micro-batch's loss, comparable
+    across ``k``.
+
+    **DDP.** Each rank evaluates its own batch. Before anything is logged the ranks agree: a failure flag
+    is all-reduced (a failure on any rank skips the evaluation on all ranks, so none hangs), then every
+    number is all-reduced: the mean over ranks for norms, ratios and terms, the max (min) for keys that
+    are maxima (minima) such as ``ln/inv_var_max`` (``ln/var_min_over_eps``). Summaries and warnings are
+    computed from the reduced numbers on every rank, so all ranks take the same decisions; rank zero logs
+    and warns.
+
+    **Logged metrics** (``docs/metrics.md`` has every key; ``{p}`` is ``log_key_prefix``):
+
+    - ``{p}{block}/{key}`` for each block (``layer3/attn``, ``layer3/ln_1``, ``layer3/ffn``...) and each key
+      of its closed form: ``hessian/XY[/h{i}]``, ``outer/XY[/h{i}]``, ``functional/XY[/h{i}]`` (spectral norms
+      of the block pair ``XY``, per head for attention), ``bound/...``, ``term/...``, ``ln/...``, ``ffn/...``.
+    - Per block, derived: ``{p}{block}/hessian/max`` (largest Hessian norm of the block),
+      ``{p}{block}/ratio/functional_outer``, ``{p}{block}/ratio/VV_QQ[/h{i}]``.
+    - ``{p}summary/max_hessian``, ``{p}summary/max_hessian_layer``, ``{p}summary/max_hessian_block``,
+      ``{p}summary/heterogeneity/model``, ``{p}summary/heterogeneity/layer{i}``,
+      ``{p}summary/vv_qq_ratio/median``, ``{p}summary/functional_outer/max``, ``/median``,
+      ``{p}summary/ln/inv_var_max``, ``{p}summary/ln/var_min``, ``{p}summary/ln/var_min_over_eps``,
+      ``{p}summary/eval_time_s``, ``{p}summary/evaluations``, ``{p}summary/skipped_evaluations``,
+      ``{p}summary/warnings``.
+    - With a ``WandbLogger`` (or ``TensorBoardLogger``) and matplotlib: ``{p}summary/heatmap``, an image of
+      ``log10`` block norms, layers x sub-blocks.
+
+    The headline summaries are also put in ``trainer.callback_metrics`` (as tensors), so ``EarlyStopping``
+    and ``ModelCheckpoint`` can monitor e.g. ``"curv/summary/max_hessian"``.
+
+    Args:
+        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``.
+        blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
+        max_tokens: Token positions kept per block (first whole sequences; see
+            :class:`~curvwatch.capture.Capture`).
+        log_key_prefix: Prefix of every logged key.
+        tol: Relative accuracy of the iterative (Lanczos) spectral norms.
+        max_iter: Most Lanczos steps per norm.
+        dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
+        pairs: Block pairs kept: ``"diagonal"`` (``VV``, ``QQ``, ``KK``, ``W1W1``, ``W2W2``), ``"all"`` or a
+            list of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
+        collapse_ratio: LayerNorm collapse warning when ``var_min / eps`` drops below it (0 disables).
+        inv_var_threshold: Also warn when ``ln/inv_var_max = 1/min(var + eps)`` exceeds it (``None``: off).
+        spike_factor: Spike warning when a block norm exceeds ``spike_factor`` x its running baseline.
+        spike_warmup: Evaluations of a block that only build its baseline.
+        patience: Consecutive evaluations a condition must hold before it warns.
+        cooldown: Evaluations a fired (kind, block) stays silent.
+        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires.
+        on_error: ``"warn"``: an exception in an evaluation skips it with a warning and training goes on
+            (``{p}summary/skipped_evaluations`` counts them); ``"raise"``: re-raise it.
+        log_heatmap: Log the block-norm heatmap image to W&B/TensorBoard loggers.
+        verbose: Print one line per evaluation (rank zero).
+
+    Raises:
+        ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
+            curvwatch knows or the strategy shards parameters (FSDP, DeepSpeed, model parallel).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> monitor = CurvatureMonitor(every_n_train_steps=100, max_tokens=256)
+        >>> trainer = Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False, enable_checkpointing=False)
+        >>> CurvatureMonitor(every_n_train_steps=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid every_n_train_steps=0. Must be an int >= 1.
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: int = 50,
+        blocks: str | Sequence[BlockSpec] = "auto",
+        max_tokens: int = 512,
+        log_key_prefix: str = "curv/",
+        tol: float = 1e-3,
+        max_iter: int = 20,
+        dtype: str = "float32",
+        pairs: str | Sequence[str] = "diagonal",
+        collapse_ratio: float = 5.0,
+        inv_var_threshold: float | None = None,
+        spike_factor: float = 10.0,
+        spike_warmup: int = 3,
+        patience: int = 1,
+        cooldown: int = 10,
+        warn: bool = True,
+        on_error: str | OnError = "warn",
+        log_heatmap: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        _check_int("every_n_train_steps", every_n_train_steps, 1)
+        _check_int("max_tokens", max_tokens, 1)
+        _check_int("max_iter", max_iter, 1)
+        if isinstance(blocks, str):
+            if blocks != "auto":
+                raise ValueError(
+                    f"Invalid blocks={blocks!r}. Must be 'auto' or a list of curvwatch.BlockSpec."
+                )
+        elif not isinstance(blocks, Sequence) or not all(isinstance(b, BlockSpec) for b in blocks):
+            raise ValueError(f"Invalid blocks={blocks!r}. Must be 'auto' or a list of curvwatch.BlockSpec.")
+        if not isinstance(log_key_prefix, str):
+            raise ValueError(f"Invalid log_key_prefix={log_key_prefix!r}. Must be a str such as 'curv/'.")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"Invalid tol={tol!r}. Must be a number in [0, 1), e.g. 1e-3.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"Invalid dtype={dtype!r}. Must be one of {tuple(_DTYPES)}.")
+        if isinstance(pairs, str):
+            if pairs not in ("diagonal", "all"):
+                raise ValueError(
+                    f"Invalid pairs={pairs!r}. Must be 'diagonal', 'all' or a list of pair names like "
+                    "['VV', 'QQ']."
+                )
+        elif not pairs or not all(isinstance(p, str) and M.pair_of(p) == p for p in pairs):
+            raise ValueError(
+                f"Invalid pairs={pairs!r}. Must be 'diagonal', 'all' or a non-empty list of pair names like "
+                "['VV', 'QQ', 'VQ', 'W1W1']."
+            )
+        try:
+            on_error = OnError(on_error)
+        except ValueError:
+            raise ValueError(
+                f"Invalid on_error={on_error!r}. Must be one of {[e.value for e in OnError]}."
+            ) from None
+        self._alerts = AlertMonitor(  # validates the alert thresholds
+            collapse_ratio=collapse_ratio,
+            inv_var_threshold=inv_var_threshold,
+            spike_factor=spike_factor,
+            spike_warmup=spike_warmup,
+            patience=patience,
+            cooldown=cooldown,
+        )
+        self.every_n_train_steps = every_n_train_steps
+        self.blocks = blocks
+        self.max_tokens = max_tokens
+        self.log_key_prefix = log_key_prefix
+        self.tol = float(tol)
+        self.max_iter = max_iter
+        self.dtype = dtype
+        self.pairs = pairs if isinstance(pairs, str) else tuple(pairs)
+        # what the kernels compute (select_pairs below then keeps exactly the requested keys)
+        if self.pairs == "all":
+            self._kernel_pairs: tuple[str, ...] | None = None
+        elif self.pairs == "diagonal":
+            self._kernel_pairs = ("VV", "QQ", "KK", "W1W1", "W2W2")
+        else:
+            self._kernel_pairs = self.pairs
+        self.warn = bool(warn)
+        self.on_error = on_error
+        self.log_heatmap = bool(log_heatmap)
+        self.verbose = bool(verbose)
+
+        self._specs: list[BlockSpec] = []
+        self._stack: ExitStack | None = None
+        self._capture: Capture | None = None
+        self._capture_step: int | None = None
+        self._open_error: BaseException | None = None
+        self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
+        self._warned: set[str] = set()
+        # state saved in checkpoints
+        self._last_step = -1
+        self._evaluations = 0
+        self._skipped = 0
+        self._last_norms: dict[str, float] = {}
+        self._last_summary: dict[str, float] = {}
+        self._peak: dict[str, Any] = {}
+        self._errors: list[str] = []
+
+    # -- Lightning hooks ----------------------------------------------------------------------------
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_train_steps=self.every_n_train_steps, log_key_prefix=self.log_key_prefix
+        )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+        unsupported = names.intersection(_UNSUPPORTED_STRATEGIES)
+        if unsupported:
+            raise ValueError(
+                f"CurvatureMonitor does not support strategy={type(trainer.strategy).__name__}: it shards "
+                "parameters, so no rank holds a block's full weights. Use strategy='ddp' (or a single "
+                "device), or remove the CurvatureMonitor callback."
+            )
+        self._specs = find_blocks(pl_module, self.blocks)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero:
+            for logger in self._wandb_loggers(trainer):
+                self._define_wandb_metrics(logger)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._capture_step is not None:  # a capture left open by a step without optimizer step
+            self._close()
+        step = trainer.global_step
+        if trainer.sanity_checking or step % self.every_n_train_steps or step <= self._last_step:
+            return
+        if pl_module.automatic_optimization and not self._steps_optimizer(trainer, batch_idx):
+            return
+        self._capture_step = step
+        self._open_error = None
+        self._stack = ExitStack()
+        try:
+            self._capture = self._stack.enter_context(Capture(self._specs, max_tokens=self.max_tokens))
+        except Exception as err:  # reported in on_before_optimizer_step, after the ranks agree
+            self._open_error = err
+            self._close()
+            self._capture_step = step
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._capture_step is None:
+            return
+        step, capture, open_error = self._capture_step, self._capture, self._open_error
+        self._close()
+        self._last_step = step
+        self._evaluate_and_log(trainer, pl_module, step, capture, open_error)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # No optimizer step happened (training_step returned None): nothing to evaluate, retry next batch.
+        self._close()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "last_step": self._last_step,
+            "evaluations": self._evaluations,
+            "skipped": self._skipped,
+            "alerts": self._alerts.state_dict(),
+            "last_norms": dict(self._last_norms),
+            "last_summary": dict(self._last_summary),
+            "peak": dict(self._peak),
+            "errors": list(self._errors),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_step = int(state_dict.get("last_step", -1))
+        self._evaluations = int(state_dict.get("evaluations", 0))
+        self._skipped = int(state_dict.get("skipped", 0))
+        self._alerts.load_state_dict(state_dict.get("alerts", {}))
+        self._last_norms = dict(state_dict.get("last_norms", {}))
+        self._last_summary = dict(state_dict.get("last_summary", {}))
+        self._peak = dict(state_dict.get("peak", {}))
+        self._errors = list(state_dict.get("errors", []))
+
+    # -- public helpers -----------------------------------------------------------------------------
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The warnings fired so far (most recent last)."""
+        return list(self._alerts.history)
+
+    def summary_text(self, top: int = 5) -> str:
+        """A readable multi-line summary of the run so far: most curved blocks, heterogeneity, warnings.
+
+        Args:
+            top: How many of the most curved blocks to list.
+        """
+        last = "never" if self._last_step < 0 else f"last at step {self._last_step}"
+        lines = [
+            f"CurvatureMonitor: {self._evaluations} evaluation(s) ({last}), {self._skipped} skipped, "
+            f"{self._alerts.fired} warning(s)"
+        ]
+        if self._last_norms:
+            lines.append("Most curved blocks at the last evaluation (largest Hessian spectral norm):")
+            ranked = sorted(self._last_norms.items(), key=lambda kv: -kv[1])[:top]
+            width = max(len(name) for name, _ in ranked)
+            lines += [f"  {name:<{width}}  {norm:.3e}" for name, norm in ranked]
+        s = self._last_summary
+        if "summary/heterogeneity/model" in s:
+            per_layer = ", ".join(
+                f"{k.rsplit('/', 1)[-1]} {v:.2f}"
+                for k, v in s.items()
+                if k.startswith("summary/heterogeneity/layer")
+            )
+            lines.append(
+                f"Heterogeneity (log10 max/min of block norms): model {s['summary/heterogeneity/model']:.2f}"
+                + (f"; {per_layer}" if per_layer else "")
+            )
+        extras = [
+            (label, s[key])
+            for label, key in (
+                ("V/Q ratio median", "summary/vv_qq_ratio/median"),
+                ("functional/outer max", "summary/functional_outer/max"),
+                ("LayerNorm var_min/eps min", "summary/ln/var_min_over_eps"),
+            )
+            if key in s
+        ]
+        if extras:
+            lines.append("   ".join(f"{label}: {value:.3g}" for label, value in extras))
+        if self._peak:
+            lines.append(
+                f"Peak so far: {self._peak['value']:.3e} in {self._peak['block']} "
+                f"at step {self._peak['step']}"
+            )
+        history = self._alerts.history
+        if history:
+            lines.append("Warnings fired:")
+            lines += [
+                f"  step {a.step}: {a.kind} in {a.block} ({a.value:.3g}, threshold {a.threshold:.3g})"
+                for a in history[-10:]
+            ]
+        if self._errors:
+            lines.append("Skipped evaluations:")
+            lines += [f"  {e}" for e in self._errors[-5:]]
+        return "\n".join(lines)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        """Remove the hooks (idempotent)."""
+        stack, self._stack, self._capture, self._capture_step = self._stack, None, None, None
+        if stack is not None:
+            stack.close()
+
+    @staticmethod
+    def _steps_optimizer(trainer: Trainer, batch_idx: int) -> bool:
+        """Whether the optimizer steps after this batch (last micro-batch of an accumulation window)."""
+        loop = trainer.fit_loop.epoch_loop
+        should_accumulate = getattr(loop, "_should_accumulate", None)
+        if should_accumulate is not None:
+            return not should_accumulate()
+        k = trainer.accumulate_grad_batches
+        return (batch_idx + 1) % k == 0 or batch_idx + 1 == trainer.num_training_batches
+
+    @staticmethod
+    def _grad_factor(trainer: Trainer, pl_module: LightningModule) -> float:
+        """Undo Lightning's ``1/accumulate_grad_batches`` loss scaling and the AMP loss scale."""
+        factor = float(trainer.accumulate_grad_batches) if pl_module.automatic_optimization else 1.0
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(scaler, "is_enabled", lambda: False)():
+            factor /= float(scaler.get_scale())
+        return factor
+
+    def _evaluate_blocks(self, captured: list[CapturedBlock], factor: float) -> tuple[dict, list[str]]:
+        """Closed forms of every capturable block: ``({block: {key: 0-d tensor}}, excluded names)``."""
+        results: dict[str, dict[str, Tensor]] = {}
+        excluded = []
+        dtype = _DTYPES[self.dtype]
+        with torch.no_grad():
+            for block in captured:
+                name = block.spec.name
+                if block.reason is not None:
+                    excluded.append(name)
+                    self._excluded[name] = block.reason
+                    continue
+                if factor != 1.0:
+                    block = dataclasses.replace(
+                        block,
+                        inputs={k: v * factor if k == "grad_output" else v for k, v in block.inputs.items()},
+                    )
+                try:
+                    out = block.evaluate(tol=self.tol, max_iter=self.max_iter, dtype=dtype, pairs=self._kernel_pairs)
+                except Exception as err:
+                    raise _BlockError(name, err) from err
+                out = {k: v for k, v in out.items() if not k.startswith("dense/")}
+                results[name] = M.select_pairs(_qualify(block.spec.kind, out), self.pairs)
+        if not results:
+            reasons = "; ".join(f"{n}: {self._excluded[n]}" for n in excluded)
+            raise RuntimeError(f"no block could be evaluated ({reasons})")
+        return results, excluded
+
+    def _evaluate_and_log(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        step: int,
+        capture: Capture | None,
+        open_error: BaseException | None,
+    ) -> None:
+        error: BaseException | None = open_error
+        flat: dict[tuple[str, str], float] = {}
+        excluded: list[str] = []
+        start = time.perf_counter()
+        if error is None:
+            try:
+                if capture is None:
+                    raise RuntimeError("no capture was open for this step")
+                results, excluded = self._evaluate_blocks(
+                    capture.blocks(), self._grad_factor(trainer, pl_module)
+                )
+                flat = _to_floats(results)
+            except Exception as err:
+                error = err
+        elapsed = time.perf_counter() - start
+        flat, failed_elsewhere = _sync(trainer, pl_module.device, flat, error is not None)
+        if error is not None or failed_elsewhere:
+            self._skip(trainer, step, error)
+            return
+
+        results = {}
+        for (block, key), value in flat.items():
+            results.setdefault(block, {})[key] = value
+        layers = {spec.name: spec.layer for spec in self._specs}
+        p = self.log_key_prefix
+        logged: dict[str, float] = {}
+        for block, result in results.items():
+            for key, value in {**result, **M.block_derived(result)}.items():
+                logged[f"{p}{block}/{key}"] = value
+        summary = M.summarize(results, layers)
+        if "summary/max_hessian_block" in summary:  # index into the spec list, not into the evaluated blocks
+            name = list(results)[int(summary["summary/max_hessian_block"])]
+            summary["summary/max_hessian_block"] = float([s.name for s in self._specs].index(name))
+        var_ratio = [r["ln/var_min_over_eps"] for r in results.values() if "ln/var_min_over_eps" in r]
+        if var_ratio:
+            summary["summary/ln/var_min_over_eps"] = min(var_ratio)
+
+        norms = M.block_norms(results)
+        layernorms = {
+            b: {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("ln/")}
+            for b, r in results.items()
+            if any(k.startswith("ln/") for k in r)
+        }
+        eps = {s.name: float(getattr(s.module, "eps", 0.0) or 0.0) for s in self._specs}
+        for b in layernorms:
+            if eps.get(b):
+                layernorms[b]["eps"] = eps[b]
+        fired = self._alerts.update(step, norms=norms, layernorms=layernorms)
+
+        self._evaluations += 1
+        summary["summary/eval_time_s"] = elapsed
+        summary["summary/evaluations"] = float(self._evaluations)
+        summary["summary/skipped_evaluations"] = float(self._skipped)
+        summary["summary/warnings"] = float(self._alerts.fired)
+        logged.update({f"{p}{k}": v for k, v in summary.items()})
+        self._last_norms = norms
+        self._last_summary = summary
+        if norms:
+            top = max(norms, key=norms.__getitem__)
+            if not self._peak or norms[top] > self._peak["value"]:
+                self._peak = {"value": norms[top], "block": top, "step": step}
+        self._publish_callback_metrics(trainer)
+
+        if not trainer.is_global_zero:
+            return
+        for name in excluded:
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"CurvatureMonitor leaves block '{name}' out: {self._excluded[name]}.",
+                    CurvatureWarning,
+                    stacklevel=2,
+                )
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+        if self.log_heatmap and norms:
+            self._log_heatmap(trainer, norms, step)
+        if self.warn:
+            for alert in fired:
+                warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
+                self._wandb_alert(trainer, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
+        if self.verbose:
+            where = f" in {self._peak_block(norms)}" if norms else ""
+            rank_zero_info(
+                f"[CurvatureMonitor] step {step}: max ||H|| "
+                f"{summary.get('summary/max_hessian', math.nan):.3e}"
+                f"{where}, heterogeneity {summary.get('summary/heterogeneity/model', math.nan):.2f} decades, "
+                f"{len(fired)} warning(s), {elapsed:.2f} s"
+            )
+
+    @staticmethod
+    def _peak_block(norms: Mapping[str, float]) -> str:
+        return max(norms, key=norms.__getitem__)
+
+    def _skip(self, trainer: Trainer, step: int, error: BaseException | None) -> None:
+        """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""
+        self._skipped += 1
+        if error is None:
+            what = "an evaluation failed on another rank"
+        elif isinstance(error, _BlockError):
+            what = f"evaluating block '{error.block}' raised {type(error.error).__name__}: {error.error}"
+        else:
+            what = f"{type(error).__name__}: {error}"
+        self._errors = (self._errors + [f"step {step}: {what}"])[-20:]
+        if self.on_error is OnError.RAISE:
+            if isinstance(error, _BlockError):
+                raise error.error
+            if error is not None:
+                raise error
+            raise RuntimeError(f"CurvatureMonitor: {what} at step {step} (on_error='raise').")
+        key = f"{self.log_key_prefix}summary/skipped_evaluations"
+        trainer.callback_metrics[key] = torch.tensor(float(self._skipped))
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics({key: float(self._skipped)}, step=step)
+        warnings.warn(
+            f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
+            f"{key}={self._skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
+            "the failing block out.",
+            CurvatureWarning,
+            stacklevel=2,
+        )
+
+    def _publish_callback_metrics(self, trainer: Trainer) -> None:
+        for key in _HEADLINES:
+            if key in self._last_summary:
+                value = self._last_summary[key]
+                trainer.callback_metrics[self.log_key_prefix + key] = torch.tensor(value, dtype=torch.float32)
+
+    # -- logger extras --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _wandb_loggers(trainer: Trainer) -> list[Any]:
+        try:
+            from lightning.pytorch.loggers import WandbLogger
+        except ImportError:  # pragma: no cover
+            return []
+        return [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+
+    def _define_wandb_metrics(self, logger: Any) -> None:
+        experiment = logger.experiment
+        if not hasattr(experiment, "define_metric"):
+            return
+        keys = dict(_HEADLINES)
+        keys.update({f"{spec.name}/hessian/max": "max" for spec in self._specs if spec.kind != "layernorm"})
+        for key, summary in keys.items():
+            try:
+                experiment.define_metric(
+                    self.log_key_prefix + key, step_metric="trainer/global_step", summary=summary
+                )
+            except Exception:  # old wandb, disabled run: summaries are a convenience
+                return
+
+    def _wandb_alert(self, trainer: Trainer, title: str, text: str) -> None:
+        for logger in self._wandb_loggers(trainer):
+            try:
+                import wandb
+
+                logger.experiment.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+            except Exception:  # offline runs and old wandb versions may not support alerts
+                pass
+
+    def _log_heatmap(self, trainer: Trainer, norms: Mapping[str, float], step: int) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        targets = self._wandb_loggers(trainer)
+        boards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not targets and not boards:
+            return
+        try:
+            figure = _heatmap_figure(self._specs, norms, step)
+        except ImportError:  # matplotlib missing: no image
+            return
+        key = f"{self.log_key_prefix}summary/heatmap"
+        for logger in targets:
+            try:
+                logger.log_image(key=key, images=[figure], step=step)
+            except Exception as err:
+                warnings.warn(
+                    f"CurvatureMonitor could not log the heatmap to W&B: {err}", CurvatureWarning, 2
+                )
+        for logger in boards:
+            try:
+                logger.experiment.add_figure(key, figure, global_step=step, close=False)
+            except Exception as err:
+                warnings.warn(
+                    f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureWarning, 2
+                )
+
+
+class _BlockError(Exception):
+    """An evaluation error and the block it happened in."""
+
+    def __init__(self, block: str, error: BaseException) -> None:
+        super().__init__(f"{block}: {type(error).__name__}: {error}")
+        self.block = block
+        self.error = error
+
+
+def _to_floats(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:
+    """Flatten ``{block: {key: 0-d tensor}}`` to ``{(block, key): float}`` with one device sync."""
+    keys = [(block, key) for block, result in results.items() for key in result]
+    if not keys:
+        return {}
+    values = [torch.as_tensor(results[b][k]).detach().reshape(()).to("cpu", torch.float64) for b, k in keys]
+    return dict(zip(keys, torch.stack(values).tolist(), strict=True))
+
+
+def _sync(
+    trainer: Trainer, device: torch.device, flat: dict[tuple[str, str], float], failed: bool
+) -> tuple[dict[tuple[str, str], float], bool]:
+    """All-reduce the failure flag and the numbers across ranks: ``(reduced numbers, any rank failed)``.
+
+    Every rank calls this at the same step, failed or not, so the collectives always match. The key sets
+    are compared through their count and a checksum; a mismatch counts as a failure.
+    """
+    dist = torch.distributed
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return flat, False
+    keys = sorted(flat) if not failed else []
+    checksum = float(zlib.crc32("\n".join(f"{b}/{k}" for b, k in keys).encode()))
+    flags = torch.tensor(
+        [float(failed), len(keys), -len(keys), checksum, -checksum], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    agreed = flags[1] == -flags[2] and flags[3] == -flags[4]
+    if flags[0] > 0 or not agreed:
+        return {}, True
+    ops = [M.reduce_op(k) for _, k in keys]
+    values = torch.tensor([flat[k] for k in keys], dtype=torch.float64, device=device)
+    mean = torch.where(torch.tensor([op == "mean" for op in ops], device=device), values, 0.0)
+    dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+    sign = torch.tensor([-1.0 if op == "min" else 1.0 for op in ops], dtype=torch.float64, device=device)
+    extreme = values * sign
+    dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
+    out = torch.where(
+        torch.tensor([op == "mean" for op in ops], device=device), mean / trainer.world_size, extreme * sign
+    )
+    return dict(zip(keys, out.tolist(), strict=True)), False
+
+
+def _heatmap_figure(specs: Sequence[BlockSpec], norms: Mapping[str, float], step: int) -> Any:
+    """A matplotlib figure of ``log10`` block norms, layers (rows) x sub-blocks (columns)."""
+    from matplotlib.figure import Figure
+
+    layers = sorted({s.layer for s in specs if s.name in norms})
+    parts: list[str] = []
+    for s in specs:
+        part = s.name.split("/", 1)[-1]
+        if s.name in norms and part not in parts:
+            parts.append(part)
+    grid = torch.full((len(layers), len(parts)), math.nan)
+    for s in specs:
+        value = norms.get(s.name)
+        if value is not None and value > 0:
+            grid[layers.index(s.layer), parts.index(s.name.split("/", 1)[-1])] = math.log10(value)
+    figure = Figure(figsize=(1.5 + 1.2 * len(parts), 1.0 + 0.45 * len(layers)))
+    ax = figure.add_subplot()
+    image = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(parts)), parts)
+    ax.set_yticks(range(len(layers)), [f"layer{i}" for i in layers])
+    for i, row in enumerate(grid.tolist()):
+        for j, value in enumerate(row):
+            if math.isfinite(value):
+                ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="w", fontsize=8)
+    figure.colorbar(image, ax=ax, label="log10 ||H||")
+    ax.set_title(f"Block Hessian norms, step {step}")
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,349 @@
+"""Capturing block inputs and output gradients with hooks that exist only inside a ``with`` block.
+
+:class:`Capture` registers, for each :class:`~curvwatch.adapters.BlockSpec`, three hooks, all removed in
+``finally``:
+
+* a forward *pre*-hook (with kwargs) on the adapter's input module, storing ``X`` and a snapshot of the
+  weights (pre-hook, so that it runs before any sub-module of a composite input module);
+* a forward pre-hook on the layer's attention module, storing the masks (causal flag and key padding;
+  the FFN and LayerNorm blocks use the key padding mask as their ``row_mask``);
+* a forward hook on the output module that registers a *tensor* hook on the block output.
+
+Why a tensor hook and not ``register_full_backward_hook``: the full backward hook wraps the module's
+inputs and outputs in a ``BackwardHookFunction`` and raises when an output is a view modified in place
+later (common in residual code) and fires for every call; a tensor hook belongs to the one output tensor
+of the one recorded call, and PyTorch gives a hook registered before an in-place modification the gradient
+with respect to the value the module produced. One exception: if the output is a *view* (``nn.Linear`` on
+3-D input, Hugging Face ``Conv1D``) and is later modified in place, autograd replaces the view's
+``grad_fn`` and the hook never fires; for such outputs the forward hook hands downstream code a copy
+(``clone``, only on the captured step) and hooks the untouched original. Neither hook kind needs double
+backward, so fused attention (SDPA) is fine.
+
+Only the first call of each module made with gradient tracking inside the ``with`` is recorded (later
+calls, e.g. a validation forward or activation checkpointing's recomputation, are ignored; calls under
+``torch.no_grad()`` cannot produce a gradient and are skipped). Everything is stored detached, on the
+model's device, subsampled to at most ``max_tokens`` token positions:
+
+* the first ``k`` whole sequences with ``k * L <= max_tokens``;
+* if one sequence is longer than ``max_tokens``, the first ``max_tokens`` positions of the first sequence.
+  For causal attention, LayerNorm and FFN a prefix is exact (the outputs of the prefix do not depend on
+  later positions); for bidirectional attention it is an approximation (the prefix's queries lose the
+  keys after it).
+
+Padded positions count as tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
+
+__all__ = ["Capture", "CapturedBlock"]
+
+_CLOSED_FORMS = {"attention": "multi_head_attention", "layernorm": "layernorm", "ffn": "ffn"}
+_DTYPES = (torch.float32, torch.float64)
+
+
+def token_slice(B: int, L: int, max_tokens: int) -> tuple[int, int]:
+    """``(k, l)``: keep sequences ``[:k]`` and positions ``[:l]`` (see the module docstring).
+
+    Example:
+        >>> token_slice(4, 5, 12), token_slice(4, 5, 3), token_slice(4, 5, 100)
+        ((2, 5), (1, 3), (4, 5))
+    """
+    if L <= max_tokens:
+        return min(B, max_tokens // L), L
+    return 1, max_tokens
+
+
+def _keep(t: Tensor, max_tokens: int) -> Tensor:
+    """Detached copy of the first tokens of a ``(B, L, ...)`` tensor."""
+    k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
+    return t.detach()[:k, :l].clone()
+
+
+@dataclass
+class CapturedBlock:
+    """Everything one closed form needs for one sub-block, captured on one step.
+
+    Args:
+        spec: The block.
+        inputs: Detached tensors: ``"X"`` ``(B, L, d)``, ``"grad_output"`` ``(B, L, d_out)`` and, if the
+            batch has padding, ``"key_padding_mask"`` (attention; True = padded) or ``"row_mask"`` (LayerNorm
+            and FFN; True = keep), both ``(B, L)`` bool.
+        params: Detached weight snapshot and settings read by the adapter at forward time (math convention
+            ``(d_in, d_out)``), plus ``causal`` for attention.
+        reason: Why the block cannot be evaluated (no gradient arrived, unsupported setting, ...), else
+            ``None``.
+    """
+
+    spec: BlockSpec
+    inputs: dict[str, Tensor] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    reason: str | None = None
+
+    @property
+    def closed_form(self) -> str:
+        """Name of the function of :mod:`curvwatch.closed_form` that evaluates this block."""
+        return _CLOSED_FORMS[self.spec.kind]
+
+    def reference_inputs(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included).
+
+        Args:
+            dtype: Cast floating tensors to it (``None``: keep the captured dtype). Masks stay bool.
+
+        Raises:
+            RuntimeError: If the block was not captured completely (``reason`` says why).
+        """
+        if self.reason is not None:
+            raise RuntimeError(f"Block {self.spec.name!r} cannot be evaluated: {self.reason}")
+        kwargs: dict[str, Any] = {("Y" if self.spec.kind == "ffn" else "X"): self.inputs["X"]}
+        kwargs.update(self.params)
+        kwargs["grad_output"] = self.inputs["grad_output"]
+        mask_name = "key_padding_mask" if self.spec.kind == "attention" else "row_mask"
+        kwargs[mask_name] = self.inputs.get(mask_name)
+        if dtype is not None:
+            kwargs = {
+                k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
+                for k, v in kwargs.items()
+            }
+        return kwargs
+
+    def evaluate(
+        self,
+        *,
+        tol: float = 1e-6,
+        max_iter: int | None = None,
+        dtype: torch.dtype = torch.float64,
+        pairs: Sequence[str] | None = None,
+    ):
+        """Run the closed form on the captured tensors.
+
+        Args:
+            tol: Lanczos tolerance of the spectral norms (attention, FFN).
+            max_iter: Lanczos iteration cap (``None``: the closed form's default).
+            dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
+            pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
+                W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
+
+        Returns:
+            ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
+
+        Raises:
+            ValueError: If ``dtype`` is not float32/float64, or the closed form does not support a setting
+                of the block (e.g. its activation).
+            RuntimeError: If the block was not captured completely (``reason`` says why).
+        """
+        if dtype not in _DTYPES:
+            raise ValueError(f"Invalid dtype={dtype}. Must be torch.float32 or torch.float64.")
+        from curvwatch import closed_form
+
+        kwargs = self.reference_inputs(dtype)
+        if self.spec.kind != "layernorm":
+            kwargs.update(tol=tol, max_iter=max_iter)
+            if pairs is not None:
+                own = _KERNEL_PAIRS[self.spec.kind]
+                kwargs["pairs"] = [p for p in pairs if p in own]
+        try:
+            return getattr(closed_form, self.closed_form)(**kwargs)
+        except ValueError as err:
+            activation = kwargs.get("activation")
+            if activation in (None, "relu", "gelu") or activation not in str(err):
+                raise
+            raise ValueError(
+                f"Block {self.spec.name!r} uses activation={activation!r} ('gelu_tanh' is the tanh "
+                "approximation of GELU, Hugging Face 'gelu_new'), which curvwatch.closed_form.ffn does not "
+                f"implement. Exclude the block by passing explicit BlockSpecs. Closed form said: {err}"
+            ) from err
+
+
+_KERNEL_PAIRS = {
+    "attention": ("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV"),
+    "ffn": ("W1W1", "W2W2", "W1W2"),
+}
+
+
+class _Record:
+    """Mutable per-spec state filled by the hooks."""
+
+    def __init__(self) -> None:
+        self.X: Tensor | None = None
+        self.params: dict[str, Any] | None = None
+        self.masks: Masks | None = None
+        self.grad: Tensor | None = None
+        self.output_seen = False
+        self.reason: str | None = None
+
+
+def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in params.items()}
+
+
+class Capture:
+    """Context manager that records block inputs and output gradients of one forward/backward.
+
+    Args:
+        specs: Blocks to capture, from :func:`~curvwatch.adapters.find_blocks`.
+        max_tokens: Keep at most this many token positions per block (see the module docstring).
+        seed: Reserved for random subsampling; the current rule (first sequences) is deterministic.
+
+    Raises:
+        ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
+
+    Example:
+        >>> from curvwatch.adapters import find_blocks
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        >>> with Capture(find_blocks(layer), max_tokens=10) as capture:
+        ...     layer(torch.randn(3, 4, 8)).square().sum().backward()
+        >>> [(b.spec.name, tuple(b.inputs["X"].shape)) for b in capture.blocks()][:2]
+        [('layer0/attn', (2, 4, 8)), ('layer0/ln_1', (2, 4, 8))]
+    """
+
+    def __init__(self, specs: list[BlockSpec], max_tokens: int, seed: int = 0) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"Invalid max_tokens={max_tokens!r}. Must be an int >= 1.")
+        specs = list(specs)
+        if not specs:
+            raise ValueError("Invalid specs=[]. Pass the non-empty list returned by find_blocks.")
+        self.specs = specs
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self._records = [_Record() for _ in specs]
+        self._handles: list[Any] = []
+
+    # -- context manager --------------------------------------------------------------------------
+
+    def __enter__(self) -> Capture:
+        if self._handles:
+            raise RuntimeError("This Capture is already active; use a new Capture per step.")
+        self._records = [_Record() for _ in self.specs]
+        try:
+            for spec, rec in zip(self.specs, self._records, strict=True):
+                input_module, output_module, mask_module = spec.adapter.capture_modules(spec)
+                self._handles.append(
+                    input_module.register_forward_pre_hook(
+                        functools.partial(self._on_input, spec, rec), with_kwargs=True
+                    )
+                )
+                self._handles.append(
+                    mask_module.register_forward_pre_hook(
+                        functools.partial(self._on_mask, spec, rec), with_kwargs=True
+                    )
+                )
+                self._handles.append(
+                    output_module.register_forward_hook(functools.partial(self._on_output, spec, rec))
+                )
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def _on_input(self, spec: BlockSpec, rec: _Record, module, args, kwargs) -> None:
+        if rec.X is not None or rec.reason is not None or not torch.is_grad_enabled():
+            return
+        rec.X = _keep(spec.adapter.read_input(spec, args, kwargs), self.max_tokens)
+        try:
+            rec.params = _snapshot(spec.adapter.read_params(spec))
+        except UnsupportedBlockError as err:
+            rec.reason = str(err)
+
+    def _on_mask(self, spec: BlockSpec, rec: _Record, module, args, kwargs) -> None:
+        if rec.masks is not None or rec.reason is not None or not torch.is_grad_enabled():
+            return
+        try:
+            masks = spec.adapter.read_masks(spec, args, kwargs)
+        except UnsupportedBlockError as err:
+            rec.reason = str(err)
+            return
+        kpm = masks.key_padding_mask
+        if kpm is not None:
+            k, l = token_slice(kpm.shape[0], kpm.shape[1], self.max_tokens)
+            kpm = kpm.detach()[:k, :l].to(torch.bool).clone()
+            kpm = kpm if kpm.any() else None
+        rec.masks = Masks(causal=masks.causal, key_padding_mask=kpm)
+
+    def _on_output(self, spec: BlockSpec, rec: _Record, module, args, output) -> Any:
+        if rec.X is None or rec.output_seen or not torch.is_grad_enabled():
+            return None
+        rec.output_seen = True
+        out = spec.adapter.read_output(spec, output)
+        if not out.requires_grad:
+            rec.reason = (
+                f"the output of {type(module).__name__} does not require grad (frozen block, no trainable "
+                "parameter upstream?), so no gradient can reach it"
+            )
+            return None
+        self._handles.append(out.register_hook(functools.partial(self._on_grad, spec, rec)))
+        if not out._is_view():
+            return None
+        # A hook on a view is lost if the view is later modified in place (autograd regenerates the view's
+        # grad_fn), so downstream code gets a copy and the hooked original stays untouched.
+        copy = out.clone()
+        if isinstance(output, Tensor):
+            return copy
+        return type(output)(copy if item is out else item for item in output)
+
+    def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
+        if rec.grad is None:
+            rec.grad = _keep(spec.adapter.to_batch_first(spec, grad), self.max_tokens)
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def blocks(self) -> list[CapturedBlock]:
+        """One :class:`CapturedBlock` per spec, in spec order; call after ``backward()``.
+
+        A block that cannot be evaluated is included with ``reason`` set, e.g. when no forward with
+        gradient tracking reached it or no gradient arrived at its output.
+        """
+        return [self._block(spec, rec) for spec, rec in zip(self.specs, self._records, strict=True)]
+
+    def _block(self, spec: BlockSpec, rec: _Record) -> CapturedBlock:
+        input_module, output_module, mask_module = spec.adapter.capture_modules(spec)
+        reason = rec.reason
+        if reason is None and rec.X is None:
+            reason = (
+                f"no forward call of {type(input_module).__name__} with gradient tracking happened inside "
+                "the `with` (forward under torch.no_grad(), or the block is unused)"
+            )
+        elif reason is None and rec.masks is None:
+            reason = (
+                f"the attention module {type(mask_module).__name__} was not called with gradient tracking"
+            )
+        elif reason is None and rec.grad is None:
+            reason = (
+                f"no gradient arrived at the output of {type(output_module).__name__}: backward() was not "
+                "run inside the `with`, or the block output does not influence the loss"
+            )
+        if reason is not None:
+            return CapturedBlock(spec, reason=reason)
+        X, G, kpm = rec.X, rec.grad, rec.masks.key_padding_mask
+        if G.shape[:2] != X.shape[:2] or (kpm is not None and kpm.shape != X.shape[:2]):
+            shapes = f"X {tuple(X.shape)}, grad_output {tuple(G.shape)}"
+            shapes += f", key padding mask {tuple(kpm.shape)}" if kpm is not None else ""
+            return CapturedBlock(spec, reason=f"captured shapes disagree ({shapes}), e.g. a chunked forward")
+        inputs = {"X": X, "grad_output": G}
+        params = dict(rec.params)
+        if spec.kind == "attention":
+            params["causal"] = rec.masks.causal
+            if kpm is not None:
+                inputs["key_padding_mask"] = kpm
+        elif kpm is not None:
+            inputs["row_mask"] = ~kpm
+        return CapturedBlock(spec, inputs=inputs, params=params)

@@ -1,0 +1,300 @@
+"""Model-wide curvature summaries: pure functions from per-block result dicts to named numbers.
+
+Every function here takes plain numbers (``float`` or 0-d tensors) keyed as :meth:`CapturedBlock.evaluate`
+keys them, relative to a block (``"hessian/QQ/h0"``, ``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns
+new ``dict[str, float]``. Nothing here sees a ``Trainer``, a hook or a logger.
+
+Structure of the keys (see ``docs/metrics.md``): ``{part}/{pair}[/h{head}]`` with ``part`` one of
+``hessian`` (``H = H_o + H_f``), ``outer`` (Gauss-Newton ``H_o``) and ``functional`` (``H_f``), and ``pair``
+a block pair named by its parameter letters (``QQ``, ``VQ``, ``W1W1``, ``QKV`` for the whole attention block).
+A pair is *diagonal* when it is one parameter twice (``QQ``, ``W1W1``).
+
+Example:
+    >>> results = {
+    ...     "layer0/attn": {"hessian/QQ/h0": 1e-4, "hessian/VV/h0": 1e-1, "outer/QQ/h0": 1e-4,
+    ...                     "outer/VV/h0": 1e-1, "functional/QQ/h0": 2e-5, "functional/VV/h0": 0.0},
+    ...     "layer0/ffn": {"hessian/W1W1": 1e-2},
+    ... }
+    >>> norms = block_norms(results)
+    >>> norms
+    {'layer0/attn': 0.1, 'layer0/ffn': 0.01}
+    >>> round(log10_spread(norms.values()), 6)
+    1.0
+    >>> vv_qq_ratios(results["layer0/attn"])
+    {'ratio/VV_QQ/h0': 1000.0}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "PARTS",
+    "block_derived",
+    "block_norm",
+    "block_norms",
+    "functional_outer_ratio",
+    "is_diagonal_pair",
+    "log10_spread",
+    "pair_of",
+    "reduce_op",
+    "select_pairs",
+    "summarize",
+    "to_float",
+    "vv_qq_ratios",
+]
+
+#: The Hessian parts a block reports, each a spectral norm per pair (and head).
+PARTS = ("hessian", "outer", "functional")
+
+_UNIT = re.compile(r"[A-Z][0-9]*")
+_PAIR = re.compile(r"^(?:[A-Z][0-9]*){2,}$")
+_HEAD = re.compile(r"^h(\d+)$")
+_LAYER = re.compile(r"layer(\d+)")
+
+
+def to_float(value: float | torch.Tensor) -> float:
+    """A Python float from a float or a 0-d (or one-element) tensor."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def pair_of(key: str) -> str | None:
+    """The block pair a key is about (``"QQ"`` in ``"bound/outer/QQ/h1"``), or ``None``.
+
+    Example:
+        >>> pair_of("bound/outer/QQ/h1"), pair_of("hessian/W1W2"), pair_of("term/inv_L3")
+        ('QQ', 'W1W2', None)
+    """
+    for part in key.split("/"):
+        if _PAIR.match(part):
+            return part
+    return None
+
+
+def is_diagonal_pair(pair: str) -> bool:
+    """Whether ``pair`` is one parameter with itself: ``QQ``, ``W1W1`` (not ``VQ``, ``QKV``).
+
+    Example:
+        >>> [is_diagonal_pair(p) for p in ("QQ", "W1W1", "VQ", "QKV")]
+        [True, True, False, False]
+    """
+    units = _UNIT.findall(pair)
+    return len(units) == 2 and units[0] == units[1] and "".join(units) == pair
+
+
+def select_pairs(
+    result: Mapping[str, float | torch.Tensor], pairs: str | Sequence[str]
+) -> dict[str, float | torch.Tensor]:
+    """Keep the keys of the selected block pairs (and every key that is about no pair).
+
+    Args:
+        result: One block's results.
+        pairs: ``"all"``, ``"diagonal"`` or a sequence of pair names such as ``("VV", "QQ", "W1W1")``.
+
+    Returns:
+        The filtered dict (same values).
+
+    Example:
+        >>> sorted(select_pairs({"hessian/QQ/h0": 1.0, "hessian/VQ/h0": 2.0, "term/x_norm": 3.0}, "diagonal"))
+        ['hessian/QQ/h0', 'term/x_norm']
+    """
+    if pairs == "all":
+        return dict(result)
+    keep = is_diagonal_pair if pairs == "diagonal" else set(pairs).__contains__
+    out = {}
+    for key, value in result.items():
+        pair = pair_of(key)
+        if pair is None or keep(pair):
+            out[key] = value
+    return out
+
+
+def _part_values(result: Mapping[str, float | torch.Tensor], part: str) -> dict[str, float]:
+    """``{pair[/h]: value}`` of the keys ``{part}/{pair}[/h{i}]`` (bounds excluded)."""
+    out = {}
+    for key, value in result.items():
+        pieces = key.split("/")
+        if pieces[0] == part and len(pieces) in (2, 3) and _PAIR.match(pieces[1]):
+            if len(pieces) == 3 and not _HEAD.match(pieces[2]):
+                continue
+            out["/".join(pieces[1:])] = to_float(value)
+    return out
+
+
+def block_norm(result: Mapping[str, float | torch.Tensor], part: str = "hessian") -> float | None:
+    """Spectral-norm proxy of one block: the largest ``{part}/{pair}[/h]`` norm it reports.
+
+    For a symmetric matrix the norm of any sub-block is at most the norm of the whole, so this is a lower
+    bound of ``||H||_2`` of the block, exact when the whole block (``QKV``) is among the pairs.
+    ``None`` when the block reports no such key (e.g. a LayerNorm without Hessian norms).
+    """
+    values = [abs(v) for v in _part_values(result, part).values() if math.isfinite(v)]
+    return max(values) if values else None
+
+
+def block_norms(results: Mapping[str, Mapping[str, float | torch.Tensor]]) -> dict[str, float]:
+    """``{block: block_norm}`` for every block that reports Hessian norms, in input order."""
+    out = {}
+    for name, result in results.items():
+        norm = block_norm(result)
+        if norm is not None:
+            out[name] = norm
+    return out
+
+
+def log10_spread(values: Iterable[float]) -> float:
+    """Heterogeneity ``log10(max) - log10(min)`` over the positive, finite values (``nan`` if none).
+
+    0 means all equal; 3 means three orders of magnitude between the flattest and the most curved.
+    """
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    if not positive:
+        return math.nan
+    return math.log10(max(positive)) - math.log10(min(positive))
+
+
+def vv_qq_ratios(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """``ratio/VV_QQ[/h{i}]`` = ``||H(VV)|| / ||H(QQ)||`` per head of an attention block.
+
+    The papers' scaling argument says the value block grows like ``||X||^2`` and the query block like
+    ``||X||^6``, so this ratio tracks how input scale shifts curvature between the two.
+    Heads with ``||H(QQ)|| = 0`` give ``inf``.
+    """
+    hess = _part_values(result, "hessian")
+    out = {}
+    for key, vv in hess.items():
+        pieces = key.split("/")
+        if pieces[0] != "VV":
+            continue
+        qq = hess.get("/".join(["QQ", *pieces[1:]]))
+        if qq is None:
+            continue
+        out["/".join(["ratio/VV_QQ", *pieces[1:]])] = vv / qq if qq != 0 else math.inf
+    return out
+
+
+def functional_outer_ratio(result: Mapping[str, float | torch.Tensor]) -> float | None:
+    """``max ||H_f|| / max ||H_o||`` over the pairs (and heads) of one block, or ``None``.
+
+    Near 0 the Gauss-Newton part dominates (a GGN/K-FAC preconditioner sees the curvature); near or above
+    1 the functional part, which GN-based methods drop, matters as much.
+    """
+    outer = block_norm(result, "outer")
+    functional = block_norm(result, "functional")
+    if outer is None or functional is None:
+        return None
+    return functional / outer if outer != 0 else math.inf
+
+
+def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]``.
+
+    Example:
+        >>> block_derived({"hessian/VV": 4.0, "hessian/QQ": 2.0, "outer/QQ": 2.0, "functional/QQ": 1.0})
+        {'hessian/max': 4.0, 'ratio/functional_outer': 0.5, 'ratio/VV_QQ': 2.0}
+    """
+    out: dict[str, float] = {}
+    norm = block_norm(result)
+    if norm is not None:
+        out["hessian/max"] = norm
+    ratio = functional_outer_ratio(result)
+    if ratio is not None:
+        out["ratio/functional_outer"] = ratio
+    out.update(vv_qq_ratios(result))
+    return out
+
+
+def _layer_of(name: str, layers: Mapping[str, int] | None) -> int | None:
+    if layers is not None and name in layers:
+        return layers[name]
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _finite(values: Iterable[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def summarize(
+    results: Mapping[str, Mapping[str, float | torch.Tensor]],
+    layers: Mapping[str, int] | None = None,
+) -> dict[str, float]:
+    """Model-wide summary of one evaluation, keys relative to ``summary/``'s parent.
+
+    Args:
+        results: ``{block name: {relative key: value}}`` of one evaluation.
+        layers: ``{block name: layer index}``; by default parsed from ``layer{i}`` in the name.
+
+    Returns:
+        ``summary/max_hessian`` (largest block norm), ``summary/max_hessian_layer`` and
+        ``summary/max_hessian_block`` (its layer and its position in ``results``),
+        ``summary/heterogeneity/model`` and ``summary/heterogeneity/layer{i}`` (log10 spread of block norms),
+        ``summary/vv_qq_ratio/median`` (over all attention heads), ``summary/functional_outer/max`` and
+        ``/median`` (over blocks), ``summary/ln/inv_var_max`` (max over blocks of ``ln/inv_var_max``) and
+        ``summary/ln/var_min`` (min over blocks of ``ln/var_min``). Keys whose inputs are absent are omitted.
+
+    Example:
+        >>> s = summarize({"layer0/attn": {"hessian/QQ": 1.0}, "layer1/attn": {"hessian/QQ": 100.0}})
+        >>> s["summary/max_hessian"], s["summary/max_hessian_layer"], s["summary/heterogeneity/model"]
+        (100.0, 1.0, 2.0)
+    """
+    out: dict[str, float] = {}
+    names = list(results)
+    norms = block_norms(results)
+    if norms:
+        top = max(norms, key=norms.__getitem__)
+        out["summary/max_hessian"] = norms[top]
+        layer = _layer_of(top, layers)
+        if layer is not None:
+            out["summary/max_hessian_layer"] = float(layer)
+        out["summary/max_hessian_block"] = float(names.index(top))
+        out["summary/heterogeneity/model"] = log10_spread(norms.values())
+        by_layer: dict[int, list[float]] = {}
+        for name, norm in norms.items():
+            layer = _layer_of(name, layers)
+            if layer is not None:
+                by_layer.setdefault(layer, []).append(norm)
+        for layer in sorted(by_layer):
+            out[f"summary/heterogeneity/layer{layer}"] = log10_spread(by_layer[layer])
+    ratios = _finite(v for result in results.values() for v in vv_qq_ratios(result).values())
+    if ratios:
+        out["summary/vv_qq_ratio/median"] = statistics.median(ratios)
+    fo = [functional_outer_ratio(result) for result in results.values()]
+    fo_finite = _finite(v for v in fo if v is not None)
+    if fo_finite:
+        out["summary/functional_outer/max"] = max(fo_finite)
+        out["summary/functional_outer/median"] = statistics.median(fo_finite)
+    inv_var = _finite(to_float(r["ln/inv_var_max"]) for r in results.values() if "ln/inv_var_max" in r)
+    if inv_var:
+        out["summary/ln/inv_var_max"] = max(inv_var)
+    var_min = _finite(to_float(r["ln/var_min"]) for r in results.values() if "ln/var_min" in r)
+    if var_min:
+        out["summary/ln/var_min"] = min(var_min)
+    return out
+
+
+def reduce_op(key: str) -> str:
+    """How a relative key is combined across data-parallel ranks: ``"mean"``, ``"max"`` or ``"min"``.
+
+    Norms and ratios are averaged (each rank saw its own batch; the mean is the estimate over the global
+    batch). Quantities that are extremes by definition, which are also the ones the warnings watch, keep
+    the worst rank: ``max`` when the key's last word (head suffix ignored) has a ``max`` token
+    (``ln/inv_var_max``), ``min`` for ``min`` (``ln/var_min``, ``ln/var_min_over_eps``).
+
+    Example:
+        >>> reduce_op("hessian/QQ/h0"), reduce_op("ln/inv_var_max"), reduce_op("ln/var_min_over_eps")
+        ('mean', 'max', 'min')
+    """
+    pieces = key.split("/")
+    last = pieces[-2] if len(pieces) > 1 and _HEAD.match(pieces[-1]) else pieces[-1]
+    tokens = last.split("_")
+    if "max" in tokens:
+        return "max"
+    if "min" in tokens:
+        return "min"
+    return "mean"

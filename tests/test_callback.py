@@ -1,0 +1,391 @@
+"""Tests of CurvatureMonitor with a real Trainer on CPU, a tiny GPT and real loggers.
+
+Each test asserts on what reached the logger (metrics.csv, or the calls a WandbLogger received).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+import curvwatch.callback as callback_module
+from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch.capture import Capture, CapturedBlock
+from tests.ddp_script import TinyLM, loader
+from tests.utils import assert_close_report
+
+PREFIX = "curv/"
+MAX_KEY = "curv/summary/max_hessian"
+SKIP_KEY = "curv/summary/skipped_evaluations"
+
+
+def make_trainer(tmp_path, monitor, *, max_steps=5, logger=None, callbacks=(), **kwargs):
+    logger = CSVLogger(tmp_path, name="csv", version=0) if logger is None else logger
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=logger,
+        callbacks=[monitor, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
+
+
+def read_rows(trainer):
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def curv_rows(rows):
+    """``{step: {key: float}}`` of the CurvatureMonitor values, one dict per logged step."""
+    out: dict[int, dict[str, float]] = {}
+    for row in rows:
+        values = {k: float(v) for k, v in row.items() if k.startswith(PREFIX) and v != ""}
+        if values:
+            assert int(row["step"]) not in out, f"step {row['step']} logged twice"
+            out[int(row["step"])] = values
+    return out
+
+
+class SpyCapture(Capture):
+    """Capture that remembers the blocks it handed out, per instance."""
+
+    instances: list[SpyCapture] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handed: list[CapturedBlock] = []
+        SpyCapture.instances.append(self)
+
+    def blocks(self):
+        self.handed = super().blocks()
+        return self.handed
+
+
+class HookCheck(Callback):
+    """Records, after every batch, how many forward hooks are left on the model."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.counts.append(count_hooks(pl_module))
+
+
+def count_hooks(module):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+@pytest.fixture
+def spy_capture(monkeypatch):
+    SpyCapture.instances = []
+    monkeypatch.setattr(callback_module, "Capture", SpyCapture)
+    return SpyCapture
+
+
+def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    hooks = HookCheck()
+    trainer = make_trainer(tmp_path, monitor, max_steps=5, log_every_n_steps=3, callbacks=[hooks])
+    trainer.fit(TinyLM(), loader())
+    logged = curv_rows(read_rows(trainer))
+    # due steps only, although Lightning itself logs at steps 2 and 5 (log_every_n_steps=3)
+    assert sorted(logged) == [0, 2, 4]
+    keys = set(logged[0])
+    assert all(set(v) == keys for v in logged.values())
+    for block in ("layer0/attn", "layer0/ffn", "layer0/ln_1", "layer0/ln_2"):
+        assert any(k.startswith(f"{PREFIX}{block}/") for k in keys), block
+    for key in (
+        "curv/layer0/attn/hessian/QQ/h0",
+        "curv/layer0/attn/hessian/VV/h1",
+        "curv/layer0/attn/ratio/VV_QQ/h0",
+        "curv/layer0/ffn/hessian/W1W1",
+        "curv/layer0/ffn/ratio/functional_outer",
+        "curv/layer0/ln_2/ln/var_min_over_eps",
+        MAX_KEY,
+        "curv/summary/heterogeneity/model",
+        "curv/summary/heterogeneity/layer0",
+        SKIP_KEY,
+    ):
+        assert key in keys, key
+    assert not any("/VQ" in k for k in keys), "off-diagonal pairs are not logged by default"
+    assert all(math.isfinite(v) for step in logged.values() for v in step.values())
+    # numbers equal CapturedBlock.evaluate recomputed on the captured tensors
+    assert len(spy_capture.instances) == 3
+    for step, capture in zip((0, 2, 4), spy_capture.instances, strict=True):
+        for block in capture.handed if step == 4 else ():  # recompute one step: CPU time is shared
+            expected = block.evaluate(tol=monitor.tol, max_iter=monitor.max_iter, dtype=torch.float32)
+            for key in ("hessian/QQ/h0", "hessian/VV/h1", "hessian/W1W1", "ln/var_min", "term/x_norm"):
+                if key in expected:
+                    actual = logged[step][f"{PREFIX}{block.spec.name}/{key}"]
+                    assert_close_report(
+                        actual, expected[key], rtol=1e-5, name=f"step {step} {block.spec.name} {key}"
+                    )
+        norms = {b.spec.name: logged[step].get(f"{PREFIX}{b.spec.name}/hessian/max") for b in capture.handed}
+        assert logged[step][MAX_KEY] == pytest.approx(max(v for v in norms.values() if v is not None))
+    # hooks exist only inside the due steps' capture
+    assert hooks.counts == [0] * 5
+    assert count_hooks(trainer.lightning_module) == 0
+    # headline summaries are in callback_metrics, for EarlyStopping / ModelCheckpoint
+    assert isinstance(trainer.callback_metrics[MAX_KEY], torch.Tensor)
+    assert trainer.callback_metrics[MAX_KEY].item() == pytest.approx(logged[4][MAX_KEY], rel=1e-6)
+    text = monitor.summary_text()
+    assert "3 evaluation(s)" in text and "layer0/" in text and "Heterogeneity" in text
+
+
+def test_gradient_accumulation_captures_last_micro_batch_and_rescales(tmp_path, spy_capture, monkeypatch):
+    seen = []
+    original = CapturedBlock.evaluate
+
+    def evaluate(self, **kwargs):
+        seen.append(self.inputs["grad_output"])
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
+
+    class WhenCaptured(Callback):
+        def __init__(self):
+            self.batches = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if monitor._capture_step is not None:
+                self.batches.append((batch_idx, trainer.global_step))
+
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    when = WhenCaptured()
+    trainer = make_trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, callbacks=[when])
+    trainer.fit(TinyLM(), loader())
+    assert when.batches == [(1, 0), (5, 2)]  # last micro-batch of the windows of optimizer steps 0 and 2
+    assert sorted(curv_rows(read_rows(trainer))) == [0, 2]
+    captured = [b.inputs["grad_output"] for c in spy_capture.instances for b in c.handed]
+    assert len(seen) == len(captured)
+    for scaled, raw in zip(seen, captured, strict=True):
+        torch.testing.assert_close(scaled, 2.0 * raw)
+
+
+def test_hooks_removed_after_exception_in_training(tmp_path):
+    class Failing(TinyLM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.trainer.global_step == 2:
+                raise RuntimeError("boom in training_step")
+            return loss
+
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    model = Failing()
+    trainer = make_trainer(tmp_path, monitor, max_steps=5)
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        trainer.fit(model, loader())
+    assert count_hooks(model) == 0
+    assert monitor._capture_step is None
+
+
+def test_ln_collapse_warns(tmp_path):
+    model = TinyLM(lr=0.0)
+    with torch.no_grad():  # LayerNorm inputs ~1e-4 x their usual scale: variance far below eps
+        model.model.tok_emb.weight.mul_(1e-4)
+        model.model.pos_emb.weight.mul_(1e-4)
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, cooldown=100)
+    trainer = make_trainer(tmp_path, monitor, max_steps=3)
+    with pytest.warns(CurvatureWarning) as record:
+        trainer.fit(model, loader())
+    messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    assert len(messages) == 2, messages  # ln_1 and ln_2 at step 0; cooldown silences the repeats at step 2
+    assert messages[0].startswith("LayerNorm variance collapse in block 'layer0/ln_1' at step 0")
+    assert messages[1].startswith("LayerNorm variance collapse in block 'layer0/ln_2' at step 0")
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("ln_collapse", 0)] * 2
+    logged = curv_rows(read_rows(trainer))
+    assert logged[0]["curv/layer0/ln_1/ln/var_min_over_eps"] < 5.0
+    assert logged[2]["curv/summary/warnings"] == 2.0
+    assert "ln_collapse in layer0/ln_1" in monitor.summary_text()
+
+
+def test_healthy_run_does_not_warn(tmp_path):
+    monitor = CurvatureMonitor(every_n_train_steps=1, max_tokens=16, spike_warmup=1)
+    trainer = make_trainer(tmp_path, monitor, max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CurvatureWarning)
+        trainer.fit(TinyLM(), loader())
+    assert not [w for w in caught if issubclass(w.category, CurvatureWarning)]
+    assert monitor.alerts == [] and monitor._evaluations == 4
+
+
+def _raise(self, **kwargs):
+    raise FloatingPointError("induced evaluation failure")
+
+
+def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    trainer = make_trainer(tmp_path, monitor, max_steps=5)
+    with pytest.warns(
+        CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"
+    ):
+        trainer.fit(TinyLM(), loader())
+    assert trainer.global_step == 5  # training went on
+    logged = curv_rows(read_rows(trainer))
+    assert {step: v[SKIP_KEY] for step, v in logged.items()} == {0: 1.0, 2: 2.0, 4: 3.0}
+    assert not any(MAX_KEY in v for v in logged.values())
+    assert trainer.callback_metrics[SKIP_KEY].item() == 3.0
+    assert count_hooks(trainer.lightning_module) == 0
+    assert "induced evaluation failure" in monitor.summary_text()
+
+
+def test_on_error_raise(tmp_path, monkeypatch):
+    monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
+    model = TinyLM()
+    trainer = make_trainer(tmp_path, CurvatureMonitor(every_n_train_steps=2, on_error="raise"), max_steps=3)
+    with pytest.raises(FloatingPointError, match="induced evaluation failure"):
+        trainer.fit(model, loader())
+    assert count_hooks(model) == 0
+
+
+def test_resume_restores_state(tmp_path):
+    first = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    trainer = make_trainer(tmp_path / "a", first, max_steps=3)
+    trainer.fit(TinyLM(), loader(n=12))  # 3 batches: the checkpoint is at an epoch end
+    ckpt = tmp_path / "resume.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = first.state_dict()
+    assert saved["last_step"] == 2 and saved["evaluations"] == 2
+    assert saved["alerts"]["baselines"]
+
+    class Snapshot(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = second.state_dict()
+
+    second = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    snapshot = Snapshot()
+    trainer = make_trainer(tmp_path / "b", second, max_steps=5, callbacks=[snapshot])
+    trainer.fit(TinyLM(), loader(n=12), ckpt_path=ckpt)
+    assert snapshot.state == saved  # counters, baselines, cooldowns
+    assert sorted(curv_rows(read_rows(trainer))) == [4]  # step 3 is not due; nothing repeated
+    assert second._evaluations == 3
+    assert curv_rows(read_rows(trainer))[4]["curv/summary/evaluations"] == 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"every_n_train_steps": 0}, "Invalid every_n_train_steps=0. Must be an int >= 1."),
+        ({"every_n_train_steps": 2.5}, "Invalid every_n_train_steps=2.5. Must be an int >= 1."),
+        ({"max_tokens": 0}, "Invalid max_tokens=0. Must be an int >= 1."),
+        ({"max_iter": 0}, "Invalid max_iter=0. Must be an int >= 1."),
+        ({"tol": 1.5}, "Invalid tol=1.5. Must be a number in [0, 1)"),
+        ({"dtype": "float16"}, "Invalid dtype='float16'. Must be one of ('float32', 'float64')."),
+        ({"pairs": "some"}, "Invalid pairs='some'. Must be 'diagonal', 'all'"),
+        ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
+        ({"on_error": "ignore"}, "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
+        ({"blocks": "all"}, "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec."),
+        ({"log_key_prefix": 3}, "Invalid log_key_prefix=3. Must be a str"),
+        ({"spike_factor": 0.5}, "Invalid spike_factor=0.5. Must be > 1"),
+        ({"patience": 0}, "Invalid patience=0. Must be an int >= 1."),
+        ({"cooldown": -2}, "Invalid cooldown=-2. Must be an int >= 0."),
+    ],
+)
+def test_kwarg_validation(kwargs, message):
+    escaped = "".join("\\" + c if c in "[]().?*+" else c for c in message)
+    with pytest.raises(ValueError, match=escaped):
+        CurvatureMonitor(**kwargs)
+
+
+def test_setup_checks(tmp_path):
+    class NoBlocks(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+    monitor = CurvatureMonitor()
+    trainer = SimpleNamespace(strategy=object())
+    with pytest.raises(ValueError, match="find_blocks found no known Transformer layer in NoBlocks"):
+        monitor.setup(trainer, NoBlocks(), "fit")
+    monitor.setup(trainer, NoBlocks(), "validate")  # other stages: nothing to check
+
+    class FSDPStrategy:  # stands in for lightning's, matched by class name along the MRO
+        pass
+
+    class MyFSDP(FSDPStrategy):
+        pass
+
+    with pytest.raises(ValueError, match="does not support strategy=MyFSDP.*Use strategy='ddp'"):
+        monitor.setup(SimpleNamespace(strategy=MyFSDP()), TinyLM(), "fit")
+
+
+def test_wandb_offline_logger(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="curvwatch-test")
+    calls = []
+    original = logger.log_metrics
+
+    def spy(metrics, step=None):
+        calls.append((dict(metrics), step))
+        return original(metrics, step=step)
+
+    monkeypatch.setattr(logger, "log_metrics", spy)
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    trainer = make_trainer(tmp_path, monitor, max_steps=5, logger=logger, log_every_n_steps=50)
+    try:
+        trainer.fit(TinyLM(), loader())
+        curv = [(step, m) for m, step in calls if any(k.startswith(PREFIX) for k in m)]
+        numbers = [(step, m) for step, m in curv if MAX_KEY in m]
+        assert [step for step, _ in numbers] == [0, 2, 4]
+        assert all(math.isfinite(m[MAX_KEY]) for _, m in numbers)
+        images = [(step, m) for step, m in curv if "curv/summary/heatmap" in m]
+        if importlib_util_find("matplotlib"):
+            assert [step for step, _ in images] == [0, 2, 4]
+            assert isinstance(images[0][1]["curv/summary/heatmap"][0], wandb.Image)
+        run = logger.experiment
+        assert run.summary.get(MAX_KEY) is not None
+    finally:
+        wandb.finish()
+
+
+def importlib_util_find(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _run_ddp(tmp_path, *extra):
+    script = Path(__file__).with_name("ddp_script.py")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    result = _run_ddp(tmp_path / "ok")
+    assert result["world_size"] == 2
+    assert result["steps"] == [0, 2, 4]  # one set of steps, logged once, by rank zero
+    assert all(math.isfinite(v) for v in result["values"])
+    # a failure on rank 1 alone: both ranks skip, nothing hangs, rank zero logs the counter
+    result = _run_ddp(tmp_path / "fail", "--fail-rank", "1")
+    assert result["steps"] == []
+    assert result["skipped"] == [1.0, 2.0, 3.0]
