@@ -2,7 +2,7 @@
 
 Conventions (``docs/design.md``): a layer computes ``X @ W (+ b)``, so ``W_1`` is ``(d, d_ff)`` and ``W_2`` is
 ``(d_ff, d_out)``; Jacobians are taken with row-major flattening, ``vec_r(W) = W.reshape(-1)``, so
-``d vec_r(S) / d vec_r(W)`` is exactly what ``torch.func.jacrev`` returns after a ``reshape(S.numel(), W.numel())``.
+``d vec_r(S) / d vec_r(W)`` is what ``torch.func.jacrev`` returns, reshaped to ``(S.numel(), W.numel())``.
 Every function is row-wise over tokens: an input of shape ``(B, L, d)`` is treated as ``N = B * L`` rows.
 
 Two forms are offered for each Jacobian:
@@ -55,8 +55,8 @@ class Activation(str, Enum):
 class RowKronecker:
     """A Jacobian stored as one Kronecker product per token row.
 
-    The rows of token ``i`` (``m`` output features) are ``left_i ⊗ right_i``, with ``left_i`` a ``1 × p`` row and
-    ``right_i`` an ``m × q`` matrix, so that
+    The rows of token ``i`` (``m`` output features) are ``left_i ⊗ right_i``, with ``left_i`` a ``1 × p`` row
+    and ``right_i`` an ``m × q`` matrix, so that
 
     ``J[(i, k), (a, b)] = left[i, a] * right[i, k, b]``,  ``J`` of shape ``(N * m, p * q)``.
 
@@ -94,8 +94,9 @@ class RowKronecker:
         """Materialise the Jacobian, ``(N * m, p * q)``: one broadcast multiply, no matmul."""
         N, p = self.left.shape
         _, m, q = self.right.shape
-        dense = self.left[:, None, :, None] * self.right[:, :, None, :]  # (N, m, p, q)
-        return dense.reshape(N * m, p * q)
+        dense = self.left.new_empty(N, m, p, q)  # explicit layout: a broadcast product may come out permuted
+        torch.mul(self.left[:, None, :, None], self.right[:, :, None, :], out=dense)
+        return dense.view(N * m, p * q)
 
     def mv(self, V: Tensor) -> Tensor:
         """Jacobian-vector product ``J vec_r(V)`` for a ``(p, q)`` tangent ``V``; returns ``(N, m)``."""
@@ -112,13 +113,11 @@ class RowKronecker:
 
 def _check_tensor(name: str, t: Tensor, ndims: Sequence[int], shape_hint: str) -> None:
     if not isinstance(t, Tensor):
-        raise ValueError(
-            f"Invalid {name}: expected a torch.Tensor of shape {shape_hint}, got {type(t).__name__}."
-        )
+        raise ValueError(f"Invalid {name}: expected a torch.Tensor of shape {shape_hint}, got {type(t).__name__}.")
     if t.dtype not in _FLOAT_DTYPES:
         raise ValueError(
-            f"Invalid {name}.dtype={t.dtype}. Must be torch.float32 or torch.float64; cast with {name}.float() "
-            f"or {name}.double()."
+            f"Invalid {name}.dtype={t.dtype}. Must be torch.float32 or torch.float64; cast with "
+            f"{name}.float() or {name}.double()."
         )
     if t.ndim not in ndims:
         raise ValueError(f"Invalid {name}.shape={tuple(t.shape)}. Must be {shape_hint}.")
@@ -140,9 +139,7 @@ def _check_like(name: str, t: Tensor | None, ref: Tensor, shape: tuple[int, ...]
 
 def _check_eps(eps: float) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(
-            f"Invalid eps={eps!r}. Must be a finite float >= 0 (PyTorch's LayerNorm default is 1e-5)."
-        )
+        raise ValueError(f"Invalid eps={eps!r}. Must be a finite float >= 0 (PyTorch's LayerNorm default is 1e-5).")
     return float(eps)
 
 
@@ -175,7 +172,8 @@ def _check_ffn(Y: Tensor, W_1: Tensor, W_2: Tensor | None, b_1: Tensor | None) -
         _check_tensor("W_2", W_2, (2,), "(d_ff, d_out)")
         if W_2.shape[0] != d_ff:
             raise ValueError(
-                f"Invalid W_2.shape={tuple(W_2.shape)}. Must be (d_ff, d_out) with d_ff={d_ff} = W_1.shape[1]; "
+                f"Invalid W_2.shape={tuple(W_2.shape)}. Must be (d_ff, d_out) with d_ff={d_ff} = "
+                "W_1.shape[1]; "
                 "curvwatch uses the X @ W convention, so pass nn.Linear.weight.T."
             )
         _check_like("W_2", W_2, Y, tuple(W_2.shape), "")
@@ -187,9 +185,7 @@ def _check_ffn(Y: Tensor, W_1: Tensor, W_2: Tensor | None, b_1: Tensor | None) -
 # shared forward pieces
 
 
-def _activation(
-    Z_pre: Tensor, activation: Activation, derivative: bool = True
-) -> tuple[Tensor, Tensor | None]:
+def _activation(Z_pre: Tensor, activation: Activation, derivative: bool = True) -> tuple[Tensor, Tensor | None]:
     """``σ(Z_pre)`` and (if ``derivative``) ``σ'(Z_pre)``, both of the shape of ``Z_pre``."""
     if activation is Activation.RELU:
         H = torch.relu(Z_pre)
@@ -205,7 +201,7 @@ def _activation(
 def _layernorm_stats(X: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Normalised rows ``ŷ = (x - μ) / s`` and ``1/s``, ``s = sqrt(σ² + eps)`` (biased variance).
 
-    One fused kernel (``torch.native_layer_norm``, the op behind ``F.layer_norm``). Returns ``(N, n)``, ``(N, 1)``.
+    One fused kernel (``torch.native_layer_norm``, the op behind ``F.layer_norm``); ``(N, n)``, ``(N, 1)``.
     """
     y, _, rstd = torch.native_layer_norm(X, (X.shape[-1],), None, None, eps)
     if eps == 0.0 and bool(torch.isinf(rstd).any()):
@@ -223,14 +219,14 @@ def _centering(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _layernorm_unit_blocks(y: Tensor, weight: Tensor | None) -> Tensor:
-    """``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``, ``(N, n, n)``: one batched rank-1 update of the broadcast ``C``."""
+    """``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``, ``(N, n, n)``: rank-1 update of a broadcast ``C``."""
     n = y.shape[-1]
     C = _centering(n, y.dtype, y.device)
     if weight is not None:
         C, y_left = weight.unsqueeze(1) * C, y * weight
     else:
         y_left = y
-    return torch.baddbmm(C, y_left.unsqueeze(2), y.unsqueeze(1), alpha=-1.0 / n)
+    return torch.addcmul(C, y_left.unsqueeze(2), y.unsqueeze(1), value=-1.0 / n)  # one fused broadcast pass
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -368,7 +364,8 @@ def ffn_jacobian_W1_structured(
 ) -> RowKronecker:
     """``∂S/∂W_1`` as a :class:`RowKronecker`: left = ``Y``, right ``[i, m, b] = W_2[b, m] σ'(Z_pre)_{ib}``.
 
-    Elementwise (sheet §5): ``[B_1]_{(i,m),(a,b)} = W_2[b, m] σ'(Z_pre)_{ib} Y_{ia}``, ``Z_pre = Y W_1 + b_1``;
+    Elementwise (sheet §5), with ``Z_pre = Y W_1 + b_1``:
+    ``[B_1]_{(i,m),(a,b)} = W_2[b, m] σ'(Z_pre)_{ib} Y_{ia}``;
     equivalently ``B_1 = (I_N ⊗ W_2ᵀ) diag(vec_r σ'(Z_pre)) (Y ⊗ I_{d_ff})``.
 
     Args:
@@ -389,7 +386,7 @@ def ffn_jacobian_W1_structured(
     act = _check_activation(activation)
     Z_pre = torch.addmm(b_1, Y_rows, W_1) if b_1 is not None else Y_rows @ W_1  # (N, d_ff)
     _, dsigma = _activation(Z_pre, act)
-    right = W_2.T.unsqueeze(0) * dsigma.unsqueeze(1)  # (N, d_out, d_ff)
+    right = W_2.T.contiguous().unsqueeze(0) * dsigma.unsqueeze(1)  # (N, d_out, d_ff), row-major
     return RowKronecker(Y_rows, right)
 
 
@@ -400,7 +397,7 @@ def ffn_jacobian_W1(
     b_1: Tensor | None = None,
     activation: str | Activation = "relu",
 ) -> Tensor:
-    """Dense ``∂ vec_r S / ∂ vec_r W_1`` (sheet §5, ``B_1``), ``[B_1]_{(i,m),(a,b)} = W_2[b,m] σ'(Z_pre)_{ib} Y_{ia}``.
+    """Dense ``∂ vec_r S / ∂ vec_r W_1`` (sheet §5): ``[B_1]_{(i,m),(a,b)} = W_2[b,m] σ'(Z_pre)_{ib} Y_{ia}``.
 
     Args: as :func:`ffn_jacobian_W1_structured`.
 
@@ -442,10 +439,11 @@ def block_output_jacobians_structured(
     * ``∂Z/∂W_2``: the rows of token ``i`` are ``σ(z_i) ⊗ J_i``.
     * ``∂Z/∂W_1``: the rows of token ``i`` are ``y_i ⊗ (J_i W_2ᵀ diag σ'(z_i))``.
 
-    Here ``z_i = y_i W_1 + b_1``, ``s_i`` is the LayerNorm scale of row ``i`` of ``S``, ``ŷ_i`` its normalised row,
-    and ``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``. The scalar ``1/s_i`` is kept on the left factor, so:
+    Here ``z_i = y_i W_1 + b_1``, ``s_i`` is the LayerNorm scale of row ``i`` of ``S``, ``ŷ_i`` its normalised
+    row, and ``s_i J_i = diag(w) (C - ŷ_i ŷ_iᵀ / n)``. The scalar ``1/s_i`` is kept on the left factor, so:
 
-    * ``W_2``: left ``σ(z_i) / s_i`` ``(N, d_ff)``, right ``diag(w) (C - ŷ_i ŷ_iᵀ / n)`` ``(N, d_out, d_out)``.
+    * ``W_2``: left ``σ(z_i) / s_i``, ``(N, d_ff)``; right ``diag(w) (C - ŷ_i ŷ_iᵀ / n)``,
+      ``(N, d_out, d_out)``.
     * ``W_1``: left ``y_i / s_i`` ``(N, d)``, right ``diag(w) (C W_2ᵀ - ŷ_i (W_2 ŷ_i)ᵀ / n) diag σ'(z_i)``
       ``(N, d_out, d_ff)``. The rank-1 form costs ``O(d d_ff)`` per row, not a ``d × d × d_ff`` matmul.
 
@@ -464,8 +462,8 @@ def block_output_jacobians_structured(
         wrt: Which Jacobians to compute, a subset of ``("W_1", "W_2")``.
 
     Returns:
-        ``{"W_1": RowKronecker((N, d), (N, d_out, d_ff)), "W_2": RowKronecker((N, d_ff), (N, d_out, d_out))}``,
-        restricted to ``wrt``, factors as listed above.
+        ``{"W_1": RowKronecker((N, d), (N, d_out, d_ff)),``
+        ``"W_2": RowKronecker((N, d_ff), (N, d_out, d_out))}``, restricted to ``wrt``; factors as above.
 
     Raises:
         ValueError: for wrong shapes or dtypes, an unknown activation or ``wrt`` name, ``eps < 0``, or
@@ -485,7 +483,8 @@ def block_output_jacobians_structured(
     _check_like("weight", weight, Y, (d_out,), "the LayerNorm gain over the FFN output")
     if residual and d_out != d:
         raise ValueError(
-            f"Invalid residual=True with W_2.shape={tuple(W_2.shape)}: the residual Y + FFN(Y) needs d_out = d = {d}. "
+            f"Invalid residual=True with W_2.shape={tuple(W_2.shape)}: the residual Y + FFN(Y) needs "
+            f"d_out = d = {d}. "
             "Pass residual=False or a (d_ff, d) W_2."
         )
     wrt = tuple(wrt)
@@ -507,13 +506,13 @@ def block_output_jacobians_structured(
         out["W_2"] = RowKronecker(H * rstd, _layernorm_unit_blocks(y, weight))
     if "W_1" in wrt:
         # y_i ⊗ J_i W_2ᵀ diag σ'(z_i) = (y_i / s_i) ⊗ diag(w) (C W_2ᵀ - ŷ_i (W_2 ŷ_i)ᵀ / n) diag σ'(z_i)
-        C_W2T = W_2.T - W_2.T.mean(dim=0, keepdim=True)  # (d_out, d_ff): C W_2ᵀ
+        C_W2T = (W_2 - W_2.mean(dim=1, keepdim=True)).T.contiguous()  # (d_out, d_ff): C W_2ᵀ
         y_left = y
         if weight is not None:
             C_W2T, y_left = weight.unsqueeze(1) * C_W2T, y * weight
         right = C_W2T.unsqueeze(0) * dsigma.unsqueeze(1)  # (N, d_out, d_ff)
         V = torch.mm(y, W_2.T).mul_(dsigma)  # (N, d_ff): (W_2 ŷ_i) ⊙ σ'(z_i)
-        right.baddbmm_(y_left.unsqueeze(2), V.unsqueeze(1), alpha=-1.0 / d_out)
+        right.addcmul_(y_left.unsqueeze(2), V.unsqueeze(1), value=-1.0 / d_out)
         out["W_1"] = RowKronecker(Y_rows * rstd, right)
     return {k: out[k] for k in wrt}
 
@@ -531,7 +530,7 @@ def block_output_jacobians(
     weight: Tensor | None = None,
     wrt: Sequence[str] = _WRT,
 ) -> dict[str, Tensor]:
-    """Dense ``∂ vec_r Z / ∂ vec_r W_1`` and ``∂ vec_r Z / ∂ vec_r W_2`` of the post-LN block output (sheet §6 Thm 4).
+    """Dense ``∂ vec_r Z / ∂ vec_r W_1`` and ``∂ vec_r Z / ∂ vec_r W_2`` of the post-LN block (§6 Thm 4).
 
     ``Z = LN(S)``, ``S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)``, ``∂Z/∂W_i = J_Z B_i``; computed through
     :func:`block_output_jacobians_structured` and materialised once, with no dense block-diagonal matmul:

@@ -1,0 +1,176 @@
+"""Shared benchmark helpers: device choice, interleaved timing, memory, JSON output and markdown tables."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def select_device(name: str | None) -> torch.device:
+    """``"cuda"`` or ``"cpu"``; ``None`` picks CUDA when available. CUDA without a GPU is an error."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"Invalid device={name!r}. Must be 'cpu' or 'cuda'.")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Invalid device='cuda': torch.cuda.is_available() is False. Pass --device cpu.")
+    return torch.device(name)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so a wall-clock reading covers them (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    repeats: int = 15,
+    min_repeats: int = 3,
+    warmup: int = 1,
+    min_time_s: float = 0.02,
+    budget_s: float = float("inf"),
+) -> dict[str, dict[str, Any]]:
+    """Time several functions side by side: warm-up, then round-robin repeats, median of per-repeat times.
+
+    Each repeat runs every function once in turn (the order rotates from repeat to repeat), so slow
+    drifts of a shared machine hit all methods alike. A repeat of a fast function runs it ``number``
+    times back to back (chosen during warm-up so one repeat lasts at least ``min_time_s``) and records
+    the time per call. A function that has spent ``budget_s`` in total stops after ``min_repeats`` repeats.
+
+    Args:
+        fns: Name -> zero-argument callable; the return value is discarded.
+        device: Synchronised after each repeat.
+        repeats: Repeats per function (at most).
+        min_repeats: Repeats per function (at least), whatever the budget.
+        warmup: Untimed calls per function before calibration.
+        min_time_s: Shortest repeat.
+        budget_s: Time per function after which it stops once it has ``min_repeats`` repeats.
+
+    Returns:
+        Name -> ``{"median_s", "min_s", "iqr_rel", "times_s", "number", "repeats"}``; ``times_s``: per-call
+        time of each repeat; ``iqr_rel``: interquartile range over the median.
+    """
+    number: dict[str, int] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        once = max(time.perf_counter() - t0, 1e-7)
+        number[name] = max(1, min(10_000, math.ceil(min_time_s / once)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    spent = dict.fromkeys(fns, 0.0)
+    names = list(fns)
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            if len(times[name]) >= min_repeats and spent[name] >= budget_s:
+                continue
+            fn, k = fns[name], number[name]
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            synchronize(device)
+            elapsed = time.perf_counter() - t0
+            spent[name] += elapsed
+            times[name].append(elapsed / k)
+    return {name: _summary(ts, number[name]) for name, ts in times.items()}
+
+
+def _summary(ts: list[float], number: int) -> dict[str, Any]:
+    med = statistics.median(ts)
+    q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else (med, med, med)
+    return {
+        "median_s": med,
+        "min_s": min(ts),
+        "iqr_rel": (q3 - q1) / med,  # interquartile range / median: the run's noise for this method
+        "times_s": ts,
+        "number": number,
+        "repeats": len(ts),
+    }
+
+
+def peak_memory_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Peak CUDA memory allocated during one call, in bytes; ``None`` on CPU (no allocator statistics)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes held by the tensors in ``obj`` (a tensor, a dataclass of tensors, or a list/tuple/dict of them).
+
+    Stride-0 (expanded) views count as the storage they really use.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative Frobenius error ``||a - e|| / ||e||``, accumulated in float64."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(e.shape)}")
+    return float((a - e).norm() / e.norm().clamp_min(1e-300))
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        env["cuda_device"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def write_json(name: str, data: dict[str, Any], out: str | os.PathLike | None = None) -> Path:
+    """Write ``data`` to ``out`` or ``benchmarks/results/<name>.json``; returns the path."""
+    path = Path(out) if out is not None else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
