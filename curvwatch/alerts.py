@@ -159,8 +159,11 @@ class AlertMonitor:
         ratio = stats.get("var_min_over_eps")
         if ratio is None and "var_min" in stats and stats.get("eps"):
             ratio = stats["var_min"] / stats["eps"]
+        var_min = stats.get("var_min")
+        if var_min == 0 and (ratio is None or math.isinf(ratio)):
+            ratio = 0.0  # a constant row with eps = 0: 0/0, the LayerNorm output itself is NaN
         eps = stats.get("eps")
-        eps_text = f" (eps={eps:.3g})" if eps else ""
+        eps_text = f" (eps={eps:.3g})" if eps is not None else ""
         if (
             self.collapse_ratio > 0
             and ratio is not None
@@ -186,24 +189,33 @@ class AlertMonitor:
         return None
 
     def _spike(self, block: str, norm: float, step: int) -> Alert | None:
-        """Update the baseline of ``block`` with ``norm``; the spike alert it raises, if any."""
+        """Update the baseline of ``block`` with ``norm``; the spike alert it raises, if any.
+
+        The reference is the larger of the running baseline and the last value that was not a spike: a
+        spike is a jump, so the steady growth of early training (curvature rising a few-fold per
+        evaluation, "progressive sharpening") does not fire, while a persistent spike keeps comparing
+        against the level it jumped from (so ``patience > 1`` works).
+        """
         if not (math.isfinite(norm) and norm > 0):
             return None
         log_norm = math.log(norm)
         state = self._baselines.get(block)
         if state is None:
-            self._baselines[block] = [log_norm, 1.0]
+            self._baselines[block] = [log_norm, 1.0, log_norm]
             return None
-        log_base, seen = state
-        log_threshold = log_base + math.log(self.spike_factor)
+        log_base, seen = state[0], state[1]
+        log_last_ok = state[2] if len(state) > 2 else log_base  # checkpoints written before this field
+        log_ref = max(log_base, log_last_ok)
+        log_threshold = log_ref + math.log(self.spike_factor)
         alert = None
-        if seen >= self.spike_warmup and log_norm > log_threshold:
-            base, threshold = math.exp(log_base), math.exp(log_threshold)
+        spiking = seen >= self.spike_warmup and log_norm > log_threshold
+        if spiking:
+            ref, threshold = math.exp(log_ref), math.exp(log_threshold)
             msg = (
                 f"Curvature spike in block '{block}' at step {step}: Hessian norm {norm:.3g} is "
-                f"{norm / base:.3g} x its running baseline {base:.3g}, above the threshold spike_factor="
-                f"{self.spike_factor:g} x baseline = {threshold:.3g} for {self.patience} evaluation(s). "
-                f"{_FIX_SPIKE}"
+                f"{norm / ref:.3g} x its reference level {ref:.3g} (running baseline / last normal value), "
+                f"above the threshold spike_factor={self.spike_factor:g} x reference = {threshold:.3g} for "
+                f"{self.patience} evaluation(s). {_FIX_SPIKE}"
             )
             alert = Alert("spike", block, step, float(norm), threshold, msg)
         clipped = min(log_norm, log_threshold) if seen >= self.spike_warmup else log_norm
@@ -211,7 +223,7 @@ class AlertMonitor:
             new_base = (log_base * seen + clipped) / (seen + 1)
         else:
             new_base = self.spike_decay * log_base + (1 - self.spike_decay) * clipped
-        self._baselines[block] = [new_base, seen + 1]
+        self._baselines[block] = [new_base, seen + 1, log_last_ok if spiking else log_norm]
         return alert
 
     def _gate(self, key: str, candidate: Alert | None) -> Alert | None:
@@ -273,7 +285,7 @@ class AlertMonitor:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self._baselines = {k: [float(v[0]), float(v[1])] for k, v in state.get("baselines", {}).items()}
+        self._baselines = {k: [float(x) for x in v] for k, v in state.get("baselines", {}).items()}
         self._streaks = {k: [int(v[0]), int(v[1])] for k, v in state.get("streaks", {}).items()}
         self.history = [Alert(**a) for a in state.get("history", [])]
         self.fired = int(state.get("fired", len(self.history)))

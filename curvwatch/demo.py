@@ -310,7 +310,7 @@ def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
             if step == "":
                 continue
             for key, value in row.items():
-                if key in ("step", "epoch") or value in ("", None):
+                if key is None or key in ("step", "epoch") or value in ("", None) or isinstance(value, list):
                     continue
                 try:
                     number = float(value)
