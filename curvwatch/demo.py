@@ -189,11 +189,22 @@ _DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.1,
     "grad_clip": 1.0,
     "every_n_steps": 50,
+    "spike_warmup": 3,
     "max_tokens": None,  # the monitor's default
     "val_every": 250,
     "threads": 1,
 }
-_UNSTABLE: dict[str, Any] = {"norm": "post", "lr": 5e-2, "warmup_steps": 0, "grad_clip": 0.0}
+# The unstable recipe blows up within the first few steps, so it is watched at every step, and the spike
+# detector takes its baseline from the first evaluation alone (spike_warmup=1).
+_UNSTABLE: dict[str, Any] = {
+    "norm": "post",
+    "lr": 5e-2,
+    "warmup_steps": 0,
+    "grad_clip": 0.0,
+    "steps": 300,
+    "every_n_steps": 1,
+    "spike_warmup": 1,
+}
 _QUICK: dict[str, Any] = {
     "n_digits": 2,
     "n_head": 2,
@@ -299,6 +310,23 @@ def _wandb_mode(requested: str | None) -> str:
 # --------------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------------
+
+
+def loss_blowup_step(steps: list[int], losses: list[float], factor: float = 1.25) -> int | None:
+    """First step whose training loss exceeds ``factor`` times the lowest loss seen before it (or is not finite).
+
+    Example:
+        >>> loss_blowup_step([1, 2, 3, 4], [2.2, 2.1, 2.9, 5.0])
+        3
+        >>> loss_blowup_step([1, 2], [2.0, 1.9]) is None
+        True
+    """
+    best = math.inf
+    for step, loss in sorted(zip(steps, losses, strict=True)):
+        if not math.isfinite(loss) or loss > factor * best:
+            return step
+        best = min(best, loss)
+    return None
 
 
 def read_metrics(path: Path) -> dict[str, tuple[list[int], list[float]]]:
@@ -411,6 +439,8 @@ class DemoResult:
     monitor_summary: str | None = None
     plots: list[Path] = field(default_factory=list)
     wandb_dir: Path | None = None
+    first_warning_step: int | None = None
+    loss_blowup_step: int | None = None
 
 
 def run(argv: list[str] | None = None) -> DemoResult:
@@ -484,7 +514,9 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
             print(f"[curvwatch demo] CurvatureMonitor unavailable ({err}); training without it.")
         else:
             kwargs = {} if s["max_tokens"] is None else {"max_tokens": s["max_tokens"]}
-            monitor = CurvatureMonitor(every_n_train_steps=s["every_n_steps"], **kwargs)
+            monitor = CurvatureMonitor(
+                every_n_train_steps=s["every_n_steps"], spike_warmup=s["spike_warmup"], **kwargs
+            )
             callbacks.append(monitor)
 
     trainer = L.Trainer(
@@ -539,7 +571,12 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
     )
     if monitor is not None and callable(getattr(monitor, "summary_text", None)):
         result.monitor_summary = monitor.summary_text()
+    if monitor is not None and getattr(monitor, "alerts", None):
+        result.first_warning_step = min(a.step for a in monitor.alerts)
 
+    loss_series = read_metrics(metrics_csv).get("train/loss")
+    if loss_series is not None:
+        result.loss_blowup_step = loss_blowup_step(*loss_series)
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:
@@ -582,6 +619,14 @@ def _print_summary(
     elif result.monitor_summary:
         lines.append("curvature:")
         lines.extend("  " + line for line in result.monitor_summary.rstrip().splitlines())
+    if result.monitor_attached:
+        warn = "none" if result.first_warning_step is None else f"step {result.first_warning_step}"
+        blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
+        line = f"timeline:   first curvature warning: {warn}; training loss blow-up (> 1.25x its best so far): {blow}"
+        if result.first_warning_step is not None and result.loss_blowup_step is not None:
+            lead = result.loss_blowup_step - result.first_warning_step
+            line += f" ({lead} step(s) {'of warning' if lead > 0 else 'late'})"
+        lines.append(line)
     lines.append("outputs:")
     lines.append(f"  metrics   {result.metrics_csv}")
     if result.plots:
