@@ -312,18 +312,21 @@ def _wandb_mode(requested: str | None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def loss_blowup_step(steps: list[int], losses: list[float], factor: float = 1.25) -> int | None:
-    """First step whose training loss exceeds ``factor`` times the lowest loss seen before it (or is not finite).
+def loss_blowup_step(
+    steps: list[int], losses: list[float], factor: float = 1.25, min_increase: float = 0.1
+) -> int | None:
+    """First step whose training loss is not finite, or exceeds ``factor`` times the lowest loss seen before it
+    by at least ``min_increase`` nats (so noise on a near-zero loss is no blow-up).
 
     Example:
         >>> loss_blowup_step([1, 2, 3, 4], [2.2, 2.1, 2.9, 5.0])
         3
-        >>> loss_blowup_step([1, 2], [2.0, 1.9]) is None
+        >>> loss_blowup_step([1, 2, 3], [2.0, 0.01, 0.02]) is None
         True
     """
     best = math.inf
     for step, loss in sorted(zip(steps, losses, strict=True)):
-        if not math.isfinite(loss) or loss > factor * best:
+        if not math.isfinite(loss) or (loss > factor * best and loss - best >= min_increase):
             return step
         best = min(best, loss)
     return None
@@ -622,7 +625,7 @@ def _print_summary(
     if result.monitor_attached:
         warn = "none" if result.first_warning_step is None else f"step {result.first_warning_step}"
         blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
-        line = f"timeline:   first curvature warning: {warn}; training loss blow-up (> 1.25x its best so far): {blow}"
+        line = f"timeline:   first curvature warning: {warn}; training loss blow-up (> 1.25x its best so far, +0.1 nats): {blow}"
         if result.first_warning_step is not None and result.loss_blowup_step is not None:
             lead = result.loss_blowup_step - result.first_warning_step
             line += f" ({lead} step(s) {'of warning' if lead > 0 else 'late'})"

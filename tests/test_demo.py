@@ -86,3 +86,25 @@ def test_training_step_loss_ignores_prompt():
     targets[:, -2:] = 3
     expected = torch.nn.functional.cross_entropy(logits[:, -2:].reshape(-1, 12), targets[:, -2:].reshape(-1))
     torch.testing.assert_close(module._loss(logits, targets), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureWarning")
+def test_unstable_preset_warns_before_the_loss_blows_up(tmp_path):
+    from curvwatch.demo import run
+
+    result = run(["--unstable", "--steps", "12", "--wandb", "disabled", "--out-dir", str(tmp_path)])
+    assert result.first_warning_step is not None and result.loss_blowup_step is not None
+    assert result.first_warning_step < result.loss_blowup_step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stable_recipe_fires_no_warning(tmp_path):
+    """The stable default (pre-LN, warmup, clipping) over its first 400 steps: no CurvatureWarning at all."""
+    from curvwatch.demo import run
+
+    result = run(["--steps", "400", "--every-n-steps", "25", "--wandb", "disabled", "--out-dir", str(tmp_path)])
+    assert result.first_warning_step is None  # pytest turns any CurvatureWarning into an error as well
+    assert result.loss_blowup_step is None
