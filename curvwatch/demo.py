@@ -625,7 +625,10 @@ def _print_summary(
     if result.monitor_attached:
         warn = "none" if result.first_warning_step is None else f"step {result.first_warning_step}"
         blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
-        line = f"timeline:   first curvature warning: {warn}; training loss blow-up (> 1.25x its best so far, +0.1 nats): {blow}"
+        line = (
+            f"timeline:   first curvature warning: {warn}; "
+            f"training loss blow-up (> 1.25x its best so far, +0.1 nats): {blow}"
+        )
         if result.first_warning_step is not None and result.loss_blowup_step is not None:
             lead = result.loss_blowup_step - result.first_warning_step
             line += f" ({lead} step(s) {'of warning' if lead > 0 else 'late'})"
