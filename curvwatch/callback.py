@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 import warnings
@@ -21,7 +22,7 @@ from torch import Tensor
 from curvwatch import metrics as M
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
-from curvwatch.capture import Capture, CapturedBlock
+from curvwatch.capture import Capture, CapturedBlock, CaptureError
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -46,6 +47,8 @@ _HEADLINES = {
 }
 # Bare keys of the LayerNorm and FFN closed forms get their block kind as quantity prefix (design.md).
 _KIND_PREFIX = {"layernorm": "ln", "ffn": "ffn", "attention": "attn"}
+# Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
+_NONFINITE = "skipped_nonfinite"
 
 
 def _qualify(kind: str, result: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,7 +97,11 @@ class CurvatureMonitor(Callback):
       ``{p}summary/vv_qq_ratio/median``, ``{p}summary/functional_outer/max``, ``/median``,
       ``{p}summary/ln/inv_var_max``, ``{p}summary/ln/var_min``, ``{p}summary/ln/var_min_over_eps``,
       ``{p}summary/eval_time_s``, ``{p}summary/evaluations``, ``{p}summary/skipped_evaluations``,
-      ``{p}summary/warnings``.
+      ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``.
+    - ``{p}{block}/skipped_nonfinite`` (``1``), only on evaluations where the block's captured input or
+      output gradient (or its closed-form result) held NaN or Inf: its numbers are left out, never logged
+      as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
+      so a collapse that produced the NaN is still seen.
     - With a ``WandbLogger`` (or ``TensorBoardLogger``) and matplotlib: ``{p}summary/heatmap``, an image of
       ``log10`` block norms, layers x sub-blocks.
 
@@ -119,8 +126,14 @@ class CurvatureMonitor(Callback):
         patience: Consecutive evaluations a condition must hold before it warns.
         cooldown: Evaluations a fired (kind, block) stays silent.
         warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires.
-        on_error: ``"warn"``: an exception in an evaluation skips it with a warning and training goes on
-            (``{p}summary/skipped_evaluations`` counts them); ``"raise"``: re-raise it.
+        on_error: ``"warn"``: an exception anywhere in an evaluation (capture hooks in forward or backward,
+            closed forms, summaries, loggers) skips it with a warning and training goes on
+            (``{p}summary/skipped_evaluations`` counts them); ``"raise"``: re-raise it. Out of memory
+            (``torch.OutOfMemoryError``) in a closed form first frees the memory, halves the token limit
+            for this and later evaluations and retries once, with a warning.
+        memory_budget_mb: Most extra memory, in MiB, one block's closed form may take (estimated by
+            :meth:`~curvwatch.capture.CapturedBlock.evaluation_bytes`); a block over it is evaluated on
+            fewer tokens, with one warning. ``None``: only ``max_tokens`` bounds it.
         log_heatmap: Log the block-norm heatmap image to W&B/TensorBoard loggers.
         verbose: Print one line per evaluation (rank zero).
 
@@ -157,6 +170,7 @@ class CurvatureMonitor(Callback):
         cooldown: int = 10,
         warn: bool = True,
         on_error: str | OnError = "warn",
+        memory_budget_mb: float | None = None,
         log_heatmap: bool = True,
         verbose: bool = False,
     ) -> None:
@@ -193,6 +207,15 @@ class CurvatureMonitor(Callback):
             raise ValueError(
                 f"Invalid on_error={on_error!r}. Must be one of {[e.value for e in OnError]}."
             ) from None
+        if memory_budget_mb is not None and (
+            isinstance(memory_budget_mb, bool)
+            or not isinstance(memory_budget_mb, (int, float))
+            or not 0 < memory_budget_mb < math.inf
+        ):
+            raise ValueError(
+                f"Invalid memory_budget_mb={memory_budget_mb!r}. Must be a number > 0 (MiB), or None for "
+                "no budget."
+            )
         self._alerts = AlertMonitor(  # validates the alert thresholds
             collapse_ratio=collapse_ratio,
             inv_var_threshold=inv_var_threshold,
@@ -218,6 +241,7 @@ class CurvatureMonitor(Callback):
             self._kernel_pairs = self.pairs
         self.warn = bool(warn)
         self.on_error = on_error
+        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self.log_heatmap = bool(log_heatmap)
         self.verbose = bool(verbose)
 
@@ -227,8 +251,10 @@ class CurvatureMonitor(Callback):
         self._capture_step: int | None = None
         self._open_error: BaseException | None = None
         self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
-        self._warned: set[str] = set()
         # state saved in checkpoints
+        self._warned: set[str] = set()  # one-time warnings given: excluded blocks, non-finite, budget
+        self._token_limit = max_tokens  # halved after an out-of-memory error
+        self._warm_start: dict[str, dict] = {}
         self._last_step = -1
         self._evaluations = 0
         self._skipped = 0
@@ -277,7 +303,7 @@ class CurvatureMonitor(Callback):
         self._open_error = None
         self._stack = ExitStack()
         try:
-            self._capture = self._stack.enter_context(Capture(self._specs, max_tokens=self.max_tokens))
+            self._capture = self._stack.enter_context(Capture(self._specs, max_tokens=self._token_limit))
         except Exception as err:  # reported in on_before_optimizer_step, after the ranks agree
             self._open_error = err
             self._close()
@@ -313,6 +339,8 @@ class CurvatureMonitor(Callback):
             "last_summary": dict(self._last_summary),
             "peak": dict(self._peak),
             "errors": list(self._errors),
+            "warned": sorted(self._warned),
+            "token_limit": self._token_limit,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -324,6 +352,8 @@ class CurvatureMonitor(Callback):
         self._last_summary = dict(state_dict.get("last_summary", {}))
         self._peak = dict(state_dict.get("peak", {}))
         self._errors = list(state_dict.get("errors", []))
+        self._warned = set(state_dict.get("warned", []))
+        self._token_limit = min(int(state_dict.get("token_limit", self.max_tokens)), self.max_tokens)
 
     # -- public helpers -----------------------------------------------------------------------------
 
@@ -414,9 +444,62 @@ class CurvatureMonitor(Callback):
             factor /= float(scaler.get_scale())
         return factor
 
+    def _warn_once(self, key: str, message: str) -> None:
+        """Warn the first time ``key`` comes up in this run (on the rank where it happens); kept in checkpoints."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, CurvatureWarning, stacklevel=3)
+
+    def _fit_budget(self, block: CapturedBlock, dtype: torch.dtype) -> CapturedBlock:
+        """``block`` on at most ``self._token_limit`` tokens, fewer if its estimate exceeds the memory budget."""
+        block = block.truncate(self._token_limit)
+        if self.memory_budget_mb is None:
+            return block
+        budget = self.memory_budget_mb * 2**20
+        tokens = block.tokens
+        while tokens > 1 and block.truncate(tokens).evaluation_bytes(dtype, self.max_iter) > budget:
+            tokens //= 2
+        if tokens < block.tokens:
+            self._warn_once(
+                "memory_budget",
+                f"CurvatureMonitor evaluates block '{block.spec.name}' on {tokens} of {block.tokens} captured "
+                f"tokens to stay within memory_budget_mb={self.memory_budget_mb:g} (estimated "
+                f"{block.evaluation_bytes(dtype, self.max_iter) / 2**20:.3g} MiB for all of them). Raise "
+                "memory_budget_mb or lower max_tokens to silence this; blocks over budget are shrunk the same "
+                "way without further warnings.",
+            )
+            block = block.truncate(tokens)
+        return block
+
+    def _evaluate_one(self, block: CapturedBlock, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The closed form of one block; on out-of-memory: free, halve the token limit, retry once."""
+        # Lanczos start vectors carried from the last evaluation of this block (weights move little between
+        # evaluations, so the norms converge in a few steps); not checkpointed, a fresh start is only slower.
+        warm = self._warm_start.setdefault(block.spec.name, {})
+        kwargs = dict(tol=self.tol, max_iter=self.max_iter, dtype=dtype, pairs=self._kernel_pairs, warm_start=warm)
+        try:
+            return block.evaluate(**kwargs)
+        except torch.OutOfMemoryError as err:
+            message = str(err).split("\n", 1)[0]
+        # outside the except clause: the traceback (and the tensors its frames hold) is gone
+        _free_memory(block.inputs["X"].device)
+        self._token_limit = max(1, min(self._token_limit, block.tokens) // 2)
+        warnings.warn(
+            f"CurvatureMonitor ran out of memory evaluating block '{block.spec.name}' on {block.tokens} tokens "
+            f"({message}). Freed it and retrying on {self._token_limit} tokens; later evaluations keep this "
+            "lower limit. Pass a smaller max_tokens or a memory_budget_mb to avoid the retry.",
+            CurvatureWarning,
+            stacklevel=3,
+        )
+        return block.truncate(self._token_limit).evaluate(**kwargs)
+
     def _evaluate_blocks(self, captured: list[CapturedBlock], factor: float) -> tuple[dict, list[str]]:
-        """Closed forms of every capturable block: ``({block: {key: 0-d tensor}}, excluded names)``."""
-        results: dict[str, dict[str, Tensor]] = {}
+        """Closed forms of every capturable block: ``({block: {key: 0-d tensor}}, excluded names)``.
+
+        A block whose captured tensors hold NaN or Inf is not evaluated; its result is the flag
+        ``{"skipped_nonfinite": 1.0}`` (plus the input-only statistics of a LayerNorm whose input is finite).
+        """
+        results: dict[str, dict[str, Tensor | float]] = {}
         excluded = []
         dtype = _DTYPES[self.dtype]
         with torch.no_grad():
@@ -426,17 +509,36 @@ class CurvatureMonitor(Callback):
                     excluded.append(name)
                     self._excluded[name] = block.reason
                     continue
-                if factor != 1.0:
+                bad = block.nonfinite()
+                if bad:
+                    self._warn_once(
+                        f"nonfinite:{name}",
+                        f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or "
+                        f"Inf (diverged training, or an overflow under mixed precision). Its numbers are left "
+                        f"out and {self.log_key_prefix}{name}/{_NONFINITE}=1 marks every such evaluation. "
+                        "Check the loss for NaN; lower the learning rate or enable gradient clipping.",
+                    )
+                    if block.spec.kind != "layernorm" or "X" in bad:
+                        results[name] = {_NONFINITE: 1.0}
+                        continue
+                    # the variance statistics need only X: a collapse that caused the NaN is still reported
+                    block = dataclasses.replace(
+                        block, inputs={k: v for k, v in block.inputs.items() if k != "grad_output"}
+                    )
+                elif factor != 1.0:
                     block = dataclasses.replace(
                         block,
                         inputs={k: v * factor if k == "grad_output" else v for k, v in block.inputs.items()},
                     )
+                block = self._fit_budget(block, dtype)
                 try:
-                    out = block.evaluate(tol=self.tol, max_iter=self.max_iter, dtype=dtype, pairs=self._kernel_pairs)
+                    out = self._evaluate_one(block, dtype)
                 except Exception as err:
                     raise _BlockError(name, err) from err
                 out = {k: v for k, v in out.items() if not k.startswith("dense/")}
                 results[name] = M.select_pairs(_qualify(block.spec.kind, out), self.pairs)
+                if bad:
+                    results[name][_NONFINITE] = 1.0
         if not results:
             reasons = "; ".join(f"{n}: {self._excluded[n]}" for n in excluded)
             raise RuntimeError(f"no block could be evaluated ({reasons})")
@@ -461,7 +563,7 @@ class CurvatureMonitor(Callback):
                 results, excluded = self._evaluate_blocks(
                     capture.blocks(), self._grad_factor(trainer, pl_module)
                 )
-                flat = _to_floats(results)
+                flat = _drop_nan_blocks(_to_floats(results))
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start
@@ -469,13 +571,32 @@ class CurvatureMonitor(Callback):
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
             return
+        alerts_before = self._alerts.state_dict()
+        try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
+            self._log(trainer, step, flat, excluded, elapsed)
+        except Exception as err:
+            self._alerts.load_state_dict(alerts_before)
+            self._skip(trainer, step, _LogError(err))
 
-        results = {}
+    def _log(
+        self,
+        trainer: Trainer,
+        step: int,
+        flat: dict[tuple[str, str], float],
+        excluded: list[str],
+        elapsed: float,
+    ) -> None:
+        """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last."""
+        results: dict[str, dict[str, float]] = {}
+        nonfinite: list[str] = []
         for (block, key), value in flat.items():
-            results.setdefault(block, {})[key] = value
+            if key == _NONFINITE:
+                nonfinite.append(block)
+            else:
+                results.setdefault(block, {})[key] = value
         layers = {spec.name: spec.layer for spec in self._specs}
         p = self.log_key_prefix
-        logged: dict[str, float] = {}
+        logged: dict[str, float] = {f"{p}{block}/{_NONFINITE}": 1.0 for block in nonfinite}
         for block, result in results.items():
             for key, value in {**result, **M.block_derived(result)}.items():
                 logged[f"{p}{block}/{key}"] = value
@@ -487,24 +608,33 @@ class CurvatureMonitor(Callback):
         if var_ratio:
             summary["summary/ln/var_min_over_eps"] = min(var_ratio)
 
-        norms = M.block_norms(results)
+        norms = {b: v for b, v in M.block_norms(results).items() if b not in nonfinite}
         layernorms = {
             b: {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("ln/")}
             for b, r in results.items()
             if any(k.startswith("ln/") for k in r)
         }
-        eps = {s.name: float(getattr(s.module, "eps", 0.0) or 0.0) for s in self._specs}
+        eps = {s.name: getattr(s.module, "eps", None) for s in self._specs}
         for b in layernorms:
-            if eps.get(b):
-                layernorms[b]["eps"] = eps[b]
+            if isinstance(eps.get(b), (int, float)):
+                layernorms[b]["eps"] = float(eps[b])
         fired = self._alerts.update(step, norms=norms, layernorms=layernorms)
 
-        self._evaluations += 1
+        evaluations = self._evaluations + 1
         summary["summary/eval_time_s"] = elapsed
-        summary["summary/evaluations"] = float(self._evaluations)
+        summary["summary/evaluations"] = float(evaluations)
         summary["summary/skipped_evaluations"] = float(self._skipped)
+        summary["summary/nonfinite_blocks"] = float(len(nonfinite))
         summary["summary/warnings"] = float(self._alerts.fired)
         logged.update({f"{p}{k}": v for k, v in summary.items()})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=step)
+            if self.log_heatmap and norms:
+                self._log_heatmap(trainer, norms, step)
+
+        # logged: commit the state
+        self._evaluations = evaluations
         self._last_norms = norms
         self._last_summary = summary
         if norms:
@@ -512,21 +642,10 @@ class CurvatureMonitor(Callback):
             if not self._peak or norms[top] > self._peak["value"]:
                 self._peak = {"value": norms[top], "block": top, "step": step}
         self._publish_callback_metrics(trainer)
-
         if not trainer.is_global_zero:
             return
         for name in excluded:
-            if name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(
-                    f"CurvatureMonitor leaves block '{name}' out: {self._excluded[name]}.",
-                    CurvatureWarning,
-                    stacklevel=2,
-                )
-        for logger in trainer.loggers:
-            logger.log_metrics(logged, step=step)
-        if self.log_heatmap and norms:
-            self._log_heatmap(trainer, norms, step)
+            self._warn_once(name, f"CurvatureMonitor leaves block '{name}' out: {self._excluded[name]}.")
         if self.warn:
             for alert in fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
@@ -551,11 +670,13 @@ class CurvatureMonitor(Callback):
             what = "an evaluation failed on another rank"
         elif isinstance(error, _BlockError):
             what = f"evaluating block '{error.block}' raised {type(error.error).__name__}: {error.error}"
+        elif isinstance(error, _LogError):
+            what = f"summarizing or logging the numbers raised {type(error.error).__name__}: {error.error}"
         else:
             what = f"{type(error).__name__}: {error}"
         self._errors = (self._errors + [f"step {step}: {what}"])[-20:]
         if self.on_error is OnError.RAISE:
-            if isinstance(error, _BlockError):
+            if isinstance(error, (_BlockError, _LogError, CaptureError)):
                 raise error.error
             if error is not None:
                 raise error
@@ -565,7 +686,10 @@ class CurvatureMonitor(Callback):
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
-            logger.log_metrics({key: float(self._skipped)}, step=step)
+            try:
+                logger.log_metrics({key: float(self._skipped)}, step=step)
+            except Exception:  # the logger itself may be what failed; the warning below still says so
+                pass
         warnings.warn(
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
             f"{key}={self._skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
@@ -639,6 +763,32 @@ class CurvatureMonitor(Callback):
                 warnings.warn(
                     f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureWarning, 2
                 )
+
+
+def _free_memory(device: torch.device) -> None:
+    """Return cached accelerator memory after an out-of-memory error (a no-op on CPU)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _drop_nan_blocks(flat: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """Replace the numbers of every block with a NaN among them by its ``skipped_nonfinite`` flag.
+
+    ``+-inf`` is kept: it is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row).
+    """
+    bad = {block for (block, _), value in flat.items() if math.isnan(value)}
+    out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
+    out.update({(b, _NONFINITE): 1.0 for b in bad})
+    return out
+
+
+class _LogError(Exception):
+    """An error after the numbers were computed: in the summaries, the alerts or a logger."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
 
 
 class _BlockError(Exception):

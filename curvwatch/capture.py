@@ -30,7 +30,13 @@ model's device, subsampled to at most ``max_tokens`` token positions:
   later positions); for bidirectional attention it is an approximation (the prefix's queries lose the
   keys after it).
 
-Padded positions count as tokens.
+Padded positions count as tokens and are stored as they are; :meth:`CapturedBlock.reference_inputs` zeroes
+their rows of ``X`` and ``grad_output`` before a closed form sees them (the closed forms also mask them), so
+no statistic, ``term/x_norm`` included, depends on what a padded position holds.
+
+The hooks never raise into the user's forward or backward: an exception inside one (an adapter that cannot
+read an unusual module, say) is stored with the block and the phase it happened in, and :meth:`Capture.blocks`
+raises it as a :class:`CaptureError`, so the caller decides whether to skip the step or to re-raise.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from torch import Tensor
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 
-__all__ = ["Capture", "CapturedBlock"]
+__all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
 _CLOSED_FORMS = {"attention": "multi_head_attention", "layernorm": "layernorm", "ffn": "ffn"}
 _DTYPES = (torch.float32, torch.float64)
@@ -61,6 +67,23 @@ def token_slice(B: int, L: int, max_tokens: int) -> tuple[int, int]:
     if L <= max_tokens:
         return min(B, max_tokens // L), L
     return 1, max_tokens
+
+
+class CaptureError(RuntimeError):
+    """An exception raised inside a capture hook, with the block and the phase it happened in.
+
+    Args:
+        block: Block name, e.g. ``"layer0/attn"``.
+        phase: ``"forward input hook"``, ``"forward mask hook"``, ``"forward output hook"`` or
+            ``"backward hook"``.
+        error: The original exception (also the ``__cause__``).
+    """
+
+    def __init__(self, block: str, phase: str, error: BaseException) -> None:
+        super().__init__(f"capturing block '{block}' failed in the {phase}: {type(error).__name__}: {error}")
+        self.block = block
+        self.phase = phase
+        self.error = error
 
 
 def _keep(t: Tensor, max_tokens: int) -> Tensor:
@@ -90,6 +113,59 @@ class CapturedBlock:
     reason: str | None = None
 
     @property
+    def tokens(self) -> int:
+        """Token positions captured, ``B * L`` (padded ones included); 0 for a block without inputs."""
+        X = self.inputs.get("X")
+        return 0 if X is None else X.shape[0] * X.shape[1]
+
+    def truncate(self, max_tokens: int) -> CapturedBlock:
+        """The same block keeping at most ``max_tokens`` token positions, by the rule of :func:`token_slice`.
+
+        Example:
+            >>> block = CapturedBlock(None, inputs={"X": torch.zeros(4, 5, 2), "grad_output": torch.zeros(4, 5, 2)})
+            >>> block.truncate(12).tokens, block.truncate(3).tokens, block.truncate(100).tokens
+            (10, 3, 20)
+        """
+        X = self.inputs.get("X")
+        if X is None or X.shape[0] * X.shape[1] <= max_tokens:
+            return self
+        k, l = token_slice(X.shape[0], X.shape[1], max_tokens)
+        inputs = {name: t[:k, :l] for name, t in self.inputs.items()}
+        return CapturedBlock(self.spec, inputs=inputs, params=self.params, reason=self.reason)
+
+    def nonfinite(self) -> list[str]:
+        """Names of the captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``), one device sync."""
+        names = [n for n, t in self.inputs.items() if t.is_floating_point()]
+        if not names:
+            return []
+        finite = torch.stack([torch.isfinite(self.inputs[n]).all() for n in names]).tolist()
+        return [n for n, ok in zip(names, finite, strict=True) if not ok]
+
+    def evaluation_bytes(self, dtype: torch.dtype = torch.float32, max_iter: int = 20) -> int:
+        """Rough upper estimate of the extra memory :meth:`evaluate` allocates, in bytes.
+
+        With ``n_W`` the size of the block's first weight (``W_Q`` or ``W_1``, one Lanczos vector) and the
+        element size of ``dtype``: attention ``16 B H L^2 + 64 B L d + 6 max_iter n_W`` elements (the per-head
+        ``(B, H, L, L)`` tangents of the Lanczos products, then the Lanczos bases); FFN
+        ``32 B L d_ff + 6 max_iter n_W``; LayerNorm ``16 B L d``. The factors bound the peaks measured on CPU
+        with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
+        """
+        X = self.inputs.get("X")
+        if X is None:
+            return 0
+        B, L, d = X.shape
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.spec.kind == "attention":
+            H = int(self.params.get("n_heads", 1))
+            n = 16 * B * H * L * L + 64 * B * L * d + 6 * max_iter * self.params["W_Q"].numel()
+        elif self.spec.kind == "ffn":
+            W_1 = self.params["W_1"]
+            n = 32 * B * L * W_1.shape[-1] + 6 * max_iter * W_1.numel()
+        else:
+            n = 16 * B * L * d
+        return n * itemsize
+
+    @property
     def closed_form(self) -> str:
         """Name of the function of :mod:`curvwatch.closed_form` that evaluates this block."""
         return _CLOSED_FORMS[self.spec.kind]
@@ -107,9 +183,14 @@ class CapturedBlock:
             raise RuntimeError(f"Block {self.spec.name!r} cannot be evaluated: {self.reason}")
         kwargs: dict[str, Any] = {("Y" if self.spec.kind == "ffn" else "X"): self.inputs["X"]}
         kwargs.update(self.params)
-        kwargs["grad_output"] = self.inputs["grad_output"]
+        kwargs["grad_output"] = self.inputs.get("grad_output")
         mask_name = "key_padding_mask" if self.spec.kind == "attention" else "row_mask"
-        kwargs[mask_name] = self.inputs.get(mask_name)
+        mask = kwargs[mask_name] = self.inputs.get(mask_name)
+        if mask is not None:  # padded rows carry no information: no statistic may see their values
+            padded = (mask if mask_name == "key_padding_mask" else ~mask)[..., None]
+            for name in ("X", "Y", "grad_output"):
+                if isinstance(kwargs.get(name), Tensor):
+                    kwargs[name] = kwargs[name].masked_fill(padded, 0.0)
         if dtype is not None:
             kwargs = {
                 k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
@@ -124,6 +205,7 @@ class CapturedBlock:
         max_iter: int | None = None,
         dtype: torch.dtype = torch.float64,
         pairs: Sequence[str] | None = None,
+        warm_start: dict | None = None,
     ):
         """Run the closed form on the captured tensors.
 
@@ -133,6 +215,8 @@ class CapturedBlock:
             dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
             pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
                 W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
+            warm_start: a dict kept between evaluations of this block; the iterative norms start from the
+                vectors stored there (see ``curvwatch.closed_form.multi_head_attention``).
 
         Returns:
             ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
@@ -152,6 +236,8 @@ class CapturedBlock:
             if pairs is not None:
                 own = _KERNEL_PAIRS[self.spec.kind]
                 kwargs["pairs"] = [p for p in pairs if p in own]
+            if warm_start is not None:
+                kwargs["warm_start"] = warm_start
         try:
             return getattr(closed_form, self.closed_form)(**kwargs)
         except ValueError as err:
@@ -181,6 +267,11 @@ class _Record:
         self.grad: Tensor | None = None
         self.output_seen = False
         self.reason: str | None = None
+        self.error: tuple[str, BaseException] | None = None  # (phase, exception) of the first hook failure
+
+    def fail(self, phase: str, error: BaseException) -> None:
+        if self.error is None:
+            self.error = (phase, error)
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -255,23 +346,31 @@ class Capture:
 
     # -- hooks ------------------------------------------------------------------------------------
 
+    # Each hook catches everything it raises (recorded, re-raised by ``blocks``): the user's step never sees it.
+
     def _on_input(self, spec: BlockSpec, rec: _Record, module, args, kwargs) -> None:
-        if rec.X is not None or rec.reason is not None or not torch.is_grad_enabled():
+        if rec.X is not None or rec.reason or rec.error or not torch.is_grad_enabled():
             return
-        rec.X = _keep(spec.adapter.read_input(spec, args, kwargs), self.max_tokens)
         try:
+            rec.X = _keep(spec.adapter.read_input(spec, args, kwargs), self.max_tokens)
             rec.params = _snapshot(spec.adapter.read_params(spec))
         except UnsupportedBlockError as err:
             rec.reason = str(err)
+        except Exception as err:
+            rec.fail("forward input hook", err)
 
     def _on_mask(self, spec: BlockSpec, rec: _Record, module, args, kwargs) -> None:
-        if rec.masks is not None or rec.reason is not None or not torch.is_grad_enabled():
+        if rec.masks is not None or rec.reason or rec.error or not torch.is_grad_enabled():
             return
         try:
-            masks = spec.adapter.read_masks(spec, args, kwargs)
+            self._read_masks(spec, rec, args, kwargs)
         except UnsupportedBlockError as err:
             rec.reason = str(err)
-            return
+        except Exception as err:
+            rec.fail("forward mask hook", err)
+
+    def _read_masks(self, spec: BlockSpec, rec: _Record, args, kwargs) -> None:
+        masks = spec.adapter.read_masks(spec, args, kwargs)
         kpm = masks.key_padding_mask
         if kpm is not None:
             k, l = token_slice(kpm.shape[0], kpm.shape[1], self.max_tokens)
@@ -280,9 +379,16 @@ class Capture:
         rec.masks = Masks(causal=masks.causal, key_padding_mask=kpm)
 
     def _on_output(self, spec: BlockSpec, rec: _Record, module, args, output) -> Any:
-        if rec.X is None or rec.output_seen or not torch.is_grad_enabled():
+        if rec.X is None or rec.output_seen or rec.error or not torch.is_grad_enabled():
             return None
         rec.output_seen = True
+        try:
+            return self._hook_output(spec, rec, module, output)
+        except Exception as err:
+            rec.fail("forward output hook", err)
+            return None
+
+    def _hook_output(self, spec: BlockSpec, rec: _Record, module, output) -> Any:
         out = spec.adapter.read_output(spec, output)
         if not out.requires_grad:
             rec.reason = (
@@ -301,8 +407,12 @@ class Capture:
         return type(output)(copy if item is out else item for item in output)
 
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
-        if rec.grad is None:
+        if rec.grad is not None or rec.error:
+            return
+        try:
             rec.grad = _keep(spec.adapter.to_batch_first(spec, grad), self.max_tokens)
+        except Exception as err:
+            rec.fail("backward hook", err)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -311,7 +421,14 @@ class Capture:
 
         A block that cannot be evaluated is included with ``reason`` set, e.g. when no forward with
         gradient tracking reached it or no gradient arrived at its output.
+
+        Raises:
+            CaptureError: If a hook raised (the first such exception, naming the block and the phase).
         """
+        for spec, rec in zip(self.specs, self._records, strict=True):
+            if rec.error is not None:
+                phase, error = rec.error
+                raise CaptureError(spec.name, phase, error) from error
         return [self._block(spec, rec) for spec, rec in zip(self.specs, self._records, strict=True)]
 
     def _block(self, spec: BlockSpec, rec: _Record) -> CapturedBlock:

@@ -234,3 +234,19 @@ def test_bad_input_errors_say_how_to_fix():
         self_attention(X, W, W, W, target=torch.zeros(5, 2, dtype=DT))
     with pytest.raises(ValueError, match="Unknown attention pair"):
         self_attention(X, W, W, W, target=torch.zeros(4, 2, dtype=DT), pairs=["QV"])
+
+
+def test_padded_rows_do_not_change_the_statistics_and_nan_is_refused():
+    gen = torch.Generator().manual_seed(9)
+    X, W = rand(gen, 2, 4, 3), [rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 2, 3)]
+    G = rand(gen, 2, 4, 3)
+    kpm = torch.tensor([[False, False, False, True], [False] * 4])
+    base = multi_head_attention(X, *W, 1, grad_output=G, key_padding_mask=kpm, tol=0.0)
+    X2 = X.clone()
+    X2[0, 3] = 1e4  # a padded token with huge values
+    out = multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm, tol=0.0)
+    for key in ("term/x_norm", "hessian/QQ/h0", "outer/VV/h0", "term/attn_entropy/h0"):
+        assert_close_report(out[key], base[key], TOL["float64"], name=key)
+    X2[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm)

@@ -19,6 +19,11 @@ def as_batched(X: torch.Tensor, name: str = "X") -> tuple[torch.Tensor, bool]:
         raise ValueError(f"{name} must be floating point (float32 or float64); got dtype {X.dtype}. Cast it first.")
     if X.numel() == 0:
         raise ValueError(f"{name} has an empty dimension: shape {tuple(X.shape)}.")
+    if not bool(torch.isfinite(X).all()):
+        raise ValueError(
+            f"{name} holds NaN or Inf values: the curvature of a diverged forward pass is undefined. "
+            "Check the loss for NaN (lower the learning rate, clip gradients) or skip this batch."
+        )
     return (X.unsqueeze(0), False) if X.ndim == 2 else (X, True)
 
 

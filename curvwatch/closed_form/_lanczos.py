@@ -63,44 +63,47 @@ def lanczos_max_abs(
         v = v + 1e-3 * noise * v.norm(dim=-1, keepdim=True).clamp_min(1.0)
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
 
-    basis = torch.zeros((k_max, *batch_shape, n), dtype=dtype, device=device)
-    alphas = torch.zeros((*batch_shape, k_max), dtype=dtype, device=device)
-    betas = torch.zeros((*batch_shape, k_max), dtype=dtype, device=device)
+    # The basis grows one vector per step (no up-front (k_max, ..., n) allocation): (*batch, j, n).
+    basis = v.unsqueeze(-2)
+    alphas: list[torch.Tensor] = []
+    betas: list[torch.Tensor] = []
     active = torch.ones(batch_shape, dtype=torch.bool, device=device)
     eps = torch.finfo(dtype).eps
     theta = torch.zeros(batch_shape, dtype=dtype, device=device)
     ritz = v.clone()
-    steps = 0
     for j in range(k_max):
-        basis[j] = v
         w = matvec(v)
         alpha = (w * v).sum(-1)
-        alphas[..., j] = alpha
-        # full re-orthogonalisation against the whole basis, twice ("twice is enough")
-        for _ in range(2):
-            coeff = torch.einsum("k...n,...n->k...", basis[: j + 1], w)
-            w = w - torch.einsum("k...,k...n->...n", coeff, basis[: j + 1])
+        alphas.append(alpha)
+        # full re-orthogonalisation against the whole basis (classical Gram-Schmidt, repeated once when
+        # it removed a large part of w: "twice is enough")
+        norm_before = w.norm(dim=-1)
+        coeff = (basis @ w.unsqueeze(-1)).squeeze(-1)  # (*b, j+1)
+        w = w - (coeff.unsqueeze(-2) @ basis).squeeze(-2)
         beta = w.norm(dim=-1)
-        steps = j + 1
+        if bool((beta < 0.5 * norm_before).any()):
+            coeff = (basis @ w.unsqueeze(-1)).squeeze(-1)
+            w = w - (coeff.unsqueeze(-2) @ basis).squeeze(-2)
+            beta = w.norm(dim=-1)
         # eigen-decomposition of the (j+1)x(j+1) tridiagonal matrix of every batch member
-        T = torch.diag_embed(alphas[..., : j + 1])
+        a = torch.stack(alphas, -1)
+        T = torch.diag_embed(a)
         if j > 0:
-            off = betas[..., :j]
+            off = torch.stack(betas, -1)
             T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
         evals, evecs = torch.linalg.eigh(T)
         idx = evals.abs().argmax(-1, keepdim=True)
         theta = evals.gather(-1, idx).squeeze(-1)
         s_last = evecs[..., -1, :].gather(-1, idx).squeeze(-1)
-        scale = alphas[..., : j + 1].abs().amax(-1).clamp_min(torch.finfo(dtype).tiny)
+        scale = a.abs().amax(-1).clamp_min(torch.finfo(dtype).tiny)
         exhausted = beta <= 10 * eps * scale
         converged = (beta * s_last).abs() <= tol * theta.abs()
         active = active & ~(exhausted | converged)
-        if j + 1 < k_max:
-            betas[..., j] = torch.where(active, beta, torch.zeros_like(beta))
         if not bool(active.any()) or j + 1 == k_max:
             y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, j+1)
-            ritz = torch.einsum("k...n,...k->...n", basis[: j + 1], y)
+            ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
             break
+        betas.append(torch.where(active, beta, torch.zeros_like(beta)))
         v = torch.where(active.unsqueeze(-1), w / beta.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1), 0.0)
-    del steps
+        basis = torch.cat([basis, v.unsqueeze(-2)], dim=-2)
     return theta.abs(), ritz

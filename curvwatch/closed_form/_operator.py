@@ -63,6 +63,15 @@ class BlockOperator:
         raise NotImplementedError
 
 
+def _check_kinds(kinds) -> tuple[str, ...]:
+    """Validate a ``kinds`` argument (``"outer"``, ``"functional"``, ``"hessian"``) and keep the canonical order."""
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"Invalid kinds={kinds!r}. Choose a non-empty subset of {KINDS}.")
+    return tuple(k for k in KINDS if k in kinds)
+
+
 def _pair_blocks(pair: str, names: Sequence[str]) -> tuple[str, str]:
     """Split a pair name like ``"VQ"`` or ``"QW1"`` or ``"W1W2"`` into its two block names."""
     for a in names:
@@ -215,6 +224,7 @@ def spectral_norms(
     tol: float = 1e-6,
     max_iter: int | None = None,
     skip: Sequence[tuple[str, str]] = (),
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms ``{kind}/{pair}[/h{i}]`` of the requested block pairs, by batched Lanczos.
 
@@ -225,6 +235,8 @@ def spectral_norms(
         tol: relative accuracy of each norm (Lanczos residual criterion).
         max_iter: most Lanczos steps per norm.
         skip: ``(kind, pair)`` combinations computed elsewhere (exactly) and not needed here.
+        warm_start: a dict the caller keeps between calls: the Ritz vectors of each norm are stored in it
+            and used as Lanczos start vectors next time (fewer steps when the weights moved little).
 
     Returns:
         Flat dict of 0-d tensors.
@@ -237,9 +249,13 @@ def spectral_norms(
         if not ks:
             continue
         emb, mv = pair_matvec(op, pair, ks)
-        vals, _ = lanczos_max_abs(
-            mv, (len(ks), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter
+        key = (pair_name, tuple(ks))
+        v0 = _warm_vector(warm_start, key, (len(ks), emb.H, emb.n), op)
+        vals, ritz = lanczos_max_abs(
+            mv, (len(ks), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter, v0=v0
         )
+        if warm_start is not None:
+            warm_start[key] = ritz.detach()
         for i, kind in enumerate(ks):
             keys = head_keys(op, f"{kind}/{pair_name}", pair)
             if len(keys) == 1:
@@ -250,20 +266,43 @@ def spectral_norms(
     return out
 
 
+def _warm_vector(warm_start: dict | None, key, shape: tuple[int, ...], op: BlockOperator) -> torch.Tensor | None:
+    """The stored start vectors for ``key`` when they still fit (same shape), else None."""
+    if warm_start is None:
+        return None
+    v0 = warm_start.get(key)
+    if v0 is None or tuple(v0.shape) != tuple(shape) or not bool(torch.isfinite(v0).all()):
+        return None
+    return v0.to(dtype=op.dtype, device=op.device)
+
+
 def full_norms(
-    op: BlockOperator, names: Sequence[str], label: str, *, tol: float, max_iter: int | None
+    op: BlockOperator,
+    names: Sequence[str],
+    label: str,
+    *,
+    kinds: Sequence[str] = KINDS,
+    tol: float,
+    max_iter: int | None,
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
     emb = _Embedding(op, names)
-    rows = _rows(KINDS, 1, emb)
+    rows = _rows(kinds, 1, emb)
 
     def mv(u: torch.Tensor) -> torch.Tensor:
         return emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
-    vals, _ = lanczos_max_abs(mv, (3, emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter)
+    key = (label, tuple(kinds))
+    v0 = _warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op)
+    vals, ritz = lanczos_max_abs(
+        mv, (len(kinds), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter, v0=v0
+    )
+    if warm_start is not None:
+        warm_start[key] = ritz.detach()
     out = {}
     headed = any(op.params[n].headed for n in names)
-    for i, kind in enumerate(KINDS):
+    for i, kind in enumerate(kinds):
         if headed and getattr(op, "suffix_heads", True):
             for h in range(op.n_heads):
                 out[f"{kind}/{label}/h{h}"] = vals[i, h]

@@ -30,7 +30,7 @@ import torch
 
 from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
 from ._lanczos import lanczos_max_abs
-from ._operator import BlockOperator, ParamInfo, dense_blocks, full_norms, spectral_norms
+from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, full_norms, spectral_norms
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
@@ -274,6 +274,8 @@ def _attention(
     max_iter,
     dense,
     single,
+    kinds=KINDS,
+    warm_start=None,
 ):
     X3, batched = as_batched(X)
     B, L, d = X3.shape
@@ -316,12 +318,15 @@ def _attention(
             out[f"functional/{key}"] = torch.zeros((), dtype=X3.dtype, device=X3.device)
             out[f"hessian/{key}"] = vv[h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
-    out.update(spectral_norms(op, iterative, tol=tol, max_iter=max_iter))
+    kinds = _check_kinds(kinds)
+    out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
     if "QKV" in pairs or pairs == ATTENTION_PAIRS:
-        out.update(full_norms(op, ["Q", "K", "V"], "QKV", tol=tol, max_iter=max_iter))
+        out.update(
+            full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start)
+        )
 
     # bound terms, per sequence and head
-    x_b = spectral_norm_2d(X3)  # (B,)
+    x_b = spectral_norm_2d(X3 * row_keep.unsqueeze(-1).to(X3.dtype))  # (B,), padded rows excluded
     alpha = softmax_jacobian_norm(A)  # (B, H)
     beta = softmax_hessian_frobenius(A)  # (B, H)
     ent = -(A * torch.log(A.clamp_min(torch.finfo(A.dtype).tiny))).sum(-1)  # (B, H, L)
@@ -386,9 +391,11 @@ def self_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     pairs=None,
+    kinds=KINDS,
     tol: float = 1e-6,
     max_iter: int | None = None,
     dense: bool = False,
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -402,8 +409,12 @@ def self_attention(
         key_padding_mask: ``(B, L)`` or ``(L,)`` bool, True = padded; padded keys are masked and padded
             query rows leave the loss.
         pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all).
+        kinds: which iterative norms to compute, a subset of ``("outer", "functional", "hessian")``
+            (each costs its own Lanczos run; ``outer/VV`` is exact and always returned with ``VV``).
         tol: relative accuracy of the iterative spectral norms (Lanczos residual); 0 runs to max_iter.
         max_iter: most Lanczos steps per norm (default: the block size, i.e. exact).
+        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
+            stored there last time (the monitor uses it across evaluations) and stores the new ones.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
             (vec_r order, equal to ``torch.func.hessian`` reshaped) and ``dense/*/QKV``.
 
@@ -451,6 +462,8 @@ def self_attention(
         max_iter=max_iter,
         dense=dense,
         single=True,
+        kinds=kinds,
+        warm_start=warm_start,
     )
 
 
@@ -472,9 +485,11 @@ def multi_head_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     pairs=None,
+    kinds=KINDS,
     tol: float = 1e-6,
     max_iter: int | None = None,
     dense: bool = False,
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -544,4 +559,6 @@ def multi_head_attention(
         max_iter=max_iter,
         dense=dense,
         single=False,
+        kinds=kinds,
+        warm_start=warm_start,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._common import as_batched, check_weight, output_cotangent
-from ._operator import BlockOperator, ParamInfo, dense_blocks, spectral_norms
+from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
 from .attention import AttentionOperator, _keep_masks, _split_heads
 from .ffn import activation_derivatives
 from .layernorm import LayerNormRows
@@ -259,9 +259,11 @@ def transformer_block(
     grad_output: torch.Tensor | None = None,
     output_curvature: float | None = None,
     pairs=None,
+    kinds=KINDS,
     tol: float = 1e-6,
     max_iter: int | None = None,
     dense: bool = False,
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian block norms of a whole Transformer block in ``V, Q, K`` (per head), ``W1``, ``W2``.
 
@@ -276,7 +278,10 @@ def transformer_block(
         causal: causal attention mask.
         target / grad_output / output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
+        kinds: subset of ``("outer", "functional", "hessian")``.
         tol, max_iter: Lanczos accuracy and step limit.
+        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
+            stored there last time (the monitor uses it across evaluations) and stores the new ones.
         dense: also return ``dense/{outer,functional,hessian}/XY`` blocks ``(n_X, n_Y)``.
 
     Returns:
@@ -313,7 +318,7 @@ def transformer_block(
     for q in pairs:
         if q not in BLOCK_PAIRS:
             raise ValueError(f"Unknown block pair {q!r}; choose from {BLOCK_PAIRS}.")
-    out = spectral_norms(op, pairs, tol=tol, max_iter=max_iter)
+    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), tol=tol, max_iter=max_iter, warm_start=warm_start)
     for name, ln in (("ln1", op.ln1), ("ln2", op.ln2)):
         s_min = ln.s.min()
         out[f"term/{name}_inv_std_max"] = 1.0 / s_min

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
-from ._operator import BlockOperator, ParamInfo, dense_blocks, spectral_norms
+from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -105,9 +105,11 @@ def ffn(
     output_curvature: float | None = None,
     row_mask: torch.Tensor | None = None,
     pairs=None,
+    kinds=KINDS,
     tol: float = 1e-6,
     max_iter: int | None = None,
     dense: bool = False,
+    warm_start: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
@@ -120,7 +122,10 @@ def ffn(
             :func:`curvwatch.closed_form.self_attention` (``c = 2/(L m)``).
         row_mask: ``(B, L)`` bool, True = token included.
         pairs: subset of ``("W1W1", "W2W2", "W1W2")``.
+        kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
         tol, max_iter: Lanczos accuracy and step limit.
+        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
+            stored there last time (the monitor uses it across evaluations) and stores the new ones.
         dense: also return ``dense/{outer,functional,hessian}/XY``.
 
     Returns:
@@ -165,12 +170,18 @@ def ffn(
         out["outer/W2W2"] = o
         out["functional/W2W2"] = torch.zeros_like(o)
         out["hessian/W2W2"] = o
-    out.update(spectral_norms(op, [p for p in pairs if p != "W2W2"], tol=tol, max_iter=max_iter))
+    kinds = _check_kinds(kinds)
+    out.update(
+        spectral_norms(
+            op, [p for p in pairs if p != "W2W2"], kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start
+        )
+    )
     kz = Z[keep]  # (N, f)
     out["dead_fraction"] = (kz <= 0).all(0).to(Y3.dtype).mean()
     out["active_fraction"] = (kz > 0).to(Y3.dtype).mean()
-    out["term/y_norm"] = spectral_norm_2d(Y3).max()
-    out["term/hidden_norm"] = spectral_norm_2d(Hid).max()
+    kf = keep.unsqueeze(-1).to(Y3.dtype)  # masked tokens excluded from the statistics
+    out["term/y_norm"] = spectral_norm_2d(Y3 * kf).max()
+    out["term/hidden_norm"] = spectral_norm_2d(Hid * kf).max()
     out["term/w1_norm"] = spectral_norm_2d(W_1)
     out["term/w2_norm"] = spectral_norm_2d(W_2)
     if dense:

@@ -1,0 +1,72 @@
+"""Smoke tests of the HVP and scaling benchmarks: their ``--quick`` mains run, write JSON, and agree."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import bench_hvp, bench_scaling
+
+AGREE = 1e-2  # the benchmark's own agreement threshold
+
+
+@pytest.fixture(scope="module")
+def hvp_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "hvp.json"
+    data = bench_hvp.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    return data
+
+
+def test_hvp_json_fields(hvp_data):
+    assert hvp_data["name"] == "bench_hvp"
+    assert {"config", "environment", "methods", "published", "results", "sdpa"} <= set(hvp_data)
+    assert len(hvp_data["results"]) == len(bench_hvp.QUICK)
+    for row in hvp_data["results"]:
+        assert row["status"] == "measured", row["status"]
+        methods = row["methods"]
+        assert {"curvwatch", "hvp_power", "hvp_lanczos"} <= set(methods)
+        assert methods["curvwatch"]["ratio"] == pytest.approx(1.0)
+        for k, m in methods.items():
+            assert m["median_s"] > 0 and math.isfinite(m["ratio"]), k
+        keys = {f"hessian/{b}/h{h}" for b in bench_hvp.BLOCKS for h in range(row["H"])}
+        assert set(row["norms"]["curvwatch"]) == keys
+
+
+def test_hvp_norms_agree(hvp_data):
+    for row in hvp_data["results"]:
+        ref = row["norms"]["curvwatch"]
+        assert all(v > 0 for v in ref.values())
+        # every method within the benchmark's threshold (seeded, so deterministic)
+        for k in ("hvp_lanczos", "curvlinops", "hvp_power"):
+            if k not in row["norms"]:
+                continue
+            worst = max(abs(row["norms"][k][key] - ref[key]) / ref[key] for key in ref)
+            assert worst <= AGREE, f"{row['size']}: {k} differs from curvwatch by {worst:.2e} (relative)"
+
+
+def test_hvp_sdpa_section(hvp_data):
+    sdpa = hvp_data["sdpa"]
+    assert sdpa["curvwatch"]["ok"] is True
+    assert sdpa["curvwatch"]["rel_diff_vs_softmax_hvp"] <= AGREE
+    for k in ("forward_over_reverse", "double_backward"):
+        # whether the fused kernel supports higher derivatives depends on the backend; record it either way
+        assert isinstance(sdpa[k]["ok"], bool)
+        if not sdpa[k]["ok"]:
+            assert sdpa[k]["exception"]
+
+
+def test_scaling_quick(tmp_path):
+    out = tmp_path / "scaling.json"
+    data = bench_scaling.main(["--quick", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["name"] == "bench_scaling"
+    measured = [r for r in data["results"] if r["status"] == "measured"]
+    assert {r["kind"] for r in measured} == {"attention", "layernorm", "ffn", "layers"}
+    for r in measured:
+        assert r["eval_s"] > 0 and r["forward_s"] > 0
+        assert r["ratio"] == pytest.approx(r["eval_s"] / r["forward_s"])
+    for f in data["fits"]:
+        if f["points"] >= 2:
+            assert math.isfinite(f["eval_exponent"]) and math.isfinite(f["ratio_exponent"])
