@@ -66,29 +66,64 @@ class FFNOperator(BlockOperator):
         self.dtype, self.device = Y.dtype, Y.device
         self.gHid = g @ W_2.mT  # (B, L, f)
 
-    def apply(self, tangent):
-        n = next(iter(tangent.values())).shape[0]
-        dW1 = tangent.get("W1")
-        dW2 = tangent.get("W2")
-        if dW1 is None:
-            dW1 = torch.zeros((n, *self.params["W1"].shape), dtype=self.dtype, device=self.device)
-        if dW2 is None:
-            dW2 = torch.zeros((n, *self.params["W2"].shape), dtype=self.dtype, device=self.device)
+    supports_subsets = True
+
+    def apply(self, tangent, outputs=("W1", "W2"), outer_rows=None, func_rows=None):
+        """``(H_o v, H_f v)`` for the weight blocks in ``outputs``; a missing tangent name is a zero perturbation.
+
+        ``outer_rows`` / ``func_rows`` (index tensors, default all) select the tangents that need each part;
+        the returned tensors hold only those rows, in that order.
+        """
         Y, Hid, a1, a2 = self.Y, self.Hid, self.act1, self.act2
-        dZ = torch.einsum("bld,ndf->nblf", Y, dW1)  # (n, B, L, f)
-        dHid = a1 * dZ
-        dS = dHid @ self.W_2 + torch.einsum("blf,nfm->nblm", Hid, dW2)  # (n, B, L, m)
+        dW1, dW2 = tangent.get("W1"), tangent.get("W2")
+        dZ = None if dW1 is None else Y.unsqueeze(0) @ dW1.unsqueeze(1)  # (n, B, L, f)
+        dHid = None if dZ is None else a1 * dZ
+        dS = None if dHid is None else dHid @ self.W_2
+        if dW2 is not None:
+            t = Hid.unsqueeze(0) @ dW2.unsqueeze(1)  # (n, B, L, m)
+            dS = t if dS is None else dS + t
         # outer: J^T (c dS)
-        u = dS * (self.c[:, None, None] * self.keep[..., None])
-        uZ = (u @ self.W_2.mT) * a1
-        outer = {"W1": torch.einsum("bld,nblf->ndf", Y, uZ), "W2": torch.einsum("blf,nblm->nfm", Hid, u)}
+        u = dS if outer_rows is None else dS[outer_rows]
+        u = u * (self.c[:, None, None] * self.keep[..., None])
+        outer = {}
+        if "W1" in outputs:
+            outer["W1"] = _ytm(Y, (u @ self.W_2.mT) * a1)
+        if "W2" in outputs:
+            outer["W2"] = _ytm(Hid, u)
         # functional: second derivatives contracted with g
-        gZ2 = torch.einsum("blm,nfm->nblf", self.g, dW2) * a1 + self.gHid * a2 * dZ
-        func = {
-            "W1": torch.einsum("bld,nblf->ndf", Y, gZ2),
-            "W2": torch.einsum("nblf,blm->nfm", dHid, self.g),
-        }
+        if func_rows is not None:
+            dZ = None if dZ is None else dZ[func_rows]
+            dHid = None if dHid is None else dHid[func_rows]
+            dW2 = None if dW2 is None else dW2[func_rows]
+        n_f = (dZ if dZ is not None else dW2).shape[0]
+        func = {}
+        if "W1" in outputs:
+            gZ2 = None
+            if dW2 is not None:
+                gZ2 = (self.g.unsqueeze(0) @ dW2.mT.unsqueeze(1)) * a1  # (n, B, L, f)
+            if dZ is not None:
+                t = self.gHid * a2 * dZ
+                gZ2 = t if gZ2 is None else gZ2 + t
+            func["W1"] = _ytm(Y, gZ2)
+        if "W2" in outputs:
+            if dHid is None:
+                func["W2"] = torch.zeros((n_f, *self.params["W2"].shape), dtype=self.dtype, device=self.device)
+            else:
+                func["W2"] = _ytm(dHid, self.g, batched_left=True)
         return outer, func
+
+
+def _ytm(Y: torch.Tensor, M: torch.Tensor, batched_left: bool = False) -> torch.Tensor:
+    """``sum_{b,l} Y^T M`` as one matmul over the B*L tokens.
+
+    ``Y`` ``(B, L, p)`` and ``M`` ``(n, B, L, q)`` give ``(n, p, q)``; with ``batched_left`` ``Y`` is
+    ``(n, B, L, p)`` and ``M`` ``(B, L, q)``.
+    """
+    if batched_left:
+        n, B, L, p = Y.shape
+        return Y.reshape(n, B * L, p).mT @ M.reshape(B * L, M.shape[-1])
+    n, B, L, q = M.shape
+    return Y.reshape(B * L, Y.shape[-1]).mT @ M.reshape(n, B * L, q)
 
 
 def ffn(
