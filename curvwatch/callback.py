@@ -109,7 +109,10 @@ class CurvatureMonitor(Callback):
     and ``ModelCheckpoint`` can monitor e.g. ``"curv/summary/max_hessian"``.
 
     Args:
-        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``.
+        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``. The default 200 keeps the cost a
+            few percent of training: one evaluation costs about 10-35 training steps of the demo model
+            (``docs/performance.md`` section 3); lower it to watch fast events (the demo's ``--unstable``
+            preset uses 1).
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         max_tokens: Token positions kept per block (first whole sequences; see
             :class:`~curvwatch.capture.Capture`).
@@ -154,7 +157,7 @@ class CurvatureMonitor(Callback):
 
     def __init__(
         self,
-        every_n_train_steps: int = 50,
+        every_n_train_steps: int = 200,
         blocks: str | Sequence[BlockSpec] = "auto",
         max_tokens: int = 512,
         log_key_prefix: str = "curv/",
