@@ -389,3 +389,27 @@ def test_ddp_two_cpu_processes(tmp_path):
     result = _run_ddp(tmp_path / "fail", "--fail-rank", "1")
     assert result["steps"] == []
     assert result["skipped"] == [1.0, 2.0, 3.0]
+
+
+def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="curvwatch-test")
+    sent = []
+    try:
+        monkeypatch.setattr(type(logger.experiment), "alert", lambda self, **kw: sent.append(kw), raising=False)
+        model = TinyLM(lr=0.0)
+        with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
+            model.model.tok_emb.weight.mul_(1e-4)
+            model.model.pos_emb.weight.mul_(1e-4)
+        monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, cooldown=100)
+        trainer = make_trainer(tmp_path, monitor, max_steps=1, logger=logger)
+        with pytest.warns(CurvatureWarning):
+            trainer.fit(model, loader())
+    finally:
+        wandb.finish()
+    assert len(sent) == 2 and all(kw["level"] == wandb.AlertLevel.WARN for kw in sent)
+    assert "layer0/ln_1" in sent[0]["text"] and "collapse" in sent[0]["title"].lower()
