@@ -19,8 +19,6 @@ def test_dense_blocks_and_norms_match_autograd(case):
     Y = rand(gen, *bs, case["L"], case["d"])
     W_1, W_2, b_1 = rand(gen, case["d"], case["f"]), rand(gen, case["f"], case["d"]), rand(gen, case["f"])
     kw = loss_kwargs(gen, case, tuple(Y.shape))
-    if case["activation"] == "gelu_tanh":
-        pytest.skip("the reference module has no gelu_tanh; checked in test_gelu_tanh_derivatives")
     ref = reference.ffn_blocks(
         Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw
     )
@@ -82,3 +80,24 @@ def test_bad_input():
         ffn(Y, torch.randn(4, 5, dtype=DT), torch.randn(5, 4, dtype=DT), activation="swish", target=Y)
     with pytest.raises(ValueError, match="residual"):
         ffn(Y, torch.randn(4, 5, dtype=DT), torch.randn(5, 3, dtype=DT), target=torch.zeros(3, 3, dtype=DT))
+
+
+def test_gelu_tanh_blocks_match_torch_func():
+    """GPT-2's tanh GELU (the reference module has exact GELU only): dense blocks vs torch.func directly."""
+    gen = torch.Generator().manual_seed(4)
+    Y, W_1, W_2, G = rand(gen, 2, 3, 3), rand(gen, 3, 4), rand(gen, 4, 3), rand(gen, 2, 3, 3)
+    c = 0.37
+
+    def S(w1, w2):
+        return torch.nn.functional.gelu(Y @ w1, approximate="tanh") @ w2
+
+    S0 = S(W_1, W_2).detach()
+
+    def loss(w1, w2):
+        return (G * S(w1, w2)).sum() + 0.5 * c * ((S(w1, w2) - S0) ** 2).sum()
+
+    H = torch.func.hessian(loss, argnums=(0, 1))(W_1, W_2)
+    out = ffn(Y, W_1, W_2, activation="gelu_tanh", residual=False, grad_output=G, output_curvature=c, dense=True)
+    for key, (i, j) in {"W1W1": (0, 0), "W2W2": (1, 1), "W1W2": (0, 1)}.items():
+        expected = H[i][j].reshape(out[f"dense/hessian/{key}"].shape)
+        assert_close_report(out[f"dense/hessian/{key}"], expected, TOL["float64"], name=key)
