@@ -89,13 +89,13 @@ class AttentionOperator(BlockOperator):
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
         self.c = c  # (B,)
-        # per-head view of the output: cotangent g_h = g W_O^h^T and output metric W_O^h W_O^h^T
-        if W_O is None:
-            self.g_h = g.unsqueeze(1)  # (B, 1, L, d_V)
-            self.Mo = None
-        else:
-            self.g_h = torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
-            self.Mo = W_O @ W_O.mT  # (H, d_V, d_V)
+        self.Mo = None if W_O is None else W_O @ W_O.mT  # per-head output metric W_O^h W_O^h^T, (H, d_V, d_V)
+        self.set_cotangent(g)
+
+    def set_cotangent(self, g: torch.Tensor) -> None:
+        """Set ``g = dl/dF`` ``(B, L, m)`` and the per-head quantities the functional part needs."""
+        W_O = self.W_O
+        self.g_h = g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
         self.G_A = self.g_h @ self.Vv.mT  # (B, H, L, L)
         self.Gamma = softmax_jvp(self.A, self.G_A)  # dl/dT, (B, H, L, L)
         self.rG = (self.A * self.G_A).sum(-1, keepdim=True)  # (B, H, L, 1)

@@ -104,12 +104,7 @@ class TransformerBlockOperator(BlockOperator):
             self.gY = self.gZpre @ self.W_1.mT  # cotangent at V = LN2(U)
             gU = g + self.ln2.vjp(self.gY)
         # the attention operator now gets its true cotangent dl/dF = gU
-        att.g_h = torch.einsum("blm,hvm->bhlv", gU, p["W_O"])
-        att.G_A = att.g_h @ att.Vv.mT
-        from .attention import softmax_jvp
-
-        att.Gamma = softmax_jvp(att.A, att.G_A)
-        att.rG = (att.A * att.G_A).sum(-1, keepdim=True)
+        att.set_cotangent(gU)
         self.att, self.W_O = att, p["W_O"]
         d_K, d_V = att.d_K, att.d_V
         self.params = {

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from .ffn import activation_derivatives
 
 __all__ = [
     "Activation",
@@ -40,8 +41,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 class Activation(str, Enum):
@@ -187,15 +186,8 @@ def _check_ffn(Y: Tensor, W_1: Tensor, W_2: Tensor | None, b_1: Tensor | None) -
 
 def _activation(Z_pre: Tensor, activation: Activation, derivative: bool = True) -> tuple[Tensor, Tensor | None]:
     """``σ(Z_pre)`` and (if ``derivative``) ``σ'(Z_pre)``, both of the shape of ``Z_pre``."""
-    if activation is Activation.RELU:
-        H = torch.relu(Z_pre)
-        return H, torch.sign(H) if derivative else None  # sign(relu(z)) = 1[z > 0]
-    H = F.gelu(Z_pre)
-    if not derivative:
-        return H, None
-    cdf = 0.5 * (1.0 + torch.erf(Z_pre * _INV_SQRT_2))  # Φ
-    pdf = torch.exp(-0.5 * Z_pre * Z_pre) * _INV_SQRT_2PI  # φ
-    return H, cdf + Z_pre * pdf
+    H, d1, _ = activation_derivatives(Z_pre, activation.value)
+    return H, d1 if derivative else None
 
 
 def _layernorm_stats(X: Tensor, eps: float) -> tuple[Tensor, Tensor]:
