@@ -51,8 +51,9 @@ class AttentionOperator(BlockOperator):
         b_Q, b_K: ``(H, d_K)`` or None; b_V: ``(H, d_V)`` or None.
         keep: ``(B, L, L)`` bool, True where query i may attend key j (causal and padding), or None.
         row_keep: ``(B, L)`` bool, query rows that belong to the loss.
-        g: ``(B, L, m)`` cotangent ``dl/dF`` (zero on dropped rows).
-        c: ``(B,)`` output curvature per sequence.
+        g: ``(B, L, m)`` cotangent ``dl/dF`` (zero on dropped rows), or None to set it later with
+            :meth:`set_cotangent` (once :meth:`output` has given the loss its ``F``).
+        c: ``(B,)`` output curvature per sequence (with ``g``).
     """
 
     suffix_heads = True
@@ -88,13 +89,20 @@ class AttentionOperator(BlockOperator):
         A = torch.softmax(T, dim=-1)
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
-        self.c = c  # (B,)
         self.Mo = None if W_O is None else W_O @ W_O.mT  # per-head output metric W_O^h W_O^h^T, (H, d_V, d_V)
-        self.set_cotangent(g)
+        if g is not None:
+            self.set_cotangent(g, c)
 
-    def set_cotangent(self, g: torch.Tensor) -> None:
-        """Set ``g = dl/dF`` ``(B, L, m)`` and the per-head quantities the functional part needs."""
+    def output(self, b_O: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer output ``F = sum_h A_h V_h W_O^h (+ b_O)``, ``(B, L, m)``."""
+        Fh = self.A @ self.Vv  # (B, H, L, d_V)
+        F = Fh[:, 0] if self.W_O is None else torch.einsum("bhlv,hvm->blm", Fh, self.W_O)
+        return F if b_O is None else F + b_O
+
+    def set_cotangent(self, g: torch.Tensor, c: torch.Tensor) -> None:
+        """Set ``g = dl/dF`` ``(B, L, m)``, the output curvature ``c`` ``(B,)`` and what the products need."""
         W_O = self.W_O
+        self.c = c
         self.g_h = g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
         self.G_A = self.g_h @ self.Vv.mT  # (B, H, L, L)
         self.Gamma = softmax_jvp(self.A, self.G_A)  # dl/dT, (B, H, L, L)
@@ -281,27 +289,18 @@ def _attention(
     B, L, d = X3.shape
     H = W_Q.shape[0]
     keep, row_keep = _keep_masks(B, L, causal, key_padding_mask, X3.device)
-    # forward pass for the output and the loss convention
-    P = torch.einsum("bld,hdk->bhlk", X3, W_Q) + (0 if b_Q is None else b_Q[None, :, None, :])
-    Kk = torch.einsum("bld,hdk->bhlk", X3, W_K) + (0 if b_K is None else b_K[None, :, None, :])
-    Vv = torch.einsum("bld,hdv->bhlv", X3, W_V) + (0 if b_V is None else b_V[None, :, None, :])
-    T = P @ Kk.mT / math.sqrt(W_Q.shape[-1])
-    if keep is not None:
-        T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
-    A = torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)
-    Fh = A @ Vv  # (B, H, L, d_V)
-    F = Fh[:, 0] if W_O is None else torch.einsum("bhlv,hvm->blm", Fh, W_O)
-    if b_O is not None:
-        F = F + b_O
+    # one forward pass: the operator's, which also gives the output the loss convention needs
+    op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, None, None, suffix_heads=not single)
     g, c, resid = output_cotangent(
-        F,
+        op.output(b_O),
         row_keep,
         target=target,
         grad_output=grad_output,
         output_curvature=output_curvature,
         batched=batched,
     )
-    op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=not single)
+    op.set_cotangent(g, c)
+    A = op.A
     pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
     for p in pairs:
         if p not in ATTENTION_PAIRS and p != "QKV":

@@ -60,10 +60,10 @@ class TransformerBlockOperator(BlockOperator):
             p.get("b_V"),
             keep,
             row_keep,
-            torch.zeros(B, L, d, dtype=X.dtype, device=X.device),
-            torch.zeros(B, dtype=X.dtype, device=X.device),
+            None,
+            None,
         )
-        F = torch.einsum("bhlv,hvm->blm", att.A @ att.Vv, p["W_O"]) + (0 if p.get("b_O") is None else p["b_O"])
+        F = att.output(p.get("b_O"))
         U = X + F
         if norm == "post":
             self.ln1 = LayerNormRows(U, eps, ln1_w)
@@ -104,7 +104,7 @@ class TransformerBlockOperator(BlockOperator):
             self.gY = self.gZpre @ self.W_1.mT  # cotangent at V = LN2(U)
             gU = g + self.ln2.vjp(self.gY)
         # the attention operator now gets its true cotangent dl/dF = gU
-        att.set_cotangent(gU)
+        att.set_cotangent(gU, torch.zeros(B, dtype=X.dtype, device=X.device))  # outer part is chained here
         self.att, self.W_O = att, p["W_O"]
         d_K, d_V = att.d_K, att.d_V
         self.params = {
