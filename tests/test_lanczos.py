@@ -65,10 +65,16 @@ def test_softmax_terms_match_dense():
     T = 3 * torch.randn(2, 6, 6, generator=gen, dtype=DT)
     T[0, 0, :] = 0.0  # a uniform row (ties everywhere)
     T[1, 2, :2] = 50.0  # two tied maxima
+    T[1, 3, 1] = 30.0  # nearly one-hot: the other entries are ~1e-13 (catastrophic cancellation case)
+    T[0, 4, 5] = 21.0  # nearly one-hot, ~1e-9 elsewhere
     A = torch.softmax(T, -1)
     alpha, beta = softmax_jacobian_norm(A), softmax_hessian_frobenius(A)
     for b in range(2):
         rows = [_dense_softmax_terms(A[b, i]) for i in range(6)]
         assert_close_report(alpha[b], max(r[0] for r in rows), 1e-10)
         assert_close_report(beta[b], max(r[1] for r in rows), 1e-10)
+        for i, (a_i, b_i) in enumerate(rows):  # row by row: tiny values of near-one-hot rows must be right too
+            row = A[b, i].unsqueeze(0)  # one query row
+            assert_close_report(softmax_jacobian_norm(row), a_i, 1e-6, name=f"alpha row {b},{i}", atol=1e-15)
+            assert_close_report(softmax_hessian_frobenius(row), b_i, 1e-6, name=f"beta row {b},{i}", atol=1e-15)
     assert float(alpha.max()) <= 0.5

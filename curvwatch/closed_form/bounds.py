@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def softmax_jacobian_norm(A: torch.Tensor, iters: int = 60) -> torch.Tensor:
@@ -59,10 +60,16 @@ def softmax_jacobian_norm(A: torch.Tensor, iters: int = 60) -> torch.Tensor:
 def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
     """Frobenius norm of the softmax second derivative, max over rows: an upper bound of every unfolding's norm.
 
-    For a row ``a``, ``d^2 a_j / dT_k dT_l = a_j E_jkl`` with ``E_j = 2 a a^T + e_j e_j^T - diag(a) - e_j a^T -
-    a e_j^T`` (P2 Lemma C.1). With ``p_2 = sum a^2``, ``p_3 = sum a^3``:
-    ``||E_j||_F^2 = 4 p_2^2 - 4 p_3 + 3 p_2 + 1 + 10 a_j^2 - 8 a_j p_2 - 6 a_j``, so the row's squared norm is
-    ``sum_j a_j^2 ||E_j||_F^2``, computed in ``O(L)``.
+    For a row ``a`` with Jacobian ``J = diag(a) - a a^T``, the second derivative is
+    ``S_jkl = d J_jk / dT_l = J_jl (delta_jk - a_k) - a_j J_kl`` (P2 Lemma C.1). With
+    ``w_j = sum_k (delta_jk - a_k)^2``, ``r_j = sum_l J_jl^2 = a_j^2 w_j``, ``p_2 = sum a^2`` and
+    ``J a = a * (a - p_2)``, expanding the square gives, in ``O(L)`` per row,
+
+    ``||S||_F^2 = sum_j r_j w_j - 2 (sum_j a_j r_j - ||J a||^2) + p_2 sum_j r_j``.
+
+    Near one-hot rows every term is tiny, so ``1 - a_top``, ``sum_{l != top} a_l^2`` and ``a_top - p_2`` are
+    formed from the other entries, never as differences of numbers close to 1 (an earlier closed form in
+    powers of ``a`` cancelled catastrophically there and under-estimated the norm by 1e7).
 
     Args:
         A: ``(..., L, L)``.
@@ -70,11 +77,19 @@ def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(...)`` tensor.
     """
+    top = F.one_hot(A.argmax(-1), A.shape[-1]).to(torch.bool)  # (..., L, L), the largest entry of each row
+    others = A.masked_fill(top, 0.0)
     p2 = (A * A).sum(-1, keepdim=True)
-    p3 = (A * A * A).sum(-1, keepdim=True)
-    e2 = 4 * p2 * p2 - 4 * p3 + 3 * p2 + 1 + 10 * A * A - 8 * A * p2 - 6 * A
-    row = (A * A * e2).sum(-1).clamp_min(0).sqrt()
-    return row.amax(-1)
+    c_top = others.sum(-1, keepdim=True)  # 1 - a_top
+    s_top = (others * others).sum(-1, keepdim=True)  # sum of the other squares
+    c = torch.where(top, c_top, 1.0 - A)  # 1 - a_j (a_j <= 1/2 off the top entry: no cancellation)
+    s = torch.where(top, s_top, p2 - A * A)  # sum_{l != j} a_l^2 (>= a_top^2 off the top entry)
+    w = c * c + s
+    r = A * A * w
+    m = torch.where(top, A * c_top - s_top, A - p2)  # a_j - p_2
+    Ja2 = (A * A * m * m).sum(-1)
+    sq = (r * w).sum(-1) - 2 * ((A * r).sum(-1) - Ja2) + p2.squeeze(-1) * r.sum(-1)
+    return sq.clamp_min(0).sqrt().amax(-1)
 
 
 def _spec(M: torch.Tensor) -> torch.Tensor:
