@@ -78,3 +78,63 @@ def test_softmax_terms_match_dense():
             assert_close_report(softmax_jacobian_norm(row), a_i, 1e-6, name=f"alpha row {b},{i}", atol=1e-15)
             assert_close_report(softmax_hessian_frobenius(row), b_i, 1e-6, name=f"beta row {b},{i}", atol=1e-15)
     assert float(alpha.max()) <= 0.5
+
+
+def test_softmax_jacobian_norm_newton_row_by_row():
+    """The Newton solve of the secular equation equals eigvalsh on every row: flat, peaked, tied, masked rows."""
+    gen = torch.Generator().manual_seed(2)
+    for L in (2, 3, 17, 64):
+        for scale in (0.01, 0.3, 1.0, 3.0, 8.0):
+            A = torch.softmax(scale * torch.randn(40, L, generator=gen, dtype=DT), -1)
+            A[0] = 0.0  # fully masked row
+            A[1] = 1.0 / L  # uniform: every entry tied
+            A[2, :2], A[2, 2:] = 0.5 - 1e-3 * (L > 2), 2e-3 / max(L - 2, 1)  # two tied maxima
+            J = torch.diag_embed(A) - A.unsqueeze(-1) * A.unsqueeze(-2)
+            expected = torch.linalg.eigvalsh(J)[:, -1]
+            got = softmax_jacobian_norm(A.unsqueeze(1))  # each row as its own (1, L) matrix
+            assert_close_report(got, expected, 1e-12, name=f"alpha L={L} scale={scale}", atol=1e-15)
+
+
+def test_lanczos_tolerance_is_relative_accuracy_on_hard_spectra():
+    """``tol`` is the relative accuracy of the norm: clustered, power-law, indefinite and flat spectra."""
+    gen = torch.Generator().manual_seed(3)
+    n = 120
+    spectra = {
+        "gaussian": torch.randn(n, generator=gen, dtype=DT),
+        "cluster": torch.cat(
+            [1 + 1e-3 * torch.rand(5, generator=gen, dtype=DT), 0.9 * torch.rand(n - 5, generator=gen, dtype=DT)]
+        ),
+        "power_law": torch.arange(1, n + 1, dtype=DT) ** -1.0,
+        "indefinite_pair": torch.cat(
+            [torch.tensor([1.0, -0.999], dtype=DT), 0.9 * torch.rand(n - 2, generator=gen, dtype=DT)]
+        ),
+        "flat": 1 + 0.01 * torch.rand(n, generator=gen, dtype=DT),
+    }
+    for name, e in spectra.items():
+        Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+        S = (Q * e) @ Q.T
+        for tol in (1e-2, 1e-3):
+            val, _ = lanczos_max_abs(lambda v, S=S: v @ S, (), n, dtype=DT, device=torch.device("cpu"), tol=tol)
+            assert_close_report(val.reshape(()), e.abs().max(), tol, name=f"{name} tol={tol}")
+
+
+def test_lanczos_indefinite_does_not_stop_on_the_smaller_end():
+    """Eigenvalues 1 and -0.95 above a cluster in [0, 0.9] (a functional Hessian can look like this).
+
+    The isolated -0.95 converges first. Stopping on it alone (``both_ends=False``, ARPACK's "LM" rule)
+    returns 0.95 in many trials; the default also waits until the other end cannot overtake.
+    """
+    gen = torch.Generator().manual_seed(4)
+    n, trials = 120, 20
+    misses = {True: 0, False: 0}
+    for trial in range(trials):
+        e = torch.cat([torch.tensor([1.0, -0.95], dtype=DT), 0.9 * torch.rand(n - 2, generator=gen, dtype=DT)])
+        Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+        S = (Q * e) @ Q.T
+        for both in (True, False):
+            val, _ = lanczos_max_abs(
+                lambda v, S=S: v @ S, (), n, dtype=DT, device=torch.device("cpu"), tol=1e-3, seed=trial, both_ends=both
+            )
+            misses[both] += int(abs(float(val) - 1.0) > 1e-3)
+    assert misses[False] >= 5, misses  # the failure mode is real
+    assert misses[True] == 0, misses

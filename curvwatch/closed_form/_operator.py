@@ -136,43 +136,59 @@ class _Embedding:
         return torch.cat(pieces, dim=-1)
 
 
-def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tangent rows that need the outer part and those that need the functional part.
+def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tangent rows of each kind: ``(outer rows, functional rows, hessian rows)``.
 
     The tangent batch is ``repeat`` copies (2 for off-diagonal pairs) of one row per kind, each expanded to
     one row per head when the operator couples heads (see :meth:`_Embedding.embed`).
     """
     k = len(kinds)
     f = 1 if emb.op.head_diagonal else emb.H
-    ro = [
-        (r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd != "functional" for h in range(f)
-    ]
-    rf = [(r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd != "outer" for h in range(f)]
-    dev = emb.op.device
-    return torch.tensor(ro, dtype=torch.long, device=dev), torch.tensor(rf, dtype=torch.long, device=dev)
+
+    def of(kind: str) -> torch.Tensor:
+        idx = [(r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd == kind for h in range(f)]
+        return torch.tensor(idx, dtype=torch.long, device=emb.op.device)
+
+    return of("outer"), of("functional"), of("hessian")
 
 
-def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: tuple[torch.Tensor, torch.Tensor]):
+def select_rows(t: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
+    """Rows ``idx`` (ascending, unique, as built by :func:`_rows`) of ``t`` along dim 0; no copy for all rows."""
+    if t is None or idx is None or len(idx) == t.shape[0]:
+        return t
+    return t.index_select(0, idx)
+
+
+def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: tuple[torch.Tensor, ...]):
     """``H_kind(row) v_row`` for every tangent row: outer, functional or their sum, restricted to ``outputs``.
 
-    Operators that declare ``supports_subsets`` compute each part only for the rows that need it.
+    Operators that declare ``supports_subsets`` compute each part only for the rows that need it; those that
+    also declare ``supports_total`` compute the hessian rows in one fused pass (both parts share the
+    backward matmuls) instead of as outer + functional.
     """
-    ro, rf = rows
-    if getattr(op, "supports_subsets", False):
-        o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf)
+    ro, rf, rt = rows
+    n = next(iter(tangent.values())).shape[0]
+    parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    if getattr(op, "supports_total", False):
+        o, f, t = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf, total_rows=rt)
+        parts = [(ro, o), (rf, f), (rt, t)]
+    elif getattr(op, "supports_subsets", False):
+        ro_all, rf_all = torch.cat([ro, rt]), torch.cat([rf, rt])
+        o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro_all, func_rows=rf_all)
+        parts = [(ro_all, o), (rf_all, f)]
     else:
         o, f = op.apply(tangent)
-        o = {nm: t[ro] for nm, t in o.items()}
-        f = {nm: t[rf] for nm, t in f.items()}
+        ro_all, rf_all = torch.cat([ro, rt]), torch.cat([rf, rt])
+        parts = [(ro_all, {nm: x[ro_all] for nm, x in o.items()}), (rf_all, {nm: x[rf_all] for nm, x in f.items()})]
     out = {}
     for nm in outputs:
-        ref = o[nm] if nm in o else f[nm]
-        n = next(iter(tangent.values())).shape[0]
+        ref = next(p[nm] for _, p in parts if nm in p)
         total = torch.zeros((n, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
-        if len(ro):
-            total.index_add_(0, ro, o[nm])
-        if len(rf):
-            total.index_add_(0, rf, f[nm])
+        for idx, p in parts:
+            if len(idx) == n:  # every row: ascending and unique, so the identity
+                total = total + p[nm]
+            elif len(idx):
+                total.index_add_(0, idx, p[nm])
         out[nm] = total
     return out
 
@@ -249,13 +265,7 @@ def spectral_norms(
         if not ks:
             continue
         emb, mv = pair_matvec(op, pair, ks)
-        key = (pair_name, tuple(ks))
-        v0 = _warm_vector(warm_start, key, (len(ks), emb.H, emb.n), op)
-        vals, ritz = lanczos_max_abs(
-            mv, (len(ks), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter, v0=v0
-        )
-        if warm_start is not None:
-            warm_start[key] = ritz.detach()
+        vals = _lanczos_norms(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start)
         for i, kind in enumerate(ks):
             keys = head_keys(op, f"{kind}/{pair_name}", pair)
             if len(keys) == 1:
@@ -266,14 +276,44 @@ def spectral_norms(
     return out
 
 
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start) -> torch.Tensor:
+    """``(len(kinds), H)`` norms of ``mv`` by batched Lanczos, warm-started from and stored into ``warm_start``."""
+    vals, ritz = lanczos_max_abs(
+        mv,
+        (len(kinds), emb.H),
+        emb.n,
+        dtype=op.dtype,
+        device=op.device,
+        tol=tol,
+        max_iter=max_iter,
+        v0=_warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op),
+        both_ends=_both_ends(kinds, op, diagonal=diagonal),
+    )
+    if warm_start is not None:
+        warm_start[key] = ritz.detach()
+    return vals
+
+
+def _both_ends(kinds: Sequence[str], op: BlockOperator, diagonal: bool) -> torch.Tensor:
+    """``(len(kinds), 1)`` mask: which Lanczos runs must resolve both ends of the spectrum.
+
+    Outer (Gauss-Newton) blocks are PSD and off-diagonal blocks are embedded with a spectrum symmetric
+    about zero: the largest-magnitude end alone decides. Functional and total diagonal blocks are
+    indefinite.
+    """
+    need = [diagonal and k != "outer" for k in kinds]
+    return torch.tensor(need, dtype=torch.bool, device=op.device).unsqueeze(-1)
+
+
 def _warm_vector(warm_start: dict | None, key, shape: tuple[int, ...], op: BlockOperator) -> torch.Tensor | None:
     """The stored start vectors for ``key`` when they still fit (same shape), else None."""
     if warm_start is None:
         return None
     v0 = warm_start.get(key)
-    if v0 is None or tuple(v0.shape) != tuple(shape) or not bool(torch.isfinite(v0).all()):
+    if v0 is None or tuple(v0.shape) != tuple(shape):
         return None
-    return v0.to(dtype=op.dtype, device=op.device)
+    # non-finite entries become 0 (Lanczos mixes noise into a zero start); no host-device sync to check
+    return torch.nan_to_num(v0.to(dtype=op.dtype, device=op.device), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def full_norms(
@@ -293,13 +333,7 @@ def full_norms(
     def mv(u: torch.Tensor) -> torch.Tensor:
         return emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
-    key = (label, tuple(kinds))
-    v0 = _warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op)
-    vals, ritz = lanczos_max_abs(
-        mv, (len(kinds), emb.H), emb.n, dtype=op.dtype, device=op.device, tol=tol, max_iter=max_iter, v0=v0
-    )
-    if warm_start is not None:
-        warm_start[key] = ritz.detach()
+    vals = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
     out = {}
     headed = any(op.params[n].headed for n in names)
     for i, kind in enumerate(kinds):

@@ -30,7 +30,16 @@ import torch
 
 from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
 from ._lanczos import lanczos_max_abs
-from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, full_norms, spectral_norms
+from ._operator import (
+    KINDS,
+    BlockOperator,
+    ParamInfo,
+    _check_kinds,
+    dense_blocks,
+    full_norms,
+    select_rows,
+    spectral_norms,
+)
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
@@ -58,6 +67,7 @@ class AttentionOperator(BlockOperator):
 
     suffix_heads = True
     supports_subsets = True
+    supports_total = True
 
     def __init__(self, X, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=True):
         self.X = X
@@ -88,6 +98,7 @@ class AttentionOperator(BlockOperator):
             T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
         A = torch.softmax(T, dim=-1)
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
+        self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L), see set_cotangent
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
         self.Mo = None if W_O is None else W_O @ W_O.mT  # per-head output metric W_O^h W_O^h^T, (H, d_V, d_V)
         if g is not None:
@@ -107,6 +118,10 @@ class AttentionOperator(BlockOperator):
         self.G_A = self.g_h @ self.Vv.mT  # (B, H, L, L)
         self.Gamma = softmax_jvp(self.A, self.G_A)  # dl/dT, (B, H, L, L)
         self.rG = (self.A * self.G_A).sum(-1, keepdim=True)  # (B, H, L, 1)
+        # rank-matched views for products with (n, B, H, L, L) tangents: same-rank elementwise ops take
+        # PyTorch's fast path (broadcasting over a missing leading dimension was 2x slower on CPU)
+        self.G_A1 = self.G_A.unsqueeze(0)
+        self.GmR1 = (self.G_A - self.rG).unsqueeze(0)
 
     # ---- first order -------------------------------------------------------------------------
     def jvp(self, tangent):
@@ -115,85 +130,115 @@ class AttentionOperator(BlockOperator):
         ``tangent`` maps any of ``"Q", "K", "V"`` to ``(n, H, d, k)``; a missing name is a zero perturbation
         and costs nothing.
         """
-        X = self.X
+        X, A = self.X, self.A1
         dP = _xw(X, tangent["Q"]) if "Q" in tangent else None  # (n, B, H, L, d_K)
         dK = _xw(X, tangent["K"]) if "K" in tangent else None
         dV = _xw(X, tangent["V"]) if "V" in tangent else None  # (n, B, H, L, d_V)
-        dT = None
+        dT = None  # (n, B, H, L, L), already scaled by 1/sqrt(d_K)
         if dP is not None:
-            dT = dP @ self.Kk.mT
+            dT = (dP * self.scale) @ self.Kk.mT
         if dK is not None:
-            dT = self.P @ dK.mT if dT is None else dT + self.P @ dK.mT
-        dA = None if dT is None else softmax_jvp(self.A, dT * self.scale)  # (n, B, H, L, L)
+            t = self.P @ (dK * self.scale).mT
+            dT = t if dT is None else dT.add_(t)
+        r = dA = None
         if dT is not None:
-            dT = dT * self.scale
+            r = torch.linalg.vecdot(A, dT).unsqueeze(-1)  # attention-weighted row mean of dT, (n, B, H, L, 1)
+            dA = (dT - r).mul_(A)  # softmax JVP
         dF = None
         if dA is not None:
             dF = dA @ self.Vv
         if dV is not None:
-            dF = self.A @ dV if dF is None else dF + self.A @ dV
-        return dF, (dP, dK, dV, dT, dA)
+            dF = self.A @ dV if dF is None else dF.add_(self.A @ dV)
+        return dF, (dP, dK, dV, dT, r, dA)
+
+    def pull(self, inter, u=None, second_order=True, outputs=("V", "Q", "K")):
+        """Weight gradients of the output cotangent ``u`` plus (``second_order``) the g-contracted second derivative.
+
+        With ``u = c dF`` and ``second_order=False`` this is ``H_o v`` (the Gauss-Newton product, i.e. the VJP
+        ``J^T u``); with ``u=None`` and ``second_order=True`` it is ``H_f v``; with both, the total ``H v`` in one
+        pass: the two parts share every matmul back to the weights (one softmax VJP, one ``X^T`` product per block).
+
+        Args:
+            inter: intermediates of :meth:`jvp` for the same ``n`` tangents, ``(dP, dK, dV, dT, r, dA)``.
+            u: ``(n, B, H, L, d_V)`` per-head output cotangents, or None.
+            second_order: add the functional (second-derivative) terms.
+            outputs: weight blocks to return, a subset of ``("V", "Q", "K")``.
+
+        Returns:
+            ``{name: (n, H, d, k)}`` for the names in ``outputs``.
+        """
+        X, A, g_h = self.X, self.A1, self.g_h
+        dP, dK, dV, dT, r, dA = inter if second_order else (None,) * 6
+        ref = u if u is not None else next((t for t in inter if t is not None), None)
+        out = {}
+        if "V" in outputs:
+            mV = None if u is None else self.A.mT @ u
+            if dA is not None:
+                mV = dA.mT @ g_h if mV is None else mV.add_(dA.mT @ g_h)
+            out["V"] = self._zero(ref.shape[0], "V") if mV is None else _xtm(X, mV)
+        if "Q" in outputs or "K" in outputs:
+            # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
+            hA = None
+            if dT is not None:
+                hA = (self.GmR1 * dT).addcmul_(self.G_A1, r, value=-1.0)
+            for a, b in ((u, self.Vv), (g_h, dV)):
+                if a is not None and b is not None:
+                    hA = a @ b.mT if hA is None else _add_matmul_(hA, a, b.mT)
+            G2 = None
+            if hA is not None:  # softmax VJP, in place on the temporary hA
+                G2 = hA.sub_(torch.linalg.vecdot(A, hA).unsqueeze(-1)).mul_(A)
+            for name, left, right, Gam in (("Q", G2, self.Kk, dK), ("K", None if G2 is None else G2.mT, self.P, dP)):
+                if name not in outputs:
+                    continue
+                m = None if left is None else left @ right
+                if Gam is not None:  # the bilinear term of T in (W_Q, W_K)
+                    t = (self.Gamma if name == "Q" else self.Gamma.mT) @ Gam
+                    m = t if m is None else m.add_(t)
+                out[name] = self._zero(ref.shape[0], name) if m is None else _xtm(X, m) * self.scale
+        return out
 
     def vjp(self, u, outputs=("V", "Q", "K")):
         """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``: the weight grads in ``outputs``."""
-        X = self.X
-        out = {}
-        if "V" in outputs:
-            out["V"] = _xtm(X, self.A.mT @ u)
-        if "Q" in outputs or "K" in outputs:
-            Gu = softmax_jvp(self.A, u @ self.Vv.mT)  # (n, B, H, L, L)
-            if "Q" in outputs:
-                out["Q"] = _xtm(X, Gu @ self.Kk) * self.scale
-            if "K" in outputs:
-                out["K"] = _xtm(X, Gu.mT @ self.P) * self.scale
-        return out
+        return self.pull((None,) * 6, u=u, second_order=False, outputs=outputs)
 
     # ---- second order ------------------------------------------------------------------------
     def functional(self, inter, outputs=("V", "Q", "K")):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
-        X, A, g_h, G_A = self.X, self.A, self.g_h, self.G_A
-        dP, dK, dV, dT, dA = inter
-        ref = next(t for t in inter if t is not None)
-        n = ref.shape[0]
-        out = {}
-        if "V" in outputs:
-            out["V"] = _xtm(X, dA.mT @ g_h) if dA is not None else self._zero(n, "V")
-        if "Q" in outputs or "K" in outputs:
-            hA = None  # d/dA of <G_A, dA> + <g_h, A dV>
-            if dT is not None:
-                rdT = (A * dT).sum(-1, keepdim=True)
-                hA = G_A * (dT - rdT) - self.rG * dT
-            if dV is not None:
-                hA = g_h @ dV.mT if hA is None else hA + g_h @ dV.mT
-            G2 = softmax_jvp(A, hA)
-            if "Q" in outputs:
-                mQ = G2 @ self.Kk if dK is None else G2 @ self.Kk + self.Gamma @ dK
-                out["Q"] = _xtm(X, mQ) * self.scale
-            if "K" in outputs:
-                mK = G2.mT @ self.P if dP is None else G2.mT @ self.P + self.Gamma.mT @ dP
-                out["K"] = _xtm(X, mK) * self.scale
-        return out
+        return self.pull(inter, u=None, second_order=True, outputs=outputs)
 
     def _zero(self, n, name):
         return torch.zeros((n, self.H, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
-    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None):
-        """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs``.
+    def _outer_cotangent(self, dF):
+        """``u = c dF`` (through the output metric ``W_O W_O^T``), padded rows dropped."""
+        u = dF if self.Mo is None else dF @ self.Mo
+        return u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
 
-        ``outer_rows`` / ``func_rows`` (index tensors, default all) select the tangents for which each part
-        is needed; the returned tensors then hold only those rows, in that order.
+    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None):
+        """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs`` (and ``H v`` with ``total_rows``).
+
+        ``outer_rows`` / ``func_rows`` / ``total_rows`` (index tensors) select the tangents for which each part
+        is needed; the returned tensors then hold only those rows, in that order. ``outer_rows`` and
+        ``func_rows`` default to all rows; with ``total_rows`` a third dict ``H v`` (both parts, fused) is
+        returned.
         """
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
         if dF is None:  # no perturbation at all
             zero = {nm: self._zero(n, nm) for nm in outputs}
-            return zero, zero
-        u = dF if outer_rows is None else dF[outer_rows]
-        u = u if self.Mo is None else u @ self.Mo
-        u = u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
-        if func_rows is not None:
-            inter = tuple(None if t is None else t[func_rows] for t in inter)
-        return self.vjp(u, outputs), self.functional(inter, outputs)
+            return (zero, zero) if total_rows is None else (zero, zero, zero)
+
+        def part(idx, outer: bool, second_order: bool) -> dict:
+            if idx is not None and len(idx) == 0:  # no row needs this part
+                return {}
+            u = self._outer_cotangent(select_rows(dF, idx)) if outer else None
+            inter_i = tuple(select_rows(t, idx) for t in inter) if second_order else (None,) * 6
+            return self.pull(inter_i, u=u, second_order=second_order, outputs=outputs)
+
+        outer, func = part(outer_rows, True, False), part(func_rows, False, True)
+        if total_rows is None:
+            return outer, func
+        return outer, func, part(total_rows, True, True)
 
     # ---- exact pieces ------------------------------------------------------------------------
     def outer_vv_norm(self, tol: float, max_iter: int | None) -> torch.Tensor:
@@ -216,6 +261,18 @@ class AttentionOperator(BlockOperator):
         if self.Mo is not None:
             gram = gram * torch.linalg.eigvalsh(self.Mo)[..., -1]
         return gram
+
+
+def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` in place (``baddbmm_``, no temporary of ``acc``'s size); ``b`` may lack ``a``'s lead dim."""
+    if acc.is_contiguous():
+        *lead, p, q = acc.shape
+        k = a.shape[-1]
+        a3 = a.expand(*lead, p, k).reshape(-1, p, k)
+        b3 = b.expand(*lead, k, q).reshape(-1, k, q)
+        acc.view(-1, p, q).baddbmm_(a3, b3)
+        return acc
+    return acc.add_(a @ b)
 
 
 def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:

@@ -28,32 +28,42 @@ import torch
 import torch.nn.functional as F
 
 
-def softmax_jacobian_norm(A: torch.Tensor, iters: int = 60) -> torch.Tensor:
-    """``||dA/dT||_2`` per matrix: ``max_i lambda_max(diag(a_i) - a_i a_i^T)``, by bisection on the secular equation.
+def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:
+    """``||dA/dT||_2`` per matrix: ``max_i lambda_max(diag(a_i) - a_i a_i^T)``, by Newton on the secular equation.
 
-    For a row ``a`` the largest eigenvalue of ``diag(a) - a a^T`` lies in ``[a_(2), a_(1)]`` (the two largest
-    entries) and solves ``1 = sum_j a_j^2 / (a_j - lambda)``; that function of lambda is monotone there. Cost
-    ``O(iters * L^2)``, no ``L x L`` eigen-decomposition per row.
+    For a row ``a`` with largest entry ``a_1`` and second ``a_2``, the largest eigenvalue ``lambda`` of
+    ``diag(a) - a a^T`` lies in ``[a_2, a_1]`` and solves ``1 = sum_j a_j^2 / (a_j - lambda)``. Written as
+    ``h(lambda) = (a_1 - lambda)(1 + psi(lambda)) - a_1^2 = 0`` with ``psi = sum_{j != 1} a_j^2 / (lambda - a_j)``,
+    ``h`` is decreasing and convex on ``(a_2, a_1)``, so Newton's method started left of the root (at a
+    Rayleigh quotient: ``max(a_1 (1 - a_1), q((e_1 - e_2)/sqrt 2))``) climbs monotonically to it and converges
+    quadratically: ``iters = 8`` reaches round-off on every row tried (checked against ``eigvalsh`` row by row
+    in the tests). ``1 - a_1`` is formed as the sum of the other entries (no cancellation on near-one-hot rows).
+    Cost ``O(iters * L^2)`` elementwise, no ``L x L`` eigen-decomposition per row, no host-device sync.
 
     Args:
         A: ``(..., L, L)`` row-stochastic (rows may be all zero: fully masked).
+        iters: Newton steps.
 
     Returns:
         ``(...)`` tensor, max over rows.
     """
-    top2 = A.topk(min(2, A.shape[-1]), dim=-1).values
-    hi = top2[..., 0]
-    lo = top2[..., 1] if A.shape[-1] > 1 else torch.zeros_like(hi)
-    lam_lo, lam_hi = lo.clone(), hi.clone()
+    if A.shape[-1] == 1:  # a single key: the softmax is constant
+        return torch.zeros(A.shape[:-2], dtype=A.dtype, device=A.device)
+    top2, idx = A.topk(2, dim=-1)
+    a1, a2 = top2[..., 0], top2[..., 1]
+    others = A.scatter(-1, idx[..., :1], 0.0)  # the row without its largest entry
+    sq = others * others
+    rest = others.sum(-1)  # 1 - a_1 without cancellation
+    lam = torch.maximum(a1 * rest, 0.5 * (a1 + a2) - 0.5 * (a1 - a2) ** 2)  # Rayleigh quotients <= lambda
+    tiny = torch.finfo(A.dtype).tiny
     for _ in range(iters):
-        mid = 0.5 * (lam_lo + lam_hi)
-        denom = A - mid.unsqueeze(-1)
-        # entries equal to mid (ties) contribute a pole; treat them as +/- inf by sign of the denominator
-        f = 1.0 - (A * A / torch.where(denom == 0, torch.full_like(denom, torch.finfo(A.dtype).tiny), denom)).sum(-1)
-        go_up = f > 0
-        lam_lo = torch.where(go_up, mid, lam_lo)
-        lam_hi = torch.where(go_up, lam_hi, mid)
-    lam = 0.5 * (lam_lo + lam_hi)
+        D = (lam.unsqueeze(-1) - others).clamp_min(tiny)
+        R = sq / D
+        psi = R.sum(-1)
+        h = (a1 - lam) * (1 + psi) - a1 * a1
+        dh = -(1 + psi) - (a1 - lam) * (R / D).sum(-1)
+        lam = torch.minimum(lam - torch.where(dh < 0, h / dh, torch.zeros_like(h)), a1)
+    lam = torch.where(a1 - a2 <= 0, a1, lam)  # ties: e_1 - e_2 is an eigenvector with eigenvalue a_1
     return lam.amax(-1)
 
 

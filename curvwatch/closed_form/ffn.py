@@ -16,7 +16,7 @@ import math
 import torch
 
 from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
-from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
+from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, select_rows, spectral_norms
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -57,24 +57,28 @@ class FFNOperator(BlockOperator):
         W_2: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)``; row_keep: ``(B, L)``.
     """
 
-    def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep):
+    def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep, act2_is_zero=False):
         self.Y, self.Hid, self.act1, self.act2, self.W_2 = Y, Hid, act1, act2, W_2
+        self.act2_is_zero = act2_is_zero  # ReLU: act'' = 0, the W1W1 functional term vanishes
         self.g, self.c, self.keep = g, c, row_keep.to(Y.dtype)
         self.params = {"W1": ParamInfo(tuple(W_1.shape), False), "W2": ParamInfo(tuple(W_2.shape), False)}
         self.n_heads = 1
         self.head_diagonal = True
         self.dtype, self.device = Y.dtype, Y.device
         self.gHid = g @ W_2.mT  # (B, L, f)
+        self.gHid_a2 = self.gHid * act2  # the W1W1 functional factor, formed once per operator
 
     supports_subsets = True
+    supports_total = True
 
-    def apply(self, tangent, outputs=("W1", "W2"), outer_rows=None, func_rows=None):
+    def apply(self, tangent, outputs=("W1", "W2"), outer_rows=None, func_rows=None, total_rows=None):
         """``(H_o v, H_f v)`` for the weight blocks in ``outputs``; a missing tangent name is a zero perturbation.
 
         ``outer_rows`` / ``func_rows`` (index tensors, default all) select the tangents that need each part;
-        the returned tensors hold only those rows, in that order.
+        the returned tensors hold only those rows, in that order. With ``total_rows`` a third dict holds
+        ``H v = (H_o + H_f) v`` for those rows, computed in one fused pass.
         """
-        Y, Hid, a1, a2 = self.Y, self.Hid, self.act1, self.act2
+        Y, Hid, a1 = self.Y, self.Hid, self.act1
         dW1, dW2 = tangent.get("W1"), tangent.get("W2")
         dZ = None if dW1 is None else Y.unsqueeze(0) @ dW1.unsqueeze(1)  # (n, B, L, f)
         dHid = None if dZ is None else a1 * dZ
@@ -82,35 +86,48 @@ class FFNOperator(BlockOperator):
         if dW2 is not None:
             t = Hid.unsqueeze(0) @ dW2.unsqueeze(1)  # (n, B, L, m)
             dS = t if dS is None else dS + t
-        # outer: J^T (c dS)
-        u = dS if outer_rows is None else dS[outer_rows]
-        u = u * (self.c[:, None, None] * self.keep[..., None])
-        outer = {}
+
+        def part(idx, outer: bool, second_order: bool) -> dict:
+            if idx is not None and len(idx) == 0:  # no row needs this part
+                return {}
+
+            u = select_rows(dS, idx) * (self.c[:, None, None] * self.keep[..., None]) if outer else None
+            if not second_order:
+                return self._pull(u, None, None, None, False, outputs)
+            return self._pull(u, select_rows(dZ, idx), select_rows(dHid, idx), select_rows(dW2, idx), True, outputs)
+
+        outer, func = part(outer_rows, True, False), part(func_rows, False, True)
+        if total_rows is None:
+            return outer, func
+        return outer, func, part(total_rows, True, True)
+
+    def _pull(self, u, dZ, dHid, dW2, second_order, outputs):
+        """Weight gradients of the output cotangent ``u`` ``(n, B, L, m)`` (or None) plus, with
+        ``second_order``, the g-contracted second derivatives for the tangent ``(dZ, dHid, dW2)``; both parts
+        share the final ``Y^T`` / ``Hid^T`` products."""
+        ref = next(t for t in (u, dZ, dW2) if t is not None)
+        n = ref.shape[0]
+        out = {}
         if "W1" in outputs:
-            outer["W1"] = _ytm(Y, (u @ self.W_2.mT) * a1)
+            gZ = None if u is None else u @ self.W_2.mT  # cotangent at the hidden activation
+            if second_order and dW2 is not None:
+                t = self.g.unsqueeze(0) @ dW2.mT.unsqueeze(1)  # (n, B, L, f)
+                gZ = t if gZ is None else gZ + t
+            gZ = None if gZ is None else gZ * self.act1
+            if second_order and dZ is not None and not self.act2_is_zero:
+                t = self.gHid_a2 * dZ
+                gZ = t if gZ is None else gZ + t
+            out["W1"] = self._zeros(n, "W1") if gZ is None else _ytm(self.Y, gZ)
         if "W2" in outputs:
-            outer["W2"] = _ytm(Hid, u)
-        # functional: second derivatives contracted with g
-        if func_rows is not None:
-            dZ = None if dZ is None else dZ[func_rows]
-            dHid = None if dHid is None else dHid[func_rows]
-            dW2 = None if dW2 is None else dW2[func_rows]
-        n_f = (dZ if dZ is not None else dW2).shape[0]
-        func = {}
-        if "W1" in outputs:
-            gZ2 = None
-            if dW2 is not None:
-                gZ2 = (self.g.unsqueeze(0) @ dW2.mT.unsqueeze(1)) * a1  # (n, B, L, f)
-            if dZ is not None:
-                t = self.gHid * a2 * dZ
-                gZ2 = t if gZ2 is None else gZ2 + t
-            func["W1"] = _ytm(Y, gZ2)
-        if "W2" in outputs:
-            if dHid is None:
-                func["W2"] = torch.zeros((n_f, *self.params["W2"].shape), dtype=self.dtype, device=self.device)
-            else:
-                func["W2"] = _ytm(dHid, self.g, batched_left=True)
-        return outer, func
+            w2 = None if u is None else _ytm(self.Hid, u)
+            if second_order and dHid is not None:
+                t = _ytm(dHid, self.g, batched_left=True)
+                w2 = t if w2 is None else w2 + t
+            out["W2"] = self._zeros(n, "W2") if w2 is None else w2
+        return out
+
+    def _zeros(self, n, name):
+        return torch.zeros((n, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
 
 def _ytm(Y: torch.Tensor, M: torch.Tensor, batched_left: bool = False) -> torch.Tensor:
@@ -193,7 +210,8 @@ def ffn(
     g, c, _ = output_cotangent(
         S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
     )
-    op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep)
+    relu = activation == "relu"
+    op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu)
     pairs = FFN_PAIRS if pairs is None else tuple(pairs)
     for p in pairs:
         if p not in FFN_PAIRS:
@@ -206,11 +224,17 @@ def ffn(
         out["functional/W2W2"] = torch.zeros_like(o)
         out["hessian/W2W2"] = o
     kinds = _check_kinds(kinds)
-    out.update(
-        spectral_norms(
-            op, [p for p in pairs if p != "W2W2"], kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start
-        )
-    )
+    iterative = [p for p in pairs if p != "W2W2"]
+    if relu and "W1W1" in iterative:
+        # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run
+        iterative.remove("W1W1")
+        zero = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
+        if "outer" in kinds or "hessian" in kinds:
+            o = spectral_norms(op, ["W1W1"], kinds=["outer"], tol=tol, max_iter=max_iter, warm_start=warm_start)
+            out.update({f"{k}/W1W1": o["outer/W1W1"] for k in kinds if k != "functional"})
+        if "functional" in kinds:
+            out["functional/W1W1"] = zero
+    out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
     kz = Z[keep]  # (N, f)
     out["dead_fraction"] = (kz <= 0).all(0).to(Y3.dtype).mean()
     out["active_fraction"] = (kz > 0).to(Y3.dtype).mean()
