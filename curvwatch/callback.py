@@ -122,6 +122,10 @@ class CurvatureMonitor(Callback):
         dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
         pairs: Block pairs kept: ``"diagonal"`` (``VV``, ``QQ``, ``KK``, ``W1W1``, ``W2W2``), ``"all"`` or a
             list of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
+        kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default
+            all three: the Gauss-Newton / functional split). Each kind is one more Lanczos vector per
+            product; ``("hessian",)`` alone roughly halves an evaluation (exact norms such as ``outer/VV``
+            are logged either way).
         collapse_ratio: LayerNorm collapse warning when ``var_min / eps`` drops below it (0 disables).
         inv_var_threshold: Also warn when ``ln/inv_var_max = 1/min(var + eps)`` exceeds it (``None``: off).
         spike_factor: Spike warning when a block norm exceeds ``spike_factor`` x its running baseline.
@@ -165,6 +169,7 @@ class CurvatureMonitor(Callback):
         max_iter: int = 20,
         dtype: str = "float32",
         pairs: str | Sequence[str] = "diagonal",
+        kinds: Sequence[str] = ("outer", "functional", "hessian"),
         collapse_ratio: float = 5.0,
         inv_var_threshold: float | None = None,
         spike_factor: float = 10.0,
@@ -204,6 +209,11 @@ class CurvatureMonitor(Callback):
                 f"Invalid pairs={pairs!r}. Must be 'diagonal', 'all' or a non-empty list of pair names like "
                 "['VV', 'QQ', 'VQ', 'W1W1']."
             )
+        kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+        if not kinds or any(k not in ("outer", "functional", "hessian") for k in kinds):
+            raise ValueError(
+                f"Invalid kinds={kinds!r}. Must be a non-empty subset of ('outer', 'functional', 'hessian')."
+            )
         try:
             on_error = OnError(on_error)
         except ValueError:
@@ -235,6 +245,7 @@ class CurvatureMonitor(Callback):
         self.max_iter = max_iter
         self.dtype = dtype
         self.pairs = pairs if isinstance(pairs, str) else tuple(pairs)
+        self.kinds = kinds
         # what the kernels compute (select_pairs below then keeps exactly the requested keys)
         if self.pairs == "all":
             self._kernel_pairs: tuple[str, ...] | None = None
@@ -479,7 +490,14 @@ class CurvatureMonitor(Callback):
         # Lanczos start vectors carried from the last evaluation of this block (weights move little between
         # evaluations, so the norms converge in a few steps); not checkpointed, a fresh start is only slower.
         warm = self._warm_start.setdefault(block.spec.name, {})
-        kwargs = dict(tol=self.tol, max_iter=self.max_iter, dtype=dtype, pairs=self._kernel_pairs, warm_start=warm)
+        kwargs = dict(
+            tol=self.tol,
+            max_iter=self.max_iter,
+            dtype=dtype,
+            pairs=self._kernel_pairs,
+            kinds=self.kinds,
+            warm_start=warm,
+        )
         try:
             return block.evaluate(**kwargs)
         except torch.OutOfMemoryError as err:

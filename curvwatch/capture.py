@@ -205,6 +205,7 @@ class CapturedBlock:
         max_iter: int | None = None,
         dtype: torch.dtype = torch.float64,
         pairs: Sequence[str] | None = None,
+        kinds: Sequence[str] = ("outer", "functional", "hessian"),
         warm_start: dict | None = None,
     ):
         """Run the closed form on the captured tensors.
@@ -215,6 +216,8 @@ class CapturedBlock:
             dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
             pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
                 W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
+            kinds: iterative norms to compute (attention, FFN): a subset of ``("outer", "functional",
+                "hessian")``.
             warm_start: a dict kept between evaluations of this block; the iterative norms start from the
                 vectors stored there (see ``curvwatch.closed_form.multi_head_attention``).
 
@@ -232,7 +235,7 @@ class CapturedBlock:
 
         kwargs = self.reference_inputs(dtype)
         if self.spec.kind != "layernorm":
-            kwargs.update(tol=tol, max_iter=max_iter)
+            kwargs.update(tol=tol, max_iter=max_iter, kinds=kinds)
             if pairs is not None:
                 own = _KERNEL_PAIRS[self.spec.kind]
                 kwargs["pairs"] = [p for p in pairs if p in own]

@@ -290,6 +290,8 @@ def test_resume_restores_state(tmp_path):
         ({"dtype": "float16"}, "Invalid dtype='float16'. Must be one of ('float32', 'float64')."),
         ({"pairs": "some"}, "Invalid pairs='some'. Must be 'diagonal', 'all'"),
         ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
+        ({"kinds": ["gn"]}, "Invalid kinds=('gn',). Must be a non-empty subset of ('outer', 'functional', 'hessian')."),
+        ({"kinds": []}, "Invalid kinds=(). Must be a non-empty subset"),
         ({"on_error": "ignore"}, "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
         ({"blocks": "all"}, "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec."),
         ({"log_key_prefix": 3}, "Invalid log_key_prefix=3. Must be a str"),
@@ -413,3 +415,20 @@ def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
         wandb.finish()
     assert len(sent) == 2 and all(kw["level"] == wandb.AlertLevel.WARN for kw in sent)
     assert "layer0/ln_1" in sent[0]["text"] and "collapse" in sent[0]["title"].lower()
+
+
+def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
+    """``kinds=("hessian",)``: no iterative outer/functional norms, the total equals the default run's."""
+    logged = {}
+    for name, kinds in (("all", ("outer", "functional", "hessian")), ("hessian", ("hessian",))):
+        torch.manual_seed(0)
+        monitor = CurvatureMonitor(every_n_train_steps=1, max_tokens=16, kinds=kinds, tol=0.0)
+        trainer = make_trainer(tmp_path / name, monitor, max_steps=2)
+        trainer.fit(TinyLM(), loader())
+        logged[name] = curv_rows(read_rows(trainer))[1]
+    only = logged["hessian"]
+    assert f"{PREFIX}layer0/attn/hessian/QQ/h0" in only
+    assert f"{PREFIX}layer0/attn/outer/QQ/h0" not in only and f"{PREFIX}layer0/ffn/functional/W1W1" not in only
+    assert f"{PREFIX}layer0/attn/outer/VV/h0" in only  # exact, no Lanczos: kept
+    for key in (f"{PREFIX}layer0/attn/hessian/QQ/h0", f"{PREFIX}layer0/ffn/hessian/W1W1"):
+        assert_close_report(float(only[key]), float(logged["all"][key]), 1e-4, name=key)

@@ -276,8 +276,14 @@ def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
 
 
 def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """``X W`` for a batch of per-head weights: X ``(B, L, d)``, W ``(n, H, d, k)`` -> ``(n, B, H, L, k)``."""
-    return torch.matmul(X[:, None], W[:, None])
+    """``X W`` for a batch of per-head weights: X ``(B, L, d)``, W ``(n, H, d, k)`` -> ``(n, B, H, L, k)``.
+
+    One ``(B L, d) @ (d, H k)`` matmul per tangent (a strided view is returned), not ``n B H`` small ones.
+    """
+    n, H, d, k = W.shape
+    B, L, _ = X.shape
+    Y = X.reshape(B * L, d) @ W.permute(0, 2, 1, 3).reshape(n, d, H * k)  # (n, B L, H k)
+    return Y.reshape(n, B, L, H, k).permute(0, 1, 3, 2, 4)
 
 
 def _xtm(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:

@@ -52,46 +52,52 @@ def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tens
 class FFNOperator(BlockOperator):
     """Closed-form Hessian operator of the FFN weights ``W1 (d, f)`` and ``W2 (f, m)``.
 
-    Args:
-        Y: ``(B, L, d)`` input; Z, Hid, act1, act2: ``(B, L, f)`` pre-activation, activation and its derivatives.
-        W_2: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)``; row_keep: ``(B, L)``.
-    """
+    The sequences are flattened to their ``N = B L`` tokens: the FFN acts token by token, so every product
+    is a plain ``(N, .)`` matmul (no small per-sequence matmuls).
 
-    def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep, act2_is_zero=False):
-        self.Y, self.Hid, self.act1, self.act2, self.W_2 = Y, Hid, act1, act2, W_2
-        self.act2_is_zero = act2_is_zero  # ReLU: act'' = 0, the W1W1 functional term vanishes
-        self.g, self.c, self.keep = g, c, row_keep.to(Y.dtype)
-        self.params = {"W1": ParamInfo(tuple(W_1.shape), False), "W2": ParamInfo(tuple(W_2.shape), False)}
-        self.n_heads = 1
-        self.head_diagonal = True
-        self.dtype, self.device = Y.dtype, Y.device
-        self.gHid = g @ W_2.mT  # (B, L, f)
-        self.gHid_a2 = self.gHid * act2  # the W1W1 functional factor, formed once per operator
+    Args:
+        Y: ``(B, L, d)`` input; Hid, act1, act2: ``(B, L, f)`` activation and its first two derivatives.
+        W_1: ``(d, f)``; W_2: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)`` output
+            curvature; row_keep: ``(B, L)`` tokens in the loss.
+        act2_is_zero: True for ReLU (``act'' = 0``: the W1W1 functional term vanishes and is skipped).
+    """
 
     supports_subsets = True
     supports_total = True
 
+    def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep, act2_is_zero=False):
+        B, L, d = Y.shape
+        N = B * L
+        self.Y, self.Hid, self.act1 = Y.reshape(N, d), Hid.reshape(N, -1), act1.reshape(N, -1)  # (N, .)
+        self.W_2, self.g = W_2, g.reshape(N, -1)
+        self.act2_is_zero = act2_is_zero
+        self.ck = (c[:, None] * row_keep.to(Y.dtype)).reshape(N, 1)  # output curvature per token, 0 if dropped
+        self.params = {"W1": ParamInfo(tuple(W_1.shape), False), "W2": ParamInfo(tuple(W_2.shape), False)}
+        self.n_heads = 1
+        self.head_diagonal = True
+        self.dtype, self.device = Y.dtype, Y.device
+        self.gHid_a2 = (self.g @ W_2.mT) * act2.reshape(N, -1)  # the W1W1 functional factor, (N, f)
+
     def apply(self, tangent, outputs=("W1", "W2"), outer_rows=None, func_rows=None, total_rows=None):
         """``(H_o v, H_f v)`` for the weight blocks in ``outputs``; a missing tangent name is a zero perturbation.
 
-        ``outer_rows`` / ``func_rows`` (index tensors, default all) select the tangents that need each part;
-        the returned tensors hold only those rows, in that order. With ``total_rows`` a third dict holds
-        ``H v = (H_o + H_f) v`` for those rows, computed in one fused pass.
+        ``tangent`` maps ``"W1"`` / ``"W2"`` to ``(n, d, f)`` / ``(n, f, m)``. ``outer_rows`` / ``func_rows``
+        (index tensors, default all) select the tangents that need each part; the returned tensors hold only
+        those rows, in that order. With ``total_rows`` a third dict holds ``H v = (H_o + H_f) v`` for those
+        rows, computed in one fused pass.
         """
-        Y, Hid, a1 = self.Y, self.Hid, self.act1
         dW1, dW2 = tangent.get("W1"), tangent.get("W2")
-        dZ = None if dW1 is None else Y.unsqueeze(0) @ dW1.unsqueeze(1)  # (n, B, L, f)
-        dHid = None if dZ is None else a1 * dZ
-        dS = None if dHid is None else dHid @ self.W_2
+        dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
+        dHid = None if dZ is None else self.act1 * dZ
+        dS = None if dHid is None else dHid @ self.W_2  # (n, N, m)
         if dW2 is not None:
-            t = Hid.unsqueeze(0) @ dW2.unsqueeze(1)  # (n, B, L, m)
-            dS = t if dS is None else dS + t
+            t = self.Hid @ dW2
+            dS = t if dS is None else dS.add_(t)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
             if idx is not None and len(idx) == 0:  # no row needs this part
                 return {}
-
-            u = select_rows(dS, idx) * (self.c[:, None, None] * self.keep[..., None]) if outer else None
+            u = select_rows(dS, idx) * self.ck if outer else None
             if not second_order:
                 return self._pull(u, None, None, None, False, outputs)
             return self._pull(u, select_rows(dZ, idx), select_rows(dHid, idx), select_rows(dW2, idx), True, outputs)
@@ -102,45 +108,32 @@ class FFNOperator(BlockOperator):
         return outer, func, part(total_rows, True, True)
 
     def _pull(self, u, dZ, dHid, dW2, second_order, outputs):
-        """Weight gradients of the output cotangent ``u`` ``(n, B, L, m)`` (or None) plus, with
-        ``second_order``, the g-contracted second derivatives for the tangent ``(dZ, dHid, dW2)``; both parts
-        share the final ``Y^T`` / ``Hid^T`` products."""
+        """Weight gradients of the output cotangent ``u`` ``(n, N, m)`` (or None) plus, with ``second_order``,
+        the g-contracted second derivatives for the tangent ``(dZ, dHid, dW2)``; both parts share the final
+        ``Y^T`` / ``Hid^T`` products."""
         ref = next(t for t in (u, dZ, dW2) if t is not None)
         n = ref.shape[0]
         out = {}
         if "W1" in outputs:
-            gZ = None if u is None else u @ self.W_2.mT  # cotangent at the hidden activation
+            gZ = None if u is None else u @ self.W_2.mT  # cotangent at the hidden activation, (n, N, f)
             if second_order and dW2 is not None:
-                t = self.g.unsqueeze(0) @ dW2.mT.unsqueeze(1)  # (n, B, L, f)
-                gZ = t if gZ is None else gZ + t
-            gZ = None if gZ is None else gZ * self.act1
+                t = self.g @ dW2.mT
+                gZ = t if gZ is None else gZ.add_(t)
+            gZ = None if gZ is None else gZ.mul_(self.act1)
             if second_order and dZ is not None and not self.act2_is_zero:
                 t = self.gHid_a2 * dZ
-                gZ = t if gZ is None else gZ + t
-            out["W1"] = self._zeros(n, "W1") if gZ is None else _ytm(self.Y, gZ)
+                gZ = t if gZ is None else gZ.add_(t)
+            out["W1"] = self._zeros(n, "W1") if gZ is None else self.Y.mT @ gZ
         if "W2" in outputs:
-            w2 = None if u is None else _ytm(self.Hid, u)
+            w2 = None if u is None else self.Hid.mT @ u
             if second_order and dHid is not None:
-                t = _ytm(dHid, self.g, batched_left=True)
-                w2 = t if w2 is None else w2 + t
+                t = dHid.mT @ self.g
+                w2 = t if w2 is None else w2.add_(t)
             out["W2"] = self._zeros(n, "W2") if w2 is None else w2
         return out
 
     def _zeros(self, n, name):
         return torch.zeros((n, *self.params[name].shape), dtype=self.dtype, device=self.device)
-
-
-def _ytm(Y: torch.Tensor, M: torch.Tensor, batched_left: bool = False) -> torch.Tensor:
-    """``sum_{b,l} Y^T M`` as one matmul over the B*L tokens.
-
-    ``Y`` ``(B, L, p)`` and ``M`` ``(n, B, L, q)`` give ``(n, p, q)``; with ``batched_left`` ``Y`` is
-    ``(n, B, L, p)`` and ``M`` ``(B, L, q)``.
-    """
-    if batched_left:
-        n, B, L, p = Y.shape
-        return Y.reshape(n, B * L, p).mT @ M.reshape(B * L, M.shape[-1])
-    n, B, L, q = M.shape
-    return Y.reshape(B * L, Y.shape[-1]).mT @ M.reshape(n, B * L, q)
 
 
 def ffn(
