@@ -109,10 +109,18 @@ class CurvatureMonitor(Callback):
     and ``ModelCheckpoint`` can monitor e.g. ``"curv/summary/max_hessian"``.
 
     Args:
-        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``. The default 200 keeps the cost a
-            few percent of training: one evaluation costs about 10-35 training steps of the demo model
-            (``docs/performance.md`` section 3); lower it to watch fast events (the demo's ``--unstable``
-            preset uses 1).
+        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...`` (those the overhead budget
+            allows). One evaluation costs a fixed amount of work (capped by ``max_tokens``), about 20
+            training steps of the tiny demo model and fewer on larger ones (``docs/performance.md``
+            section 3); lower it, with ``max_overhead=None``, to watch fast events (the demo's
+            ``--unstable`` preset evaluates every step).
+        max_overhead: Largest fraction of the training wall time the evaluations may take (default 0.01:
+            1%), or None for a fixed schedule. A due step is evaluated only if the evaluations so far plus
+            this one (priced as the last one) stay within this fraction of the time trained so far, so on a
+            model whose evaluation is expensive relative to its training step the effective period grows
+            beyond ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction spent).
+            Step 0 is always evaluated: a run shorter than ``evaluation time / max_overhead`` spends more.
+            With DDP the ranks agree through one all-reduce per due step.
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         max_tokens: Token positions kept per block (first whole sequences; see
             :class:`~curvwatch.capture.Capture`).
@@ -162,6 +170,7 @@ class CurvatureMonitor(Callback):
     def __init__(
         self,
         every_n_train_steps: int = 200,
+        max_overhead: float | None = 0.01,
         blocks: str | Sequence[BlockSpec] = "auto",
         max_tokens: int = 512,
         log_key_prefix: str = "curv/",
@@ -209,6 +218,13 @@ class CurvatureMonitor(Callback):
                 f"Invalid pairs={pairs!r}. Must be 'diagonal', 'all' or a non-empty list of pair names like "
                 "['VV', 'QQ', 'VQ', 'W1W1']."
             )
+        if max_overhead is not None and (
+            isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead
+        ):
+            raise ValueError(
+                f"Invalid max_overhead={max_overhead!r}. Must be a fraction > 0 (e.g. 0.01 for 1%), or None "
+                "for a fixed schedule."
+            )
         kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
         if not kinds or any(k not in ("outer", "functional", "hessian") for k in kinds):
             raise ValueError(
@@ -238,6 +254,7 @@ class CurvatureMonitor(Callback):
             cooldown=cooldown,
         )
         self.every_n_train_steps = every_n_train_steps
+        self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.blocks = blocks
         self.max_tokens = max_tokens
         self.log_key_prefix = log_key_prefix
@@ -276,6 +293,12 @@ class CurvatureMonitor(Callback):
         self._last_summary: dict[str, float] = {}
         self._peak: dict[str, Any] = {}
         self._errors: list[str] = []
+        # overhead budget: seconds spent evaluating and seconds of training (wall time minus evaluations),
+        # accumulated over the run and across resumes; _clock is this fit's (start time, eval seconds then)
+        self._eval_seconds = 0.0
+        self._train_seconds = 0.0
+        self._last_eval_seconds = 0.0  # cost of the last evaluation (capture excluded), the next one's price
+        self._clock: tuple[float, float] | None = None
 
     # -- Lightning hooks ----------------------------------------------------------------------------
 
@@ -299,9 +322,14 @@ class CurvatureMonitor(Callback):
         self._specs = find_blocks(pl_module, self.blocks)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock = (time.perf_counter(), self._eval_seconds, self._train_seconds)
         if trainer.is_global_zero:
             for logger in self._wandb_loggers(trainer):
                 self._define_wandb_metrics(logger)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._update_clock()
+        self._clock = None  # the budget's clock stops with training (state_dict is stable afterwards)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -312,6 +340,8 @@ class CurvatureMonitor(Callback):
         if trainer.sanity_checking or step % self.every_n_train_steps or step <= self._last_step:
             return
         if pl_module.automatic_optimization and not self._steps_optimizer(trainer, batch_idx):
+            return
+        if not self._within_budget(trainer, pl_module):
             return
         self._capture_step = step
         self._open_error = None
@@ -343,8 +373,32 @@ class CurvatureMonitor(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close()
 
+    def _within_budget(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """Whether the evaluations so far stayed within ``max_overhead`` of the training time (ranks agree)."""
+        self._update_clock()
+        if self.max_overhead is None or self._evaluations + self._skipped == 0:
+            return True
+        # evaluations so far plus the one about to run (priced as the last one) must fit the budget
+        spent = torch.tensor([self._eval_seconds + self._last_eval_seconds, -self._train_seconds], dtype=torch.float64)
+        dist = torch.distributed
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            spent = spent.to(pl_module.device)
+            dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # the slowest rank's evaluations, the least training
+        return bool(spent[0] <= self.max_overhead * -spent[1])
+
+    def _update_clock(self) -> None:
+        """Training seconds = wall time since ``on_train_start`` minus the evaluations in it (plus earlier runs)."""
+        if self._clock is None:
+            return
+        start, eval_before, train_before = self._clock
+        self._train_seconds = train_before + (time.perf_counter() - start) - (self._eval_seconds - eval_before)
+
     def state_dict(self) -> dict[str, Any]:
+        self._update_clock()
         return {
+            "eval_seconds": self._eval_seconds,
+            "train_seconds": self._train_seconds,
+            "last_eval_seconds": self._last_eval_seconds,
             "last_step": self._last_step,
             "evaluations": self._evaluations,
             "skipped": self._skipped,
@@ -368,6 +422,9 @@ class CurvatureMonitor(Callback):
         self._errors = list(state_dict.get("errors", []))
         self._warned = set(state_dict.get("warned", []))
         self._token_limit = min(int(state_dict.get("token_limit", self.max_tokens)), self.max_tokens)
+        self._eval_seconds = float(state_dict.get("eval_seconds", 0.0))
+        self._train_seconds = float(state_dict.get("train_seconds", 0.0))
+        self._last_eval_seconds = float(state_dict.get("last_eval_seconds", 0.0))
 
     # -- public helpers -----------------------------------------------------------------------------
 
@@ -588,16 +645,22 @@ class CurvatureMonitor(Callback):
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start
+        self._eval_seconds += elapsed
+        self._last_eval_seconds = elapsed
         flat, failed_elsewhere = _sync(trainer, pl_module.device, flat, error is not None)
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
             return
         alerts_before = self._alerts.state_dict()
+        logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
             self._log(trainer, step, flat, excluded, elapsed)
         except Exception as err:
             self._alerts.load_state_dict(alerts_before)
             self._skip(trainer, step, _LogError(err))
+        finally:  # logging (heatmap, W&B) is part of the monitor's cost too
+            self._eval_seconds += time.perf_counter() - logging_start
+            self._last_eval_seconds += time.perf_counter() - logging_start
 
     def _log(
         self,
@@ -643,6 +706,8 @@ class CurvatureMonitor(Callback):
 
         evaluations = self._evaluations + 1
         summary["summary/eval_time_s"] = elapsed
+        self._update_clock()
+        summary["summary/overhead_fraction"] = self._eval_seconds / max(self._train_seconds, 1e-9)
         summary["summary/evaluations"] = float(evaluations)
         summary["summary/skipped_evaluations"] = float(self._skipped)
         summary["summary/nonfinite_blocks"] = float(len(nonfinite))

@@ -64,7 +64,7 @@ def loader(n: int = 32, batch_size: int = 4, seed: int = 0) -> DataLoader:
     return DataLoader(TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g)), batch_size=batch_size)
 
 
-def main(out_dir: str, fail_rank: int | None) -> None:
+def main(out_dir: str, fail_rank: int | None, max_overhead: float | None = None) -> None:
     import json
 
     from lightning.pytorch.loggers import CSVLogger
@@ -83,7 +83,7 @@ def main(out_dir: str, fail_rank: int | None) -> None:
 
         CapturedBlock.evaluate = evaluate
     L.seed_everything(0, verbose=False)
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, warn=False)
+    monitor = CurvatureMonitor(max_overhead=max_overhead, every_n_train_steps=2, max_tokens=16, warn=False)
     logger = CSVLogger(out_dir, name="ddp", version=0)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -124,4 +124,9 @@ if __name__ == "__main__":
         i = args.index("--fail-rank")
         fail = int(args[i + 1])
         del args[i : i + 2]
-    main(args[0], fail)
+    budget = None
+    if "--max-overhead" in args:
+        i = args.index("--max-overhead")
+        budget = float(args[i + 1])
+        del args[i : i + 2]
+    main(args[0], fail, budget)

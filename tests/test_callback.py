@@ -99,7 +99,7 @@ def spy_capture(monkeypatch):
 
 
 def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     hooks = HookCheck()
     trainer = make_trainer(tmp_path, monitor, max_steps=5, log_every_n_steps=3, callbacks=[hooks])
     trainer.fit(TinyLM(), loader())
@@ -166,7 +166,7 @@ def test_gradient_accumulation_captures_last_micro_batch_and_rescales(tmp_path, 
             if monitor._capture_step is not None:
                 self.batches.append((batch_idx, trainer.global_step))
 
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     when = WhenCaptured()
     trainer = make_trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, callbacks=[when])
     trainer.fit(TinyLM(), loader())
@@ -186,7 +186,7 @@ def test_hooks_removed_after_exception_in_training(tmp_path):
                 raise RuntimeError("boom in training_step")
             return loss
 
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     model = Failing()
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with pytest.raises(RuntimeError, match="boom in training_step"):
@@ -200,7 +200,7 @@ def test_ln_collapse_warns(tmp_path):
     with torch.no_grad():  # LayerNorm inputs ~1e-4 x their usual scale: variance far below eps
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, cooldown=100)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100)
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureWarning) as record:
         trainer.fit(model, loader())
@@ -216,7 +216,7 @@ def test_ln_collapse_warns(tmp_path):
 
 
 def test_healthy_run_does_not_warn(tmp_path):
-    monitor = CurvatureMonitor(every_n_train_steps=1, max_tokens=16, spike_warmup=1)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, spike_warmup=1)
     trainer = make_trainer(tmp_path, monitor, max_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CurvatureWarning)
@@ -231,7 +231,7 @@ def _raise(self, **kwargs):
 
 def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with pytest.warns(
         CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"
@@ -249,14 +249,15 @@ def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
 def test_on_error_raise(tmp_path, monkeypatch):
     monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
     model = TinyLM()
-    trainer = make_trainer(tmp_path, CurvatureMonitor(every_n_train_steps=2, on_error="raise"), max_steps=3)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, on_error="raise")
+    trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.raises(FloatingPointError, match="induced evaluation failure"):
         trainer.fit(model, loader())
     assert count_hooks(model) == 0
 
 
 def test_resume_restores_state(tmp_path):
-    first = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    first = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1)
     trainer = make_trainer(tmp_path / "a", first, max_steps=3)
     trainer.fit(TinyLM(), loader(n=12))  # 3 batches: the checkpoint is at an epoch end
     ckpt = tmp_path / "resume.ckpt"
@@ -269,11 +270,15 @@ def test_resume_restores_state(tmp_path):
         def on_train_start(self, trainer, pl_module):
             self.state = second.state_dict()
 
-    second = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    second = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1)
     snapshot = Snapshot()
     trainer = make_trainer(tmp_path / "b", second, max_steps=5, callbacks=[snapshot])
     trainer.fit(TinyLM(), loader(n=12), ckpt_path=ckpt)
-    assert snapshot.state == saved  # counters, baselines, cooldowns
+    # counters, baselines, cooldowns; the overhead budget's training clock runs on from the saved value
+    assert snapshot.state["train_seconds"] == pytest.approx(saved["train_seconds"], abs=0.5)
+    assert {k: v for k, v in snapshot.state.items() if k != "train_seconds"} == {
+        k: v for k, v in saved.items() if k != "train_seconds"
+    }
     assert sorted(curv_rows(read_rows(trainer))) == [4]  # step 3 is not due; nothing repeated
     assert second._evaluations == 3
     assert curv_rows(read_rows(trainer))[4]["curv/summary/evaluations"] == 3.0
@@ -292,6 +297,7 @@ def test_resume_restores_state(tmp_path):
         ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
         ({"kinds": ["gn"]}, "Invalid kinds=('gn',). Must be a non-empty subset of ('outer', 'functional', 'hessian')."),
         ({"kinds": []}, "Invalid kinds=(). Must be a non-empty subset"),
+        ({"max_overhead": 0}, "Invalid max_overhead=0. Must be a fraction > 0 (e.g. 0.01 for 1%), or None"),
         ({"on_error": "ignore"}, "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
         ({"blocks": "all"}, "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec."),
         ({"log_key_prefix": 3}, "Invalid log_key_prefix=3. Must be a str"),
@@ -343,7 +349,7 @@ def test_wandb_offline_logger(tmp_path, monkeypatch):
         return original(metrics, step=step)
 
     monkeypatch.setattr(logger, "log_metrics", spy)
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     trainer = make_trainer(tmp_path, monitor, max_steps=5, logger=logger, log_every_n_steps=50)
     try:
         trainer.fit(TinyLM(), loader())
@@ -391,6 +397,24 @@ def test_ddp_two_cpu_processes(tmp_path):
     result = _run_ddp(tmp_path / "fail", "--fail-rank", "1")
     assert result["steps"] == []
     assert result["skipped"] == [1.0, 2.0, 3.0]
+    # the overhead budget: the ranks agree (one all-reduce per due step); a huge budget keeps every due
+    # step, a tiny one only step 0 (the evaluation there costs more than 1e-9 of any training time)
+    assert _run_ddp(tmp_path / "loose", "--max-overhead", "1e9")["steps"] == [0, 2, 4]
+    assert _run_ddp(tmp_path / "tight", "--max-overhead", "1e-9")["steps"] == [0]
+
+
+def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path):
+    logged = {}
+    for name, budget in (("loose", 1e9), ("tight", 1e-9)):
+        monitor = CurvatureMonitor(every_n_train_steps=1, max_overhead=budget, max_tokens=16, log_heatmap=False)
+        trainer = make_trainer(tmp_path / name, monitor, max_steps=4)
+        trainer.fit(TinyLM(), loader())
+        logged[name] = curv_rows(read_rows(trainer))
+        assert monitor._eval_seconds > 0 and monitor._train_seconds > 0
+    assert sorted(logged["loose"]) == [0, 1, 2, 3]
+    assert sorted(logged["tight"]) == [0]  # step 0 always; afterwards the budget is spent
+    fractions = [row[f"{PREFIX}summary/overhead_fraction"] for row in logged["loose"].values()]
+    assert all(float(f) > 0 for f in fractions)
 
 
 def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
@@ -407,7 +431,7 @@ def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
         with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
             model.model.tok_emb.weight.mul_(1e-4)
             model.model.pos_emb.weight.mul_(1e-4)
-        monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, cooldown=100)
+        monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100)
         trainer = make_trainer(tmp_path, monitor, max_steps=1, logger=logger)
         with pytest.warns(CurvatureWarning):
             trainer.fit(model, loader())
@@ -422,7 +446,7 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
     logged = {}
     for name, kinds in (("all", ("outer", "functional", "hessian")), ("hessian", ("hessian",))):
         torch.manual_seed(0)
-        monitor = CurvatureMonitor(every_n_train_steps=1, max_tokens=16, kinds=kinds, tol=0.0)
+        monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, kinds=kinds, tol=0.0)
         trainer = make_trainer(tmp_path / name, monitor, max_steps=2)
         trainer.fit(TinyLM(), loader())
         logged[name] = curv_rows(read_rows(trainer))[1]

@@ -138,3 +138,18 @@ def test_lanczos_indefinite_does_not_stop_on_the_smaller_end():
             misses[both] += int(abs(float(val) - 1.0) > 1e-3)
     assert misses[False] >= 5, misses  # the failure mode is real
     assert misses[True] == 0, misses
+
+
+def test_softmax_hessian_frobenius_does_not_underflow_on_near_one_hot_rows():
+    """Near one-hot, beta is linear in t = 1 - a_top; squares of weights below 1e-154 underflow in float64.
+
+    Rows with off-top weights t * u (u fixed) at t = 1e-20 and t = 1e-200 must give beta / t equal: before
+    the fix the second read 0, and the functional bound fell below a true norm of 1e-238.
+    """
+    u = torch.tensor([0.5, 0.3, 0.2], dtype=DT)
+    betas = []
+    for t in (1e-20, 1e-200):
+        row = torch.cat([torch.tensor([1.0 - t], dtype=DT), t * u]).reshape(1, 1, 4)
+        betas.append(float(softmax_hessian_frobenius(row)) / t)
+    assert betas[0] > 0
+    assert_close_report(torch.tensor(betas[1]), torch.tensor(betas[0]), 1e-10, name="beta / t")

@@ -50,9 +50,10 @@ TOL = {
 }
 
 
-def monitor_of(**kwargs) -> CurvatureMonitor:
+def monitor_of(**overrides) -> CurvatureMonitor:
     """A monitor evaluating every step, cheaply (few Lanczos steps: the numbers' accuracy is not tested here)."""
-    kwargs = {"every_n_train_steps": 1, "max_tokens": 16, "max_iter": 4, "log_heatmap": False, **kwargs}
+    kwargs = {"every_n_train_steps": 1, "max_overhead": None, "max_tokens": 16, "max_iter": 4, "log_heatmap": False}
+    kwargs.update(overrides)
     return CurvatureMonitor(**kwargs)
 
 
@@ -565,7 +566,9 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
     # estimates at 28 tokens (max_iter=20): attention 0.25 MiB, FFN 0.17 MiB, LayerNorm 0.03 MiB
     budget_mb = 0.2
-    monitor = CurvatureMonitor(every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False)
+    monitor = CurvatureMonitor(
+        max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     messages = fit(trainer, tiny())
     assert len(messages) == 1 and "to stay within memory_budget_mb=0.2" in messages[0], messages
@@ -611,7 +614,7 @@ def _leak_loop():
 
 
 def test_callback_state_bounded_over_many_evaluations():
-    monitor = CurvatureMonitor(every_n_train_steps=1, spike_warmup=1, cooldown=0)
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, spike_warmup=1, cooldown=0)
     monitor._specs = find_blocks(GPT(GPTConfig(vocab_size=VOCAB, block_size=4, n_layer=1, d_model=16, n_head=2)))
     monitor._excluded["layer0/ffn"] = "induced: left out"
     trainer = SimpleNamespace(is_global_zero=True, loggers=[], callback_metrics={})
