@@ -3,7 +3,8 @@
 Every per-head block norm ``hessian/{VV,QQ,KK}/h{i}`` of one attention layer under the papers' MSE loss
 ``||F - T||^2 / (L m)`` (curvwatch ``target=`` mode), at the same relative accuracy ``tol``, by
 
-* ``curvwatch``: :func:`curvwatch.closed_form.multi_head_attention` with ``pairs=["VV", "QQ", "KK"]``;
+* ``curvwatch``: :func:`curvwatch.closed_form.multi_head_attention` with ``pairs=["VV", "QQ", "KK"]``,
+  ``kinds=["hessian"]``, ``terms=False`` (the norms the baselines compute, nothing else);
 * ``hvp_power``: a lean ``torch.func.jvp(torch.func.grad(loss))`` (forward-over-reverse) HVP on the block's
   weight, power iteration stopped at a relative change of the Rayleigh quotient below ``tol`` (the rule of
   PyHessian and hessian-eigenthings), attention written as models do, ``softmax((X W_Q)(X W_K)^T/sqrt(d_K))``;
@@ -23,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,9 +35,11 @@ import torch.nn.functional as F
 from torch.func import grad, jvp
 
 from benchmarks.common import (
+    cpu_peak_rss,
     environment,
     markdown_table,
     peak_memory_bytes,
+    run_memory_child,
     select_device,
     time_interleaved,
     write_json,
@@ -50,12 +51,12 @@ NAME = "bench_hvp"
 BLOCKS = ("VV", "QQ", "KK")
 METHODS = ("curvwatch", "hvp_power", "hvp_lanczos", "curvlinops", "curvwatch_hessian_only")
 LABELS = {
-    "curvwatch": "curvwatch multi_head_attention(pairs=[VV,QQ,KK], kinds=[hessian])",
+    "curvwatch": "curvwatch multi_head_attention(pairs=[VV,QQ,KK], kinds=[hessian], terms=False): the norms only",
     "hvp_power": "torch.func jvp(grad) HVP + power iteration (relative change < tol)",
     "hvp_lanczos": "torch.func jvp(grad) HVP + curvwatch's Lanczos (same stopping rule as curvwatch)",
     "curvlinops": "curvlinops HessianLinearOperator (defaults) + scipy eigsh(k=1, which='LM', tol)",
-    "curvwatch_hessian_only": "DIAGNOSTIC: the same public call with all three kinds "
-    "(outer, functional and hessian norms, as the callback logs them)",
+    "curvwatch_hessian_only": "DIAGNOSTIC: the same public call with all three kinds and terms=True "
+    "(outer, functional and hessian norms, bound terms and bounds, as the callback logs them)",
 }
 BASELINES = ("hvp_power", "hvp_lanczos", "curvlinops")
 # Published reference (this machine kind, CPU): L=512, d=512, d_K=64, Q/K/V norms, warm.
@@ -158,7 +159,7 @@ class Problem:
         return v / v.norm()
 
     # -- methods --
-    def curvwatch(self, kinds=("hessian",)) -> dict[str, float]:
+    def curvwatch(self, kinds=("hessian",), terms=False) -> dict[str, float]:
         W = self.W
         out = multi_head_attention(
             self.X,
@@ -172,12 +173,14 @@ class Problem:
             kinds=kinds,
             tol=self.tol,
             max_iter=self.max_iter,
+            terms=terms,
         )
         return {k: float(out[k]) for k in self.keys}
 
     def curvwatch_hessian_only(self) -> dict[str, float]:
-        """DIAGNOSTIC (name kept for the JSON schema): outer, functional and hessian norms in one call."""
-        return self.curvwatch(kinds=("outer", "functional", "hessian"))
+        """DIAGNOSTIC (name kept for the JSON schema): what the callback computes per block, i.e. outer,
+        functional and hessian norms plus the bound terms and corrected bounds, in one call."""
+        return self.curvwatch(kinds=("outer", "functional", "hessian"), terms=True)
 
     def _hvps(self) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
         res = []
@@ -363,54 +366,19 @@ def sdpa_check(
 # memory: max RSS delta of one call, in a fresh subprocess per method
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _memory_child(method: str, s: Size, tol: float, max_iter: int) -> None:
     device = torch.device("cpu")
     torch.set_num_threads(1)
     warm = Problem(Size(8, 8, H=s.H, d_K=4), device, tol=tol, max_iter=max_iter)
     getattr(warm, method)()  # load kernels / libraries at a tiny size
     p = Problem(s, device, tol=tol, max_iter=max_iter)
-    try:  # Linux: reset the peak-RSS mark, so the peak below is this call's own
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
-    before = _proc_status_kib("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    getattr(p, method)()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rss_before_kib": before, "maxrss_after_kib": after, "peak_reset": reset}))
+    getattr(p, method)()  # warm at the full size too (allocator pools, library workspaces), as the timings are
+    print(json.dumps(cpu_peak_rss(getattr(p, method))))
 
 
 def rss_delta_bytes(method: str, s: Size, tol: float, max_iter: int) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.bench_hvp",
-        "--_memory-child",
-        method,
-        "--_size",
-        json.dumps(asdict(s)),
-        "--tol",
-        str(tol),
-        "--max-iter",
-        str(max_iter),
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        return {"status": "failed", "stderr": r.stderr[-500:]}
-    d = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"status": "measured", "bytes": 1024 * (d["maxrss_after_kib"] - d["rss_before_kib"]), **d}
+    args = ["--_memory-child", method, "--_size", json.dumps(asdict(s)), "--tol", str(tol), "--max-iter", str(max_iter)]
+    return run_memory_child("benchmarks.bench_hvp", args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -644,8 +612,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "order), median per-call time",
                 "ratio": "baseline median time / curvwatch median time (> 1: curvwatch faster)",
                 "memory": "CUDA: max_memory_allocated above the start; CPU: peak RSS of one call above "
-                "the RSS before it, in a fresh subprocess per method after a tiny warm-up call (peak mark "
-                "reset through /proc/self/clear_refs; without it, the ru_maxrss delta)",
+                "the RSS before it, in a fresh subprocess per method after a tiny and a full-size warm-up "
+                "call (peak mark reset through /proc/self/clear_refs and read as VmHWM; without it, the "
+                "ru_maxrss delta)",
             },
             "environment": environment(device),
             "curvlinops": "available" if why is None else why,

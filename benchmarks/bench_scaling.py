@@ -19,6 +19,7 @@ Run ``python -m benchmarks.bench_scaling [--quick] [--device cpu|cuda] [--out PA
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -31,8 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import (
+    cpu_peak_rss,
     environment,
     markdown_table,
+    peak_memory_bytes,
+    run_memory_child,
     select_device,
     synchronize,
     time_interleaved,
@@ -210,9 +214,29 @@ def run_sweep(sw: Sweep, device: torch.device, args: argparse.Namespace, t_start
                     "ratio": e / f,
                     "eval_times_s": timing["eval"]["times_s"],
                     "forward_times_s": timing["forward"]["times_s"],
+                    "memory": _memory(kind, p, ev, fw, device, args) if probe <= args.point_budget_s else None,
                 }
             )
     return rows
+
+
+def _memory(kind: str, p: Point, ev: Callable, fw: Callable, device: torch.device, args) -> dict[str, Any] | None:
+    """Peak extra memory of one evaluation and of one forward pass (CUDA: allocator; CPU: RSS, fresh process)."""
+    if not args.memory:
+        return None
+    if device.type == "cuda":
+        return {"status": "measured", "eval": peak_memory_bytes(ev, device), "forward": peak_memory_bytes(fw, device)}
+    child = ["--_memory-child", kind, "--_point", json.dumps(asdict(p)), "--tol", str(args.tol)]
+    child += ["--max-iter", str(args.max_iter), "--seed", str(args.seed)]
+    return run_memory_child("benchmarks.bench_scaling", child)
+
+
+def _memory_child(kind: str, p: Point, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    ev, fw = _closures(kind, p, torch.device("cpu"), args)
+    ev(), fw()  # warm at the full size
+    out = {"eval": cpu_peak_rss(ev)["bytes"], "forward": cpu_peak_rss(fw)["bytes"]}
+    print(json.dumps(out))
 
 
 def fits(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -233,9 +257,24 @@ def fits(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "eval_exponent": _fit(xs, [r["eval_s"] for r in pts]),
                 "forward_exponent": _fit(xs, [r["forward_s"] for r in pts]),
                 "ratio_exponent": _fit(xs, [r["ratio"] for r in pts]),
+                "memory_exponent": _fit(*_mem_points(pts, "eval")),
+                "forward_memory_exponent": _fit(*_mem_points(pts, "forward")),
             }
         )
     return out
+
+
+def _mem_points(pts: Sequence[dict[str, Any]], which: str) -> tuple[list[float], list[float]]:
+    """``(x, bytes)`` of the points whose memory was measured and positive (log-log fit)."""
+    ok = [r for r in pts if (r.get("memory") or {}).get("status") == "measured" and r["memory"][which] > 0]
+    return [r["x"] for r in ok], [float(r["memory"][which]) for r in ok]
+
+
+def _mib(r: dict[str, Any]) -> str:
+    m = r.get("memory") or {}
+    if m.get("status") != "measured":
+        return "—"
+    return f"{m['eval'] / 2**20:.3g} / {m['forward'] / 2**20:.3g}"
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:
@@ -254,15 +293,18 @@ def points_table(rows: Sequence[dict[str, Any]]) -> str:
         "curvwatch (ms)",
         "forward (ms)",
         "eval / forward",
+        "peak extra MiB: eval / forward",
     ]
     body = []
     for r in rows:
         head = [r["sweep"], r["kind"], r["L"], r["d"], r["H"], r["d_K"], r["layers"]]
         if r["status"] != "measured":
-            body.append([*head, "skipped: " + r["reason"], "—", "—"])
+            body.append([*head, "skipped: " + r["reason"], "—", "—", "—"])
         else:
             star = " (1 cold call)" if r.get("single_cold_call") else ""
-            body.append([*head, f"{r['eval_s'] * 1e3:.3g}{star}", f"{r['forward_s'] * 1e3:.3g}", f"{r['ratio']:.3g}×"])
+            body.append(
+                [*head, f"{r['eval_s'] * 1e3:.3g}{star}", f"{r['forward_s'] * 1e3:.3g}", f"{r['ratio']:.3g}×", _mib(r)]
+            )
     return markdown_table(header, body)
 
 
@@ -275,6 +317,7 @@ def fits_table(fs: Sequence[dict[str, Any]]) -> str:
         "exponent: curvwatch",
         "exponent: forward",
         "exponent: ratio",
+        "memory exponent: eval / forward",
     ]
     body = [
         [
@@ -285,6 +328,7 @@ def fits_table(fs: Sequence[dict[str, Any]]) -> str:
             _f(f["eval_exponent"]),
             _f(f["forward_exponent"]),
             _f(f["ratio_exponent"]),
+            f"{_f(f['memory_exponent'])} / {_f(f['forward_memory_exponent'])}",
         ]
         for f in fs
     ]
@@ -303,6 +347,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--point-budget-s", type=float, default=None, help="default 20 (2 with --quick)")
     ap.add_argument("--total-budget-s", type=float, default=None, help="default 360 (40 with --quick)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory children")
+    ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_point", dest="point", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"Invalid --threads={args.threads}. Must be >= 1.")
@@ -315,6 +362,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the sweeps, write the JSON, print the tables; returns the JSON data."""
     args = parse_args(argv)
+    if args.memory_child:  # hidden mode: one point's peak memory, in a fresh process (see _memory)
+        _memory_child(args.memory_child, Point(**json.loads(args.point)), args)
+        return {}
     device = select_device(args.device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -342,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "wall_s": time.perf_counter() - t0,
                 "timing": "one warm-up call, then interleaved repeats of eval and forward, median per call",
                 "ratio": "curvwatch evaluation time / one forward pass of the same block (floor: 1)",
+                "memory": "CUDA: max_memory_allocated above the start; CPU: peak RSS of one call above the RSS "
+                "before it, in a fresh process per point after a warm-up call of the same size (VmHWM after "
+                "/proc/self/clear_refs); points evaluated once (over the point budget) are not measured",
             },
             "environment": environment(device),
             "results": rows,

@@ -174,3 +174,48 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _proc_status_kib(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def cpu_peak_rss(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Peak resident memory of one call of ``fn`` above the RSS before it (CPU, this process).
+
+    Linux: the peak mark is reset through ``/proc/self/clear_refs`` and read back as ``VmHWM``. Elsewhere
+    the lifetime ``ru_maxrss`` delta is returned (``peak_reset=False``; it includes earlier peaks). Run it in
+    a fresh process after a warm-up call of the same size (:func:`run_memory_child`): memory the allocator
+    kept from earlier, larger work would otherwise hide this call's own.
+    """
+    import resource
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    before = _proc_status_kib("VmRSS") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    after = _proc_status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"bytes": 1024 * (after - before), "rss_before_kib": before, "peak_kib": after, "peak_reset": reset}
+
+
+def run_memory_child(module: str, args: Sequence[str], timeout_s: float = 1800) -> dict[str, Any]:
+    """Run ``python -m module *args`` (a benchmark's hidden memory-child mode) and parse the JSON it prints last."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        return {"status": "failed", "stderr": r.stderr[-500:]}
+    return {"status": "measured", **json.loads(r.stdout.strip().splitlines()[-1])}

@@ -250,3 +250,16 @@ def test_padded_rows_do_not_change_the_statistics_and_nan_is_refused():
     X2[0, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm)
+
+
+def test_terms_false_returns_the_same_norms_only():
+    gen = torch.Generator().manual_seed(11)
+    X = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    W = [torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(4)]
+    G = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    full = multi_head_attention(X, *W, 2, grad_output=G, tol=0.0)
+    norms = multi_head_attention(X, *W, 2, grad_output=G, tol=0.0, terms=False)
+    assert not any(k.startswith(("term/", "bound/")) for k in norms)
+    assert set(norms) == {k for k in full if not k.startswith(("term/", "bound/"))}
+    for key, val in norms.items():
+        assert_close_report(val, full[key], 1e-12, name=key)

@@ -375,7 +375,12 @@ def importlib_util_find(name):
 
 def _run_ddp(tmp_path, *extra):
     script = Path(__file__).with_name("ddp_script.py")
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    import socket
+
+    with socket.socket() as sock:  # a fresh free port per run: back-to-back runs must not race for one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path), *extra],
         env=env,
@@ -384,7 +389,7 @@ def _run_ddp(tmp_path, *extra):
         timeout=240,
         cwd=Path(__file__).parents[1],
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr tail:\n{proc.stderr[-4000:]}"
     return json.loads((tmp_path / "result.json").read_text())
 
 

@@ -347,6 +347,7 @@ def _attention(
     single,
     kinds=KINDS,
     warm_start=None,
+    terms=True,
 ):
     X3, batched = as_batched(X)
     B, L, d = X3.shape
@@ -387,6 +388,19 @@ def _attention(
             full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start)
         )
 
+    if terms:
+        out.update(_terms_and_bounds(X3, A, op, g, c, resid, row_keep, W_Q, W_K, W_V, W_O, L, target, hk))
+    if dense:
+        out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
+    return out
+
+
+def _terms_and_bounds(
+    X3, A, op, g, c, resid, row_keep, W_Q, W_K, W_V, W_O, L, target, hk
+) -> dict[str, torch.Tensor]:
+    """Bound terms (``term/...``) and corrected bounds (``bound/...``) of :func:`_attention`."""
+    B, H = X3.shape[0], W_Q.shape[0]
+    out: dict[str, torch.Tensor] = {}
     # bound terms, per sequence and head
     x_b = spectral_norm_2d(X3 * row_keep.unsqueeze(-1).to(X3.dtype))  # (B,), padded rows excluded
     alpha = softmax_jacobian_norm(A)  # (B, H)
@@ -396,14 +410,14 @@ def _attention(
     entropy = (ent * rk).sum((0, 2)) / rk.sum((0, 2)).clamp_min(1)  # (H,)
     w_o = torch.ones(H, dtype=X3.dtype, device=X3.device) if W_O is None else spectral_norm_2d(W_O)
     L_b = row_keep.sum(-1).to(X3.dtype)
-    terms = {
+    scalars = {
         "x_norm": x_b.max(),
         "x_norm6": x_b.max() ** 6,
         "inv_L3": torch.tensor(1.0 / L**3, dtype=X3.dtype, device=X3.device),
         "grad_norm": g.norm(),
     }
     if target is not None:
-        terms["residual_norm"] = resid.norm()
+        scalars["residual_norm"] = resid.norm()
     per_head = {
         "softmax_jac_norm": alpha.amax(0),
         "softmax_hess_frob": beta.amax(0),
@@ -415,7 +429,7 @@ def _attention(
     }
     if W_O is not None:
         per_head["wo_norm"] = w_o
-    for name, val in terms.items():
+    for name, val in scalars.items():
         out[f"term/{name}"] = val
     for name, val in per_head.items():
         for h, key in enumerate(hk(name)):
@@ -436,8 +450,6 @@ def _attention(
     for name, val in bounds.items():
         for h, key in enumerate(hk(name)):
             out[f"bound/{key}"] = val[h]
-    if dense:
-        out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
     return out
 
 
@@ -458,6 +470,7 @@ def self_attention(
     max_iter: int | None = None,
     dense: bool = False,
     warm_start: dict | None = None,
+    terms: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -477,6 +490,8 @@ def self_attention(
         max_iter: most Lanczos steps per norm (default: the block size, i.e. exact).
         warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
             stored there last time (the monitor uses it across evaluations) and stores the new ones.
+        terms: also return the bound terms ``term/...`` and the corrected bounds ``bound/...`` (default);
+            False computes the norms only.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
             (vec_r order, equal to ``torch.func.hessian`` reshaped) and ``dense/*/QKV``.
 
@@ -526,6 +541,7 @@ def self_attention(
         single=True,
         kinds=kinds,
         warm_start=warm_start,
+        terms=terms,
     )
 
 
@@ -552,6 +568,7 @@ def multi_head_attention(
     max_iter: int | None = None,
     dense: bool = False,
     warm_start: dict | None = None,
+    terms: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -564,8 +581,8 @@ def multi_head_attention(
             ``h d_K:(h+1) d_K`` (rows ``h d_V:(h+1) d_V`` of ``W_O``).
         n_heads: ``H``.
         b_Q, b_K: ``(H d_K,)``; b_V: ``(H d_V,)``; b_O: ``(m,)``; optional.
-        target, grad_output, output_curvature, causal, key_padding_mask, pairs, tol, max_iter, dense:
-            as in :func:`self_attention` (default ``c = 2/(L m)``).
+        target, grad_output, output_curvature, causal, key_padding_mask, pairs, kinds, tol, max_iter,
+            warm_start, terms, dense: as in :func:`self_attention` (default ``c = 2/(L m)``).
 
     Returns:
         The keys of :func:`self_attention` suffixed ``/h{i}`` for per-head quantities, e.g.
@@ -623,4 +640,5 @@ def multi_head_attention(
         single=False,
         kinds=kinds,
         warm_start=warm_start,
+        terms=terms,
     )
