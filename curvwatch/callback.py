@@ -132,8 +132,8 @@ class CurvatureMonitor(Callback):
             list of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
         kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default
             all three: the Gauss-Newton / functional split). Each kind is one more Lanczos vector per
-            product; ``("hessian",)`` alone roughly halves an evaluation (exact norms such as ``outer/VV``
-            are logged either way).
+            product; ``("hessian",)`` alone made an evaluation 2.1x (demo model) to 2.7x (mid-size model)
+            cheaper (``docs/performance.md`` section 3; exact norms such as ``outer/VV`` are logged either way).
         collapse_ratio: LayerNorm collapse warning when ``var_min / eps`` drops below it (0 disables).
         inv_var_threshold: Also warn when ``ln/inv_var_max = 1/min(var + eps)`` exceeds it (``None``: off).
         spike_factor: Spike warning when a block norm exceeds ``spike_factor`` x its running baseline.
@@ -342,6 +342,13 @@ class CurvatureMonitor(Callback):
         if pl_module.automatic_optimization and not self._steps_optimizer(trainer, batch_idx):
             return
         if not self._within_budget(trainer, pl_module):
+            if "budget_info" not in self._warned:
+                self._warned.add("budget_info")
+                rank_zero_info(
+                    f"CurvatureMonitor: skipping due step {step} and later ones while the evaluations so far "
+                    f"({self._eval_seconds:.3g} s) plus one more exceed max_overhead={self.max_overhead:g} of the "
+                    f"training time ({self._train_seconds:.3g} s); pass max_overhead=None for a fixed schedule."
+                )
             return
         self._capture_step = step
         self._open_error = None

@@ -408,14 +408,19 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert _run_ddp(tmp_path / "tight", "--max-overhead", "1e-9")["steps"] == [0]
 
 
-def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path):
+def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog):
     logged = {}
     for name, budget in (("loose", 1e9), ("tight", 1e-9)):
         monitor = CurvatureMonitor(every_n_train_steps=1, max_overhead=budget, max_tokens=16, log_heatmap=False)
         trainer = make_trainer(tmp_path / name, monitor, max_steps=4)
-        trainer.fit(TinyLM(), loader())
+        with caplog.at_level("INFO"):
+            trainer.fit(TinyLM(), loader())
         logged[name] = curv_rows(read_rows(trainer))
         assert monitor._eval_seconds > 0 and monitor._train_seconds > 0
+        skips = [r for r in caplog.records if "CurvatureMonitor: skipping due step" in r.getMessage()]
+        assert len(skips) == (1 if name == "tight" else 0)  # said once, with the way out
+        caplog.clear()
+    assert "pass max_overhead=None for a fixed schedule" in skips[0].getMessage()
     assert sorted(logged["loose"]) == [0, 1, 2, 3]
     assert sorted(logged["tight"]) == [0]  # step 0 always; afterwards the budget is spent
     fractions = [row[f"{PREFIX}summary/overhead_fraction"] for row in logged["loose"].values()]
