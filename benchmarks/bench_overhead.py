@@ -369,6 +369,12 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
     kw = {"tol": MONITOR_KWARGS["tol"], "max_iter": MONITOR_KWARGS["max_iter"], "pairs": pairs}
     fns = {"train_step": step}
     fns.update({b.spec.name: (lambda b=b: b.evaluate(dtype=torch.float32, **kw)) for b in blocks})
+
+    def hessian_only() -> None:  # CurvatureMonitor(kinds=("hessian",)): one Lanczos vector per product
+        for b in blocks:
+            b.evaluate(dtype=torch.float32, kinds=("hessian",), **kw)
+
+    fns["all_blocks_hessian_kind_only"] = hessian_only
     t = time_interleaved(fns, torch.device("cpu"), repeats=repeats, min_repeats=1, warmup=0, min_time_s=0.0)
     step_s = t["train_step"]["median_s"]
     per_block = {
@@ -389,6 +395,7 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
         "by_kind_share": {k: v / total for k, v in kinds.items()},
         "evaluate_total_s": total,
         "evaluate_total_steps": total / step_s,
+        "evaluate_total_s_hessian_kind_only": t["all_blocks_hessian_kind_only"]["median_s"],
     }
 
 
@@ -442,6 +449,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--mid-batch", type=int, default=8, help="batch size of the mid-size model (default 8)")
     ap.add_argument("--models", default="demo,mid", help="comma-separated subset of demo,mid")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip per-block timing")
+    ap.add_argument("--breakdown-only", action="store_true", help="only the per-block timing (no training runs)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads < 1:
@@ -468,9 +476,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         models = quick_models() if args.quick else [demo_model(args.rounds), mid_model(args.mid_rounds, args.mid_batch)]
         models = [m for m in models if m.name in args.models]
         t0 = time.perf_counter()
-        results = [bench_model(m, args.seed) for m in models]
-        for m, r in zip(models, results, strict=True):
-            r["defaults"] = bench_default(m, args.seed)
+        if args.breakdown_only:
+            results = [{"model": m.name, "cadences": {}, "breakdown_only": True} for m in models]
+        else:
+            results = [bench_model(m, args.seed) for m in models]
+            for m, r in zip(models, results, strict=True):
+                r["defaults"] = bench_default(m, args.seed)
         if args.breakdown:
             for m, r in zip(models, results, strict=True):
                 quick_or_demo = args.quick or m.name == "demo"
@@ -502,11 +513,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             },
             "environment": environment(torch.device("cpu")),
             "results": results,
-            "goals": goals(results),
+            "goals": [] if args.breakdown_only else goals(results),
         }
         path = write_json(NAME, data, args.out)
         print(f"## Overhead of CurvatureMonitor in training, cpu, {args.threads} thread(s) ({path})\n")
-        print(overhead_table(results))
+        if not args.breakdown_only:
+            print(overhead_table(results))
         for r in results:
             d = r.get("defaults")
             if d:
@@ -520,7 +532,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(b["by_kind_share"].items()))
                 print(
                     f"\n{r['model']}: one evaluation of {b['layers']} layer(s) = {b['evaluate_total_s']:.3g} s "
-                    f"= {b['evaluate_total_steps']:.3g} training steps ({share})"
+                    f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with kinds=('hessian',): "
+                    f"{b['evaluate_total_s_hessian_kind_only']:.3g} s"
                 )
         return data
     finally:

@@ -132,7 +132,7 @@ class CurvatureMonitor(Callback):
             list of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
         kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default
             all three: the Gauss-Newton / functional split). Each kind is one more Lanczos vector per
-            product; ``("hessian",)`` alone made an evaluation 2.1x (demo model) to 2.7x (mid-size model)
+            product; ``("hessian",)`` alone made an evaluation 2.2x (demo model) to 2.9x (mid-size model)
             cheaper (``docs/performance.md`` section 3; exact norms such as ``outer/VV`` are logged either way).
         collapse_ratio: LayerNorm collapse warning when ``var_min / eps`` drops below it (0 disables).
         inv_var_threshold: Also warn when ``ln/inv_var_max = 1/min(var + eps)`` exceeds it (``None``: off).
