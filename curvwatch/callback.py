@@ -666,8 +666,9 @@ class CurvatureMonitor(Callback):
             self._alerts.load_state_dict(alerts_before)
             self._skip(trainer, step, _LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
-            self._eval_seconds += time.perf_counter() - logging_start
-            self._last_eval_seconds += time.perf_counter() - logging_start
+            logging_seconds = time.perf_counter() - logging_start
+            self._eval_seconds += logging_seconds
+            self._last_eval_seconds += logging_seconds
 
     def _log(
         self,

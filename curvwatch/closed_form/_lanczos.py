@@ -115,7 +115,7 @@ def lanczos_max_abs(
         exhausted = beta <= 10 * eps * scale
         # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end is
         # either accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and
-        # -0.95, the isolated smaller end converges first; stopping on it alone returned 0.95 in 1 of 3 trials)
+        # -0.95, the isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of 40 trials)
         converged = resid.gather(-1, idx).squeeze(-1) <= tol * theta.abs()
         r_opp, t_opp = resid.gather(-1, opp).squeeze(-1), evals.gather(-1, opp).squeeze(-1).abs()
         settled = (r_opp <= tol * theta.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta.abs())

@@ -62,6 +62,26 @@ class BlockOperator:
         """
         raise NotImplementedError
 
+    def _zeros(self, n: int, name: str) -> torch.Tensor:
+        """A zero output (or tangent) of block ``name`` for ``n`` vectors: ``(n, H, *shape)`` if headed."""
+        info = self.params[name]
+        shape = (n, self.n_heads, *info.shape) if info.headed else (n, *info.shape)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+
+def run_parts(part, outer_rows, func_rows, total_rows):
+    """``(outer, functional[, total])`` of an operator's ``apply``, from ``part(idx, outer, second_order)``.
+
+    A part whose row set is empty is not computed (``{}``); the total is computed only when
+    ``total_rows`` is given (operators with ``supports_total``).
+    """
+
+    def run(idx, outer: bool, second_order: bool) -> dict:
+        return {} if idx is not None and len(idx) == 0 else part(idx, outer, second_order)
+
+    outer, func = run(outer_rows, True, False), run(func_rows, False, True)
+    return (outer, func) if total_rows is None else (outer, func, run(total_rows, True, True))
+
 
 def _check_kinds(kinds) -> tuple[str, ...]:
     """Validate a ``kinds`` argument (``"outer"``, ``"functional"``, ``"hessian"``) and keep the canonical order."""
@@ -172,14 +192,14 @@ def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     if getattr(op, "supports_total", False):
         o, f, t = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf, total_rows=rt)
         parts = [(ro, o), (rf, f), (rt, t)]
-    elif getattr(op, "supports_subsets", False):
+    else:  # hessian rows as outer + functional
         ro_all, rf_all = torch.cat([ro, rt]), torch.cat([rf, rt])
-        o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro_all, func_rows=rf_all)
+        if getattr(op, "supports_subsets", False):
+            o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro_all, func_rows=rf_all)
+        else:
+            o, f = op.apply(tangent)
+            o, f = {nm: x[ro_all] for nm, x in o.items()}, {nm: x[rf_all] for nm, x in f.items()}
         parts = [(ro_all, o), (rf_all, f)]
-    else:
-        o, f = op.apply(tangent)
-        ro_all, rf_all = torch.cat([ro, rt]), torch.cat([rf, rt])
-        parts = [(ro_all, {nm: x[ro_all] for nm, x in o.items()}), (rf_all, {nm: x[rf_all] for nm, x in f.items()})]
     out = {}
     for nm in outputs:
         ref = next(p[nm] for _, p in parts if nm in p)

@@ -37,6 +37,7 @@ from ._operator import (
     _check_kinds,
     dense_blocks,
     full_norms,
+    run_parts,
     select_rows,
     spectral_norms,
 )
@@ -175,7 +176,7 @@ class AttentionOperator(BlockOperator):
             mV = None if u is None else self.A.mT @ u
             if dA is not None:
                 mV = dA.mT @ g_h if mV is None else mV.add_(dA.mT @ g_h)
-            out["V"] = self._zero(ref.shape[0], "V") if mV is None else _xtm(X, mV)
+            out["V"] = self._zeros(ref.shape[0], "V") if mV is None else _xtm(X, mV)
         if "Q" in outputs or "K" in outputs:
             # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
             hA = None
@@ -194,7 +195,7 @@ class AttentionOperator(BlockOperator):
                 if Gam is not None:  # the bilinear term of T in (W_Q, W_K)
                     t = (self.Gamma if name == "Q" else self.Gamma.mT) @ Gam
                     m = t if m is None else m.add_(t)
-                out[name] = self._zero(ref.shape[0], name) if m is None else _xtm(X, m) * self.scale
+                out[name] = self._zeros(ref.shape[0], name) if m is None else _xtm(X, m) * self.scale
         return out
 
     def vjp(self, u, outputs=("V", "Q", "K")):
@@ -205,9 +206,6 @@ class AttentionOperator(BlockOperator):
     def functional(self, inter, outputs=("V", "Q", "K")):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
         return self.pull(inter, u=None, second_order=True, outputs=outputs)
-
-    def _zero(self, n, name):
-        return torch.zeros((n, self.H, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
     def _outer_cotangent(self, dF):
         """``u = c dF`` (through the output metric ``W_O W_O^T``), padded rows dropped."""
@@ -225,20 +223,15 @@ class AttentionOperator(BlockOperator):
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
         if dF is None:  # no perturbation at all
-            zero = {nm: self._zero(n, nm) for nm in outputs}
+            zero = {nm: self._zeros(n, nm) for nm in outputs}
             return (zero, zero) if total_rows is None else (zero, zero, zero)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
-            if idx is not None and len(idx) == 0:  # no row needs this part
-                return {}
             u = self._outer_cotangent(select_rows(dF, idx)) if outer else None
             inter_i = tuple(select_rows(t, idx) for t in inter) if second_order else (None,) * 6
             return self.pull(inter_i, u=u, second_order=second_order, outputs=outputs)
 
-        outer, func = part(outer_rows, True, False), part(func_rows, False, True)
-        if total_rows is None:
-            return outer, func
-        return outer, func, part(total_rows, True, True)
+        return run_parts(part, outer_rows, func_rows, total_rows)
 
     # ---- exact pieces ------------------------------------------------------------------------
     def outer_vv_norm(self, tol: float, max_iter: int | None) -> torch.Tensor:

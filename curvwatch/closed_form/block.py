@@ -115,11 +115,6 @@ class TransformerBlockOperator(BlockOperator):
             "W2": ParamInfo(tuple(self.W_2.shape), False),
         }
 
-    def _zeros(self, n, name):
-        info = self.params[name]
-        shape = (n, self.n_heads, *info.shape) if info.headed else (n, *info.shape)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
     def apply(self, tangent):
         n = next(iter(tangent.values())).shape[0]
         t = {nm: tangent[nm] if nm in tangent else self._zeros(n, nm) for nm in self.params}

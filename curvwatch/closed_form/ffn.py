@@ -16,7 +16,16 @@ import math
 import torch
 
 from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
-from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, select_rows, spectral_norms
+from ._operator import (
+    KINDS,
+    BlockOperator,
+    ParamInfo,
+    _check_kinds,
+    dense_blocks,
+    run_parts,
+    select_rows,
+    spectral_norms,
+)
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -95,17 +104,12 @@ class FFNOperator(BlockOperator):
             dS = t if dS is None else dS.add_(t)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
-            if idx is not None and len(idx) == 0:  # no row needs this part
-                return {}
             u = select_rows(dS, idx) * self.ck if outer else None
             if not second_order:
                 return self._pull(u, None, None, None, False, outputs)
             return self._pull(u, select_rows(dZ, idx), select_rows(dHid, idx), select_rows(dW2, idx), True, outputs)
 
-        outer, func = part(outer_rows, True, False), part(func_rows, False, True)
-        if total_rows is None:
-            return outer, func
-        return outer, func, part(total_rows, True, True)
+        return run_parts(part, outer_rows, func_rows, total_rows)
 
     def _pull(self, u, dZ, dHid, dW2, second_order, outputs):
         """Weight gradients of the output cotangent ``u`` ``(n, N, m)`` (or None) plus, with ``second_order``,
@@ -131,9 +135,6 @@ class FFNOperator(BlockOperator):
                 w2 = t if w2 is None else w2.add_(t)
             out["W2"] = self._zeros(n, "W2") if w2 is None else w2
         return out
-
-    def _zeros(self, n, name):
-        return torch.zeros((n, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
 
 def ffn(
