@@ -153,3 +153,19 @@ def test_softmax_hessian_frobenius_does_not_underflow_on_near_one_hot_rows():
         betas.append(float(softmax_hessian_frobenius(row)) / t)
     assert betas[0] > 0
     assert_close_report(torch.tensor(betas[1]), torch.tensor(betas[0]), 1e-10, name="beta / t")
+
+
+def test_softmax_terms_match_torch_func():
+    """alpha and beta per row against torch.func: eigvalsh of jacrev(softmax), Frobenius norm of its hessian."""
+    from torch.func import hessian, jacrev
+
+    gen = torch.Generator().manual_seed(5)
+    T = torch.cat([torch.randn(6, 5, generator=gen, dtype=DT) * s for s in (0.3, 2.0, 8.0)])
+    for i, t in enumerate(T):
+        J = jacrev(lambda x: torch.softmax(x, -1))(t)
+        S = hessian(lambda x: torch.softmax(x, -1))(t)  # (L, L, L)
+        row = torch.softmax(t, -1).reshape(1, 1, -1)
+        assert_close_report(
+            softmax_jacobian_norm(row).reshape(()), torch.linalg.eigvalsh(J)[-1], 1e-10, name=f"alpha {i}"
+        )
+        assert_close_report(softmax_hessian_frobenius(row).reshape(()), S.norm(), 1e-10, name=f"beta {i}")
