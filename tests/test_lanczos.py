@@ -169,3 +169,22 @@ def test_softmax_terms_match_torch_func():
             softmax_jacobian_norm(row).reshape(()), torch.linalg.eigvalsh(J)[-1], 1e-10, name=f"alpha {i}"
         )
         assert_close_report(softmax_hessian_frobenius(row).reshape(()), S.norm(), 1e-10, name=f"beta {i}")
+
+
+def test_softmax_jacobian_norm_on_near_one_hot_rows_against_mpmath():
+    """Rows ``(1 - s, eps, eps/2, eps/4, eps/10)``: lambda ~ 2.6 eps. The secular function written as
+    ``(a_1 - lambda)(1 + psi) - a_1^2`` cancelled against 1 and returned 0.707 x the norm for eps <= 1e-20."""
+    mpmath = __import__("pytest").importorskip("mpmath")
+    mpmath.mp.dps = 60
+    for eps in (1e-5, 1e-10, 1e-20, 1e-40):  # 60 digits resolve 1 - s to ~1e-20 of lambda at 1e-40
+        rest = [mpmath.mpf(eps) * f for f in (1, 0.5, 0.25, 0.1)]
+        a = [1 - sum(rest), *rest]
+        n = len(a)
+        J = mpmath.matrix(n)
+        for i in range(n):
+            for j in range(n):
+                J[i, j] = (a[i] if i == j else 0) - a[i] * a[j]
+        expected = torch.tensor(float(max(mpmath.eigsy(J)[0])), dtype=torch.float64)
+        row = torch.tensor([float(x) for x in a], dtype=torch.float64)
+        A = torch.stack([row.roll(k) for k in range(n)])[None]  # (1, L, L), the peak on every position
+        assert_close_report(softmax_jacobian_norm(A)[0], expected, 1e-10, name=f"eps={eps}")

@@ -25,6 +25,7 @@ def lanczos_max_abs(
     v0: torch.Tensor | None = None,
     seed: int = 0,
     both_ends: torch.Tensor | bool = True,
+    pass_live: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest |eigenvalue| of a batch of symmetric operators, matrix-free.
 
@@ -49,6 +50,10 @@ def lanczos_max_abs(
         both_ends: bool or ``batch_shape`` bool tensor; False where the spectrum is known to be one-sided
             (a Gauss-Newton block, PSD) or symmetric about zero (the ``[[0, B], [B^T, 0]]`` embedding of an
             off-diagonal block), where the largest-magnitude end alone decides.
+        pass_live: call ``matvec(v, live)`` instead, ``live`` a CPU bool tensor of shape ``batch_shape``: the
+            members still iterating. The others have zero vectors and their output rows must be zero (exactly
+            what a linear ``matvec`` returns), so ``matvec`` may skip computing them. Reading ``live`` costs no
+            extra host-device sync: the stopping test reads it anyway.
 
     Returns:
         ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest |eigenvalue| found; ``vec`` of
@@ -85,11 +90,12 @@ def lanczos_max_abs(
     alphas: list[torch.Tensor] = []
     betas: list[torch.Tensor] = []
     active = torch.ones(batch_shape, dtype=torch.bool, device=device)
+    live = torch.ones(batch_shape, dtype=torch.bool)  # host copy of ``active``, for ``pass_live``
     eps = torch.finfo(dtype).eps
     theta = torch.zeros(batch_shape, dtype=dtype, device=device)
     ritz = v.clone()
     for j in range(k_max):
-        w = matvec(v)
+        w = matvec(v, live) if pass_live else matvec(v)
         alpha = (w * v).sum(-1)
         alphas.append(alpha)
         # full re-orthogonalisation against the whole basis: classical Gram-Schmidt, always twice ("twice
@@ -121,7 +127,8 @@ def lanczos_max_abs(
         settled = (r_opp <= tol * theta.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta.abs())
         converged = converged & (~both | settled)
         active = active & ~(exhausted | converged)
-        if not bool(active.any()) or j + 1 == k_max:
+        live = active.cpu()  # the one host-device sync of the step
+        if not bool(live.any()) or j + 1 == k_max:
             y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, j+1)
             ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
             break

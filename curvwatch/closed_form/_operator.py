@@ -193,7 +193,9 @@ def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
         o, f, t = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf, total_rows=rt)
         parts = [(ro, o), (rf, f), (rt, t)]
     else:  # hessian rows as outer + functional
-        ro_all, rf_all = torch.cat([ro, rt]), torch.cat([rf, rt])
+        # sorted: the sum below takes a full-length row set for the identity (with 2 copies of the kinds,
+        # outer + hessian rows cover every row out of order: that read the wrong rows)
+        ro_all, rf_all = torch.cat([ro, rt]).sort().values, torch.cat([rf, rt]).sort().values
         if getattr(op, "supports_subsets", False):
             o, f = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro_all, func_rows=rf_all)
         else:
@@ -213,35 +215,74 @@ def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     return out
 
 
+def _skip_dead_kinds(kinds: Sequence[str], make):
+    """``mv(u, live=None)`` over the batch ``(len(kinds), H, n)`` from ``make(sub_kinds)``, a plain ``mv`` for a
+    subset of the kinds.
+
+    With ``live`` (the host mask of :func:`lanczos_max_abs` with ``pass_live``), a kind none of whose members
+    is live (all converged: zero vectors) is left out of the product and gets zero rows, which is exactly
+    what computing it gave.
+    """
+    full = make(kinds)
+    subsets: dict[tuple[int, ...], tuple] = {}
+
+    def mv(u: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        keep = None if live is None else live.reshape(len(kinds), -1).any(-1).tolist()
+        if keep is None or all(keep):
+            return full(u)
+        sub = tuple(i for i, x in enumerate(keep) if x)
+        out = torch.zeros_like(u)
+        if not sub:
+            return out
+        if sub not in subsets:  # at most 2^len(kinds) of them, built once per Lanczos run
+            subsets[sub] = (torch.tensor(sub, device=u.device), make([kinds[i] for i in sub]))
+        idx, fn = subsets[sub]
+        return out.index_copy_(0, idx, fn(u.index_select(0, idx)))
+
+    return mv
+
+
 def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
-    """Symmetric matvec whose largest |eigenvalue| is ``||H_XY||_2`` for each kind, batched ``(len(kinds), H, n)``."""
+    """Symmetric matvec whose largest |eigenvalue| is ``||H_XY||_2`` for each kind, batched ``(len(kinds), H, n)``.
+
+    Returns ``(emb, mv)``; ``mv(u, live=None)`` leaves out the kinds without a live member (see
+    :func:`_skip_dead_kinds`).
+    """
     X, Y = pair
     if X == Y:
         emb = _Embedding(op, [X])
-        rows = _rows(kinds, 1, emb)
+
+        def make_diag(ks: Sequence[str]):
+            rows = _rows(ks, 1, emb)
+
+            def mv(u: torch.Tensor) -> torch.Tensor:
+                out = apply_kinds(op, emb.embed(u, [X]), [X], rows)
+                return emb.extract(out, [X], u.shape[0])
+
+            return mv
+
+        return emb, _skip_dead_kinds(kinds, make_diag)
+    emb = _Embedding(op, [X, Y])
+
+    def make_pair(ks: Sequence[str]):
+        rows = _rows(ks, 2, emb)
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            out = apply_kinds(op, emb.embed(u, [X]), [X], rows)
-            return emb.extract(out, [X], u.shape[0])
+            k = u.shape[0]
+            # One batched product: the first half perturbs block Y only (we read rows X), the second half
+            # perturbs block X only (we read rows Y).
+            tY = emb.embed(u, [Y])[Y]
+            tX = emb.embed(u, [X])[X]
+            tangent = {Y: torch.cat([tY, torch.zeros_like(tY)]), X: torch.cat([torch.zeros_like(tX), tX])}
+            out = apply_kinds(op, tangent, [X, Y], rows)
+            half = next(iter(out.values())).shape[0] // 2
+            first = {nm: t[:half] for nm, t in out.items()}
+            second = {nm: t[half:] for nm, t in out.items()}
+            return emb.extract(first, [X], k) + emb.extract(second, [Y], k)
 
-        return emb, mv
-    emb = _Embedding(op, [X, Y])
-    rows = _rows(kinds, 2, emb)
+        return mv
 
-    def mv(u: torch.Tensor) -> torch.Tensor:
-        k = u.shape[0]
-        # One batched product: the first half perturbs block Y only (we read rows X), the second half
-        # perturbs block X only (we read rows Y).
-        tY = emb.embed(u, [Y])[Y]
-        tX = emb.embed(u, [X])[X]
-        tangent = {Y: torch.cat([tY, torch.zeros_like(tY)]), X: torch.cat([torch.zeros_like(tX), tX])}
-        out = apply_kinds(op, tangent, [X, Y], rows)
-        half = next(iter(out.values())).shape[0] // 2
-        first = {nm: t[:half] for nm, t in out.items()}
-        second = {nm: t[half:] for nm, t in out.items()}
-        return emb.extract(first, [X], k) + emb.extract(second, [Y], k)
-
-    return emb, mv
+    return emb, _skip_dead_kinds(kinds, make_pair)
 
 
 def head_keys(op: BlockOperator, base: str, pair: tuple[str, str]) -> list[str]:
@@ -306,6 +347,7 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_
         device=op.device,
         tol=tol,
         max_iter=max_iter,
+        pass_live=True,
         v0=_warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op),
         both_ends=_both_ends(kinds, op, diagonal=diagonal),
     )
@@ -348,11 +390,12 @@ def full_norms(
 ) -> dict[str, torch.Tensor]:
     """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
     emb = _Embedding(op, names)
-    rows = _rows(kinds, 1, emb)
 
-    def mv(u: torch.Tensor) -> torch.Tensor:
-        return emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
+    def make(ks: Sequence[str]):
+        rows = _rows(ks, 1, emb)
+        return lambda u: emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
+    mv = _skip_dead_kinds(kinds, make)
     vals = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
     out = {}
     headed = any(op.params[n].headed for n in names)

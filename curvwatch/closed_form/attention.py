@@ -25,10 +25,11 @@ Each product costs ``O(L^2 (d_K + d_V) + L d (d_K + d_V))`` per head, like one f
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 import torch
 
-from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
+from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
 from ._lanczos import lanczos_max_abs
 from ._operator import (
     KINDS,
@@ -41,7 +42,7 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
-from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
+from .bounds import _attention_bound_table, softmax_bound_factors
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
 
@@ -85,15 +86,18 @@ class AttentionOperator(BlockOperator):
         }
         self.scale = 1.0 / math.sqrt(self.d_K)
         self.W_Q, self.W_K, self.W_V, self.W_O = W_Q, W_K, W_V, W_O
-        self.P = torch.einsum("bld,hdk->bhlk", X, W_Q)  # (B, H, L, d_K)
-        self.Kk = torch.einsum("bld,hdk->bhlk", X, W_K)  # (B, H, L, d_K)
-        self.Vv = torch.einsum("bld,hdv->bhlv", X, W_V)  # (B, H, L, d_V)
-        if b_Q is not None:
-            self.P = self.P + b_Q[None, :, None, :]
-        if b_K is not None:
-            self.Kk = self.Kk + b_K[None, :, None, :]
-        if b_V is not None:
-            self.Vv = self.Vv + b_V[None, :, None, :]
+        # queries, keys and values in one matmul: X (B L, d) @ [W_Q | W_K | W_V] (d, H (2 d_K + d_V)), then
+        # contiguous (B, H, L, k) copies (the Gram matrices and products then need no copy of their own)
+        B, L = X.shape[:2]
+        W_all = torch.cat([W.permute(1, 0, 2).reshape(d, -1) for W in (W_Q, W_K, W_V)], 1)  # (H, d, k) -> (d, H k)
+        Y = X.reshape(B * L, d) @ W_all  # (B L, H (2 d_K + d_V))
+        sizes = [self.H * self.d_K, self.H * self.d_K, self.H * self.d_V]
+        self.P, self.Kk, self.Vv = (
+            y.reshape(B, L, self.H, -1).transpose(1, 2).contiguous() for y in Y.split(sizes, 1)
+        )  # (B, H, L, d_K), (B, H, L, d_K), (B, H, L, d_V)
+        for t, b in ((self.P, b_Q), (self.Kk, b_K), (self.Vv, b_V)):
+            if b is not None:
+                t.add_(b[None, :, None, :])
         T = self.P @ self.Kk.mT * self.scale  # (B, H, L, L)
         if keep is not None:
             T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
@@ -101,7 +105,6 @@ class AttentionOperator(BlockOperator):
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
         self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L), see set_cotangent
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
-        self.Mo = None if W_O is None else W_O @ W_O.mT  # per-head output metric W_O^h W_O^h^T, (H, d_V, d_V)
         if g is not None:
             self.set_cotangent(g, c)
 
@@ -112,17 +115,46 @@ class AttentionOperator(BlockOperator):
         return F if b_O is None else F + b_O
 
     def set_cotangent(self, g: torch.Tensor, c: torch.Tensor) -> None:
-        """Set ``g = dl/dF`` ``(B, L, m)``, the output curvature ``c`` ``(B,)`` and what the products need."""
+        """Set ``g = dl/dF`` ``(B, L, m)`` and the output curvature ``c`` ``(B,)``.
+
+        The products' cotangent factors (``G_A``, ``Gamma``, ...) are computed on first use: an evaluation
+        without Lanczos never needs them.
+        """
         W_O = self.W_O
         self.c = c
         self.g_h = g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
-        self.G_A = self.g_h @ self.Vv.mT  # (B, H, L, L)
-        self.Gamma = softmax_jvp(self.A, self.G_A)  # dl/dT, (B, H, L, L)
-        self.rG = (self.A * self.G_A).sum(-1, keepdim=True)  # (B, H, L, 1)
-        # rank-matched views for products with (n, B, H, L, L) tangents: same-rank elementwise ops take
-        # PyTorch's fast path (broadcasting over a missing leading dimension was 2x slower on CPU)
-        self.G_A1 = self.G_A.unsqueeze(0)
-        self.GmR1 = (self.G_A - self.rG).unsqueeze(0)
+        for name in ("G_A", "Gamma", "rG", "G_A1", "GmR1"):
+            self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
+
+    @cached_property
+    def G_A(self) -> torch.Tensor:
+        """``dl/dA = g_h V^T``, ``(B, H, L, L)``."""
+        return self.g_h @ self.Vv.mT
+
+    @cached_property
+    def Gamma(self) -> torch.Tensor:
+        """``dl/dT``, ``(B, H, L, L)``."""
+        return softmax_jvp(self.A, self.G_A)
+
+    @cached_property
+    def rG(self) -> torch.Tensor:
+        """``<a_i, G_A,i>`` per row, ``(B, H, L, 1)``."""
+        return (self.A * self.G_A).sum(-1, keepdim=True)
+
+    # rank-matched views for products with (n, B, H, L, L) tangents: same-rank elementwise ops take
+    # PyTorch's fast path (broadcasting over a missing leading dimension was 2x slower on CPU)
+    @cached_property
+    def G_A1(self) -> torch.Tensor:
+        return self.G_A.unsqueeze(0)
+
+    @cached_property
+    def GmR1(self) -> torch.Tensor:
+        return (self.G_A - self.rG).unsqueeze(0)
+
+    @cached_property
+    def Mo(self) -> torch.Tensor | None:
+        """Per-head output metric ``W_O^h W_O^h^T``, ``(H, d_V, d_V)`` (None without projection)."""
+        return None if self.W_O is None else self.W_O @ self.W_O.mT
 
     # ---- first order -------------------------------------------------------------------------
     def jvp(self, tangent):
@@ -234,25 +266,63 @@ class AttentionOperator(BlockOperator):
         return run_parts(part, outer_rows, func_rows, total_rows)
 
     # ---- exact pieces ------------------------------------------------------------------------
-    def outer_vv_norm(self, tol: float, max_iter: int | None) -> torch.Tensor:
-        """Exact ``||H_o(VV)||`` per head: ``lambda_max(sum_b c_b (A X)_b^T (A X)_b) * ||W_O^h||^2``."""
-        M1 = (self.A @ self.X.unsqueeze(1)) * (self.c.sqrt()[:, None, None, None] * self.row_keep[:, None, :, None])
-        M1 = M1.permute(1, 0, 2, 3).reshape(self.H, -1, self.X.shape[-1])  # (H, B*L, d)
-        d = M1.shape[-1]
-        if d <= 256 or max_iter is None:
-            gram = spectral_norm_2d(M1) ** 2
-        else:
-            gram, _ = lanczos_max_abs(
-                lambda v: torch.einsum("hnd,hn->hd", M1, torch.einsum("hnd,hd->hn", M1, v)),
-                (self.H,),
-                d,
-                dtype=self.dtype,
-                device=self.device,
-                tol=tol,
-                max_iter=max_iter,
-            )
-        if self.Mo is not None:
-            gram = gram * torch.linalg.eigvalsh(self.Mo)[..., -1]
+    def _vv_rows(self) -> torch.Tensor:
+        """``A`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (0 on padded rows), ``(B, H, L, L)``."""
+        return self.A * (self.c.sqrt()[:, None] * self.row_keep)[:, None, :, None]
+
+    def vv_factor(self) -> torch.Tensor:
+        """``M`` with ``M^T M = sum_b c_b (A X)_b^T (A X)_b`` per head (padded rows dropped), ``(H, B L, d)``."""
+        B, H, L = self.A.shape[:3]
+        M1 = self._vv_rows().reshape(B, H * L, L) @ self.X  # one matmul per sequence for all heads, (B, H L, d)
+        return M1.reshape(B, H, L, -1).transpose(0, 1).reshape(H, B * L, -1)  # (B, H, L, d) -> (H, B L, d)
+
+    def _vv_matvec(self):
+        """``v -> M^T M v`` per head for ``v`` ``(H, d)``, without forming :meth:`vv_factor`.
+
+        ``M v = Aw (X v)`` costs ``O(B H L (L + d))`` per product; forming ``M`` costs ``O(B H L^2 d)``, more
+        than the few products Lanczos needs.
+        """
+        Aw, X = self._vv_rows(), self.X  # (B, H, L, L), (B, L, d)
+        B, L, d = X.shape
+
+        def mv(v: torch.Tensor) -> torch.Tensor:
+            t = (X @ v.mT).transpose(1, 2).unsqueeze(-2)  # X_b v_h as rows: (B, L, H) -> (B, H, 1, L)
+            # s^T = (Aw^T Aw t)^T as row-vector products (a batched (L, L) @ (L, 1) was 10x slower on CPU)
+            s = (t @ Aw.mT) @ Aw  # (B, H, 1, L)
+            return s.squeeze(-2).permute(1, 0, 2).reshape(-1, B * L) @ X.reshape(B * L, d)  # sum_b X_b^T s_bh
+
+        return mv
+
+    @staticmethod
+    def vv_exact(d: int, max_iter: int | None) -> bool:
+        """Whether :meth:`outer_vv_norm` takes the ``d x d`` eigen-decomposition (else Lanczos)."""
+        return d <= 256 or max_iter is None
+
+    def outer_vv_norm(
+        self, tol: float, max_iter: int | None, gram: torch.Tensor | None = None, wo2: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Exact ``||H_o(VV)||`` per head: ``lambda_max(sum_b c_b (A X)_b^T (A X)_b) * ||W_O^h||^2``.
+
+        ``gram`` (that ``lambda_max``, ``(H,)``) and ``wo2`` (``||W_O^h||^2``) may be passed when the caller
+        computed them already (in one batched eigen-decomposition with its other norms).
+        """
+        if gram is None:
+            d = self.X.shape[-1]
+            if self.vv_exact(d, max_iter):
+                gram = gram_lambda_max(self.vv_factor())[0]
+            else:
+                gram, _ = lanczos_max_abs(
+                    self._vv_matvec(),
+                    (self.H,),
+                    d,
+                    dtype=self.dtype,
+                    device=self.device,
+                    tol=tol,
+                    max_iter=max_iter,
+                )
+        gram = gram.clamp_min(0)
+        if self.W_O is not None:
+            gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
         return gram
 
 
@@ -318,7 +388,8 @@ def _keep_masks(B: int, L: int, causal: bool, key_padding_mask, device) -> tuple
 
 
 def _attention(
-    X,
+    X3,
+    batched,
     W_Q,
     W_K,
     W_V,
@@ -342,14 +413,18 @@ def _attention(
     warm_start=None,
     terms=True,
 ):
-    X3, batched = as_batched(X)
+    """Shared body of :func:`self_attention` and :func:`multi_head_attention`; ``X3`` ``(B, L, d)`` is checked."""
     B, L, d = X3.shape
     H = W_Q.shape[0]
     keep, row_keep = _keep_masks(B, L, causal, key_padding_mask, X3.device)
     # one forward pass: the operator's, which also gives the output the loss convention needs
     op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, None, None, suffix_heads=not single)
+    if target is not None:
+        F = op.output(b_O)
+    else:  # grad_output mode reads only the output's shape, dtype and device
+        F = X3.new_zeros(()).expand(B, L, op.d_V if W_O is None else W_O.shape[-1])
     g, c, resid = output_cotangent(
-        op.output(b_O),
+        F,
         row_keep,
         target=target,
         grad_output=grad_output,
@@ -357,92 +432,102 @@ def _attention(
         batched=batched,
     )
     op.set_cotangent(g, c)
-    A = op.A
     pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
     for p in pairs:
         if p not in ATTENTION_PAIRS and p != "QKV":
             raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',)}.")
+    kinds = _check_kinds(kinds)
 
     def hk(base):  # per-head keys
         return [base] if single else [f"{base}/h{h}" for h in range(H)]
 
+    # every exact spectral norm of the evaluation in one batched call (one eigvalsh per Gram size)
+    mats: dict[str, torch.Tensor] = {}
+    vv_exact = "VV" in pairs and op.vv_exact(d, max_iter)
+    if vv_exact:
+        mats["vv"] = op.vv_factor()  # (H, B L, d)
+    if W_O is not None and ("VV" in pairs or terms):
+        mats["wo"] = W_O
+    if terms:
+        mats.update(x=X3 * row_keep.unsqueeze(-1).to(X3.dtype), P=op.P, K=op.Kk, V=op.Vv, wq=W_Q, wk=W_K, wv=W_V)
+    sq = dict(zip(mats, gram_lambda_max(*mats.values()), strict=True))  # squared norms
+
     out: dict[str, torch.Tensor] = {}
     if "VV" in pairs:
-        vv = op.outer_vv_norm(tol, max_iter)
-        for h, key in enumerate(hk("VV")):
-            out[f"outer/{key}"] = vv[h]
-            out[f"functional/{key}"] = torch.zeros((), dtype=X3.dtype, device=X3.device)
-            out[f"hessian/{key}"] = vv[h]
+        vv = op.outer_vv_norm(tol, max_iter, gram=sq.get("vv"), wo2=sq.get("wo"))
+        zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
+        for key, v in zip(hk("VV"), vv.unbind(), strict=True):
+            out[f"outer/{key}"] = v
+            out[f"functional/{key}"] = zero
+            out[f"hessian/{key}"] = v
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
-    kinds = _check_kinds(kinds)
-    out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
+    if iterative:
+        out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
     if "QKV" in pairs or pairs == ATTENTION_PAIRS:
         out.update(
             full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start)
         )
 
     if terms:
-        out.update(_terms_and_bounds(X3, A, op, g, c, resid, row_keep, W_Q, W_K, W_V, W_O, L, target, hk))
+        norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
+        out.update(_terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk))
     if dense:
         out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
     return out
 
 
-def _terms_and_bounds(
-    X3, A, op, g, c, resid, row_keep, W_Q, W_K, W_V, W_O, L, target, hk
-) -> dict[str, torch.Tensor]:
-    """Bound terms (``term/...``) and corrected bounds (``bound/...``) of :func:`_attention`."""
-    B, H = X3.shape[0], W_Q.shape[0]
-    out: dict[str, torch.Tensor] = {}
-    # bound terms, per sequence and head
-    x_b = spectral_norm_2d(X3 * row_keep.unsqueeze(-1).to(X3.dtype))  # (B,), padded rows excluded
-    alpha = softmax_jacobian_norm(A)  # (B, H)
-    beta = softmax_hessian_frobenius(A)  # (B, H)
-    ent = -(A * torch.log(A.clamp_min(torch.finfo(A.dtype).tiny))).sum(-1)  # (B, H, L)
-    rk = row_keep.to(A.dtype).unsqueeze(1)
+def _terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk) -> dict[str, torch.Tensor]:
+    """Bound terms (``term/...``) and corrected bounds (``bound/...``) of :func:`_attention`.
+
+    ``norms`` holds the spectral norms computed with the exact ones: ``x`` ``(B,)`` (padded rows excluded),
+    ``P``, ``K``, ``V`` ``(B, H)`` and ``wq``, ``wk``, ``wv``, ``wo`` ``(H,)`` (no ``wo`` without projection).
+    """
+    A = op.A
+    B, H, L = A.shape[:3]
+    x_b = norms["x"]  # (B,)
+    alpha, beta = softmax_bound_factors(A)  # ||dA/dT||_2 and the softmax second derivative's bound, (B, H)
+    ent = -torch.special.xlogy(A, A).sum(-1)  # (B, H, L); 0 log 0 = 0
+    rk = row_keep.to(A.dtype).unsqueeze(1)  # (B, 1, L)
     entropy = (ent * rk).sum((0, 2)) / rk.sum((0, 2)).clamp_min(1)  # (H,)
-    w_o = torch.ones(H, dtype=X3.dtype, device=X3.device) if W_O is None else spectral_norm_2d(W_O)
+    w_o = norms.get("wo")
     L_b = row_keep.sum(-1).to(X3.dtype)
-    scalars = {
-        "x_norm": x_b.max(),
-        "x_norm6": x_b.max() ** 6,
-        "inv_L3": torch.tensor(1.0 / L**3, dtype=X3.dtype, device=X3.device),
-        "grad_norm": g.norm(),
+    x_max = x_b.max()
+    out: dict[str, torch.Tensor] = {
+        "term/x_norm": x_max,
+        "term/x_norm6": x_max**6,
+        "term/inv_L3": torch.tensor(1.0 / L**3, dtype=X3.dtype, device=X3.device),
+        "term/grad_norm": g.norm(),
     }
     if target is not None:
-        scalars["residual_norm"] = resid.norm()
+        out["term/residual_norm"] = resid.norm()
     per_head = {
         "softmax_jac_norm": alpha.amax(0),
         "softmax_hess_frob": beta.amax(0),
         "attn_entropy": entropy,
         "attn_entropy_norm": entropy / torch.log(L_b.clamp_min(2)).mean(),
-        "wq_norm": spectral_norm_2d(W_Q),
-        "wk_norm": spectral_norm_2d(W_K),
-        "wv_norm": spectral_norm_2d(W_V),
+        "wq_norm": norms["wq"],
+        "wk_norm": norms["wk"],
+        "wv_norm": norms["wv"],
     }
-    if W_O is not None:
+    if w_o is not None:
         per_head["wo_norm"] = w_o
-    for name, val in scalars.items():
-        out[f"term/{name}"] = val
-    for name, val in per_head.items():
-        for h, key in enumerate(hk(name)):
-            out[f"term/{key}"] = val[h]
-    bounds = attention_bounds(
+    names, table = _attention_bound_table(
         x=x_b,
-        P=op.P,
-        Kk=op.Kk,
-        Vv=op.Vv,
-        g_h=op.g_h.expand(B, H, L, -1),
+        p=norms["P"],
+        kap=norms["K"],
+        nu=norms["V"],
+        gam=op.g_h.flatten(-2).norm(dim=-1).expand(B, H),
         c=c,
         alpha=alpha,
         beta=beta,
-        w_o=w_o,
+        w_o=torch.ones(H, dtype=X3.dtype, device=X3.device) if w_o is None else w_o,
         L_b=L_b,
-        d_K=W_Q.shape[-1],
-    )
-    for name, val in bounds.items():
-        for h, key in enumerate(hk(name)):
-            out[f"bound/{key}"] = val[h]
+        d_K=op.d_K,
+    )  # (n_bounds, H)
+    keys = [f"term/{key}" for name in per_head for key in hk(name)]
+    keys += [f"bound/{key}" for name in names for key in hk(name)]
+    vals = torch.cat([torch.stack(list(per_head.values())), table])  # (n_terms + n_bounds, H)
+    out.update(zip(keys, vals.flatten().unbind(), strict=True))  # one view per (quantity, head)
     return out
 
 
@@ -505,7 +590,7 @@ def self_attention(
         >>> bool(out["hessian/QQ"] <= out["bound/QQ"])
         True
     """
-    X3, _ = as_batched(X)
+    X3, batched = as_batched(X)
     d = X3.shape[-1]
     W_Q = check_weight(W_Q, d, "W_Q", X3)
     W_K = check_weight(W_K, d, "W_K", X3)
@@ -513,7 +598,8 @@ def self_attention(
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
     return _attention(
-        X,
+        X3,
+        batched,
         W_Q.unsqueeze(0),
         W_K.unsqueeze(0),
         W_V.unsqueeze(0),
@@ -590,7 +676,7 @@ def multi_head_attention(
     """
     if not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"Invalid n_heads={n_heads!r}. Must be an int >= 1.")
-    X3, _ = as_batched(X)
+    X3, batched = as_batched(X)
     d = X3.shape[-1]
     W_Q = _split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
     W_K = _split_heads(check_weight(W_K, d, "W_K", X3), n_heads, "W_K")
@@ -612,7 +698,8 @@ def multi_head_attention(
     b_V = check_like(b_V, (H * d_V,), "b_V", X3)
     b_O = check_like(b_O, (W_O.shape[-1],), "b_O", X3)
     return _attention(
-        X,
+        X3,
+        batched,
         W_Q,
         W_K,
         W_V,

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+
+from ._common import gram_lambda_max
 
 
 def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:
@@ -49,20 +50,52 @@ def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:
     """
     if A.shape[-1] == 1:  # a single key: the softmax is constant
         return torch.zeros(A.shape[:-2], dtype=A.dtype, device=A.device)
-    top2, idx = A.topk(2, dim=-1)
-    a1, a2 = top2[..., 0], top2[..., 1]
-    others = A.scatter(-1, idx[..., :1], 0.0)  # the row without its largest entry
+    return _jacobian_norm(*_split_top(A), iters)
+
+
+def softmax_bound_factors(A: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax_jacobian_norm(A, iters), softmax_hessian_frobenius(A))``, sharing the split of every row.
+
+    Both start from each row's largest entry and the row without it; one evaluation of the bound terms needs
+    both, so the split is done once.
+
+    Args:
+        A: ``(..., L, L)`` row-stochastic.
+
+    Returns:
+        Two ``(...)`` tensors.
+    """
+    split = _split_top(A)
+    alpha = torch.zeros(A.shape[:-2], dtype=A.dtype, device=A.device) if A.shape[-1] == 1 else None
+    return (_jacobian_norm(*split, iters) if alpha is None else alpha), _hessian_frobenius(A, *split)
+
+
+def _split_top(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_1, i_1, others)``: the largest entry of each row ``(..., L)``, its index ``(..., L)`` and the row
+    with it set to zero ``(..., L, L)``."""
+    a1, i1 = A.max(-1)
+    return a1, i1, A.scatter(-1, i1.unsqueeze(-1), 0.0)
+
+
+def _jacobian_norm(a1: torch.Tensor, i1: torch.Tensor, others: torch.Tensor, iters: int) -> torch.Tensor:
+    """:func:`softmax_jacobian_norm` from :func:`_split_top` (rows of at least two entries)."""
+    a2 = others.amax(-1)  # the second largest entry (= a_1 on ties)
     sq = others * others
     rest = others.sum(-1)  # 1 - a_1 without cancellation
     lam = torch.maximum(a1 * rest, 0.5 * (a1 + a2) - 0.5 * (a1 - a2) ** 2)  # Rayleigh quotients <= lambda
-    tiny = torch.finfo(A.dtype).tiny
+    a1_rest = a1 * rest  # a_1 (1 - a_1)
+    tiny = torch.finfo(others.dtype).tiny
+    D, R = torch.empty_like(others), torch.empty_like(others)  # (..., L, L) buffers, reused by every step
     for _ in range(iters):
-        D = (lam.unsqueeze(-1) - others).clamp_min(tiny)
-        R = sq / D
+        torch.sub(lam.unsqueeze(-1), others, out=D).clamp_min_(tiny)
+        torch.div(sq, D, out=R)
         psi = R.sum(-1)
-        h = (a1 - lam) * (1 + psi) - a1 * a1
-        dh = -(1 + psi) - (a1 - lam) * (R / D).sum(-1)
-        lam = torch.minimum(lam - torch.where(dh < 0, h / dh, torch.zeros_like(h)), a1)
+        gap = a1 - lam
+        # h = (a_1 - lambda)(1 + psi) - a_1^2 expanded as a_1 (1 - a_1) - lambda + (a_1 - lambda) psi: on a
+        # near-one-hot row every term is ~lambda, while the product form cancels against 1 (0.71x at 1e-20)
+        h = torch.addcmul(a1_rest - lam, gap, psi)
+        dh = torch.addcmul(psi + 1.0, gap, R.div_(D).sum(-1)).neg_()  # h' = -(1 + psi) - (a_1 - lambda) psi'
+        lam = torch.minimum(lam - torch.where(dh < 0, h / dh, 0.0), a1)
     lam = torch.where(a1 - a2 <= 0, a1, lam)  # ties: e_1 - e_2 is an eigenvector with eigenvalue a_1
     return lam.amax(-1)
 
@@ -87,33 +120,39 @@ def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(...)`` tensor.
     """
-    top = F.one_hot(A.argmax(-1), A.shape[-1]).to(torch.bool)  # (..., L, L), the largest entry of each row
-    others = A.masked_fill(top, 0.0)
+    return _hessian_frobenius(A, *_split_top(A))
+
+
+def _hessian_frobenius(A: torch.Tensor, a1: torch.Tensor, i1: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """:func:`softmax_hessian_frobenius` from :func:`_split_top`."""
+    top = torch.zeros_like(A, dtype=torch.bool).scatter_(-1, i1.unsqueeze(-1), True)  # the largest entry of each row
     # Every term of ||S||_F^2 is O(t^2) with t = 1 - a_top, so the formula is evaluated on terms divided by
     # t^2 (off-top entries as a / t <= 1): squares of attention weights below 1e-154 would underflow to 0
     # in float64 (the bound then read 0 below a true norm of 1e-238, found by the property test).
     t = others.sum(-1, keepdim=True)  # 1 - a_top, without cancellation
     ts = t.clamp_min(torch.finfo(A.dtype).tiny)
     u = others / ts  # off-top entries relative to t
-    a_top = (A * top).sum(-1, keepdim=True)
-    s_top_t2 = (u * u).sum(-1, keepdim=True)  # sum of the other squares / t^2
-    p2 = a_top * a_top + t * t * s_top_t2  # sum a^2
+    a_top = a1.unsqueeze(-1)
+    a_top2, t2, uu = a_top * a_top, t * t, u * u
+    s_top_t2 = uu.sum(-1, keepdim=True)  # sum of the other squares / t^2
+    p2 = a_top2 + t2 * s_top_t2  # sum a^2
     # w_j = (1 - a_j)^2 + sum_{l != j} a_l^2; off the top entry it is O(1); at the top w / t^2 = 1 + s_top / t^2
     w = torch.where(top, 1.0 + s_top_t2, (1.0 - A) ** 2 + (p2 - A * A))
     # r_j / t^2 = a_j^2 w_j / t^2
-    r = torch.where(top, a_top * a_top * w, u * u * w)
-    w_true = torch.where(top, t * t * w, w)  # w itself, for the sum r_j w_j
+    r = torch.where(top, a_top2 * w, uu * w)
+    w_true = torch.where(top, t2 * w, w)  # w itself, for the sum r_j w_j
     # m_j = a_j - p_2: at the top a_top t - s_top = t (a_top - t s_top / t^2), so (a_j^2 m_j^2) / t^2 is
     m_top_t = a_top - t * s_top_t2
-    Ja2 = torch.where(top, a_top * a_top * m_top_t * m_top_t, u * u * (A - p2) ** 2).sum(-1)
+    Ja2 = torch.where(top, a_top2 * m_top_t * m_top_t, uu * (A - p2) ** 2).sum(-1)
     sq = (r * w_true).sum(-1) - 2 * ((A * r).sum(-1) - Ja2) + p2.squeeze(-1) * r.sum(-1)
     return (t.squeeze(-1) * sq.clamp_min(0).sqrt()).amax(-1)
 
 
-def _spec(M: torch.Tensor) -> torch.Tensor:
-    p, q = M.shape[-2:]
-    G = M.mT @ M if q <= p else M @ M.mT
-    return torch.linalg.eigvalsh(G)[..., -1].clamp_min(0).sqrt()
+# the six block pairs in output order, their (row, column) blocks in Q, K, V order, and the symmetric 3x3
+# matrix of block bounds as indices into that order
+_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
+_ROWS, _COLS = [2, 0, 1, 2, 2, 0], [2, 0, 1, 0, 1, 1]
+_QKV = [[1, 5, 3], [5, 2, 4], [3, 4, 0]]
 
 
 def attention_bounds(*, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K) -> dict[str, torch.Tensor]:
@@ -132,45 +171,45 @@ def attention_bounds(*, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K) -> dic
     Returns:
         ``{"XY": (H,), "outer/XY": (H,), "functional/XY": (H,), "QKV": (H,)}`` for the six pairs.
     """
-    p, kap, nu = _spec(P), _spec(Kk), _spec(Vv)  # (B, H)
+    p, kap, nu = (t.clamp_min(0).sqrt() for t in gram_lambda_max(P, Kk, Vv))  # (B, H)
     gam = g_h.flatten(-2).norm(dim=-1)  # (B, H)
-    xb = x[:, None]
-    cb = c[:, None]
+    names, table = _attention_bound_table(
+        x=x, p=p, kap=kap, nu=nu, gam=gam, c=c, alpha=alpha, beta=beta, w_o=w_o, L_b=L_b, d_K=d_K
+    )
+    return dict(zip(names, table.unbind(), strict=True))
+
+
+def _attention_bound_table(*, x, p, kap, nu, gam, c, alpha, beta, w_o, L_b, d_K) -> tuple[list[str], torch.Tensor]:
+    """The bounds of :func:`attention_bounds` from the measured norms, as ``(names, (19, H) tensor)``.
+
+    Args:
+        p, kap, nu: ``(B, H)`` ``||P||_2``, ``||K||_2``, ``||V||_2`` per sequence and head.
+        gam: ``(B, H)`` ``||g W_O^h^T||_F``.
+        x, c, alpha, beta, w_o, L_b, d_K: as in :func:`attention_bounds`.
+    """
     s = 1.0 / math.sqrt(d_K)
-    JV = L_b.sqrt()[:, None] * xb * w_o[None]
-    JQ = alpha * xb * kap * nu * w_o[None] * s
-    JK = alpha * xb * p * nu * w_o[None] * s
+    xb = x[:, None]  # (B, 1)
+    xw = xb * w_o[None]  # x omega, (B, H)
+    anw = alpha * xw * nu * s
+    J = torch.stack([anw * kap, anw * p, L_b.sqrt()[:, None] * xw])  # ||J_Q||, ||J_K||, ||J_V|| bounds, (3, B, H)
+    outer = (c[:, None] * J[_ROWS] * J[_COLS]).sum(1)  # c ||J_X|| ||J_Y|| summed over the batch, (6, H)
     x2 = xb * xb
-    outer = {
-        "VV": cb * JV * JV,
-        "QQ": cb * JQ * JQ,
-        "KK": cb * JK * JK,
-        "VQ": cb * JV * JQ,
-        "VK": cb * JV * JK,
-        "QK": cb * JQ * JK,
-    }
-    func = {
-        "VV": torch.zeros_like(JV),
-        "VQ": alpha * x2 * kap * gam * s,
-        "VK": alpha * x2 * p * gam * s,
-        "QQ": beta * gam * nu * x2 * kap * kap * s * s,
-        "KK": beta * gam * nu * x2 * p * p * s * s,
-        "QK": beta * gam * nu * x2 * kap * p * s * s + alpha * gam * nu * x2 * s,
-    }
-    out: dict[str, torch.Tensor] = {}
-    for k in outer:
-        o, f = outer[k].sum(0), func[k].sum(0)
-        out[f"outer/{k}"] = o
-        out[f"functional/{k}"] = f
-        out[k] = o + f
-    # whole QKV Hessian: spectral norm of the 3x3 matrix of block bounds (order Q, K, V)
-    N = torch.stack(
+    ax2g = alpha * x2 * gam * s
+    bgn = beta * gam * nu * x2 * (s * s)
+    func = torch.stack(
         [
-            torch.stack([out["QQ"], out["QK"], out["VQ"]], -1),
-            torch.stack([out["QK"], out["KK"], out["VK"]], -1),
-            torch.stack([out["VQ"], out["VK"], out["VV"]], -1),
-        ],
-        -2,
-    )  # (H, 3, 3), symmetric non-negative
-    out["QKV"] = torch.linalg.eigvalsh(N)[..., -1]
-    return out
+            torch.zeros_like(ax2g),  # H_f(VV) = 0
+            bgn * kap * kap,
+            bgn * p * p,
+            ax2g * kap,
+            ax2g * p,
+            bgn * kap * p + alpha * gam * nu * x2 * s,
+        ]
+    ).sum(1)  # (6, H)
+    total = outer + func
+    # whole QKV Hessian: spectral norm of the 3x3 matrix of block bounds (order Q, K, V)
+    N = total[torch.tensor(_QKV, device=total.device)].permute(2, 0, 1)  # (3, 3, H) -> (H, 3, 3), symmetric, >= 0
+    qkv = torch.linalg.eigvalsh(N)[:, -1]
+    names = [n for k in _PAIRS for n in (f"outer/{k}", f"functional/{k}", k)] + ["QKV"]
+    table = torch.cat([torch.stack([outer, func, total], 1).flatten(0, 1), qkv[None]])  # (19, H)
+    return names, table

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ._common import as_batched, check_like, check_weight, output_cotangent, spectral_norm_2d
+from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -37,6 +37,8 @@ def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tens
 
     ReLU's second derivative is 0 almost everywhere (we take ``act'(0) = 0``, like autograd).
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"Unknown activation={activation!r}. Use one of {ACTIVATIONS}.")
     if activation == "relu":
         pos = (Z > 0).to(Z.dtype)
         return Z * pos, pos, torch.zeros_like(Z)
@@ -55,7 +57,15 @@ def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tens
         a1 = 0.5 * (1 + th) + 0.5 * Z * sech2 * du
         a2 = sech2 * du + 0.5 * Z * (-2 * th * sech2 * du * du + sech2 * d2u)
         return a, a1, a2
-    raise ValueError(f"Unknown activation={activation!r}. Use one of {ACTIVATIONS}.")
+
+
+def activation_value(Z: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(Z)`` alone, by the same formulas as :func:`activation_derivatives` (for the exact-only path)."""
+    if activation == "relu":
+        return Z * (Z > 0).to(Z.dtype)
+    if activation == "gelu":
+        return Z * (0.5 * (1 + torch.erf(Z / math.sqrt(2.0))))
+    return activation_derivatives(Z, activation)[0]
 
 
 class FFNOperator(BlockOperator):
@@ -85,7 +95,8 @@ class FFNOperator(BlockOperator):
         self.n_heads = 1
         self.head_diagonal = True
         self.dtype, self.device = Y.dtype, Y.device
-        self.gHid_a2 = (self.g @ W_2.mT) * act2.reshape(N, -1)  # the W1W1 functional factor, (N, f)
+        # the W1W1 functional factor, (N, f); never used when act'' = 0
+        self.gHid_a2 = None if act2_is_zero else (self.g @ W_2.mT) * act2.reshape(N, -1)
 
     def apply(self, tangent, outputs=("W1", "W2"), outer_rows=None, func_rows=None, total_rows=None):
         """``(H_o v, H_f v)`` for the weight blocks in ``outputs``; a missing tangent name is a zero perturbation.
@@ -198,27 +209,40 @@ def ffn(
     keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device)
     if row_mask is not None:
         keep = row_mask.to(device=Y3.device, dtype=torch.bool).reshape(B, L)
-    Z = Y3 @ W_1 + (0 if b_1 is None else b_1)
-    Hid, a1, a2 = activation_derivatives(Z, activation)
-    S = Hid @ W_2 + (0 if b_2 is None else b_2) + (Y3 if residual else 0)
+    pairs = FFN_PAIRS if pairs is None else tuple(pairs)
+    iterative = [p for p in pairs if p != "W2W2"]
+    need_op = bool(iterative) or dense  # the operator (and act', act'') serves the Lanczos and dense products only
+    Z = Y3 @ W_1 + (0 if b_1 is None else b_1)  # (B, L, f)
+    if need_op:
+        Hid, a1, a2 = activation_derivatives(Z, activation)
+    else:
+        Hid = activation_value(Z, activation)
+    m = W_2.shape[1]
+    if target is not None:
+        S = Hid @ W_2 + (0 if b_2 is None else b_2) + (Y3 if residual else 0)
+    else:  # grad_output mode reads only the output's shape, dtype and device
+        S = Y3.new_zeros(()).expand(B, L, m)
     g, c, _ = output_cotangent(
         S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
     )
     relu = activation == "relu"
-    op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu)
-    pairs = FFN_PAIRS if pairs is None else tuple(pairs)
     for p in pairs:
         if p not in FFN_PAIRS:
             raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
+    kinds = _check_kinds(kinds)
+    op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu) if need_op else None
     out: dict[str, torch.Tensor] = {}
+    # every exact norm in one call (one eigvalsh per Gram size); masked tokens excluded from the statistics
+    kf = None if row_mask is None else keep.unsqueeze(-1).to(Y3.dtype)  # (B, L, 1)
+    mats = [Y3 if kf is None else Y3 * kf, Hid if kf is None else Hid * kf, W_1, W_2]
     if "W2W2" in pairs:
-        Hk = (Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, -1)
-        o = spectral_norm_2d(Hk) ** 2
+        mats.append((Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, -1))  # sqrt(c_b) Hid
+    y2, h2, w1, w2, *hk = gram_lambda_max(*mats)  # squared norms: (B,), (B,), (), (), [()]
+    if "W2W2" in pairs:
+        o = hk[0].clamp_min(0)  # ||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b)
         out["outer/W2W2"] = o
         out["functional/W2W2"] = torch.zeros_like(o)
         out["hessian/W2W2"] = o
-    kinds = _check_kinds(kinds)
-    iterative = [p for p in pairs if p != "W2W2"]
     if relu and "W1W1" in iterative:
         # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run
         iterative.remove("W1W1")
@@ -228,15 +252,19 @@ def ffn(
             out.update({f"{k}/W1W1": o["outer/W1W1"] for k in kinds if k != "functional"})
         if "functional" in kinds:
             out["functional/W1W1"] = zero
-    out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
-    kz = Z[keep]  # (N, f)
-    out["dead_fraction"] = (kz <= 0).all(0).to(Y3.dtype).mean()
-    out["active_fraction"] = (kz > 0).to(Y3.dtype).mean()
-    kf = keep.unsqueeze(-1).to(Y3.dtype)  # masked tokens excluded from the statistics
-    out["term/y_norm"] = spectral_norm_2d(Y3 * kf).max()
-    out["term/hidden_norm"] = spectral_norm_2d(Hid * kf).max()
-    out["term/w1_norm"] = spectral_norm_2d(W_1)
-    out["term/w2_norm"] = spectral_norm_2d(W_2)
+    if iterative:
+        out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
+    pos = Z > 0  # (B, L, f)
+    Zk = Z  # pre-activations of the kept tokens, the others at -inf
+    if row_mask is not None:
+        pos = pos & keep.unsqueeze(-1)
+        Zk = Z.masked_fill(~keep.unsqueeze(-1), float("-inf"))
+    n_kept = Z.shape[-1] * (B * L if row_mask is None else keep.sum())
+    # units never active on a kept token (max over tokens <= 0; a NaN max counts as active, like before)
+    out["dead_fraction"] = (Zk.amax((0, 1)) <= 0).to(Y3.dtype).mean()
+    out["active_fraction"] = torch.count_nonzero(pos).to(Y3.dtype) / n_kept
+    out["term/y_norm"], out["term/hidden_norm"] = (t.amax().clamp_min(0).sqrt() for t in (y2, h2))
+    out["term/w1_norm"], out["term/w2_norm"] = (t.clamp_min(0).sqrt() for t in (w1, w2))
     if dense:
         out.update(dense_blocks(op, FFN_PAIRS))
     return out

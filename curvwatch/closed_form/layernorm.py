@@ -159,50 +159,57 @@ def layernorm(
         raise ValueError(f"Invalid eps={eps}. Must be >= 0.")
     weight = check_like(weight, (n,), "weight", X3)
     bias = check_like(bias, (n,), "bias", X3)
-    keep = torch.ones(B, L, dtype=torch.bool, device=X3.device)
+    keep = None  # all rows
     if row_mask is not None:
         rm = row_mask.to(device=X3.device, dtype=torch.bool)
         rm = rm.unsqueeze(0) if rm.ndim == 1 else rm
         if tuple(rm.shape) != (B, L):
             raise ValueError(f"row_mask must have shape (B, L) = {(B, L)}; got {tuple(row_mask.shape)}.")
+        if not bool(rm.any()):
+            raise ValueError("row_mask excludes every row; nothing to measure.")
         keep = rm
-    if not bool(keep.any()):
-        raise ValueError("row_mask excludes every row; nothing to measure.")
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
+        return t.reshape(B * L, -1) if keep is None else t[keep]
+
     ln = LayerNormRows(X3, eps, weight)
-    var = ln.var[keep].squeeze(-1)  # (N,)
-    s = ln.s[keep].squeeze(-1)
-    yhat = ln.yhat[keep]  # (N, n)
+    var = rows(ln.var).squeeze(-1)  # (N,)
+    s = rows(ln.s).squeeze(-1)
+    yhat = rows(ln.yhat)  # (N, n)
     rho2 = (yhat * yhat).sum(-1)
     inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)
     with torch.no_grad():
         s_min = s.min()
-        var_eps_min = (var + eps).min()
+        var_min = var.min()
+        inv_std_max = 1.0 / s_min  # inf when a row has zero variance and eps = 0
         out = {
-            "var_min": var.min(),
+            "var_min": var_min,
             "var_mean": var.mean(),
-            "inv_std_max": 1.0 / s_min if s_min > 0 else inf,
-            "inv_var_max": 1.0 / var_eps_min if var_eps_min > 0 else inf,
-            "var_min_over_eps": var.min() / eps if eps > 0 else inf,
+            "inv_std_max": inv_std_max,
+            "inv_var_max": 1.0 / (var + eps).min(),
+            "var_min_over_eps": var_min / eps if eps > 0 else inf,
             "collapsed_fraction": (var <= 10 * eps).to(X3.dtype).mean() if eps > 0 else (var == 0).to(X3.dtype).mean(),
         }
         s_safe = s.clamp_min(torch.finfo(X3.dtype).tiny)
-        jn = torch.where(s > 0, _row_jacobian_norm(rho2, s_safe, n), inf)
-        hn = torch.where(s > 0, _row_hessian_norm(rho2, s_safe, n), inf)
-        gmax = torch.ones((), dtype=X3.dtype, device=X3.device) if weight is None else weight.abs().max()
-        out["jacobian_norm"] = jn.max()
-        out["hessian_norm"] = hn.max()
-        out["jacobian_norm_affine_bound"] = gmax * out["jacobian_norm"]
-        out["hessian_norm_affine_bound"] = gmax * out["hessian_norm"]
+        if n >= 3:  # ||J_i|| = 1/s_i, so the max is 1/min s (exactly: the reciprocal is monotone)
+            out["jacobian_norm"] = inv_std_max
+        else:
+            out["jacobian_norm"] = torch.where(s > 0, _row_jacobian_norm(rho2, s_safe, n), inf).max()
+        out["hessian_norm"] = torch.where(s > 0, _row_hessian_norm(rho2, s_safe, n), inf).max()
+        gmax = None if weight is None else weight.abs().max()
+        out["jacobian_norm_affine_bound"] = out["jacobian_norm"] if gmax is None else gmax * out["jacobian_norm"]
+        out["hessian_norm_affine_bound"] = out["hessian_norm"] if gmax is None else gmax * out["hessian_norm"]
         if grad_output is not None:
             expected = (B, L, n) if batched else (L, n)
             if tuple(grad_output.shape) != expected:
                 raise ValueError(f"grad_output must have shape {expected}; got {tuple(grad_output.shape)}.")
             G = grad_output.to(dtype=X3.dtype, device=X3.device).reshape(B, L, n)
-            g = (G if weight is None else G * weight)[keep]  # (N, n)
+            g = rows(G if weight is None else G * weight)  # (N, n)
+            g_norm = g.norm(dim=-1)
             cn = _row_contracted_norm(yhat, g, s_safe.unsqueeze(-1), n).squeeze(-1)
-            cn = torch.where(s > 0, cn, torch.where(g.norm(dim=-1) > 0, inf, torch.zeros_like(cn)))
+            cn = torch.where(s > 0, cn, torch.where(g_norm > 0, inf, torch.zeros_like(cn)))
             out["contracted_hessian_norm"] = cn.max()
-            bnd = 6 * g.norm(dim=-1) / (n**0.5 * s_safe * s_safe)
+            bnd = 6 * g_norm / (n**0.5 * s_safe * s_safe)
             out["contracted_hessian_bound"] = torch.where(s > 0, bnd, inf).max()
     if dense:
         out.update(_dense(yhat, s, n, weight))

@@ -1,0 +1,120 @@
+"""The exact-only evaluation path (batched eigen-decompositions, lazy operators) against direct computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curvwatch.closed_form import ffn, layernorm, multi_head_attention
+from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
+from curvwatch.closed_form.attention import AttentionOperator, _keep_masks
+from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
+from tests.utils import TOL, assert_close_report
+
+DT = torch.float64
+
+
+def _rand(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=DT)
+
+
+def test_gram_lambda_max_groups_by_gram_size_and_keeps_batch_shapes():
+    gen = torch.Generator().manual_seed(0)
+    mats = [_rand(gen, 3, 2, 5, 4), _rand(gen, 7, 4), _rand(gen, 4, 9), _rand(gen, 6, 3), _rand(gen, 2, 3, 3)]
+    lams = gram_lambda_max(*mats)
+    assert len(lams) == len(mats)
+    for i, (M, lam) in enumerate(zip(mats, lams, strict=True)):
+        assert lam.shape == M.shape[:-2]
+        expected = torch.linalg.matrix_norm(M, ord=2) ** 2
+        assert_close_report(lam, expected, TOL["float64"], name=f"lambda_max {i}")
+    assert_close_report(spectral_norm_2d(mats[0]), torch.linalg.matrix_norm(mats[0], ord=2), TOL["float64"])
+
+
+def test_softmax_bound_factors_equal_the_separate_terms():
+    gen = torch.Generator().manual_seed(1)
+    T = _rand(gen, 3, 2, 6, 6) * torch.tensor([0.1, 1.0, 30.0], dtype=DT)[:, None, None, None]
+    T[0, 0, :, 3:] = float("-inf")  # masked keys
+    A = torch.softmax(T, -1)
+    A[1, 1, 2] = 0.0  # a fully masked row
+    alpha, beta = softmax_bound_factors(A)
+    assert torch.equal(alpha, softmax_jacobian_norm(A))
+    assert torch.equal(beta, softmax_hessian_frobenius(A))
+    one = torch.ones(2, 3, 1, 1, dtype=DT)  # a single key
+    assert torch.equal(softmax_bound_factors(one)[0], torch.zeros(2, 3, dtype=DT))
+
+
+def test_attention_vv_matvec_matches_the_formed_factor():
+    """The Lanczos path of ``outer/VV`` (d > 256) applies ``M^T M`` without forming ``M``; same operator."""
+    gen = torch.Generator().manual_seed(2)
+    B, L, d, H, k = 3, 6, 9, 2, 4
+    X = _rand(gen, B, L, d)
+    W_Q, W_K, W_V, W_O = _rand(gen, H, d, k), _rand(gen, H, d, k), _rand(gen, H, d, k), _rand(gen, H, k, 5)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -2:] = True
+    keep, row_keep = _keep_masks(B, L, True, kpm, X.device)
+    op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, 5), None)
+    op.set_cotangent(_rand(gen, B, L, 5), torch.rand(B, generator=gen, dtype=DT))
+    M = op.vv_factor()  # (H, B L, d)
+    v = _rand(gen, H, d)
+    expected = torch.einsum("hnd,hn->hd", M, torch.einsum("hnd,hd->hn", M, v))
+    assert_close_report(op._vv_matvec()(v), expected, TOL["float64"], name="M^T M v")
+    exact = op.outer_vv_norm(0.0, None)
+    op.vv_exact = lambda d, max_iter: False  # take the Lanczos path at this small d
+    assert_close_report(op.outer_vv_norm(0.0, d), exact, TOL["lanczos"], name="outer/VV by Lanczos")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_ffn_exact_only_path_equals_the_full_path(activation, masked):
+    """Without iterative pairs the FFN skips its operator and act', act''; the exact keys do not change."""
+    gen = torch.Generator().manual_seed(3)
+    B, L, d, f = 2, 5, 3, 7
+    kw = dict(
+        Y=_rand(gen, B, L, d),
+        W_1=_rand(gen, d, f),
+        W_2=_rand(gen, f, d),
+        b_1=_rand(gen, f),
+        activation=activation,
+        grad_output=_rand(gen, B, L, d),
+    )
+    if masked:
+        mask = torch.ones(B, L, dtype=torch.bool)
+        mask[1, 3:] = False
+        kw["row_mask"] = mask
+    exact = ffn(**kw, pairs=("W2W2",))
+    full = ffn(**kw, pairs=("W2W2", "W1W2"))
+    for key, val in exact.items():
+        assert torch.equal(val, full[key]), key
+    assert "outer/W1W2" not in exact
+    Z = kw["Y"] @ kw["W_1"] + kw["b_1"]
+    kept = Z[kw["row_mask"]] if masked else Z.reshape(-1, f)
+    assert float(exact["dead_fraction"]) == pytest.approx(float((kept <= 0).all(0).to(DT).mean()))
+    assert float(exact["active_fraction"]) == pytest.approx(float((kept > 0).to(DT).mean()))
+
+
+def test_layernorm_without_mask_equals_an_all_true_mask():
+    gen = torch.Generator().manual_seed(4)
+    X = _rand(gen, 2, 4, 5)
+    X[0, 1] = 0.25  # a constant row
+    kw = dict(weight=_rand(gen, 5), bias=_rand(gen, 5), grad_output=_rand(gen, 2, 4, 5))
+    for eps in (1e-5, 0.0):
+        plain = layernorm(X, eps=eps, **kw)
+        masked = layernorm(X, eps=eps, row_mask=torch.ones(2, 4, dtype=torch.bool), **kw)
+        assert plain.keys() == masked.keys()
+        for key in plain:
+            assert torch.equal(plain[key], masked[key]), (eps, key)
+        if eps == 0.0:
+            assert torch.isinf(plain["jacobian_norm"]) and torch.isinf(plain["inv_std_max"])
+
+
+def test_attention_grad_output_mode_needs_no_forward_output():
+    """grad_output mode reads only the output's shape: terms and bounds equal those of a target giving that g."""
+    gen = torch.Generator().manual_seed(5)
+    X = _rand(gen, 2, 4, 6)
+    W = [_rand(gen, 6, 4) for _ in range(3)]
+    W_O = _rand(gen, 4, 6)
+    G = _rand(gen, 2, 4, 6)
+    out = multi_head_attention(X, *W, W_O, 2, grad_output=G, pairs=("VV",))
+    assert_close_report(out["term/grad_norm"], G.norm(), TOL["float64"])
+    with pytest.raises(ValueError, match="exactly one"):
+        multi_head_attention(X, *W, W_O, 2, pairs=("VV",))
