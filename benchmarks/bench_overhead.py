@@ -20,7 +20,10 @@ median over rounds is reported.
   is ``mean with / mean without - 1``); the **same-run** variant divides the same difference by the mean of
   the monitored run's own steps without evaluation, immune to the machine's load changing between runs;
 * **derived** cells (mid-size model at cadences 50 and 200, whose windows would need hundreds of slow steps)
-  are ``cost_per_eval / N`` from the cadence-10 cost, not measured.
+  are ``cost_per_eval / N`` from the cadence-10 cost, not measured;
+* **terms only, every step**: ``CurvatureMonitor(terms_every_n_train_steps=1)`` with full evaluations out of the
+  window (``every_n_train_steps`` beyond the run: only step 0, in the warm-up), measured like cadence 1 on the
+  cadence-1 window, in the same rounds.
 
 Run ``python -m benchmarks.bench_overhead [--quick] [--out PATH]``.
 """
@@ -162,7 +165,7 @@ def train_once(
     m: Model, dataset: Dataset, cadence: int | str | None, steps: int, seed: int
 ) -> dict[str, Any]:
     """Train ``steps`` steps (with a monitor every ``cadence`` steps, ``"default"``: ``CurvatureMonitor()`` with
-    its defaults, or none); per-step wall times."""
+    its defaults, ``"terms"``: terms-only evaluations every step, or none); per-step wall times."""
     L.seed_everything(seed, verbose=False)
     # the learning-rate schedule of the longest run, so that every variant takes the same steps
     module = GPTLitModule(m.config, lr=m.lr, warmup_steps=m.warmup_steps, max_steps=m.max_steps)
@@ -175,6 +178,9 @@ def train_once(
     monitor = None
     if cadence == "default":
         monitor = CurvatureMonitor(max_tokens=m.max_tokens)  # every 200 steps, max_overhead=0.01
+    elif cadence == "terms":  # full evaluation at step 0 only (in the warm-up), terms only on every later step
+        kwargs = {**MONITOR_KWARGS, "max_tokens": m.max_tokens}
+        monitor = CurvatureMonitor(every_n_train_steps=steps + 1, terms_every_n_train_steps=1, **kwargs)
     elif cadence is not None:
         kwargs = {**MONITOR_KWARGS, "max_tokens": m.max_tokens}
         monitor = CurvatureMonitor(every_n_train_steps=cadence, **kwargs)
@@ -200,6 +206,7 @@ def train_once(
         "step_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],  # start(i) -> start(i + 1)
         "hook_s": [b - a for a, b in zip(starts, ends, strict=False)],  # start(i) -> end(i)
         "evaluations": None if monitor is None else monitor._evaluations,
+        "terms_evaluations": None if monitor is None else monitor._terms_evaluations,
         "monitor_overhead_fraction": None
         if monitor is None
         else monitor._last_summary.get("summary/overhead_fraction"),
@@ -240,14 +247,15 @@ def compare(off: dict[str, Any], on: dict[str, Any], cadence: int, warmup: int, 
 
 def bench_model(m: Model, seed: int) -> dict[str, Any]:
     dataset = make_dataset(m, seed)
-    variants: list[int | None] = [None, *sorted(m.windows)]
+    variants: list[int | str | None] = [None, *sorted(m.windows), "terms"]
     runs: dict[str, list[dict[str, Any]]] = {str(v): [] for v in variants}
     per_round: dict[int, list[dict[str, Any]]] = {c: [] for c in m.windows}
+    terms_rounds: list[dict[str, Any]] = []
     for r in range(m.rounds):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         done: dict[int | None, dict[str, Any]] = {}
         for v in order:
-            steps = m.max_steps if v is None else m.warmup + m.windows[v] + 1
+            steps = m.max_steps if v is None else m.warmup + m.windows[1 if v == "terms" else v] + 1
             done[v] = train_once(m, dataset, v, steps, seed)
             print(
                 f"[{NAME}] {m.name} round {r + 1}/{m.rounds} every_n={v}: {done[v]['steps']} steps in "
@@ -259,6 +267,7 @@ def bench_model(m: Model, seed: int) -> dict[str, Any]:
             runs[str(v)].append(run)
         for c in m.windows:
             per_round[c].append(compare(done[None], done[c], c, m.warmup, m.windows[c]))
+        terms_rounds.append(compare(done[None], done["terms"], 1, m.warmup, m.windows[1]))
     cadences: dict[str, dict[str, Any]] = {}
     for c in m.windows:
         rs = per_round[c]
@@ -305,6 +314,13 @@ def bench_model(m: Model, seed: int) -> dict[str, Any]:
         "rounds": m.rounds,
         "max_tokens": m.max_tokens,
         "cadences": {str(c): cadences[str(c)] for c in CADENCES},
+        "terms_only_every_step": {
+            "window_steps": m.windows[1],
+            "overhead": _median([x["overhead"] for x in terms_rounds]),
+            "overhead_rounds": [x["overhead"] for x in terms_rounds],
+            "cost_per_eval_steps": _median([x["cost_per_eval_steps"] for x in terms_rounds]),
+            "cost_per_eval_s": _median([x["cost_per_eval_s"] for x in terms_rounds]),
+        },
         "runs": runs,
     }
 
@@ -375,6 +391,12 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
             b.evaluate(dtype=torch.float32, kinds=("hessian",), **kw)
 
     fns["all_blocks_hessian_kind_only"] = hessian_only
+
+    def terms_only() -> None:  # CurvatureMonitor(terms_every_n_train_steps=...): the exact pairs, no Lanczos
+        for b in blocks:
+            b.evaluate(dtype=torch.float32, pairs=("VV", "W2W2"))
+
+    fns["all_blocks_terms_only"] = terms_only
     t = time_interleaved(fns, torch.device("cpu"), repeats=repeats, min_repeats=1, warmup=0, min_time_s=0.0)
     step_s = t["train_step"]["median_s"]
     per_block = {
@@ -396,6 +418,8 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
         "evaluate_total_s": total,
         "evaluate_total_steps": total / step_s,
         "evaluate_total_s_hessian_kind_only": t["all_blocks_hessian_kind_only"]["median_s"],
+        "evaluate_total_s_terms_only": t["all_blocks_terms_only"]["median_s"],
+        "evaluate_total_steps_terms_only": t["all_blocks_terms_only"]["median_s"] / step_s,
     }
 
 
@@ -421,6 +445,12 @@ def overhead_table(results: Sequence[dict[str, Any]]) -> str:
                 extra = "" if same is None else f" [{_steps(same)}]"
                 cells.append(f"{_pct(d['overhead'])} / {_steps(d['cost_per_eval_steps'])}{extra}")
         rows.append(cells)
+    if all("terms_only_every_step" in r for r in results):
+        cells = ["1, terms only"]
+        for r in results:
+            d = r["terms_only_every_step"]
+            cells.append(f"{_pct(d['overhead'])} / {_steps(d['cost_per_eval_steps'])}")
+        rows.append(cells)
     return markdown_table(header, rows)
 
 
@@ -429,12 +459,15 @@ def goals(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         default = (r.get("defaults") or {}).get("overhead")
         cost = r["cadences"]["1"]["cost_per_eval_steps"]
+        terms = r.get("terms_only_every_step", {}).get("cost_per_eval_steps")
         out.append({
             "model": r["model"],
             "overhead_at_defaults": default,
             "overhead_at_defaults_ok": None if default is None else default <= GOAL_OVERHEAD,
             "cost_per_eval_steps_every_step": cost,
             "cost_per_eval_ok": None if cost is None else cost < GOAL_COST,
+            "terms_only_cost_per_eval_steps": terms,
+            "terms_only_cost_per_eval_ok": None if terms is None else terms < GOAL_COST,
         })  # fmt: skip
     return out
 
@@ -533,7 +566,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(
                     f"\n{r['model']}: one evaluation of {b['layers']} layer(s) = {b['evaluate_total_s']:.3g} s "
                     f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with kinds=('hessian',): "
-                    f"{b['evaluate_total_s_hessian_kind_only']:.3g} s"
+                    f"{b['evaluate_total_s_hessian_kind_only']:.3g} s; terms only: "
+                    f"{b['evaluate_total_s_terms_only']:.3g} s = {b['evaluate_total_steps_terms_only']:.3g} steps"
                 )
         return data
     finally:

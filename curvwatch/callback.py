@@ -49,6 +49,9 @@ _HEADLINES = {
 _KIND_PREFIX = {"layernorm": "ln", "ffn": "ffn", "attention": "attn"}
 # Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
 _NONFINITE = "skipped_nonfinite"
+# The pairs whose norms are exact without Lanczos (outer/VV in closed form, functional/VV = 0; W2W2 exact):
+# a terms-only evaluation asks the kernels for these, so it runs no Lanczos at all.
+_EXACT_PAIRS = ("VV", "W2W2")
 
 
 def _qualify(kind: str, result: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,7 +100,10 @@ class CurvatureMonitor(Callback):
       ``{p}summary/vv_qq_ratio/median``, ``{p}summary/functional_outer/max``, ``/median``,
       ``{p}summary/ln/inv_var_max``, ``{p}summary/ln/var_min``, ``{p}summary/ln/var_min_over_eps``,
       ``{p}summary/eval_time_s``, ``{p}summary/evaluations``, ``{p}summary/skipped_evaluations``,
-      ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``.
+      ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``, ``{p}summary/overhead_fraction``.
+    - With ``terms_every_n_train_steps``, terms-only evaluations log the per-block keys they compute, the
+      ``{p}summary/ln/...`` summaries, ``{p}summary/terms_eval_time_s`` and the counters (plus
+      ``{p}summary/terms_evaluations``, also on full evaluations).
     - ``{p}{block}/skipped_nonfinite`` (``1``), only on evaluations where the block's captured input or
       output gradient (or its closed-form result) held NaN or Inf: its numbers are left out, never logged
       as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
@@ -110,7 +116,7 @@ class CurvatureMonitor(Callback):
 
     Args:
         every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...`` (those the overhead budget
-            allows). One evaluation costs a fixed amount of work (capped by ``max_tokens``), about 20
+            allows). One evaluation costs a fixed amount of work (capped by ``max_tokens``), about 12-20
             training steps of the tiny demo model and fewer on larger ones (``docs/performance.md``
             section 3); lower it, with ``max_overhead=None``, to watch fast events (the demo's
             ``--unstable`` preset evaluates every step).
@@ -121,6 +127,16 @@ class CurvatureMonitor(Callback):
             beyond ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction spent).
             Step 0 is always evaluated: a run shorter than ``evaluation time / max_overhead`` spends more.
             With DDP the ranks agree through one all-reduce per due step.
+        terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a
+            full evaluation, everything that needs no Lanczos iteration: the bound terms and bounds
+            (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``), the
+            LayerNorm statistics, norms and collapse warnings, the FFN activity fractions (``None``, the
+            default: off). Such a terms-only evaluation costs a fraction of a full one (``docs/performance.md``
+            section 3), so ``terms_every_n_train_steps=1`` watches LayerNorm collapse and ``||X||_2^6`` on every
+            step. Spike warnings, ``hessian/max``, ratios, norm summaries and the heatmap come from full
+            evaluations only; ``patience`` and ``cooldown`` of the collapse warning count both kinds. Under
+            the overhead budget a full evaluation it cannot afford falls back to terms only on steps due for
+            both.
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         max_tokens: Token positions kept per block (first whole sequences; see
             :class:`~curvwatch.capture.Capture`).
@@ -171,6 +187,7 @@ class CurvatureMonitor(Callback):
         self,
         every_n_train_steps: int = 200,
         max_overhead: float | None = 0.01,
+        terms_every_n_train_steps: int | None = None,
         blocks: str | Sequence[BlockSpec] = "auto",
         max_tokens: int = 512,
         log_key_prefix: str = "curv/",
@@ -192,6 +209,8 @@ class CurvatureMonitor(Callback):
         verbose: bool = False,
     ) -> None:
         _check_int("every_n_train_steps", every_n_train_steps, 1)
+        if terms_every_n_train_steps is not None:
+            _check_int("terms_every_n_train_steps", terms_every_n_train_steps, 1)
         _check_int("max_tokens", max_tokens, 1)
         _check_int("max_iter", max_iter, 1)
         if isinstance(blocks, str):
@@ -255,6 +274,7 @@ class CurvatureMonitor(Callback):
         )
         self.every_n_train_steps = every_n_train_steps
         self.max_overhead = None if max_overhead is None else float(max_overhead)
+        self.terms_every_n_train_steps = terms_every_n_train_steps
         self.blocks = blocks
         self.max_tokens = max_tokens
         self.log_key_prefix = log_key_prefix
@@ -280,6 +300,7 @@ class CurvatureMonitor(Callback):
         self._stack: ExitStack | None = None
         self._capture: Capture | None = None
         self._capture_step: int | None = None
+        self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
         self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
         # state saved in checkpoints
@@ -288,6 +309,7 @@ class CurvatureMonitor(Callback):
         self._warm_start: dict[str, dict] = {}
         self._last_step = -1
         self._evaluations = 0
+        self._terms_evaluations = 0
         self._skipped = 0
         self._last_norms: dict[str, float] = {}
         self._last_summary: dict[str, float] = {}
@@ -298,6 +320,7 @@ class CurvatureMonitor(Callback):
         self._eval_seconds = 0.0
         self._train_seconds = 0.0
         self._last_eval_seconds = 0.0  # cost of the last evaluation (capture excluded), the next one's price
+        self._last_terms_seconds = 0.0  # the same for the last terms-only evaluation
         self._clock: tuple[float, float] | None = None
 
     # -- Lightning hooks ----------------------------------------------------------------------------
@@ -337,11 +360,16 @@ class CurvatureMonitor(Callback):
         if self._capture_step is not None:  # a capture left open by a step without optimizer step
             self._close()
         step = trainer.global_step
-        if trainer.sanity_checking or step % self.every_n_train_steps or step <= self._last_step:
+        full_due = step % self.every_n_train_steps == 0
+        terms_due = self.terms_every_n_train_steps is not None and step % self.terms_every_n_train_steps == 0
+        if trainer.sanity_checking or not (full_due or terms_due) or step <= self._last_step:
             return
         if pl_module.automatic_optimization and not self._steps_optimizer(trainer, batch_idx):
             return
-        if not self._within_budget(trainer, pl_module):
+        full_ok, terms_ok = self._within_budget(trainer, pl_module)
+        # a due full evaluation the budget cannot afford falls back to terms only where those are due too
+        terms_only = not (full_due and full_ok)
+        if terms_only and not (terms_due and terms_ok):
             if "budget_info" not in self._warned:
                 self._warned.add("budget_info")
                 rank_zero_info(
@@ -351,6 +379,7 @@ class CurvatureMonitor(Callback):
                 )
             return
         self._capture_step = step
+        self._capture_terms_only = terms_only
         self._open_error = None
         self._stack = ExitStack()
         try:
@@ -364,9 +393,10 @@ class CurvatureMonitor(Callback):
         if self._capture_step is None:
             return
         step, capture, open_error = self._capture_step, self._capture, self._open_error
+        terms_only = self._capture_terms_only
         self._close()
         self._last_step = step
-        self._evaluate_and_log(trainer, pl_module, step, capture, open_error)
+        self._evaluate_and_log(trainer, pl_module, step, capture, open_error, terms_only=terms_only)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -380,18 +410,26 @@ class CurvatureMonitor(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._close()
 
-    def _within_budget(self, trainer: Trainer, pl_module: LightningModule) -> bool:
-        """Whether the evaluations so far stayed within ``max_overhead`` of the training time (ranks agree)."""
+    def _within_budget(self, trainer: Trainer, pl_module: LightningModule) -> tuple[bool, bool]:
+        """Whether one more (full, terms-only) evaluation keeps within ``max_overhead`` (ranks agree)."""
         self._update_clock()
-        if self.max_overhead is None or self._evaluations + self._skipped == 0:
-            return True
-        # evaluations so far plus the one about to run (priced as the last one) must fit the budget
-        spent = torch.tensor([self._eval_seconds + self._last_eval_seconds, -self._train_seconds], dtype=torch.float64)
+        if self.max_overhead is None or self._evaluations + self._terms_evaluations + self._skipped == 0:
+            return True, True
+        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget
+        spent = torch.tensor(
+            [
+                self._eval_seconds + self._last_eval_seconds,
+                self._eval_seconds + self._last_terms_seconds,
+                -self._train_seconds,
+            ],
+            dtype=torch.float64,
+        )
         dist = torch.distributed
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             spent = spent.to(pl_module.device)
             dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # the slowest rank's evaluations, the least training
-        return bool(spent[0] <= self.max_overhead * -spent[1])
+        full, terms = (spent[:2] <= self.max_overhead * -spent[2]).tolist()
+        return full, terms
 
     def _update_clock(self) -> None:
         """Training seconds = wall time since ``on_train_start`` minus the evaluations in it (plus earlier runs)."""
@@ -406,8 +444,10 @@ class CurvatureMonitor(Callback):
             "eval_seconds": self._eval_seconds,
             "train_seconds": self._train_seconds,
             "last_eval_seconds": self._last_eval_seconds,
+            "last_terms_seconds": self._last_terms_seconds,
             "last_step": self._last_step,
             "evaluations": self._evaluations,
+            "terms_evaluations": self._terms_evaluations,
             "skipped": self._skipped,
             "alerts": self._alerts.state_dict(),
             "last_norms": dict(self._last_norms),
@@ -421,6 +461,7 @@ class CurvatureMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_step = int(state_dict.get("last_step", -1))
         self._evaluations = int(state_dict.get("evaluations", 0))
+        self._terms_evaluations = int(state_dict.get("terms_evaluations", 0))
         self._skipped = int(state_dict.get("skipped", 0))
         self._alerts.load_state_dict(state_dict.get("alerts", {}))
         self._last_norms = dict(state_dict.get("last_norms", {}))
@@ -432,6 +473,7 @@ class CurvatureMonitor(Callback):
         self._eval_seconds = float(state_dict.get("eval_seconds", 0.0))
         self._train_seconds = float(state_dict.get("train_seconds", 0.0))
         self._last_eval_seconds = float(state_dict.get("last_eval_seconds", 0.0))
+        self._last_terms_seconds = float(state_dict.get("last_terms_seconds", 0.0))
 
     # -- public helpers -----------------------------------------------------------------------------
 
@@ -447,8 +489,9 @@ class CurvatureMonitor(Callback):
             top: How many of the most curved blocks to list.
         """
         last = "never" if self._last_step < 0 else f"last at step {self._last_step}"
+        terms = f", {self._terms_evaluations} terms-only" if self.terms_every_n_train_steps is not None else ""
         lines = [
-            f"CurvatureMonitor: {self._evaluations} evaluation(s) ({last}), {self._skipped} skipped, "
+            f"CurvatureMonitor: {self._evaluations} evaluation(s){terms} ({last}), {self._skipped} skipped, "
             f"{self._alerts.fired} warning(s)"
         ]
         if self._last_norms:
@@ -500,6 +543,7 @@ class CurvatureMonitor(Callback):
     def _close(self) -> None:
         """Remove the hooks (idempotent)."""
         stack, self._stack, self._capture, self._capture_step = self._stack, None, None, None
+        self._capture_terms_only = False
         if stack is not None:
             stack.close()
 
@@ -549,8 +593,11 @@ class CurvatureMonitor(Callback):
             block = block.truncate(tokens)
         return block
 
-    def _evaluate_one(self, block: CapturedBlock, dtype: torch.dtype) -> dict[str, Tensor]:
-        """The closed form of one block; on out-of-memory: free, halve the token limit, retry once."""
+    def _evaluate_one(self, block: CapturedBlock, dtype: torch.dtype, terms_only: bool) -> dict[str, Tensor]:
+        """The closed form of one block; on out-of-memory: free, halve the token limit, retry once.
+
+        ``terms_only`` asks the kernels for the exact pairs alone, so no Lanczos runs.
+        """
         # Lanczos start vectors carried from the last evaluation of this block (weights move little between
         # evaluations, so the norms converge in a few steps); not checkpointed, a fresh start is only slower.
         warm = self._warm_start.setdefault(block.spec.name, {})
@@ -558,7 +605,7 @@ class CurvatureMonitor(Callback):
             tol=self.tol,
             max_iter=self.max_iter,
             dtype=dtype,
-            pairs=self._kernel_pairs,
+            pairs=_EXACT_PAIRS if terms_only else self._kernel_pairs,
             kinds=self.kinds,
             warm_start=warm,
         )
@@ -578,7 +625,9 @@ class CurvatureMonitor(Callback):
         )
         return block.truncate(self._token_limit).evaluate(**kwargs)
 
-    def _evaluate_blocks(self, captured: list[CapturedBlock], factor: float) -> tuple[dict, list[str]]:
+    def _evaluate_blocks(
+        self, captured: list[CapturedBlock], factor: float, terms_only: bool = False
+    ) -> tuple[dict, list[str]]:
         """Closed forms of every capturable block: ``({block: {key: 0-d tensor}}, excluded names)``.
 
         A block whose captured tensors hold NaN or Inf is not evaluated; its result is the flag
@@ -617,7 +666,7 @@ class CurvatureMonitor(Callback):
                     )
                 block = self._fit_budget(block, dtype)
                 try:
-                    out = self._evaluate_one(block, dtype)
+                    out = self._evaluate_one(block, dtype, terms_only)
                 except Exception as err:
                     raise _BlockError(name, err) from err
                 out = {k: v for k, v in out.items() if not k.startswith("dense/")}
@@ -636,6 +685,7 @@ class CurvatureMonitor(Callback):
         step: int,
         capture: Capture | None,
         open_error: BaseException | None,
+        terms_only: bool = False,
     ) -> None:
         error: BaseException | None = open_error
         flat: dict[tuple[str, str], float] = {}
@@ -646,14 +696,17 @@ class CurvatureMonitor(Callback):
                 if capture is None:
                     raise RuntimeError("no capture was open for this step")
                 results, excluded = self._evaluate_blocks(
-                    capture.blocks(), self._grad_factor(trainer, pl_module)
+                    capture.blocks(), self._grad_factor(trainer, pl_module), terms_only
                 )
                 flat = _drop_nan_blocks(_to_floats(results))
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start
         self._eval_seconds += elapsed
-        self._last_eval_seconds = elapsed
+        if terms_only:
+            self._last_terms_seconds = elapsed
+        else:
+            self._last_eval_seconds = elapsed
         flat, failed_elsewhere = _sync(trainer, pl_module.device, flat, error is not None)
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
@@ -661,14 +714,17 @@ class CurvatureMonitor(Callback):
         alerts_before = self._alerts.state_dict()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
-            self._log(trainer, step, flat, excluded, elapsed)
+            self._log(trainer, step, flat, excluded, elapsed, terms_only)
         except Exception as err:
             self._alerts.load_state_dict(alerts_before)
             self._skip(trainer, step, _LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
             logging_seconds = time.perf_counter() - logging_start
             self._eval_seconds += logging_seconds
-            self._last_eval_seconds += logging_seconds
+            if terms_only:
+                self._last_terms_seconds += logging_seconds
+            else:
+                self._last_eval_seconds += logging_seconds
 
     def _log(
         self,
@@ -677,8 +733,14 @@ class CurvatureMonitor(Callback):
         flat: dict[tuple[str, str], float],
         excluded: list[str],
         elapsed: float,
+        terms_only: bool = False,
     ) -> None:
-        """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last."""
+        """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last.
+
+        A terms-only evaluation has no Lanczos norms, so nothing derived from a block's norms is computed
+        from it (``hessian/max``, ratios, norm summaries, spike warnings, heatmap): a maximum over its exact
+        pairs alone would read as the block's norm. Its LayerNorm statistics feed the collapse warnings.
+        """
         results: dict[str, dict[str, float]] = {}
         nonfinite: list[str] = []
         for (block, key), value in flat.items():
@@ -690,9 +752,11 @@ class CurvatureMonitor(Callback):
         p = self.log_key_prefix
         logged: dict[str, float] = {f"{p}{block}/{_NONFINITE}": 1.0 for block in nonfinite}
         for block, result in results.items():
-            for key, value in {**result, **M.block_derived(result)}.items():
+            for key, value in {**result, **({} if terms_only else M.block_derived(result))}.items():
                 logged[f"{p}{block}/{key}"] = value
         summary = M.summarize(results, layers)
+        if terms_only:
+            summary = {k: v for k, v in summary.items() if k.startswith("summary/ln/")}
         if "summary/max_hessian_block" in summary:  # index into the spec list, not into the evaluated blocks
             name = list(results)[int(summary["summary/max_hessian_block"])]
             summary["summary/max_hessian_block"] = float([s.name for s in self._specs].index(name))
@@ -700,7 +764,7 @@ class CurvatureMonitor(Callback):
         if var_ratio:
             summary["summary/ln/var_min_over_eps"] = min(var_ratio)
 
-        norms = {b: v for b, v in M.block_norms(results).items() if b not in nonfinite}
+        norms = {} if terms_only else {b: v for b, v in M.block_norms(results).items() if b not in nonfinite}
         layernorms = {
             b: {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("ln/")}
             for b, r in results.items()
@@ -712,11 +776,14 @@ class CurvatureMonitor(Callback):
                 layernorms[b]["eps"] = float(eps[b])
         fired = self._alerts.update(step, norms=norms, layernorms=layernorms)
 
-        evaluations = self._evaluations + 1
-        summary["summary/eval_time_s"] = elapsed
+        evaluations = self._evaluations + (0 if terms_only else 1)
+        terms_evaluations = self._terms_evaluations + (1 if terms_only else 0)
+        summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
         self._update_clock()
         summary["summary/overhead_fraction"] = self._eval_seconds / max(self._train_seconds, 1e-9)
         summary["summary/evaluations"] = float(evaluations)
+        if self.terms_every_n_train_steps is not None:
+            summary["summary/terms_evaluations"] = float(terms_evaluations)
         summary["summary/skipped_evaluations"] = float(self._skipped)
         summary["summary/nonfinite_blocks"] = float(len(nonfinite))
         summary["summary/warnings"] = float(self._alerts.fired)
@@ -728,9 +795,12 @@ class CurvatureMonitor(Callback):
                 self._log_heatmap(trainer, norms, step)
 
         # logged: commit the state
-        self._evaluations = evaluations
-        self._last_norms = norms
-        self._last_summary = summary
+        self._evaluations, self._terms_evaluations = evaluations, terms_evaluations
+        if terms_only:  # the last full evaluation's norms and norm summaries stay current
+            self._last_summary = {**self._last_summary, **summary}
+        else:
+            self._last_norms = norms
+            self._last_summary = summary
         if norms:
             top = max(norms, key=norms.__getitem__)
             if not self._peak or norms[top] > self._peak["value"]:
@@ -744,7 +814,13 @@ class CurvatureMonitor(Callback):
             for alert in fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
                 self._wandb_alert(trainer, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
-        if self.verbose:
+        if self.verbose and terms_only:
+            rank_zero_info(
+                f"[CurvatureMonitor] step {step}: terms only, LayerNorm var_min/eps "
+                f"{summary.get('summary/ln/var_min_over_eps', math.nan):.3g}, {len(fired)} warning(s), "
+                f"{elapsed:.3f} s"
+            )
+        elif self.verbose:
             where = f" in {self._peak_block(norms)}" if norms else ""
             rank_zero_info(
                 f"[CurvatureMonitor] step {step}: max ||H|| "

@@ -189,6 +189,8 @@ _DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.1,
     "grad_clip": 1.0,
     "every_n_steps": 50,
+    # the exact quantities (bound terms, LayerNorm statistics, exact norms) in between: no Lanczos, cheap
+    "terms_every_n_steps": 10,
     "spike_warmup": 3,
     "max_tokens": None,  # the monitor's default
     "val_every": 250,
@@ -215,6 +217,7 @@ _QUICK: dict[str, Any] = {
     "steps": 30,
     "warmup_steps": 5,
     "every_n_steps": 10,
+    "terms_every_n_steps": 5,
     "max_tokens": 64,
     "val_every": 15,
 }
@@ -262,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--every-n-steps", type=int, default=None, help=f"monitor period [{_DEFAULTS['every_n_steps']}]"
     )
     mon.add_argument(
+        "--terms-every-n-steps",
+        type=int,
+        default=None,
+        help="also log the quantities that need no Lanczos (bound terms, LayerNorm statistics, exact norms) "
+        f"every N steps; 0 disables [{_DEFAULTS['terms_every_n_steps']}]",
+    )
+    mon.add_argument(
         "--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]"
     )
     model = p.add_argument_group("task and model")
@@ -295,6 +305,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("steps", "every_n_steps", "val_every", "batch_size", "n_digits", "max_tokens"):
         if settings[key] is not None and settings[key] < 1:
             raise ValueError(f"Invalid --{key.replace('_', '-')}={settings[key]}. Must be >= 1.")
+    if settings["terms_every_n_steps"] < 0:
+        raise ValueError(f"Invalid --terms-every-n-steps={settings['terms_every_n_steps']}. Must be >= 0 (0: off).")
     if settings["threads"] < 0:
         raise ValueError(f"Invalid --threads={settings['threads']}. Must be >= 0 (0 keeps torch's default).")
     settings["val_every"] = min(settings["val_every"], settings["steps"])
@@ -519,6 +531,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
             kwargs = {} if s["max_tokens"] is None else {"max_tokens": s["max_tokens"]}
             monitor = CurvatureMonitor(
                 every_n_train_steps=s["every_n_steps"],
+                terms_every_n_train_steps=s["terms_every_n_steps"] or None,
                 max_overhead=None,  # a fixed schedule: the demo favours dense plots over a 1% budget
                 spike_warmup=s["spike_warmup"],
                 **kwargs,

@@ -68,10 +68,24 @@ def test_breakdown(data):
         assert {v["kind"] for v in b["blocks"].values()} == {"attention", "layernorm", "ffn"}
         assert sum(b["by_kind_share"].values()) == pytest.approx(1.0)
         assert b["evaluate_total_s"] > 0 and b["train_step_s"] > 0
+        # terms only runs no Lanczos: cheaper than the full evaluation of the same blocks
+        assert 0 < b["evaluate_total_s_terms_only"] < b["evaluate_total_s"]
+
+
+def test_terms_only_every_step(data):
+    for r in data["results"]:
+        cell = r["terms_only_every_step"]
+        assert len(cell["overhead_rounds"]) == r["rounds"] and math.isfinite(cell["cost_per_eval_steps"])
+        for run in r["runs"]["terms"]:
+            assert run["steps"] == r["warmup_steps_excluded"] + r["windows"]["1"] + 1
+            assert run["evaluations"] == 1 and run["terms_evaluations"] == run["steps"] - 1  # step 0 is full
+    for goal in data["goals"]:
+        assert goal["terms_only_cost_per_eval_ok"] == (goal["terms_only_cost_per_eval_steps"] < 1.0)
 
 
 def test_table_lists_every_cadence(data):
     table = bench_overhead.overhead_table(data["results"])
     lines = table.splitlines()
-    assert len(lines) == 2 + len(bench_overhead.CADENCES)
+    assert len(lines) == 2 + len(bench_overhead.CADENCES) + 1  # + terms only every step
+    assert lines[-1].startswith("| 1, terms only")
     assert "derived" in table

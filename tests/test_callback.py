@@ -297,6 +297,8 @@ def test_resume_restores_state(tmp_path):
         ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
         ({"kinds": ["gn"]}, "Invalid kinds=('gn',). Must be a non-empty subset of ('outer', 'functional', 'hessian')."),
         ({"kinds": []}, "Invalid kinds=(). Must be a non-empty subset"),
+        ({"terms_every_n_train_steps": 0}, "Invalid terms_every_n_train_steps=0. Must be an int >= 1."),
+        ({"terms_every_n_train_steps": 1.5}, "Invalid terms_every_n_train_steps=1.5. Must be an int >= 1."),
         ({"max_overhead": 0}, "Invalid max_overhead=0. Must be a fraction > 0 (e.g. 0.01 for 1%), or None"),
         ({"on_error": "ignore"}, "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
         ({"blocks": "all"}, "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec."),
@@ -466,3 +468,108 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
     assert f"{PREFIX}layer0/attn/outer/VV/h0" in only  # exact, no Lanczos: kept
     for key in (f"{PREFIX}layer0/attn/hessian/QQ/h0", f"{PREFIX}layer0/ffn/hessian/W1W1"):
         assert_close_report(float(only[key]), float(logged["all"][key]), 1e-4, name=key)
+
+
+class LanczosSpy(Callback):
+    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``lanczos_max_abs``)."""
+
+    def __init__(self, monkeypatch):
+        from curvwatch.closed_form import _operator
+
+        self.runs: dict[int, int] = {}
+        self.step = -1
+        original = _operator.lanczos_max_abs
+
+        def spy(*args, **kwargs):
+            self.runs[self.step] = self.runs.get(self.step, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_operator, "lanczos_max_abs", spy)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.step = trainer.global_step
+
+
+def _needs_lanczos(key: str) -> bool:
+    """Whether a logged key is an iterative norm or derived from block norms (absent on terms-only steps)."""
+    iterative = any(f"/{p}" in key for p in ("QQ", "KK", "W1W1")) and "/bound/" not in key
+    derived = key.endswith("/hessian/max") or "/ratio/" in key or "heterogeneity" in key
+    return iterative or derived or key in (MAX_KEY, f"{PREFIX}summary/eval_time_s")
+
+
+def test_terms_only_evaluations_between_full_ones(tmp_path, spy_capture, monkeypatch):
+    """``terms_every_n_train_steps``: no Lanczos on those steps, exact numbers equal to ``evaluate``, and
+    nothing derived from block norms (which a maximum over the exact pairs alone would fake)."""
+    monitor = CurvatureMonitor(
+        max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, max_tokens=16, log_heatmap=False
+    )
+    lanczos = LanczosSpy(monkeypatch)
+    trainer = make_trainer(tmp_path, monitor, max_steps=5, callbacks=[lanczos])
+    trainer.fit(TinyLM(), loader())
+    logged = curv_rows(read_rows(trainer))
+    assert sorted(logged) == [0, 1, 2, 3, 4]
+    full, terms = (0, 3), (1, 2, 4)
+    assert sorted(lanczos.runs) == list(full) and all(n > 0 for n in lanczos.runs.values())
+    for step in full:
+        row = logged[step]
+        for key in ("layer0/attn/hessian/QQ/h0", "layer0/ffn/hessian/W1W1", "layer0/attn/hessian/max"):
+            assert f"{PREFIX}{key}" in row, (step, key)
+        assert MAX_KEY in row and f"{PREFIX}summary/eval_time_s" in row
+    for step in terms:
+        row = logged[step]
+        for key in (
+            "layer0/attn/term/x_norm6",
+            "layer0/attn/bound/QQ/h0",
+            "layer0/attn/outer/VV/h0",
+            "layer0/attn/hessian/VV/h1",
+            "layer0/ffn/hessian/W2W2",
+            "layer0/ln_1/ln/var_min_over_eps",
+            "summary/ln/var_min_over_eps",
+            "summary/terms_eval_time_s",
+            "summary/terms_evaluations",
+        ):
+            assert f"{PREFIX}{key}" in row, (step, key)
+        assert not [k for k in row if _needs_lanczos(k)], step
+    assert logged[4][f"{PREFIX}summary/terms_evaluations"] == 3.0
+    assert logged[4][f"{PREFIX}summary/evaluations"] == 2.0
+    # the exact numbers of a terms-only step equal CapturedBlock.evaluate on the captured tensors
+    capture = spy_capture.instances[4]  # one capture per step: 0, 1, 2, 3, 4
+    for block in capture.handed:
+        expected = block.evaluate(dtype=torch.float32, pairs=("VV", "W2W2"))
+        for key in ("hessian/VV/h1", "hessian/W2W2", "ln/var_min", "term/x_norm6", "bound/QQ/h0"):
+            if key in expected:
+                actual = logged[4][f"{PREFIX}{block.spec.name}/{key}"]
+                assert_close_report(actual, expected[key], rtol=1e-5, name=f"{block.spec.name} {key}")
+    # the headline norm summaries stay those of the last full evaluation
+    assert trainer.callback_metrics[MAX_KEY].item() == pytest.approx(logged[3][MAX_KEY], rel=1e-6)
+    assert monitor.state_dict()["terms_evaluations"] == 3
+    assert "2 evaluation(s), 3 terms-only" in monitor.summary_text()
+
+
+def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
+    model = TinyLM(lr=0.0)
+    with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
+        model.model.tok_emb.weight.mul_(1e-4)
+        model.model.pos_emb.weight.mul_(1e-4)
+    monitor = CurvatureMonitor(
+        max_overhead=None, every_n_train_steps=100, terms_every_n_train_steps=1, max_tokens=16, cooldown=0
+    )
+    trainer = make_trainer(tmp_path, monitor, max_steps=3)
+    with pytest.warns(CurvatureWarning):
+        trainer.fit(model, loader())
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("ln_collapse", s) for s in (0, 0, 1, 1, 2, 2)]
+    assert monitor._evaluations == 1 and monitor._terms_evaluations == 2
+
+
+def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
+    """A due full evaluation the budget cannot afford becomes terms-only where those are due too."""
+    monitor = CurvatureMonitor(every_n_train_steps=1, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False)
+    monkeypatch.setattr(
+        CurvatureMonitor, "_within_budget", lambda self, trainer, module: (self._evaluations == 0, True)
+    )
+    trainer = make_trainer(tmp_path, monitor, max_steps=5)
+    trainer.fit(TinyLM(), loader())
+    logged = curv_rows(read_rows(trainer))
+    assert sorted(logged) == [0, 2, 4]  # step 0 full; odd steps: full unaffordable, terms not due
+    assert MAX_KEY in logged[0] and MAX_KEY not in logged[2] and MAX_KEY not in logged[4]
+    assert monitor._evaluations == 1 and monitor._terms_evaluations == 2

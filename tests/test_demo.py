@@ -46,6 +46,11 @@ def test_presets_and_overrides():
     assert quick["steps"] == 7 and quick["every_n_steps"] == 3 and quick["val_every"] == 7
     with pytest.raises(ValueError, match="Invalid --every-n-steps=0"):
         resolve_settings(parse(["--every-n-steps", "0"]))
+    assert default["terms_every_n_steps"] == 10 and resolve_settings(parse(["--terms-every-n-steps", "0"]))[
+        "terms_every_n_steps"
+    ] == 0
+    with pytest.raises(ValueError, match="Invalid --terms-every-n-steps=-1"):
+        resolve_settings(parse(["--terms-every-n-steps", "-1"]))
 
 
 def test_lr_schedule_warmup_then_cosine():
