@@ -49,8 +49,9 @@ _HEADLINES = {
 _KIND_PREFIX = {"layernorm": "ln", "ffn": "ffn", "attention": "attn"}
 # Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
 _NONFINITE = "skipped_nonfinite"
-# The pairs whose norms are exact without Lanczos (outer/VV in closed form, functional/VV = 0; W2W2 exact):
-# a terms-only evaluation asks the kernels for these, so it runs no Lanczos at all.
+# The pairs whose norms are exact without Lanczos over Hessian products (outer/VV in closed form,
+# functional/VV = 0; W2W2 exact): a terms-only evaluation asks the kernels for these alone. (For d > 256 the
+# VV Gram's top eigenvalue is itself found by a small Lanczos on d-vectors, see AttentionOperator.vv_exact.)
 _EXACT_PAIRS = ("VV", "W2W2")
 
 
@@ -128,7 +129,7 @@ class CurvatureMonitor(Callback):
             Step 0 is always evaluated: a run shorter than ``evaluation time / max_overhead`` spends more.
             With DDP the ranks agree through one all-reduce per due step.
         terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a
-            full evaluation, everything that needs no Lanczos iteration: the bound terms and bounds
+            full evaluation, everything that needs no Lanczos over Hessian products: the bound terms and bounds
             (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``), the
             LayerNorm statistics, norms and collapse warnings, the FFN activity fractions (``None``, the
             default: off). Such a terms-only evaluation costs a fraction of a full one (``docs/performance.md``
@@ -596,7 +597,7 @@ class CurvatureMonitor(Callback):
     def _evaluate_one(self, block: CapturedBlock, dtype: torch.dtype, terms_only: bool) -> dict[str, Tensor]:
         """The closed form of one block; on out-of-memory: free, halve the token limit, retry once.
 
-        ``terms_only`` asks the kernels for the exact pairs alone, so no Lanczos runs.
+        ``terms_only`` asks the kernels for the exact pairs alone: no Lanczos over Hessian products.
         """
         # Lanczos start vectors carried from the last evaluation of this block (weights move little between
         # evaluations, so the norms converge in a few steps); not checkpointed, a fresh start is only slower.

@@ -48,8 +48,6 @@ def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:
     Returns:
         ``(...)`` tensor, max over rows.
     """
-    if A.shape[-1] == 1:  # a single key: the softmax is constant
-        return torch.zeros(A.shape[:-2], dtype=A.dtype, device=A.device)
     return _jacobian_norm(*_split_top(A), iters)
 
 
@@ -66,8 +64,7 @@ def softmax_bound_factors(A: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor
         Two ``(...)`` tensors.
     """
     split = _split_top(A)
-    alpha = torch.zeros(A.shape[:-2], dtype=A.dtype, device=A.device) if A.shape[-1] == 1 else None
-    return (_jacobian_norm(*split, iters) if alpha is None else alpha), _hessian_frobenius(A, *split)
+    return _jacobian_norm(*split, iters), _hessian_frobenius(A, *split)
 
 
 def _split_top(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,12 +75,13 @@ def _split_top(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def _jacobian_norm(a1: torch.Tensor, i1: torch.Tensor, others: torch.Tensor, iters: int) -> torch.Tensor:
-    """:func:`softmax_jacobian_norm` from :func:`_split_top` (rows of at least two entries)."""
+    """:func:`softmax_jacobian_norm` from :func:`_split_top`."""
+    if others.shape[-1] == 1:  # a single key: the softmax is constant
+        return torch.zeros(others.shape[:-2], dtype=others.dtype, device=others.device)
     a2 = others.amax(-1)  # the second largest entry (= a_1 on ties)
     sq = others * others
-    rest = others.sum(-1)  # 1 - a_1 without cancellation
-    lam = torch.maximum(a1 * rest, 0.5 * (a1 + a2) - 0.5 * (a1 - a2) ** 2)  # Rayleigh quotients <= lambda
-    a1_rest = a1 * rest  # a_1 (1 - a_1)
+    a1_rest = a1 * others.sum(-1)  # a_1 (1 - a_1), 1 - a_1 as the sum of the others (no cancellation)
+    lam = torch.maximum(a1_rest, 0.5 * (a1 + a2) - 0.5 * (a1 - a2) ** 2)  # Rayleigh quotients <= lambda
     tiny = torch.finfo(others.dtype).tiny
     D, R = torch.empty_like(others), torch.empty_like(others)  # (..., L, L) buffers, reused by every step
     for _ in range(iters):
