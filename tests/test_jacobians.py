@@ -310,6 +310,71 @@ def test_block_output_wrt_subset():
     assert list(block_output_jacobians(Y, W_1, W_2, wrt=["W_2"])) == ["W_2"]
 
 
+def test_block_output_wrt_order_and_repeats():
+    """Keys come in the order of ``wrt``, once each, and each Jacobian does not depend on what else is asked."""
+    gen = torch.Generator().manual_seed(3)
+    Y, W_1, W_2 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 4, 3), (3, 5), (5, 3)))
+    full = block_output_jacobians(Y, W_1, W_2, activation="gelu")
+    for wrt in (["W_2", "W_1"], ("W_1",), ("W_2", "W_2"), ("W_1", "W_2", "W_1")):
+        out = block_output_jacobians(Y, W_1, W_2, activation="gelu", wrt=wrt)
+        assert list(out) == list(dict.fromkeys(wrt))
+        for k, v in out.items():
+            assert torch.equal(v, full[k]), (wrt, k)
+
+
+def test_row_kronecker_internal_constructor_matches_the_validated_one():
+    """The closed forms build RowKronecker without re-checking shapes; the objects are the validated ones."""
+    left, right = torch.randn(4, 3), torch.randn(4, 2, 5)
+    fast, checked = RowKronecker._unchecked(left, right), RowKronecker(left, right)
+    assert type(fast) is RowKronecker
+    assert fast.left is left and fast.right is right
+    assert fast == checked and repr(fast) == repr(checked) and fast.shape == checked.shape == (8, 15)
+    assert torch.equal(fast.to_dense(), checked.to_dense())
+    with pytest.raises(AttributeError):  # still frozen
+        fast.left = right
+    # every factor pair the closed forms return passes the public check
+    Y, W_1, W_2 = torch.randn(2, 4, 3), torch.randn(3, 5), torch.randn(5, 3)
+    made = [
+        *block_output_jacobians_structured(Y, W_1, W_2).values(),
+        ffn_jacobian_W1_structured(Y, W_1, W_2),
+        ffn_jacobian_W2_structured(Y, W_1, d_out=2),
+    ]
+    for K in made:
+        assert RowKronecker(K.left, K.right) == K
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (2, 3, 3), (1, 3)])
+def test_layernorm_dense_is_exactly_the_block_diagonal(shape):
+    X = torch.randn(*shape, dtype=torch.float64)
+    blocks = layernorm_jacobian_blocks(X, 1e-5)
+    dense = layernorm_jacobian_dense(X, 1e-5)
+    assert dense.is_contiguous()
+    assert torch.equal(dense, torch.block_diag(*blocks.unbind(0)))
+
+
+def test_relu_pieces_are_the_mask_and_the_clamp():
+    """ReLU's σ' is exactly (Z > 0) in Z's dtype, specials included, and σ is torch.relu; with inputs that require
+    grad the closed forms still build a graph that backpropagates (the mask is not differentiated)."""
+    from curvwatch.closed_form.ffn import activation_derivatives, activation_value
+
+    for dtype in (torch.float32, torch.float64):
+        Z = torch.tensor([-2.0, -0.0, 0.0, 3.0, math.nan, math.inf, -math.inf, 1e-30, -1e-30], dtype=dtype)
+        Z = torch.cat([Z, torch.randn(50, dtype=dtype)])
+        H, d1, d2 = activation_derivatives(Z, "relu")
+        assert d1.dtype == dtype and torch.equal(d1, (Z > 0).to(dtype))
+        assert not d1.signbit().any()  # +0, never -0, where Z <= 0 or NaN
+        torch.testing.assert_close(H, torch.relu(Z), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(activation_value(Z, "relu"), H, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(d2, torch.zeros_like(Z))
+    Y = torch.randn(4, 3, dtype=torch.float64)
+    W_1 = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    W_2 = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    jac = block_output_jacobians_structured(Y, W_1, W_2)
+    sum(K.left.sum() + K.right.sum() for K in jac.values()).backward()
+    assert W_1.grad is not None and W_2.grad is not None
+    ffn_jacobian_W1_structured(Y, W_1, W_2).right.sum().backward()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # validation
 
@@ -348,6 +413,55 @@ def test_block_output_wrt_subset():
 def test_invalid_inputs_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def _y_w1_w2(**change):
+    """Valid (Y, W_1, W_2) of the block, float32 on the CPU, with some of them replaced."""
+    args = dict(Y=torch.randn(2, 4, 3), W_1=torch.randn(3, 5), W_2=torch.randn(5, 3))
+    args.update(change)
+    return args["Y"], args["W_1"], args["W_2"]
+
+
+# each only breaks one rule, with Y, W_1 and W_2 given and no b_1: the inputs that _check_ffn's fast accept sees
+FAST_PATH_INVALID = [
+    (dict(Y=torch.randn(4, 3).half(), W_1=torch.randn(3, 5).half(), W_2=torch.randn(5, 3).half()), "Y.dtype"),
+    (dict(Y=torch.randn(4, 3).int()), "Y.dtype"),
+    (dict(Y=torch.randn(3)), r"Y.shape=\(3,\)"),
+    (dict(Y=torch.randn(2, 2, 4, 3)), r"\(L, n\) or \(B, L, n\)"),
+    (dict(Y=[[1.0, 2.0, 3.0]]), "Y: expected a torch.Tensor"),
+    (dict(W_1=torch.randn(4, 5)), "W_1.shape"),
+    (dict(W_1=torch.randn(1, 3, 5)), "W_1.shape"),
+    (dict(W_1=torch.randn(3, 5, dtype=torch.float64)), r"W_1.to\(input\)"),
+    (dict(W_1=torch.randn(3, 5, device="meta")), r"W_1.to\(input\)"),
+    (dict(W_1=torch.randn(3, 5).numpy()), "W_1: expected a torch.Tensor"),
+    (dict(W_2=torch.randn(4, 3)), "W_2.shape"),
+    (dict(W_2=torch.randn(5)), "W_2.shape"),
+    (dict(W_2=torch.randn(5, 3, dtype=torch.float64)), r"W_2.to\(input\)"),
+    (dict(W_2=torch.randn(5, 3, device="meta")), r"W_2.to\(input\)"),
+    (dict(W_2=torch.randn(5, 3).half()), "W_2.dtype"),
+    (dict(W_2=torch.randn(5, 3).tolist()), "W_2: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("change, match", FAST_PATH_INVALID)
+def test_invalid_ffn_inputs_raise_through_the_fast_check(change, match):
+    Y, W_1, W_2 = _y_w1_w2(**change)
+    with pytest.raises(ValueError, match=match):
+        block_output_jacobians_structured(Y, W_1, W_2)
+    with pytest.raises(ValueError, match=match):
+        ffn_jacobian_W1_structured(Y, W_1, W_2)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (2, 4, 3)])
+def test_fast_and_step_by_step_checks_return_the_same_rows(shape):
+    """_check_ffn accepts the usual call in one test (no b_1) and otherwise checks step by step; same rows."""
+    from curvwatch.closed_form.jacobians import _check_ffn
+
+    Y, W_1, W_2 = _y_w1_w2(Y=torch.randn(*shape))
+    fast = _check_ffn(Y, W_1, W_2, None)
+    slow = _check_ffn(Y, W_1, W_2, torch.zeros(5))  # a b_1 skips the fast accept
+    assert fast.shape == slow.shape == (Y.numel() // 3, 3) and fast.stride() == slow.stride()
+    assert torch.equal(fast, slow) and fast.data_ptr() == Y.data_ptr()
 
 
 # ----------------------------------------------------------------------------------------------------------
