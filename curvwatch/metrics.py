@@ -40,9 +40,11 @@ __all__ = [
     "block_norms",
     "functional_outer_ratio",
     "is_diagonal_pair",
+    "lanczos_accuracy",
     "log10_spread",
     "pair_of",
     "reduce_op",
+    "residuals",
     "select_pairs",
     "summarize",
     "to_float",
@@ -191,8 +193,23 @@ def functional_outer_ratio(result: Mapping[str, float | torch.Tensor]) -> float 
     return functional / outer if outer != 0 else math.inf
 
 
+def residuals(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """``{norm key: relative residual}`` of the norms found by Lanczos (keys ``residual/{norm key}``).
+
+    The relative residual ``r`` of a norm says that some eigenvalue lies within ``r * norm`` of it; it is at
+    most the kernels' ``tol`` once Lanczos converged, larger when ``max_iter`` stopped it first (the norm
+    may then read low). Exact norms (``VV``, ``W2W2``, LayerNorm) have none.
+
+    Example:
+        >>> residuals({"hessian/QQ": 2.0, "residual/hessian/QQ": 4e-4, "hessian/VV": 1.0})
+        {'hessian/QQ': 0.0004}
+    """
+    return {key[len("residual/") :]: to_float(v) for key, v in result.items() if key.startswith("residual/")}
+
+
 def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
-    """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]``.
+    """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]`` and
+    ``lanczos/rel_residual_max`` (the largest :func:`residuals` value of the block).
 
     Example:
         >>> block_derived({"hessian/VV": 4.0, "hessian/QQ": 2.0, "outer/QQ": 2.0, "functional/QQ": 1.0})
@@ -206,7 +223,38 @@ def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float
     if ratio is not None:
         out["ratio/functional_outer"] = ratio
     out.update(vv_qq_ratios(result))
+    res = residuals(result)
+    if res:
+        out["lanczos/rel_residual_max"] = max(res.values())
     return out
+
+
+def lanczos_accuracy(results: Mapping[str, Mapping[str, float | torch.Tensor]], tol: float) -> dict[str, float]:
+    """How well the Lanczos norms of one evaluation converged.
+
+    Args:
+        results: ``{block name: {relative key: value}}`` of one evaluation.
+        tol: the relative tolerance the norms were asked for.
+
+    Returns:
+        ``summary/lanczos/rel_residual_max`` (largest relative residual over all Lanczos norms),
+        ``summary/lanczos/unconverged`` (how many norms have a residual above ``tol``; none when ``tol = 0``,
+        which asks for ``max_iter`` steps) and ``summary/lanczos/norms`` (how many there are); ``{}`` when no
+        block reports a Lanczos norm.
+
+    Example:
+        >>> acc = lanczos_accuracy({"attn": {"residual/hessian/QQ": 5e-4, "residual/hessian/KK": 0.02}}, 1e-3)
+        >>> acc["summary/lanczos/unconverged"], acc["summary/lanczos/norms"]
+        (1.0, 2.0)
+    """
+    values = [v for result in results.values() for v in residuals(result).values()]
+    if not values:
+        return {}
+    return {
+        "summary/lanczos/rel_residual_max": max(values),
+        "summary/lanczos/unconverged": float(sum(tol > 0 and not v <= tol for v in values)),
+        "summary/lanczos/norms": float(len(values)),
+    }
 
 
 def _layer_of(name: str, layers: Mapping[str, int] | None) -> int | None:
@@ -284,13 +332,18 @@ def reduce_op(key: str) -> str:
     Norms and ratios are averaged (each rank saw its own batch; the mean is the estimate over the global
     batch). Quantities that are extremes by definition, which are also the ones the warnings watch, keep
     the worst rank: ``max`` when the key's last word (head suffix ignored) has a ``max`` token
-    (``ln/inv_var_max``), ``min`` for ``min`` (``ln/var_min``, ``ln/var_min_over_eps``).
+    (``ln/inv_var_max``), ``min`` for ``min`` (``ln/var_min``, ``ln/var_min_over_eps``), and ``max`` for the
+    Lanczos residuals (``residual/...``).
 
     Example:
         >>> reduce_op("hessian/QQ/h0"), reduce_op("ln/inv_var_max"), reduce_op("ln/var_min_over_eps")
         ('mean', 'max', 'min')
+        >>> reduce_op("residual/hessian/QQ/h0")
+        'max'
     """
     pieces = key.split("/")
+    if pieces[0] == "residual":  # a Lanczos norm's accuracy: the worst rank's
+        return "max"
     last = pieces[-2] if len(pieces) > 1 and _HEAD.match(pieces[-1]) else pieces[-1]
     tokens = last.split("_")
     if "max" in tokens:

@@ -1,4 +1,4 @@
-"""Smoke tests of the HVP and scaling benchmarks: their ``--quick`` mains run, write JSON, and agree."""
+"""Smoke tests of the HVP, scaling and accuracy benchmarks: their ``--quick`` mains run, write JSON, and agree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks import bench_hvp, bench_scaling
+from benchmarks import bench_accuracy, bench_hvp, bench_scaling
 
 AGREE = 1e-2  # the benchmark's own agreement threshold
 
@@ -70,3 +70,18 @@ def test_scaling_quick(tmp_path):
     for f in data["fits"]:
         if f["points"] >= 2:
             assert math.isfinite(f["eval_exponent"]) and math.isfinite(f["ratio_exponent"])
+
+
+def test_accuracy_quick(tmp_path):
+    out = tmp_path / "accuracy.json"
+    data = bench_accuracy.main(["--quick", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    assert [r["model"] for r in data["results"]] == ["demo", "mid"]
+    for r in data["results"]:
+        assert [(s["tol"], s["max_iter"]) for s in r["settings"]] == list(bench_accuracy.SETTINGS)
+        for s in r["settings"]:
+            assert s["lanczos_norms"] > 0 and 0 <= s["unconverged"] <= s["lanczos_norms"]
+            assert s["median_s"] > 0 and s["reads_high"] == 0  # a Ritz value never exceeds the norm
+            # converged norms are within their residual of the float64 reference (up to float32 round-off)
+            if s["unconverged"] == 0:
+                assert s["true_rel_error_max"] <= max(s["rel_residual_max"], 1e-4)

@@ -133,9 +133,10 @@ def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
             for key in ("hessian/QQ/h0", "hessian/VV/h1", "hessian/W1W1", "ln/var_min", "term/x_norm"):
                 if key in expected:
                     actual = logged[step][f"{PREFIX}{block.spec.name}/{key}"]
-                    assert_close_report(
-                        actual, expected[key], rtol=1e-5, name=f"step {step} {block.spec.name} {key}"
-                    )
+                    # a Lanczos norm (it has a residual) was warm-started when logged and is cold here: both are
+                    # within tol of the norm, so they agree to about tol; the closed forms to round-off
+                    rtol = 2 * monitor.tol if f"residual/{key}" in expected else 1e-5
+                    assert_close_report(actual, expected[key], rtol=rtol, name=f"step {step} {block.spec.name} {key}")
         norms = {b.spec.name: logged[step].get(f"{PREFIX}{b.spec.name}/hessian/max") for b in capture.handed}
         assert logged[step][MAX_KEY] == pytest.approx(max(v for v in norms.values() if v is not None))
     # hooks exist only inside the due steps' capture
@@ -573,3 +574,34 @@ def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     assert sorted(logged) == [0, 2, 4]  # step 0 full; odd steps: full unaffordable, terms not due
     assert MAX_KEY in logged[0] and MAX_KEY not in logged[2] and MAX_KEY not in logged[4]
     assert monitor._evaluations == 1 and monitor._terms_evaluations == 2
+
+
+def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
+    """max_iter=2 cannot reach tol=1e-2: the run logs how many norms stopped early and each block's worst
+    relative residual, keeps the per-norm residual keys out of the logs, and warns once, at the first
+    warm-started evaluation (step 1; a cold start may need more steps once). At the defaults the same model
+    converges: no warning, 0 unconverged."""
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
+    trainer = make_trainer(tmp_path, monitor, max_steps=3)
+    with pytest.warns(CurvatureWarning, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
+        trainer.fit(TinyLM(), loader())
+    stopped = [str(w.message) for w in rec if "Lanczos norms stopped" in str(w.message)]
+    assert len(stopped) == 1 and "at step 1," in stopped[0]  # once per run, not per evaluation; not the cold one
+    logged = curv_rows(read_rows(trainer))
+    assert sorted(logged) == [0, 1, 2]
+    for step in logged.values():
+        assert 0 < step["curv/summary/lanczos/unconverged"] <= step["curv/summary/lanczos/norms"]
+        assert step["curv/summary/lanczos/rel_residual_max"] > 1e-2
+        per_block = [v for k, v in step.items() if k.endswith("/lanczos/rel_residual_max") and "summary" not in k]
+        assert len(per_block) == 2  # attention and FFN; LayerNorm norms are exact
+        assert max(per_block) == step["curv/summary/lanczos/rel_residual_max"]
+        assert not any("/residual/" in k for k in step)
+    assert "norms stopped at max_iter=2 above tol=0.01" in monitor.summary_text()
+
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16)
+    trainer = make_trainer(tmp_path / "defaults", monitor, max_steps=2)
+    trainer.fit(TinyLM(), loader())  # pytest turns any warning into an error
+    for step in curv_rows(read_rows(trainer)).values():
+        assert step["curv/summary/lanczos/unconverged"] == 0
+        assert step["curv/summary/lanczos/rel_residual_max"] <= 1e-2
+    assert "Lanczos" not in monitor.summary_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from curvwatch.closed_form import softmax_hessian_frobenius, softmax_jacobian_norm
+from curvwatch.closed_form import _lanczos, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form._lanczos import lanczos_max_abs
 from tests.utils import TOL, assert_close_report
 
@@ -43,6 +43,117 @@ def test_lanczos_zero_operator_and_negative_spectrum():
     D = torch.diag(torch.tensor([-7.0, 1.0, 2.0], dtype=DT))
     val, _ = lanczos_max_abs(lambda v: v @ D, (), 3, dtype=DT, device=torch.device("cpu"))
     assert abs(float(val) - 7.0) < 1e-6
+
+
+
+def test_second_gram_schmidt_pass_runs_only_where_the_first_cancelled(monkeypatch):
+    """The re-orthogonalisation repeats its Gram-Schmidt pass only when the first left < REORTH_KAPPA of w.
+
+    A spread spectrum keeps about half of ``w`` per step (one pass); a rank-3 operator plus 1e-9 noise has an
+    almost invariant Krylov space after 3 steps, so the fourth step cancels nearly all of ``w`` (two passes).
+    Both give the top eigenvalue to round-off, as with the second pass forced on every step.
+    """
+    calls: list[int] = []  # basis size at every Gram-Schmidt pass
+    project, kappa = _lanczos._project_out, _lanczos.REORTH_KAPPA
+
+    def spy(w, basis):
+        calls.append(basis.shape[-2])
+        return project(w, basis)
+
+    monkeypatch.setattr(_lanczos, "_project_out", spy)
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(300, 300, generator=gen, dtype=DT))
+    spread = torch.linspace(0.01, 1.0, 300, dtype=DT)
+    low_rank = torch.cat([torch.tensor([5.0, -4.0, 3.0], dtype=DT), 1e-9 * torch.rand(297, generator=gen, dtype=DT)])
+    for lam, cancels in ((spread, False), (low_rank, True)):
+        A = (Q * lam) @ Q.T
+
+        def top(A=A):
+            return float(lanczos_max_abs(lambda v: v @ A, (), 300, dtype=DT, device=cpu, tol=0.0, max_iter=12)[0])
+
+        calls.clear()
+        val = top()
+        per_step = [calls.count(j) for j in sorted(set(calls))]  # passes at basis sizes 1, 2, ...
+        if cancels:  # steps 1-3 keep most of w; step 4 finds the Krylov space (nearly) invariant
+            assert per_step[:3] == [1, 1, 1] and per_step[3] == 2, per_step
+            assert abs(val - 5.0) < 1e-12  # the Krylov space holds the top eigenvector: exact
+        else:
+            assert per_step == [1] * 12, per_step
+        monkeypatch.setattr(_lanczos, "REORTH_KAPPA", float("inf"))  # the second pass on every step
+        forced = top()
+        monkeypatch.setattr(_lanczos, "REORTH_KAPPA", kappa)
+        assert abs(val - forced) <= 1e-12 * forced
+
+
+
+def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
+    """Off the CPU, Lanczos always re-orthogonalises twice (no sync decides it) and doubles its basis buffer
+    instead of allocating it whole; run that path here (``_on_cpu`` patched) against the CPU path."""
+    gen = torch.Generator().manual_seed(1)
+    M = torch.randn(2, 60, 60, generator=gen, dtype=DT)
+    S = M + M.mT
+    expected = torch.linalg.eigvalsh(S).abs().amax(-1)
+
+    def run():
+        return lanczos_max_abs(
+            lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (2,), 60, dtype=DT, device=torch.device("cpu"), tol=0.0,
+            max_iter=40,
+        )  # fmt: skip
+
+    host_val, host_vec = run()
+    calls = []
+    project = _lanczos._project_out
+    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b: calls.append(b.shape[-2]) or project(w, b))
+    monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
+    val, vec = run()
+    assert calls == sorted(2 * list(range(1, 41)))  # 40 steps (past two buffer doublings), two passes each
+    assert_close_report(val, expected, 1e-10)
+    assert_close_report(val, host_val, 1e-12)
+    assert_close_report(vec.abs(), host_vec.abs(), 1e-8)
+
+
+
+def test_lanczos_reports_the_relative_residual_of_each_member():
+    """``info["rel_residual"]``: at most tol for a member that converged (its residual when it stopped, not the
+    zero of its later idle steps), above tol where max_iter cut it short, and a true error bound there."""
+    gen = torch.Generator().manual_seed(2)
+    n = 300
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+    gapped = torch.cat([torch.tensor([10.0], dtype=DT), torch.rand(n - 1, generator=gen, dtype=DT)])  # converges fast
+    dense = torch.linspace(0.0, 1.0, n, dtype=DT)  # no gap at the top: slow
+    S = torch.stack([(Q * lam) @ Q.T for lam in (gapped, dense)])  # (2, n, n)
+    top = torch.tensor([10.0, 1.0], dtype=DT)
+    cpu = torch.device("cpu")
+    info: dict = {}
+    val, _ = lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (2,), n, dtype=DT, device=cpu, tol=1e-8,
+                             max_iter=12, info=info)  # fmt: skip
+    rel = info["rel_residual"]
+    assert rel.shape == (2,)
+    assert 0 < rel[0] <= 1e-8  # converged before step 12
+    assert rel[1] > 1e-8  # stopped by max_iter
+    # some eigenvalue lies within rel * theta of theta; for the top Ritz value that is the largest one here
+    assert ((top - val).abs() <= rel * val).all() and (val <= top * (1 + 1e-12)).all()
+
+
+def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_ones():
+    from curvwatch.closed_form import ffn, multi_head_attention
+
+    gen = torch.Generator().manual_seed(3)
+    X, T = torch.randn(2, 12, 16, generator=gen, dtype=DT), torch.randn(2, 12, 16, generator=gen, dtype=DT)
+    W = [torch.randn(16, 16, generator=gen, dtype=DT) * 0.5 for _ in range(4)]
+    for max_iter, converged in ((None, True), (2, False)):
+        r = multi_head_attention(X, *W, n_heads=2, target=T, pairs=["VV", "QQ", "VK"], tol=1e-6, max_iter=max_iter)
+        norms = [k for k in r if k.split("/")[0] in ("outer", "functional", "hessian")]
+        lanczos = [k for k in norms if "/VV/" not in k]  # VV is exact at d <= 256
+        assert sorted(k[len("residual/") :] for k in r if k.startswith("residual/")) == sorted(lanczos)
+        res = torch.stack([r[f"residual/{k}"] for k in lanczos])
+        assert (res <= 1e-6).all() if converged else (res > 1e-6).any()
+    W1, W2 = torch.randn(16, 32, generator=gen, dtype=DT), torch.randn(32, 16, generator=gen, dtype=DT)
+    for activation in ("relu", "gelu"):
+        r = ffn(X, W1, W2, activation=activation, target=T, pairs=["W1W1", "W2W2"], tol=1e-6)
+        kinds = ("functional", "hessian", "outer") if activation == "gelu" else ("hessian", "outer")  # relu: H_f = 0
+        assert sorted(k for k in r if k.startswith("residual/")) == [f"residual/{kind}/W1W1" for kind in kinds]
 
 
 def _dense_softmax_terms(a: torch.Tensor):

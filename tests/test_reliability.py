@@ -97,8 +97,14 @@ def count_hooks(module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in module.modules())
 
 
+# monitor_of cuts Lanczos at 4 steps, so from its second evaluation on the monitor rightly warns that norms
+# stopped above tol; that warning is tested in test_callback.py, not here
+LANCZOS_CUT = "Lanczos norms stopped at max_iter"
+
+
 def curv_warnings(record) -> list[str]:
-    return [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    return [m for m in messages if LANCZOS_CUT not in m]
 
 
 def fit(trainer, model, data=None):
@@ -567,8 +573,9 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     # estimates at 28 tokens (max_iter=20): attention 0.25 MiB, FFN 0.17 MiB, LayerNorm 0.03 MiB
     budget_mb = 0.2
     monitor = CurvatureMonitor(
-        max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False
-    )
+        max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False,
+        max_iter=20,
+    )  # fmt: skip
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     messages = fit(trainer, tiny())
     assert len(messages) == 1 and "to stay within memory_budget_mb=0.2" in messages[0], messages

@@ -316,7 +316,9 @@ def spectral_norms(
             and used as Lanczos start vectors next time (fewer steps when the weights moved little).
 
     Returns:
-        Flat dict of 0-d tensors.
+        Flat dict of 0-d tensors: the norms ``{kind}/{pair}[/h{i}]`` and, for each, ``residual/{kind}/{pair}[/h{i}]``,
+        the relative Lanczos residual of that norm (see :func:`lanczos_max_abs`'s ``info``; ``<= tol`` once
+        converged, larger when ``max_iter`` stopped it).
     """
     names = list(op.params)
     out: dict[str, torch.Tensor] = {}
@@ -326,19 +328,20 @@ def spectral_norms(
         if not ks:
             continue
         emb, mv = pair_matvec(op, pair, ks)
-        vals = _lanczos_norms(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start)
+        vals, rel = _lanczos_norms(
+            op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start
+        )
         for i, kind in enumerate(ks):
-            keys = head_keys(op, f"{kind}/{pair_name}", pair)
-            if len(keys) == 1:
-                out[keys[0]] = vals[i, 0]
-            else:
-                for h, key in enumerate(keys):
-                    out[key] = vals[i, h]
+            for h, key in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
+                out[key] = vals[i, h]
+                out[f"residual/{key}"] = rel[i, h]
     return out
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start) -> torch.Tensor:
-    """``(len(kinds), H)`` norms of ``mv`` by batched Lanczos, warm-started from and stored into ``warm_start``."""
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start):
+    """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
+    and stored into ``warm_start``."""
+    info: dict = {}
     vals, ritz = lanczos_max_abs(
         mv,
         (len(kinds), emb.H),
@@ -350,10 +353,11 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_
         pass_live=True,
         v0=_warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op),
         both_ends=_both_ends(kinds, op, diagonal=diagonal),
+        info=info,
     )
     if warm_start is not None:
         warm_start[key] = ritz.detach()
-    return vals
+    return vals, info["rel_residual"]
 
 
 def _both_ends(kinds: Sequence[str], op: BlockOperator, diagonal: bool) -> torch.Tensor:
@@ -396,15 +400,17 @@ def full_norms(
         return lambda u: emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
     mv = _skip_dead_kinds(kinds, make)
-    vals = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
+    vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
     out = {}
     headed = any(op.params[n].headed for n in names)
     for i, kind in enumerate(kinds):
         if headed and getattr(op, "suffix_heads", True):
-            for h in range(op.n_heads):
-                out[f"{kind}/{label}/h{h}"] = vals[i, h]
+            keys = [(f"{kind}/{label}/h{h}", h) for h in range(op.n_heads)]
         else:
-            out[f"{kind}/{label}"] = vals[i, 0]
+            keys = [(f"{kind}/{label}", 0)]
+        for key, h in keys:
+            out[key] = vals[i, h]
+            out[f"residual/{key}"] = rel[i, h]
     return out
 
 

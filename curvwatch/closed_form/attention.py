@@ -299,12 +299,19 @@ class AttentionOperator(BlockOperator):
         return d <= 256 or max_iter is None
 
     def outer_vv_norm(
-        self, tol: float, max_iter: int | None, gram: torch.Tensor | None = None, wo2: torch.Tensor | None = None
+        self,
+        tol: float,
+        max_iter: int | None,
+        gram: torch.Tensor | None = None,
+        wo2: torch.Tensor | None = None,
+        info: dict | None = None,
     ) -> torch.Tensor:
         """Exact ``||H_o(VV)||`` per head: ``lambda_max(sum_b c_b (A X)_b^T (A X)_b) * ||W_O^h||^2``.
 
         ``gram`` (that ``lambda_max``, ``(H,)``) and ``wo2`` (``||W_O^h||^2``) may be passed when the caller
-        computed them already (in one batched eigen-decomposition with its other norms).
+        computed them already (in one batched eigen-decomposition with its other norms). When the ``d x d``
+        eigenvalue is found by Lanczos (see :meth:`vv_exact`), ``info`` (a dict) receives its ``"rel_residual"``
+        ``(H,)``.
         """
         if gram is None:
             d = self.X.shape[-1]
@@ -319,6 +326,7 @@ class AttentionOperator(BlockOperator):
                     device=self.device,
                     tol=tol,
                     max_iter=max_iter,
+                    info=info,
                 )
         gram = gram.clamp_min(0)
         if self.W_O is not None:
@@ -454,12 +462,15 @@ def _attention(
 
     out: dict[str, torch.Tensor] = {}
     if "VV" in pairs:
-        vv = op.outer_vv_norm(tol, max_iter, gram=sq.get("vv"), wo2=sq.get("wo"))
+        info: dict = {}
+        vv = op.outer_vv_norm(tol, max_iter, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
         zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
-        for key, v in zip(hk("VV"), vv.unbind(), strict=True):
+        for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
             out[f"outer/{key}"] = v
             out[f"functional/{key}"] = zero
             out[f"hessian/{key}"] = v
+            if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
+                out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
     if iterative:
         out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))

@@ -254,7 +254,9 @@ def ffn(
         zero = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
         if "outer" in kinds or "hessian" in kinds:
             o = spectral_norms(op, ["W1W1"], kinds=["outer"], tol=tol, max_iter=max_iter, warm_start=warm_start)
-            out.update({f"{k}/W1W1": o["outer/W1W1"] for k in kinds if k != "functional"})
+            for k in kinds:
+                if k != "functional":
+                    out[f"{k}/W1W1"], out[f"residual/{k}/W1W1"] = o["outer/W1W1"], o["residual/outer/W1W1"]
         if "functional" in kinds:
             out["functional/W1W1"] = zero
     if iterative:
