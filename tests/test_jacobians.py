@@ -440,6 +440,7 @@ FAST_PATH_INVALID = [
     (dict(W_2=torch.randn(5, 3, device="meta")), r"W_2.to\(input\)"),
     (dict(W_2=torch.randn(5, 3).half()), "W_2.dtype"),
     (dict(W_2=torch.randn(5, 3).tolist()), "W_2: expected a torch.Tensor"),
+    (dict(W_2=None), "W_2: expected a torch.Tensor"),  # was an AttributeError from W_2.shape
 ]
 
 

@@ -156,6 +156,22 @@ def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_one
         assert sorted(k for k in r if k.startswith("residual/")) == [f"residual/{kind}/W1W1" for kind in kinds]
 
 
+
+def test_warm_start_at_the_smaller_end_still_finds_the_larger_one():
+    """A warm start at an eigenvector of the other end (last time's top vector; the weights moved since) must
+    not stop there: with one Ritz value the other end is unknown. Eigenvalues 1 (start vector), -1.5 and a
+    spread in between; the warm start carries 1e-3 of noise, so its first residual is ~1e-3 < tol."""
+    gen = torch.Generator().manual_seed(4)
+    n = 200
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+    lam = torch.cat([torch.tensor([1.0, -1.5], dtype=DT), torch.linspace(-0.9, 0.9, n - 2, dtype=DT)])
+    A = (Q * lam) @ Q.T
+    cpu = torch.device("cpu")
+    for tol in (1e-2, 1e-3):
+        val, _ = lanczos_max_abs(lambda v: v @ A, (), n, dtype=DT, device=cpu, tol=tol, v0=Q[:, 0].clone())
+        assert abs(float(val) - 1.5) <= 1.5 * tol, (tol, float(val))
+
+
 def _dense_softmax_terms(a: torch.Tensor):
     J = torch.diag(a) - torch.outer(a, a)
     L = a.numel()

@@ -19,6 +19,9 @@ OVERTAKE_K = 10.0
 # changed its norm by < 1e-6 relative: it only doubled the cost of the re-orthogonalisation.
 REORTH_KAPPA = 0.1
 
+# Norm of the noise mixed into a warm start, relative to the start vector's norm.
+WARM_NOISE = 1e-3
+
 
 def lanczos_max_abs(
     matvec: Callable[[torch.Tensor], torch.Tensor],
@@ -89,10 +92,14 @@ def lanczos_max_abs(
         v = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
     else:
         v = v0.to(dtype=dtype, device=device).clone()
-        # a zero warm start (e.g. an exactly-zero block last time) would stall: mix in noise
+        # a zero warm start (e.g. an exactly-zero block last time) would stall: mix in noise of norm
+        # WARM_NOISE * ||v0|| (1 for a zero v0). Per entry it was that size, i.e. sqrt(n) times more: 16% of a
+        # unit start vector at n = 24576, which made every other warm start of the same operator as slow as a
+        # cold one (the same seeded noise, only half removed by a short run, came back doubled).
         gen = torch.Generator(device="cpu").manual_seed(seed)
         noise = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
-        v = v + 1e-3 * noise * v.norm(dim=-1, keepdim=True).clamp_min(1.0)
+        noise = noise / noise.norm(dim=-1, keepdim=True)
+        v = v + WARM_NOISE * noise * v.norm(dim=-1, keepdim=True).clamp_min(1.0)
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     both = torch.as_tensor(both_ends, dtype=torch.bool, device=device).expand(batch_shape)
 
@@ -150,7 +157,9 @@ def lanczos_max_abs(
         rel_residual = torch.where(active, rel_now, rel_residual)
         r_opp, t_opp = resid.gather(-1, opp).squeeze(-1), evals.gather(-1, opp).squeeze(-1).abs()
         settled = (r_opp <= tol * theta.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta.abs())
-        converged = converged & (~both | settled)
+        # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end (last
+        # evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
+        converged = converged & (~both | (settled & (j > 0)))
         active = active & ~(exhausted | converged)
         live = active.cpu()  # the one host-device sync of the step (on CPU the re-orthogonalisation reads one)
         if not bool(live.any()) or j + 1 == k_max:
