@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from benchmarks.bench_overhead import Model, demo_model, make_dataset, mid_model, quick_models
+from benchmarks.bench_overhead import Model, demo_model, make_dataset, mid_model, parse_models, quick_models
 from benchmarks.common import environment, markdown_table, write_json
 from curvwatch import find_blocks
 from curvwatch.capture import Capture
@@ -119,9 +119,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 1:
         ap.error("--threads and --repeats must be >= 1.")
-    args.models = [s for s in args.models.split(",") if s]
-    if not args.models or any(s not in ("demo", "mid") for s in args.models):
-        ap.error(f"Invalid --models={','.join(args.models)!r}. Must be a comma-separated subset of demo,mid.")
+    args.models = parse_models(ap, args.models)
     return args
 
 

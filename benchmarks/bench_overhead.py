@@ -493,11 +493,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("rounds", "mid_rounds", "mid_batch"):
         if getattr(args, name) < 1:
             ap.error(f"Invalid --{name.replace('_', '-')}={getattr(args, name)}. Must be >= 1.")
-    wanted = [s for s in args.models.split(",") if s]
-    if not wanted or any(s not in ("demo", "mid") for s in wanted):
-        ap.error(f"Invalid --models={args.models!r}. Must be a comma-separated subset of demo,mid.")
-    args.models = wanted
+    args.models = parse_models(ap, args.models)
     return args
+
+
+def parse_models(ap: argparse.ArgumentParser, value: str) -> list[str]:
+    """``--models`` as a list: a non-empty comma-separated subset of ``demo,mid`` (else a usage error)."""
+    wanted = [s for s in value.split(",") if s]
+    if not wanted or any(s not in ("demo", "mid") for s in wanted):
+        ap.error(f"Invalid --models={value!r}. Must be a comma-separated subset of demo,mid.")
+    return wanted
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -285,9 +285,10 @@ def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
     return emb, _skip_dead_kinds(kinds, make_pair)
 
 
-def head_keys(op: BlockOperator, base: str, pair: tuple[str, str]) -> list[str]:
-    """Metric keys for a block pair: ``base`` alone, or ``base/h{i}`` when the pair involves a headed param."""
-    headed = op.params[pair[0]].headed or op.params[pair[1]].headed
+def head_keys(op: BlockOperator, base: str, names: Sequence[str]) -> list[str]:
+    """Metric keys for a block pair (or the joint Hessian of several blocks, e.g. ``("Q", "K", "V")``): ``base``
+    alone, or ``base/h{i}`` when one of the ``names`` is a headed param."""
+    headed = any(op.params[nm].headed for nm in names)
     if headed and op.n_heads >= 1 and getattr(op, "suffix_heads", True):
         return [f"{base}/h{h}" for h in range(op.n_heads)]
     return [base]
@@ -402,13 +403,8 @@ def full_norms(
     mv = _skip_dead_kinds(kinds, make)
     vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
     out = {}
-    headed = any(op.params[n].headed for n in names)
     for i, kind in enumerate(kinds):
-        if headed and getattr(op, "suffix_heads", True):
-            keys = [(f"{kind}/{label}/h{h}", h) for h in range(op.n_heads)]
-        else:
-            keys = [(f"{kind}/{label}", 0)]
-        for key, h in keys:
+        for h, key in enumerate(head_keys(op, f"{kind}/{label}", names)):
             out[key] = vals[i, h]
             out[f"residual/{key}"] = rel[i, h]
     return out
@@ -464,10 +460,6 @@ def dense_blocks(op: BlockOperator, pairs: Sequence[str], full: Sequence[str] = 
         for kind in KINDS:
             rows = [torch.cat([block(kind, X, Y) for Y in full], dim=-1) for X in full]
             m = torch.cat(rows, dim=-2)
-            headed = any(op.params[n].headed for n in full)
-            if headed and getattr(op, "suffix_heads", True):
-                for h in range(H):
-                    out[f"dense/{kind}/{label}/h{h}"] = m[h]
-            else:
-                out[f"dense/{kind}/{label}"] = m[0]
+            for h, key in enumerate(head_keys(op, f"dense/{kind}/{label}", full)):
+                out[key] = m[h]
     return out
