@@ -48,7 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from benchmarks.common import environment, markdown_table, time_interleaved, write_json
+from benchmarks.common import environment, markdown_table, select_device, synchronize, time_interleaved, write_json
 from curvwatch import CurvatureMonitor, find_blocks
 from curvwatch.capture import Capture
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset, sequence_length
@@ -56,6 +56,7 @@ from curvwatch.demo import GPTLitModule, build_parser, resolve_settings
 from curvwatch.models.gpt import GPTConfig
 
 NAME = "bench_overhead"
+CPU = torch.device("cpu")
 CADENCES = (1, 10, 50, 200)
 DERIVE_FROM = 10  # the cadence whose measured cost per evaluation gives the derived cells
 GOAL_OVERHEAD, GOAL_COST = 0.01, 1.0  # at the monitor's defaults; per evaluation at every step
@@ -139,16 +140,23 @@ def quick_models() -> list[Model]:
 
 
 class StepTimer(Callback):
-    """Records ``time.perf_counter()`` at the start and end of every training batch."""
+    """Records ``time.perf_counter()`` at the start and end of every training batch.
 
-    def __init__(self) -> None:
+    On CUDA it synchronises first, so that a reading covers the kernels queued before it (one sync per hook,
+    the same in the runs with and without the monitor).
+    """
+
+    def __init__(self, device: torch.device = CPU) -> None:
+        self.device = device
         self.starts: list[float] = []
         self.ends: list[float] = []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        synchronize(self.device)
         self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        synchronize(self.device)
         self.ends.append(time.perf_counter())
 
 
@@ -162,7 +170,7 @@ def make_dataset(m: Model, seed: int) -> Dataset:
 
 
 def train_once(
-    m: Model, dataset: Dataset, cadence: int | str | None, steps: int, seed: int
+    m: Model, dataset: Dataset, cadence: int | str | None, steps: int, seed: int, device: torch.device = CPU
 ) -> dict[str, Any]:
     """Train ``steps`` steps (with a monitor every ``cadence`` steps, ``"default"``: ``CurvatureMonitor()`` with
     its defaults, ``"terms"``: terms-only evaluations every step, or none); per-step wall times."""
@@ -173,7 +181,7 @@ def train_once(
         dataset, batch_size=m.batch_size, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
-    timer = StepTimer()
+    timer = StepTimer(device)
     callbacks: list[Callback] = [timer]
     monitor = None
     if cadence == "default":
@@ -190,7 +198,7 @@ def train_once(
         # CurvatureWarnings (spikes) and Lightning's data-loader hints are not what is measured here
         warnings.simplefilter("ignore")
         trainer = L.Trainer(
-            max_steps=steps, accelerator="cpu", devices=1, logger=CSVLogger(tmp, name="csv"),
+            max_steps=steps, accelerator=device.type, devices=1, logger=CSVLogger(tmp, name="csv"),
             callbacks=callbacks, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=10,
             gradient_clip_val=m.grad_clip or None, enable_checkpointing=False, enable_model_summary=False,
             enable_progress_bar=False, default_root_dir=tmp,
@@ -247,7 +255,7 @@ def compare(off: dict[str, Any], on: dict[str, Any], cadence: int, warmup: int, 
     }
 
 
-def bench_model(m: Model, seed: int) -> dict[str, Any]:
+def bench_model(m: Model, seed: int, device: torch.device = CPU) -> dict[str, Any]:
     dataset = make_dataset(m, seed)
     variants: list[int | str | None] = [None, *sorted(m.windows), "terms"]
     runs: dict[str, list[dict[str, Any]]] = {str(v): [] for v in variants}
@@ -258,7 +266,7 @@ def bench_model(m: Model, seed: int) -> dict[str, Any]:
         done: dict[int | None, dict[str, Any]] = {}
         for v in order:
             steps = m.max_steps if v is None else m.warmup + m.windows[1 if v == "terms" else v] + 1
-            done[v] = train_once(m, dataset, v, steps, seed)
+            done[v] = train_once(m, dataset, v, steps, seed, device)
             print(
                 f"[{NAME}] {m.name} round {r + 1}/{m.rounds} every_n={v}: {done[v]['steps']} steps in "
                 f"{done[v]['wall_s']:.1f} s",
@@ -327,7 +335,7 @@ def bench_model(m: Model, seed: int) -> dict[str, Any]:
     }
 
 
-def bench_default(m: Model, seed: int) -> dict[str, Any] | None:
+def bench_default(m: Model, seed: int, device: torch.device = CPU) -> dict[str, Any] | None:
     """Whole runs of ``m.default_steps`` steps with ``CurvatureMonitor()`` at its defaults vs without, interleaved.
 
     Every step counts, step 0's evaluation included: with the overhead budget the run's total is the number
@@ -339,7 +347,7 @@ def bench_default(m: Model, seed: int) -> dict[str, Any] | None:
     rounds = []
     for r in range(m.rounds):
         order = [None, "default"] if r % 2 == 0 else ["default", None]
-        done = {v: train_once(m, dataset, v, m.default_steps, seed) for v in order}
+        done = {v: train_once(m, dataset, v, m.default_steps, seed, device) for v in order}
         off, on = done[None], done["default"]
         n = min(len(off["step_s"]), len(on["step_s"]))
         rounds.append({
@@ -359,15 +367,15 @@ def bench_default(m: Model, seed: int) -> dict[str, Any] | None:
     }
 
 
-def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
+def breakdown(m: Model, seed: int, repeats: int, layers: int, device: torch.device = CPU) -> dict[str, Any]:
     """Time of one ``CapturedBlock.evaluate`` per sub-block of the first ``layers`` layers, vs a training step.
 
     Uses the monitor's kwargs on one captured step of a fresh model; interleaved repeats, median.
     """
     torch.manual_seed(seed)
-    module = GPTLitModule(m.config)
+    module = GPTLitModule(m.config).to(device)
     dataset = make_dataset(m, seed)
-    x, y = next(iter(DataLoader(dataset, batch_size=m.batch_size)))
+    x, y = (t.to(device) for t in next(iter(DataLoader(dataset, batch_size=m.batch_size))))
     specs = [s for s in find_blocks(module, "auto") if s.layer < layers]
     opt = torch.optim.AdamW(module.parameters())
 
@@ -400,7 +408,7 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
             b.evaluate(dtype=torch.float32, pairs=("VV", "W2W2"))
 
     fns["all_blocks_terms_only"] = terms_only
-    t = time_interleaved(fns, torch.device("cpu"), repeats=repeats, min_repeats=1, warmup=0, min_time_s=0.0)
+    t = time_interleaved(fns, device, repeats=repeats, min_repeats=1, warmup=0, min_time_s=0.0)
     step_s = t["train_step"]["median_s"]
     per_block = {
         b.spec.name: {"kind": b.spec.kind, "median_s": t[b.spec.name]["median_s"],
@@ -480,6 +488,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny models, short windows (< 60 s)")
     ap.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{NAME}.json)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every run (default 1)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models train (default cpu)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds, demo model (default 3)")
     ap.add_argument("--mid-rounds", type=int, default=1, help="interleaved rounds, mid-size model (default 1)")
     ap.add_argument("--mid-batch", type=int, default=8, help="batch size of the mid-size model (default 8)")
@@ -514,26 +523,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     level_before = pl_log.level
     pl_log.setLevel(logging.WARNING)  # no "GPU available" banners between the progress lines
     try:
+        device = select_device(args.device)
         models = quick_models() if args.quick else [demo_model(args.rounds), mid_model(args.mid_rounds, args.mid_batch)]
         models = [m for m in models if m.name in args.models]
         t0 = time.perf_counter()
         if args.breakdown_only:
             results = [{"model": m.name, "cadences": {}, "breakdown_only": True} for m in models]
         else:
-            results = [bench_model(m, args.seed) for m in models]
+            results = [bench_model(m, args.seed, device) for m in models]
             for m, r in zip(models, results, strict=True):
-                r["defaults"] = bench_default(m, args.seed)
+                r["defaults"] = bench_default(m, args.seed, device)
         if args.breakdown:
             for m, r in zip(models, results, strict=True):
                 quick_or_demo = args.quick or m.name == "demo"
                 r["breakdown"] = breakdown(
-                    m, args.seed, repeats=3 if quick_or_demo else 1, layers=m.config.n_layer if quick_or_demo else 1
+                    m, args.seed, repeats=3 if quick_or_demo else 1, layers=m.config.n_layer if quick_or_demo else 1,
+                    device=device,
                 )
         data = {
             "name": NAME,
             "config": {
                 "quick": args.quick,
                 "threads": args.threads,
+                "device": args.device,
                 "seed": args.seed,
                 "cadences": CADENCES,
                 "monitor_kwargs": {
@@ -557,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "goals": [] if args.breakdown_only else goals(results),
         }
         path = write_json(NAME, data, args.out)
-        print(f"## Overhead of CurvatureMonitor in training, cpu, {args.threads} thread(s) ({path})\n")
+        print(f"## Overhead of CurvatureMonitor in training, {args.device}, {args.threads} thread(s) ({path})\n")
         if not args.breakdown_only:
             print(overhead_table(results))
         for r in results:

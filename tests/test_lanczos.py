@@ -114,6 +114,54 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
 
 
 
+def test_lanczos_off_cpu_stopping_test_runs_on_the_host_every_few_steps(monkeypatch):
+    """Off the CPU, reading alpha and beta and torch.linalg.eigh on a CUDA tensor each sync the device: the
+    tridiagonal eigenproblem runs on a float64 host copy, only every CHECK_EVERY_OFF_CPU steps (and at the
+    last one). The norms still meet tol, and the run takes at most CHECK_EVERY_OFF_CPU - 1 more products."""
+    gen = torch.Generator().manual_seed(3)
+    n = 200
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float32).double())
+    lam = torch.stack([torch.linspace(-1.0, 2.0, n), torch.linspace(-3.0, 1.0, n), torch.linspace(0.0, 1.0, n)])
+    S = torch.stack([(Q * lam_b.double()) @ Q.T for lam_b in lam]).float()  # (3, n, n), float32 like the monitor
+    expected = lam.abs().amax(-1)
+    cpu = torch.device("cpu")
+
+    def run(every: int | None):
+        products: list[int] = []
+        eighs: list[torch.Tensor] = []
+        eigh = torch.linalg.eigh
+
+        def mv(v, live):
+            products.append(int(live.sum()))
+            return (S @ v.unsqueeze(-1)).squeeze(-1)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.linalg, "eigh", lambda T: eighs.append(T) or eigh(T))
+            if every is not None:
+                m.setattr(_lanczos, "_on_cpu", lambda device: False)
+                m.setattr(_lanczos, "CHECK_EVERY_OFF_CPU", every)
+            info: dict = {}
+            val, _ = lanczos_max_abs(mv, (3,), n, dtype=torch.float32, device=cpu, tol=1e-3, max_iter=60,
+                                     pass_live=True, info=info)  # fmt: skip
+        return val, info["rel_residual"], products, eighs
+
+    host_val, _, host_products, host_eighs = run(None)
+    assert [T.shape[-1] for T in host_eighs] == list(range(1, len(host_products) + 1))  # a test every step
+    assert all(T.dtype == torch.float32 for T in host_eighs)
+    for every in (2, 3):
+        val, rel, products, eighs = run(every)
+        steps = len(products)
+        assert [T.shape[-1] for T in eighs] == list(range(every, steps + 1, every))  # only every few steps
+        assert all(T.dtype == torch.float64 and T.device.type == "cpu" for T in eighs)
+        assert len(host_products) <= steps <= len(host_products) + every - 1
+        assert (rel <= 1e-3).all()
+        assert_close_report(val, expected, 2e-3)
+        assert_close_report(val, host_val, 2e-3)
+        # members are frozen only at a test: the live mask passed to the products changes only there
+        changes = [i for i in range(1, steps) if products[i] != products[i - 1]]
+        assert all(i % every == 0 for i in changes), changes
+
+
 def test_lanczos_reports_the_relative_residual_of_each_member():
     """``info["rel_residual"]``: at most tol for a member that converged (its residual when it stopped, not the
     zero of its later idle steps), above tol where max_iter cut it short, and a true error bound there."""

@@ -61,11 +61,11 @@ def tiny(**kwargs) -> TinyLM:
     return TinyLM(d_model=16, **kwargs)
 
 
-def make_trainer(tmp_path, monitor, *, max_steps=2, callbacks=(), version=0, logger=None, **kwargs):
+def make_trainer(tmp_path, monitor, *, max_steps=2, callbacks=(), version=0, logger=None, accelerator="cpu", **kwargs):
     logger = CSVLogger(tmp_path, name="csv", version=version) if logger is None else logger
     kwargs.setdefault("enable_checkpointing", False)
     return L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         max_steps=max_steps,
         logger=logger,
         callbacks=[monitor, *callbacks],
@@ -483,7 +483,8 @@ def _precision_run(tmp_path, precision, spy):
     spy.instances = []
     torch.manual_seed(0)
     monitor = monitor_of()
-    trainer = make_trainer(tmp_path / precision, monitor, max_steps=1, precision=precision)
+    accelerator = "cuda" if precision == "16-mixed" else "cpu"  # CPU autocast has no float16
+    trainer = make_trainer(tmp_path / precision, monitor, max_steps=1, precision=precision, accelerator=accelerator)
     fit(trainer, tiny(), loader(n=4))
     return monitor, logged(trainer)[0], spy.instances[0].handed
 

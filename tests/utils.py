@@ -43,7 +43,9 @@ def assert_close_report(actual, expected, rtol: float, name: str = "", atol: flo
     ref = e.norm().item()
     if not torch.isfinite(a).all():
         raise AssertionError(f"{name}: non-finite values in actual")
-    if ref > 1e3 * atol:  # a (near-)zero reference is checked by atol alone; its relative error means nothing
+    # recorded only where the relative tolerance decides (atol negligible next to it): a (near-)zero reference
+    # is checked by atol alone and its relative error means nothing (it read as "worst 4e-06 vs tolerance 1e-06")
+    if ref > 0 and rtol * ref >= 1e3 * atol:
         caller = os.path.basename(inspect.stack()[1].filename)
         key = (caller, rtol)
         WORST[key] = max(WORST.get(key, 0.0), err / max(ref, 1e-300))

@@ -22,6 +22,11 @@ REORTH_KAPPA = 0.1
 # Norm of the noise mixed into a warm start, relative to the start vector's norm.
 WARM_NOISE = 1e-3
 
+# Off the CPU, the stopping test (a host-device sync) runs every this many Lanczos steps. Not tuned: no GPU
+# has been available to measure the sync's cost against the products that a member iterating past its
+# convergence spends (on average (CHECK_EVERY_OFF_CPU - 1) / 2 per run).
+CHECK_EVERY_OFF_CPU = 2
+
 
 def lanczos_max_abs(
     matvec: Callable[[torch.Tensor], torch.Tensor],
@@ -111,13 +116,21 @@ def lanczos_max_abs(
     buf = torch.empty((*batch_shape, k_max if cpu else min(k_max, 8), n), dtype=dtype, device=device)
     buf[..., 0, :] = v
     basis = buf[..., :1, :]
+    # The stopping test (eigen-decomposition of the small tridiagonal matrix T of every member) runs on the
+    # host. On CPU that is where everything is, and it runs every step. Elsewhere reading alpha, beta is a
+    # host-device sync, and torch.linalg.eigh on a CUDA tensor syncs too (and pays a solver launch for a tiny
+    # matrix), so the test runs every CHECK_EVERY_OFF_CPU steps on a float64 host copy of T, and members that
+    # converged in between keep iterating until then (more steps only sharpen their Ritz values).
+    check_every = 1 if cpu else CHECK_EVERY_OFF_CPU
+    host = torch.device("cpu")
     alphas: list[torch.Tensor] = []
     betas: list[torch.Tensor] = []
     active = torch.ones(batch_shape, dtype=torch.bool, device=device)
     live = torch.ones(batch_shape, dtype=torch.bool)  # host copy of ``active``, for ``pass_live``
+    both_h = both if cpu else both.cpu()
     eps = torch.finfo(dtype).eps
-    theta = torch.zeros(batch_shape, dtype=dtype, device=device)
-    rel_residual = torch.zeros(batch_shape, dtype=dtype, device=device)
+    theta = torch.zeros(batch_shape, dtype=dtype, device=host)
+    rel_residual = torch.zeros(batch_shape, dtype=dtype, device=host)
     ritz = v.clone()
     for j in range(k_max):
         w = matvec(v, live) if pass_live else matvec(v)
@@ -133,39 +146,51 @@ def lanczos_max_abs(
         if not cpu or bool((beta < REORTH_KAPPA * w_norm).any()):
             w = _project_out(w, basis)
             beta = w.norm(dim=-1)
-        # eigen-decomposition of the (j+1)x(j+1) tridiagonal matrix of every batch member
-        a = torch.stack(alphas, -1)
-        T = torch.diag_embed(a)
-        if j > 0:
-            off = torch.stack(betas, -1)
-            T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
-        evals, evecs = torch.linalg.eigh(T)  # ascending
-        idx = evals.abs().argmax(-1, keepdim=True)
-        theta = evals.gather(-1, idx).squeeze(-1)
-        resid = (beta.unsqueeze(-1) * evecs[..., -1, :]).abs()  # residual of every Ritz pair
-        # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
-        opp = torch.where(idx == evals.shape[-1] - 1, torch.zeros_like(idx), torch.full_like(idx, evals.shape[-1] - 1))
-        scale = a.abs().amax(-1).clamp_min(torch.finfo(dtype).tiny)
-        exhausted = beta <= 10 * eps * scale
-        # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end is
-        # either accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and
-        # -0.95, the isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of 40 trials)
-        r_theta = resid.gather(-1, idx).squeeze(-1)
-        converged = r_theta <= tol * theta.abs()
-        # relative residual of the members iterating in this step (a stopped member keeps its last one)
-        rel_now = torch.where(r_theta > 0, r_theta / theta.abs(), 0.0)  # r / 0 = inf: a zero Ritz value, unresolved
-        rel_residual = torch.where(active, rel_now, rel_residual)
-        r_opp, t_opp = resid.gather(-1, opp).squeeze(-1), evals.gather(-1, opp).squeeze(-1).abs()
-        settled = (r_opp <= tol * theta.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta.abs())
-        # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end (last
-        # evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
-        converged = converged & (~both | (settled & (j > 0)))
-        active = active & ~(exhausted | converged)
-        live = active.cpu()  # the one host-device sync of the step (on CPU the re-orthogonalisation reads one)
-        if not bool(live.any()) or j + 1 == k_max:
-            y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, j+1)
-            ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
-            break
+        last = j + 1 == k_max
+        if cpu or last or (j + 1) % check_every == 0:
+            # eigen-decomposition of the (j+1)x(j+1) tridiagonal matrix of every member, on the host
+            if cpu:
+                a, off, beta_h = torch.stack(alphas, -1), (torch.stack(betas, -1) if j > 0 else None), beta
+            else:  # one transfer for all of alpha, the betas kept so far and the current beta
+                ab = torch.stack([*alphas, *betas, beta], -1).to(device=host, dtype=torch.float64)
+                a, off, beta_h = ab[..., : j + 1], (ab[..., j + 1 : 2 * j + 1] if j > 0 else None), ab[..., -1]
+            T = torch.diag_embed(a)
+            if off is not None:
+                T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+            evals, evecs = torch.linalg.eigh(T)  # ascending
+            idx = evals.abs().argmax(-1, keepdim=True)
+            theta_now = evals.gather(-1, idx).squeeze(-1)
+            resid = (beta_h.unsqueeze(-1) * evecs[..., -1, :]).abs()  # residual of every Ritz pair
+            # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
+            opp = torch.where(
+                idx == evals.shape[-1] - 1, torch.zeros_like(idx), torch.full_like(idx, evals.shape[-1] - 1)
+            )
+            scale = a.abs().amax(-1).clamp_min(torch.finfo(dtype).tiny)
+            exhausted = beta_h <= 10 * eps * scale
+            # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end
+            # is either accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1
+            # and -0.95, the isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of
+            # 40 trials)
+            r_theta = resid.gather(-1, idx).squeeze(-1)
+            converged = r_theta <= tol * theta_now.abs()
+            # relative residual of the members iterating in this step (a stopped member keeps its last one);
+            # r / 0 = inf: a zero Ritz value, unresolved
+            rel_now = torch.where(r_theta > 0, r_theta / theta_now.abs(), 0.0).to(dtype)
+            rel_residual = torch.where(live, rel_now, rel_residual)
+            theta = torch.where(live, theta_now.to(dtype), theta)
+            r_opp, t_opp = resid.gather(-1, opp).squeeze(-1), evals.gather(-1, opp).squeeze(-1).abs()
+            settled = (r_opp <= tol * theta_now.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta_now.abs())
+            # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end
+            # (last evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
+            converged = converged & (~both_h | (settled & (j > 0)))
+            live = live & ~(exhausted | converged)  # the host mask; on CPU also the device one
+            if not bool(live.any()) or last:
+                # the Ritz vector of theta, (*b, 1, j+1) @ (*b, j+1, n)
+                y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, j+1)
+                y = y.to(device=device, dtype=dtype)
+                ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
+                break
+            active = live if cpu else live.to(device)
         betas.append(torch.where(active, beta, torch.zeros_like(beta)))
         if j + 2 > buf.shape[-2]:
             grown = torch.empty((*batch_shape, min(k_max, 2 * buf.shape[-2]), n), dtype=dtype, device=device)
@@ -178,6 +203,7 @@ def lanczos_max_abs(
         if not bool(live.all()):
             v.masked_fill_(~active.unsqueeze(-1), 0.0)
         basis = buf[..., : j + 2, :]
+    theta, rel_residual = theta.to(device), rel_residual.to(device)
     if info is not None:
         info["rel_residual"] = rel_residual
     return theta.abs(), ritz

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks of one device session, prepared as a single command (each step under its own time limit;
+# at most ~7.5 minutes in all, so a 15-minute device budget leaves room for the machine's start and a rerun):
+#
+#   bash benchmarks/gpu_check.sh          # writes gpu_check.log and the JSON files to $OUT (else benchmarks/results/gpu)
+#
+# 1. the CUDA tests: tests/test_cuda.py (closed forms on CUDA vs CPU, host syncs of the Lanczos loop, a Lightning
+#    run on the GPU) and the float16 mixed-precision test that needs CUDA;
+# 2. bench_hvp (benchmark 2), bench_overhead (benchmark 3: the mid-size model's cadences and both models'
+#    per-block breakdown) and bench_jacobians (benchmark 1) with --device cuda.
+# It uses the machine's own python3 (its PyTorch and Lightning); curvwatch is imported from this checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$out"
+log="$out/gpu_check.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled
+py=python3
+status=0
+
+step() {  # step LIMIT_S NAME CMD...: run CMD under a time limit, append its output to the log
+    local limit=$1 name=$2
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc=$rc" | tee -a "$log"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+: >"$log"
+step 30 env $py -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
+step 120 tests $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    "tests/test_reliability.py::test_mixed_precision_computed_in_float32"
+step 150 bench_hvp $py -m benchmarks.bench_hvp --device cuda --out "$out/bench_hvp.json"
+step 90 bench_overhead_mid $py -m benchmarks.bench_overhead --device cuda --models mid --out "$out/bench_overhead_mid.json"
+step 30 bench_overhead_demo $py -m benchmarks.bench_overhead --device cuda --models demo --breakdown-only \
+    --out "$out/bench_overhead_demo.json"
+step 90 bench_jacobians $py -m benchmarks.bench_jacobians --device cuda --out "$out/bench_jacobians.json"
+exit $status
