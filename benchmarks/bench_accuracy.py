@@ -1,13 +1,15 @@
-"""Lanczos accuracy vs cost: what ``tol`` and ``max_iter`` buy on the models of the overhead benchmark.
+"""Lanczos accuracy vs cost: what ``tol``, ``max_iter`` and ``max_basis`` buy on the overhead benchmark's models.
 
 Run ``python -m benchmarks.bench_accuracy [--quick] [--out PATH]``; see ``benchmarks/README.md``.
 
 For each model (the demo's, and the first layer of the mid-size GPT), one training batch is captured with
 the monitor's capture, and every attention and FFN block is evaluated as the callback does (float32, diagonal
-pairs, all three kinds, cold start) for several ``(tol, max_iter)`` settings, interleaved. Each Lanczos norm is
-compared with a reference run to ``tol = 1e-9`` in float64. Reported per setting: median seconds per
-evaluation, how many norms stopped at ``max_iter`` above ``tol`` (what ``summary/lanczos/unconverged`` counts),
-the worst relative residual, and the worst and median *true* relative error against the reference.
+pairs, all three kinds, cold start) for several ``(tol, max_iter, max_basis)`` settings, interleaved. Each
+Lanczos norm is compared with a reference run to ``tol = 1e-9`` in float64. Reported per setting: median seconds
+per evaluation, how many norms stopped at ``max_iter`` above ``tol`` (what ``summary/lanczos/unconverged``
+counts), the worst relative residual, the worst and median *true* relative error against the reference, and the
+largest peak of allocated tensor memory of one block's evaluation (a separate, untimed pass under
+:class:`benchmarks.common.PeakMemory`: what a GPU would hold).
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from benchmarks.bench_overhead import Model, demo_model, make_dataset, mid_model, parse_models, quick_models
-from benchmarks.common import environment, markdown_table, write_json
+from benchmarks.common import PeakMemory, environment, markdown_table, write_json
 from curvwatch import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.data import IGNORE_INDEX
 from curvwatch.demo import GPTLitModule
 
 NAME = "bench_accuracy"
-SETTINGS = ((1e-3, 20), (1e-2, 20), (1e-2, 40), (1e-3, 40))  # (tol, max_iter); (1e-2, 40) is the default
+# (tol, max_iter, max_basis); (1e-2, 40, 16) is the monitor's default, None holds every vector (no restarts)
+SETTINGS = (
+    (1e-3, 20, None), (1e-2, 20, None), (1e-2, 40, None), (1e-3, 40, None),
+    (1e-2, 40, 16), (1e-2, 40, 8), (1e-2, 40, 4),
+)  # fmt: skip
 REFERENCE = {"tol": 1e-9, "max_iter": 150, "dtype": torch.float64}
 PAIRS = {"attention": ("VV", "QQ", "KK"), "ffn": ("W1W1", "W2W2")}  # pairs="diagonal"
 
@@ -60,19 +66,31 @@ def evaluate(blocks: list, **kw: Any) -> dict[tuple[str, str], tuple[float, floa
     return out
 
 
+def peak_bytes(blocks: list, **kw: Any) -> int:
+    """Largest peak of allocated tensor memory over the blocks' evaluations (one block at a time, as the callback)."""
+    peak = 0
+    for b in blocks:
+        with PeakMemory() as mem:
+            b.evaluate(pairs=PAIRS[b.spec.kind], **kw)
+        peak = max(peak, mem.peak)
+    return peak
+
+
 def bench_model(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any]:
     blocks = captured_blocks(m, seed, layers)
     ref = evaluate(blocks, **REFERENCE)
-    times: dict[tuple[float, int], list[float]] = {s: [] for s in SETTINGS}
-    last: dict[tuple[float, int], dict] = {}
+    times: dict[tuple, list[float]] = {s: [] for s in SETTINGS}
+    last: dict[tuple, dict] = {}
     for rep in range(repeats):  # interleaved, order reversed every other round
-        for tol, max_iter in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
+        for setting in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
+            tol, max_iter, max_basis = setting
             t0 = time.perf_counter()
-            last[(tol, max_iter)] = evaluate(blocks, tol=tol, max_iter=max_iter, dtype=torch.float32)
-            times[(tol, max_iter)].append(time.perf_counter() - t0)
+            last[setting] = evaluate(blocks, tol=tol, max_iter=max_iter, max_basis=max_basis, dtype=torch.float32)
+            times[setting].append(time.perf_counter() - t0)
     rows = []
-    for tol, max_iter in SETTINGS:
-        got = last[(tol, max_iter)]
+    for setting in SETTINGS:
+        tol, max_iter, max_basis = setting
+        got = last[setting]
         lanczos = {k: v for k, v in got.items() if v[1] is not None}
         errors = {k: abs(v[0] - ref[k][0]) / max(abs(ref[k][0]), 1e-30) for k, v in lanczos.items()}
         worst = max(errors, key=errors.__getitem__)
@@ -80,8 +98,9 @@ def bench_model(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any
             {
                 "tol": tol,
                 "max_iter": max_iter,
-                "median_s": statistics.median(times[(tol, max_iter)]),
-                "times_s": times[(tol, max_iter)],
+                "max_basis": max_basis,
+                "median_s": statistics.median(times[setting]),
+                "times_s": times[setting],
                 "lanczos_norms": len(lanczos),
                 "unconverged": sum(not v[1] <= tol for v in lanczos.values()),
                 "rel_residual_max": max(v[1] for v in lanczos.values()),
@@ -89,6 +108,9 @@ def bench_model(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any
                 "true_rel_error_max_at": "/".join(worst),
                 "true_rel_error_median": statistics.median(errors.values()),
                 "reads_high": sum(v[0] > ref[k][0] * (1 + 1e-5) for k, v in lanczos.items()),
+                "peak_allocated_bytes": peak_bytes(
+                    blocks, tol=tol, max_iter=max_iter, max_basis=max_basis, dtype=torch.float32
+                ),
             }
         )
     return {"model": m.name, "notes": m.notes, "layers": layers, "blocks": [b.spec.name for b in blocks],
@@ -96,12 +118,13 @@ def bench_model(m: Model, seed: int, repeats: int, layers: int) -> dict[str, Any
 
 
 def table(results: Sequence[dict[str, Any]]) -> str:
-    header = ["model", "tol", "max_iter", "s / evaluation", "unconverged", "max rel. residual", "max true error",
-              "median true error"]  # fmt: skip
+    header = ["model", "tol", "max_iter", "max_basis", "s / evaluation", "unconverged", "max rel. residual",
+              "max true error", "median true error", "peak allocated MiB (one block)"]  # fmt: skip
     rows = [
-        [r["model"], f"{s['tol']:g}", str(s["max_iter"]), f"{s['median_s']:.3g}",
+        [r["model"], f"{s['tol']:g}", str(s["max_iter"]), str(s["max_basis"] or "-"), f"{s['median_s']:.3g}",
          f"{s['unconverged']} / {s['lanczos_norms']}", f"{s['rel_residual_max']:.1e}",
-         f"{s['true_rel_error_max']:.1e} ({s['true_rel_error_max_at']})", f"{s['true_rel_error_median']:.1e}"]
+         f"{s['true_rel_error_max']:.1e} ({s['true_rel_error_max_at']})", f"{s['true_rel_error_median']:.1e}",
+         f"{s['peak_allocated_bytes'] / 2**20:.3g}"]
         for r in results
         for s in r["settings"]
     ]  # fmt: skip

@@ -9,11 +9,14 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -219,3 +222,33 @@ def run_memory_child(module: str, args: Sequence[str], timeout_s: float = 1800) 
     if r.returncode != 0:
         return {"status": "failed", "stderr": r.stderr[-500:]}
     return {"status": "measured", **json.loads(r.stdout.strip().splitlines()[-1])}
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of the tensor storages created inside the mode and still alive (CPU or GPU).
+
+    This counts allocations: what a GPU holds. On CPU a large ``torch.empty`` whose pages are never written
+    (the Lanczos basis buffer) counts in full although it is not resident.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key, n):
+        self.live -= n
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, n = storage.data_ptr(), storage.nbytes()
+                if n and key not in self._seen:
+                    self._seen.add(key)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key, n)
+        return out

@@ -141,14 +141,17 @@ class CapturedBlock:
         finite = torch.stack([torch.isfinite(self.inputs[n]).all() for n in names]).tolist()
         return [n for n, ok in zip(names, finite, strict=True) if not ok]
 
-    def evaluation_bytes(self, dtype: torch.dtype = torch.float32, max_iter: int = 20) -> int:
+    def evaluation_bytes(
+        self, dtype: torch.dtype = torch.float32, max_iter: int = 20, max_basis: int | None = None
+    ) -> int:
         """Rough upper estimate of the extra memory :meth:`evaluate` allocates, in bytes.
 
-        With ``n_W`` the size of the block's first weight (``W_Q`` or ``W_1``, one Lanczos vector) and the
-        element size of ``dtype``: attention ``16 B H L^2 + 64 B L d + 6 max_iter n_W`` elements (the per-head
-        ``(B, H, L, L)`` tangents of the Lanczos products, then the Lanczos bases); FFN
-        ``32 B L d_ff + 6 max_iter n_W``; LayerNorm ``16 B L d``. The factors bound the peaks measured on CPU
-        with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
+        With ``n_W`` the size of the block's first weight (``W_Q`` or ``W_1``, one Lanczos vector), the
+        element size of ``dtype`` and ``k = min(max_iter, max_basis)`` the Lanczos vectors held per norm:
+        attention ``16 B H L^2 + 64 B L d + 6 k n_W`` elements (the per-head ``(B, H, L, L)`` tangents of the
+        Lanczos products, then the Lanczos bases: :meth:`basis_bytes`); FFN ``32 B L d_ff + 6 k n_W``; LayerNorm
+        ``16 B L d``. The factors bound the peaks measured on CPU with the default diagonal pairs
+        (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
         """
         X = self.inputs.get("X")
         if X is None:
@@ -157,13 +160,22 @@ class CapturedBlock:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.spec.kind == "attention":
             H = int(self.params.get("n_heads", 1))
-            n = 16 * B * H * L * L + 64 * B * L * d + 6 * max_iter * self.params["W_Q"].numel()
+            n = 16 * B * H * L * L + 64 * B * L * d
         elif self.spec.kind == "ffn":
-            W_1 = self.params["W_1"]
-            n = 32 * B * L * W_1.shape[-1] + 6 * max_iter * W_1.numel()
+            n = 32 * B * L * self.params["W_1"].shape[-1]
         else:
             n = 16 * B * L * d
-        return n * itemsize
+        return n * itemsize + self.basis_bytes(dtype, max_iter if max_basis is None else min(max_iter, max_basis))
+
+    def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
+        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 for LayerNorm).
+
+        It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it.
+        """
+        if self.spec.kind == "layernorm" or self.inputs.get("X") is None:
+            return 0
+        W = self.params["W_Q" if self.spec.kind == "attention" else "W_1"]
+        return 6 * vectors * W.numel() * torch.empty((), dtype=dtype).element_size()
 
     @property
     def closed_form(self) -> str:
@@ -207,6 +219,7 @@ class CapturedBlock:
         pairs: Sequence[str] | None = None,
         kinds: Sequence[str] = ("outer", "functional", "hessian"),
         warm_start: dict | None = None,
+        max_basis: int | None = None,
     ):
         """Run the closed form on the captured tensors.
 
@@ -220,6 +233,8 @@ class CapturedBlock:
                 "hessian")``.
             warm_start: a dict kept between evaluations of this block; the iterative norms start from the
                 vectors stored there (see ``curvwatch.closed_form.multi_head_attention``).
+            max_basis: most Lanczos vectors held per norm (``None``: ``max_iter``); fewer bound the memory
+                of the bases by thick restarts (same accuracy, more products).
 
         Returns:
             ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
@@ -241,6 +256,8 @@ class CapturedBlock:
                 kwargs["pairs"] = [p for p in pairs if p in own]
             if warm_start is not None:
                 kwargs["warm_start"] = warm_start
+            if max_basis is not None:
+                kwargs["max_basis"] = max_basis
         try:
             return getattr(closed_form, self.closed_form)(**kwargs)
         except ValueError as err:

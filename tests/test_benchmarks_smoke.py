@@ -78,7 +78,9 @@ def test_accuracy_quick(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(data))
     assert [r["model"] for r in data["results"]] == ["demo", "mid"]
     for r in data["results"]:
-        assert [(s["tol"], s["max_iter"]) for s in r["settings"]] == list(bench_accuracy.SETTINGS)
+        assert [(s["tol"], s["max_iter"], s["max_basis"]) for s in r["settings"]] == list(bench_accuracy.SETTINGS)
+        peaks = {s["max_basis"]: s["peak_allocated_bytes"] for s in r["settings"] if s["max_iter"] == 40}
+        assert peaks[4] < peaks[None]  # fewer vectors held, less memory
         for s in r["settings"]:
             assert s["lanczos_norms"] > 0 and 0 <= s["unconverged"] <= s["lanczos_norms"]
             assert s["median_s"] > 0 and s["reads_high"] == 0  # a Ritz value never exceeds the norm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from curvwatch.closed_form import _lanczos, softmax_hessian_frobenius, softmax_jacobian_norm
@@ -363,3 +364,100 @@ def test_softmax_jacobian_norm_on_near_one_hot_rows_against_mpmath():
         row = torch.tensor([float(x) for x in a], dtype=torch.float64)
         A = torch.stack([row.roll(k) for k in range(n)])[None]  # (1, L, L), the peak on every position
         assert_close_report(softmax_jacobian_norm(A)[0], expected, 1e-10, name=f"eps={eps}")
+
+
+# -- thick restarts (max_basis) ----------------------------------------------------------------------------
+
+
+def _spectra(n: int, seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four symmetric ``(n, n)`` operators: indefinite either way, PSD without a gap, one isolated eigenvalue."""
+    gen = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+    isolated = torch.cat([torch.tensor([5.0], dtype=DT), torch.rand(n - 1, generator=gen, dtype=DT)])
+    lam = torch.stack([
+        torch.linspace(-1.0, 2.0, n, dtype=DT), torch.linspace(-3.0, 1.0, n, dtype=DT),
+        torch.linspace(0.0, 1.0, n, dtype=DT), isolated,
+    ])  # fmt: skip
+    return torch.stack([(Q * row) @ Q.T for row in lam]), lam.abs().amax(-1)
+
+
+@pytest.mark.parametrize("off_cpu", [False, True])
+@pytest.mark.parametrize("max_basis", [4, 7, 12])
+def test_thick_restart_bounds_the_basis_and_keeps_the_accuracy(monkeypatch, max_basis, off_cpu):
+    """With ``max_basis`` the run never holds more than that many vectors (plus the restart's temporary) and
+    still meets ``tol``: every member within tol of its largest |eigenvalue|, the Ritz vector its eigenvector."""
+    n = 150
+    S, expected = _spectra(n)
+    sizes: list[int] = []
+    project = _lanczos._project_out
+    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b: sizes.append(b.shape[-2]) or project(w, b))
+    if off_cpu:
+        monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
+    products: list[int] = []
+
+    def mv(v, live):
+        products.append(int(live.sum()))
+        return (S @ v.unsqueeze(-1)).squeeze(-1)
+
+    info: dict = {}
+    val, vec = lanczos_max_abs(mv, (4,), n, dtype=DT, device=torch.device("cpu"), tol=1e-7, max_iter=2000,
+                               max_basis=max_basis, pass_live=True, info=info)  # fmt: skip
+    assert max(sizes) == max_basis  # it did fill the basis and restart, and never held more
+    assert len(products) < 2000 and (info["rel_residual"] <= 1e-7).all()  # converged, not cut off
+    assert_close_report(val, expected, 1e-6)
+    rayleigh = torch.einsum("bn,bnm,bm->b", vec, S, vec)  # unit Ritz vectors of +-theta
+    assert_close_report(vec.norm(dim=-1), torch.ones(4, dtype=DT), 1e-10)
+    assert_close_report(rayleigh.abs(), expected, 1e-6)
+
+
+def test_thick_restart_keeps_a_converged_member_as_it_stopped():
+    """A member that converged before a restart is frozen: its norm and Ritz vector come out as they were
+    when it stopped, although the others restart around it."""
+    n = 150
+    S, _ = _spectra(n)
+    run = lambda **kw: lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (4,), n, dtype=DT,  # noqa: E731
+                                       device=torch.device("cpu"), tol=1e-4, max_iter=400, **kw)  # fmt: skip
+    full_val, full_vec = run()
+    val, vec = run(max_basis=10)
+    # member 3 (isolated eigenvalue 5) stops within the first 10 steps, before any restart
+    assert_close_report(val[3], full_val[3], 1e-14)
+    assert_close_report(vec[3], full_vec[3], 1e-12)
+
+
+def test_max_basis_at_or_above_max_iter_changes_nothing_and_below_four_is_refused():
+    n = 60
+    S, _ = _spectra(n)
+    run = lambda **kw: lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (4,), n, dtype=DT,  # noqa: E731
+                                       device=torch.device("cpu"), tol=1e-6, max_iter=30, **kw)  # fmt: skip
+    base = run()
+    for cap in (30, 31, 100):
+        again = run(max_basis=cap)
+        assert torch.equal(again[0], base[0]) and torch.equal(again[1], base[1])
+    with pytest.raises(ValueError, match="max_basis=3. Must be >= 4"):
+        run(max_basis=3)
+
+
+def test_kernels_with_max_basis_give_the_same_norms():
+    """``max_basis`` reaches every Lanczos run of the kernels (attention per head, FFN, whole block): norms to
+    tol 1e-8 agree with the unrestarted ones to 1e-6 although each run restarts."""
+    from curvwatch.closed_form import ffn, multi_head_attention, transformer_block
+
+    gen = torch.Generator().manual_seed(5)
+    X, G = torch.randn(2, 6, 8, generator=gen, dtype=DT), torch.randn(2, 6, 8, generator=gen, dtype=DT)
+    W = [torch.randn(8, 8, generator=gen, dtype=DT) / 3 for _ in range(4)]
+    W1, W2 = torch.randn(8, 16, generator=gen, dtype=DT) / 3, torch.randn(16, 8, generator=gen, dtype=DT) / 4
+    calls = {
+        "attention": lambda **kw: multi_head_attention(X, *W, n_heads=2, grad_output=G, pairs=["QQ", "VK", "QKV"],
+                                                       terms=False, **kw),
+        "ffn": lambda **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, pairs=["W1W1", "W1W2"], **kw),
+        "block": lambda **kw: transformer_block(
+            X, {"W_Q": W[0], "W_K": W[1], "W_V": W[2], "W_1": W1, "W_2": W2, "n_heads": 2}, norm="pre",
+            activation="gelu", grad_output=G, pairs=["KK", "W1W1", "VW2"], **kw,
+        ),
+    }  # fmt: skip
+    for name, call in calls.items():
+        full, limited = call(tol=1e-8, max_iter=2000), call(tol=1e-8, max_iter=2000, max_basis=6)
+        assert full.keys() == limited.keys()
+        for key, value in full.items():
+            if not key.startswith("residual/"):
+                assert_close_report(limited[key], value, 1e-6, name=f"{name} {key}", atol=1e-12)

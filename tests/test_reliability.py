@@ -13,7 +13,6 @@ import csv
 import math
 import os
 import warnings
-import weakref
 from types import SimpleNamespace
 
 import lightning as L
@@ -21,12 +20,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import curvwatch.callback as callback_module
 import curvwatch.closed_form as closed_form
 import curvwatch.metrics as metrics_module
+from benchmarks.common import PeakMemory
 from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
 from curvwatch.capture import Capture, CapturedBlock, CaptureError
@@ -290,6 +288,32 @@ def test_out_of_memory_frees_halves_tokens_and_retries_once(tmp_path, monkeypatc
     assert rows[1][SKIP_KEY] == 0.0
 
 
+def test_out_of_memory_in_lanczos_bases_halves_the_vectors_held_not_the_tokens(tmp_path, monkeypatch, spy):
+    """Where the bases dominate a block's estimate (here max_iter=200 vectors of W_Q), fewer tokens would not
+    help: the retry holds half as many Lanczos vectors per norm, and later evaluations keep that limit."""
+    original = CapturedBlock.evaluate
+    calls = []
+
+    def oom_once(self, **kwargs):
+        if self.spec.name == "layer0/attn":
+            calls.append((self.tokens, kwargs.get("max_basis")))
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("induced: tried to allocate 1 TiB")
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", oom_once)
+    monitor = monitor_of(max_tokens=28, max_iter=200, tol=1e-3, max_basis=None)
+    trainer = make_trainer(tmp_path, monitor, max_steps=2)
+    messages = fit(trainer, tiny())
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("CurvatureMonitor ran out of memory evaluating block 'layer0/attn' on 28 tokens")
+    assert "retrying holding at most 100 Lanczos vectors per norm (was 200)" in messages[0]
+    assert calls == [(28, None), (28, 100), (28, 100)]  # same tokens; step 1 keeps the limit
+    assert monitor.state_dict()["basis_limit"] == 100 and monitor.state_dict()["token_limit"] == 28
+    rows = logged(trainer)
+    assert sorted(rows) == [0, 1] and rows[1][SKIP_KEY] == 0.0 and all(math.isfinite(rows[s][MAX_KEY]) for s in (0, 1))
+
+
 def test_out_of_memory_twice_skips(tmp_path, monkeypatch):
     def always_oom(*args, **kwargs):
         raise torch.OutOfMemoryError("induced: out of memory")
@@ -519,32 +543,6 @@ def test_mixed_precision_computed_in_float32(tmp_path, spy, monkeypatch, precisi
 # -- bounded cost ---------------------------------------------------------------------------------
 
 
-class PeakMemory(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the mode and still alive (CPU or GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _free(self, key, n):
-        self.live -= n
-        self._seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, n = storage.data_ptr(), storage.nbytes()
-                if n and key not in self._seen:
-                    self._seen.add(key)
-                    self.live += n
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, key, n)
-        return out
-
-
 def _captured_gpt(B=4, L=SEQ, d=16):
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=L, n_layer=1, n_head=2, d_model=d, d_ff=2 * d))
     with Capture(find_blocks(model), max_tokens=B * L) as capture:
@@ -567,25 +565,68 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     original = CapturedBlock.evaluate
 
     def evaluate(self, **kwargs):
-        evaluated.append((self.spec.name, self.tokens, self.evaluation_bytes(torch.float32, 20)))
+        basis = kwargs.get("max_basis")
+        evaluated.append((self.spec.name, self.tokens, self.evaluation_bytes(torch.float32, 20, basis), basis))
         return original(self, **kwargs)
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
-    # estimates at 28 tokens (max_iter=20): attention 0.25 MiB, FFN 0.17 MiB, LayerNorm 0.03 MiB
+    # estimates at 28 tokens (max_iter=20): attention 0.25 MiB, FFN 0.17 MiB (bases 0.117 MiB each), LayerNorm 0.03
     budget_mb = 0.2
     monitor = CurvatureMonitor(
         max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False,
-        max_iter=20,
+        max_iter=20, max_basis=None,
     )  # fmt: skip
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     messages = fit(trainer, tiny())
-    assert len(messages) == 1 and "to stay within memory_budget_mb=0.2" in messages[0], messages
-    assert all(nbytes <= budget_mb * 2**20 for _, _, nbytes in evaluated), evaluated
-    attn = [tokens for name, tokens, _ in evaluated if name == "layer0/attn"]
-    assert attn and all(t < 28 for t in attn)  # shrunk
-    for name in ("layer0/ln_1", "layer0/ffn"):  # within budget: untouched
-        assert [t for n, t, _ in evaluated if n == name] == [28, 28]
+    # the attention bases (over half the budget) hold fewer vectors first, then its tokens shrink; one warning each
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("CurvatureMonitor holds at most 17 Lanczos vectors per norm of block 'layer0/attn'")
+    assert "to stay within memory_budget_mb=0.2" in messages[1], messages
+    assert all(nbytes <= budget_mb * 2**20 for _, _, nbytes, _ in evaluated), evaluated
+    attn = [(tokens, basis) for name, tokens, _, basis in evaluated if name == "layer0/attn"]
+    assert attn and all(t < 28 and b == 17 for t, b in attn)  # shrunk
+    # the FFN (d_ff = d: bases as large as the attention's) holds 17 vectors too and then fits; LayerNorm untouched
+    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(28, 17), (28, 17)]
+    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ln_1"] == [(28, None), (28, None)]
     assert all(math.isfinite(logged(trainer)[s][MAX_KEY]) for s in (0, 1))
+
+
+def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, monkeypatch):
+    """An FFN's bases (``d d_ff`` numbers per vector) do not shrink with the tokens: the budget limits the vectors
+    held per norm instead, and the norms stay as accurate (thick restarts) as without the budget."""
+    evaluated = []
+    original = CapturedBlock.evaluate
+
+    def evaluate(self, **kwargs):
+        evaluated.append((self.spec.name, self.tokens, kwargs.get("max_basis")))
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
+    kwargs = dict(
+        max_overhead=None, every_n_train_steps=1, max_tokens=14, log_heatmap=False, tol=1e-4, max_iter=200,
+        max_basis=None,
+    )  # fmt: skip
+    # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 24 KiB in the estimate
+    runs = {}
+    for budget in (None, 0.6):
+        torch.manual_seed(0)
+        evaluated.clear()
+        monitor = CurvatureMonitor(memory_budget_mb=budget, **kwargs)
+        trainer = make_trainer(tmp_path / str(budget), monitor, max_steps=1)
+        model = tiny()
+        model.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, d_model=16, d_ff=64))
+        messages = fit(trainer, model)
+        runs[budget] = (logged(trainer)[0], list(evaluated), messages)
+    free, limited = runs[None], runs[0.6]
+    assert free[2] == [] and all(b is None for *_, b in free[1])
+    ffn = [(t, b) for n, t, b in limited[1] if n == "layer0/ffn"]
+    assert ffn == [(14, 12)], ffn  # 0.3 MiB for the bases: 12 vectors of 24 KiB; the tokens untouched
+    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 6 KiB are over 0.3 MiB too)
+    assert len(limited[2]) == 1 and "holds at most 51 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
+    keys = ("ffn/hessian/W1W1", "ffn/outer/W1W1", "ffn/functional/W1W1", "attn/hessian/QQ/h0", "attn/hessian/KK/h1")
+    for key in keys:
+        name = f"{P}layer0/{key}"
+        assert_close_report(limited[0][name], free[0][name], rtol=1e-3, name=name)  # both to tol 1e-4
 
 
 def _rss_mib() -> float:
@@ -682,9 +723,18 @@ def test_one_time_warnings_and_token_limit_survive_checkpoint():
     first = CurvatureMonitor(max_tokens=64)
     first._warned = {"nonfinite:layer0/attn", "memory_budget"}
     first._token_limit = 16
+    first._basis_limit = 10
     second = CurvatureMonitor(max_tokens=64)
     second.load_state_dict(first.state_dict())
-    assert second._warned == first._warned and second._token_limit == 16
+    assert second._warned == first._warned and second._token_limit == 16 and second._basis_limit == 10
+    older = {k: v for k, v in first.state_dict().items() if k != "basis_limit"}  # before basis_limit existed
+    second.load_state_dict(older)
+    assert second._basis_limit == 16  # this run's max_basis
+    unlimited = CurvatureMonitor(max_basis=None)
+    unlimited.load_state_dict(older)
+    assert unlimited._basis_limit is None
+    unlimited.load_state_dict(first.state_dict())  # a limit learned from an out-of-memory error stays
+    assert unlimited._basis_limit == 10
     third = CurvatureMonitor(max_tokens=8)  # a smaller max_tokens on resume wins
     third.load_state_dict(first.state_dict())
     assert third._token_limit == 8

@@ -37,6 +37,7 @@ def lanczos_max_abs(
     device: torch.device,
     tol: float = 1e-6,
     max_iter: int | None = None,
+    max_basis: int | None = None,
     v0: torch.Tensor | None = None,
     seed: int = 0,
     both_ends: torch.Tensor | bool = True,
@@ -60,7 +61,12 @@ def lanczos_max_abs(
         dtype: working dtype.
         device: working device.
         tol: relative residual tolerance on the extreme Ritz value. ``0`` runs to ``max_iter``.
-        max_iter: most Lanczos steps (default and upper limit: ``n``).
+        max_iter: most Lanczos steps, i.e. products (default and upper limit: ``n``).
+        max_basis: most basis vectors held per member (``>= 4``; default ``max_iter``: none is ever dropped).
+            Memory is then ``~1.5 max_basis`` vectors whatever ``max_iter``: when the basis is full the run
+            restarts thickly (Wu & Simon 2000), keeping the Ritz vectors of the ``max_basis // 4`` lowest and
+            highest Ritz values and the residual direction, and goes on until it converges or ``max_iter``
+            products were spent.
         v0: optional start vectors ``(*batch_shape, n)`` (warm start), else seeded Gaussian.
         seed: seed of the Gaussian start.
         both_ends: bool or ``batch_shape`` bool tensor; False where the spectrum is known to be one-sided
@@ -91,7 +97,11 @@ def lanczos_max_abs(
         return torch.zeros(batch_shape, dtype=dtype, device=device), torch.zeros(
             (*batch_shape, max(n, 0)), dtype=dtype, device=device
         )
-    k_max = n if max_iter is None else max(1, min(int(max_iter), n))
+    # products at most; without restarts the basis spans the whole space after n of them (then it stops)
+    k_max = n if max_iter is None else max(1, int(max_iter))
+    cap = min(k_max, n) if max_basis is None else min(k_max, n, int(max_basis))  # basis vectors at most
+    if cap >= min(k_max, n):  # room for every vector the run can make: no restarts
+        k_max = min(k_max, n)
     if v0 is None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         v = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
@@ -108,23 +118,32 @@ def lanczos_max_abs(
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
     both = torch.as_tensor(both_ends, dtype=torch.bool, device=device).expand(batch_shape)
 
-    # The basis grows one vector per step into a buffer: basis = buf[..., :j+1, :]. On CPU the buffer has
-    # room for k_max vectors from the start: torch.empty does not touch its pages, so only the vectors
+    # The basis grows one vector per step into a buffer: basis = buf[..., :size, :]. On CPU the buffer has
+    # room for all its vectors from the start: torch.empty does not touch its pages, so only the vectors
     # written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
     # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
+    if cap < k_max and cap < 4:
+        raise ValueError(
+            f"Invalid max_basis={max_basis!r}. Must be >= 4 (a restart keeps two Ritz vectors and needs room for "
+            "more), or None for no limit."
+        )
     cpu = _on_cpu(device)
-    buf = torch.empty((*batch_shape, k_max if cpu else min(k_max, 8), n), dtype=dtype, device=device)
+    buf = torch.empty((*batch_shape, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
     buf[..., 0, :] = v
     basis = buf[..., :1, :]
-    # The stopping test (eigen-decomposition of the small tridiagonal matrix T of every member) runs on the
+    # The stopping test (eigen-decomposition of the small projected matrix T of every member) runs on the
     # host. On CPU that is where everything is, and it runs every step. Elsewhere reading alpha, beta is a
     # host-device sync, and torch.linalg.eigh on a CUDA tensor syncs too (and pays a solver launch for a tiny
     # matrix), so the test runs every CHECK_EVERY_OFF_CPU steps on a float64 host copy of T, and members that
     # converged in between keep iterating until then (more steps only sharpen their Ritz values).
     check_every = 1 if cpu else CHECK_EVERY_OFF_CPU
     host = torch.device("cpu")
+    # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (*b, k) of the k kept Ritz
+    # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail)
     alphas: list[torch.Tensor] = []
     betas: list[torch.Tensor] = []
+    arrow: torch.Tensor | None = None
+    restarted = False
     active = torch.ones(batch_shape, dtype=torch.bool, device=device)
     live = torch.ones(batch_shape, dtype=torch.bool)  # host copy of ``active``, for ``pass_live``
     both_h = both if cpu else both.cpu()
@@ -133,6 +152,7 @@ def lanczos_max_abs(
     rel_residual = torch.zeros(batch_shape, dtype=dtype, device=host)
     ritz = v.clone()
     for j in range(k_max):
+        size = basis.shape[-2]  # vectors in the basis, the current one (v) last
         w = matvec(v, live) if pass_live else matvec(v)
         alpha = (w * v).sum(-1)
         alphas.append(alpha)
@@ -147,16 +167,25 @@ def lanczos_max_abs(
             w = _project_out(w, basis)
             beta = w.norm(dim=-1)
         last = j + 1 == k_max
-        if cpu or last or (j + 1) % check_every == 0:
-            # eigen-decomposition of the (j+1)x(j+1) tridiagonal matrix of every member, on the host
+        full = size == cap and not last  # no room for the next vector: restart (after the test)
+        if cpu or last or full or (j + 1) % check_every == 0:
+            # eigen-decomposition of the (size x size) projected matrix of every member, on the host
             if cpu:
-                a, off, beta_h = torch.stack(alphas, -1), (torch.stack(betas, -1) if j > 0 else None), beta
-            else:  # one transfer for all of alpha, the betas kept so far and the current beta
-                ab = torch.stack([*alphas, *betas, beta], -1).to(device=host, dtype=torch.float64)
-                a, off, beta_h = ab[..., : j + 1], (ab[..., j + 1 : 2 * j + 1] if j > 0 else None), ab[..., -1]
+                a, off, beta_h = torch.stack(alphas, -1), (torch.stack(betas, -1) if size > 1 else None), beta
+                arr = arrow
+            else:  # one transfer for all of alpha, the betas kept so far, the current beta (and the arrow)
+                parts = [*alphas, *betas, beta] if arrow is None else [*alphas, *betas, beta, *arrow.unbind(-1)]
+                ab = torch.stack(parts, -1).to(device=host, dtype=torch.float64)
+                a, beta_h = ab[..., :size], ab[..., 2 * size - 1]
+                off = ab[..., size : 2 * size - 1] if size > 1 else None
+                arr = None if arrow is None else ab[..., 2 * size :]
             T = torch.diag_embed(a)
             if off is not None:
                 T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+            if arr is not None:  # the kept Ritz vectors 0..k-1 couple to vector k only
+                k = arr.shape[-1]
+                T[..., :k, k] = arr
+                T[..., k, :k] = arr
             evals, evecs = torch.linalg.eigh(T)  # ascending
             idx = evals.abs().argmax(-1, keepdim=True)
             theta_now = evals.gather(-1, idx).squeeze(-1)
@@ -185,24 +214,48 @@ def lanczos_max_abs(
             converged = converged & (~both_h | (settled & (j > 0)))
             live = live & ~(exhausted | converged)  # the host mask; on CPU also the device one
             if not bool(live.any()) or last:
-                # the Ritz vector of theta, (*b, 1, j+1) @ (*b, j+1, n)
-                y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, j+1)
+                # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
+                y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, size)
                 y = y.to(device=device, dtype=dtype)
                 ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
                 break
             active = live if cpu else live.to(device)
-        betas.append(torch.where(active, beta, torch.zeros_like(beta)))
-        if j + 2 > buf.shape[-2]:
-            grown = torch.empty((*batch_shape, min(k_max, 2 * buf.shape[-2]), n), dtype=dtype, device=device)
-            grown[..., : j + 1, :] = basis
+            if full:
+                # thick restart: keep the Ritz vectors of the lowest and highest Ritz values (both ends of the
+                # spectrum, the members' theta among them) and continue from the residual direction. With
+                # H V = V T + w e^T, H y_i = theta_i y_i + (beta s_i) w / beta: the kept vectors couple to the
+                # next one only, through arrow_i = beta s_i (s_i the last entry of eigenvector i).
+                k_lo = max(1, cap // 4)
+                keep = torch.cat([torch.arange(k_lo), torch.arange(size - k_lo, size)]).to(evecs.device)
+                Y = evecs.index_select(-1, keep)  # (*b, size, 2 k_lo)
+                kept = Y.to(device=device, dtype=dtype).mT @ basis  # (*b, 2 k_lo, n), a temporary
+                k = kept.shape[-2]
+                buf[..., :k, :] = kept
+                del kept
+                basis = buf[..., :k, :]
+                arrow = (beta_h.unsqueeze(-1) * Y[..., -1, :]).to(device=device, dtype=dtype)  # (*b, k)
+                arrow = torch.where(active.unsqueeze(-1), arrow, torch.zeros_like(arrow))
+                alphas = list(evals.index_select(-1, keep).to(device=device, dtype=dtype).unbind(-1))
+                # zero couplings between the kept vectors, and between the last of them and the next vector
+                # (that one, like all of the kept vectors' couplings to it, is in arrow)
+                betas = [torch.zeros_like(beta) for _ in range(k)]
+                restarted = True
+        if restarted:
+            restarted = False
+        else:
+            betas.append(torch.where(active, beta, torch.zeros_like(beta)))
+        size = basis.shape[-2]
+        if size + 1 > buf.shape[-2]:
+            grown = torch.empty((*batch_shape, min(cap, 2 * buf.shape[-2]), n), dtype=dtype, device=device)
+            grown[..., :size, :] = basis
             buf = grown
         # the next vector, written straight into its basis slot; members that stopped get a zero vector
         # (in place: torch.where with a broadcast condition and a scalar was 10x slower on CPU at n = 590k)
-        v = buf[..., j + 1, :]
+        v = buf[..., size, :]
         torch.div(w, beta.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1), out=v)
         if not bool(live.all()):
             v.masked_fill_(~active.unsqueeze(-1), 0.0)
-        basis = buf[..., : j + 2, :]
+        basis = buf[..., : size + 1, :]
     theta, rel_residual = theta.to(device), rel_residual.to(device)
     if info is not None:
         info["rel_residual"] = rel_residual

@@ -303,6 +303,7 @@ def spectral_norms(
     max_iter: int | None = None,
     skip: Sequence[tuple[str, str]] = (),
     warm_start: dict | None = None,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms ``{kind}/{pair}[/h{i}]`` of the requested block pairs, by batched Lanczos.
 
@@ -312,6 +313,7 @@ def spectral_norms(
         kinds: subset of ``("outer", "functional", "hessian")``.
         tol: relative accuracy of each norm (Lanczos residual criterion).
         max_iter: most Lanczos steps per norm.
+        max_basis: most Lanczos vectors held per norm (thick restarts beyond; see :func:`lanczos_max_abs`).
         skip: ``(kind, pair)`` combinations computed elsewhere (exactly) and not needed here.
         warm_start: a dict the caller keeps between calls: the Ritz vectors of each norm are stored in it
             and used as Lanczos start vectors next time (fewer steps when the weights moved little).
@@ -330,7 +332,7 @@ def spectral_norms(
             continue
         emb, mv = pair_matvec(op, pair, ks)
         vals, rel = _lanczos_norms(
-            op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start
+            op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start, max_basis
         )
         for i, kind in enumerate(ks):
             for h, key in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
@@ -339,7 +341,7 @@ def spectral_norms(
     return out
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start):
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start, max_basis=None):
     """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
     and stored into ``warm_start``."""
     info: dict = {}
@@ -351,6 +353,7 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_
         device=op.device,
         tol=tol,
         max_iter=max_iter,
+        max_basis=max_basis,
         pass_live=True,
         v0=_warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op),
         both_ends=_both_ends(kinds, op, diagonal=diagonal),
@@ -392,6 +395,7 @@ def full_norms(
     tol: float,
     max_iter: int | None,
     warm_start: dict | None = None,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
     emb = _Embedding(op, names)
@@ -401,7 +405,7 @@ def full_norms(
         return lambda u: emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
     mv = _skip_dead_kinds(kinds, make)
-    vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start)
+    vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start, max_basis)
     out = {}
     for i, kind in enumerate(kinds):
         for h, key in enumerate(head_keys(op, f"{kind}/{label}", names)):

@@ -420,6 +420,7 @@ def _attention(
     kinds=KINDS,
     warm_start=None,
     terms=True,
+    max_basis=None,
 ):
     """Shared body of :func:`self_attention` and :func:`multi_head_attention`; ``X3`` ``(B, L, d)`` is checked."""
     B, L, d = X3.shape
@@ -473,11 +474,11 @@ def _attention(
                 out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
     if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
+        lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
+        out.update(spectral_norms(op, iterative, kinds=kinds, **lz))
     if "QKV" in pairs or pairs == ATTENTION_PAIRS:
-        out.update(
-            full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start)
-        )
+        lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
+        out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, **lz))
 
     if terms:
         norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
@@ -560,6 +561,7 @@ def self_attention(
     dense: bool = False,
     warm_start: dict | None = None,
     terms: bool = True,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -579,6 +581,8 @@ def self_attention(
         max_iter: most Lanczos steps per norm (default: the block size, i.e. exact).
         warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
             stored there last time (the monitor uses it across evaluations) and stores the new ones.
+        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
+            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
         terms: also return the bound terms ``term/...`` and the corrected bounds ``bound/...`` (default);
             False computes the norms only.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
@@ -632,6 +636,7 @@ def self_attention(
         kinds=kinds,
         warm_start=warm_start,
         terms=terms,
+        max_basis=max_basis,
     )
 
 
@@ -659,6 +664,7 @@ def multi_head_attention(
     dense: bool = False,
     warm_start: dict | None = None,
     terms: bool = True,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -672,7 +678,7 @@ def multi_head_attention(
         n_heads: ``H``.
         b_Q, b_K: ``(H d_K,)``; b_V: ``(H d_V,)``; b_O: ``(m,)``; optional.
         target, grad_output, output_curvature, causal, key_padding_mask, pairs, kinds, tol, max_iter,
-            warm_start, terms, dense: as in :func:`self_attention` (default ``c = 2/(L m)``).
+            warm_start, terms, dense, max_basis: as in :func:`self_attention` (default ``c = 2/(L m)``).
 
     Returns:
         The keys of :func:`self_attention` suffixed ``/h{i}`` for per-head quantities, e.g.
@@ -732,4 +738,5 @@ def multi_head_attention(
         kinds=kinds,
         warm_start=warm_start,
         terms=terms,
+        max_basis=max_basis,
     )

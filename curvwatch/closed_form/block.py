@@ -254,6 +254,7 @@ def transformer_block(
     max_iter: int | None = None,
     dense: bool = False,
     warm_start: dict | None = None,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian block norms of a whole Transformer block in ``V, Q, K`` (per head), ``W1``, ``W2``.
 
@@ -272,6 +273,8 @@ def transformer_block(
         tol, max_iter: Lanczos accuracy and step limit.
         warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
             stored there last time (the monitor uses it across evaluations) and stores the new ones.
+        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
+            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` blocks ``(n_X, n_Y)``.
 
     Returns:
@@ -308,7 +311,8 @@ def transformer_block(
     for q in pairs:
         if q not in BLOCK_PAIRS:
             raise ValueError(f"Unknown block pair {q!r}; choose from {BLOCK_PAIRS}.")
-    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), tol=tol, max_iter=max_iter, warm_start=warm_start)
+    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
+    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), **lz)
     for name, ln in (("ln1", op.ln1), ("ln2", op.ln2)):
         s_min = ln.s.min()
         out[f"term/{name}_inv_std_max"] = 1.0 / s_min

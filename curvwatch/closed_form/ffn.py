@@ -172,6 +172,7 @@ def ffn(
     max_iter: int | None = None,
     dense: bool = False,
     warm_start: dict | None = None,
+    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
@@ -188,6 +189,8 @@ def ffn(
         tol, max_iter: Lanczos accuracy and step limit.
         warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
             stored there last time (the monitor uses it across evaluations) and stores the new ones.
+        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
+            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
         dense: also return ``dense/{outer,functional,hessian}/XY``.
 
     Returns:
@@ -231,6 +234,7 @@ def ffn(
         S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
     )
     relu = activation == "relu"
+    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}  # Lanczos settings
     for p in pairs:
         if p not in FFN_PAIRS:
             raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
@@ -253,14 +257,14 @@ def ffn(
         iterative.remove("W1W1")
         zero = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
         if "outer" in kinds or "hessian" in kinds:
-            o = spectral_norms(op, ["W1W1"], kinds=["outer"], tol=tol, max_iter=max_iter, warm_start=warm_start)
+            o = spectral_norms(op, ["W1W1"], kinds=["outer"], **lz)
             for k in kinds:
                 if k != "functional":
                     out[f"{k}/W1W1"], out[f"residual/{k}/W1W1"] = o["outer/W1W1"], o["residual/outer/W1W1"]
         if "functional" in kinds:
             out["functional/W1W1"] = zero
     if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, tol=tol, max_iter=max_iter, warm_start=warm_start))
+        out.update(spectral_norms(op, iterative, kinds=kinds, **lz))
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:
