@@ -89,11 +89,13 @@ QUICK = (  # the same order: on a loaded machine the 40 s budget used to skip th
 class Layer:
     """Random weights of one post-LN Transformer layer and closures for curvwatch and the forward floor."""
 
-    def __init__(self, p: Point, device: torch.device, gen: torch.Generator, tol: float, max_iter: int):
+    def __init__(
+        self, p: Point, device: torch.device, gen: torch.Generator, tol: float, max_iter: int, max_basis: int | None
+    ):
         def W(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen) / math.sqrt(shape[0])).to(device)
 
-        self.p, self.tol, self.max_iter = p, tol, max_iter
+        self.p, self.tol, self.max_iter, self.max_basis = p, tol, max_iter, max_basis
         self.X = torch.randn(p.L, p.d, generator=gen).to(device)  # (L, d)
         self.T = torch.randn(p.L, p.d, generator=gen).to(device)  # target / grad_output, (L, d)
         self.W_Q, self.W_K, self.W_V = W(p.d, p.H * p.d_K), W(p.d, p.H * p.d_K), W(p.d, p.H * p.d_K)
@@ -112,13 +114,16 @@ class Layer:
             target=self.T,
             tol=self.tol,
             max_iter=self.max_iter,
+            max_basis=self.max_basis,
         )
 
     def eval_layernorm(self) -> dict[str, torch.Tensor]:
         return layernorm(self.X, grad_output=self.T)
 
     def eval_ffn(self) -> dict[str, torch.Tensor]:
-        return ffn(self.X, self.W_1, self.W_2, target=self.T, tol=self.tol, max_iter=self.max_iter)
+        return ffn(
+            self.X, self.W_1, self.W_2, target=self.T, tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis
+        )
 
     # -- the floor: one forward pass of the same block --
     @torch.no_grad()
@@ -141,7 +146,8 @@ class Layer:
 
 def _closures(kind: str, p: Point, device: torch.device, args: argparse.Namespace) -> tuple[Callable, Callable]:
     gen = torch.Generator().manual_seed(args.seed)
-    layers = [Layer(p, device, gen, args.tol, args.max_iter) for _ in range(p.layers if kind == "layers" else 1)]
+    n = p.layers if kind == "layers" else 1
+    layers = [Layer(p, device, gen, args.tol, args.max_iter, args.max_basis) for _ in range(n)]
     if kind != "layers":
         return getattr(layers[0], f"eval_{kind}"), getattr(layers[0], f"fwd_{kind}")
 
@@ -228,6 +234,8 @@ def _memory(kind: str, p: Point, ev: Callable, fw: Callable, device: torch.devic
         return {"status": "measured", "eval": peak_memory_bytes(ev, device), "forward": peak_memory_bytes(fw, device)}
     child = ["--_memory-child", kind, "--_point", json.dumps(asdict(p)), "--tol", str(args.tol)]
     child += ["--max-iter", str(args.max_iter), "--seed", str(args.seed)]
+    if args.max_basis is not None:
+        child += ["--max-basis", str(args.max_basis)]
     return run_memory_child("benchmarks.bench_scaling", child)
 
 
@@ -343,6 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, see bench_hvp)")
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--max-iter", type=int, default=100, help="most Lanczos steps per norm (default 100)")
+    ap.add_argument("--max-basis", type=int, default=None, help="most Lanczos vectors held per norm (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default 3; 1 with --quick)")
     ap.add_argument("--point-budget-s", type=float, default=None, help="default 20 (2 with --quick)")
     ap.add_argument("--total-budget-s", type=float, default=None, help="default 360 (40 with --quick)")
@@ -382,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "dtype": "float32",
                 "tol": args.tol,
                 "max_iter": args.max_iter,
+                "max_basis": args.max_basis,
                 "repeats": args.repeats,
                 "point_budget_s": args.point_budget_s,
                 "total_budget_s": args.total_budget_s,
