@@ -22,7 +22,7 @@ from torch import Tensor
 from curvwatch import metrics as M
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
-from curvwatch.capture import Capture, CapturedBlock, CaptureError
+from curvwatch.capture import Capture, CapturedBlock, CaptureError, vectors_held
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -619,7 +619,7 @@ class CurvatureMonitor(Callback):
         if self.memory_budget_mb is None:
             return block, max_basis
         budget = self.memory_budget_mb * 2**20
-        held = self.max_iter if max_basis is None else min(self.max_iter, max_basis)
+        held = vectors_held(self.max_iter, max_basis)
         per_vector = block.basis_bytes(dtype, 1)
         if per_vector and held * per_vector > budget / 2:
             fit = max(4, int(budget / 2 // per_vector))
@@ -677,7 +677,7 @@ class CurvatureMonitor(Callback):
             message = str(err).split("\n", 1)[0]
         # outside the except clause: the traceback (and the tensors its frames hold) is gone
         _free_memory(block.inputs["X"].device)
-        held = self.max_iter if max_basis is None else min(self.max_iter, max_basis)
+        held = vectors_held(self.max_iter, max_basis)
         bases = 0 if terms_only else block.basis_bytes(dtype, held)
         what = f"on {block.tokens} tokens"
         if held > 4 and bases >= block.evaluation_bytes(dtype, self.max_iter, max_basis) - bases:

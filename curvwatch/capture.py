@@ -57,6 +57,11 @@ _CLOSED_FORMS = {"attention": "multi_head_attention", "layernorm": "layernorm", 
 _DTYPES = (torch.float32, torch.float64)
 
 
+def vectors_held(max_iter: int, max_basis: int | None) -> int:
+    """Lanczos vectors one norm holds at most: ``max_iter``, or fewer with ``max_basis`` (thick restarts)."""
+    return max_iter if max_basis is None else min(max_iter, max_basis)
+
+
 def token_slice(B: int, L: int, max_tokens: int) -> tuple[int, int]:
     """``(k, l)``: keep sequences ``[:k]`` and positions ``[:l]`` (see the module docstring).
 
@@ -165,7 +170,7 @@ class CapturedBlock:
             n = 32 * B * L * self.params["W_1"].shape[-1]
         else:
             n = 16 * B * L * d
-        return n * itemsize + self.basis_bytes(dtype, max_iter if max_basis is None else min(max_iter, max_basis))
+        return n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
 
     def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
         """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 for LayerNorm).

@@ -102,6 +102,11 @@ def lanczos_max_abs(
     cap = min(k_max, n) if max_basis is None else min(k_max, n, int(max_basis))  # basis vectors at most
     if cap >= min(k_max, n):  # room for every vector the run can make: no restarts
         k_max = min(k_max, n)
+    elif cap < 4:
+        raise ValueError(
+            f"Invalid max_basis={max_basis!r}. Must be >= 4 (a restart keeps two Ritz vectors and needs room for "
+            "more), or None for no limit."
+        )
     if v0 is None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         v = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
@@ -122,11 +127,6 @@ def lanczos_max_abs(
     # room for all its vectors from the start: torch.empty does not touch its pages, so only the vectors
     # written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
     # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
-    if cap < k_max and cap < 4:
-        raise ValueError(
-            f"Invalid max_basis={max_basis!r}. Must be >= 4 (a restart keeps two Ritz vectors and needs room for "
-            "more), or None for no limit."
-        )
     cpu = _on_cpu(device)
     buf = torch.empty((*batch_shape, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
     buf[..., 0, :] = v

@@ -473,11 +473,10 @@ def _attention(
             if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
                 out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
+    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}  # Lanczos settings
     if iterative:
-        lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
         out.update(spectral_norms(op, iterative, kinds=kinds, **lz))
     if "QKV" in pairs or pairs == ATTENTION_PAIRS:
-        lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
         out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, **lz))
 
     if terms:
