@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import hessian
 
 from curvwatch import reference as ref
+from curvwatch.reference import _core as ref_core
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -263,9 +264,9 @@ def test_multi_head_forward_matches_torch_multihead_attention():
     expected, _ = mha(X, X, X, key_padding_mask=padded, attn_mask=causal, need_weights=False)
     W_Q, W_K, W_V = (w.T for w in mha.in_proj_weight.detach().chunk(3))
     b_Q, b_K, b_V = mha.in_proj_bias.detach().chunk(3)
-    blocked = ref._blocked_logits(B, L, True, padded, X.device)
+    blocked = ref_core._blocked_logits(B, L, True, padded, X.device)
     W_O, b_O = mha.out_proj.weight.detach().T, mha.out_proj.bias.detach()
-    actual = ref._multi_head_attention(X, W_Q, W_K, W_V, W_O, H, blocked, b_Q, b_K, b_V, b_O)
+    actual = ref_core._multi_head_attention(X, W_Q, W_K, W_V, W_O, H, blocked, b_Q, b_K, b_V, b_O)
     assert_close_report(actual, expected.detach(), RTOL, name="MHA forward")
 
 
@@ -294,7 +295,7 @@ def test_layernorm_forward_matches_torch(ln_case):
     c, X, weight, bias = ln_case
     n = X.shape[-1]
     expected = nn.functional.layer_norm(X, (n,), weight, bias, eps=c["eps"])
-    assert_close_report(ref._layer_norm(X, c["eps"], weight, bias), expected, RTOL, name="LN forward")
+    assert_close_report(ref_core._layer_norm(X, c["eps"], weight, bias), expected, RTOL, name="LN forward")
 
 
 def test_layernorm_jacobian_and_hessian_match_sheet_formulas(ln_case):
@@ -425,7 +426,7 @@ def test_ffn_blocks_match_sheet_formulas(activation):
 
 def test_ffn_gelu_is_exact_erf_gelu():
     x = torch.linspace(-4, 4, 41, dtype=DT)
-    assert_close_report(ref._gelu(x), nn.functional.gelu(x), RTOL, name="gelu")
+    assert_close_report(ref_core._gelu(x), nn.functional.gelu(x), RTOL, name="gelu")
 
 
 @pytest.mark.parametrize("mode", ["target", "grad_output"])
@@ -554,9 +555,9 @@ def test_transformer_block_forward_matches_torch_modules(norm, activation):
         ln1_weight=ln1.weight.detach(), ln1_bias=ln1.bias.detach(),
         ln2_weight=ln2.weight.detach(), ln2_bias=ln2.bias.detach(),
     )  # fmt: skip
-    blocked = ref._blocked_logits(B, L, True, None, X.device)
+    blocked = ref_core._blocked_logits(B, L, True, None, X.device)
     W_1, W_2 = lin1.weight.detach().T, lin2.weight.detach().T
-    actual = ref._transformer_block(X, W_Q, W_K, W_V, W_1, W_2, fixed, H, norm, activation, eps, blocked)
+    actual = ref_core._transformer_block(X, W_Q, W_K, W_V, W_1, W_2, fixed, H, norm, activation, eps, blocked)
     assert_close_report(actual, expected, RTOL, name=f"{norm} block forward")
 
 

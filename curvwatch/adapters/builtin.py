@@ -1,0 +1,217 @@
+"""The built-in adapters: curvwatch's own GPT, PyTorch's Transformer layers, Hugging Face GPT-2 and BERT."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from curvwatch.adapters.base import (
+    Adapter,
+    BlockSpec,
+    Masks,
+    UnsupportedBlockError,
+    _bind,
+    _check_scaling,
+    _conv1d,
+    _hf_masks,
+    _layernorm,
+    _linear,
+    _spec,
+    _torch_masks,
+    activation_name,
+)
+
+
+class GPTBlockAdapter(Adapter):
+    """``curvwatch.models.gpt.Block``: ``ln_1, attn (q/k/v/out_proj), ln_2, mlp (fc, proj)``, causal."""
+
+    def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
+        return [
+            _spec(layer, index, "attn", "attention", layer.attn, self),
+            _spec(layer, index, "ln_1", "layernorm", layer.ln_1, self),
+            _spec(layer, index, "ln_2", "layernorm", layer.ln_2, self),
+            _spec(layer, index, "ffn", "ffn", layer.mlp.fc, self),
+        ]
+
+    def capture_modules(self, spec):
+        layer = spec.layer_module
+        output = {"attention": layer.attn.out_proj, "ffn": layer.mlp.proj}.get(spec.kind, spec.module)
+        return spec.module, output, layer.attn
+
+    def read_masks(self, spec, args, kwargs):
+        return Masks(causal=bool(spec.layer_module.attn.causal))
+
+    def read_params(self, spec):
+        layer = spec.layer_module
+        if spec.kind == "layernorm":
+            return _layernorm(spec.module)
+        if spec.kind == "attention":
+            attn = layer.attn
+            (W_Q, b_Q), (W_K, b_K), (W_V, b_V), (W_O, b_O) = map(
+                _linear, (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
+            )
+            return dict(
+                W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, n_heads=attn.n_head, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O
+            )
+        (W_1, b_1), (W_2, b_2) = _linear(layer.mlp.fc), _linear(layer.mlp.proj)
+        act = activation_name(layer.mlp.activation)
+        return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+
+
+class TorchTransformerLayerAdapter(Adapter):
+    """``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` (self-attention, norms, FFN).
+
+    ``batch_first`` True or False, ``norm_first`` True or False. Attention weights come from the packed
+    ``in_proj_weight`` ``(3d, d)``: ``W_Q, W_K, W_V = in_proj_weight[:d].T, [d:2d].T, [2d:].T``. Masks:
+    ``key_padding_mask`` (bool True = padded, or float ``-inf``), ``attn_mask`` causal (bool or
+    ``-inf``-float) or absent, ``is_causal``.
+    """
+
+    def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
+        norms = [n for n in ("norm1", "norm2", "norm3") if hasattr(layer, n)]
+        return [
+            _spec(layer, index, "attn", "attention", layer.self_attn, self),
+            *(
+                _spec(layer, index, f"ln_{i + 1}", "layernorm", getattr(layer, n), self)
+                for i, n in enumerate(norms)
+            ),
+            _spec(layer, index, "ffn", "ffn", layer.linear1, self),
+        ]
+
+    def capture_modules(self, spec):
+        layer = spec.layer_module
+        output = layer.linear2 if spec.kind == "ffn" else spec.module
+        return spec.module, output, layer.self_attn
+
+    def to_batch_first(self, spec, t):
+        if t.ndim == 2:
+            return t.unsqueeze(0)
+        return t if spec.layer_module.self_attn.batch_first else t.transpose(0, 1)
+
+    def read_masks(self, spec, args, kwargs):
+        a = _bind(spec.layer_module.self_attn, args, kwargs)
+        if not (a["key"] is a["query"] and a["value"] is a["query"]):
+            raise UnsupportedBlockError("self_attn was called with key/value != query (not self-attention).")
+        L = self.to_batch_first(spec, a["query"]).shape[1]
+        return _torch_masks(a.get("key_padding_mask"), a.get("attn_mask"), a.get("is_causal", False), L)
+
+    def read_params(self, spec):
+        layer = spec.layer_module
+        if spec.kind == "layernorm":
+            return _layernorm(spec.module)
+        if spec.kind == "ffn":
+            (W_1, b_1), (W_2, b_2) = _linear(layer.linear1), _linear(layer.linear2)
+            act = activation_name(layer.activation)
+            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+        mha = layer.self_attn
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise UnsupportedBlockError(
+                "nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported."
+            )
+        d = mha.embed_dim
+        if mha._qkv_same_embed_dim:
+            W_Q, W_K, W_V = (w.T for w in mha.in_proj_weight.split(d))
+        else:
+            W_Q, W_K, W_V = mha.q_proj_weight.T, mha.k_proj_weight.T, mha.v_proj_weight.T
+        b_Q = b_K = b_V = None
+        if mha.in_proj_bias is not None:
+            b_Q, b_K, b_V = mha.in_proj_bias.split(d)
+        W_O, b_O = _linear(mha.out_proj)
+        return dict(
+            W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, n_heads=mha.num_heads, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O
+        )
+
+
+class GPT2BlockAdapter(Adapter):
+    """Hugging Face ``GPT2Block``: ``ln_1, attn (c_attn packed q|k|v, c_proj), ln_2, mlp (c_fc, c_proj)``.
+
+    Works with ``attn_implementation="eager"`` and ``"sdpa"``; causal, padding from ``attention_mask``.
+    Cross-attention (``add_cross_attention``) is not monitored.
+    """
+
+    def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
+        return [
+            _spec(layer, index, "attn", "attention", layer.attn.c_attn, self),
+            _spec(layer, index, "ln_1", "layernorm", layer.ln_1, self),
+            _spec(layer, index, "ln_2", "layernorm", layer.ln_2, self),
+            _spec(layer, index, "ffn", "ffn", layer.mlp.c_fc, self),
+        ]
+
+    def capture_modules(self, spec):
+        layer = spec.layer_module
+        output = {"attention": layer.attn.c_proj, "ffn": layer.mlp.c_proj}.get(spec.kind, spec.module)
+        return spec.module, output, layer.attn
+
+    def read_masks(self, spec, args, kwargs):
+        return _hf_masks(
+            spec.layer_module.attn, _bind(spec.layer_module.attn, args, kwargs).get("attention_mask")
+        )
+
+    def read_params(self, spec):
+        layer = spec.layer_module
+        if spec.kind == "layernorm":
+            return _layernorm(spec.module)
+        if spec.kind == "ffn":
+            (W_1, b_1), (W_2, b_2) = _conv1d(layer.mlp.c_fc), _conv1d(layer.mlp.c_proj)
+            act = activation_name(layer.mlp.act)
+            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+        attn = layer.attn
+        _check_scaling(attn.scaling, attn.head_dim, "GPT2Attention")
+        W, b = _conv1d(attn.c_attn)
+        W_Q, W_K, W_V = W.split(attn.embed_dim, dim=1)
+        b_Q, b_K, b_V = b.split(attn.embed_dim)
+        W_O, b_O = _conv1d(attn.c_proj)
+        return dict(
+            W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, n_heads=attn.num_heads, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O
+        )
+
+
+class BertLayerAdapter(Adapter):
+    """Hugging Face ``BertLayer`` (post-LN): self-attention, ``attention.output.LayerNorm`` (``ln_1``),
+    ``intermediate``/``output`` FFN, ``output.LayerNorm`` (``ln_2``). Bidirectional unless
+    ``config.is_decoder``; padding from ``attention_mask``. Cross-attention is not monitored.
+    """
+
+    def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
+        return [
+            _spec(layer, index, "attn", "attention", layer.attention.self, self),
+            _spec(layer, index, "ln_1", "layernorm", layer.attention.output.LayerNorm, self),
+            _spec(layer, index, "ln_2", "layernorm", layer.output.LayerNorm, self),
+            _spec(layer, index, "ffn", "ffn", layer.intermediate.dense, self),
+        ]
+
+    def capture_modules(self, spec):
+        layer = spec.layer_module
+        output = {"attention": layer.attention.output.dense, "ffn": layer.output.dense}.get(
+            spec.kind, spec.module
+        )
+        return spec.module, output, layer.attention.self
+
+    def read_masks(self, spec, args, kwargs):
+        attn = spec.layer_module.attention.self
+        return _hf_masks(attn, _bind(attn, args, kwargs).get("attention_mask"))
+
+    def read_params(self, spec):
+        layer = spec.layer_module
+        if spec.kind == "layernorm":
+            return _layernorm(spec.module)
+        if spec.kind == "ffn":
+            (W_1, b_1), (W_2, b_2) = _linear(layer.intermediate.dense), _linear(layer.output.dense)
+            act = activation_name(layer.intermediate.intermediate_act_fn)
+            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+        attn = layer.attention.self
+        _check_scaling(attn.scaling, attn.attention_head_size, "BertSelfAttention")
+        (W_Q, b_Q), (W_K, b_K), (W_V, b_V) = map(_linear, (attn.query, attn.key, attn.value))
+        W_O, b_O = _linear(layer.attention.output.dense)
+        return dict(
+            W_Q=W_Q,
+            W_K=W_K,
+            W_V=W_V,
+            W_O=W_O,
+            n_heads=attn.num_attention_heads,
+            b_Q=b_Q,
+            b_K=b_K,
+            b_V=b_V,
+            b_O=b_O,
+        )
+
+

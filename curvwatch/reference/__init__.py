@@ -1,0 +1,65 @@
+"""Slow, obviously correct ground truths for the closed forms, built on ``torch.func`` only.
+
+Every function here writes a Transformer sub-block and its loss the plain way and lets
+``torch.func.hessian`` / ``jacrev`` differentiate it. Nothing is clever, nothing is cached; the point
+is that a reviewer can check each line against the formula sheet (``docs`` / ``formulas.md``) and then
+trust the closed forms in :mod:`curvwatch.closed_form` because they agree with this module in float64.
+Use tiny shapes: the cost is that of dense Hessians.
+
+Conventions (``docs/design.md``):
+
+* Weights act as ``X @ W``, so ``W`` is ``(d_in, d_out)``. Multi-head packing: head ``h`` owns columns
+  ``h*d_K:(h+1)*d_K`` of ``W_Q, W_K``, columns ``h*d_V:(h+1)*d_V`` of ``W_V`` and the same rows of ``W_O``.
+* ``vec_r`` (row-major) flattening: a dense block for parameters ``P_X, P_Y`` is
+  ``torch.func.hessian(loss, argnums=(i, j))`` reshaped to ``(P_X.numel(), P_Y.numel())``.
+* ``X`` is ``(L, d)`` or ``(B, L, d)``; the module output ``F`` is ``(L, m)`` or ``(B, L, m)``.
+
+Output-level losses (exactly one of ``target`` / ``grad_output``):
+
+* ``target=T``: per-sequence loss :math:`\\|F_b - T_b\\|_F^2 / (L_b m)`, averaged over the batch, so the
+  output curvature is :math:`c_b = 2 / (L_b m B)`. ``L_b = L`` unless a mask drops rows.
+* ``grad_output=G``: the surrogate
+  :math:`\\ell = \\sum_b \\langle G_b, F_b\\rangle + \\tfrac{c}{2}\\|F_b - F_b(\\theta_0)\\|_F^2` with
+  :math:`F(\\theta_0)` a detached constant and ``c = output_curvature`` (default ``2 / (L m)``); its
+  gradient at :math:`\\theta_0` is ``G`` and its output Hessian is ``c I``.
+* Masked rows (``key_padding_mask`` True = padded, ``row_mask`` False = dropped) contribute nothing.
+
+Each ``*_blocks`` function returns, for every reported pair of parameter blocks ``XY``, three dense
+matrices of shape ``(n_X, n_Y)``:
+
+* ``hessian/XY``: the Hessian of the loss;
+* ``outer/XY``: the Gauss-Newton part :math:`J_X^\\top (\\partial^2\\ell/\\partial F^2) J_Y` with
+  :math:`J = \\partial\\,\\mathrm{vec}_r F / \\partial\\,\\mathrm{vec}_r P` from ``jacrev``;
+* ``functional/XY``: the Hessian of :math:`\\theta \\mapsto \\langle g, F(\\theta)\\rangle` with the
+  detached output gradient :math:`g = \\partial\\ell/\\partial F`.
+
+``hessian == outer + functional`` holds exactly (up to round-off) because every loss is quadratic in ``F``.
+"""
+
+from __future__ import annotations
+
+from curvwatch.reference._core import (
+    dense_to_norms,
+    ffn_blocks,
+    layernorm_contracted_hessian,
+    layernorm_dense,
+    multi_head_attention_blocks,
+    self_attention_blocks,
+    spectral_norm,
+    transformer_block_blocks,
+)
+
+__all__ = [
+    # attention
+    "self_attention_blocks",
+    "multi_head_attention_blocks",
+    # layer norm
+    "layernorm_dense",
+    "layernorm_contracted_hessian",
+    # feed-forward and the full block
+    "ffn_blocks",
+    "transformer_block_blocks",
+    # norms
+    "spectral_norm",
+    "dense_to_norms",
+]
