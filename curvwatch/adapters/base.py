@@ -56,15 +56,28 @@ class BlockSpec:
 
 @dataclass
 class Masks:
-    """Attention masks of one call, normalised.
+    """What one attention call reads besides ``X`` and the weights: masks, rotary tables, the memory.
 
     Args:
         causal: Whether query ``i`` sees only keys ``j <= i``.
         key_padding_mask: ``(B, L)`` bool, True = padded position (excluded), or ``None``.
+        window: Sliding-window size ``w``: query ``i`` sees keys ``i - w < j <= i`` (with ``causal``), or
+            ``None`` for no window.
+        rotary: ``(cos, sin)`` rotary tables of the call, each ``(L, r)`` or ``(B, L, r)`` with ``r <= d_K``
+            the rotated dimensions of each head, or ``None`` when the attention has no rotary embedding.
+        rotary_interleaved: ``False`` for the half-split layout (LLaMA, NeoX, Hugging Face: dimension ``i`` pairs
+            with ``i + r/2``), ``True`` for the interleaved one (GPT-J: ``2i`` pairs with ``2i + 1``).
+        memory: ``(B, L_kv, d_kv)`` keys/values source of a cross-attention call (encoder output), else ``None``.
+        memory_padding_mask: ``(B, L_kv)`` bool, True = padded memory position, or ``None``.
     """
 
     causal: bool = False
     key_padding_mask: Tensor | None = None
+    window: int | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
+    rotary_interleaved: bool = False
+    memory: Tensor | None = None
+    memory_padding_mask: Tensor | None = None
 
 
 class Adapter:
@@ -104,6 +117,14 @@ class Adapter:
     def read_masks(self, spec: BlockSpec, args: tuple, kwargs: dict) -> Masks:
         """Masks of the attention call (``mask_module``'s forward arguments)."""
         return Masks()
+
+    def unmonitored(self, layer: nn.Module) -> list[tuple[str, str]]:
+        """``(part, reason)`` for each component of ``layer`` that none of its specs covers.
+
+        The monitor reports them once at setup (and in the W&B run config), so nothing is left out silently:
+        e.g. ``("mlp.router", "mixture-of-experts routing is not modelled")``.
+        """
+        return []
 
     def read_params(self, spec: BlockSpec) -> dict[str, Any]:
         """Closed-form keyword arguments other than ``X``, ``grad_output`` and masks.
