@@ -46,6 +46,7 @@ from benchmarks.common import (
 )
 from curvwatch.closed_form import multi_head_attention
 from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form.settings import Lanczos
 
 NAME = "bench_hvp"
 BLOCKS = ("VV", "QQ", "KK")
@@ -121,9 +122,7 @@ class Problem:
         self.diagnostic = True
 
     # -- the layer as a model computes it, and the papers' loss --
-    def forward(
-        self, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, sdpa: bool = False
-    ) -> torch.Tensor:
+    def forward(self, W_Q: torch.Tensor, W_K: torch.Tensor, W_V: torch.Tensor, sdpa: bool = False) -> torch.Tensor:
         s = self.s
         P = (self.X @ W_Q).reshape(s.L, s.H, s.d_K).transpose(0, 1)  # (H, L, d_K)
         K = (self.X @ W_K).reshape(s.L, s.H, s.d_K).transpose(0, 1)
@@ -171,8 +170,7 @@ class Problem:
             target=self.T,
             pairs=list(BLOCKS),
             kinds=kinds,
-            tol=self.tol,
-            max_iter=self.max_iter,
+            lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=None, warn=False),
             terms=terms,
         )
         return {k: float(out[k]) for k in self.keys}
@@ -188,9 +186,7 @@ class Problem:
             for h in range(self.s.H):
                 g = grad(self.block_loss(b, h))
                 w0 = self._w0(b, h)
-                res.append(
-                    (f"hessian/{b}/h{h}", lambda v, g=g, w0=w0: jvp(g, (w0,), (v.reshape(w0.shape),))[1], w0)
-                )
+                res.append((f"hessian/{b}/h{h}", lambda v, g=g, w0=w0: jvp(g, (w0,), (v.reshape(w0.shape),))[1], w0))
         return res
 
     def hvp_power(self) -> dict[str, float]:
@@ -249,8 +245,7 @@ class Problem:
             skipped["curvlinops"] = why
         elif self.s.H > 1:
             skipped["curvlinops"] = (
-                "per-head blocks are column slices of one nn.Parameter; "
-                "curvlinops restricts to whole parameters"
+                "per-head blocks are column slices of one nn.Parameter; curvlinops restricts to whole parameters"
             )
         else:
             fns["curvlinops"] = self.curvlinops
@@ -280,9 +275,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
-def sdpa_check(
-    device: torch.device, L: int = 128, d: int = 64, d_K: int = 64, tol: float = 1e-3
-) -> dict[str, Any]:
+def sdpa_check(device: torch.device, L: int = 128, d: int = 64, d_K: int = 64, tol: float = 1e-3) -> dict[str, Any]:
     """Try the HVP route with fused ``scaled_dot_product_attention`` in the loss; curvwatch on captures."""
     p = Problem(Size(L, d, d_K=d_K), device, tol=tol, max_iter=200)
     f = p.block_loss("QQ", 0, sdpa=True)
@@ -347,8 +340,7 @@ def sdpa_check(
             1,
             target=p.T,
             pairs=["QQ"],
-            tol=tol,
-            max_iter=200,
+            lanczos=Lanczos(tol=tol, max_iter=200, max_basis=None, warn=False),
         )
         ref = p.hvp_lanczos()  # the same loss written with an explicit softmax
         rel = abs(float(out["hessian/QQ/h0"]) - ref["hessian/QQ/h0"]) / ref["hessian/QQ/h0"]
@@ -479,9 +471,7 @@ def ratio_table(rows: Sequence[dict[str, Any]]) -> str:
                 *cell("curvlinops"),
                 ", ".join(f"{k} {v:.0e}" for k, v in r["max_rel_diff"].items() if k in BASELINES),
                 f"{c.get('hvp_power', '—')} / {c.get('hvp_lanczos', '—')}",
-                "—"
-                if diag is None
-                else f"{_fmt_s(diag['median_s'])} ({_fmt_ratio(diag['ratio'])} of curvwatch)",
+                "—" if diag is None else f"{_fmt_s(diag['median_s'])} ({_fmt_ratio(diag['ratio'])} of curvwatch)",
             ]
         )
     return markdown_table(header, body)
@@ -501,11 +491,7 @@ def memory_table(rows: Sequence[dict[str, Any]]) -> str | None:
 
 
 def published_table(rows: Sequence[dict[str, Any]]) -> str | None:
-    ref = [
-        r
-        for r in rows
-        if r["status"] == "measured" and (r["L"], r["d"], r["H"], r["d_K"]) == (512, 512, 1, 64)
-    ]
+    ref = [r for r in rows if r["status"] == "measured" and (r["L"], r["d"], r["H"], r["d_K"]) == (512, 512, 1, 64)]
     if not ref:
         return None
     m = ref[0]["methods"]
@@ -543,12 +529,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "threads "
         "slow small kernels by 10-50x and drown the comparison)",
     )
-    ap.add_argument(
-        "--tol", type=float, default=1e-3, help="relative accuracy of every method (default 1e-3)"
-    )
-    ap.add_argument(
-        "--max-iter", type=int, default=100, help="most matvecs per norm, every method (default 100)"
-    )
+    ap.add_argument("--tol", type=float, default=1e-3, help="relative accuracy of every method (default 1e-3)")
+    ap.add_argument("--max-iter", type=int, default=100, help="most matvecs per norm, every method (default 100)")
     ap.add_argument("--agree", type=float, default=1e-2, help="largest relative disagreement allowed (1e-2)")
     ap.add_argument("--budget-s", type=float, default=60.0, help="time per method per size after min repeats")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the RSS subprocesses")
@@ -588,11 +570,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.memory = args.memory and args.memory_all
         t0 = time.perf_counter()
         rows = [bench_size(s, device, args) for s in sizes]
-        sdpa = (
-            sdpa_check(device, *((16, 8, 4) if args.quick else (128, 64, 64)), tol=args.tol)
-            if args.sdpa
-            else None
-        )
+        sdpa = sdpa_check(device, *((16, 8, 4) if args.quick else (128, 64, 64)), tol=args.tol) if args.sdpa else None
         _, why = _curvlinops()
         data = {
             "name": NAME,

@@ -43,6 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
+from curvwatch.closed_form.settings import Lanczos
 
 NAME = "bench_scaling"
 KINDS = ("attention", "layernorm", "ffn")
@@ -112,9 +113,7 @@ class Layer:
             self.W_O,
             self.p.H,
             target=self.T,
-            tol=self.tol,
-            max_iter=self.max_iter,
-            max_basis=self.max_basis,
+            lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis, warn=False),
         )
 
     def eval_layernorm(self) -> dict[str, torch.Tensor]:
@@ -122,7 +121,11 @@ class Layer:
 
     def eval_ffn(self) -> dict[str, torch.Tensor]:
         return ffn(
-            self.X, self.W_1, self.W_2, target=self.T, tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis
+            self.X,
+            self.W_1,
+            self.W_2,
+            target=self.T,
+            lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis, warn=False),
         )
 
     # -- the floor: one forward pass of the same block --

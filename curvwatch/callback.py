@@ -23,6 +23,7 @@ from curvwatch import metrics as M
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
 from curvwatch.capture import Capture, CapturedBlock, CaptureError, vectors_held
+from curvwatch.closed_form.settings import Lanczos, WarmStart
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -329,7 +330,7 @@ class CurvatureMonitor(Callback):
         # most Lanczos vectors held per norm (None: max_iter); halved after an out-of-memory error that the
         # bases, not the tokens, dominate
         self._basis_limit: int | None = max_basis
-        self._warm_start: dict[str, dict] = {}
+        self._warm_start: dict[str, WarmStart] = {}
         self._cold: set[str] = set()  # blocks whose Lanczos runs of this evaluation started without warm vectors
         self._last_step = -1
         self._evaluations = 0
@@ -659,17 +660,15 @@ class CurvatureMonitor(Callback):
         """
         # Lanczos start vectors carried from the last evaluation of this block (weights move little between
         # evaluations, so the norms converge in a few steps); not checkpointed, a fresh start is only slower.
-        warm = self._warm_start.setdefault(block.spec.name, {})
-        if not warm:
+        warm = self._warm_start.setdefault(block.spec.name, WarmStart())
+        if not len(warm):
             self._cold.add(block.spec.name)
+        lanczos = Lanczos(self.tol, self.max_iter, max_basis, warm_start=warm, warn=False)
         kwargs = dict(
-            tol=self.tol,
-            max_iter=self.max_iter,
+            lanczos=lanczos,
             dtype=dtype,
             pairs=_EXACT_PAIRS if terms_only else self._kernel_pairs,
             kinds=self.kinds,
-            warm_start=warm,
-            max_basis=max_basis,
         )
         try:
             return block.evaluate(**kwargs)
@@ -682,7 +681,8 @@ class CurvatureMonitor(Callback):
         what = f"on {block.tokens} tokens"
         if held > 4 and bases >= block.evaluation_bytes(dtype, self.max_iter, max_basis) - bases:
             # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
-            self._basis_limit = kwargs["max_basis"] = max(4, held // 2)
+            self._basis_limit = max(4, held // 2)
+            kwargs["lanczos"] = lanczos.replace(max_basis=self._basis_limit)
             retry = f"holding at most {self._basis_limit} Lanczos vectors per norm (was {held})"
         else:
             self._token_limit = max(1, min(self._token_limit, block.tokens) // 2)

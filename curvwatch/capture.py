@@ -50,10 +50,11 @@ import torch
 from torch import Tensor
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
+from curvwatch.closed_form.settings import Lanczos
+from curvwatch.kinds import KINDS
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
-_CLOSED_FORMS = {"attention": "multi_head_attention", "layernorm": "layernorm", "ffn": "ffn"}
 _DTYPES = (torch.float32, torch.float64)
 
 
@@ -151,41 +152,30 @@ class CapturedBlock:
     ) -> int:
         """Rough upper estimate of the extra memory :meth:`evaluate` allocates, in bytes.
 
-        With ``n_W`` the size of the block's first weight (``W_Q`` or ``W_1``, one Lanczos vector), the
-        element size of ``dtype`` and ``k = min(max_iter, max_basis)`` the Lanczos vectors held per norm:
-        attention ``16 B H L^2 + 64 B L d + 6 k n_W`` elements (the per-head ``(B, H, L, L)`` tangents of the
-        Lanczos products, then the Lanczos bases: :meth:`basis_bytes`); FFN ``32 B L d_ff + 6 k n_W``; LayerNorm
-        ``16 B L d``. The factors bound the peaks measured on CPU with the default diagonal pairs
-        (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
+        With ``n_W`` the elements of one Lanczos vector of the block (its kind's ``basis_numel``: ``W_Q`` per
+        head group for attention, ``W_1`` for an FFN), the element size of ``dtype`` and ``k = min(max_iter,
+        max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``16 B H L^2 +
+        64 B L d``, the per-head ``(B, H, L, L)`` tangents of the Lanczos products; FFN ``32 B L d_ff``; LayerNorm
+        ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`). The factors bound the peaks
+        measured on CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
         """
         X = self.inputs.get("X")
         if X is None:
             return 0
         B, L, d = X.shape
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if self.spec.kind == "attention":
-            H = int(self.params.get("n_heads", 1))
-            n = 16 * B * H * L * L + 64 * B * L * d
-        elif self.spec.kind == "ffn":
-            n = 32 * B * L * self.params["W_1"].shape[-1]
-        else:
-            n = 16 * B * L * d
+        n = KINDS[self.spec.kind].work_elements(B, L, d, self.params)
         return n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
 
     def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
-        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 for LayerNorm).
+        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 without Lanczos).
 
         It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it.
         """
-        if self.spec.kind == "layernorm" or self.inputs.get("X") is None:
+        if self.inputs.get("X") is None:
             return 0
-        W = self.params["W_Q" if self.spec.kind == "attention" else "W_1"]
-        return 6 * vectors * W.numel() * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def closed_form(self) -> str:
-        """Name of the function of :mod:`curvwatch.closed_form` that evaluates this block."""
-        return _CLOSED_FORMS[self.spec.kind]
+        numel = KINDS[self.spec.kind].basis_numel(self.params)
+        return 6 * vectors * numel * torch.empty((), dtype=dtype).element_size()
 
     def reference_inputs(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included).
@@ -198,14 +188,15 @@ class CapturedBlock:
         """
         if self.reason is not None:
             raise RuntimeError(f"Block {self.spec.name!r} cannot be evaluated: {self.reason}")
-        kwargs: dict[str, Any] = {("Y" if self.spec.kind == "ffn" else "X"): self.inputs["X"]}
+        kind = KINDS[self.spec.kind]
+        kwargs: dict[str, Any] = {kind.input_name: self.inputs["X"]}
         kwargs.update(self.params)
+        kwargs.update({k: v for k, v in self.inputs.items() if k not in ("X", "grad_output")})
         kwargs["grad_output"] = self.inputs.get("grad_output")
-        mask_name = "key_padding_mask" if self.spec.kind == "attention" else "row_mask"
-        mask = kwargs[mask_name] = self.inputs.get(mask_name)
+        mask = kwargs[kind.mask_name] = self.inputs.get(kind.mask_name)
         if mask is not None:  # padded rows carry no information: no statistic may see their values
-            padded = (mask if mask_name == "key_padding_mask" else ~mask)[..., None]
-            for name in ("X", "Y", "grad_output"):
+            padded = (mask if kind.mask_name == "key_padding_mask" else ~mask)[..., None]
+            for name in (kind.input_name, "grad_output"):
                 if isinstance(kwargs.get(name), Tensor):
                     kwargs[name] = kwargs[name].masked_fill(padded, 0.0)
         if dtype is not None:
@@ -218,28 +209,21 @@ class CapturedBlock:
     def evaluate(
         self,
         *,
-        tol: float = 1e-6,
-        max_iter: int | None = None,
+        lanczos: Lanczos | None = None,
         dtype: torch.dtype = torch.float64,
         pairs: Sequence[str] | None = None,
         kinds: Sequence[str] = ("outer", "functional", "hessian"),
-        warm_start: dict | None = None,
-        max_basis: int | None = None,
     ):
         """Run the closed form on the captured tensors.
 
         Args:
-            tol: Lanczos tolerance of the spectral norms (attention, FFN).
-            max_iter: Lanczos iteration cap (``None``: the closed form's default).
+            lanczos: Settings of the iterative norms (attention, FFN; ``None``: the closed forms' default), its
+                ``warm_start`` kept between evaluations of this block.
             dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
             pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
                 W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
             kinds: iterative norms to compute (attention, FFN): a subset of ``("outer", "functional",
                 "hessian")``.
-            warm_start: a dict kept between evaluations of this block; the iterative norms start from the
-                vectors stored there (see ``curvwatch.closed_form.multi_head_attention``).
-            max_basis: most Lanczos vectors held per norm (``None``: ``max_iter``); fewer bound the memory
-                of the bases by thick restarts (same accuracy, more products).
 
         Returns:
             ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
@@ -251,35 +235,13 @@ class CapturedBlock:
         """
         if dtype not in _DTYPES:
             raise ValueError(f"Invalid dtype={dtype}. Must be torch.float32 or torch.float64.")
-        from curvwatch import closed_form
-
+        kind = KINDS[self.spec.kind]
         kwargs = self.reference_inputs(dtype)
-        if self.spec.kind != "layernorm":
-            kwargs.update(tol=tol, max_iter=max_iter, kinds=kinds)
+        if kind.iterative:
+            kwargs.update(lanczos=lanczos, kinds=kinds)
             if pairs is not None:
-                own = _KERNEL_PAIRS[self.spec.kind]
-                kwargs["pairs"] = [p for p in pairs if p in own]
-            if warm_start is not None:
-                kwargs["warm_start"] = warm_start
-            if max_basis is not None:
-                kwargs["max_basis"] = max_basis
-        try:
-            return getattr(closed_form, self.closed_form)(**kwargs)
-        except ValueError as err:
-            activation = kwargs.get("activation")
-            if activation in (None, "relu", "gelu") or activation not in str(err):
-                raise
-            raise ValueError(
-                f"Block {self.spec.name!r} uses activation={activation!r} ('gelu_tanh' is the tanh "
-                "approximation of GELU, Hugging Face 'gelu_new'), which curvwatch.closed_form.ffn does not "
-                f"implement. Exclude the block by passing explicit BlockSpecs. Closed form said: {err}"
-            ) from err
-
-
-_KERNEL_PAIRS = {
-    "attention": ("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV"),
-    "ffn": ("W1W1", "W2W2", "W1W2"),
-}
+                kwargs["pairs"] = [p for p in pairs if p in kind.pairs]
+        return kind.kernel()(**kwargs)
 
 
 class _Record:
@@ -480,12 +442,6 @@ class Capture:
             shapes = f"X {tuple(X.shape)}, grad_output {tuple(G.shape)}"
             shapes += f", key padding mask {tuple(kpm.shape)}" if kpm is not None else ""
             return CapturedBlock(spec, reason=f"captured shapes disagree ({shapes}), e.g. a chunked forward")
-        inputs = {"X": X, "grad_output": G}
-        params = dict(rec.params)
-        if spec.kind == "attention":
-            params["causal"] = rec.masks.causal
-            if kpm is not None:
-                inputs["key_padding_mask"] = kpm
-        elif kpm is not None:
-            inputs["row_mask"] = ~kpm
-        return CapturedBlock(spec, inputs=inputs, params=params)
+        call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm)
+        inputs = {"X": X, "grad_output": G, **call_inputs}
+        return CapturedBlock(spec, inputs=inputs, params={**rec.params, **call_params})

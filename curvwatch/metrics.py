@@ -43,7 +43,8 @@ __all__ = [
     "lanczos_accuracy",
     "log10_spread",
     "pair_of",
-    "reduce_op",
+    "derive",
+    "kind_summaries",
     "residuals",
     "select_pairs",
     "summarize",
@@ -56,7 +57,7 @@ PARTS = ("hessian", "outer", "functional")
 
 _UNIT = re.compile(r"[A-Z][0-9]*")
 _PAIR = re.compile(r"^(?:[A-Z][0-9]*){2,}$")
-_HEAD = re.compile(r"^h(\d+)$")
+_HEAD = re.compile(r"^[hg](\d+)$")  # a query head h{i} or a key/value group g{j}
 _LAYER = re.compile(r"layer(\d+)")
 
 
@@ -283,8 +284,8 @@ def summarize(
         ``summary/max_hessian_block`` (its layer and its position in ``results``),
         ``summary/heterogeneity/model`` and ``summary/heterogeneity/layer{i}`` (log10 spread of block norms),
         ``summary/vv_qq_ratio/median`` (over all attention heads), ``summary/functional_outer/max`` and
-        ``/median`` (over blocks), ``summary/ln/inv_var_max`` (max over blocks of ``ln/inv_var_max``) and
-        ``summary/ln/var_min`` (min over blocks of ``ln/var_min``). Keys whose inputs are absent are omitted.
+        ``/median`` (over blocks), and the block kinds' summaries (:func:`kind_summaries`:
+        ``summary/ln/var_min``, ...). Keys whose inputs are absent are omitted.
 
     Example:
         >>> s = summarize({"layer0/attn": {"hessian/QQ": 1.0}, "layer1/attn": {"hessian/QQ": 100.0}})
@@ -317,37 +318,74 @@ def summarize(
     if fo_finite:
         out["summary/functional_outer/max"] = max(fo_finite)
         out["summary/functional_outer/median"] = statistics.median(fo_finite)
-    inv_var = _finite(to_float(r["ln/inv_var_max"]) for r in results.values() if "ln/inv_var_max" in r)
-    if inv_var:
-        out["summary/ln/inv_var_max"] = max(inv_var)
-    var_min = _finite(to_float(r["ln/var_min"]) for r in results.values() if "ln/var_min" in r)
-    if var_min:
-        out["summary/ln/var_min"] = min(var_min)
+    out.update(kind_summaries(results))
     return out
 
 
-def reduce_op(key: str) -> str:
-    """How a relative key is combined across data-parallel ranks: ``"mean"``, ``"max"`` or ``"min"``.
+def kind_summaries(results: Mapping[str, Mapping[str, float | torch.Tensor]]) -> dict[str, float]:
+    """The block kinds' own summaries (:attr:`curvwatch.kinds.BlockKind.summaries`): ``summary/ln/var_min``, ...
 
-    Norms and ratios are averaged (each rank saw its own batch; the mean is the estimate over the global
-    batch). Quantities that are extremes by definition, which are also the ones the warnings watch, keep
-    the worst rank: ``max`` when the key's last word (head suffix ignored) has a ``max`` token
-    (``ln/inv_var_max``), ``min`` for ``min`` (``ln/var_min``, ``ln/var_min_over_eps``), and ``max`` for the
-    Lanczos residuals (``residual/...``).
+    Each is the max (min) over the blocks that report its key; NaN never counts, ``+-inf`` only for summaries
+    declared with ``finite=False`` (``ln/var_min_over_eps``, infinite with ``eps = 0``).
 
     Example:
-        >>> reduce_op("hessian/QQ/h0"), reduce_op("ln/inv_var_max"), reduce_op("ln/var_min_over_eps")
-        ('mean', 'max', 'min')
-        >>> reduce_op("residual/hessian/QQ/h0")
-        'max'
+        >>> kind_summaries({"a": {"ln/var_min": 2.0}, "b": {"ln/var_min": 0.5, "ln/inv_var_max": 3.0}})
+        {'summary/ln/inv_var_max': 3.0, 'summary/ln/var_min': 0.5}
     """
-    pieces = key.split("/")
-    if pieces[0] == "residual":  # a Lanczos norm's accuracy: the worst rank's
-        return "max"
-    last = pieces[-2] if len(pieces) > 1 and _HEAD.match(pieces[-1]) else pieces[-1]
-    tokens = last.split("_")
-    if "max" in tokens:
-        return "max"
-    if "min" in tokens:
-        return "min"
-    return "mean"
+    from curvwatch.kinds import KINDS
+
+    out: dict[str, float] = {}
+    for kind in KINDS.values():
+        for s in kind.summaries:
+            values = [to_float(r[s.block_key]) for r in results.values() if s.block_key in r]
+            values = [v for v in values if (not math.isnan(v) if not s.finite else math.isfinite(v))]
+            if values:
+                out[f"summary/{s.key}"] = max(values) if s.reduce == "max" else min(values)
+    return out
+
+
+def derive(
+    results: Mapping[str, Mapping[str, float]],
+    layers: Mapping[str, int],
+    *,
+    terms_only: bool,
+    tol: float,
+    skip_norms: Sequence[str] = (),
+) -> tuple[dict[str, dict[str, float]], dict[str, float], dict[str, float]]:
+    """What one evaluation's (reduced) numbers give: ``(per-block keys, summaries, block norms)``.
+
+    Args:
+        results: ``{block: {relative key: value}}`` of the evaluation, after the cross-rank reduction.
+        layers: ``{block: layer index}``, in the monitored order (``summary/max_hessian_block`` indexes it).
+        terms_only: A terms-only evaluation has no Lanczos norms, so nothing derived from a block's norms is
+            computed from it (``hessian/max``, ratios, norm summaries): a maximum over its exact pairs alone would
+            read as the block's norm. Its kind summaries (``summary/ln/...``) are kept.
+        tol: The Lanczos tolerance the norms were asked for (``summary/lanczos/unconverged``).
+        skip_norms: Blocks whose norms do not count (non-finite ones).
+
+    Returns:
+        The per-block keys to log (the results plus :func:`block_derived`, without the per-norm ``residual/``
+        keys), the summaries (:func:`summarize` and :func:`lanczos_accuracy`) and ``{block: norm}`` of the blocks
+        with Hessian norms (empty for a terms-only evaluation).
+
+    Example:
+        >>> per_block, summary, norms = derive({"layer0/attn": {"hessian/QQ/h0": 2.0}}, {"layer0/attn": 0},
+        ...                                    terms_only=False, tol=1e-2)
+        >>> per_block["layer0/attn"]["hessian/max"], summary["summary/max_hessian"], norms
+        (2.0, 2.0, {'layer0/attn': 2.0})
+    """
+    per_block = {}
+    for block, result in results.items():
+        keys = {**result, **({} if terms_only else block_derived(result))}
+        per_block[block] = {k: v for k, v in keys.items() if not k.startswith("residual/")}
+    if terms_only:
+        summary = kind_summaries(results)
+        norms: dict[str, float] = {}
+    else:
+        summary = summarize(results, layers)
+        norms = {b: v for b, v in block_norms(results).items() if b not in skip_norms}
+        if "summary/max_hessian_block" in summary:  # index into the monitored blocks, not the evaluated ones
+            name = list(results)[int(summary["summary/max_hessian_block"])]
+            summary["summary/max_hessian_block"] = float(list(layers).index(name))
+    summary.update(lanczos_accuracy(results, tol))
+    return per_block, summary, norms

@@ -9,6 +9,7 @@ import torch
 
 from curvwatch import reference
 from curvwatch.closed_form import layernorm, multi_head_attention, transformer_block
+from curvwatch.closed_form.settings import EXACT
 
 
 def main() -> float:
@@ -38,7 +39,7 @@ def main() -> float:
         H,
         target=target,
         causal=True,
-        tol=0.0,
+        lanczos=EXACT,
         dense=True,
     )
     ref = reference.multi_head_attention_blocks(
@@ -60,7 +61,7 @@ def main() -> float:
 
     print("== whole pre-LN block (all 15 block pairs, per head) ==")
     blk = transformer_block(
-        X, params, norm="pre", activation="gelu", target=target, causal=True, tol=0.0, dense=True
+        X, params, norm="pre", activation="gelu", target=target, causal=True, lanczos=EXACT, dense=True
     )
     blk_ref = reference.transformer_block_blocks(
         X, params, norm="pre", activation="gelu", target=target, causal=True

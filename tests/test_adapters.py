@@ -23,6 +23,7 @@ from curvwatch.adapters import (
     register_adapter,
 )
 from curvwatch.capture import Capture
+from curvwatch.closed_form.settings import Lanczos
 from tests.utils import TOL, assert_close_report
 
 B, L, D, H = 3, 5, 8, 2
@@ -296,12 +297,8 @@ def test_reconstruct_block_outputs_and_gradients(case):
             assert torch.equal(block.inputs["row_mask"], ~padding)
         if block.spec.kind == "ffn" and case.startswith("gpt2"):
             assert block.params["activation"] == ("relu" if "relu" in case else "gelu_tanh")
-        assert_close_report(
-            reconstruct(block)[rows], expected_out[rows], TOL["float64"], f"{block.spec.name} output"
-        )
-        assert_close_report(
-            block.inputs["grad_output"], expected_grad, TOL["float64"], f"{block.spec.name} grad"
-        )
+        assert_close_report(reconstruct(block)[rows], expected_out[rows], TOL["float64"], f"{block.spec.name} output")
+        assert_close_report(block.inputs["grad_output"], expected_grad, TOL["float64"], f"{block.spec.name} grad")
 
 
 def test_float32_reconstruction_within_1e5():
@@ -317,16 +314,16 @@ def test_float32_reconstruction_within_1e5():
 
 
 def test_unsupported_activation_and_mask_are_reported():
-    layer = nn.TransformerEncoderLayer(
-        D, H, dim_feedforward=16, dropout=0.0, activation=F.silu, batch_first=True
-    )
+    layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=16, dropout=0.0, activation=F.silu, batch_first=True)
     window = torch.ones(L, L, dtype=torch.bool).triu(1) | torch.ones(L, L, dtype=torch.bool).tril(-2)
     with Capture(find_blocks(layer), max_tokens=100) as capture:
         layer(torch.randn(B, L, D), src_mask=window).sum().backward()
     reasons = {b.spec.name: b.reason for b in capture.blocks()}
     assert "neither causal nor empty" in reasons["layer0/attn"]
     with pytest.raises(RuntimeError, match="neither causal nor empty"):
-        capture.blocks()[0].evaluate(tol=1e-6, max_iter=10, dtype=torch.float64)
+        capture.blocks()[0].evaluate(
+            lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64
+        )
     with pytest.raises(ValueError, match="silu"):
         activation_name(F.silu)
 

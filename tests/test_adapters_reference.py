@@ -8,6 +8,7 @@ import torch
 from curvwatch import reference
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
+from curvwatch.closed_form.settings import Lanczos
 from tests.test_adapters import CASES, B, L
 from tests.utils import TOL, assert_close_report
 
@@ -53,7 +54,7 @@ def test_adapter_blocks_match_reference(case):
         assert block.reason is None, f"{block.spec.name}: {block.reason}"
         if block.spec.kind == "ffn" and block.params.get("activation") == "gelu_tanh":
             continue  # the reference module has exact-erf GELU only; gelu_tanh is tested in test_ffn.py
-        out = block.evaluate(tol=0.0, max_iter=None, dtype=torch.float64)
+        out = block.evaluate(lanczos=Lanczos(tol=0.0, max_iter=None, max_basis=None, warn=False), dtype=torch.float64)
         expected = _reference_norms(block)
         common = sorted(set(out) & set(expected))
         assert len(common) >= 3, (block.spec.name, sorted(out))

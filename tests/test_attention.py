@@ -11,6 +11,7 @@ from torch.func import hessian, jacrev
 from curvwatch import reference
 from curvwatch.closed_form import multi_head_attention, self_attention
 from curvwatch.closed_form.attention import ATTENTION_PAIRS
+from curvwatch.closed_form.settings import EXACT, Lanczos
 from tests.cases import ATTENTION_CASES, DT, MHA_CASES, batch_shape, case_id, loss_kwargs, rand
 from tests.utils import TOL, assert_close_report
 
@@ -29,7 +30,7 @@ def _attention_inputs(case, seed=0):
 def test_self_attention_dense_blocks_match_autograd(case):
     X, W_Q, W_K, W_V, kw = _attention_inputs(case)
     ref = reference.self_attention_blocks(X, W_Q, W_K, W_V, causal=case["causal"], **kw)
-    out = self_attention(X, W_Q, W_K, W_V, causal=case["causal"], dense=True, tol=0.0, **kw)
+    out = self_attention(X, W_Q, W_K, W_V, causal=case["causal"], dense=True, lanczos=EXACT, **kw)
     ref_norms = reference.dense_to_norms(ref)
     for key, mat in ref.items():
         if mat.ndim != 2:
@@ -58,7 +59,7 @@ def test_multi_head_attention_matches_autograd(case):
         kpm[0, -1] = True
         kw["key_padding_mask"] = kpm if B else kpm[0]
     ref = reference.multi_head_attention_blocks(X, n_heads=H, causal=case["causal"], **W, **kw)
-    out = multi_head_attention(X, n_heads=H, causal=case["causal"], dense=True, tol=0.0, **W, **kw)
+    out = multi_head_attention(X, n_heads=H, causal=case["causal"], dense=True, lanczos=EXACT, **W, **kw)
     ref_norms = reference.dense_to_norms(ref)
     checked = 0
     for key, mat in ref.items():
@@ -70,10 +71,10 @@ def test_multi_head_attention_matches_autograd(case):
     assert checked >= 3 * len(ATTENTION_PAIRS) * H
 
 
-def test_default_tolerance_matches_eigvalsh_to_1e6():
+def test_tolerance_1e6_matches_eigvalsh_to_1e6():
     X, W_Q, W_K, W_V, kw = _attention_inputs(dict(B=None, L=6, d=5, d_K=3, d_V=4, mode="grad"), seed=3)
-    exact = self_attention(X, W_Q, W_K, W_V, tol=0.0, **kw)
-    approx = self_attention(X, W_Q, W_K, W_V, **kw)  # tol=1e-6
+    exact = self_attention(X, W_Q, W_K, W_V, lanczos=EXACT, **kw)
+    approx = self_attention(X, W_Q, W_K, W_V, lanczos=Lanczos(tol=1e-6), **kw)
     for key in exact:
         if key.startswith(("hessian/", "outer/", "functional/")):
             assert_close_report(approx[key], exact[key], TOL["lanczos"], name=key, atol=1e-12)
@@ -108,7 +109,7 @@ def test_functional_term_in_two_block_network_with_cross_entropy():
     H_down = hessian(downstream)(F1).reshape(L * d, L * d)
     J = jacrev(lambda wq, wk, wv: mha(X, wq, wk, wv, W1[3]), argnums=(0, 1, 2))(*W1[:3])
     Hfull = hessian(loss, argnums=(0, 1, 2))(*W1[:3])
-    out = multi_head_attention(X, *W1[:3], W1[3], H, grad_output=G, causal=True, dense=True, tol=0.0)
+    out = multi_head_attention(X, *W1[:3], W1[3], H, grad_output=G, causal=True, dense=True, lanczos=EXACT)
     names = ["Q", "K", "V"]
     for h in range(H):
         sl = {
@@ -119,13 +120,9 @@ def test_functional_term_in_two_block_network_with_cross_entropy():
         Jh = {n: J[i][:, :, :, sl[n]].reshape(L * d, -1) for i, n in enumerate(names)}
         for pair in ATTENTION_PAIRS:
             a, b = pair[0], pair[1]
-            full = Hfull[names.index(a)][names.index(b)][:, sl[a], :, sl[b]].reshape(
-                Jh[a].shape[1], Jh[b].shape[1]
-            )
+            full = Hfull[names.index(a)][names.index(b)][:, sl[a], :, sl[b]].reshape(Jh[a].shape[1], Jh[b].shape[1])
             expected = full - Jh[a].T @ H_down @ Jh[b]
-            assert_close_report(
-                out[f"dense/functional/{pair}/h{h}"], expected, TOL["float64"], name=pair, atol=1e-13
-            )
+            assert_close_report(out[f"dense/functional/{pair}/h{h}"], expected, TOL["float64"], name=pair, atol=1e-13)
 
 
 def _assert_bounds_hold(out: dict, rtol: float) -> None:
@@ -156,7 +153,7 @@ def _split_attention_instance(L: int, big: float = 40.0):
 @pytest.mark.parametrize("L", [4, 8, 16])
 def test_corrected_bounds_hold_on_split_attention_where_paper_bound_fails(L):
     X, W_Q, W_K, W_V = _split_attention_instance(L)
-    out = self_attention(X, W_Q, W_K, W_V, target=torch.zeros(L, 2, dtype=DT), tol=0.0)
+    out = self_attention(X, W_Q, W_K, W_V, target=torch.zeros(L, 2, dtype=DT), lanczos=EXACT)
     _assert_bounds_hold(out, rtol=1e-12)
     # the papers' uniform-attention factor ||dA/dT|| <= 1/L fails here: the queries split 1/2-1/2
     assert out["term/softmax_jac_norm"] > 1.0 / L
@@ -175,7 +172,7 @@ def test_corrected_bounds_hold_on_random_inputs(seed):
     X = rand(gen, B, L, d, scale=scale)
     W = [rand(gen, d, H * d_K), rand(gen, d, H * d_K), rand(gen, d, H * 2), rand(gen, H * 2, 3)]
     kw = {"grad_output": rand(gen, B, L, 3)} if seed % 2 else {"target": rand(gen, B, L, 3)}
-    out = multi_head_attention(X, *W, H, causal=bool(seed % 4 == 1), tol=0.0, **kw)
+    out = multi_head_attention(X, *W, H, causal=bool(seed % 4 == 1), lanczos=EXACT, **kw)
     _assert_bounds_hold(out, rtol=1e-10)
 
 
@@ -185,7 +182,7 @@ def test_function_preserving_rescaling_breaks_paper_bound_not_ours():
     X, W_Q, W_K, W_V = rand(gen, 5, 3), rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 3, 3)
     T = rand(gen, 5, 3)
     for s in (1.0, 30.0, 300.0):
-        out = self_attention(X, s * W_Q, W_K / s, W_V, target=T, tol=0.0)
+        out = self_attention(X, s * W_Q, W_K / s, W_V, target=T, lanczos=EXACT)
         assert out["hessian/QKV"] <= out["bound/QKV"]
         assert out["hessian/KK"] <= out["bound/KK"]
 
@@ -200,7 +197,7 @@ def test_data_scaling_exponents(key, exponent):
     G = rand(gen, 6, 4)
     vals = [
         self_attention(
-            t * X, W_Q, W_K, W_V, grad_output=G, output_curvature=1.0, tol=0.0, pairs=["VV", "QQ", "VQ"]
+            t * X, W_Q, W_K, W_V, grad_output=G, output_curvature=1.0, lanczos=EXACT, pairs=["VV", "QQ", "VQ"]
         )[key]
         for t in (1e-3, 2e-3)
     ]
@@ -212,9 +209,9 @@ def test_float32_agrees_with_float64():
     gen = torch.Generator().manual_seed(2)
     X, W = rand(gen, 2, 8, 6), [rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 4, 6)]
     G = rand(gen, 2, 8, 6)
-    out64 = multi_head_attention(X, *W, 2, grad_output=G, causal=True, tol=0.0)
+    out64 = multi_head_attention(X, *W, 2, grad_output=G, causal=True, lanczos=EXACT)
     out32 = multi_head_attention(
-        X.float(), *(w.float() for w in W), 2, grad_output=G.float(), causal=True, tol=0.0
+        X.float(), *(w.float() for w in W), 2, grad_output=G.float(), causal=True, lanczos=EXACT
     )
     for key, v in out64.items():
         assert out32[key].dtype == torch.float32
@@ -241,10 +238,10 @@ def test_padded_rows_do_not_change_the_statistics_and_nan_is_refused():
     X, W = rand(gen, 2, 4, 3), [rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 2, 3)]
     G = rand(gen, 2, 4, 3)
     kpm = torch.tensor([[False, False, False, True], [False] * 4])
-    base = multi_head_attention(X, *W, 1, grad_output=G, key_padding_mask=kpm, tol=0.0)
+    base = multi_head_attention(X, *W, 1, grad_output=G, key_padding_mask=kpm, lanczos=EXACT)
     X2 = X.clone()
     X2[0, 3] = 1e4  # a padded token with huge values
-    out = multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm, tol=0.0)
+    out = multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm, lanczos=EXACT)
     for key in ("term/x_norm", "hessian/QQ/h0", "outer/VV/h0", "term/attn_entropy/h0"):
         assert_close_report(out[key], base[key], TOL["float64"], name=key)
     X2[0, 3] = float("nan")
@@ -257,8 +254,8 @@ def test_terms_false_returns_the_same_norms_only():
     X = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
     W = [torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(4)]
     G = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
-    full = multi_head_attention(X, *W, 2, grad_output=G, tol=0.0)
-    norms = multi_head_attention(X, *W, 2, grad_output=G, tol=0.0, terms=False)
+    full = multi_head_attention(X, *W, 2, grad_output=G, lanczos=EXACT)
+    norms = multi_head_attention(X, *W, 2, grad_output=G, lanczos=EXACT, terms=False)
     assert not any(k.startswith(("term/", "bound/")) for k in norms)
     assert set(norms) == {k for k in full if not k.startswith(("term/", "bound/"))}
     for key, val in norms.items():

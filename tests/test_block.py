@@ -7,6 +7,7 @@ import torch
 
 from curvwatch import reference
 from curvwatch.closed_form import transformer_block
+from curvwatch.closed_form.settings import EXACT
 from tests.cases import BLOCK_CASES, batch_shape, case_id, loss_kwargs, rand
 from tests.utils import TOL, assert_close_report
 
@@ -39,7 +40,7 @@ def test_all_block_pairs_match_autograd(case):
     kw = loss_kwargs(gen, case, tuple(X.shape))
     common = dict(norm=case["norm"], activation=case["activation"], eps=case["eps"], causal=case["causal"])
     ref = reference.transformer_block_blocks(X, p, **common, **kw)
-    out = transformer_block(X, p, **common, dense=True, tol=0.0, **kw)
+    out = transformer_block(X, p, **common, dense=True, lanczos=EXACT, **kw)
     norms = reference.dense_to_norms(ref)
     checked = 0
     for key, mat in ref.items():
@@ -56,7 +57,7 @@ def test_functional_vv_nonzero_in_full_block():
     gen = torch.Generator().manual_seed(4)
     case = dict(d=4, H=1, d_K=2, f=6)
     X = rand(gen, 5, 4)
-    out = transformer_block(X, _params(gen, case), target=rand(gen, 5, 4), pairs=["VV"], tol=0.0)
+    out = transformer_block(X, _params(gen, case), target=rand(gen, 5, 4), pairs=["VV"], lanczos=EXACT)
     assert float(out["functional/VV"]) > 1e-6
 
 

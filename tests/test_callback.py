@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 import curvwatch.callback as callback_module
 from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.capture import Capture, CapturedBlock
+from curvwatch.closed_form.settings import Lanczos
 from tests.ddp_script import TinyLM, loader
 from tests.utils import assert_close_report
 
@@ -129,7 +130,10 @@ def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
     assert len(spy_capture.instances) == 3
     for step, capture in zip((0, 2, 4), spy_capture.instances, strict=True):
         for block in capture.handed if step == 4 else ():  # recompute one step: CPU time is shared
-            expected = block.evaluate(tol=monitor.tol, max_iter=monitor.max_iter, dtype=torch.float32)
+            expected = block.evaluate(
+                lanczos=Lanczos(tol=monitor.tol, max_iter=monitor.max_iter, max_basis=None, warn=False),
+                dtype=torch.float32,
+            )
             for key in ("hessian/QQ/h0", "hessian/VV/h1", "hessian/W1W1", "ln/var_min", "term/x_norm"):
                 if key in expected:
                     actual = logged[step][f"{PREFIX}{block.spec.name}/{key}"]
@@ -234,9 +238,7 @@ def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
-    with pytest.warns(
-        CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"
-    ):
+    with pytest.warns(CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
         trainer.fit(TinyLM(), loader())
     assert trainer.global_step == 5  # training went on
     logged = curv_rows(read_rows(trainer))

@@ -21,6 +21,7 @@ from curvwatch import CurvatureMonitor
 from curvwatch.capture import CapturedBlock
 from curvwatch.closed_form import _lanczos, ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form.settings import Lanczos
 from tests.ddp_script import TinyLM, loader
 from tests.utils import assert_close_report
 
@@ -47,9 +48,18 @@ def _each_closed_form(device: torch.device) -> dict[str, torch.Tensor]:
     X, Ws, W1, W2, G, H = (t.to(device) if isinstance(t, torch.Tensor) else t for t in _inputs())
     Ws = [W.to(device) for W in Ws]
     out = {}
-    att = multi_head_attention(X, *Ws, n_heads=H, grad_output=G, causal=True, tol=1e-8, max_iter=200)
+    att = multi_head_attention(
+        X,
+        *Ws,
+        n_heads=H,
+        grad_output=G,
+        causal=True,
+        lanczos=Lanczos(tol=1e-8, max_iter=200, max_basis=None, warn=False),
+    )
     out.update({f"attn/{k}": v for k, v in att.items() if not k.startswith("residual/")})
-    mlp = ffn(X, W1, W2, activation="gelu", grad_output=G, tol=1e-8, max_iter=300)
+    mlp = ffn(
+        X, W1, W2, activation="gelu", grad_output=G, lanczos=Lanczos(tol=1e-8, max_iter=300, max_basis=None, warn=False)
+    )
     out.update({f"ffn/{k}": v for k, v in mlp.items() if not k.startswith("residual/")})
     ln = layernorm(X, grad_output=G, weight=torch.linspace(0.5, 1.5, X.shape[-1], dtype=DT, device=device))
     out.update({f"ln/{k}": v for k, v in ln.items()})

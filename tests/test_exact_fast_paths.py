@@ -9,6 +9,7 @@ from curvwatch.closed_form import ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
 from curvwatch.closed_form.attention import AttentionOperator, _keep_masks
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
+from curvwatch.closed_form.settings import EXACT
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -58,9 +59,9 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     v = _rand(gen, H, d)
     expected = torch.einsum("hnd,hn->hd", M, torch.einsum("hnd,hd->hn", M, v))
     assert_close_report(op._vv_matvec()(v), expected, TOL["float64"], name="M^T M v")
-    exact = op.outer_vv_norm(0.0, None)
+    exact = op.outer_vv_norm(EXACT)
     op.vv_exact = lambda d, max_iter: False  # take the Lanczos path at this small d
-    assert_close_report(op.outer_vv_norm(0.0, d), exact, TOL["lanczos"], name="outer/VV by Lanczos")
+    assert_close_report(op.outer_vv_norm(EXACT.replace(max_iter=d)), exact, TOL["lanczos"], name="outer/VV by Lanczos")
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])

@@ -8,6 +8,7 @@ import torch
 from curvwatch import reference
 from curvwatch.closed_form import ffn
 from curvwatch.closed_form.ffn import activation_derivatives
+from curvwatch.closed_form.settings import EXACT
 from tests.cases import DT, FFN_CASES, batch_shape, case_id, loss_kwargs, rand
 from tests.utils import TOL, assert_close_report
 
@@ -19,9 +20,7 @@ def test_dense_blocks_and_norms_match_autograd(case):
     Y = rand(gen, *bs, case["L"], case["d"])
     W_1, W_2, b_1 = rand(gen, case["d"], case["f"]), rand(gen, case["f"], case["d"]), rand(gen, case["f"])
     kw = loss_kwargs(gen, case, tuple(Y.shape))
-    ref = reference.ffn_blocks(
-        Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw
-    )
+    ref = reference.ffn_blocks(Y, W_1, W_2, b_1=b_1, activation=case["activation"], residual=case["residual"], **kw)
     out = ffn(
         Y,
         W_1,
@@ -30,7 +29,7 @@ def test_dense_blocks_and_norms_match_autograd(case):
         activation=case["activation"],
         residual=case["residual"],
         dense=True,
-        tol=0.0,
+        lanczos=EXACT,
         **kw,
     )
     norms = reference.dense_to_norms(ref)
@@ -59,7 +58,7 @@ def test_relu_dead_units_and_vanishing_w1w1_functional():
     W_1[:, 0] = -10 * Y.abs().sum(0).reciprocal() * 0  # column 0 zero: pre-activation 0, never positive
     b_1 = torch.zeros(6, dtype=DT)
     b_1[1] = -1e3  # unit 1 is dead
-    out = ffn(Y, W_1, rand(gen, 6, 3), b_1=b_1, grad_output=rand(gen, 8, 3), tol=0.0)
+    out = ffn(Y, W_1, rand(gen, 6, 3), b_1=b_1, grad_output=rand(gen, 8, 3), lanczos=EXACT)
     assert float(out["dead_fraction"]) == pytest.approx(2 / 6)
     assert float(out["functional/W1W1"]) == 0.0  # ReLU: act'' = 0 a.e.
     assert float(out["functional/W1W2"]) > 0.0  # the cross term is where FFN curvature comes from
@@ -68,8 +67,8 @@ def test_relu_dead_units_and_vanishing_w1w1_functional():
 def test_float32_agrees_with_float64():
     gen = torch.Generator().manual_seed(3)
     Y, W_1, W_2, G = rand(gen, 2, 6, 5), rand(gen, 5, 9), rand(gen, 9, 5), rand(gen, 2, 6, 5)
-    o64 = ffn(Y, W_1, W_2, activation="gelu", grad_output=G, tol=0.0)
-    o32 = ffn(Y.float(), W_1.float(), W_2.float(), activation="gelu", grad_output=G.float(), tol=0.0)
+    o64 = ffn(Y, W_1, W_2, activation="gelu", grad_output=G, lanczos=EXACT)
+    o32 = ffn(Y.float(), W_1.float(), W_2.float(), activation="gelu", grad_output=G.float(), lanczos=EXACT)
     for k, v in o64.items():
         assert_close_report(o32[k], v, TOL["float32"], name=k, atol=1e-6)
 

@@ -7,6 +7,7 @@ import torch
 
 from curvwatch.closed_form import _lanczos, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form.settings import Lanczos
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -44,7 +45,6 @@ def test_lanczos_zero_operator_and_negative_spectrum():
     D = torch.diag(torch.tensor([-7.0, 1.0, 2.0], dtype=DT))
     val, _ = lanczos_max_abs(lambda v: v @ D, (), 3, dtype=DT, device=torch.device("cpu"))
     assert abs(float(val) - 7.0) < 1e-6
-
 
 
 def test_second_gram_schmidt_pass_runs_only_where_the_first_cancelled(monkeypatch):
@@ -87,7 +87,6 @@ def test_second_gram_schmidt_pass_runs_only_where_the_first_cancelled(monkeypatc
         assert abs(val - forced) <= 1e-12 * forced
 
 
-
 def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
     """Off the CPU, Lanczos always re-orthogonalises twice (no sync decides it) and doubles its basis buffer
     instead of allocating it whole; run that path here (``_on_cpu`` patched) against the CPU path."""
@@ -112,7 +111,6 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
     assert_close_report(val, expected, 1e-10)
     assert_close_report(val, host_val, 1e-12)
     assert_close_report(vec.abs(), host_vec.abs(), 1e-8)
-
 
 
 def test_lanczos_off_cpu_stopping_test_runs_on_the_host_every_few_steps(monkeypatch):
@@ -192,7 +190,14 @@ def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_one
     X, T = torch.randn(2, 12, 16, generator=gen, dtype=DT), torch.randn(2, 12, 16, generator=gen, dtype=DT)
     W = [torch.randn(16, 16, generator=gen, dtype=DT) * 0.5 for _ in range(4)]
     for max_iter, converged in ((None, True), (2, False)):
-        r = multi_head_attention(X, *W, n_heads=2, target=T, pairs=["VV", "QQ", "VK"], tol=1e-6, max_iter=max_iter)
+        r = multi_head_attention(
+            X,
+            *W,
+            n_heads=2,
+            target=T,
+            pairs=["VV", "QQ", "VK"],
+            lanczos=Lanczos(tol=1e-6, max_iter=max_iter, max_basis=None, warn=False),
+        )
         norms = [k for k in r if k.split("/")[0] in ("outer", "functional", "hessian")]
         lanczos = [k for k in norms if "/VV/" not in k]  # VV is exact at d <= 256
         assert sorted(k[len("residual/") :] for k in r if k.startswith("residual/")) == sorted(lanczos)
@@ -200,10 +205,17 @@ def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_one
         assert (res <= 1e-6).all() if converged else (res > 1e-6).any()
     W1, W2 = torch.randn(16, 32, generator=gen, dtype=DT), torch.randn(32, 16, generator=gen, dtype=DT)
     for activation in ("relu", "gelu"):
-        r = ffn(X, W1, W2, activation=activation, target=T, pairs=["W1W1", "W2W2"], tol=1e-6)
+        r = ffn(
+            X,
+            W1,
+            W2,
+            activation=activation,
+            target=T,
+            pairs=["W1W1", "W2W2"],
+            lanczos=Lanczos(tol=1e-6, max_iter=None, max_basis=None, warn=False),
+        )
         kinds = ("functional", "hessian", "outer") if activation == "gelu" else ("hessian", "outer")  # relu: H_f = 0
         assert sorted(k for k in r if k.startswith("residual/")) == [f"residual/{kind}/W1W1" for kind in kinds]
-
 
 
 def test_warm_start_at_the_smaller_end_still_finds_the_larger_one():
@@ -456,7 +468,8 @@ def test_kernels_with_max_basis_give_the_same_norms():
         ),
     }  # fmt: skip
     for name, call in calls.items():
-        full, limited = call(tol=1e-8, max_iter=2000), call(tol=1e-8, max_iter=2000, max_basis=6)
+        full = call(lanczos=Lanczos(tol=1e-8, max_iter=2000, max_basis=None))
+        limited = call(lanczos=Lanczos(tol=1e-8, max_iter=2000, max_basis=6))
         assert full.keys() == limited.keys()
         for key, value in full.items():
             if not key.startswith("residual/"):

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
+from curvwatch.closed_form.settings import EXACT
 
 DT = torch.float64
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,12 +52,8 @@ def test_attention_finite_nonnegative_and_bounded(B, L, d, H, d_K, d_V, log_scal
         _tensor(seed + 3, d, H * d_V),
         _tensor(seed + 4, H * d_V, d),
     ]
-    kw = (
-        {"target": _tensor(seed + 5, B, L, d)}
-        if mode == "target"
-        else {"grad_output": _tensor(seed + 5, B, L, d)}
-    )
-    out = multi_head_attention(X, *W, H, causal=causal, tol=0.0, **kw)
+    kw = {"target": _tensor(seed + 5, B, L, d)} if mode == "target" else {"grad_output": _tensor(seed + 5, B, L, d)}
+    out = multi_head_attention(X, *W, H, causal=causal, lanczos=EXACT, **kw)
     _finite_nonneg(out)
     for key, bound in out.items():
         if key.startswith("bound/"):
@@ -106,7 +103,7 @@ def test_ffn_finite_nonnegative(L, d, f, act, log_scale, seed):
         _tensor(seed + 2, f, d),
         activation=act,
         grad_output=_tensor(seed + 3, L, d),
-        tol=0.0,
+        lanczos=EXACT,
     )
     _finite_nonneg(out)
     assert 0.0 <= float(out["dead_fraction"]) <= 1.0

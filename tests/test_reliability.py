@@ -28,6 +28,7 @@ from benchmarks.common import PeakMemory
 from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
 from curvwatch.capture import Capture, CapturedBlock, CaptureError
+from curvwatch.closed_form.settings import Lanczos
 from curvwatch.models.gpt import GPT, GPTConfig
 from tests.ddp_script import SEQ, VOCAB, TinyLM, loader
 from tests.utils import assert_close_report
@@ -296,7 +297,7 @@ def test_out_of_memory_in_lanczos_bases_halves_the_vectors_held_not_the_tokens(t
 
     def oom_once(self, **kwargs):
         if self.spec.name == "layer0/attn":
-            calls.append((self.tokens, kwargs.get("max_basis")))
+            calls.append((self.tokens, kwargs["lanczos"].max_basis))
             if len(calls) == 1:
                 raise torch.OutOfMemoryError("induced: tried to allocate 1 TiB")
         return original(self, **kwargs)
@@ -433,7 +434,11 @@ def _evaluate_all(blocks) -> dict[str, dict[str, float]]:
     return {
         b.spec.name: {
             k: float(v)
-            for k, v in b.evaluate(tol=1e-6, max_iter=30, dtype=torch.float64, pairs=("VV", "QQ", "W1W1")).items()
+            for k, v in b.evaluate(
+                lanczos=Lanczos(tol=1e-6, max_iter=30, max_basis=None, warn=False),
+                dtype=torch.float64,
+                pairs=("VV", "QQ", "W1W1"),
+            ).items()
         }
         for b in blocks
     }
@@ -530,7 +535,8 @@ def test_mixed_precision_computed_in_float32(tmp_path, spy, monkeypatch, precisi
     assert dtypes == {torch.float32}  # the closed forms ran in float32 whatever autocast produced
     assert all(math.isfinite(v) for v in mixed.values())
     for block in blocks:  # the logged numbers are the float32 closed form of the captured tensors
-        expected = original(block, tol=monitor.tol, max_iter=monitor.max_iter, dtype=torch.float32)
+        lanczos = Lanczos(tol=monitor.tol, max_iter=monitor.max_iter, max_basis=None, warn=False)
+        expected = original(block, lanczos=lanczos, dtype=torch.float32)
         for key in ("hessian/QQ/h0", "hessian/VV/h1", "hessian/W1W1", "ln/var_min", "var_min", "term/x_norm"):
             if key in expected:
                 name = f"{P}{block.spec.name}/{key if '/' in key else 'ln/' + key}"
@@ -555,7 +561,11 @@ def test_evaluation_bytes_bounds_measured_peak(B, L, d):
     _, blocks = _captured_gpt(B, L, d)
     for block in blocks:
         with PeakMemory() as peak:
-            block.evaluate(tol=1e-3, max_iter=20, dtype=torch.float32, pairs=("VV", "QQ", "KK", "W1W1", "W2W2"))
+            block.evaluate(
+                lanczos=Lanczos(tol=1e-3, max_iter=20, max_basis=None, warn=False),
+                dtype=torch.float32,
+                pairs=("VV", "QQ", "KK", "W1W1", "W2W2"),
+            )
         estimate = block.evaluation_bytes(torch.float32, max_iter=20)
         assert 0 < peak.peak <= estimate, f"{block.spec.name}: measured {peak.peak} B > estimate {estimate} B"
 
@@ -565,7 +575,7 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     original = CapturedBlock.evaluate
 
     def evaluate(self, **kwargs):
-        basis = kwargs.get("max_basis")
+        basis = kwargs["lanczos"].max_basis if "lanczos" in kwargs else None
         evaluated.append((self.spec.name, self.tokens, self.evaluation_bytes(torch.float32, 20, basis), basis))
         return original(self, **kwargs)
 
@@ -598,7 +608,7 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
     original = CapturedBlock.evaluate
 
     def evaluate(self, **kwargs):
-        evaluated.append((self.spec.name, self.tokens, kwargs.get("max_basis")))
+        evaluated.append((self.spec.name, self.tokens, kwargs["lanczos"].max_basis if "lanczos" in kwargs else None))
         return original(self, **kwargs)
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
@@ -653,7 +663,11 @@ def _leak_loop():
         with Capture(specs, max_tokens=8) as capture:
             model(idx).square().mean().backward()
         for block in capture.blocks():  # VV is closed form: the loop stays fast, the path is the same
-            block.evaluate(tol=1e-3, max_iter=4, dtype=torch.float32, pairs=("VV", "W2W2"))
+            block.evaluate(
+                lanczos=Lanczos(tol=1e-3, max_iter=4, max_basis=None, warn=False),
+                dtype=torch.float32,
+                pairs=("VV", "W2W2"),
+            )
         model.zero_grad(set_to_none=True)
         if i in (199, 1999):
             rss.append(_rss_mib())

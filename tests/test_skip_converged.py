@@ -10,6 +10,7 @@ from curvwatch.closed_form._lanczos import lanczos_max_abs
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.block import TransformerBlockOperator
 from curvwatch.closed_form.ffn import FFNOperator
+from curvwatch.closed_form.settings import EXACT, Lanczos
 from tests.cases import DT, rand
 
 CPU = torch.device("cpu")
@@ -61,7 +62,7 @@ def _problems():
 @pytest.mark.parametrize("case", _problems(), ids=lambda c: c[0])
 def test_converged_kinds_are_not_computed(case, monkeypatch):
     name, cls, call = case
-    kw = dict(tol=1e-5, max_iter=40)
+    kw = dict(lanczos=Lanczos(tol=1e-5, max_iter=40, max_basis=None, warn=False))
     reference = call(**kw)  # with the skipping
     runs = []  # per Lanczos run, per product: (tangent rows the operator got, kinds with a live member)
     apply = cls.apply
@@ -112,8 +113,8 @@ def test_block_kind_subsets_of_an_off_diagonal_pair():
     p = {"n_heads": 2, "W_Q": rand(gen, 4, 6), "W_K": rand(gen, 4, 6), "W_V": rand(gen, 4, 4)}
     p.update(W_O=rand(gen, 4, 4), W_1=rand(gen, 4, 3), W_2=rand(gen, 3, 4))
     T = rand(gen, 2, 4, 4)
-    every = transformer_block(X, p, target=T, pairs=("VK", "QW1"), tol=0.0)
+    every = transformer_block(X, p, target=T, pairs=("VK", "QW1"), lanczos=EXACT)
     for kinds in (("outer", "hessian"), ("functional", "hessian"), ("hessian",)):
-        some = transformer_block(X, p, target=T, pairs=("VK", "QW1"), kinds=kinds, tol=0.0)
+        some = transformer_block(X, p, target=T, pairs=("VK", "QW1"), kinds=kinds, lanczos=EXACT)
         for key in (k for k in some if k.split("/")[0] in kinds):
             assert torch.allclose(some[key], every[key], rtol=1e-9, atol=1e-12), (kinds, key)

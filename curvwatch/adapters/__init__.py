@@ -49,6 +49,9 @@ from curvwatch.adapters.builtin import (
     GPTBlockAdapter,
     TorchTransformerLayerAdapter,
 )
+from curvwatch.adapters.hf import BartLayerAdapter, GPTNeoXLayerAdapter, HFDecoderLayerAdapter, ViTLayerAdapter
+from curvwatch.adapters.litgpt import LitGPTBlockAdapter
+from curvwatch.adapters.structural import recognize
 
 __all__ = [
     "ADAPTERS",
@@ -78,6 +81,16 @@ ADAPTERS: dict[type | str, Adapter] = {
     "curvwatch.models.gpt:Block": GPTBlockAdapter(),
     "transformers.models.gpt2.modeling_gpt2:GPT2Block": GPT2BlockAdapter(),
     "transformers.models.bert.modeling_bert:BertLayer": BertLayerAdapter(),
+    "litgpt.model:Block": LitGPTBlockAdapter(),
+    "transformers.models.llama.modeling_llama:LlamaDecoderLayer": HFDecoderLayerAdapter(),
+    "transformers.models.mistral.modeling_mistral:MistralDecoderLayer": HFDecoderLayerAdapter(),
+    "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer": HFDecoderLayerAdapter(),
+    "transformers.models.qwen3.modeling_qwen3:Qwen3DecoderLayer": HFDecoderLayerAdapter(),
+    "transformers.models.gemma.modeling_gemma:GemmaDecoderLayer": HFDecoderLayerAdapter(),
+    "transformers.models.gpt_neox.modeling_gpt_neox:GPTNeoXLayer": GPTNeoXLayerAdapter(),
+    "transformers.models.vit.modeling_vit:ViTLayer": ViTLayerAdapter(),
+    "transformers.models.bart.modeling_bart:BartEncoderLayer": BartLayerAdapter(),
+    "transformers.models.bart.modeling_bart:BartDecoderLayer": BartLayerAdapter(),
 }
 
 
@@ -123,12 +136,16 @@ def register_adapter(module_type: type, adapter: Adapter) -> None:
 
 
 def _no_layer_message(model: nn.Module) -> str:
-    counts = Counter(type(m).__name__ for m in model.modules())
+    def _qualified(t: type | str) -> str:  # "module:QualName": litgpt, nanoGPT and curvwatch all have a `Block`
+        return t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}"
+
+    counts = Counter(_qualified(type(m)) for m in model.modules())
     found = ", ".join(f"{name} ({n})" for name, n in counts.most_common(8))
-    known = sorted(k.rsplit(":", 1)[-1] if isinstance(k, str) else k.__name__ for k in ADAPTERS)
+    known = sorted(_qualified(k) for k in ADAPTERS)
     return (
         f"find_blocks found no known Transformer layer in {type(model).__name__}. Module types found (most "
-        f"frequent first): {found}. Known layer types: {', '.join(known)}.\n"
+        f"frequent first): {found}. Known layer types: {', '.join(known)}; also recognised by structure: "
+        "nanoGPT-style layers (ln_1, attn.c_attn/c_proj, ln_2, mlp.c_fc/c_proj).\n"
         "Fix: if your layer has the structure of a known one, register it before building the monitor:\n"
         "    curvwatch.register_adapter(MyLayer, curvwatch.adapters.ADAPTERS[nn.TransformerEncoderLayer])\n"
         "or subclass curvwatch.adapters.Adapter and pass explicit specs:\n"
@@ -172,6 +189,8 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[BlockSpec] = "auto") ->
             if any(name.startswith(p + ".") for p in inside):
                 continue
             adapter = adapter_for(type(module))
+            if adapter is None:
+                adapter = recognize(module)
             if adapter is not None:
                 specs.extend(adapter.specs(module, len(inside)))
                 inside.append(name)

@@ -5,6 +5,7 @@ from .block import transformer_block
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 from .ffn import ffn
 from .layernorm import layernorm
+from .settings import EXACT, Lanczos, LanczosWarning, WarmStart
 
 __all__ = [
     # attention
@@ -14,6 +15,11 @@ __all__ = [
     "layernorm",
     "ffn",
     "transformer_block",
+    # settings of the iterative (Lanczos) norms
+    "Lanczos",
+    "WarmStart",
+    "EXACT",
+    "LanczosWarning",
     # bound terms
     "attention_bounds",
     "softmax_jacobian_norm",

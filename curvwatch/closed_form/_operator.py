@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ._lanczos import lanczos_max_abs
+from .settings import Lanczos
 
 KINDS = ("outer", "functional", "hessian")
 
@@ -299,11 +300,8 @@ def spectral_norms(
     pairs: Sequence[str],
     *,
     kinds: Sequence[str] = KINDS,
-    tol: float = 1e-6,
-    max_iter: int | None = None,
+    lanczos: Lanczos,
     skip: Sequence[tuple[str, str]] = (),
-    warm_start: dict | None = None,
-    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms ``{kind}/{pair}[/h{i}]`` of the requested block pairs, by batched Lanczos.
 
@@ -311,12 +309,9 @@ def spectral_norms(
         op: the block operator.
         pairs: pair names such as ``"QQ"``, ``"VK"``, ``"W1W2"``.
         kinds: subset of ``("outer", "functional", "hessian")``.
-        tol: relative accuracy of each norm (Lanczos residual criterion).
-        max_iter: most Lanczos steps per norm.
-        max_basis: most Lanczos vectors held per norm (thick restarts beyond; see :func:`lanczos_max_abs`).
+        lanczos: the Lanczos settings (tolerance, steps, basis, warm start); the Ritz vectors of each norm
+            are stored in its ``warm_start`` and used as start vectors next time.
         skip: ``(kind, pair)`` combinations computed elsewhere (exactly) and not needed here.
-        warm_start: a dict the caller keeps between calls: the Ritz vectors of each norm are stored in it
-            and used as Lanczos start vectors next time (fewer steps when the weights moved little).
 
     Returns:
         Flat dict of 0-d tensors: the norms ``{kind}/{pair}[/h{i}]`` and, for each, ``residual/{kind}/{pair}[/h{i}]``,
@@ -331,9 +326,7 @@ def spectral_norms(
         if not ks:
             continue
         emb, mv = pair_matvec(op, pair, ks)
-        vals, rel = _lanczos_norms(
-            op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], tol, max_iter, warm_start, max_basis
-        )
+        vals, rel = _lanczos_norms(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], lanczos)
         for i, kind in enumerate(ks):
             for h, key in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
                 out[key] = vals[i, h]
@@ -341,26 +334,28 @@ def spectral_norms(
     return out
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, tol, max_iter, warm_start, max_basis=None):
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos):
     """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
-    and stored into ``warm_start``."""
+    and stored into ``lanczos.warm_start``."""
     info: dict = {}
+    warm = lanczos.warm_start
+    shape = (len(kinds), emb.H, emb.n)
     vals, ritz = lanczos_max_abs(
         mv,
-        (len(kinds), emb.H),
+        shape[:2],
         emb.n,
         dtype=op.dtype,
         device=op.device,
-        tol=tol,
-        max_iter=max_iter,
-        max_basis=max_basis,
+        tol=lanczos.tol,
+        max_iter=lanczos.max_iter,
+        max_basis=lanczos.max_basis,
         pass_live=True,
-        v0=_warm_vector(warm_start, key, (len(kinds), emb.H, emb.n), op),
+        v0=None if warm is None else warm.get(key, shape, op.dtype, op.device),
         both_ends=_both_ends(kinds, op, diagonal=diagonal),
         info=info,
     )
-    if warm_start is not None:
-        warm_start[key] = ritz.detach()
+    if warm is not None:
+        warm.put(key, ritz)
     return vals, info["rel_residual"]
 
 
@@ -375,27 +370,13 @@ def _both_ends(kinds: Sequence[str], op: BlockOperator, diagonal: bool) -> torch
     return torch.tensor(need, dtype=torch.bool, device=op.device).unsqueeze(-1)
 
 
-def _warm_vector(warm_start: dict | None, key, shape: tuple[int, ...], op: BlockOperator) -> torch.Tensor | None:
-    """The stored start vectors for ``key`` when they still fit (same shape), else None."""
-    if warm_start is None:
-        return None
-    v0 = warm_start.get(key)
-    if v0 is None or tuple(v0.shape) != tuple(shape):
-        return None
-    # non-finite entries become 0 (Lanczos mixes noise into a zero start); no host-device sync to check
-    return torch.nan_to_num(v0.to(dtype=op.dtype, device=op.device), nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def full_norms(
     op: BlockOperator,
     names: Sequence[str],
     label: str,
     *,
     kinds: Sequence[str] = KINDS,
-    tol: float,
-    max_iter: int | None,
-    warm_start: dict | None = None,
-    max_basis: int | None = None,
+    lanczos: Lanczos,
 ) -> dict[str, torch.Tensor]:
     """Spectral norms of the whole multi-block Hessian over ``names`` (e.g. Q, K, V), per kind and head."""
     emb = _Embedding(op, names)
@@ -405,7 +386,7 @@ def full_norms(
         return lambda u: emb.extract(apply_kinds(op, emb.embed(u, names), names, rows), names, u.shape[0])
 
     mv = _skip_dead_kinds(kinds, make)
-    vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, tol, max_iter, warm_start, max_basis)
+    vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, lanczos)
     out = {}
     for i, kind in enumerate(kinds):
         for h, key in enumerate(head_keys(op, f"{kind}/{label}", names)):

@@ -43,6 +43,7 @@ from ._operator import (
     spectral_norms,
 )
 from .bounds import _attention_bound_table, softmax_bound_factors
+from .settings import Lanczos
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
 
@@ -300,8 +301,7 @@ class AttentionOperator(BlockOperator):
 
     def outer_vv_norm(
         self,
-        tol: float,
-        max_iter: int | None,
+        lanczos: Lanczos,
         gram: torch.Tensor | None = None,
         wo2: torch.Tensor | None = None,
         info: dict | None = None,
@@ -315,7 +315,7 @@ class AttentionOperator(BlockOperator):
         """
         if gram is None:
             d = self.X.shape[-1]
-            if self.vv_exact(d, max_iter):
+            if self.vv_exact(d, lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
             else:
                 gram, _ = lanczos_max_abs(
@@ -324,8 +324,9 @@ class AttentionOperator(BlockOperator):
                     d,
                     dtype=self.dtype,
                     device=self.device,
-                    tol=tol,
-                    max_iter=max_iter,
+                    tol=lanczos.tol,
+                    max_iter=lanczos.max_iter,
+                    max_basis=lanczos.max_basis,
                     info=info,
                 )
         gram = gram.clamp_min(0)
@@ -413,14 +414,11 @@ def _attention(
     causal,
     key_padding_mask,
     pairs,
-    tol,
-    max_iter,
+    lanczos,
     dense,
     single,
     kinds=KINDS,
-    warm_start=None,
     terms=True,
-    max_basis=None,
 ):
     """Shared body of :func:`self_attention` and :func:`multi_head_attention`; ``X3`` ``(B, L, d)`` is checked."""
     B, L, d = X3.shape
@@ -452,7 +450,7 @@ def _attention(
 
     # every exact spectral norm of the evaluation in one batched call (one eigvalsh per Gram size)
     mats: dict[str, torch.Tensor] = {}
-    vv_exact = "VV" in pairs and op.vv_exact(d, max_iter)
+    vv_exact = "VV" in pairs and op.vv_exact(d, lanczos.max_iter)
     if vv_exact:
         mats["vv"] = op.vv_factor()  # (H, B L, d)
     if W_O is not None and ("VV" in pairs or terms):
@@ -464,7 +462,7 @@ def _attention(
     out: dict[str, torch.Tensor] = {}
     if "VV" in pairs:
         info: dict = {}
-        vv = op.outer_vv_norm(tol, max_iter, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
+        vv = op.outer_vv_norm(lanczos, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
         zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
         for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
             out[f"outer/{key}"] = v
@@ -473,17 +471,17 @@ def _attention(
             if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
                 out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
-    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}  # Lanczos settings
     if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, **lz))
+        out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lanczos))
     if "QKV" in pairs or pairs == ATTENTION_PAIRS:
-        out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, **lz))
+        out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
 
     if terms:
         norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
         out.update(_terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk))
     if dense:
         out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
+    lanczos.warn_unconverged(out, "self_attention" if single else "multi_head_attention")
     return out
 
 
@@ -555,12 +553,9 @@ def self_attention(
     key_padding_mask: torch.Tensor | None = None,
     pairs=None,
     kinds=KINDS,
-    tol: float = 1e-6,
-    max_iter: int | None = None,
+    lanczos: Lanczos | None = None,
     dense: bool = False,
-    warm_start: dict | None = None,
     terms: bool = True,
-    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -576,12 +571,12 @@ def self_attention(
         pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all).
         kinds: which iterative norms to compute, a subset of ``("outer", "functional", "hessian")``
             (each costs its own Lanczos run; ``outer/VV`` is exact and always returned with ``VV``).
-        tol: relative accuracy of the iterative spectral norms (Lanczos residual); 0 runs to max_iter.
-        max_iter: most Lanczos steps per norm (default: the block size, i.e. exact).
-        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
-            stored there last time (the monitor uses it across evaluations) and stores the new ones.
-        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
-            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
+        lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
+            ``Lanczos()``: relative residual 1e-3, at most 100 steps and 16 vectors held per norm, a
+            :class:`~curvwatch.closed_form.LanczosWarning` when a norm does not converge; ``EXACT`` runs each
+            norm to the block size, for small blocks). Its ``warm_start`` (a
+            :class:`~curvwatch.closed_form.WarmStart` kept between calls) starts each norm from the last Ritz
+            vectors, as the monitor does across evaluations.
         terms: also return the bound terms ``term/...`` and the corrected bounds ``bound/...`` (default);
             False computes the norms only.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
@@ -628,14 +623,11 @@ def self_attention(
         causal=causal,
         key_padding_mask=key_padding_mask,
         pairs=pairs,
-        tol=tol,
-        max_iter=max_iter,
+        lanczos=Lanczos() if lanczos is None else lanczos,
         dense=dense,
         single=True,
         kinds=kinds,
-        warm_start=warm_start,
         terms=terms,
-        max_basis=max_basis,
     )
 
 
@@ -658,12 +650,9 @@ def multi_head_attention(
     key_padding_mask: torch.Tensor | None = None,
     pairs=None,
     kinds=KINDS,
-    tol: float = 1e-6,
-    max_iter: int | None = None,
+    lanczos: Lanczos | None = None,
     dense: bool = False,
-    warm_start: dict | None = None,
     terms: bool = True,
-    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -676,8 +665,8 @@ def multi_head_attention(
             ``h d_K:(h+1) d_K`` (rows ``h d_V:(h+1) d_V`` of ``W_O``).
         n_heads: ``H``.
         b_Q, b_K: ``(H d_K,)``; b_V: ``(H d_V,)``; b_O: ``(m,)``; optional.
-        target, grad_output, output_curvature, causal, key_padding_mask, pairs, kinds, tol, max_iter,
-            warm_start, terms, dense, max_basis: as in :func:`self_attention` (default ``c = 2/(L m)``).
+        target, grad_output, output_curvature, causal, key_padding_mask, pairs, kinds, lanczos, terms,
+            dense: as in :func:`self_attention` (default ``c = 2/(L m)``).
 
     Returns:
         The keys of :func:`self_attention` suffixed ``/h{i}`` for per-head quantities, e.g.
@@ -730,12 +719,9 @@ def multi_head_attention(
         causal=causal,
         key_padding_mask=key_padding_mask,
         pairs=pairs,
-        tol=tol,
-        max_iter=max_iter,
+        lanczos=Lanczos() if lanczos is None else lanczos,
         dense=dense,
         single=False,
         kinds=kinds,
-        warm_start=warm_start,
         terms=terms,
-        max_basis=max_basis,
     )

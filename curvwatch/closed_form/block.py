@@ -21,6 +21,7 @@ from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_bloc
 from .attention import AttentionOperator, _keep_masks, _split_heads
 from .ffn import activation_derivatives
 from .layernorm import LayerNormRows
+from .settings import Lanczos
 
 BLOCK_NAMES = ("V", "Q", "K", "W1", "W2")
 BLOCK_PAIRS = tuple(a + b for i, a in enumerate(BLOCK_NAMES) for b in BLOCK_NAMES[i:])
@@ -250,11 +251,8 @@ def transformer_block(
     output_curvature: float | None = None,
     pairs=None,
     kinds=KINDS,
-    tol: float = 1e-6,
-    max_iter: int | None = None,
+    lanczos: Lanczos | None = None,
     dense: bool = False,
-    warm_start: dict | None = None,
-    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian block norms of a whole Transformer block in ``V, Q, K`` (per head), ``W1``, ``W2``.
 
@@ -270,11 +268,7 @@ def transformer_block(
         target / grad_output / output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
         kinds: subset of ``("outer", "functional", "hessian")``.
-        tol, max_iter: Lanczos accuracy and step limit.
-        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
-            stored there last time (the monitor uses it across evaluations) and stores the new ones.
-        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
-            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
+        lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`, default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` blocks ``(n_X, n_Y)``.
 
     Returns:
@@ -311,12 +305,13 @@ def transformer_block(
     for q in pairs:
         if q not in BLOCK_PAIRS:
             raise ValueError(f"Unknown block pair {q!r}; choose from {BLOCK_PAIRS}.")
-    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}
-    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), **lz)
+    lz = Lanczos() if lanczos is None else lanczos
+    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), lanczos=lz)
     for name, ln in (("ln1", op.ln1), ("ln2", op.ln2)):
         s_min = ln.s.min()
         out[f"term/{name}_inv_std_max"] = 1.0 / s_min
         out[f"term/{name}_inv_var_max"] = 1.0 / (s_min * s_min)
     if dense:
         out.update(dense_blocks(op, pairs))
+    lz.warn_unconverged(out, "transformer_block")
     return out

@@ -26,6 +26,7 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
+from .settings import Lanczos
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -168,11 +169,8 @@ def ffn(
     row_mask: torch.Tensor | None = None,
     pairs=None,
     kinds=KINDS,
-    tol: float = 1e-6,
-    max_iter: int | None = None,
+    lanczos: Lanczos | None = None,
     dense: bool = False,
-    warm_start: dict | None = None,
-    max_basis: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
@@ -186,11 +184,9 @@ def ffn(
         row_mask: ``(B, L)`` bool, True = token included.
         pairs: subset of ``("W1W1", "W2W2", "W1W2")``.
         kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
-        tol, max_iter: Lanczos accuracy and step limit.
-        warm_start: optional dict kept by the caller between calls; Lanczos starts from the Ritz vectors
-            stored there last time (the monitor uses it across evaluations) and stores the new ones.
-        max_basis: most Lanczos vectors held per norm (default: ``max_iter``); with fewer, a run restarts
-            when its basis is full (same accuracy, more products, memory bounded whatever ``max_iter``).
+        lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
+            ``Lanczos()``: tol 1e-3, at most 100 steps and 16 vectors held per norm, a warning if one does not
+            converge).
         dense: also return ``dense/{outer,functional,hessian}/XY``.
 
     Returns:
@@ -234,7 +230,7 @@ def ffn(
         S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
     )
     relu = activation == "relu"
-    lz = {"tol": tol, "max_iter": max_iter, "warm_start": warm_start, "max_basis": max_basis}  # Lanczos settings
+    lz = Lanczos() if lanczos is None else lanczos
     for p in pairs:
         if p not in FFN_PAIRS:
             raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
@@ -257,14 +253,14 @@ def ffn(
         iterative.remove("W1W1")
         zero = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
         if "outer" in kinds or "hessian" in kinds:
-            o = spectral_norms(op, ["W1W1"], kinds=["outer"], **lz)
+            o = spectral_norms(op, ["W1W1"], kinds=["outer"], lanczos=lz)
             for k in kinds:
                 if k != "functional":
                     out[f"{k}/W1W1"], out[f"residual/{k}/W1W1"] = o["outer/W1W1"], o["residual/outer/W1W1"]
         if "functional" in kinds:
             out["functional/W1W1"] = zero
     if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, **lz))
+        out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lz))
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:
@@ -278,4 +274,5 @@ def ffn(
     out["term/w1_norm"], out["term/w2_norm"] = (t.clamp_min(0).sqrt() for t in (w1, w2))
     if dense:
         out.update(dense_blocks(op, FFN_PAIRS))
+    lz.warn_unconverged(out, "ffn")
     return out

@@ -1,0 +1,315 @@
+"""The evaluation engine: captured blocks in, named numbers out, with the monitor's budgets and fault policy.
+
+:class:`Engine` needs no ``Trainer``: give it the :class:`~curvwatch.capture.CapturedBlock` list of one step and
+it returns an :class:`Evaluation` (``{block: {key: 0-d tensor}}``, keys prefixed by each block's kind). It owns
+
+* the Lanczos settings and one :class:`~curvwatch.closed_form.WarmStart` per block (each norm starts from the last
+  evaluation's Ritz vectors; not checkpointed: a cold start is only slower);
+* the memory policy: the token limit (``max_tokens``, halved after an out-of-memory error), the Lanczos vectors
+  held per norm (``max_basis``, halved after an out-of-memory error the bases dominate) and the optional
+  per-block memory budget;
+* the fault policy: a block whose captured tensors hold NaN or Inf is not evaluated (its result is the flag
+  ``skipped_nonfinite``); a block whose closed form raises is left out alone (``Evaluation.failed``), the other
+  blocks are kept; out of memory frees, shrinks what dominates and retries once.
+
+Example:
+    >>> from curvwatch.adapters import find_blocks
+    >>> from curvwatch.capture import Capture
+    >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    >>> with Capture(find_blocks(layer), max_tokens=16) as capture:
+    ...     layer(torch.randn(2, 4, 8)).square().sum().backward()
+    >>> evaluation = Engine().evaluate(capture.blocks())
+    >>> sorted(evaluation.results), "ln/var_min" in evaluation.results["layer0/ln_1"]
+    (['layer0/attn', 'layer0/ffn', 'layer0/ln_1', 'layer0/ln_2'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from curvwatch.alerts import CurvatureWarning
+from curvwatch.capture import CapturedBlock, vectors_held
+from curvwatch.closed_form.settings import Lanczos, WarmStart
+from curvwatch.kinds import KINDS
+from curvwatch.metrics import select_pairs
+
+__all__ = ["NONFINITE", "Engine", "Evaluation"]
+
+#: Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
+NONFINITE = "skipped_nonfinite"
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_PARTS = ("outer", "functional", "hessian")
+
+
+@dataclass
+class Evaluation:
+    """What one :meth:`Engine.evaluate` call produced.
+
+    Args:
+        results: ``{block: {key: 0-d tensor or float}}``, keys relative to the block and prefixed by its kind
+            (``"ln/var_min"``); a block with non-finite captured tensors has ``{"skipped_nonfinite": 1.0}``
+            (plus the input-only statistics of kinds that have them).
+        excluded: ``{block: reason}`` for blocks the capture could not record (frozen, unused, unsupported).
+        failed: ``{block: "ExceptionType: message"}`` for blocks whose closed form raised; left out alone.
+        nonfinite: Blocks whose captured ``X`` or ``grad_output`` held NaN or Inf.
+        cold: Blocks whose Lanczos runs started without warm-start vectors (first evaluation, resume).
+    """
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    nonfinite: list[str] = field(default_factory=list)
+    cold: set[str] = field(default_factory=set)
+
+
+class BlockError(Exception):
+    """An evaluation error and the block it happened in (raised by :meth:`Engine.evaluate` with ``raise_errors``)."""
+
+    def __init__(self, block: str, error: BaseException) -> None:
+        super().__init__(f"{block}: {type(error).__name__}: {error}")
+        self.block = block
+        self.error = error
+
+
+class Engine:
+    """Evaluate captured blocks into named numbers (see the module docstring).
+
+    Args:
+        tol, max_iter, max_basis: Lanczos settings of the iterative norms (see :class:`~curvwatch.closed_form.Lanczos`).
+        dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
+        pairs: ``"diagonal"``, ``"all"`` or pair names; the engine keeps exactly the keys of these pairs.
+        kinds: Iterative norms to compute: a subset of ``("outer", "functional", "hessian")``.
+        max_tokens: Most token positions per block.
+        memory_budget_mb: Most extra memory one block's closed form may take, or ``None``.
+        raise_errors: Re-raise a block's closed-form error (as :class:`BlockError`) instead of leaving the block
+            out.
+
+    Raises:
+        ValueError: If an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        *,
+        tol: float = 1e-2,
+        max_iter: int = 40,
+        max_basis: int | None = 16,
+        dtype: str = "float32",
+        pairs: str | Sequence[str] = "diagonal",
+        kinds: Sequence[str] = _PARTS,
+        max_tokens: int = 512,
+        memory_budget_mb: float | None = None,
+        raise_errors: bool = False,
+    ) -> None:
+        self.lanczos = Lanczos(tol=float(tol), max_iter=max_iter, max_basis=max_basis, warn=False)
+        if dtype not in _DTYPES:
+            raise ValueError(f"Invalid dtype={dtype!r}. Must be one of {tuple(_DTYPES)}.")
+        self.dtype = dtype
+        self.pairs = pairs if isinstance(pairs, str) else tuple(pairs)
+        # what the kernels compute (select_pairs then keeps exactly the requested keys)
+        if self.pairs == "all":
+            self._kernel_pairs: tuple[str, ...] | None = None
+        elif self.pairs == "diagonal":
+            self._kernel_pairs = tuple(p for kind in KINDS.values() for p in kind.diagonal_pairs)
+        else:
+            self._kernel_pairs = self.pairs
+        self.kinds = tuple(kinds)
+        self.max_tokens = max_tokens
+        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
+        self.raise_errors = raise_errors
+        self.token_limit = max_tokens  # halved after an out-of-memory error
+        self.basis_limit: int | None = max_basis  # halved after an out-of-memory error the bases dominate
+        self.warm: dict[str, WarmStart] = {}
+        self.warned: set[str] = set()  # one-time warnings given (kept in checkpoints by the caller)
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The limits lowered by out-of-memory errors (warm starts are not kept: a cold start is only slower)."""
+        return {"token_limit": self.token_limit, "basis_limit": self.basis_limit}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the limits, never above this engine's own ``max_tokens`` / ``max_basis``."""
+        self.token_limit = min(int(state.get("token_limit", self.max_tokens)), self.max_tokens)
+        # the smaller of the saved limit and this run's max_basis; None: no limit
+        limits = [
+            int(b) for b in (state.get("basis_limit", self.lanczos.max_basis), self.lanczos.max_basis) if b is not None
+        ]
+        self.basis_limit = max(4, min(limits)) if limits else None
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn the first time ``key`` comes up (on the rank where it happens)."""
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, CurvatureWarning, stacklevel=3)
+
+    # -- evaluation -----------------------------------------------------------------------------------
+
+    def evaluate(
+        self, captured: Sequence[CapturedBlock], grad_factor: float = 1.0, terms_only: bool = False
+    ) -> Evaluation:
+        """Closed forms of every capturable block, under ``torch.no_grad``.
+
+        Args:
+            captured: The blocks of one step (``Capture.blocks()``).
+            grad_factor: Multiplies every ``grad_output`` (undoes gradient accumulation and AMP loss scaling).
+            terms_only: Ask the kernels for the exact pairs alone: no Lanczos over Hessian products.
+
+        Raises:
+            RuntimeError: If no block could be evaluated (the message lists why, block by block).
+            BlockError: With ``raise_errors``, the first block whose closed form raised.
+        """
+        out = Evaluation()
+        dtype = _DTYPES[self.dtype]
+        with torch.no_grad():
+            for block in captured:
+                name = block.spec.name
+                if block.reason is not None:
+                    out.excluded[name] = block.reason
+                    continue
+                kind = KINDS[block.spec.kind]
+                bad = block.nonfinite()
+                if bad:
+                    out.nonfinite.append(name)
+                    self.warn_once(
+                        f"nonfinite:{name}",
+                        f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or Inf "
+                        f"(diverged training, or an overflow under mixed precision). Its numbers are left out and "
+                        f"<prefix>{name}/{NONFINITE}=1 marks every such evaluation. Check the loss for NaN; lower the "
+                        "learning rate or enable gradient clipping.",
+                    )
+                    if not kind.input_only_keys or "X" in bad:
+                        out.results[name] = {NONFINITE: 1.0}
+                        continue
+                    # statistics of X alone (LayerNorm variances): a collapse that caused the NaN is still seen
+                    block = dataclasses.replace(
+                        block, inputs={k: v for k, v in block.inputs.items() if k != "grad_output"}
+                    )
+                elif grad_factor != 1.0:
+                    block = dataclasses.replace(
+                        block,
+                        inputs={k: v * grad_factor if k == "grad_output" else v for k, v in block.inputs.items()},
+                    )
+                block, max_basis = self._fit_budget(block, dtype)
+                try:
+                    result = self._evaluate_one(block, dtype, terms_only, max_basis, out)
+                except torch.OutOfMemoryError as err:
+                    if self.raise_errors:
+                        raise BlockError(name, err) from err
+                    out.failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                    continue
+                except Exception as err:
+                    if self.raise_errors:
+                        raise BlockError(name, err) from err
+                    out.failed[name] = f"{type(err).__name__}: {err}"
+                    continue
+                result = {k: v for k, v in result.items() if not k.startswith("dense/")}
+                out.results[name] = select_pairs(kind.qualify(result), self.pairs)
+                if bad:
+                    out.results[name][NONFINITE] = 1.0
+        if not out.results:
+            reasons = "; ".join(f"{n}: {r}" for n, r in {**out.excluded, **out.failed}.items())
+            raise RuntimeError(f"no block could be evaluated ({reasons})")
+        return out
+
+    def _fit_budget(self, block: CapturedBlock, dtype: torch.dtype) -> tuple[CapturedBlock, int | None]:
+        """``(block on at most token_limit tokens, max_basis)``, both smaller where the block's estimate exceeds
+        the memory budget.
+
+        The Lanczos bases go first: their size does not depend on the tokens (``d d_ff`` numbers per vector for an
+        FFN), and holding fewer vectors costs products, not accuracy (thick restarts). They get at most half the
+        budget; the tokens are then halved until the whole estimate fits.
+        """
+        block = block.truncate(self.token_limit)
+        max_basis = self.basis_limit
+        if self.memory_budget_mb is None:
+            return block, max_basis
+        max_iter = self.lanczos.max_iter
+        budget = self.memory_budget_mb * 2**20
+        held = vectors_held(max_iter, max_basis)
+        per_vector = block.basis_bytes(dtype, 1)
+        if per_vector and held * per_vector > budget / 2:
+            fit = max(4, int(budget / 2 // per_vector))
+            if fit < held:
+                max_basis = fit
+                self.warn_once(
+                    "memory_budget_basis",
+                    f"CurvatureMonitor holds at most {fit} Lanczos vectors per norm of block '{block.spec.name}' "
+                    f"(instead of {held}) to stay within memory_budget_mb={self.memory_budget_mb:g}: its bases "
+                    f"would take {held * per_vector / 2**20:.3g} MiB. The norms keep their accuracy (thick "
+                    "restarts) and cost more products. Raise memory_budget_mb to silence this; other blocks are "
+                    "limited the same way without further warnings.",
+                )
+        tokens = block.tokens
+        while tokens > 1 and block.truncate(tokens).evaluation_bytes(dtype, max_iter, max_basis) > budget:
+            tokens //= 2
+        if tokens < block.tokens:
+            self.warn_once(
+                "memory_budget",
+                f"CurvatureMonitor evaluates block '{block.spec.name}' on {tokens} of {block.tokens} captured "
+                f"tokens to stay within memory_budget_mb={self.memory_budget_mb:g} (estimated "
+                f"{block.evaluation_bytes(dtype, max_iter, max_basis) / 2**20:.3g} MiB for all of them). "
+                "Raise memory_budget_mb or lower max_tokens to silence this; blocks over budget are shrunk the "
+                "same way without further warnings.",
+            )
+            block = block.truncate(tokens)
+        return block, max_basis
+
+    def _evaluate_one(
+        self, block: CapturedBlock, dtype: torch.dtype, terms_only: bool, max_basis: int | None, out: Evaluation
+    ) -> dict[str, Tensor]:
+        """The closed form of one block; on out-of-memory: free, halve what dominates the block's memory
+        estimate (the Lanczos vectors held per norm, or the tokens), retry once."""
+        warm = self.warm.setdefault(block.spec.name, WarmStart())
+        if not len(warm):
+            out.cold.add(block.spec.name)
+        lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm)
+        kind = KINDS[block.spec.kind]
+        kwargs = dict(
+            lanczos=lanczos,
+            dtype=dtype,
+            pairs=kind.exact_pairs if terms_only else self._kernel_pairs,
+            kinds=self.kinds,
+        )
+        try:
+            return block.evaluate(**kwargs)
+        except torch.OutOfMemoryError as err:
+            message = str(err).split("\n", 1)[0]
+        # outside the except clause: the traceback (and the tensors its frames hold) is gone
+        _free_memory(block.inputs["X"].device)
+        max_iter = self.lanczos.max_iter
+        held = vectors_held(max_iter, max_basis)
+        bases = 0 if terms_only else block.basis_bytes(dtype, held)
+        what = f"on {block.tokens} tokens"
+        if held > 4 and bases >= block.evaluation_bytes(dtype, max_iter, max_basis) - bases:
+            # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
+            self.basis_limit = max(4, held // 2)
+            kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit)
+            retry = f"holding at most {self.basis_limit} Lanczos vectors per norm (was {held})"
+        else:
+            self.token_limit = max(1, min(self.token_limit, block.tokens) // 2)
+            block = block.truncate(self.token_limit)
+            retry = f"on {self.token_limit} tokens"
+        warnings.warn(
+            f"CurvatureMonitor ran out of memory evaluating block '{block.spec.name}' {what} ({message}). Freed "
+            f"it and retrying {retry}; later evaluations keep this lower limit. Pass a smaller max_tokens or a "
+            "memory_budget_mb to avoid the retry.",
+            CurvatureWarning,
+            stacklevel=3,
+        )
+        return block.evaluate(**kwargs)
+
+
+def _free_memory(device: torch.device) -> None:
+    """Return cached accelerator memory after an out-of-memory error (a no-op on CPU)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,206 @@
+"""Keys as data: every key the monitor logs, with its meaning and how it is combined across ranks.
+
+A :class:`KeySpec` is one row: a key *pattern* relative to a block (``hessian/{XY}[/{head}]``) or to the prefix
+(``summary/max_hessian``), what it means, and its cross-rank reduction. The block kinds declare the rows of
+their kernels' keys (:attr:`curvwatch.kinds.BlockKind.keys`); the rows below are the keys every kind shares and
+those the monitor derives. :func:`key_table` assembles the one table, from which ``docs/metrics.md`` is written
+(``python -m curvwatch.keys``) and against which a test checks the docs and the callback's docstring.
+
+Pattern placeholders: ``{XY}`` a block pair (``QQ``, ``W1W2``), ``{head}`` a head (``h0``) or a key/value group
+(``g0``), ``{i}`` a layer index; ``[...]`` is optional.
+
+Reductions: ``"mean"`` (norms, ratios and terms: each rank saw its own batch, the mean estimates the global
+batch), ``"max"`` / ``"min"`` (quantities that are extremes by definition, which are also those the warnings
+watch: the worst rank's), ``"derived"`` (computed after the reduction from reduced numbers: never all-reduced).
+
+Example:
+    >>> reduce_op("hessian/QQ/h0"), reduce_op("ln/inv_var_max"), reduce_op("ln/var_min_over_eps")
+    ('mean', 'max', 'min')
+    >>> spec_of("residual/hessian/QQ/h0").reduce
+    'max'
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+__all__ = ["BLOCK_KEYS", "SUMMARY_KEYS", "KeySpec", "key_table", "markdown", "reduce_op", "spec_of"]
+
+_REDUCTIONS = ("mean", "max", "min", "derived")
+_PLACEHOLDERS = {"{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+"}
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One row of the key table.
+
+    Args:
+        pattern: Key pattern, relative to the block (per-block keys) or to ``log_key_prefix`` (``summary/...``).
+        meaning: What the number is, one line (the docs' "meaning" column).
+        reduce: ``"mean"``, ``"max"``, ``"min"`` or ``"derived"`` (see the module docstring).
+        logged: False for keys the kernels return that the monitor does not log itself (``residual/...``: one per
+            Lanczos norm, logged as the block's ``lanczos/rel_residual_max``).
+    """
+
+    pattern: str
+    meaning: str
+    reduce: str = "mean"
+    logged: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reduce not in _REDUCTIONS:
+            raise ValueError(f"Invalid reduce={self.reduce!r} for key {self.pattern!r}. Must be one of {_REDUCTIONS}.")
+
+    @functools.cached_property
+    def regex(self) -> re.Pattern[str]:
+        """The compiled pattern (whole key)."""
+        text = re.escape(self.pattern).replace(r"\[", "(?:").replace(r"\]", ")?")
+        for placeholder, rx in _PLACEHOLDERS.items():
+            text = text.replace(re.escape(placeholder), rx)
+        return re.compile(f"^{text}$")
+
+
+#: Per-block keys every kind with Hessian norms shares, and those the monitor derives per block.
+BLOCK_KEYS: tuple[KeySpec, ...] = (
+    KeySpec("hessian/{XY}[/{head}]", "`‖H(XY)‖`, spectral norm of the pair's block of the loss Hessian"),
+    KeySpec("outer/{XY}[/{head}]", "`‖H_o(XY)‖`, its outer (Gauss-Newton) part"),
+    KeySpec("functional/{XY}[/{head}]", "`‖H_f(XY)‖`, its functional part"),
+    KeySpec(
+        "residual/hessian/{XY}[/{head}]",
+        "relative Lanczos residual of `hessian/XY` (kernels only; logged as `lanczos/rel_residual_max`)",
+        "max",
+        logged=False,
+    ),
+    KeySpec("residual/outer/{XY}[/{head}]", "the same for `outer/XY`", "max", logged=False),
+    KeySpec("residual/functional/{XY}[/{head}]", "the same for `functional/XY`", "max", logged=False),
+    KeySpec("hessian/max", "block norm: the largest `hessian/...` of the block", "derived"),
+    KeySpec(
+        "ratio/functional_outer",
+        "`max ‖H_f‖ / max ‖H_o‖` over the pairs and heads: near 0 Gauss-Newton captures the curvature; near or "
+        "above 1 the part GGN/K-FAC drop matters",
+        "derived",
+    ),
+    KeySpec(
+        "ratio/VV_QQ[/{head}]",
+        "`‖H(VV)‖ / ‖H(QQ)‖` of a head; value curvature grows like `‖X‖²`, query like `‖X‖⁶`",
+        "derived",
+    ),
+    KeySpec(
+        "lanczos/rel_residual_max",
+        "largest relative Lanczos residual of the block's iterative norms (`≤ tol` once converged)",
+        "derived",
+    ),
+    KeySpec(
+        "skipped_nonfinite",
+        "1 on evaluations where the block's captured `X`/`grad_output` (or its result) held NaN or Inf: its "
+        "numbers are left out",
+        "max",
+    ),
+)
+
+#: Model-wide keys (``summary/...``), computed after the reduction. The kinds add their own (``summary/ln/...``).
+SUMMARY_KEYS: tuple[KeySpec, ...] = (
+    KeySpec("summary/max_hessian", "largest block norm `‖H‖` over the blocks with Hessian norms (headline)", "derived"),
+    KeySpec("summary/max_hessian_layer", "layer index of that block", "derived"),
+    KeySpec(
+        "summary/max_hessian_block",
+        "index of that block in the monitored block list (order of `find_blocks`)",
+        "derived",
+    ),
+    KeySpec(
+        "summary/heterogeneity/model",
+        "`log10 max − log10 min` of the block norms over the model (headline): orders of magnitude between the "
+        "flattest and the most curved block",
+        "derived",
+    ),
+    KeySpec("summary/heterogeneity/layer{i}", "the same within layer `i` (attention vs FFN)", "derived"),
+    KeySpec(
+        "summary/vv_qq_ratio/median", "median over all attention heads of `‖H(VV)‖ / ‖H(QQ)‖` (headline)", "derived"
+    ),
+    KeySpec("summary/functional_outer/max", "max over blocks of `ratio/functional_outer`", "derived"),
+    KeySpec("summary/functional_outer/median", "median over blocks of `ratio/functional_outer`", "derived"),
+    KeySpec("summary/eval_time_s", "seconds the evaluation took on rank zero (capture excluded)", "derived"),
+    KeySpec(
+        "summary/terms_eval_time_s",
+        "seconds a terms-only evaluation took on rank zero; on terms-only steps, in place of `summary/eval_time_s`",
+        "derived",
+    ),
+    KeySpec(
+        "summary/overhead_fraction",
+        "seconds spent evaluating and logging so far / seconds of training so far (wall time minus the "
+        "monitor's); `max_overhead` keeps it at or below its value by skipping due steps",
+        "derived",
+    ),
+    KeySpec("summary/evaluations", "full evaluations so far (this one included)", "derived"),
+    KeySpec("summary/terms_evaluations", "terms-only evaluations so far (with `terms_every_n_train_steps`)", "derived"),
+    KeySpec(
+        "summary/skipped_evaluations",
+        'evaluations skipped after an exception (`on_error="warn"`); logged alone on a skipped step',
+        "derived",
+    ),
+    KeySpec("summary/skipped_blocks", "blocks of this evaluation whose closed form raised: left out alone", "derived"),
+    KeySpec(
+        "summary/nonfinite_blocks",
+        "blocks of this evaluation whose captured `X`/`grad_output` (or result) held NaN or Inf",
+        "derived",
+    ),
+    KeySpec("summary/warnings", "warnings fired so far", "derived"),
+    KeySpec(
+        "summary/lanczos/rel_residual_max",
+        "largest relative residual over the evaluation's Lanczos norms (`≤ tol` when all converged)",
+        "derived",
+    ),
+    KeySpec("summary/lanczos/unconverged", "how many Lanczos norms stopped at `max_iter` above `tol`", "derived"),
+    KeySpec("summary/lanczos/norms", "how many Lanczos norms the evaluation computed", "derived"),
+    KeySpec(
+        "summary/heatmap", "image (W&B, TensorBoard; needs matplotlib): `log10 ‖H‖`, layers × sub-blocks", "derived"
+    ),
+)
+
+
+def key_table() -> tuple[KeySpec, ...]:
+    """Every key: the shared block keys, each registered kind's keys and summaries, the model-wide keys."""
+    from curvwatch.kinds import KINDS
+
+    rows = list(BLOCK_KEYS)
+    for kind in KINDS.values():
+        rows += [k for k in kind.keys if k not in rows]
+    rows += SUMMARY_KEYS
+    for kind in KINDS.values():
+        rows += [KeySpec(f"summary/{s.key}", s.meaning, "derived") for s in kind.summaries]
+    return tuple(dict.fromkeys(rows))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_of(key: str, table: tuple[KeySpec, ...]) -> KeySpec | None:
+    return next((spec for spec in table if spec.regex.match(key)), None)
+
+
+def spec_of(key: str) -> KeySpec | None:
+    """The row of ``key`` (relative to a block, or ``summary/...``), or ``None`` if no row matches."""
+    return _spec_of(key, key_table())
+
+
+def reduce_op(key: str) -> str:
+    """How the ranks combine ``key``: ``"mean"``, ``"max"`` or ``"min"`` (see the module docstring).
+
+    Raises:
+        ValueError: If ``key`` has no row in the table (a kind that forgot to declare it), or is derived.
+    """
+    spec = spec_of(key)
+    if spec is None:
+        raise ValueError(
+            f"Key {key!r} has no row in the key table (curvwatch.keys); declare it in its BlockKind's keys."
+        )
+    if spec.reduce == "derived":
+        raise ValueError(f"Key {key!r} is derived after the reduction; it is never all-reduced.")
+    return spec.reduce
+
+
+def markdown(rows: tuple[KeySpec, ...]) -> str:
+    """A markdown table ``| key | meaning | ranks |`` of ``rows`` (those logged)."""
+    lines = ["| key | meaning | ranks |", "| --- | --- | --- |"]
+    lines += [f"| `{r.pattern}` | {r.meaning} | {r.reduce} |" for r in rows if r.logged]
+    return "\n".join(lines)

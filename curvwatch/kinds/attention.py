@@ -1,0 +1,51 @@
+"""The ``"attention"`` kind: multi-head (self-)attention with its output projection, per head."""
+
+from __future__ import annotations
+
+from curvwatch.keys import KeySpec
+from curvwatch.kinds import BlockKind, register_kind
+
+
+def _call_inputs(masks, key_padding_mask):
+    """Padding mask as an input (cut with the tokens), causality as a setting."""
+    inputs = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
+    return inputs, {"causal": bool(masks.causal)}
+
+
+KIND = register_kind(
+    BlockKind(
+        name="attention",
+        closed_form="multi_head_attention",
+        prefix="attn",
+        input_name="X",
+        mask_name="key_padding_mask",
+        pairs=("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV"),
+        exact_pairs=("VV",),
+        iterative=True,
+        has_norms=True,
+        call_inputs=_call_inputs,
+        # the per-head (B, H, L, L) tangents of the Lanczos products and the (B, L, d) intermediates
+        work_elements=lambda B, L, d, p: 16 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
+        basis_numel=lambda p: p["W_Q"].numel(),
+        keys=(
+            KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (the formula sheet's; never below it)"),
+            KeySpec("bound/outer/{XY}[/{head}]", "corrected upper bound of `‖H_o(XY)‖`"),
+            KeySpec("bound/functional/{XY}[/{head}]", "corrected upper bound of `‖H_f(XY)‖`"),
+            KeySpec("term/x_norm", "`‖X‖₂` of the block input (max over sequences)"),
+            KeySpec("term/x_norm6", "its 6th power (QQ and KK grow like it)"),
+            KeySpec("term/grad_norm", "`‖G‖_F` of the output gradient"),
+            KeySpec("term/residual_norm", "`‖F − target‖_F` (target mode of the kernels only)"),
+            KeySpec("term/inv_L3", "the papers' `1/L³` (uniform-attention assumption)"),
+            KeySpec("term/softmax_jac_norm[/{head}]", "measured `‖∂A/∂T‖₂` (max over rows and sequences)"),
+            KeySpec("term/softmax_hess_frob[/{head}]", "measured `‖∂²A/∂T²‖_F` bound factor"),
+            KeySpec("term/attn_entropy[/{head}]", "mean attention entropy over the kept query rows"),
+            KeySpec("term/attn_entropy_norm[/{head}]", "the entropy divided by `log L`"),
+            KeySpec("term/wq_norm[/{head}]", "spectral norm of the head's `W_Q`"),
+            KeySpec("term/wk_norm[/{head}]", "spectral norm of the head's `W_K`"),
+            KeySpec("term/wv_norm[/{head}]", "spectral norm of the head's `W_V`"),
+            KeySpec("term/wo_norm[/{head}]", "spectral norm of the head's rows of `W_O`"),
+        ),
+        label="attention",
+        doc="multi-head attention `softmax(P Kᵀ/√d_K) V W_O`: per-head Q, K, V blocks, bounds and bound terms",
+    )
+)

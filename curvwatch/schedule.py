@@ -1,0 +1,202 @@
+"""When to evaluate: the due steps of the two tiers and the overhead budget's clock, Trainer-free.
+
+A step is *due* for a full evaluation on the multiples of ``every_n_train_steps`` (step 0 included) and for a
+terms-only one on the multiples of ``terms_every_n_train_steps``. With ``max_overhead`` a due step is *affordable*
+when the seconds spent evaluating so far plus one more evaluation (priced as the last one of its tier) stay within
+``max_overhead`` times the training seconds so far (wall time since :meth:`Schedule.start` minus the evaluations,
+carried across resumes); a due full evaluation the budget cannot afford falls back to terms only where those are
+due too.
+
+The budget governs the default schedule only. A cadence the user chose (``every_n_train_steps=...``) is honoured
+as it is unless ``max_overhead`` is also given; :meth:`Schedule.cost_note` then says once what it costs when it is
+expensive.
+
+Example:
+    >>> schedule = Schedule(every_n_train_steps=10)
+    >>> schedule.due(0), schedule.due(5), schedule.due(20)
+    ((True, False), (False, False), (True, False))
+    >>> schedule.max_overhead is None  # a chosen cadence: no budget
+    True
+    >>> Schedule().every_n_train_steps, Schedule().max_overhead  # the default: every 200 steps within 1%
+    (200, 0.01)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_EVERY", "DEFAULT_OVERHEAD", "EXPENSIVE", "Schedule"]
+
+#: The default cadence and its budget.
+DEFAULT_EVERY = 200
+DEFAULT_OVERHEAD = 0.01
+#: A chosen cadence whose evaluations take more than this fraction of the training time is reported once.
+EXPENSIVE = 0.1
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Invalid {name}={value!r}. Must be an int >= {minimum}.")
+
+
+class Schedule:
+    """Due steps and the overhead clock.
+
+    Args:
+        every_n_train_steps: Full evaluations on steps ``0, n, 2n, ...``; ``None``: every
+            :data:`DEFAULT_EVERY` steps within the :data:`DEFAULT_OVERHEAD` budget.
+        terms_every_n_train_steps: Terms-only evaluations on steps ``0, n, 2n, ...`` not due for a full one;
+            ``None``: none.
+        max_overhead: Largest fraction of the training time the evaluations may take. ``None`` (default): the
+            default budget with the default cadence, none with a chosen one.
+
+    Raises:
+        ValueError: If an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: int | None = None,
+        terms_every_n_train_steps: int | None = None,
+        max_overhead: float | None = None,
+    ) -> None:
+        if every_n_train_steps is not None:
+            _check_int("every_n_train_steps", every_n_train_steps, 1)
+        if terms_every_n_train_steps is not None:
+            _check_int("terms_every_n_train_steps", terms_every_n_train_steps, 1)
+        if max_overhead is not None and (
+            isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead
+        ):
+            raise ValueError(
+                f"Invalid max_overhead={max_overhead!r}. Must be a fraction > 0 (e.g. 0.01 for 1%), or None "
+                "(the default budget with the default cadence, none with a chosen one)."
+            )
+        self.chosen = every_n_train_steps is not None  # the user chose the cadence
+        self.every_n_train_steps = DEFAULT_EVERY if every_n_train_steps is None else every_n_train_steps
+        self.terms_every_n_train_steps = terms_every_n_train_steps
+        if max_overhead is None:
+            self.max_overhead = None if self.chosen else DEFAULT_OVERHEAD
+        else:
+            self.max_overhead = float(max_overhead)
+        self.last_step = -1  # the last step evaluated
+        self.eval_seconds = 0.0  # seconds spent evaluating and logging, over the run and across resumes
+        self.train_seconds = 0.0  # wall time minus eval_seconds, over the run and across resumes
+        self.last_eval_seconds = 0.0  # cost of the last full evaluation, the next one's price
+        self.last_terms_seconds = 0.0  # the same for the last terms-only evaluation
+        self.runs = 0  # evaluations and skips so far, of both tiers
+        # (wall time at start, eval_seconds then, train_seconds then) of this fit; None outside training
+        self._clock: tuple[float, float, float] | None = None
+
+    # -- the clock ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the training clock (``on_train_start``)."""
+        self._clock = (time.perf_counter(), self.eval_seconds, self.train_seconds)
+
+    def stop(self) -> None:
+        """Stop it (``on_train_end``): the state is stable afterwards."""
+        self.update()
+        self._clock = None
+
+    def update(self) -> None:
+        """Training seconds = wall time since :meth:`start` minus the evaluations in it (plus earlier runs)."""
+        if self._clock is None:
+            return
+        start, eval_before, train_before = self._clock
+        self.train_seconds = train_before + (time.perf_counter() - start) - (self.eval_seconds - eval_before)
+
+    def charge(self, seconds: float, terms_only: bool, extra: bool = False) -> None:
+        """Count ``seconds`` of monitor work on one evaluation (``extra``: more of the same evaluation)."""
+        self.eval_seconds += seconds
+        if terms_only:
+            self.last_terms_seconds = seconds + (self.last_terms_seconds if extra else 0.0)
+        else:
+            self.last_eval_seconds = seconds + (self.last_eval_seconds if extra else 0.0)
+        if not extra:
+            self.runs += 1
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Seconds spent evaluating so far / training seconds so far."""
+        self.update()
+        return self.eval_seconds / max(self.train_seconds, 1e-9)
+
+    # -- decisions ------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """``(full due, terms-only due)`` at ``step``, before the budget; neither for a step already evaluated."""
+        if step <= self.last_step:
+            return False, False
+        full = step % self.every_n_train_steps == 0
+        terms = self.terms_every_n_train_steps is not None and step % self.terms_every_n_train_steps == 0
+        return full, terms
+
+    def affordable(self, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[bool, bool]:
+        """Whether one more (full, terms-only) evaluation keeps within ``max_overhead``.
+
+        Args:
+            agree: Reduces a float64 tensor by max across ranks (so every rank takes the same decision), or
+                ``None`` on one process.
+        """
+        self.update()
+        if self.max_overhead is None or self.runs == 0:
+            return True, True
+        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget
+        spent = torch.tensor(
+            [
+                self.eval_seconds + self.last_eval_seconds,
+                self.eval_seconds + self.last_terms_seconds,
+                -self.train_seconds,
+            ],
+            dtype=torch.float64,
+        )
+        if agree is not None:
+            spent = agree(spent).cpu()  # the slowest rank's evaluations, the least training
+        full, terms = (spent[:2] <= self.max_overhead * -spent[2]).tolist()
+        return full, terms
+
+    def cost_note(self, step: int) -> str | None:
+        """A note on what a chosen cadence costs, when its evaluations take over :data:`EXPENSIVE` of training.
+
+        Priced from the last full evaluation and the training seconds per step so far; ``None`` before one full
+        interval was trained, with the budget on, or when the cadence is cheap.
+        """
+        if not self.chosen or self.max_overhead is not None or step < self.every_n_train_steps:
+            return None
+        self.update()
+        per_step = self.train_seconds / max(step, 1)
+        fraction = self.last_eval_seconds / max(per_step * self.every_n_train_steps, 1e-12)
+        if fraction <= EXPENSIVE:
+            return None
+        return (
+            f"CurvatureMonitor: every_n_train_steps={self.every_n_train_steps} is expensive here: one evaluation takes "
+            f"{self.last_eval_seconds:.3g} s, about {self.last_eval_seconds / max(per_step, 1e-12):.1f} training steps "
+            f"({per_step:.3g} s each), so the monitor adds about {100 * fraction:.0f}% to the training time. The "
+            f"cadence is honoured as chosen; pass max_overhead=0.01 to cap the cost at 1% (due steps are then skipped "
+            "while over budget), a larger every_n_train_steps, or terms_every_n_train_steps for the cheap tier."
+        )
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        self.update()
+        return {
+            "eval_seconds": self.eval_seconds,
+            "train_seconds": self.train_seconds,
+            "last_eval_seconds": self.last_eval_seconds,
+            "last_terms_seconds": self.last_terms_seconds,
+            "last_step": self.last_step,
+            "runs": self.runs,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step = int(state.get("last_step", -1))
+        self.eval_seconds = float(state.get("eval_seconds", 0.0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_eval_seconds = float(state.get("last_eval_seconds", 0.0))
+        self.last_terms_seconds = float(state.get("last_terms_seconds", 0.0))
+        self.runs = int(state.get("runs", 0))

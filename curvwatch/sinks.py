@@ -1,0 +1,133 @@
+"""Logger sinks: where the monitor's numbers, images, alerts and set-up table go (CSV, TensorBoard, W&B).
+
+Every function takes Lightning loggers (``trainer.loggers``) and never raises for a logger's extras: a W&B run
+that does not support alerts or metric definitions, or a missing matplotlib, loses the extra, not the numbers.
+The scalars go to every logger through ``log_metrics``; the heatmap image to W&B (``log_image``) and TensorBoard
+(``add_figure``); alerts to W&B (``run.alert``, written to offline runs too and sent when they sync); the table of
+monitored blocks to the W&B run config (``curvwatch/blocks``) and as text to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from curvwatch.adapters import BlockSpec
+from curvwatch.alerts import CurvatureWarning
+
+__all__ = ["define_wandb_metrics", "heatmap_figure", "log_config", "log_heatmap", "log_metrics", "wandb_alert"]
+
+
+def _wandb(loggers: Sequence[Any]) -> list[Any]:
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:  # pragma: no cover
+        return []
+    return [logger for logger in loggers if isinstance(logger, WandbLogger)]
+
+
+def _tensorboard(loggers: Sequence[Any]) -> list[Any]:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return [logger for logger in loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def log_metrics(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
+    """``log_metrics(metrics, step=step)`` on every logger (errors propagate: the caller decides)."""
+    for logger in loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def define_wandb_metrics(loggers: Sequence[Any], summaries: Mapping[str, str]) -> None:
+    """``define_metric(key, summary=...)`` on each W&B run, so run tables show the max (min) of headline keys."""
+    for logger in _wandb(loggers):
+        experiment = logger.experiment
+        if not hasattr(experiment, "define_metric"):
+            continue
+        for key, summary in summaries.items():
+            try:
+                experiment.define_metric(key, step_metric="trainer/global_step", summary=summary)
+            except Exception:  # old wandb, disabled run: summaries are a convenience
+                break
+
+
+def wandb_alert(loggers: Sequence[Any], title: str, text: str) -> None:
+    """Send ``text`` as a W&B alert (warning level) on each W&B run that supports alerts."""
+    for logger in _wandb(loggers):
+        try:
+            import wandb
+
+            logger.experiment.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+        except Exception:  # disabled runs and old wandb versions may not support alerts
+            pass
+
+
+def log_config(loggers: Sequence[Any], table: Sequence[Mapping[str, str]], text: str) -> None:
+    """Put the set-up table (one row per monitored or unmonitored part) in the W&B config and TensorBoard text."""
+    for logger in _wandb(loggers):
+        try:
+            logger.experiment.config.update({"curvwatch/blocks": [dict(r) for r in table]}, allow_val_change=True)
+        except Exception:  # a disabled run has no config
+            pass
+    for logger in _tensorboard(loggers):
+        try:
+            logger.experiment.add_text("curvwatch/blocks", "    " + text.replace("\n", "\n    "))
+        except Exception:
+            pass
+
+
+def log_heatmap(
+    loggers: Sequence[Any], key: str, specs: Sequence[BlockSpec], norms: Mapping[str, float], step: int
+) -> None:
+    """The block-norm heatmap image to W&B and TensorBoard loggers (none: nothing drawn)."""
+    targets, boards = _wandb(loggers), _tensorboard(loggers)
+    if not targets and not boards:
+        return
+    try:
+        figure = heatmap_figure(specs, norms, step)
+    except ImportError:  # matplotlib missing: no image
+        return
+    for logger in targets:
+        try:
+            logger.log_image(key=key, images=[figure], step=step)
+        except Exception as err:
+            warnings.warn(f"CurvatureMonitor could not log the heatmap to W&B: {err}", CurvatureWarning, 2)
+    for logger in boards:
+        try:
+            logger.experiment.add_figure(key, figure, global_step=step, close=False)
+        except Exception as err:
+            warnings.warn(f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureWarning, 2)
+
+
+def heatmap_figure(specs: Sequence[BlockSpec], norms: Mapping[str, float], step: int) -> Any:
+    """A matplotlib figure of ``log10`` block norms, layers (rows) x sub-blocks (columns)."""
+    from matplotlib.figure import Figure
+
+    layers = sorted({s.layer for s in specs if s.name in norms})
+    parts: list[str] = []
+    for s in specs:
+        part = s.name.split("/", 1)[-1]
+        if s.name in norms and part not in parts:
+            parts.append(part)
+    grid = torch.full((len(layers), len(parts)), math.nan)
+    for s in specs:
+        value = norms.get(s.name)
+        if value is not None and value > 0:
+            grid[layers.index(s.layer), parts.index(s.name.split("/", 1)[-1])] = math.log10(value)
+    figure = Figure(figsize=(1.5 + 1.2 * len(parts), 1.0 + 0.45 * len(layers)))
+    ax = figure.add_subplot()
+    image = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(parts)), parts)
+    ax.set_yticks(range(len(layers)), [f"layer{i}" for i in layers])
+    for i, row in enumerate(grid.tolist()):
+        for j, value in enumerate(row):
+            if math.isfinite(value):
+                ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="w", fontsize=8)
+    figure.colorbar(image, ax=ax, label="log10 ||H||")
+    ax.set_title(f"Block Hessian norms, step {step}")
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,62 @@
+"""The public closed forms with their documented defaults at the sizes people train (issue 12's defect: the
+Lanczos bases used to be allocated for ``max_iter`` = the block size, 48 GiB for one self-attention call).
+
+With the default :class:`~curvwatch.closed_form.Lanczos` (tol 1e-3, at most 100 steps and 16 vectors per norm)
+every call below finishes in seconds, every norm converges (an unconverged one would raise its LanczosWarning:
+pytest runs with warnings as errors) and the memory the bases take is bounded by ``max_basis``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curvwatch.closed_form import Lanczos, ffn, multi_head_attention, self_attention
+
+pytestmark = pytest.mark.slow
+
+
+def _w(gen, *shape):
+    return torch.randn(*shape, generator=gen) / shape[0] ** 0.5
+
+
+def _converged(out):
+    tol = Lanczos().tol
+    residuals = {k: float(v) for k, v in out.items() if k.startswith("residual/")}
+    assert residuals, "no Lanczos norm was computed"
+    assert all(r <= tol for r in residuals.values()), residuals
+    assert all(torch.isfinite(v).all() for v in out.values())
+
+
+def test_self_attention_defaults_at_L_d_512():
+    gen = torch.Generator().manual_seed(0)
+    L = d = 512
+    X = torch.randn(L, d, generator=gen)
+    out = self_attention(
+        X, _w(gen, d, 64), _w(gen, d, 64), _w(gen, d, 64), grad_output=torch.randn(L, 64, generator=gen)
+    )
+    _converged(out)
+    assert "residual/outer/VV" in out  # d > 256: the VV Gram eigenvalue is a (small) Lanczos norm too
+
+
+def test_multi_head_attention_defaults_at_B4_L128_d256():
+    gen = torch.Generator().manual_seed(1)
+    X, G = torch.randn(4, 128, 256, generator=gen), torch.randn(4, 128, 256, generator=gen)
+    W = [_w(gen, 256, 256) for _ in range(4)]
+    out = multi_head_attention(X, *W, 4, grad_output=G, causal=True)
+    _converged(out)
+    assert sum(k.startswith("hessian/QQ/h") for k in out) == 4
+
+
+def test_ffn_defaults_at_L128_d256_dff1024():
+    gen = torch.Generator().manual_seed(2)
+    Y, G = torch.randn(128, 256, generator=gen), torch.randn(128, 256, generator=gen)
+    out = ffn(Y, _w(gen, 256, 1024), _w(gen, 1024, 256), activation="gelu", grad_output=G)
+    _converged(out)
+
+
+def test_unconverged_default_call_warns_and_says_how_to_fix():
+    gen = torch.Generator().manual_seed(3)
+    Y, G = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    with pytest.warns(UserWarning, match=r"stopped at max_iter=2 above tol=0.001.*Lanczos\(max_iter=\.\.\.\)"):
+        ffn(Y, _w(gen, 16, 64), _w(gen, 64, 16), activation="gelu", grad_output=G, lanczos=Lanczos(max_iter=2))
