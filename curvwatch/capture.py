@@ -41,6 +41,7 @@ raises it as a :class:`CaptureError`, so the caller decides whether to skip the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -136,7 +137,7 @@ class CapturedBlock:
         if X is None or X.shape[0] * X.shape[1] <= max_tokens:
             return self
         k, l = token_slice(X.shape[0], X.shape[1], max_tokens)
-        inputs = {name: t[:k, :l] for name, t in self.inputs.items()}
+        inputs = {name: t[:k] if name.startswith("memory") else t[:k, :l] for name, t in self.inputs.items()}
         return CapturedBlock(self.spec, inputs=inputs, params=self.params, reason=self.reason)
 
     def nonfinite(self) -> list[str]:
@@ -200,11 +201,8 @@ class CapturedBlock:
                 if isinstance(kwargs.get(name), Tensor):
                     kwargs[name] = kwargs[name].masked_fill(padded, 0.0)
         if dtype is not None:
-            kwargs = {
-                k: v.to(dtype) if isinstance(v, Tensor) and v.is_floating_point() else v
-                for k, v in kwargs.items()
-            }
-        return kwargs
+            kwargs = _cast(kwargs, dtype)
+        return kind.kernel_kwargs(kwargs)
 
     def evaluate(
         self,
@@ -262,7 +260,23 @@ class _Record:
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in params.items()}
+    """Detached copies of the tensors in ``params`` (nested dicts too: a QK-norm's weights)."""
+    return {
+        k: v.detach().clone() if isinstance(v, Tensor) else _snapshot(v) if isinstance(v, dict) else v
+        for k, v in params.items()
+    }
+
+
+def _cast(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """Floating tensors in ``kwargs`` (nested dicts too) cast to ``dtype``; masks and settings unchanged."""
+    return {
+        k: v.to(dtype)
+        if isinstance(v, Tensor) and v.is_floating_point()
+        else _cast(v, dtype)
+        if isinstance(v, dict)
+        else v
+        for k, v in kwargs.items()
+    }
 
 
 class Capture:
@@ -312,13 +326,9 @@ class Capture:
                     )
                 )
                 self._handles.append(
-                    mask_module.register_forward_pre_hook(
-                        functools.partial(self._on_mask, spec, rec), with_kwargs=True
-                    )
+                    mask_module.register_forward_pre_hook(functools.partial(self._on_mask, spec, rec), with_kwargs=True)
                 )
-                self._handles.append(
-                    output_module.register_forward_hook(functools.partial(self._on_output, spec, rec))
-                )
+                self._handles.append(output_module.register_forward_hook(functools.partial(self._on_output, spec, rec)))
         except BaseException:
             self._remove()
             raise
@@ -363,7 +373,7 @@ class Capture:
             k, l = token_slice(kpm.shape[0], kpm.shape[1], self.max_tokens)
             kpm = kpm.detach()[:k, :l].to(torch.bool).clone()
             kpm = kpm if kpm.any() else None
-        rec.masks = Masks(causal=masks.causal, key_padding_mask=kpm)
+        rec.masks = dataclasses.replace(masks, key_padding_mask=kpm)  # rotary tables, memory: cut by the kind
 
     def _on_output(self, spec: BlockSpec, rec: _Record, module, args, output) -> Any:
         if rec.X is None or rec.output_seen or rec.error or not torch.is_grad_enabled():
@@ -427,9 +437,7 @@ class Capture:
                 "the `with` (forward under torch.no_grad(), or the block is unused)"
             )
         elif reason is None and rec.masks is None:
-            reason = (
-                f"the attention module {type(mask_module).__name__} was not called with gradient tracking"
-            )
+            reason = f"the attention module {type(mask_module).__name__} was not called with gradient tracking"
         elif reason is None and rec.grad is None:
             reason = (
                 f"no gradient arrived at the output of {type(output_module).__name__}: backward() was not "
@@ -442,6 +450,6 @@ class Capture:
             shapes = f"X {tuple(X.shape)}, grad_output {tuple(G.shape)}"
             shapes += f", key padding mask {tuple(kpm.shape)}" if kpm is not None else ""
             return CapturedBlock(spec, reason=f"captured shapes disagree ({shapes}), e.g. a chunked forward")
-        call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm)
+        call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm, tuple(X.shape[:2]))
         inputs = {"X": X, "grad_output": G, **call_inputs}
         return CapturedBlock(spec, inputs=inputs, params={**rec.params, **call_params})

@@ -58,14 +58,14 @@ class Evaluation:
             (``"ln/var_min"``); a block with non-finite captured tensors has ``{"skipped_nonfinite": 1.0}``
             (plus the input-only statistics of kinds that have them).
         excluded: ``{block: reason}`` for blocks the capture could not record (frozen, unused, unsupported).
-        failed: ``{block: "ExceptionType: message"}`` for blocks whose closed form raised; left out alone.
+        failed: ``{block: exception}`` for blocks whose closed form raised; left out alone.
         nonfinite: Blocks whose captured ``X`` or ``grad_output`` held NaN or Inf.
         cold: Blocks whose Lanczos runs started without warm-start vectors (first evaluation, resume).
     """
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
     nonfinite: list[str] = field(default_factory=list)
     cold: set[str] = field(default_factory=set)
 
@@ -91,6 +91,7 @@ class Engine:
         memory_budget_mb: Most extra memory one block's closed form may take, or ``None``.
         raise_errors: Re-raise a block's closed-form error (as :class:`BlockError`) instead of leaving the block
             out.
+        key_prefix: The logged keys' prefix, for messages.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -108,6 +109,7 @@ class Engine:
         max_tokens: int = 512,
         memory_budget_mb: float | None = None,
         raise_errors: bool = False,
+        key_prefix: str = "",
     ) -> None:
         self.lanczos = Lanczos(tol=float(tol), max_iter=max_iter, max_basis=max_basis, warn=False)
         if dtype not in _DTYPES:
@@ -125,6 +127,7 @@ class Engine:
         self.max_tokens = max_tokens
         self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self.raise_errors = raise_errors
+        self.key_prefix = key_prefix
         self.token_limit = max_tokens  # halved after an out-of-memory error
         self.basis_limit: int | None = max_basis  # halved after an out-of-memory error the bases dominate
         self.warm: dict[str, WarmStart] = {}
@@ -164,8 +167,9 @@ class Engine:
             terms_only: Ask the kernels for the exact pairs alone: no Lanczos over Hessian products.
 
         Raises:
-            RuntimeError: If no block could be evaluated (the message lists why, block by block).
-            BlockError: With ``raise_errors``, the first block whose closed form raised.
+            RuntimeError: If no block could be captured (the message lists why, block by block).
+            BlockError: With ``raise_errors``, the first block whose closed form raised; without, the first one
+                when every block raised.
         """
         out = Evaluation()
         dtype = _DTYPES[self.dtype]
@@ -183,8 +187,8 @@ class Engine:
                         f"nonfinite:{name}",
                         f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or Inf "
                         f"(diverged training, or an overflow under mixed precision). Its numbers are left out and "
-                        f"<prefix>{name}/{NONFINITE}=1 marks every such evaluation. Check the loss for NaN; lower the "
-                        "learning rate or enable gradient clipping.",
+                        f"{self.key_prefix}{name}/{NONFINITE}=1 marks every such evaluation. Check the loss for NaN; "
+                        "lower the learning rate or enable gradient clipping.",
                     )
                     if not kind.input_only_keys or "X" in bad:
                         out.results[name] = {NONFINITE: 1.0}
@@ -201,22 +205,20 @@ class Engine:
                 block, max_basis = self._fit_budget(block, dtype)
                 try:
                     result = self._evaluate_one(block, dtype, terms_only, max_basis, out)
-                except torch.OutOfMemoryError as err:
-                    if self.raise_errors:
-                        raise BlockError(name, err) from err
-                    out.failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                    continue
                 except Exception as err:
                     if self.raise_errors:
                         raise BlockError(name, err) from err
-                    out.failed[name] = f"{type(err).__name__}: {err}"
+                    out.failed[name] = err
                     continue
                 result = {k: v for k, v in result.items() if not k.startswith("dense/")}
                 out.results[name] = select_pairs(kind.qualify(result), self.pairs)
                 if bad:
                     out.results[name][NONFINITE] = 1.0
+        if not out.results and out.failed:  # every block that could be evaluated raised: say why, first block
+            name, error = next(iter(out.failed.items()))
+            raise BlockError(name, error) from error
         if not out.results:
-            reasons = "; ".join(f"{n}: {r}" for n, r in {**out.excluded, **out.failed}.items())
+            reasons = "; ".join(f"{n}: {r}" for n, r in out.excluded.items())
             raise RuntimeError(f"no block could be evaluated ({reasons})")
         return out
 
@@ -268,11 +270,11 @@ class Engine:
     ) -> dict[str, Tensor]:
         """The closed form of one block; on out-of-memory: free, halve what dominates the block's memory
         estimate (the Lanczos vectors held per norm, or the tokens), retry once."""
+        kind = KINDS[block.spec.kind]
         warm = self.warm.setdefault(block.spec.name, WarmStart())
-        if not len(warm):
+        if kind.iterative and not len(warm):
             out.cold.add(block.spec.name)
         lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm)
-        kind = KINDS[block.spec.kind]
         kwargs = dict(
             lanczos=lanczos,
             dtype=dtype,

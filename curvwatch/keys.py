@@ -204,3 +204,49 @@ def markdown(rows: tuple[KeySpec, ...]) -> str:
     lines = ["| key | meaning | ranks |", "| --- | --- | --- |"]
     lines += [f"| `{r.pattern}` | {r.meaning} | {r.reduce} |" for r in rows if r.logged]
     return "\n".join(lines)
+
+
+def doc_sections() -> dict[str, str]:
+    """The generated tables of ``docs/metrics.md``, by marker name: ``block``, ``summary`` and one per kind."""
+    from curvwatch.kinds import KINDS
+
+    sections = {"block": markdown(BLOCK_KEYS)}
+    summaries = list(SUMMARY_KEYS)
+    for kind in KINDS.values():
+        sections[f"kind:{kind.name}"] = markdown(kind.keys)
+        summaries += [KeySpec(f"summary/{s.key}", s.meaning, "derived") for s in kind.summaries]
+    sections["summary"] = markdown(tuple(summaries))
+    return sections
+
+
+def render_docs(text: str) -> str:
+    """``text`` with every ``<!-- keys:NAME -->`` ... ``<!-- /keys -->`` section replaced by its generated table.
+
+    Raises:
+        ValueError: If a marker names an unknown section, or a section of :func:`doc_sections` has no marker.
+    """
+    sections = doc_sections()
+    pattern = re.compile(r"(<!-- keys:(?P<name>[\w:]+) -->\n)(?P<body>.*?)(<!-- /keys -->)", re.S)
+    seen = set()
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in sections:
+            raise ValueError(f"docs marker keys:{name} names no key table section; known: {sorted(sections)}")
+        seen.add(name)
+        return f"{match.group(1)}{sections[name]}\n{match.group(4)}"
+
+    out = pattern.sub(fill, text)
+    missing = sorted(set(sections) - seen)
+    if missing:
+        raise ValueError(f"docs/metrics.md has no marker for the key table sections {missing}: add <!-- keys:NAME -->.")
+    return out
+
+
+if __name__ == "__main__":  # python -m curvwatch.keys [docs/metrics.md]: rewrite the generated tables in place
+    import pathlib
+    import sys
+
+    path = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "docs/metrics.md")
+    path.write_text(render_docs(path.read_text()))
+    print(f"wrote the key tables of {path}")

@@ -49,9 +49,7 @@ class Ranks:
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
         return values
 
-    def sync(
-        self, flat: dict[tuple[str, str], float], failed: bool
-    ) -> tuple[dict[tuple[str, str], float], bool]:
+    def sync(self, flat: dict[tuple[str, str], float], failed: bool) -> tuple[dict[tuple[str, str], float], bool]:
         """All-reduce the failure flag and the numbers: ``(reduced numbers, any rank failed)``.
 
         Args:

@@ -7,16 +7,17 @@ when the seconds spent evaluating so far plus one more evaluation (priced as the
 carried across resumes); a due full evaluation the budget cannot afford falls back to terms only where those are
 due too.
 
-The budget governs the default schedule only. A cadence the user chose (``every_n_train_steps=...``) is honoured
-as it is unless ``max_overhead`` is also given; :meth:`Schedule.cost_note` then says once what it costs when it is
-expensive.
+The budget governs the default schedule only (``max_overhead="auto"``, the default). A cadence the user chose
+(``every_n_train_steps=...``) is honoured as it is unless ``max_overhead`` is given as a number;
+:meth:`Schedule.cost_note` then says what it costs when it is expensive. ``max_overhead=None`` asks for a fixed
+schedule explicitly: no budget and no note.
 
 Example:
     >>> schedule = Schedule(every_n_train_steps=10)
     >>> schedule.due(0), schedule.due(5), schedule.due(20)
     ((True, False), (False, False), (True, False))
-    >>> schedule.max_overhead is None  # a chosen cadence: no budget
-    True
+    >>> schedule.max_overhead is None, schedule.note_cost  # a chosen cadence: no budget, its cost reported
+    (True, True)
     >>> Schedule().every_n_train_steps, Schedule().max_overhead  # the default: every 200 steps within 1%
     (200, 0.01)
 """
@@ -51,8 +52,9 @@ class Schedule:
             :data:`DEFAULT_EVERY` steps within the :data:`DEFAULT_OVERHEAD` budget.
         terms_every_n_train_steps: Terms-only evaluations on steps ``0, n, 2n, ...`` not due for a full one;
             ``None``: none.
-        max_overhead: Largest fraction of the training time the evaluations may take. ``None`` (default): the
-            default budget with the default cadence, none with a chosen one.
+        max_overhead: Largest fraction of the training time the evaluations may take; ``"auto"`` (default): the
+            default budget with the default cadence, none with a chosen one (whose cost is then reported when it
+            is expensive); ``None``: a fixed schedule, no budget.
 
     Raises:
         ValueError: If an argument is invalid.
@@ -62,26 +64,30 @@ class Schedule:
         self,
         every_n_train_steps: int | None = None,
         terms_every_n_train_steps: int | None = None,
-        max_overhead: float | None = None,
+        max_overhead: float | str | None = "auto",
     ) -> None:
         if every_n_train_steps is not None:
             _check_int("every_n_train_steps", every_n_train_steps, 1)
         if terms_every_n_train_steps is not None:
             _check_int("terms_every_n_train_steps", terms_every_n_train_steps, 1)
-        if max_overhead is not None and (
-            isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead
+        if (
+            max_overhead is not None
+            and max_overhead != "auto"
+            and (isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead)
         ):
             raise ValueError(
-                f"Invalid max_overhead={max_overhead!r}. Must be a fraction > 0 (e.g. 0.01 for 1%), or None "
-                "(the default budget with the default cadence, none with a chosen one)."
+                f"Invalid max_overhead={max_overhead!r}. Must be a fraction > 0 (e.g. 0.01 for 1%), None for a fixed "
+                "schedule, or 'auto' (the default: 1% with the default cadence, none with a chosen one)."
             )
         self.chosen = every_n_train_steps is not None  # the user chose the cadence
         self.every_n_train_steps = DEFAULT_EVERY if every_n_train_steps is None else every_n_train_steps
         self.terms_every_n_train_steps = terms_every_n_train_steps
-        if max_overhead is None:
-            self.max_overhead = None if self.chosen else DEFAULT_OVERHEAD
+        auto = isinstance(max_overhead, str)
+        if auto:
+            self.max_overhead: float | None = None if self.chosen else DEFAULT_OVERHEAD
         else:
-            self.max_overhead = float(max_overhead)
+            self.max_overhead = None if max_overhead is None else float(max_overhead)
+        self.note_cost = auto and self.chosen  # report once what a chosen cadence costs when it is expensive
         self.last_step = -1  # the last step evaluated
         self.eval_seconds = 0.0  # seconds spent evaluating and logging, over the run and across resumes
         self.train_seconds = 0.0  # wall time minus eval_seconds, over the run and across resumes
@@ -163,9 +169,9 @@ class Schedule:
         """A note on what a chosen cadence costs, when its evaluations take over :data:`EXPENSIVE` of training.
 
         Priced from the last full evaluation and the training seconds per step so far; ``None`` before one full
-        interval was trained, with the budget on, or when the cadence is cheap.
+        interval was trained, unless the cadence was chosen with ``max_overhead="auto"``, or when it is cheap.
         """
-        if not self.chosen or self.max_overhead is not None or step < self.every_n_train_steps:
+        if not self.note_cost or step < self.every_n_train_steps:
             return None
         self.update()
         per_step = self.train_seconds / max(step, 1)

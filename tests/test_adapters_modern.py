@@ -25,9 +25,6 @@ from curvwatch.capture import Capture
 from tests import zoo
 from tests.utils import TOL, assert_close_report
 
-# transformers' own deprecation/future notices are not ours to fix
-pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
-
 #: Modules that compute in float32 whatever the input dtype (every RMSNorm of litgpt and transformers casts
 #: to float32; transformers' eager attention takes its softmax in float32): their float64 recomputation agrees
 #: to float32 round-off only. Everything else is compared at TOL["float64"].
@@ -272,20 +269,17 @@ LITGPT_CASES = {
 @pytest.mark.parametrize("family", list(LITGPT_CASES))
 def test_litgpt_blocks_recompute(family):
     tiny = zoo.litgpt_gpt(family)
-    _, blocks, masks = check_recomputation(tiny, LITGPT_CASES[family])
+    _, recs = check_recomputation(tiny, LITGPT_CASES[family])
     cfg = tiny.model.config
-    attn0, attn1 = blocks["layer0/attn"].params, masks["layer0/attn"]
+    attn0, masks0, masks1 = recs["layer0/attn"].params, recs["layer0/attn"].masks, recs["layer1/attn"].masks
     assert attn0["n_kv_heads"] == (None if cfg.n_query_groups == cfg.n_head else cfg.n_query_groups)
-    assert attn1.causal and attn1.rotary[0].shape == (zoo.L, cfg.rope_n_elem)
-    expected = {
-        "mistral": (3, 3),
-        "gemma3": (3, None),
-    }.get(family, (None, None))
-    assert (masks["layer0/attn"].window, masks["layer1/attn"].window) == expected
-    assert masks["layer0/attn"].rotary_interleaved == (family == "interleave")
+    assert masks0.causal and masks0.rotary[0].shape == (zoo.L, cfg.rope_n_elem)
+    expected = {"mistral": (3, 3), "gemma3": (3, None)}.get(family, (None, None))
+    assert (masks0.window, masks1.window) == expected
+    assert masks0.rotary_interleaved == (family == "interleave")
     if family == "gemma3":
         assert attn0["scale"] == pytest.approx(256**-0.5) and attn0["qk_norm"]["weight_offset"] == 1.0
-        assert blocks["layer0/ln_1"].params["weight_offset"] == 1.0
+        assert recs["layer0/ln_1"].params["weight_offset"] == 1.0
     if family in ("pythia", "phi2"):
         assert cfg.rope_n_elem < cfg.head_size
     if family == "qwen2.5":
@@ -295,22 +289,22 @@ def test_litgpt_blocks_recompute(family):
 def test_litgpt_rotary_tables_are_the_calls():
     """The tables read are those the block got (litgpt slices its cache to the sequence length per call)."""
     tiny = zoo.litgpt_gpt("llama3")
-    _, _, masks, _ = capture(tiny)
-    cos, sin = masks["layer0/attn"].rotary
+    _, recs = capture(tiny)
+    cos, sin = recs["layer0/attn"].masks.rotary
     assert cos.shape == (zoo.L, 4)
     assert torch.equal(cos, tiny.model.cos[: zoo.L]) and torch.equal(sin, tiny.model.sin[: zoo.L])
 
 
 def test_litgpt_unsupported_settings_are_reported():
     gemma2 = zoo.litgpt_gpt("gemma2")
-    _, blocks, _, _ = capture(gemma2)
-    assert "softcapping" in blocks["layer0/attn"].reason
-    assert blocks["layer0/ffn"].reason is None
+    _, recs = capture(gemma2)
+    assert "softcapping" in recs["layer0/attn"].reason
+    assert recs["layer0/ffn"].reason is None
 
     olmo = zoo.litgpt_gpt("olmo2")
-    specs, blocks, _, _ = capture(olmo)
+    specs, recs = capture(olmo)
     assert {s.name.split("/")[1] for s in specs if s.layer == 0} == {"attn", "ln_post_attn", "ln_post_ffn", "ffn"}
-    assert "norm_qk_type='olmo2'" in blocks["layer0/attn"].reason
+    assert "norm_qk_type='olmo2'" in recs["layer0/attn"].reason
 
     mixtral = zoo.litgpt_gpt("mixtral")
     specs = find_blocks(mixtral.model)
@@ -322,7 +316,7 @@ def test_litgpt_unsupported_settings_are_reported():
 def test_litgpt_kv_cache_is_reported():
     tiny = zoo.litgpt_gpt("llama3")
     tiny.model.set_kv_cache(batch_size=zoo.B)
-    specs = find_blocks(tiny.model)
+    specs = [s for s in find_blocks(tiny.model) if s.kind == "attention"]
     idx = torch.randint(0, zoo.VOCAB, (zoo.B, 2))
     with Capture(specs, max_tokens=100) as cap:
         tiny.model(idx, input_pos=torch.arange(2)).sum().backward()
@@ -335,7 +329,8 @@ def test_litgpt_kv_cache_is_reported():
 
 HF_CASES = {
     "llama-sdpa-right": (lambda: zoo.hf_decoder("llama", padding="right"), LLAMA_PARTS, False),
-    "llama-eager-left": (lambda: zoo.hf_decoder("llama", impl="eager", padding="left"), LLAMA_PARTS, True),
+    # eager + left padding in float64 gives NaN rows in transformers itself (fully masked rows): right padding
+    "llama-eager-right": (lambda: zoo.hf_decoder("llama", impl="eager", padding="right"), LLAMA_PARTS, True),
     "llama-bias-sdpa-cache": (lambda: zoo.hf_decoder("llama-bias", use_cache=True), LLAMA_PARTS, False),
     "mistral-sdpa-right": (lambda: zoo.hf_decoder("mistral", padding="right"), LLAMA_PARTS, False),
     "mistral-eager-nopad": (lambda: zoo.hf_decoder("mistral", impl="eager"), LLAMA_PARTS, True),
@@ -344,9 +339,12 @@ HF_CASES = {
     "gemma-sdpa-nopad": (lambda: zoo.hf_decoder("gemma"), LLAMA_PARTS, False),
     "gemma-eager-right": (lambda: zoo.hf_decoder("gemma", impl="eager", padding="right"), LLAMA_PARTS, True),
     "neox-parallel-sdpa-right": (lambda: zoo.hf_gpt_neox(padding="right"), NEOX_PARTS, False),
-    "neox-sequential-eager-left": (
-        lambda: zoo.hf_gpt_neox(parallel=False, rotary=0.5, impl="eager", padding="left"), NEOX_PARTS, True,
-    ),  # fmt: skip
+    "neox-sequential-eager-right": (
+        lambda: zoo.hf_gpt_neox(parallel=False, rotary=0.5, impl="eager", padding="right"),
+        NEOX_PARTS,
+        True,
+    ),
+    "neox-parallel-sdpa-left": (lambda: zoo.hf_gpt_neox(padding="left"), NEOX_PARTS, False),
     "vit-sdpa": (lambda: zoo.hf_vit(), NEOX_PARTS, False),
     "vit-eager": (lambda: zoo.hf_vit(impl="eager"), NEOX_PARTS, True),
 }
@@ -359,22 +357,21 @@ BART_DECODER = {**BART_ENCODER, "cross_attn": "cross_attention", "ln_3": "layern
 def test_hf_blocks_recompute(case):
     build, parts, eager = HF_CASES[case]
     tiny = build()
-    _, blocks, masks = check_recomputation(tiny, parts, eager=eager)
-    windows = (masks["layer0/attn"].window, masks["layer1/attn"].window)
-    assert windows == {"mistral": (3, 3), "qwen2": (None, 3)}.get(case.split("-")[0], (None, None))
-    attn = blocks["layer0/attn"].params
+    _, recs = check_recomputation(tiny, parts, eager=eager)
+    masks0, masks1, attn = recs["layer0/attn"].masks, recs["layer1/attn"].masks, recs["layer0/attn"].params
+    windows = {"mistral": (3, 3), "qwen2": (None, 3)}.get(case.split("-")[0], (None, None))
+    assert (masks0.window, masks1.window) == windows
     if case.startswith(("llama", "mistral", "qwen")):
-        assert attn["n_kv_heads"] == 2 and masks["layer0/attn"].causal
+        assert attn["n_kv_heads"] == 2 and masks0.causal
     if case.startswith("qwen3"):
         assert attn["qk_norm"]["kind"] == "rmsnorm" and attn["qk_norm"]["weight_offset"] == 0.0
     if case.startswith("gemma"):
-        assert attn["n_kv_heads"] == 1 and blocks["layer0/ln_1"].params["weight_offset"] == 1.0
-        assert blocks["layer0/ffn"].params["activation"] == "gelu_tanh"
+        assert attn["n_kv_heads"] == 1 and recs["layer0/ln_1"].params["weight_offset"] == 1.0
+        assert recs["layer0/ffn"].params["activation"] == "gelu_tanh"
     if case.startswith("neox"):
-        d_K = 8
-        assert masks["layer0/attn"].rotary[0].shape[-1] == (2 if "parallel" in case else 4) < d_K
+        assert masks0.rotary[0].shape[-1] == (2 if "parallel" in case else 4) < 8  # of d_K = 8
     if case.startswith("vit"):
-        assert not masks["layer0/attn"].causal and masks["layer0/attn"].rotary is None
+        assert not masks0.causal and masks0.rotary is None
 
 
 @pytest.mark.parametrize(
@@ -382,21 +379,16 @@ def test_hf_blocks_recompute(case):
 )
 def test_bart_blocks_recompute(impl, padding, memory_padding):
     tiny = zoo.hf_bart(impl=impl, padding=padding, memory_padding=memory_padding)
-    # the encoder layer's padding is the encoder's: check it separately from the decoder's
-    specs, blocks, masks, outs = capture(tiny)
+    specs, recs = capture(tiny)
     assert [s.name for s in specs] == [
         "layer0/attn", "layer0/ln_1", "layer0/ln_2", "layer0/ffn",
         "layer1/attn", "layer1/ln_1", "layer1/cross_attn", "layer1/ln_2", "layer1/ln_3", "layer1/ffn",
     ]  # fmt: skip
     assert {s.name: s.kind for s in specs if s.layer == 1} == {f"layer1/{k}": v for k, v in BART_DECODER.items()}
     for spec in specs:
-        block, m, out = blocks[spec.name], masks[spec.name], outs[spec.name]
-        assert block.reason is None, f"{spec.name}: {block.reason}"
-        own_padding = tiny.memory_padding if spec.layer == 0 else tiny.padding
-        if own_padding is None:
-            assert m.key_padding_mask is None
-        else:
-            assert torch.equal(m.key_padding_mask, own_padding)
+        m = recs[spec.name].masks
+        own_padding = tiny.memory_padding if spec.layer == 0 else tiny.padding  # the encoder's, the decoder's
+        check_block(spec, recs[spec.name], own_padding)  # BART's eager softmax keeps the input dtype: exact
         if spec.kind == "attention":
             assert m.causal == (spec.layer == 1)
         if spec.kind == "cross_attention":
@@ -405,11 +397,6 @@ def test_bart_blocks_recompute(impl, padding, memory_padding):
                 assert m.memory_padding_mask is None
             else:
                 assert torch.equal(m.memory_padding_mask, tiny.memory_padding)
-        rows = slice(None) if own_padding is None else ~own_padding
-        tol = _tolerance(spec.kind, block.params, impl == "eager")
-        Y = recompute(spec.kind, block.inputs["X"], block.params, m)
-        assert_close_report(Y[rows], out[rows], tol, f"{spec.name} output")
-        assert_close_report(block.inputs["grad_output"], out.grad, TOL["float64"], f"{spec.name} grad")
     for layer in tiny.layers:
         assert ADAPTERS["transformers.models.bart.modeling_bart:BartEncoderLayer"].unmonitored(layer) == []
 
@@ -421,20 +408,20 @@ def test_hf_kv_cache_with_past_tokens_is_reported():
     with torch.no_grad():
         cache = tiny.model(input_ids=ids, use_cache=True).past_key_values
     assert isinstance(cache, tf.DynamicCache) and cache.get_seq_length() == 4
-    specs = find_blocks(tiny.model)
+    specs = [s for s in find_blocks(tiny.model) if s.kind == "attention"]
     with Capture(specs, max_tokens=100) as cap:
-        tiny.model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).last_hidden_state.sum().backward()
+        tiny.model(input_ids=ids[:, :1], cache=cache, use_cache=True).last_hidden_state.sum().backward()
     assert "KV cache" in cap.blocks()[0].reason
 
 
 def test_hf_attention_dropout_in_training_is_reported():
     tiny = zoo.hf_decoder("llama", attention_dropout=0.1)
     tiny.model.train()
-    _, blocks, _, _ = capture(tiny)
-    assert "dropout p=0.1" in blocks["layer0/attn"].reason
+    _, recs = capture(tiny)
+    assert "dropout p=0.1" in recs["layer0/attn"].reason
     tiny.model.eval()
-    _, blocks, _, _ = capture(tiny)
-    assert blocks["layer0/attn"].reason is None
+    _, recs = capture(tiny)
+    assert recs["layer0/attn"].reason is None
 
 
 def test_hf_mask_parser_rejects_what_it_cannot_model():
@@ -508,9 +495,9 @@ def test_nanogpt_blocks_recompute(case):
     tiny = zoo.nanogpt(**NANO_CASES[case])
     assert isinstance(recognize(tiny.layers[0]), NanoGPTBlockAdapter)
     assert all(key != "tests.zoo:Block" for key in ADAPTERS)  # found by structure, not by the table
-    _, blocks, _ = check_recomputation(tiny, NEOX_PARTS)
-    assert blocks["layer0/ffn"].params["activation"] == "gelu"
-    assert blocks["layer0/ln_1"].params["eps"] == 1e-5
+    _, recs = check_recomputation(tiny, NEOX_PARTS)
+    assert recs["layer0/ffn"].params["activation"] == "gelu"
+    assert recs["layer0/ln_1"].params["eps"] == 1e-5
 
 
 def test_nanogpt_recognition_looks_at_structure():
@@ -533,8 +520,8 @@ def test_nanogpt_recognition_looks_at_structure():
 def test_nanogpt_dropout_in_training_is_reported():
     tiny = zoo.nanogpt(dropout=0.1)
     tiny.model.train()
-    _, blocks, _, _ = capture(tiny)
-    assert "dropout p=0.1" in blocks["layer0/attn"].reason
+    _, recs = capture(tiny)
+    assert "dropout p=0.1" in recs["layer0/attn"].reason
 
 
 class Block(nn.Module):

@@ -297,14 +297,14 @@ def test_resume_restores_state(tmp_path):
         ({"max_basis": 3}, "Invalid max_basis=3. Must be an int >= 4"),
         ({"max_basis": 8.0}, "Invalid max_basis=8.0. Must be an int >= 4"),
         ({"tol": 1.5}, "Invalid tol=1.5. Must be a number in [0, 1)"),
-        ({"dtype": "float16"}, "Invalid dtype='float16'. Must be one of ('float32', 'float64')."),
+        ({"dtype": "float16"}, "Invalid dtype='float16'. Must be one of ['float32', 'float64']."),
         ({"pairs": "some"}, "Invalid pairs='some'. Must be 'diagonal', 'all'"),
         ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
         ({"kinds": ["gn"]}, "Invalid kinds=('gn',). Must be a non-empty subset of ('outer', 'functional', 'hessian')."),
         ({"kinds": []}, "Invalid kinds=(). Must be a non-empty subset"),
         ({"terms_every_n_train_steps": 0}, "Invalid terms_every_n_train_steps=0. Must be an int >= 1."),
         ({"terms_every_n_train_steps": 1.5}, "Invalid terms_every_n_train_steps=1.5. Must be an int >= 1."),
-        ({"max_overhead": 0}, "Invalid max_overhead=0. Must be a fraction > 0 (e.g. 0.01 for 1%), or None"),
+        ({"max_overhead": 0}, "Invalid max_overhead=0. Must be a fraction > 0 (e.g. 0.01 for 1%), None for a fixed"),
         ({"on_error": "ignore"}, "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
         ({"blocks": "all"}, "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec."),
         ({"log_key_prefix": 3}, "Invalid log_key_prefix=3. Must be a str"),
@@ -423,11 +423,11 @@ def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog)
         with caplog.at_level("INFO"):
             trainer.fit(TinyLM(), loader())
         logged[name] = curv_rows(read_rows(trainer))
-        assert monitor._eval_seconds > 0 and monitor._train_seconds > 0
+        assert monitor.schedule.eval_seconds > 0 and monitor.schedule.train_seconds > 0
         skips = [r for r in caplog.records if "CurvatureMonitor: skipping due step" in r.getMessage()]
         assert len(skips) == (1 if name == "tight" else 0)  # said once, with the way out
         caplog.clear()
-    assert "pass max_overhead=None for a fixed schedule" in skips[0].getMessage()
+    assert "(or max_overhead=None) for a fixed schedule" in skips[0].getMessage()
     assert sorted(logged["loose"]) == [0, 1, 2, 3]
     assert sorted(logged["tight"]) == [0]  # step 0 always; afterwards the budget is spent
     fractions = [row[f"{PREFIX}summary/overhead_fraction"] for row in logged["loose"].values()]
@@ -569,9 +569,7 @@ def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
 def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     """A due full evaluation the budget cannot afford becomes terms-only where those are due too."""
     monitor = CurvatureMonitor(every_n_train_steps=1, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False)
-    monkeypatch.setattr(
-        CurvatureMonitor, "_within_budget", lambda self, trainer, module: (self._evaluations == 0, True)
-    )
+    monkeypatch.setattr(monitor.schedule, "affordable", lambda agree=None: (monitor._evaluations == 0, True))
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
@@ -609,3 +607,18 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
         assert step["curv/summary/lanczos/unconverged"] == 0
         assert step["curv/summary/lanczos/rel_residual_max"] <= 1e-2
     assert "Lanczos" not in monitor.summary_text()
+
+
+def test_a_chosen_cadence_is_honoured_and_its_cost_said_once(tmp_path):
+    """Issue 12's defect: every_n_train_steps=2 on a 12-step run evaluated only step 0 (the default 1% budget
+    skipped the rest). A chosen cadence is now kept as it is; its cost is said once, with the ways to cap it."""
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, log_heatmap=False)
+    assert monitor.max_overhead is None and CurvatureMonitor().max_overhead == 0.01
+    trainer = make_trainer(tmp_path, monitor, max_steps=12)
+    with pytest.warns(CurvatureWarning, match=r"every_n_train_steps=2 is expensive here.*max_overhead=0.01") as seen:
+        trainer.fit(TinyLM(), loader(n=48))
+    assert sum("is expensive here" in str(w.message) for w in seen) == 1
+    assert sorted(curv_rows(read_rows(trainer))) == [0, 2, 4, 6, 8, 10]
+    # with the budget asked for explicitly it governs any cadence; max_overhead=None: fixed, and no note
+    assert CurvatureMonitor(every_n_train_steps=2, max_overhead=0.05).schedule.max_overhead == 0.05
+    assert not CurvatureMonitor(every_n_train_steps=2, max_overhead=None).schedule.note_cost

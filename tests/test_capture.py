@@ -252,22 +252,6 @@ def test_evaluate_layernorm_runs():
     assert out and all(v.ndim == 0 and torch.isfinite(v) for v in out.values())
 
 
-def test_unsupported_activation_error_names_it(monkeypatch):
-    cf = pytest.importorskip("curvwatch.closed_form")
-    layer = nn.TransformerEncoderLayer(D, H, dim_feedforward=16, dropout=0.0, activation=nn.GELU("tanh"))
-    with Capture(find_blocks(layer), max_tokens=100) as capture:
-        layer(torch.randn(L, B, D)).sum().backward()
-    ffn = capture.blocks()[-1]
-    assert ffn.params["activation"] == "gelu_tanh"
-
-    def ffn_without_tanh(Y, W_1, W_2, *, activation="relu", **kw):
-        raise ValueError(f"Invalid activation={activation!r}. Must be one of ('relu', 'gelu').")
-
-    monkeypatch.setattr(cf, "ffn", ffn_without_tanh, raising=False)
-    with pytest.raises(ValueError, match="gelu_tanh.*tanh approximation.*closed_form.ffn does not implement"):
-        ffn.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64)
-
-
 def test_gpt2_ffn_gelu_tanh_evaluates_or_is_refused_by_name():
     tf = pytest.importorskip("transformers")
     cf, _ = _closed_form("ffn")

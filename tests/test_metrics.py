@@ -97,19 +97,3 @@ def test_summarize_model_and_layers():
     # explicit layers override the names
     assert M.summarize({"a": FFN}, layers={"a": 7})["summary/max_hessian_layer"] == 7.0
     assert M.summarize({}) == {}
-
-
-@pytest.mark.parametrize(
-    "key, op",
-    [
-        ("hessian/QQ/h0", "mean"),
-        ("term/x_norm6", "mean"),
-        ("ln/inv_var_max", "max"),
-        ("ln/var_min", "min"),
-        ("ln/var_min_over_eps", "min"),
-        ("term/attn_entropy/h1", "mean"),
-        ("ffn/dead_fraction", "mean"),
-    ],
-)
-def test_reduce_op(key, op):
-    assert M.reduce_op(key) == op

@@ -29,6 +29,7 @@ from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
 from curvwatch.capture import Capture, CapturedBlock, CaptureError
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import Evaluation
 from curvwatch.models.gpt import GPT, GPTConfig
 from tests.ddp_script import SEQ, VOCAB, TinyLM, loader
 from tests.utils import assert_close_report
@@ -325,7 +326,7 @@ def test_out_of_memory_twice_skips(tmp_path, monkeypatch):
     messages = fit(trainer, tiny())
     assert "ran out of memory" in messages[0]
     assert "skipped the evaluation at step 0: evaluating block 'layer0/attn' raised OutOfMemoryError" in messages[1]
-    assert trainer.global_step == 1 and monitor._token_limit == 14
+    assert trainer.global_step == 1 and monitor.engine.token_limit == 14
 
 
 # -- bad numbers in, clear numbers out ------------------------------------------------------------
@@ -686,7 +687,7 @@ def test_callback_state_bounded_over_many_evaluations():
         warnings.simplefilter("ignore", CurvatureWarning)
         for step in range(2000):  # every evaluation fires a collapse alert; every other one also a skip
             flat[("layer0/attn", "hessian/VV/h0")] = 100.0 ** (step % 2)
-            monitor._log(trainer, step, flat, ["layer0/ffn"], 0.0)
+            monitor._log(trainer, step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
             monitor._skip(trainer, step, RuntimeError("induced"))
     state = monitor.state_dict()
     assert monitor._evaluations == 2000 and monitor._skipped == 2000 and monitor._alerts.fired >= 2000
@@ -766,7 +767,7 @@ def test_one_time_warnings_and_token_limit_survive_checkpoint():
         ({"every_n_train_steps": True}, "Invalid every_n_train_steps=True. Must be an int >= 1."),
         ({"max_tokens": 16.0}, "Invalid max_tokens=16.0. Must be an int >= 1."),
         ({"tol": -1e-3}, "Invalid tol=-0.001. Must be a number in [0, 1)"),
-        ({"dtype": torch.float32}, "Invalid dtype=torch.float32. Must be one of ('float32', 'float64')."),
+        ({"dtype": torch.float32}, "Invalid dtype=torch.float32. Must be one of ['float32', 'float64']."),
         ({"blocks": [1, 2]}, "Invalid blocks=[1, 2]. Must be 'auto' or a list of curvwatch.BlockSpec."),
         ({"collapse_ratio": -1}, "Invalid collapse_ratio=-1. Must be a number >= 0 (0 disables)."),
         ({"inv_var_threshold": 0}, "Invalid inv_var_threshold=0. Must be a number > 0."),

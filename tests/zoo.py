@@ -90,10 +90,14 @@ LITGPT_FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma3": (
         "Gemma-3-1b-it",
         dict(
-            n_query_groups=2, intermediate_size=24, head_size=4, sliding_window_size=3, sliding_window_indices=[1, 0],
+            n_query_groups=2,
+            intermediate_size=24,
+            head_size=4,
+            sliding_window_size=3,
+            sliding_window_indices=[1, 0],
             rope_indices=[1, 0],
         ),
-    ),  # fmt: skip
+    ),
     # Pythia: LayerNorm, parallel residual, partial rotary (0.25 of head_size 8), GELU MLP with biases
     "pythia": ("pythia-14m", dict(n_embd=32)),
     # Phi-2: parallel residual with a shared norm, partial rotary 0.4 of head_size 10, GELU (tanh)
@@ -195,7 +199,7 @@ def hf_vit(*, impl: str = "sdpa", dtype=torch.float64, seed: int = 0) -> Tiny:
     torch.manual_seed(seed)
     model = _finish(tf.ViTModel(config, add_pooling_layer=False), dtype)
     pixels = torch.randn(B, 3, 8, 8, dtype=dtype)
-    return Tiny(model, lambda m: _weighted_sum(m(pixel_values=pixels).last_hidden_state), list(model.encoder.layer))
+    return Tiny(model, lambda m: _weighted_sum(m(pixel_values=pixels).last_hidden_state), list(model.layers))
 
 
 def hf_bart(
@@ -329,4 +333,3 @@ def nanogpt(
     model = _finish(NanoGPT(bias=bias, flash=flash, dropout=dropout, torch_ln=torch_ln), dtype)
     idx = torch.randint(0, VOCAB, (B, L))
     return Tiny(model, lambda m: _weighted_sum(m(idx)), list(model.transformer.h))
-

@@ -45,6 +45,9 @@ class ModelSpec:
         ln_eps: ``eps`` of every LayerNorm.
         final_norm: Whether a pre-LN model normalises before the head (``"gpt"`` always does).
         emb_std: Standard deviation of the token and position embeddings at initialisation.
+        bias: Whether the Linear layers (and, for ``"torch"``, the LayerNorms) have biases.
+        logit_scale: Multiply the logits by a learnable ``exp(s)`` (``s`` a scalar, initially 0), like a
+            learnable softmax temperature.
     """
 
     arch: str = "gpt"
@@ -56,6 +59,20 @@ class ModelSpec:
     ln_eps: float = 1e-5
     final_norm: bool = True
     emb_std: float = 0.02
+    bias: bool = True
+    logit_scale: bool = False
+
+
+class ScaledHead(nn.Module):
+    """``exp(s) * head(x)``: an LM head with a learnable logit scale ``s`` (a scalar, initially 0)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.log_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x) * self.log_scale.exp()
 
 
 def build_gpt(spec: ModelSpec) -> nn.Module:
@@ -68,6 +85,7 @@ def build_gpt(spec: ModelSpec) -> nn.Module:
         d_model=spec.d_model,
         norm=spec.norm,
         ln_eps=spec.ln_eps,
+        bias=spec.bias,
     )
     model = GPT(config)
     for emb in (model.tok_emb, model.pos_emb):
@@ -113,10 +131,11 @@ class TorchCausalLM(nn.Module):
             layer_norm_eps=spec.ln_eps,
             batch_first=True,
             norm_first=spec.norm == "pre",
+            bias=spec.bias,
         )
         self.encoder = nn.TransformerEncoder(layer, spec.n_layer, enable_nested_tensor=False)
         pre = spec.norm == "pre" and spec.final_norm
-        self.ln_f: nn.Module = nn.LayerNorm(d, eps=spec.ln_eps) if pre else nn.Identity()
+        self.ln_f: nn.Module = nn.LayerNorm(d, eps=spec.ln_eps, bias=spec.bias) if pre else nn.Identity()
         self.head = nn.Linear(d, VOCAB_SIZE, bias=False)
         nn.init.normal_(self.head.weight, std=0.02)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(spec.seq_len), persistent=False)
@@ -167,7 +186,10 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     if spec.arch not in ARCHITECTURES:
         raise ValueError(f"Invalid arch={spec.arch!r}. Must be one of {sorted(ARCHITECTURES)}.")
-    return ARCHITECTURES[spec.arch].build(spec)
+    model = ARCHITECTURES[spec.arch].build(spec)
+    if spec.logit_scale:
+        model.head = ScaledHead(model.head)
+    return model
 
 
 class MaxLogitProbe:

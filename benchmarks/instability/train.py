@@ -84,6 +84,7 @@ class RunConfig:
         lr: Learning-rate knots ``((step, lr), ...)``: linear in between, constant after the last one.
         weight_decay: AdamW decay of the weight matrices.
         emb_weight_decay: Decay of the token and position embeddings (``None``: ``weight_decay``).
+        emb_lr_mult: Learning-rate multiplier of the embeddings.
         betas: AdamW betas.
         qk_lr_mult: Learning-rate multiplier of the query and key projections (``"gpt"`` only: its
             ``q_proj``/``k_proj``; 1: none).
@@ -102,6 +103,7 @@ class RunConfig:
     lr: tuple[tuple[int, float], ...] = ((0, 1e-3),)
     weight_decay: float = 0.1
     emb_weight_decay: float | None = None
+    emb_lr_mult: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
     qk_lr_mult: float = 1.0
     z_loss: float = 0.0
@@ -173,7 +175,7 @@ class SuiteLM(L.LightningModule):
                 groups["decay" if p.dim() >= 2 else "none"].append(p)
         emb_wd = cfg.weight_decay if cfg.emb_weight_decay is None else cfg.emb_weight_decay
         settings = {  # group -> (weight decay, learning-rate multiplier)
-            "emb": (emb_wd, 1.0),
+            "emb": (emb_wd, cfg.emb_lr_mult),
             "qk": (cfg.weight_decay, cfg.qk_lr_mult),
             "decay": (cfg.weight_decay, 1.0),
             "none": (0.0, 1.0),

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch  # noqa: F401  (used by the doctests)
 from torch import nn
 
-from curvwatch.adapters.base import KINDS, Adapter, BlockSpec, Masks, UnsupportedBlockError, activation_name
+from curvwatch.adapters.base import Adapter, BlockSpec, Masks, UnsupportedBlockError, activation_name
 from curvwatch.adapters.builtin import (
     BertLayerAdapter,
     GPT2BlockAdapter,
@@ -52,6 +52,7 @@ from curvwatch.adapters.builtin import (
 from curvwatch.adapters.hf import BartLayerAdapter, GPTNeoXLayerAdapter, HFDecoderLayerAdapter, ViTLayerAdapter
 from curvwatch.adapters.litgpt import LitGPTBlockAdapter
 from curvwatch.adapters.structural import recognize
+from curvwatch.kinds import KINDS
 
 __all__ = [
     "ADAPTERS",
@@ -207,7 +208,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[BlockSpec] = "auto") ->
             raise ValueError(f"Invalid entry {spec!r} in blocks. Must be a curvwatch.BlockSpec.")
         if spec.kind not in KINDS:
             raise ValueError(
-                f"Invalid kind={spec.kind!r} in BlockSpec {spec.name!r}. Must be one of {KINDS}."
+                f"Invalid kind={spec.kind!r} in BlockSpec {spec.name!r}. Must be one of {sorted(KINDS)}."
             )
         if spec.name in seen:
             raise ValueError(f"Duplicate BlockSpec name {spec.name!r}. Names must be unique.")

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 __all__ = ["Adapter", "BlockSpec", "Masks", "UnsupportedBlockError", "activation_name"]
 
-KINDS = ("attention", "layernorm", "ffn")
 
 
 class UnsupportedBlockError(ValueError):

@@ -4,7 +4,9 @@ from .attention import multi_head_attention, self_attention
 from .block import transformer_block
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 from .ffn import ffn
+from .gated_ffn import gated_ffn
 from .layernorm import layernorm
+from .rmsnorm import rmsnorm
 from .settings import EXACT, Lanczos, LanczosWarning, WarmStart
 
 __all__ = [
@@ -13,7 +15,9 @@ __all__ = [
     "multi_head_attention",
     # other sub-blocks and the whole block
     "layernorm",
+    "rmsnorm",
     "ffn",
+    "gated_ffn",
     "transformer_block",
     # settings of the iterative (Lanczos) norms
     "Lanczos",

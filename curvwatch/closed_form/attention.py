@@ -1,10 +1,18 @@
-"""Closed-form Hessian blocks of (multi-head) softmax self-attention: Gauss-Newton and functional parts.
+"""Closed-form Hessian blocks of multi-head softmax attention: Gauss-Newton and functional parts.
 
-Notation (formula sheet §1-§3): ``X`` (L, d) tokens, per head ``P = X W_Q + b_Q``, ``K = X W_K + b_K``,
-``V = X W_V + b_V``, ``T = P K^T / sqrt(d_K)`` (masked), ``A = softmax_row(T)``, head output ``F_h = A V`` and
-the layer output ``F = sum_h F_h W_O^h (+ b_O)`` (``W_O = I`` for a single head without projection).
+Notation (formula sheet §1-§3, docs "Modern attention"): ``X`` (L, d) query tokens, ``X_kv`` (L_kv, d_kv) the
+tokens keys and values are read from (``X_kv = X`` in self-attention, the encoder output ``memory`` in
+cross-attention). ``H`` query heads share ``H_kv`` key/value heads (grouped-query attention, ``G = H / H_kv``
+query heads per group; ``H_kv = H`` is plain multi-head attention). Query head ``h`` reads kv head ``g = h // G``:
 
-The Hessian of the loss in the weights of head ``h`` splits into ``H = H_o + H_f``:
+* ``Q0_h = X W_Q^h + b_Q^h``, ``K0_g = X_kv W_K^g + b_K^g``, ``V_g = X_kv W_V^g + b_V^g``;
+* ``P_h = R(N_q(Q0_h))``, ``K_g = R(N_k(K0_g))``: ``N`` the optional per-head QK-norm (RMSNorm or LayerNorm over
+  ``d_K``), ``R`` the optional rotary embedding, a fixed linear map per position (both the identity by default);
+* ``T_h = s P_h K_g^T`` (masked), ``s`` the softmax scale (``1/sqrt(d_K)`` by default), ``A_h = softmax_row(T_h)``;
+* head output ``F_h = A_h V_g`` and the layer output ``F = sum_h F_h W_O^h (+ b_O)`` (``W_O = I`` for one head
+  without projection).
+
+The Hessian of the loss in the weights splits into ``H = H_o + H_f``:
 
 * ``H_o = c J^T J`` (outer / Gauss-Newton), with ``J = dF/dW`` and ``c`` the output curvature;
 * ``H_f = sum_k g_k d^2 F_k / dW^2`` (functional), with ``g = dl/dF``.
@@ -15,16 +23,22 @@ We never build the ``L^2 x L^2`` softmax Jacobian nor the ``L^4 x L^2`` second d
 * softmax Jacobian on a row: ``dA_i = a_i * (dT_i - <a_i, dT_i>)`` (symmetric, so it is also its VJP);
 * softmax second derivative contracted with the cotangent ``G_A = g_h V^T``:
   ``d/dA <G_A, J_A dT> = G_A*dT - G_A <a_i,dT_i> - <a_i,G_A,i> dT`` (P2 Lemma C.1 contracted);
-* the bilinear term of ``T`` in ``(W_Q, W_K)``: ``(X^T Gamma X) kron I / sqrt(d_K)``, ``Gamma = dl/dT``
-  (formula sheet §2, erratum 7).
+* the bilinear term of ``T`` in ``(P, K)``: ``s Gamma dK`` and ``s Gamma^T dP``, ``Gamma = dl/dT``
+  (formula sheet §2, erratum 7);
+* the maps in front of ``P`` and ``K``: tangents go through ``dP = R(J_N dQ0)``, cotangents back through
+  ``J_N^T R^T``; the functional products add the norm's second derivative contracted with the cotangent at its
+  output, ``N''[R^T dl/dP] dQ0`` (and the same for K). ``R`` is linear, so it has no second-order term.
 
-Each product costs ``O(L^2 (d_K + d_V) + L d (d_K + d_V))`` per head, like one forward pass.
-``||H_o(VV)||`` is exact in closed form: ``(sum_b c_b ||A_b X_b||^2-Gram) * ||W_O^h||^2``.
+Key and value blocks of a group collect every query head that reads them (``J_K^g = sum_{h in g} J_K^h``); the
+operator works per query head and sums each group's heads where a product returns to ``W_K``, ``W_V``. Each
+product costs ``O(L L_kv (d_K + d_V) + (L d + L_kv d_kv)(d_K + d_V))`` per head, like one forward pass.
+``||H_o(VV)||`` is exact in closed form for ``G = 1``: ``(sum_b c_b ||A_b X_kv,b||^2-Gram) * ||W_O^h||^2``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from functools import cached_property
 
 import torch
@@ -42,10 +56,17 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
-from .bounds import _attention_bound_table, softmax_bound_factors
+from .bounds import _attention_bound_table, _grouped_attention_bound_tables, softmax_bound_factors
+from .layernorm import LayerNormRows
+from .rmsnorm import RMSNormRows
 from .settings import Lanczos
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
+# with grouped-query attention: pairs with a query block are per query head (h{i}), the others per kv group (g{j})
+QUERY_PAIRS = ("QQ", "VQ", "QK")
+GROUP_PAIRS = ("VV", "KK", "VK")
+QK_NORM_KINDS = ("rmsnorm", "layernorm")
+_QK_NORM_KEYS = ("kind", "eps", "weight_q", "weight_k", "bias_q", "bias_k", "weight_offset")
 
 
 def softmax_jvp(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
@@ -53,61 +74,302 @@ def softmax_jvp(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
     return A * (dT - (A * dT).sum(-1, keepdim=True))
 
 
-class AttentionOperator(BlockOperator):
-    """Head-diagonal closed-form Hessian operator of multi-head attention for the weights of each head.
+# ---- rotary position embeddings ----------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension (halves of equal width)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, transpose: bool = False
+) -> torch.Tensor:
+    """Rotary embedding ``R`` (or its transpose) on the first ``r`` dimensions of ``x`` ``(..., L, d_K)``.
+
+    The tables hold ``r`` columns in the half-split layout of Hugging Face and litgpt, the frequencies' halves
+    duplicated: ``cos[..., i] == cos[..., i + r/2]`` (``torch.cat([freqs, freqs], -1)``); they broadcast against
+    ``x[..., :r]``. Half-split (``interleaved=False``, LLaMA / NeoX): ``R x = x * cos + rotate_half(x) * sin`` with
+    ``rotate_half([x1, x2]) = [-x2, x1]``. Interleaved (GPT-J): pair ``(2i, 2i+1)`` turns by frequency ``i``,
+    ``y_2i = x_2i c_i - x_2i+1 s_i``, ``y_2i+1 = x_2i+1 c_i + x_2i s_i``. Dimensions ``r:`` pass unchanged
+    (partial rotary, NeoX / pythia). ``R`` acts per position as ``r/2`` blocks ``[[c, -s], [s, c]]``; its transpose
+    flips the sign of ``sin``.
 
     Args:
-        X: ``(B, L, d)`` block input.
-        W_Q, W_K: ``(H, d, d_K)`` per-head weights; W_V: ``(H, d, d_V)``.
+        x: ``(..., L, d_K)``.
+        cos, sin: ``(..., L, r)``, ``r <= d_K`` even, broadcastable against ``x[..., :r]``.
+        interleaved: the GPT-J layout.
+        transpose: apply ``R^T`` (the VJP of ``R``).
+
+    Returns:
+        ``(..., L, d_K)``.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.0]])  # one position, d_K = 2
+        >>> c, s = torch.zeros(1, 2), torch.ones(1, 2)  # a quarter turn
+        >>> apply_rotary(x, c, s), apply_rotary(x, c, s, transpose=True)
+        (tensor([[0., 1.]]), tensor([[ 0., -1.]]))
+    """
+    r = cos.shape[-1]
+    xr = x[..., :r]
+    sin = -sin if transpose else sin
+    if interleaved:
+        c, s = cos[..., : r // 2], sin[..., : r // 2]
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        y = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    else:
+        y = xr * cos + _rotate_half(xr) * sin
+    return y if r == x.shape[-1] else torch.cat([y, x[..., r:]], dim=-1)
+
+
+class _Rotary:
+    """The rotary map of one call: validated tables ``(B or 1, L, r)`` broadcast over heads, and its norm."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, d_K: int):
+        self.cos, self.sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B or 1, 1, L, r): broadcast over heads
+        self.interleaved = interleaved
+        self.partial = cos.shape[-1] < d_K
+
+    def __call__(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+        return apply_rotary(x, self.cos, self.sin, self.interleaved, transpose)
+
+    def norm(self) -> torch.Tensor:
+        """``max_i ||R_i||_2`` over positions: ``max sqrt(cos^2 + sin^2)`` (1 for a rotation; YaRN scales it)."""
+        n = (self.cos * self.cos + self.sin * self.sin).amax().sqrt()
+        return n.clamp_min(1.0) if self.partial else n
+
+
+def _check_rotary(rotary, interleaved, B: int, L: int, d_K: int, ref: torch.Tensor) -> _Rotary:
+    """Validate ``rotary=(cos, sin)`` for ``L`` positions and heads of width ``d_K``; see :func:`apply_rotary`."""
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"Invalid rotary_interleaved={interleaved!r}. Must be False (half-split) or True (GPT-J).")
+    pair = isinstance(rotary, (tuple, list)) and len(rotary) == 2
+    if not (pair and all(isinstance(t, torch.Tensor) for t in rotary)):
+        raise ValueError(
+            f"Invalid rotary={type(rotary).__name__}: expected a (cos, sin) pair of tensors, each (L, r) or (B, L, r) "
+            "(Hugging Face: the position_embeddings of the layer; litgpt: build_rope_cache(...) cut to the sequence)."
+        )
+    cos, sin = rotary
+    if cos.shape != sin.shape:
+        raise ValueError(f"rotary cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape.")
+    shape = tuple(cos.shape)
+    if cos.ndim == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if cos.ndim != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != L:
+        raise ValueError(
+            f"Invalid rotary table shape {shape}. Expected (L, r) = ({L}, r) or (B, L, r) with B in (1, {B}): one row "
+            "per position of the sequence (cut a longer cache to the sequence, e.g. cos[:L])."
+        )
+    r = cos.shape[-1]
+    if r % 2 or not 2 <= r <= d_K:
+        raise ValueError(
+            f"Invalid rotary width r={r}. Must be even with 2 <= r <= d_K = {d_K} (the first r dims of a head rotate)."
+        )
+    cos, sin = cos.to(dtype=ref.dtype, device=ref.device), sin.to(dtype=ref.dtype, device=ref.device)
+    if not bool(torch.isfinite(cos).all() and torch.isfinite(sin).all()):
+        raise ValueError("rotary tables hold NaN or Inf values.")
+    h = r // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not torch.equal(t[..., :h], t[..., h:]):
+            raise ValueError(
+                f"rotary {name} must repeat its frequencies' halves, {name}[..., i] == {name}[..., i + r/2] (the "
+                "layout Hugging Face's rotary embeddings and litgpt's build_rope_cache return, for either "
+                "rotary_interleaved). A GPT-J style table t with the frequencies repeated in pairs [c0, c0, c1, c1, "
+                "...] becomes torch.cat([t[..., ::2], t[..., ::2]], -1)."
+            )
+    return _Rotary(cos, sin, interleaved, d_K)
+
+
+# ---- QK-norm -----------------------------------------------------------------------------------------
+
+
+class _QKNorm:
+    """Per-head QK-norm settings: builds the row products of ``N_q``, ``N_k`` at the pre-norm queries and keys."""
+
+    def __init__(self, kind: str, eps: float, weights: dict, offset: float):
+        self.kind, self.eps, self.weights, self.offset = kind, eps, weights, offset
+
+    def rows(self, Y0: torch.Tensor, side: str):
+        """``(rows, N(Y0))``: the row object (``jvp``, ``vjp``, ``hvp``) and the normalised ``Y0`` ``(..., d_K)``."""
+        w, b = self.weights[f"weight_{side}"], self.weights.get(f"bias_{side}")
+        if self.kind == "rmsnorm":
+            rows = RMSNormRows(Y0, self.eps, w, self.offset)
+            return rows, rows.forward()
+        rows = LayerNormRows(Y0, self.eps, None if w is None else w + self.offset)
+        return rows, rows.forward(b)
+
+
+def _check_qk_norm(qk_norm, d_K: int, ref: torch.Tensor) -> _QKNorm | None:
+    """Validate the ``qk_norm`` dict of :func:`multi_head_attention`."""
+    if qk_norm is None:
+        return None
+    if not isinstance(qk_norm, dict):
+        raise ValueError(f"Invalid qk_norm={type(qk_norm).__name__}. Must be None or a dict with keys {_QK_NORM_KEYS}.")
+    unknown = sorted(set(qk_norm) - set(_QK_NORM_KEYS))
+    if unknown:
+        raise ValueError(f"Invalid qk_norm keys {unknown}. Allowed: {list(_QK_NORM_KEYS)}.")
+    kind = qk_norm.get("kind")
+    if kind not in QK_NORM_KINDS:
+        raise ValueError(f"Invalid qk_norm kind={kind!r}. Must be one of {list(QK_NORM_KINDS)}.")
+    eps = qk_norm.get("eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"Invalid qk_norm eps={eps!r}. Must be a finite number >= 0 (the norm module's eps).")
+    offset = qk_norm.get("weight_offset", 0.0)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"Invalid qk_norm weight_offset={offset!r}. Must be 0.0, or 1.0 for Gemma's (1 + weight).")
+    names = ("weight_q", "weight_k") + (("bias_q", "bias_k") if kind == "layernorm" else ())
+    if kind == "rmsnorm" and any(qk_norm.get(b) is not None for b in ("bias_q", "bias_k")):
+        raise ValueError("qk_norm bias_q / bias_k apply to kind='layernorm' only; RMSNorm has no bias.")
+    weights = {}
+    for name in names:
+        weights[name] = check_like(qk_norm.get(name), (d_K,), f"qk_norm {name}", ref)
+    if offset != 0.0 and (weights["weight_q"] is None or weights["weight_k"] is None):
+        raise ValueError(f"qk_norm weight_offset={offset} needs weight_q and weight_k: the offset is added to them.")
+    return _QKNorm(kind, float(eps), weights, float(offset))
+
+
+# ---- the operator ------------------------------------------------------------------------------------
+
+
+class AttentionOperator(BlockOperator):
+    """Closed-form Hessian operator of multi-head attention, per query head (and per kv group where shared).
+
+    The products take per-query-head ``Q`` tangents ``(n, H, d, d_K)`` and per-kv-head ``K``, ``V`` tangents
+    ``(n, H_kv, d_kv, k)`` and return the weight-space results in the same layout. With ``H_kv = H`` (``G = 1``) it
+    is a head-diagonal :class:`BlockOperator` as is; with ``G > 1`` the Lanczos norms go through
+    :class:`_QueryView` (blocks with ``Q``, per query head) and :class:`_GroupView` (``K``, ``V``, the whole group).
+
+    Args:
+        X: ``(B, L, d)`` block input (queries).
+        W_Q: ``(H, d, d_K)`` per-head weights; W_K: ``(H_kv, d_kv, d_K)``; W_V: ``(H_kv, d_kv, d_V)``.
         W_O: ``(H, d_V, m)`` per-head output projection, or None (then ``m = d_V`` and ``H = 1``).
-        b_Q, b_K: ``(H, d_K)`` or None; b_V: ``(H, d_V)`` or None.
-        keep: ``(B, L, L)`` bool, True where query i may attend key j (causal and padding), or None.
+        b_Q: ``(H, d_K)`` or None; b_K: ``(H_kv, d_K)`` or None; b_V: ``(H_kv, d_V)`` or None.
+        keep: ``(B, L, L_kv)`` bool, True where query i may attend key j (causal, window and padding), or None.
         row_keep: ``(B, L)`` bool, query rows that belong to the loss.
         g: ``(B, L, m)`` cotangent ``dl/dF`` (zero on dropped rows), or None to set it later with
             :meth:`set_cotangent` (once :meth:`output` has given the loss its ``F``).
         c: ``(B,)`` output curvature per sequence (with ``g``).
+        memory: ``(B, L_kv, d_kv)`` keys/values source (cross-attention), or None (``X``).
+        rotary: a :class:`_Rotary` (from :func:`_check_rotary`) or None.
+        scale: the softmax scale ``s``, or None for ``1/sqrt(d_K)``.
+        qk_norm: a :class:`_QKNorm` (from :func:`_check_qk_norm`) or None.
     """
 
     suffix_heads = True
     supports_subsets = True
     supports_total = True
 
-    def __init__(self, X, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, g, c, suffix_heads=True):
+    def __init__(
+        self,
+        X,
+        W_Q,
+        W_K,
+        W_V,
+        W_O,
+        b_Q,
+        b_K,
+        b_V,
+        keep,
+        row_keep,
+        g,
+        c,
+        suffix_heads=True,
+        *,
+        memory=None,
+        rotary=None,
+        scale=None,
+        qk_norm=None,
+    ):
         self.X = X
+        self.Xkv = X if memory is None else memory
         self.H, d, self.d_K = W_Q.shape
+        self.H_kv, d_kv = W_K.shape[:2]
+        self.G = self.H // self.H_kv
         self.d_V = W_V.shape[-1]
         self.n_heads = self.H
         self.head_diagonal = True
         self.suffix_heads = suffix_heads
         self.dtype, self.device = X.dtype, X.device
         self.params = {
-            "V": ParamInfo((d, self.d_V), True),
+            "V": ParamInfo((d_kv, self.d_V), True),
             "Q": ParamInfo((d, self.d_K), True),
-            "K": ParamInfo((d, self.d_K), True),
+            "K": ParamInfo((d_kv, self.d_K), True),
         }
-        self.scale = 1.0 / math.sqrt(self.d_K)
+        self.scale = 1.0 / math.sqrt(self.d_K) if scale is None else float(scale)
+        self.rotary = rotary
         self.W_Q, self.W_K, self.W_V, self.W_O = W_Q, W_K, W_V, W_O
-        # queries, keys and values in one matmul: X (B L, d) @ [W_Q | W_K | W_V] (d, H (2 d_K + d_V)), then
-        # contiguous (B, H, L, k) copies (the Gram matrices and products then need no copy of their own)
+        # queries, keys and values in one matmul per source: X (B L, d) @ [W_Q | W_K | W_V] (d, H d_K + H_kv (d_K +
+        # d_V)), then contiguous (B, heads, L, k) copies (the Gram matrices and products then need no copy of their own)
         B, L = X.shape[:2]
-        W_all = torch.cat([W.permute(1, 0, 2).reshape(d, -1) for W in (W_Q, W_K, W_V)], 1)  # (H, d, k) -> (d, H k)
-        Y = X.reshape(B * L, d) @ W_all  # (B L, H (2 d_K + d_V))
-        sizes = [self.H * self.d_K, self.H * self.d_K, self.H * self.d_V]
-        self.P, self.Kk, self.Vv = (
-            y.reshape(B, L, self.H, -1).transpose(1, 2).contiguous() for y in Y.split(sizes, 1)
-        )  # (B, H, L, d_K), (B, H, L, d_K), (B, H, L, d_V)
-        for t, b in ((self.P, b_Q), (self.Kk, b_K), (self.Vv, b_V)):
+        heads = (self.H, self.H_kv, self.H_kv)
+        sizes = [self.H * self.d_K, self.H_kv * self.d_K, self.H_kv * self.d_V]
+        if memory is None:
+            W_all = torch.cat([W.permute(1, 0, 2).reshape(d, -1) for W in (W_Q, W_K, W_V)], 1)  # (H, d, k) -> (d, H k)
+            ys, lengths = (X.reshape(B * L, d) @ W_all).split(sizes, 1), (L, L, L)  # (B L, H d_K + ...)
+        else:
+            L_kv = memory.shape[1]
+            W_kv = torch.cat([W.permute(1, 0, 2).reshape(d_kv, -1) for W in (W_K, W_V)], 1)
+            ys = (X.reshape(B * L, d) @ W_Q.permute(1, 0, 2).reshape(d, -1),)
+            ys += (memory.reshape(B * L_kv, d_kv) @ W_kv).split(sizes[1:], 1)
+            lengths = (L, L_kv, L_kv)
+        P, Kk, Vv = (
+            y.reshape(B, n, h, -1).transpose(1, 2).contiguous() for y, n, h in zip(ys, lengths, heads, strict=True)
+        )  # (B, H, L, d_K), (B, H_kv, L_kv, d_K), (B, H_kv, L_kv, d_V)
+        for t, b in ((P, b_Q), (Kk, b_K), (Vv, b_V)):
             if b is not None:
                 t.add_(b[None, :, None, :])
-        T = self.P @ self.Kk.mT * self.scale  # (B, H, L, L)
+        self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
+        if qk_norm is not None:
+            self.q_rows, P = qk_norm.rows(P, "q")
+            self.k_rows, Kk = qk_norm.rows(Kk, "k")
+        if rotary is not None:
+            P, Kk = rotary(P), rotary(Kk)
+        self.P, self.K_kv, self.V_kv = P, Kk, Vv
+        self.Kk, self.Vv = self._rep(Kk), self._rep(Vv)  # read by every query head: (B, H, L_kv, k)
+        T = self.P @ self.Kk.mT * self.scale  # (B, H, L, L_kv)
         if keep is not None:
             T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
         A = torch.softmax(T, dim=-1)
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
-        self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L), see set_cotangent
+        self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L_kv), see set_cotangent
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
         if g is not None:
             self.set_cotangent(g, c)
+
+    # ---- kv groups -------------------------------------------------------------------------------
+    def _rep(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """kv-head tensor ``(..., H_kv, L, k)`` -> per query head ``(..., H, L, k)`` (head ``h`` reads ``h // G``)."""
+        return t if t is None or self.G == 1 else t.repeat_interleave(self.G, dim=-3)
+
+    def _grp(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Per query head ``(..., H, L, k)`` -> summed over each group's heads ``(..., H_kv, L, k)`` (``_rep^T``)."""
+        return t if t is None or self.G == 1 else t.unflatten(-3, (self.H_kv, self.G)).sum(-3)
+
+    # ---- the maps in front of P and K (QK-norm, then rotary) ---------------------------------------
+    def _fwd(self, d0: torch.Tensor | None, side: str) -> torch.Tensor | None:
+        """Tangent of the pre-norm queries (keys) ``dQ0`` -> ``dP = R(J_N dQ0)``."""
+        rows = self.q_rows if side == "q" else self.k_rows
+        if d0 is None:
+            return None
+        if rows is not None:
+            d0 = rows.jvp(d0)
+        return d0 if self.rotary is None else self.rotary(d0)
+
+    def _back(self, m: torch.Tensor | None, d0: torch.Tensor | None, side: str) -> torch.Tensor | None:
+        """Cotangent at ``P`` (``K``) -> at the pre-norm queries (keys): ``J_N^T R^T m``, plus ``N''[R^T dl/dP] dQ0``
+        (unscaled by ``s``, as ``m``) when the tangent ``d0`` of a second-order product is given."""
+        rows = self.q_rows if side == "q" else self.k_rows
+        if m is not None and self.rotary is not None:
+            m = self.rotary(m, transpose=True)
+        if rows is None:
+            return m
+        if m is not None:
+            m = rows.vjp(m)
+        if d0 is not None:
+            h = rows.hvp(self.GQn if side == "q" else self.GKn, d0)
+            m = h if m is None else m + h
+        return m
 
     def output(self, b_O: torch.Tensor | None = None) -> torch.Tensor:
         """The layer output ``F = sum_h A_h V_h W_O^h (+ b_O)``, ``(B, L, m)``."""
@@ -124,17 +386,17 @@ class AttentionOperator(BlockOperator):
         W_O = self.W_O
         self.c = c
         self.g_h = g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
-        for name in ("G_A", "Gamma", "rG", "G_A1", "GmR1"):
+        for name in ("G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn"):
             self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
 
     @cached_property
     def G_A(self) -> torch.Tensor:
-        """``dl/dA = g_h V^T``, ``(B, H, L, L)``."""
+        """``dl/dA = g_h V^T``, ``(B, H, L, L_kv)``."""
         return self.g_h @ self.Vv.mT
 
     @cached_property
     def Gamma(self) -> torch.Tensor:
-        """``dl/dT``, ``(B, H, L, L)``."""
+        """``dl/dT``, ``(B, H, L, L_kv)``."""
         return softmax_jvp(self.A, self.G_A)
 
     @cached_property
@@ -142,7 +404,7 @@ class AttentionOperator(BlockOperator):
         """``<a_i, G_A,i>`` per row, ``(B, H, L, 1)``."""
         return (self.A * self.G_A).sum(-1, keepdim=True)
 
-    # rank-matched views for products with (n, B, H, L, L) tangents: same-rank elementwise ops take
+    # rank-matched views for products with (n, B, H, L, L_kv) tangents: same-rank elementwise ops take
     # PyTorch's fast path (broadcasting over a missing leading dimension was 2x slower on CPU)
     @cached_property
     def G_A1(self) -> torch.Tensor:
@@ -153,22 +415,40 @@ class AttentionOperator(BlockOperator):
         return (self.G_A - self.rG).unsqueeze(0)
 
     @cached_property
+    def GQn(self) -> torch.Tensor:
+        """``dl/dN_q / s = R^T(Gamma K)``, the cotangent at the normalised queries (QK-norm), ``(B, H, L, d_K)``."""
+        m = self.Gamma @ self.Kk
+        return m if self.rotary is None else self.rotary(m, transpose=True)
+
+    @cached_property
+    def GKn(self) -> torch.Tensor:
+        """``dl/dN_k / s = R^T(sum_{h in g} Gamma_h^T P_h)`` at the normalised keys, ``(B, H_kv, L_kv, d_K)``."""
+        m = self._grp(self.Gamma.mT @ self.P)
+        return m if self.rotary is None else self.rotary(m, transpose=True)
+
+    @cached_property
     def Mo(self) -> torch.Tensor | None:
         """Per-head output metric ``W_O^h W_O^h^T``, ``(H, d_V, d_V)`` (None without projection)."""
         return None if self.W_O is None else self.W_O @ self.W_O.mT
+
+    def _zero_out(self, n: int, name: str) -> torch.Tensor:
+        """A zero result of block ``name`` for ``n`` tangents: ``(n, H, d, d_K)`` for Q, ``(n, H_kv, d_kv, k)`` else."""
+        heads = self.H if name == "Q" else self.H_kv
+        return torch.zeros((n, heads, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
     # ---- first order -------------------------------------------------------------------------
     def jvp(self, tangent):
         """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP.
 
-        ``tangent`` maps any of ``"Q", "K", "V"`` to ``(n, H, d, k)``; a missing name is a zero perturbation
-        and costs nothing.
+        ``tangent`` maps ``"Q"`` to ``(n, H, d, d_K)`` and ``"K"``, ``"V"`` to ``(n, H_kv, d_kv, k)``; a missing name
+        is a zero perturbation and costs nothing.
         """
         X, A = self.X, self.A1
-        dP = _xw(X, tangent["Q"]) if "Q" in tangent else None  # (n, B, H, L, d_K)
-        dK = _xw(X, tangent["K"]) if "K" in tangent else None
-        dV = _xw(X, tangent["V"]) if "V" in tangent else None  # (n, B, H, L, d_V)
-        dT = None  # (n, B, H, L, L), already scaled by 1/sqrt(d_K)
+        dQ0 = _xw(X, tangent["Q"]) if "Q" in tangent else None  # (n, B, H, L, d_K)
+        dK0 = _xw(self.Xkv, tangent["K"]) if "K" in tangent else None  # (n, B, H_kv, L_kv, d_K)
+        dV = self._rep(_xw(self.Xkv, tangent["V"])) if "V" in tangent else None  # (n, B, H, L_kv, d_V)
+        dP, dK = self._fwd(dQ0, "q"), self._rep(self._fwd(dK0, "k"))
+        dT = None  # (n, B, H, L, L_kv), already scaled by s
         if dP is not None:
             dT = (dP * self.scale) @ self.Kk.mT
         if dK is not None:
@@ -183,7 +463,9 @@ class AttentionOperator(BlockOperator):
             dF = dA @ self.Vv
         if dV is not None:
             dF = self.A @ dV if dF is None else dF.add_(self.A @ dV)
-        return dF, (dP, dK, dV, dT, r, dA)
+        if self.q_rows is None:  # the pre-norm tangents serve only the QK-norm's second derivative
+            dQ0 = dK0 = None
+        return dF, (dP, dK, dV, dT, r, dA, dQ0, dK0)
 
     def pull(self, inter, u=None, second_order=True, outputs=("V", "Q", "K")):
         """Weight gradients of the output cotangent ``u`` plus (``second_order``) the g-contracted second derivative.
@@ -193,23 +475,23 @@ class AttentionOperator(BlockOperator):
         pass: the two parts share every matmul back to the weights (one softmax VJP, one ``X^T`` product per block).
 
         Args:
-            inter: intermediates of :meth:`jvp` for the same ``n`` tangents, ``(dP, dK, dV, dT, r, dA)``.
+            inter: intermediates of :meth:`jvp` for the same ``n`` tangents, ``(dP, dK, dV, dT, r, dA, dQ0, dK0)``.
             u: ``(n, B, H, L, d_V)`` per-head output cotangents, or None.
             second_order: add the functional (second-derivative) terms.
             outputs: weight blocks to return, a subset of ``("V", "Q", "K")``.
 
         Returns:
-            ``{name: (n, H, d, k)}`` for the names in ``outputs``.
+            ``{name: (n, heads, d_in, k)}`` for the names in ``outputs`` (``H`` heads for Q, ``H_kv`` for K, V).
         """
         X, A, g_h = self.X, self.A1, self.g_h
-        dP, dK, dV, dT, r, dA = inter if second_order else (None,) * 6
+        dP, dK, dV, dT, r, dA, dQ0, dK0 = inter if second_order else (None,) * 8
         ref = u if u is not None else next((t for t in inter if t is not None), None)
         out = {}
         if "V" in outputs:
             mV = None if u is None else self.A.mT @ u
             if dA is not None:
                 mV = dA.mT @ g_h if mV is None else mV.add_(dA.mT @ g_h)
-            out["V"] = self._zeros(ref.shape[0], "V") if mV is None else _xtm(X, mV)
+            out["V"] = self._zero_out(ref.shape[0], "V") if mV is None else _xtm(self.Xkv, self._grp(mV))
         if "Q" in outputs or "K" in outputs:
             # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
             hA = None
@@ -225,72 +507,86 @@ class AttentionOperator(BlockOperator):
                 if name not in outputs:
                     continue
                 m = None if left is None else left @ right
-                if Gam is not None:  # the bilinear term of T in (W_Q, W_K)
+                if Gam is not None:  # the bilinear term of T in (P, K)
                     t = (self.Gamma if name == "Q" else self.Gamma.mT) @ Gam
                     m = t if m is None else m.add_(t)
-                out[name] = self._zeros(ref.shape[0], name) if m is None else _xtm(X, m) * self.scale
+                if name == "Q":
+                    m, source = self._back(m, dQ0, "q"), X
+                else:
+                    m, source = self._back(self._grp(m), dK0, "k"), self.Xkv
+                out[name] = self._zero_out(ref.shape[0], name) if m is None else _xtm(source, m) * self.scale
         return out
 
     def vjp(self, u, outputs=("V", "Q", "K")):
         """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``: the weight grads in ``outputs``."""
-        return self.pull((None,) * 6, u=u, second_order=False, outputs=outputs)
+        return self.pull((None,) * 8, u=u, second_order=False, outputs=outputs)
 
     # ---- second order ------------------------------------------------------------------------
     def functional(self, inter, outputs=("V", "Q", "K")):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
         return self.pull(inter, u=None, second_order=True, outputs=outputs)
 
-    def _outer_cotangent(self, dF):
-        """``u = c dF`` (through the output metric ``W_O W_O^T``), padded rows dropped."""
-        u = dF if self.Mo is None else dF @ self.Mo
+    def _outer_cotangent(self, dF, mix: bool = True):
+        """``u = c dF`` through the output metric, padded rows dropped.
+
+        Without ``mix`` (or with ``G = 1``) head ``h`` sees only its own output, ``u_h = c dF_h W_O^h W_O^h^T`` (the
+        diagonal head block); with ``mix`` it sees its group's, ``u_h = c (sum_{h' in g} dF_h' W_O^h') W_O^h^T``,
+        which the blocks of the shared ``W_K``, ``W_V`` need.
+        """
+        if self.G == 1 or not mix or self.W_O is None:
+            u = dF if self.Mo is None else dF @ self.Mo
+        else:
+            W_O = self.W_O.unflatten(0, (self.H_kv, self.G))  # (H_kv, G, d_V, m)
+            Y = torch.einsum("nbgslv,gsvm->nbglm", dF.unflatten(2, (self.H_kv, self.G)), W_O)  # group output tangent
+            u = torch.einsum("nbglm,gsvm->nbgslv", Y, W_O).flatten(2, 3)  # (n, B, H, L, d_V)
         return u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
 
-    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None):
+    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None, mix=True):
         """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs`` (and ``H v`` with ``total_rows``).
 
         ``outer_rows`` / ``func_rows`` / ``total_rows`` (index tensors) select the tangents for which each part
         is needed; the returned tensors then hold only those rows, in that order. ``outer_rows`` and
         ``func_rows`` default to all rows; with ``total_rows`` a third dict ``H v`` (both parts, fused) is
-        returned.
+        returned. ``mix``: see :meth:`_outer_cotangent`.
         """
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
         if dF is None:  # no perturbation at all
-            zero = {nm: self._zeros(n, nm) for nm in outputs}
+            zero = {nm: self._zero_out(n, nm) for nm in outputs}
             return (zero, zero) if total_rows is None else (zero, zero, zero)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
-            u = self._outer_cotangent(select_rows(dF, idx)) if outer else None
-            inter_i = tuple(select_rows(t, idx) for t in inter) if second_order else (None,) * 6
+            u = self._outer_cotangent(select_rows(dF, idx), mix) if outer else None
+            inter_i = tuple(select_rows(t, idx) for t in inter) if second_order else (None,) * 8
             return self.pull(inter_i, u=u, second_order=second_order, outputs=outputs)
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
-    # ---- exact pieces ------------------------------------------------------------------------
+    # ---- exact pieces (G = 1) ----------------------------------------------------------------
     def _vv_rows(self) -> torch.Tensor:
-        """``A`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (0 on padded rows), ``(B, H, L, L)``."""
+        """``A`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (0 on padded rows), ``(B, H, L, L_kv)``."""
         return self.A * (self.c.sqrt()[:, None] * self.row_keep)[:, None, :, None]
 
     def vv_factor(self) -> torch.Tensor:
-        """``M`` with ``M^T M = sum_b c_b (A X)_b^T (A X)_b`` per head (padded rows dropped), ``(H, B L, d)``."""
-        B, H, L = self.A.shape[:3]
-        M1 = self._vv_rows().reshape(B, H * L, L) @ self.X  # one matmul per sequence for all heads, (B, H L, d)
-        return M1.reshape(B, H, L, -1).transpose(0, 1).reshape(H, B * L, -1)  # (B, H, L, d) -> (H, B L, d)
+        """``M``, ``M^T M = sum_b c_b (A X_kv)_b^T (A X_kv)_b`` per head (padded rows dropped), ``(H, B L, d_kv)``."""
+        B, H, L, L_kv = self.A.shape
+        M1 = self._vv_rows().reshape(B, H * L, L_kv) @ self.Xkv  # one matmul per sequence for all heads, (B, H L, d_kv)
+        return M1.reshape(B, H, L, -1).transpose(0, 1).reshape(H, B * L, -1)  # (B, H, L, d_kv) -> (H, B L, d_kv)
 
     def _vv_matvec(self):
-        """``v -> M^T M v`` per head for ``v`` ``(H, d)``, without forming :meth:`vv_factor`.
+        """``v -> M^T M v`` per head for ``v`` ``(H, d_kv)``, without forming :meth:`vv_factor`.
 
-        ``M v = Aw (X v)`` costs ``O(B H L (L + d))`` per product; forming ``M`` costs ``O(B H L^2 d)``, more
-        than the few products Lanczos needs.
+        ``M v = Aw (X_kv v)`` costs ``O(B H L (L_kv + d_kv))`` per product; forming ``M`` costs ``O(B H L L_kv d_kv)``,
+        more than the few products Lanczos needs.
         """
-        Aw, X = self._vv_rows(), self.X  # (B, H, L, L), (B, L, d)
-        B, L, d = X.shape
+        Aw, X = self._vv_rows(), self.Xkv  # (B, H, L, L_kv), (B, L_kv, d_kv)
+        B, L_kv, d = X.shape
 
         def mv(v: torch.Tensor) -> torch.Tensor:
-            t = (X @ v.mT).transpose(1, 2).unsqueeze(-2)  # X_b v_h as rows: (B, L, H) -> (B, H, 1, L)
+            t = (X @ v.mT).transpose(1, 2).unsqueeze(-2)  # X_b v_h as rows: (B, L_kv, H) -> (B, H, 1, L_kv)
             # s^T = (Aw^T Aw t)^T as row-vector products (a batched (L, L) @ (L, 1) was 10x slower on CPU)
-            s = (t @ Aw.mT) @ Aw  # (B, H, 1, L)
-            return s.squeeze(-2).permute(1, 0, 2).reshape(-1, B * L) @ X.reshape(B * L, d)  # sum_b X_b^T s_bh
+            s = (t @ Aw.mT) @ Aw  # (B, H, 1, L_kv)
+            return s.squeeze(-2).permute(1, 0, 2).reshape(-1, B * L_kv) @ X.reshape(B * L_kv, d)  # sum_b X_b^T s_bh
 
         return mv
 
@@ -306,7 +602,7 @@ class AttentionOperator(BlockOperator):
         wo2: torch.Tensor | None = None,
         info: dict | None = None,
     ) -> torch.Tensor:
-        """Exact ``||H_o(VV)||`` per head: ``lambda_max(sum_b c_b (A X)_b^T (A X)_b) * ||W_O^h||^2``.
+        """Exact ``||H_o(VV)||`` per head (``G = 1``): ``lambda_max(sum_b c_b (A X_kv)_b^T (A X_kv)_b) ||W_O^h||^2``.
 
         ``gram`` (that ``lambda_max``, ``(H,)``) and ``wo2`` (``||W_O^h||^2``) may be passed when the caller
         computed them already (in one batched eigen-decomposition with its other norms). When the ``d x d``
@@ -314,7 +610,7 @@ class AttentionOperator(BlockOperator):
         ``(H,)``.
         """
         if gram is None:
-            d = self.X.shape[-1]
+            d = self.Xkv.shape[-1]
             if self.vv_exact(d, lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
             else:
@@ -333,6 +629,92 @@ class AttentionOperator(BlockOperator):
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
         return gram
+
+
+class _GroupView(BlockOperator):
+    """The operator with the kv group as the unit (``G > 1``): blocks ``Q`` (the group's ``G`` query heads,
+    ``(G, d, d_K)``), ``K`` and ``V``. Groups never meet, so the Lanczos vectors of all groups share one product."""
+
+    supports_subsets = True
+    supports_total = True
+    head_diagonal = True
+    suffix_heads = True
+
+    def __init__(self, op: AttentionOperator):
+        self.op = op
+        self.n_heads = op.H_kv
+        self.dtype, self.device = op.dtype, op.device
+        self.params = {"V": op.params["V"], "Q": ParamInfo((op.G, *op.params["Q"].shape), True), "K": op.params["K"]}
+
+    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None):
+        op = self.op
+        t = {nm: x.flatten(1, 2) if nm == "Q" else x for nm, x in tangent.items()}  # Q: (n, H_kv, G, ..) -> (n, H, ..)
+        parts = op.apply(t, outputs, outer_rows, func_rows, total_rows, mix=True)
+        return tuple({nm: x.unflatten(1, (op.H_kv, op.G)) if nm == "Q" else x for nm, x in p.items()} for p in parts)
+
+
+class _QueryView(BlockOperator):
+    """The operator with the query head as the unit (``G > 1``): ``Q`` of head ``h``, ``K`` and ``V`` of its group.
+
+    A ``Q``-only product (``QQ``) moves each head's own output only and takes every head at once, without the
+    group's mixing. A product that touches ``K`` or ``V`` runs once per position ``s`` of a head inside its group:
+    tangent row ``(i, s)`` carries the vectors of heads ``(g, s)`` of every group ``g`` (heads of different groups
+    never meet, those of one group do), so each vector costs ``G`` rows.
+    """
+
+    supports_subsets = True
+    supports_total = True
+    head_diagonal = True
+    suffix_heads = True
+
+    def __init__(self, op: AttentionOperator):
+        self.op = op
+        self.n_heads = op.H
+        self.dtype, self.device = op.dtype, op.device
+        self.params = dict(op.params)
+
+    def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None):
+        op = self.op
+        G, H_kv = op.G, op.H_kv
+        if set(tangent) <= {"Q"} and set(outputs) <= {"Q"}:
+            return op.apply(tangent, outputs, outer_rows, func_rows, total_rows, mix=False)
+        eye = torch.eye(G, dtype=op.dtype, device=op.device)
+        t = {}
+        for nm, x in tangent.items():
+            x = x.unflatten(1, (H_kv, G))  # (n, H_kv, G, d_in, k)
+            if nm == "Q":  # row (i, s) perturbs head (g, s) of every group g
+                t[nm] = (x.unsqueeze(1) * eye.reshape(1, G, 1, G, 1, 1)).flatten(2, 3).flatten(0, 1)  # (n G, H, d, d_K)
+            else:  # row (i, s) perturbs group g by the vector of its head (g, s)
+                t[nm] = x.transpose(1, 2).flatten(0, 1)  # (n G, H_kv, d_kv, k)
+        rows = [
+            None if idx is None else (idx[:, None] * G + torch.arange(G, device=idx.device)).flatten()
+            for idx in (outer_rows, func_rows, total_rows)
+        ]
+        parts = op.apply(t, outputs, *rows, mix=True)
+
+        def back(nm: str, x: torch.Tensor) -> torch.Tensor:
+            x = x.unflatten(0, (-1, G))  # (m, G, heads, d_in, k)
+            if nm == "Q":  # head (g, s) from row (i, s)
+                return torch.diagonal(x.unflatten(2, (H_kv, G)), dim1=1, dim2=3).movedim(-1, 2).flatten(1, 2)
+            return x.transpose(1, 2).flatten(1, 2)  # group g of row (i, s) -> head (g, s)
+
+        return tuple({nm: back(nm, x) for nm, x in p.items()} for p in parts)
+
+
+def _group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys ``.../h{j}`` of a :class:`_GroupView` (its unit ``j`` is a kv group) renamed ``.../g{j}``."""
+    return {re.sub(r"/h(\d+)$", r"/g\1", k): v for k, v in out.items()}
+
+
+def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
+    """``VV/g{j}`` for ``G > 1``: the outer part by Lanczos (a sum of Kronecker products, no closed-form norm),
+    ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the total is the outer part."""
+    out = {}
+    for key, v in _group_keys(spectral_norms(gv, ["VV"], kinds=("outer",), lanczos=lanczos)).items():
+        out[key] = out[key.replace("outer/", "hessian/", 1)] = v
+        if not key.startswith("residual/"):
+            out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
+    return out
 
 
 def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -378,21 +760,58 @@ def _split_heads(W: torch.Tensor, n_heads: int, name: str, per_head_cols: bool =
     return W.reshape(n_heads, hk // n_heads, m)
 
 
+def _padding(mask, B: int, L: int, name: str, device) -> torch.Tensor | None:
+    """A ``(B, L)`` (or ``(L,)``) padding mask as bool ``(B, L)``, True = padded."""
+    if mask is None:
+        return None
+    m = mask.to(device=device, dtype=torch.bool)
+    if m.ndim == 1:
+        m = m.unsqueeze(0)
+    if tuple(m.shape) != (B, L):
+        raise ValueError(f"{name} must have shape (B, L) = {(B, L)}; got {tuple(mask.shape)}.")
+    return m
+
+
+def _attention_masks(
+    B: int,
+    L: int,
+    L_kv: int,
+    causal: bool,
+    window: int | None,
+    key_padding_mask,
+    memory_padding_mask,
+    cross: bool,
+    device,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(keep (B, L, L_kv) or None, row_keep (B, L), kv_keep (B, L_kv))`` of one attention call.
+
+    ``keep[b, i, j]``: query ``i`` sees key ``j``. Causal: ``j <= i``; a window ``w`` adds ``j > i - w`` (causal) or
+    ``|i - j| < w`` (not causal); padded keys are never seen: ``key_padding_mask`` in self-attention,
+    ``memory_padding_mask`` in cross-attention. ``row_keep``: query rows that belong to the loss (not padded);
+    ``kv_keep``: key positions that are not padded.
+    """
+    kpm = _padding(key_padding_mask, B, L, "key_padding_mask", device)
+    row_keep = torch.ones(B, L, dtype=torch.bool, device=device) if kpm is None else ~kpm
+    keep = None
+    if causal or window is not None:
+        m = torch.ones(L, L_kv, dtype=torch.bool, device=device)
+        m = m.tril() if causal else m
+        if window is not None:
+            i, j = torch.arange(L, device=device)[:, None], torch.arange(L_kv, device=device)[None]
+            m = m & ((j > i - window) if causal else ((i - j).abs() < window))
+        keep = m.expand(B, L, L_kv)
+    kv_pad = _padding(memory_padding_mask, B, L_kv, "memory_padding_mask", device) if cross else kpm
+    kv_keep = row_keep if not cross else torch.ones(B, L_kv, dtype=torch.bool, device=device)
+    if kv_pad is not None:
+        kv_keep = ~kv_pad
+        kk = kv_keep.unsqueeze(1).expand(B, L, L_kv)
+        keep = kk if keep is None else keep & kk
+    return keep, row_keep, kv_keep
+
+
 def _keep_masks(B: int, L: int, causal: bool, key_padding_mask, device) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(keep (B, L, L) or None, row_keep (B, L))`` from the causal flag and a padding mask (True = padded)."""
-    row_keep = torch.ones(B, L, dtype=torch.bool, device=device)
-    keep = None
-    if causal:
-        keep = torch.ones(L, L, dtype=torch.bool, device=device).tril().expand(B, L, L)
-    if key_padding_mask is not None:
-        kpm = key_padding_mask.to(device=device, dtype=torch.bool)
-        if kpm.ndim == 1:
-            kpm = kpm.unsqueeze(0)
-        if tuple(kpm.shape) != (B, L):
-            raise ValueError(f"key_padding_mask must have shape (B, L) = {(B, L)}; got {tuple(kpm.shape)}.")
-        row_keep = ~kpm
-        kk = (~kpm).unsqueeze(1).expand(B, L, L)
-        keep = kk if keep is None else keep & kk
+    keep, row_keep, _ = _attention_masks(B, L, L, causal, None, key_padding_mask, None, False, device)
     return keep, row_keep
 
 
@@ -419,13 +838,27 @@ def _attention(
     single,
     kinds=KINDS,
     terms=True,
+    window=None,
+    scale=None,
+    rotary=None,
+    qk_norm=None,
+    memory=None,
+    memory_padding_mask=None,
 ):
-    """Shared body of :func:`self_attention` and :func:`multi_head_attention`; ``X3`` ``(B, L, d)`` is checked."""
+    """Shared body of :func:`self_attention` and :func:`multi_head_attention`; every argument is checked."""
     B, L, d = X3.shape
-    H = W_Q.shape[0]
-    keep, row_keep = _keep_masks(B, L, causal, key_padding_mask, X3.device)
+    H, H_kv = W_Q.shape[0], W_K.shape[0]
+    G = H // H_kv
+    cross = memory is not None
+    L_kv = memory.shape[1] if cross else L
+    keep, row_keep, kv_keep = _attention_masks(
+        B, L, L_kv, causal, window, key_padding_mask, memory_padding_mask, cross, X3.device
+    )
     # one forward pass: the operator's, which also gives the output the loss convention needs
-    op = AttentionOperator(X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, None, None, suffix_heads=not single)
+    op = AttentionOperator(
+        X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, None, None, suffix_heads=not single,
+        memory=memory, rotary=rotary, scale=scale, qk_norm=qk_norm,
+    )  # fmt: skip
     if target is not None:
         F = op.output(b_O)
     else:  # grad_output mode reads only the output's shape, dtype and device
@@ -445,54 +878,83 @@ def _attention(
             raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',)}.")
     kinds = _check_kinds(kinds)
 
-    def hk(base):  # per-head keys
+    def hk(base):  # per-query-head keys
         return [base] if single else [f"{base}/h{h}" for h in range(H)]
+
+    def gk(base):  # per-kv-group keys (the head keys without grouping)
+        return hk(base) if G == 1 else [f"{base}/g{j}" for j in range(H_kv)]
 
     # every exact spectral norm of the evaluation in one batched call (one eigvalsh per Gram size)
     mats: dict[str, torch.Tensor] = {}
-    vv_exact = "VV" in pairs and op.vv_exact(d, lanczos.max_iter)
+    vv_exact = "VV" in pairs and G == 1 and op.vv_exact(op.Xkv.shape[-1], lanczos.max_iter)
     if vv_exact:
-        mats["vv"] = op.vv_factor()  # (H, B L, d)
+        mats["vv"] = op.vv_factor()  # (H, B L, d_kv)
     if W_O is not None and ("VV" in pairs or terms):
         mats["wo"] = W_O
     if terms:
-        mats.update(x=X3 * row_keep.unsqueeze(-1).to(X3.dtype), P=op.P, K=op.Kk, V=op.Vv, wq=W_Q, wk=W_K, wv=W_V)
+        mats.update(x=X3 * row_keep.unsqueeze(-1).to(X3.dtype), P=op.P, K=op.K_kv, V=op.V_kv, wq=W_Q, wk=W_K, wv=W_V)
+        if cross:
+            mats["mem"] = memory * kv_keep.unsqueeze(-1).to(X3.dtype)
     sq = dict(zip(mats, gram_lambda_max(*mats.values()), strict=True))  # squared norms
 
     out: dict[str, torch.Tensor] = {}
-    if "VV" in pairs:
-        info: dict = {}
-        vv = op.outer_vv_norm(lanczos, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
-        zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
-        for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
-            out[f"outer/{key}"] = v
-            out[f"functional/{key}"] = zero
-            out[f"hessian/{key}"] = v
-            if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
-                out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
-    if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lanczos))
-    if "QKV" in pairs or pairs == ATTENTION_PAIRS:
-        out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
+    full = "QKV" in pairs or pairs == ATTENTION_PAIRS
+    if G == 1:
+        if "VV" in pairs:
+            info: dict = {}
+            vv = op.outer_vv_norm(lanczos, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
+            zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
+            for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
+                out[f"outer/{key}"] = v
+                out[f"functional/{key}"] = zero
+                out[f"hessian/{key}"] = v
+                if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
+                    out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
+        if iterative:
+            out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lanczos))
+        if full:
+            out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
+    else:  # grouped-query attention: blocks with Q per query head, the others per kv group
+        qv, gv = _QueryView(op), _GroupView(op)
+        if "VV" in pairs:
+            out.update(_grouped_vv(gv, lanczos))
+        q_pairs, g_pairs = [p for p in iterative if p in QUERY_PAIRS], [p for p in iterative if p in GROUP_PAIRS]
+        if q_pairs:
+            out.update(spectral_norms(qv, q_pairs, kinds=kinds, lanczos=lanczos))
+        if g_pairs:
+            out.update(_group_keys(spectral_norms(gv, g_pairs, kinds=kinds, lanczos=lanczos)))
+        if full:
+            out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
 
     if terms:
         norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
-        out.update(_terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk))
+        out.update(
+            _terms_and_bounds(X3, op, g, c, resid, row_keep, kv_keep, norms, target, hk, gk, bounds=qk_norm is None)
+        )
     if dense:
-        out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
+        if G == 1:
+            out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
+        else:
+            out.update(dense_blocks(qv, QUERY_PAIRS))
+            out.update(_group_keys(dense_blocks(gv, GROUP_PAIRS, full=("Q", "K", "V"))))
     lanczos.warn_unconverged(out, "self_attention" if single else "multi_head_attention")
     return out
 
 
-def _terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk) -> dict[str, torch.Tensor]:
+def _terms_and_bounds(
+    X3, op, g, c, resid, row_keep, kv_keep, norms, target, hk, gk, bounds: bool = True
+) -> dict[str, torch.Tensor]:
     """Bound terms (``term/...``) and corrected bounds (``bound/...``) of :func:`_attention`.
 
     ``norms`` holds the spectral norms computed with the exact ones: ``x`` ``(B,)`` (padded rows excluded),
-    ``P``, ``K``, ``V`` ``(B, H)`` and ``wq``, ``wk``, ``wv``, ``wo`` ``(H,)`` (no ``wo`` without projection).
+    ``mem`` ``(B,)`` (cross-attention), ``P`` ``(B, H)``, ``K``, ``V`` ``(B, H_kv)`` and ``wq`` ``(H,)``, ``wk``,
+    ``wv`` ``(H_kv,)``, ``wo`` ``(H,)`` (no ``wo`` without projection). ``bounds=False`` (QK-norm) leaves out every
+    ``bound/...`` key: the bounds do not cover a normalised ``P``, ``K``.
     """
     A = op.A
     B, H, L = A.shape[:3]
+    G = op.G
     x_b = norms["x"]  # (B,)
     alpha, beta = softmax_bound_factors(A)  # ||dA/dT||_2 and the softmax second derivative's bound, (B, H)
     ent = -torch.special.xlogy(A, A).sum(-1)  # (B, H, L); 0 log 0 = 0
@@ -500,6 +962,7 @@ def _terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk) -> dict[
     entropy = (ent * rk).sum((0, 2)) / rk.sum((0, 2)).clamp_min(1)  # (H,)
     w_o = norms.get("wo")
     L_b = row_keep.sum(-1).to(X3.dtype)
+    L_kv_b = kv_keep.sum(-1).to(X3.dtype)  # keys per sequence, the entropy's ceiling is log(L_kv_b)
     x_max = x_b.max()
     out: dict[str, torch.Tensor] = {
         "term/x_norm": x_max,
@@ -507,36 +970,61 @@ def _terms_and_bounds(X3, op, g, c, resid, row_keep, norms, target, hk) -> dict[
         "term/inv_L3": torch.tensor(1.0 / L**3, dtype=X3.dtype, device=X3.device),
         "term/grad_norm": g.norm(),
     }
+    if "mem" in norms:
+        out["term/memory_norm"] = norms["mem"].max()
     if target is not None:
         out["term/residual_norm"] = resid.norm()
     per_head = {
         "softmax_jac_norm": alpha.amax(0),
         "softmax_hess_frob": beta.amax(0),
         "attn_entropy": entropy,
-        "attn_entropy_norm": entropy / torch.log(L_b.clamp_min(2)).mean(),
+        "attn_entropy_norm": entropy / torch.log(L_kv_b.clamp_min(2)).mean(),
         "wq_norm": norms["wq"],
-        "wk_norm": norms["wk"],
-        "wv_norm": norms["wv"],
     }
+    per_group = {"wk_norm": norms["wk"], "wv_norm": norms["wv"]}  # (H_kv,)
+    if G == 1:
+        per_head.update(per_group)
+        per_group = {}
     if w_o is not None:
         per_head["wo_norm"] = w_o
-    names, table = _attention_bound_table(
-        x=x_b,
-        p=norms["P"],
-        kap=norms["K"],
-        nu=norms["V"],
-        gam=op.g_h.flatten(-2).norm(dim=-1).expand(B, H),
-        c=c,
-        alpha=alpha,
-        beta=beta,
-        w_o=torch.ones(H, dtype=X3.dtype, device=X3.device) if w_o is None else w_o,
-        L_b=L_b,
-        d_K=op.d_K,
-    )  # (n_bounds, H)
-    keys = [f"term/{key}" for name in per_head for key in hk(name)]
-    keys += [f"bound/{key}" for name in names for key in hk(name)]
-    vals = torch.cat([torch.stack(list(per_head.values())), table])  # (n_terms + n_bounds, H)
-    out.update(zip(keys, vals.flatten().unbind(), strict=True))  # one view per (quantity, head)
+    head_keys = [f"term/{key}" for name in per_head for key in hk(name)]
+    head_vals = [torch.stack(list(per_head.values()))]  # (n_terms, H)
+    group_keys = [f"term/{key}" for name in per_group for key in gk(name)]
+    group_vals = [torch.stack(list(per_group.values()))] if per_group else []  # (n_terms, H_kv)
+    if bounds:
+        rmax = None if op.rotary is None else op.rotary.norm()  # ||R_i||_2: 1 for a rotation
+        x_kv = norms.get("mem")  # None: keys and values read X
+        x_k = x_kv if rmax is None else (x_b if x_kv is None else x_kv) * rmax
+        kw = dict(
+            x=x_b,
+            p=norms["P"],
+            kap=norms["K"].repeat_interleave(G, 1) if G > 1 else norms["K"],  # per query head (B, H)
+            nu=norms["V"].repeat_interleave(G, 1) if G > 1 else norms["V"],
+            gam=op.g_h.flatten(-2).norm(dim=-1).expand(B, H),
+            c=c,
+            alpha=alpha,
+            beta=beta,
+            w_o=torch.ones(H, dtype=X3.dtype, device=X3.device) if w_o is None else w_o,
+            L_b=L_b,
+            d_K=op.d_K,
+            scale=abs(op.scale),
+            x_q=None if rmax is None else x_b * rmax,
+            x_k=x_k,
+            x_v=x_kv,
+        )
+        if G == 1:
+            names, table = _attention_bound_table(**kw)  # (n_bounds, H)
+            head_keys += [f"bound/{key}" for name in names for key in hk(name)]
+            head_vals.append(table)
+        else:
+            (names_h, table_h), (names_g, table_g) = _grouped_attention_bound_tables(groups=G, **kw)
+            head_keys += [f"bound/{key}" for name in names_h for key in hk(name)]
+            head_vals.append(table_h)
+            group_keys += [f"bound/{key}" for name in names_g for key in gk(name)]
+            group_vals.append(table_g)
+    for keys, vals in ((head_keys, head_vals), (group_keys, group_vals)):
+        if keys:  # one view per (quantity, head or group)
+            out.update(zip(keys, torch.cat(vals).flatten().unbind(), strict=True))
     return out
 
 
@@ -639,6 +1127,7 @@ def multi_head_attention(
     W_O: torch.Tensor,
     n_heads: int,
     *,
+    n_kv_heads: int | None = None,
     b_Q: torch.Tensor | None = None,
     b_K: torch.Tensor | None = None,
     b_V: torch.Tensor | None = None,
@@ -648,6 +1137,13 @@ def multi_head_attention(
     output_curvature: float | None = None,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary_interleaved: bool = False,
+    qk_norm: dict | None = None,
+    memory: torch.Tensor | None = None,
+    memory_padding_mask: torch.Tensor | None = None,
     pairs=None,
     kinds=KINDS,
     lanczos: Lanczos | None = None,
@@ -656,21 +1152,68 @@ def multi_head_attention(
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
-    ``F = concat_h(softmax(P_h K_h^T / sqrt(d_K)) V_h) W_O + b_O`` with ``P_h = X W_Q^h + b_Q^h`` etc., the way
-    real models compute attention. Blocks are those of each head's own ``W_Q^h, W_K^h, W_V^h``.
+    ``F = concat_h(softmax(s P_h K_g^T) V_g) W_O + b_O`` with ``P_h = R(N_q(X W_Q^h + b_Q^h))``,
+    ``K_g = R(N_k(X_kv W_K^g + b_K^g))``, ``V_g = X_kv W_V^g + b_V^g`` and ``g = h // (H / H_kv)``, the way real
+    models compute attention (see the module docstring; by default ``R``, ``N`` are the identity, ``s = 1/sqrt(d_K)``,
+    ``H_kv = H`` and ``X_kv = X``). Blocks are those of each head's (each group's) own weights.
 
     Args:
-        X: ``(L, d)`` or ``(B, L, d)``.
-        W_Q, W_K: ``(d, H d_K)``; W_V: ``(d, H d_V)``; W_O: ``(H d_V, m)``; head ``h`` owns columns
-            ``h d_K:(h+1) d_K`` (rows ``h d_V:(h+1) d_V`` of ``W_O``).
+        X: ``(L, d)`` or ``(B, L, d)`` queries (and keys/values without ``memory``).
+        W_Q: ``(d, H d_K)``; W_K: ``(d_kv, H_kv d_K)``; W_V: ``(d_kv, H_kv d_V)``; W_O: ``(H d_V, m)``; head ``h``
+            owns columns ``h d_K:(h+1) d_K`` of ``W_Q`` (rows ``h d_V:(h+1) d_V`` of ``W_O``), kv head ``g`` columns
+            ``g d_K:(g+1) d_K`` of ``W_K`` (``g d_V:(g+1) d_V`` of ``W_V``). ``d_kv = d`` without ``memory``.
         n_heads: ``H``.
-        b_Q, b_K: ``(H d_K,)``; b_V: ``(H d_V,)``; b_O: ``(m,)``; optional.
-        target, grad_output, output_curvature, causal, key_padding_mask, pairs, kinds, lanczos, terms,
-            dense: as in :func:`self_attention` (default ``c = 2/(L m)``).
+        n_kv_heads: ``H_kv`` key/value heads, dividing ``H`` (grouped-query attention; ``1``: multi-query); query head
+            ``h`` reads kv head ``h // (H / H_kv)`` (Hugging Face's ``repeat_kv``, litgpt's query groups). ``None``:
+            ``H``, plain multi-head attention (``H_kv = H`` gives bit-identical numbers).
+        b_Q: ``(H d_K,)``; b_K: ``(H_kv d_K,)``; b_V: ``(H_kv d_V,)``; b_O: ``(m,)``; optional.
+        target, grad_output, output_curvature, pairs, kinds, lanczos, terms, dense: as in :func:`self_attention`
+            (default ``c = 2/(L m)``).
+        causal: query ``i`` sees keys ``j <= i`` (also across, in cross-attention).
+        key_padding_mask: ``(B, L)`` or ``(L,)`` bool, True = padded query position: dropped from the loss and, in
+            self-attention, never attended to.
+        window: sliding window ``w >= 1``: with ``causal`` query ``i`` sees keys ``i - w < j <= i`` (Mistral, Gemma 2,
+            Qwen sliding layers), without it ``|i - j| < w``. ``None``: no window.
+        scale: softmax scale ``s``, a positive float (Gemma: ``query_pre_attn_scalar**-0.5``, T5: ``1.0``), or
+            ``None`` for ``1/sqrt(d_K)``.
+        rotary: ``(cos, sin)`` rotary tables, each ``(L, r)`` or ``(B, L, r)`` (``(1, L, r)`` broadcasts), ``r <= d_K``
+            even, in the form Hugging Face (``LlamaRotaryEmbedding(x, position_ids)`` gives ``(B, L, d_K)``) and
+            litgpt (``build_rope_cache(L, rope_n_elem)`` gives ``(L, r)``) pass them: ``r`` columns with the
+            frequencies' halves duplicated, ``cos[..., i] == cos[..., i + r/2]`` (checked exactly), for either layout.
+            Only the first ``r`` dims of each head's queries and keys rotate (partial rotary when ``r < d_K``,
+            NeoX / pythia). Self-attention only. See :func:`apply_rotary`.
+        rotary_interleaved: ``False``: half-split layout (LLaMA, NeoX, Hugging Face), dim ``i`` pairs with
+            ``i + r/2``; ``True``: GPT-J layout, dim ``2i`` pairs with ``2i + 1`` (frequency ``i`` = column ``i``).
+        qk_norm: per-head QK-norm of Qwen3, OLMo-style per-head norms and Gemma 3, applied to the queries and keys of
+            every head before the rotary embedding (the Hugging Face and litgpt order): ``None`` or a dict with
+            ``"kind"`` (``"rmsnorm"`` or ``"layernorm"``), ``"eps"``, optional ``"weight_q"``, ``"weight_k"``
+            ``(d_K,)``, ``"bias_q"``, ``"bias_k"`` ``(d_K,)`` (layernorm only) and ``"weight_offset"`` (``0.0``, or
+            ``1.0`` for Gemma's ``(1 + weight)``). The norm's weights are held fixed (not blocks). OLMo 2 normalises
+            the whole ``H d_K`` projection instead, which couples the heads: not this.
+        memory: ``(B, L_kv, d_kv)`` (``(L_kv, d_kv)`` unbatched) cross-attention source: keys and values are
+            ``memory W_K``, ``memory W_V``; queries come from ``X``. ``None``: self-attention.
+        memory_padding_mask: ``(B, L_kv)`` or ``(L_kv,)`` bool, True = padded memory position (never attended to).
+            A query that sees no key at all has ``A = 0`` (output ``b_O``) and no curvature.
 
     Returns:
-        The keys of :func:`self_attention` suffixed ``/h{i}`` for per-head quantities, e.g.
-        ``hessian/QQ/h0``, ``term/softmax_jac_norm/h1``, ``bound/VQ/h0``.
+        The keys of :func:`self_attention` suffixed by head or group. With ``H_kv = H``: ``/h{i}`` for everything,
+        e.g. ``hessian/QQ/h0``, ``term/softmax_jac_norm/h1``, ``bound/VQ/h0``. With ``H_kv < H``:
+
+        * ``{kind}/QQ/h{i}``, ``{kind}/VQ/h{i}``, ``{kind}/QK/h{i}`` (``i < H``): the blocks of query head ``i``'s
+          ``W_Q`` with itself and with its group's ``W_V`` and ``W_K``;
+        * ``{kind}/KK/g{j}``, ``{kind}/VV/g{j}``, ``{kind}/VK/g{j}`` (``j < H_kv``): the blocks of kv head ``j``'s
+          ``W_K``, ``W_V``, collecting every query head that reads them; ``{kind}/QKV/g{j}``: the whole Hessian of
+          group ``j``'s weights in block order ``Q`` (its ``G`` query heads in order), ``K``, ``V``;
+        * ``term/...`` per query head (``/h{i}``) except ``term/wk_norm/g{j}``, ``term/wv_norm/g{j}``;
+          ``bound/...`` as the blocks; ``outer/VV/g{j}`` by Lanczos (no closed-form norm when heads share ``W_V``).
+
+        ``term/memory_norm`` (``||memory||_2``, max over sequences) with ``memory``; ``term/x_norm`` stays the
+        queries' input. ``bound/...`` keys cover scale, windows, rotary (through ``max ||R_i||``), grouped-query
+        and cross-attention; **with ``qk_norm`` no ``bound/...`` key is returned** (the bounds do not cover it).
+
+    Raises:
+        ValueError: on shape mismatches or invalid options (the message says what is allowed), or unless exactly one
+            of ``target`` / ``grad_output`` is given.
 
     Example:
         >>> X = torch.randn(5, 4, dtype=torch.float64)
@@ -678,17 +1221,42 @@ def multi_head_attention(
         >>> out = multi_head_attention(X, W(4, 4), W(4, 4), W(4, 4), W(4, 4), 2, grad_output=W(5, 4), causal=True)
         >>> sorted(k for k in out if k.startswith("hessian/QQ"))
         ['hessian/QQ/h0', 'hessian/QQ/h1']
+        >>> out = multi_head_attention(X, W(4, 4), W(4, 2), W(4, 2), W(4, 4), 2, n_kv_heads=1, grad_output=W(5, 4))
+        >>> sorted(k for k in out if k.startswith(("hessian/QK", "hessian/KK")))
+        ['hessian/KK/g0', 'hessian/QK/h0', 'hessian/QK/h1']
     """
-    if not isinstance(n_heads, int) or n_heads < 1:
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"Invalid n_heads={n_heads!r}. Must be an int >= 1.")
-    X3, batched = as_batched(X)
-    d = X3.shape[-1]
-    W_Q = _split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
-    W_K = _split_heads(check_weight(W_K, d, "W_K", X3), n_heads, "W_K")
-    W_V = _split_heads(check_weight(W_V, d, "W_V", X3), n_heads, "W_V")
-    if W_Q.shape != W_K.shape:
+    H_kv = n_heads if n_kv_heads is None else n_kv_heads
+    if isinstance(H_kv, bool) or not isinstance(H_kv, int) or H_kv < 1 or n_heads % H_kv:
         raise ValueError(
-            f"W_Q and W_K must have the same shape; got {tuple(W_Q.shape)} and {tuple(W_K.shape)} per head."
+            f"Invalid n_kv_heads={n_kv_heads!r}. Must be an int >= 1 dividing n_heads={n_heads} (query head h reads kv "
+            "head h // (n_heads / n_kv_heads)), or None for n_heads."
+        )
+    X3, batched = as_batched(X)
+    B, L, d = X3.shape
+    M3 = None
+    if memory is not None:
+        M3, mem_batched = as_batched(memory, "memory")
+        if mem_batched != batched or M3.shape[0] != B:
+            raise ValueError(
+                f"memory {tuple(memory.shape)} must be batched like X {tuple(X.shape)}: (B, L_kv, d_kv) with B = {B}, "
+                "or (L_kv, d_kv) for an unbatched X."
+            )
+        M3 = M3.to(dtype=X3.dtype, device=X3.device)
+    elif memory_padding_mask is not None:
+        raise ValueError(
+            "memory_padding_mask needs memory= (cross-attention); self-attention pads with key_padding_mask."
+        )
+    d_kv = d if M3 is None else M3.shape[-1]
+    W_Q = _split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
+    W_K = _split_heads(check_weight(W_K, d_kv, "W_K", X3), H_kv, "W_K")
+    W_V = _split_heads(check_weight(W_V, d_kv, "W_V", X3), H_kv, "W_V")
+    if W_Q.shape[-1] != W_K.shape[-1]:
+        raise ValueError(
+            f"W_Q and W_K must have the same shape per head (d_K columns each); got {tuple(W_Q.shape)} for "
+            f"{n_heads} query heads and {tuple(W_K.shape)} for {H_kv} kv heads (pass n_kv_heads= for grouped-query "
+            "attention)."
         )
     if W_O.ndim != 2 or W_O.shape[0] != n_heads * W_V.shape[-1]:
         raise ValueError(
@@ -699,9 +1267,21 @@ def multi_head_attention(
     H, _, d_K = W_Q.shape
     d_V = W_V.shape[-1]
     b_Q = check_like(b_Q, (H * d_K,), "b_Q", X3)
-    b_K = check_like(b_K, (H * d_K,), "b_K", X3)
-    b_V = check_like(b_V, (H * d_V,), "b_V", X3)
+    b_K = check_like(b_K, (H_kv * d_K,), "b_K", X3)
+    b_V = check_like(b_V, (H_kv * d_V,), "b_V", X3)
     b_O = check_like(b_O, (W_O.shape[-1],), "b_O", X3)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"Invalid window={window!r}. Must be an int >= 1 (keys i - w < j <= i with causal) or None.")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+    ):
+        raise ValueError(f"Invalid scale={scale!r}. Must be a finite number > 0, or None for 1/sqrt(d_K).")
+    if rotary is not None and M3 is not None:
+        raise ValueError(
+            "rotary= applies to self-attention only: in cross-attention queries and keys sit at different positions. "
+            "Drop rotary or memory."
+        )
+    rot = None if rotary is None else _check_rotary(rotary, rotary_interleaved, B, L, d_K, X3)
     return _attention(
         X3,
         batched,
@@ -710,8 +1290,8 @@ def multi_head_attention(
         W_V,
         W_O,
         b_Q=None if b_Q is None else b_Q.reshape(H, d_K),
-        b_K=None if b_K is None else b_K.reshape(H, d_K),
-        b_V=None if b_V is None else b_V.reshape(H, d_V),
+        b_K=None if b_K is None else b_K.reshape(H_kv, d_K),
+        b_V=None if b_V is None else b_V.reshape(H_kv, d_V),
         b_O=b_O,
         target=target,
         grad_output=grad_output,
@@ -724,4 +1304,10 @@ def multi_head_attention(
         single=False,
         kinds=kinds,
         terms=terms,
+        window=window,
+        scale=scale,
+        rotary=rot,
+        qk_norm=_check_qk_norm(qk_norm, d_K, X3),
+        memory=M3,
+        memory_padding_mask=memory_padding_mask,
     )

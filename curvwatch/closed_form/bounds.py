@@ -177,33 +177,54 @@ def attention_bounds(*, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K) -> dic
     return dict(zip(names, table.unbind(), strict=True))
 
 
-def _attention_bound_table(*, x, p, kap, nu, gam, c, alpha, beta, w_o, L_b, d_K) -> tuple[list[str], torch.Tensor]:
+def _bound_pieces(*, x, p, kap, nu, gam, c, alpha, beta, w_o, L_b, d_K, scale=None, x_q=None, x_k=None, x_v=None):
+    """Per sequence and head: Jacobian bounds ``(3, B, H)`` (Q, K, V) and functional bounds ``(6, B, H)`` (``_PAIRS``).
+
+    ``x_q``, ``x_k``, ``x_v`` ``(B,)`` bound the maps from a weight perturbation to ``dP``, ``dK``, ``dV`` (default
+    ``x``): with a rotary map ``R``, ``||R(X dW)||_F <= max_i ||R_i|| x ||dW||_F``; in cross-attention keys and values
+    read the memory. ``scale``: the softmax scale (default ``1/sqrt(d_K)``).
+    """
+    s = 1.0 / math.sqrt(d_K) if scale is None else scale
+    xb = x[:, None]  # (B, 1)
+    xq, xk, xv = (xb if t is None else t[:, None] for t in (x_q, x_k, x_v))
+    xw_q, xw_k, xw_v = xq * w_o[None], xk * w_o[None], xv * w_o[None]  # x omega, (B, H)
+    J = torch.stack(
+        [alpha * xw_q * nu * s * kap, alpha * xw_k * nu * s * p, L_b.sqrt()[:, None] * xw_v]
+    )  # ||J_Q||, ||J_K||, ||J_V|| bounds, (3, B, H)
+
+    def ag(x2):  # alpha x^2 gamma s
+        return alpha * x2 * gam * s
+
+    def bg(x2):  # beta gamma nu x^2 s^2
+        return beta * gam * nu * x2 * (s * s)
+
+    x_qk = xq * xk
+    func = torch.stack(
+        [
+            torch.zeros_like(alpha * xq),  # H_f(VV) = 0
+            bg(xq * xq) * kap * kap,
+            bg(xk * xk) * p * p,
+            ag(xq * xv) * kap,
+            ag(xk * xv) * p,
+            bg(x_qk) * kap * p + alpha * gam * nu * x_qk * s,
+        ]
+    )  # (6, B, H)
+    return J, func
+
+
+def _attention_bound_table(**kw) -> tuple[list[str], torch.Tensor]:
     """The bounds of :func:`attention_bounds` from the measured norms, as ``(names, (19, H) tensor)``.
 
     Args:
         p, kap, nu: ``(B, H)`` ``||P||_2``, ``||K||_2``, ``||V||_2`` per sequence and head.
         gam: ``(B, H)`` ``||g W_O^h^T||_F``.
         x, c, alpha, beta, w_o, L_b, d_K: as in :func:`attention_bounds`.
+        scale, x_q, x_k, x_v: see :func:`_bound_pieces`.
     """
-    s = 1.0 / math.sqrt(d_K)
-    xb = x[:, None]  # (B, 1)
-    xw = xb * w_o[None]  # x omega, (B, H)
-    anw = alpha * xw * nu * s
-    J = torch.stack([anw * kap, anw * p, L_b.sqrt()[:, None] * xw])  # ||J_Q||, ||J_K||, ||J_V|| bounds, (3, B, H)
+    c = kw["c"]
+    J, func = _bound_pieces(**kw)
     outer = (c[:, None] * J[_ROWS] * J[_COLS]).sum(1)  # c ||J_X|| ||J_Y|| summed over the batch, (6, H)
-    x2 = xb * xb
-    ax2g = alpha * x2 * gam * s
-    bgn = beta * gam * nu * x2 * (s * s)
-    func = torch.stack(
-        [
-            torch.zeros_like(ax2g),  # H_f(VV) = 0
-            bgn * kap * kap,
-            bgn * p * p,
-            ax2g * kap,
-            ax2g * p,
-            bgn * kap * p + alpha * gam * nu * x2 * s,
-        ]
-    ).sum(1)  # (6, H)
+    func = func.sum(1)  # (6, H)
     total = outer + func
     # whole QKV Hessian: spectral norm of the 3x3 matrix of block bounds (order Q, K, V)
     N = total[torch.tensor(_QKV, device=total.device)].permute(2, 0, 1)  # (3, 3, H) -> (H, 3, 3), symmetric, >= 0
@@ -211,3 +232,48 @@ def _attention_bound_table(*, x, p, kap, nu, gam, c, alpha, beta, w_o, L_b, d_K)
     names = [n for k in _PAIRS for n in (f"outer/{k}", f"functional/{k}", k)] + ["QKV"]
     table = torch.cat([torch.stack([outer, func, total], 1).flatten(0, 1), qkv[None]])  # (19, H)
     return names, table
+
+
+def _grouped_attention_bound_tables(*, groups: int, **kw) -> tuple[tuple[list[str], torch.Tensor], ...]:
+    """Bounds with ``G = groups`` query heads per kv group: per query head and per group.
+
+    A group's ``W_K`` (``W_V``) reaches the output through each of its query heads, so its Jacobian bound is the
+    sum of theirs (triangle inequality), ``||J_K^g|| <= sum_{h in g} ||J_K^h||``; a functional block of shared weights
+    is the sum of the heads' (each bounded as before), and one with ``W_Q^h`` is head ``h``'s alone. The whole
+    group Hessian over ``(Q^{g,0}, ..., Q^{g,G-1}, K^g, V^g)`` is bounded by the spectral norm of the
+    ``(G + 2) x (G + 2)`` matrix of block bounds (``||H|| <= ||[||H_ij||]||_2`` for any block matrix); the blocks
+    between two query heads of a group are outer only, ``c ||J_Q^h|| ||J_Q^h'||``.
+
+    Returns:
+        ``((names, (9, H)), (names, (10, H_kv)))``: ``QQ``, ``VQ``, ``QK`` per query head (outer, functional, total);
+        ``VV``, ``KK``, ``VK`` and ``QKV`` per group.
+    """
+    G = groups
+    cb = kw["c"][:, None]  # (B, 1)
+    J, func = _bound_pieces(**kw)  # (3, B, H), (6, B, H)
+    B, H = J.shape[1:]
+    H_kv = H // G
+    JQ = J[0]
+    JK, JV = (j.unflatten(1, (H_kv, G)).sum(-1) for j in (J[1], J[2]))  # per group, (B, H_kv)
+    JK_h, JV_h = JK.repeat_interleave(G, 1), JV.repeat_interleave(G, 1)  # the group's, per query head (B, H)
+    outer_h = torch.stack([cb * JQ * JQ, cb * JV_h * JQ, cb * JQ * JK_h]).sum(1)  # QQ, VQ, QK: (3, H)
+    func_h = func[[1, 3, 5]].sum(1)
+    total_h = outer_h + func_h
+    outer_g = torch.stack([cb * JV * JV, cb * JK * JK, cb * JV * JK]).sum(1)  # VV, KK, VK: (3, H_kv)
+    func_g = func[[0, 2, 4]].unflatten(2, (H_kv, G)).sum((1, 3))
+    total_g = outer_g + func_g
+    JQg = JQ.unflatten(1, (H_kv, G))  # (B, H_kv, G)
+    N = total_g.new_zeros(H_kv, G + 2, G + 2)  # order Q_0 .. Q_{G-1}, K, V
+    N[:, :G, :G] = (cb[..., None, None] * JQg[..., :, None] * JQg[..., None, :]).sum(0)  # outer between query heads
+    idx = torch.arange(G, device=N.device)
+    N[:, idx, idx] += func_h[0].unflatten(0, (H_kv, G))  # + H_f(QQ) on the diagonal: the total QQ bound
+    for col, row in ((G, total_h[2]), (G + 1, total_h[1])):  # QK, VQ
+        N[:, :G, col] = N[:, col, :G] = row.unflatten(0, (H_kv, G))
+    N[:, G, G], N[:, G + 1, G + 1] = total_g[1], total_g[0]
+    N[:, G, G + 1] = N[:, G + 1, G] = total_g[2]
+    qkv = torch.linalg.eigvalsh(N)[:, -1]
+    names_h = [n for k in ("QQ", "VQ", "QK") for n in (f"outer/{k}", f"functional/{k}", k)]
+    names_g = [n for k in ("VV", "KK", "VK") for n in (f"outer/{k}", f"functional/{k}", k)] + ["QKV"]
+    table_h = torch.stack([outer_h, func_h, total_h], 1).flatten(0, 1)  # (9, H)
+    table_g = torch.cat([torch.stack([outer_g, func_g, total_g], 1).flatten(0, 1), qkv[None]])  # (10, H_kv)
+    return (names_h, table_h), (names_g, table_g)

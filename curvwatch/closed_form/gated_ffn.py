@@ -67,9 +67,7 @@ def _check_activation(activation: str) -> None:
         )
 
 
-def gated_activation_derivatives(
-    Z: torch.Tensor, activation: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(act(Z), act'(Z), act''(Z))`` of a gate: ``silu``, exact ``gelu`` (erf) or ``gelu_tanh``.
 
     SiLU, with ``s = sigmoid(Z)``: ``silu = Z s``, ``silu' = s (1 + Z (1 - s))``,

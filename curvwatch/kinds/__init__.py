@@ -73,10 +73,13 @@ class BlockKind:
         iterative: Whether the kernel takes Lanczos settings (``lanczos``, ``kinds``, ``pairs``).
         has_norms: Whether the block reports Hessian norms (``hessian/...``): it then takes part in the
             norm summaries, the spike warnings and the heatmap.
-        call_inputs: ``(masks, key padding mask) -> (inputs, params)``: what the capture stores from the
-            attention call, besides ``X`` and ``grad_output``. The key padding mask is already cut to the
-            captured tokens; ``inputs`` are token-indexed tensors (cut again by a truncation), ``params`` are
-            settings.
+        call_inputs: ``(masks, key padding mask, (k, l)) -> (inputs, params)``: what the capture stores from the
+            attention call, besides ``X`` and ``grad_output``, for the captured sequences ``[:k]`` and positions
+            ``[:l]`` (the key padding mask is already cut to them). ``inputs`` are detached tensors indexed by
+            ``(sequence, position, ...)`` (cut again by a truncation; names starting with ``memory`` are cut by
+            sequence only), ``params`` are settings.
+        prepare: ``kwargs -> kwargs``, the last step from the stored inputs and params to the kernel's keyword
+            arguments (e.g. the rotary tables as one ``(cos, sin)`` argument).
         work_elements: ``(B, L, d, params) -> int``, the elements of an evaluation's largest intermediates
             besides the Lanczos bases (an upper estimate; see :meth:`CapturedBlock.evaluation_bytes`).
         basis_numel: ``params -> int``, the elements of one Lanczos vector of the block (0 without Lanczos).
@@ -99,7 +102,8 @@ class BlockKind:
     exact_pairs: tuple[str, ...] = ()
     iterative: bool = False
     has_norms: bool = False
-    call_inputs: Callable[[Any, Tensor | None], tuple[dict[str, Tensor], dict[str, Any]]] | None = None
+    call_inputs: Callable[[Any, Tensor | None, tuple[int, int]], tuple[dict[str, Tensor], dict[str, Any]]] | None = None
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     work_elements: Callable[[int, int, int, Mapping[str, Any]], int] = lambda B, L, d, params: 16 * B * L * d
     basis_numel: Callable[[Mapping[str, Any]], int] = lambda params: 0
     keys: tuple[KeySpec, ...] = ()
@@ -131,11 +135,17 @@ class BlockKind:
         """Default :attr:`call_inputs` of a token-wise kind: the padding mask becomes its ``row_mask``."""
         return ({} if key_padding_mask is None else {"row_mask": ~key_padding_mask}), {}
 
-    def from_call(self, masks: Any, key_padding_mask: Tensor | None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    def from_call(
+        self, masks: Any, key_padding_mask: Tensor | None, kept: tuple[int, int]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """``(inputs, params)`` the capture stores from the attention call (see :attr:`call_inputs`)."""
         if self.call_inputs is None:
             return self.row_inputs(key_padding_mask)
-        return self.call_inputs(masks, key_padding_mask)
+        return self.call_inputs(masks, key_padding_mask, kept)
+
+    def kernel_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The kernel's keyword arguments from the stored ones (see :attr:`prepare`)."""
+        return kwargs if self.prepare is None else self.prepare(kwargs)
 
 
 #: Kind name -> :class:`BlockKind`, the one table. Extend it with :func:`register_kind`.
@@ -170,4 +180,4 @@ def kind_of(name: str) -> BlockKind:
 
 
 # the built-in kinds, one module each (imported for their registration)
-from curvwatch.kinds import attention, ffn, layernorm  # noqa: E402, F401
+from curvwatch.kinds import attention, ffn, gated_ffn, layernorm, rmsnorm  # noqa: E402, F401

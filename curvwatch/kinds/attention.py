@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import torch
+
 from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, register_kind
 
 
-def _call_inputs(masks, key_padding_mask):
-    """Padding mask as an input (cut with the tokens), causality as a setting."""
+def _call_inputs(masks, key_padding_mask, kept):
+    """Padding mask, rotary tables and cross-attention memory as inputs (cut with the tokens); causality and the
+    window as settings. Rotary tables ``(L, r)`` or ``(B, L, r)`` are stored per sequence, ``(k, l, r)``."""
+    k, l = kept
     inputs = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask}
-    return inputs, {"causal": bool(masks.causal)}
+    params = {"causal": bool(masks.causal)}
+    if masks.window is not None:
+        params["window"] = int(masks.window)
+    if masks.rotary is not None:
+        for name, table in zip(("rotary_cos", "rotary_sin"), masks.rotary, strict=True):
+            table = table.detach()
+            table = table.unsqueeze(0).expand(k, *table.shape) if table.ndim == 2 else table[:k]
+            inputs[name] = table[:, :l].clone()  # (k, l, r)
+        params["rotary_interleaved"] = bool(masks.rotary_interleaved)
+    if masks.memory is not None:
+        inputs["memory"] = masks.memory.detach()[:k].clone()  # (k, L_kv, d_kv): every memory position
+        if masks.memory_padding_mask is not None:
+            inputs["memory_padding_mask"] = masks.memory_padding_mask.detach()[:k].to(torch.bool).clone()
+    return inputs, params
+
+
+def _prepare(kwargs):
+    """The rotary tables as the kernel's one ``rotary=(cos, sin)`` argument."""
+    if "rotary_cos" in kwargs:
+        kwargs["rotary"] = (kwargs.pop("rotary_cos"), kwargs.pop("rotary_sin"))
+    return kwargs
 
 
 KIND = register_kind(
@@ -24,6 +48,7 @@ KIND = register_kind(
         iterative=True,
         has_norms=True,
         call_inputs=_call_inputs,
+        prepare=_prepare,
         # the per-head (B, H, L, L) tangents of the Lanczos products and the (B, L, d) intermediates
         work_elements=lambda B, L, d, p: 16 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
         basis_numel=lambda p: p["W_Q"].numel(),

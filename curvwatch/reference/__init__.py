@@ -48,6 +48,8 @@ from curvwatch.reference._core import (
     spectral_norm,
     transformer_block_blocks,
 )
+from curvwatch.reference.gated_ffn import gated_ffn_blocks
+from curvwatch.reference.rmsnorm import rmsnorm_contracted_hessian, rmsnorm_dense
 
 __all__ = [
     # attention
@@ -56,8 +58,12 @@ __all__ = [
     # layer norm
     "layernorm_dense",
     "layernorm_contracted_hessian",
+    # RMSNorm
+    "rmsnorm_dense",
+    "rmsnorm_contracted_hessian",
     # feed-forward and the full block
     "ffn_blocks",
+    "gated_ffn_blocks",
     "transformer_block_blocks",
     # norms
     "spectral_norm",

@@ -134,8 +134,15 @@ def _multi_head_attention(
     b_K=None,
     b_V=None,
     b_O=None,
+    **modern,
 ) -> Tensor:
-    """``concat_h(head_h) W_O + b_O``, ``(B, L, d_out)``; ``W_O=None`` means the identity."""
+    """``concat_h(head_h) W_O + b_O``, ``(B, L, d_out)``; ``W_O=None`` means the identity.
+
+    ``modern`` holds the options of :func:`_modern_attention` (grouped-query heads, memory, rotary, scale, QK-norm,
+    rows that see no key); without them the heads are computed one by one as in the papers.
+    """
+    if any(v is not None and v is not False for v in modern.values()):
+        return _modern_attention(X, W_Q, W_K, W_V, W_O, n_heads, blocked, b_Q, b_K, b_V, b_O, **modern)
     d_K = W_Q.shape[1] // n_heads
     d_V = W_V.shape[1] // n_heads
     heads = []
@@ -154,6 +161,109 @@ def _multi_head_attention(
             )
         )
     out = torch.cat(heads, dim=-1)  # (B, L, H * d_V)
+    if W_O is not None:
+        out = out @ W_O
+    return out + (0 if b_O is None else b_O)
+
+
+def _attention_blocked(
+    B: int, L: int, L_kv: int, causal: bool, window: int | None, key_pad: Tensor | None, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``(blocked (B, L, L_kv), dead (B, L))``: True where query ``i`` may not attend key ``j``; rows that see no key.
+
+    Blocked: ``j > i`` when ``causal``; with a window ``w`` also ``j <= i - w`` (causal) or ``|i - j| >= w``; padded
+    keys (``key_pad`` True) for every query. A row blocked entirely is unblocked (no NaN) and reported ``dead``: its
+    attention is set to zero afterwards, so it outputs ``b_O`` and carries no curvature.
+    """
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(L_kv, device=device)[None, :]
+    blocked = torch.zeros(B, L, L_kv, dtype=torch.bool, device=device)
+    if causal:
+        blocked = blocked | (j > i)
+    if window is not None:
+        blocked = blocked | ((j <= i - window) if causal else ((i - j).abs() >= window))
+    if key_pad is not None:
+        blocked = blocked | key_pad[:, None, :]  # (B, 1, L_kv): same keys for every query
+    dead = blocked.all(dim=-1)
+    return blocked & ~dead[..., None], dead
+
+
+def _rope_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of ``x`` ``(B, heads, L, d_K)`` written out; tables ``(B or 1, L, r)``, halves duplicated.
+
+    Half-split: ``x * cos + rotate_half(x) * sin`` on the first ``r`` dims. Interleaved (GPT-J): the frequencies
+    repeated in pairs and ``rotate_every_two(x) = [-x_1, x_0, -x_3, x_2, ...]``. Dims ``r:`` pass unchanged.
+    """
+    r = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]  # (B or 1, 1, L, r)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if interleaved:
+        c = cos[..., : r // 2].repeat_interleave(2, dim=-1)
+        s = sin[..., : r // 2].repeat_interleave(2, dim=-1)
+        rotated = torch.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], dim=-1).flatten(-2)
+        y = x_rot * c + rotated * s
+    else:
+        half = r // 2
+        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+        y = x_rot * cos + rotated * sin
+    return torch.cat([y, x_pass], dim=-1)
+
+
+def _qk_norm_reference(x: Tensor, qk_norm: Mapping, side: str) -> Tensor:
+    """Per-head RMSNorm ``x / sqrt(mean(x^2) + eps) * (offset + w)`` or LayerNorm over ``d_K`` of ``x``."""
+    w = qk_norm.get(f"weight_{side}")
+    w = None if w is None else w + qk_norm.get("weight_offset", 0.0)
+    if qk_norm["kind"] == "rmsnorm":
+        y = x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + qk_norm["eps"])
+        return y if w is None else y * w
+    return _layer_norm(x, qk_norm["eps"], w, qk_norm.get(f"bias_{side}"))
+
+
+def _modern_attention(
+    X: Tensor,
+    W_Q: Tensor,
+    W_K: Tensor,
+    W_V: Tensor,
+    W_O: Tensor | None,
+    n_heads: int,
+    blocked: Tensor,
+    b_Q=None,
+    b_K=None,
+    b_V=None,
+    b_O=None,
+    *,
+    n_kv_heads: int | None = None,
+    memory: Tensor | None = None,
+    rotary: tuple[Tensor, Tensor] | None = None,
+    rotary_interleaved: bool = False,
+    scale: float | None = None,
+    qk_norm: Mapping | None = None,
+    dead: Tensor | None = None,
+) -> Tensor:
+    """Attention as modern models compute it, ``(B, L, d_out)``: QK-norm then rotary on the queries and keys, kv heads
+    repeated for grouped-query attention (``repeat_interleave``), keys and values from ``memory`` in cross-attention,
+    softmax scale ``scale`` (default ``1/sqrt(d_K)``), ``dead`` query rows ``(B, L)`` set to zero attention."""
+    B, L, _ = X.shape
+    X_kv = X if memory is None else memory
+    L_kv = X_kv.shape[1]
+    H_kv = n_heads if n_kv_heads is None else n_kv_heads
+    d_K, d_V = W_Q.shape[1] // n_heads, W_V.shape[1] // H_kv
+    q = (X @ W_Q + (0 if b_Q is None else b_Q)).reshape(B, L, n_heads, d_K).transpose(1, 2)  # (B, H, L, d_K)
+    k = (X_kv @ W_K + (0 if b_K is None else b_K)).reshape(B, L_kv, H_kv, d_K).transpose(1, 2)  # (B, H_kv, L_kv, d_K)
+    v = (X_kv @ W_V + (0 if b_V is None else b_V)).reshape(B, L_kv, H_kv, d_V).transpose(1, 2)  # (B, H_kv, L_kv, d_V)
+    if qk_norm is not None:
+        q, k = _qk_norm_reference(q, qk_norm, "q"), _qk_norm_reference(k, qk_norm, "k")
+    if rotary is not None:
+        cos, sin = (t if t.ndim == 3 else t[None] for t in rotary)
+        q, k = _rope_reference(q, cos, sin, rotary_interleaved), _rope_reference(k, cos, sin, rotary_interleaved)
+    k = k.repeat_interleave(n_heads // H_kv, dim=1)  # (B, H, L_kv, d_K): query head h reads kv head h // G
+    v = v.repeat_interleave(n_heads // H_kv, dim=1)
+    s = 1.0 / math.sqrt(d_K) if scale is None else scale
+    T = q @ k.transpose(-1, -2) * s  # (B, H, L, L_kv)
+    A = torch.softmax(T.masked_fill(blocked[:, None], float("-inf")), dim=-1)
+    if dead is not None:
+        A = A.masked_fill(dead[:, None, :, None], 0.0)
+    out = (A @ v).transpose(1, 2).reshape(B, L, n_heads * d_V)
     if W_O is not None:
         out = out @ W_O
     return out + (0 if b_O is None else b_O)
@@ -453,6 +563,14 @@ def multi_head_attention_blocks(
     output_curvature: float | Tensor | None = None,
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
+    n_kv_heads: int | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    rotary: tuple[Tensor, Tensor] | None = None,
+    rotary_interleaved: bool = False,
+    qk_norm: Mapping | None = None,
+    memory: Tensor | None = None,
+    memory_padding_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-head dense Hessian blocks of multi-head attention, by ``torch.func``.
 
@@ -475,11 +593,30 @@ def multi_head_attention_blocks(
         grad_output: same shape as ``target``; surrogate loss, summed over the batch.
         output_curvature: ``c`` of the surrogate (``grad_output`` only); default ``2 / (L d_out)``.
         causal: block attention to future positions.
-        key_padding_mask: ``(B, L)`` bool, True = padded (see :func:`self_attention_blocks`).
+        key_padding_mask: ``(B, L)`` bool, True = padded (see :func:`self_attention_blocks`); with ``memory`` it
+            only drops query rows from the loss.
+        n_kv_heads: ``H_kv`` key/value heads (grouped-query attention): ``W_K`` ``(d_kv, H_kv d_K)``, ``W_V``
+            ``(d_kv, H_kv d_V)``, query head ``h`` reads kv head ``h // (H / H_kv)`` (the kv heads are
+            ``repeat_interleave``-d). ``None``: ``H``.
+        window: sliding window ``w``: key ``j`` visible to query ``i`` iff ``i - w < j <= i`` (causal) or
+            ``|i - j| < w``.
+        scale: softmax scale (default ``1/sqrt(d_K)``).
+        rotary: ``(cos, sin)``, each ``(L, r)`` or ``(B or 1, L, r)``, the frequencies' halves duplicated
+            (``cos[..., i] == cos[..., i + r/2]``); the first ``r`` dims of each head's queries and keys rotate.
+        rotary_interleaved: GPT-J layout (pairs ``2i, 2i + 1``) instead of the half-split one.
+        qk_norm: ``{"kind": "rmsnorm" | "layernorm", "eps", "weight_q", "weight_k", "bias_q", "bias_k",
+            "weight_offset"}``, applied per head to the queries and keys before the rotary embedding.
+        memory: ``(B, L_kv, d_kv)`` cross-attention source of the keys and values.
+        memory_padding_mask: ``(B, L_kv)`` bool, True = padded memory position. A query row that sees no key
+            has zero attention.
 
     Returns:
         ``{kind}/{XY}/h{i}`` for kind in ``hessian, outer, functional``, XY in
         ``VV, QQ, KK, VQ, VK, QK`` and every head ``i``; plus ``{kind}/QKV/h{i}`` (block order Q, K, V).
+        With ``H_kv < H`` the blocks with a query weight stay per query head (``QQ/h{i}``; ``VQ/h{i}`` and
+        ``QK/h{i}`` pair head ``i``'s ``W_Q`` with its group's ``W_V``, ``W_K``), those of ``W_K``, ``W_V`` alone are
+        per kv group (``KK/g{j}``, ``VV/g{j}``, ``VK/g{j}``), and ``QKV/g{j}`` is group ``j``'s whole Hessian in block
+        order ``Q`` (its query heads in order), ``K``, ``V``.
 
     Raises:
         ValueError: on inconsistent shapes, dtypes, masks or ``n_heads``, or unless exactly one of
@@ -496,6 +633,22 @@ def multi_head_attention_blocks(
     """
     Xb, batched = _as_batched("X", X)
     B, L, d = Xb.shape
+    modern = dict(
+        n_kv_heads=n_kv_heads,
+        window=window,
+        scale=scale,
+        rotary=rotary,
+        rotary_interleaved=rotary_interleaved,
+        qk_norm=qk_norm,
+        memory=memory,
+        memory_padding_mask=memory_padding_mask,
+    )
+    if any(v is not None and v is not False for v in modern.values()):
+        return _modern_attention_blocks(
+            Xb, batched, W_Q, W_K, W_V, W_O, n_heads, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O, target=target,
+            grad_output=grad_output, output_curvature=output_curvature, causal=causal,
+            key_padding_mask=key_padding_mask, **modern,
+        )  # fmt: skip
     d_K, d_V = _check_heads(d, W_Q, W_K, W_V, n_heads, Xb)
     if not isinstance(W_O, Tensor) or W_O.ndim != 2:
         raise ValueError(f"Invalid W_O: expected a (H d_V, d_out) tensor, got {_describe(W_O)}.")
@@ -532,6 +685,118 @@ def multi_head_attention_blocks(
         )
         out.update(_pair_keys(mats, _ATTENTION_PAIRS, f"/h{h}"))
         out.update(_full_matrix(mats, ("Q", "K", "V"), f"/h{h}"))
+    return out
+
+
+def _modern_attention_blocks(
+    Xb: Tensor,
+    batched: bool,
+    W_Q: Tensor,
+    W_K: Tensor,
+    W_V: Tensor,
+    W_O: Tensor,
+    n_heads: int,
+    *,
+    b_Q,
+    b_K,
+    b_V,
+    b_O,
+    target,
+    grad_output,
+    output_curvature,
+    causal: bool,
+    key_padding_mask,
+    n_kv_heads,
+    window,
+    scale,
+    rotary,
+    rotary_interleaved: bool,
+    qk_norm,
+    memory,
+    memory_padding_mask,
+) -> dict[str, Tensor]:
+    """:func:`multi_head_attention_blocks` with the modern options: one dense Hessian per kv group."""
+    B, L, d = Xb.shape
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"Invalid n_heads={n_heads!r}. Must be an int >= 1.")
+    H_kv = n_heads if n_kv_heads is None else n_kv_heads
+    if isinstance(H_kv, bool) or not isinstance(H_kv, int) or H_kv < 1 or n_heads % H_kv:
+        raise ValueError(f"Invalid n_kv_heads={n_kv_heads!r}. Must be an int >= 1 dividing n_heads={n_heads}.")
+    G = n_heads // H_kv
+    mem = None
+    if memory is not None:
+        mem, mem_batched = _as_batched("memory", memory)
+        if mem_batched != batched or mem.shape[0] != B:
+            raise ValueError(f"Invalid memory shape {tuple(memory.shape)}. It must be batched like X ({B} sequences).")
+        _check_tensor("memory", mem, tuple(mem.shape), Xb)
+    L_kv, d_kv = (L, d) if mem is None else mem.shape[1:]
+    for name, W, rows in (("W_Q", W_Q, d), ("W_K", W_K, d_kv), ("W_V", W_V, d_kv), ("W_O", W_O, None)):
+        if not isinstance(W, Tensor) or W.ndim != 2 or (rows is not None and W.shape[0] != rows):
+            raise ValueError(f"Invalid {name}: expected a ({rows}, heads * width) tensor, got {_describe(W)}.")
+        _check_tensor(name, W, tuple(W.shape), Xb)
+    if W_Q.shape[1] % n_heads or W_K.shape[1] % H_kv or W_V.shape[1] % H_kv:
+        raise ValueError("Invalid widths: W_Q must split into n_heads heads, W_K and W_V into n_kv_heads heads.")
+    d_K, d_V = W_Q.shape[1] // n_heads, W_V.shape[1] // H_kv
+    if W_K.shape[1] != H_kv * d_K or W_O.shape[0] != n_heads * d_V:
+        raise ValueError(
+            f"Invalid W_K {tuple(W_K.shape)} or W_O {tuple(W_O.shape)}: expected ({d_kv}, {H_kv * d_K}) and "
+            f"({n_heads * d_V}, d_out)."
+        )
+    for name, b, n in (("b_Q", b_Q, n_heads * d_K), ("b_K", b_K, H_kv * d_K), ("b_V", b_V, H_kv * d_V)):
+        _check_tensor(name, b, (n,), Xb)
+    _check_tensor("b_O", b_O, (W_O.shape[1],), Xb)
+    if rotary is not None:
+        if mem is not None:
+            raise ValueError("rotary applies to self-attention only.")
+        if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2):
+            raise ValueError("Invalid rotary: expected a (cos, sin) pair of tensors.")
+        for t in rotary:
+            if t.ndim not in (2, 3) or t.shape[-2] != L or t.shape[-1] % 2 or t.shape[-1] > d_K:
+                raise ValueError(f"Invalid rotary table shape {tuple(t.shape)}. Expected (L, r) or (B, L, r).")
+    padded = _batched_mask("key_padding_mask", key_padding_mask, B, L, batched)
+    mem_padded = None if mem is None else _batched_mask("memory_padding_mask", memory_padding_mask, B, L_kv, batched)
+    key_pad = padded if mem is None else mem_padded
+    blocked, dead = _attention_blocked(B, L, L_kv, causal, window, key_pad, Xb.device)
+    keep = None if padded is None else ~padded
+    opts = dict(
+        n_kv_heads=H_kv, memory=mem, rotary=rotary, rotary_interleaved=rotary_interleaved, scale=scale,
+        qk_norm=qk_norm, dead=dead,
+    )  # fmt: skip
+    q_names = ["Q"] if G == 1 else [f"Q{s}" for s in range(G)]
+
+    out: dict[str, Tensor] = {}
+    for j in range(H_kv):
+
+        def forward(V: Tensor, *rest: Tensor, j: int = j) -> Tensor:
+            *Qs, K = rest
+            Wq = W_Q
+            for s, Q in enumerate(Qs):
+                Wq = _with_columns(Wq, Q, (j * G + s) * d_K)
+            return _multi_head_attention(
+                Xb, Wq, _with_columns(W_K, K, j * d_K), _with_columns(W_V, V, j * d_V),
+                W_O, n_heads, blocked, b_Q, b_K, b_V, b_O, **opts,
+            )  # fmt: skip
+
+        group_blocks = {"V": W_V[:, j * d_V : (j + 1) * d_V]}
+        group_blocks.update((nm, W_Q[:, (j * G + s) * d_K : (j * G + s + 1) * d_K]) for s, nm in enumerate(q_names))
+        group_blocks["K"] = W_K[:, j * d_K : (j + 1) * d_K]
+        mats = _dense_blocks(
+            forward,
+            group_blocks,
+            lambda F0: _output_loss(F0, keep, target, grad_output, output_curvature, batched),
+        )
+        g_suffix = f"/h{j}" if G == 1 else f"/g{j}"
+        for kind in _KINDS:
+            for X_, Y_ in (("V", "V"), ("K", "K"), ("V", "K")):
+                out[f"{kind}/{X_}{Y_}{g_suffix}"] = mats[kind][X_, Y_]
+            for s, nm in enumerate(q_names):
+                h = j * G + s
+                for pair, (X_, Y_) in (("QQ", (nm, nm)), ("VQ", ("V", nm)), ("QK", (nm, "K"))):
+                    out[f"{kind}/{pair}/h{h}"] = mats[kind][X_, Y_]
+            order = [*q_names, "K", "V"]
+            out[f"{kind}/QKV{g_suffix}"] = torch.cat(
+                [torch.cat([mats[kind][X_, Y_] for Y_ in order], dim=1) for X_ in order], dim=0
+            )
     return out
 
 

@@ -83,6 +83,7 @@ def gated_ffn_blocks(
             ``target`` and ``grad_output`` is given.
 
     Example:
+        >>> import torch
         >>> Y = torch.randn(3, 2, dtype=torch.float64)
         >>> W_g, W_u = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
         >>> W_d, G = torch.randn(4, 5, dtype=torch.float64), torch.ones(3, 5, dtype=torch.float64)

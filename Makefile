@@ -1,0 +1,32 @@
+# Two commands on a fresh machine; each sets up .venv on first use (idempotent: a second run installs nothing).
+#   make demo   the main job: train the small GPT on n-digit addition with the monitor attached
+#   make test   the test suite (what CI runs, via .ci/run)
+# Other targets: make setup (the environment alone), make docs-keys (rewrite docs/metrics.md's key tables).
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup docs-keys
+
+setup: $(STAMP)
+
+# Re-installs only when pyproject.toml changed. The CPU build of torch first: a plain `torch` requirement would
+# pull a multi-GB CUDA build. litgpt pins an old huggingface-hub that breaks transformers 5: a newer one after it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev,hf,litgpt]"
+	$(PY) -m pip install -q "huggingface-hub>=1.31,<2"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m curvwatch.demo $(ARGS)
+
+test: $(STAMP)
+	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(PY) -m pytest -q $(ARGS)
+
+docs-keys: $(STAMP)
+	$(PY) -m curvwatch.keys docs/metrics.md

@@ -1,0 +1,38 @@
+"""The ``"gated_ffn"`` kind: SwiGLU / GeGLU ``(act(Y W_gate) * (Y W_up)) W_down`` (LLaMA, Mistral, Qwen, Gemma).
+
+Blocks are named as in Meta's LLaMA code: ``W1`` = ``W_gate``, ``W3`` = ``W_up``, ``W2`` = ``W_down``.
+"""
+
+from __future__ import annotations
+
+from curvwatch.keys import KeySpec
+from curvwatch.kinds import BlockKind, register_kind
+
+KIND = register_kind(
+    BlockKind(
+        name="gated_ffn",
+        closed_form="gated_ffn",
+        prefix="ffn",
+        input_name="Y",
+        mask_name="row_mask",
+        pairs=("W1W1", "W3W3", "W2W2", "W1W3", "W1W2", "W3W2"),
+        exact_pairs=("W2W2",),
+        iterative=True,
+        has_norms=True,
+        # gate and up pre-activations, the gated hidden layer and their tangents: (B, L, f) each
+        work_elements=lambda B, L, d, p: 48 * B * L * p["W_gate"].shape[-1],
+        basis_numel=lambda p: p["W_gate"].numel(),
+        keys=(
+            KeySpec("ffn/dead_fraction", "fraction of hidden units inactive on every captured token"),
+            KeySpec("ffn/active_fraction", "mean fraction of positive pre-activations"),
+            KeySpec("ffn/gate_saturation", "fraction of gate pre-activations below -4 (gate nearly off)"),
+            KeySpec("term/y_norm", "spectral norm of the input (max over sequences)"),
+            KeySpec("term/hidden_norm", "spectral norm of the hidden activations (max over sequences)"),
+            KeySpec("term/wgate_norm", "spectral norm of `W_gate`"),
+            KeySpec("term/wup_norm", "spectral norm of `W_up`"),
+            KeySpec("term/wdown_norm", "spectral norm of `W_down`"),
+        ),
+        label="gated FFN",
+        doc="gated MLP (SwiGLU, GeGLU): blocks `W1` (gate), `W3` (up), `W2` (down, exact), diagonal and cross",
+    )
+)

@@ -1,0 +1,139 @@
+"""Text reports: the run summary (:meth:`CurvatureMonitor.summary_text`) and the set-up table of monitored blocks.
+
+Pure functions from plain numbers and specs to text; nothing here sees a ``Trainer`` or a logger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch  # noqa: F401  (used by the doctests)
+
+from curvwatch.adapters import BlockSpec
+from curvwatch.alerts import Alert
+
+__all__ = ["coverage_rows", "coverage_text", "summary_text"]
+
+
+def summary_text(
+    *,
+    evaluations: int,
+    terms_evaluations: int | None,
+    skipped: int,
+    last_step: int,
+    fired: int,
+    last_norms: Mapping[str, float],
+    last_summary: Mapping[str, float],
+    peak: Mapping[str, Any],
+    history: Sequence[Alert],
+    errors: Sequence[str],
+    max_iter: int,
+    tol: float,
+    top: int = 5,
+) -> str:
+    """A readable multi-line summary of a run: most curved blocks, heterogeneity, warnings, skipped evaluations.
+
+    Args:
+        evaluations, terms_evaluations, skipped: Counters (``terms_evaluations`` None: the tier is off).
+        last_step: The last step evaluated (``-1``: never).
+        fired: Warnings fired so far.
+        last_norms: ``{block: norm}`` of the last full evaluation.
+        last_summary: Its summaries (``summary/...``).
+        peak: ``{"value", "block", "step"}`` of the largest block norm so far, or empty.
+        history: The fired alerts (most recent last).
+        errors: Why evaluations were skipped (most recent last).
+        max_iter, tol: The Lanczos settings (for the convergence line).
+        top: How many of the most curved blocks to list.
+
+    Example:
+        >>> print(summary_text(evaluations=1, terms_evaluations=None, skipped=0, last_step=0, fired=0,
+        ...                    last_norms={"layer0/attn": 2.0}, last_summary={}, peak={}, history=[], errors=[],
+        ...                    max_iter=40, tol=1e-2))
+        CurvatureMonitor: 1 evaluation(s) (last at step 0), 0 skipped, 0 warning(s)
+        Most curved blocks at the last evaluation (largest Hessian spectral norm):
+          layer0/attn  2.000e+00
+    """
+    last = "never" if last_step < 0 else f"last at step {last_step}"
+    terms = f", {terms_evaluations} terms-only" if terms_evaluations is not None else ""
+    lines = [f"CurvatureMonitor: {evaluations} evaluation(s){terms} ({last}), {skipped} skipped, {fired} warning(s)"]
+    if last_norms:
+        lines.append("Most curved blocks at the last evaluation (largest Hessian spectral norm):")
+        ranked = sorted(last_norms.items(), key=lambda kv: -kv[1])[:top]
+        width = max(len(name) for name, _ in ranked)
+        lines += [f"  {name:<{width}}  {norm:.3e}" for name, norm in ranked]
+    s = last_summary
+    if "summary/heterogeneity/model" in s:
+        per_layer = ", ".join(
+            f"{k.rsplit('/', 1)[-1]} {v:.2f}" for k, v in s.items() if k.startswith("summary/heterogeneity/layer")
+        )
+        lines.append(
+            f"Heterogeneity (log10 max/min of block norms): model {s['summary/heterogeneity/model']:.2f}"
+            + (f"; {per_layer}" if per_layer else "")
+        )
+    extras = [
+        (label, s[key])
+        for label, key in (
+            ("V/Q ratio median", "summary/vv_qq_ratio/median"),
+            ("functional/outer max", "summary/functional_outer/max"),
+            ("LayerNorm var_min/eps min", "summary/ln/var_min_over_eps"),
+        )
+        if key in s
+    ]
+    if extras:
+        lines.append("   ".join(f"{label}: {value:.3g}" for label, value in extras))
+    if s.get("summary/lanczos/unconverged", 0) > 0:
+        lines.append(
+            f"Lanczos: {s['summary/lanczos/unconverged']:.0f} of {s['summary/lanczos/norms']:.0f} norms stopped "
+            f"at max_iter={max_iter} above tol={tol:g} (worst relative residual "
+            f"{s['summary/lanczos/rel_residual_max']:.2g})"
+        )
+    if peak:
+        lines.append(f"Peak so far: {peak['value']:.3e} in {peak['block']} at step {peak['step']}")
+    if history:
+        lines.append("Warnings fired:")
+        lines += [
+            f"  step {a.step}: {a.kind} in {a.block} ({a.value:.3g}, threshold {a.threshold:.3g})"
+            for a in history[-10:]
+        ]
+    if errors:
+        lines.append("Skipped evaluations:")
+        lines += [f"  {e}" for e in errors[-5:]]
+    return "\n".join(lines)
+
+
+def coverage_rows(specs: Sequence[BlockSpec]) -> list[dict[str, str]]:
+    """One row per monitored block and per part no block covers: ``{"layer", "part", "kind", "status"}``.
+
+    The parts left out come from each layer's adapter (:meth:`~curvwatch.adapters.Adapter.unmonitored`), asked once
+    per layer module.
+
+    Example:
+        >>> from curvwatch.adapters import find_blocks
+        >>> rows = coverage_rows(find_blocks(torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16)))
+        >>> [(r["part"], r["status"]) for r in rows][:2]
+        [('attn', 'monitored'), ('ln_1', 'monitored')]
+    """
+    rows = [
+        {"layer": str(s.layer), "part": s.name.split("/", 1)[-1], "kind": s.kind, "status": "monitored"} for s in specs
+    ]
+    layers = {id(s.layer_module): s for s in specs if s.layer_module is not None}
+    for s in layers.values():
+        for part, why in s.adapter.unmonitored(s.layer_module):
+            rows.append({"layer": str(s.layer), "part": part, "kind": "-", "status": f"not monitored: {why}"})
+    return sorted(rows, key=lambda r: int(r["layer"]))
+
+
+def coverage_text(rows: Sequence[Mapping[str, str]]) -> str:
+    """The rows of :func:`coverage_rows` as an aligned text table.
+
+    Example:
+        >>> print(coverage_text([{"layer": "0", "part": "attn", "kind": "attention", "status": "monitored"}]))
+        layer  part  kind       status
+        0      attn  attention  monitored
+    """
+    cols = ("layer", "part", "kind", "status")
+    widths = [max(len(c), *(len(r[c]) for r in rows)) for c in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    lines += ["  ".join(r[c].ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)

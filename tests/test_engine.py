@@ -1,0 +1,96 @@
+"""The evaluation engine without a Trainer: named numbers from captured blocks, fault policy, memory policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from curvwatch.adapters import find_blocks
+from curvwatch.capture import Capture, CapturedBlock
+from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import NONFINITE, BlockError, Engine
+from curvwatch.models.gpt import GPT, GPTConfig
+
+
+def _captured(seed=0, n_layer=1):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=n_layer, n_head=2, d_model=8, d_ff=16))
+    with Capture(find_blocks(model), max_tokens=12) as capture:
+        model(torch.randint(0, 11, (2, 6))).square().mean().backward()
+    return capture.blocks()
+
+
+def test_results_equal_the_blocks_own_closed_forms():
+    blocks = _captured()
+    engine = Engine(dtype="float64", tol=1e-6, max_iter=200, max_basis=None)
+    out = engine.evaluate(blocks)
+    assert list(out.results) == [b.spec.name for b in blocks] and not out.failed and not out.excluded
+    attn = blocks[0]
+    expected = attn.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
+    for key in ("hessian/QQ/h0", "outer/VV/h1", "term/x_norm"):
+        assert float(out.results["layer0/attn"][key]) == pytest.approx(float(expected[key]), rel=1e-9)
+    assert "ln/var_min" in out.results["layer0/ln_1"] and "ffn/dead_fraction" in out.results["layer0/ffn"]
+    assert out.cold == {"layer0/attn", "layer0/ffn"}  # the Lanczos kinds, before their first vectors
+    assert engine.evaluate(blocks).cold == set()  # the second evaluation starts warm
+
+
+def test_a_failing_block_is_left_out_alone(monkeypatch):
+    original = CapturedBlock.evaluate
+
+    def fail_ffn(self, **kwargs):
+        if self.spec.kind == "ffn":
+            raise FloatingPointError("induced")
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", fail_ffn)
+    out = Engine().evaluate(_captured())
+    assert set(out.results) == {"layer0/attn", "layer0/ln_1", "layer0/ln_2"}
+    assert isinstance(out.failed["layer0/ffn"], FloatingPointError)
+    with pytest.raises(BlockError, match="layer0/ffn: FloatingPointError: induced"):
+        Engine(raise_errors=True).evaluate(_captured())
+
+
+def test_every_block_failing_raises_the_first_error(monkeypatch):
+    monkeypatch.setattr(CapturedBlock, "evaluate", lambda self, **kw: 1 / 0)
+    with pytest.raises(BlockError, match="layer0/attn: ZeroDivisionError"):
+        Engine().evaluate(_captured())
+
+
+def test_nonfinite_blocks_are_flagged_and_layernorm_keeps_its_input_statistics():
+    blocks = _captured()
+    for b in blocks:
+        b.inputs["grad_output"][0, 0, 0] = math.nan
+    with pytest.warns(UserWarning, match="its captured grad_output hold NaN") as seen:
+        out = Engine().evaluate(blocks)
+    assert len(seen) == 4  # one warning per block (once per run each)
+    assert out.results["layer0/attn"] == {NONFINITE: 1.0}
+    assert out.results["layer0/ln_1"][NONFINITE] == 1.0 and "ln/var_min" in out.results["layer0/ln_1"]
+    assert sorted(out.nonfinite) == sorted(b.spec.name for b in blocks)
+
+
+def test_out_of_memory_halves_the_tokens_and_retries_once(monkeypatch):
+    original, calls = CapturedBlock.evaluate, []
+
+    def oom_once(self, **kwargs):
+        calls.append((self.spec.name, self.tokens))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("induced")
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", oom_once)
+    engine = Engine(max_tokens=12)
+    with pytest.warns(UserWarning, match="ran out of memory evaluating block 'layer0/attn' on 12 tokens"):
+        out = engine.evaluate(_captured())
+    assert calls[:2] == [("layer0/attn", 12), ("layer0/attn", 6)] and engine.token_limit == 6
+    assert "hessian/QQ/h0" in out.results["layer0/attn"]
+    state = engine.state_dict()
+    fresh = Engine(max_tokens=12)
+    fresh.load_state_dict(state)
+    assert fresh.token_limit == 6
+
+
+def test_invalid_dtype_is_refused():
+    with pytest.raises(ValueError, match="Invalid dtype='float16'"):
+        Engine(dtype="float16")
