@@ -20,6 +20,7 @@ from curvwatch import report, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
 from curvwatch.capture import Capture, CaptureError
+from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import NONFINITE, BlockError, Engine, Evaluation
 from curvwatch.kinds import KINDS
 from curvwatch.options import OnError, Precision, check_int, check_number, choice, pairs_option
@@ -195,14 +196,11 @@ class CurvatureMonitor(Callback):
         self.schedule = Schedule(every_n_train_steps, terms_every_n_train_steps, max_overhead)  # validates them
         check_int("max_tokens", max_tokens, 1)
         check_int("max_iter", max_iter, 1)
-        check_int("max_basis", max_basis, 4, allow_none=True,
-                  hint=" (Lanczos vectors held per norm), or None to hold up to max_iter")  # fmt: skip
         if not (blocks == "auto" or (not isinstance(blocks, str) and isinstance(blocks, Sequence)
                                      and all(isinstance(b, BlockSpec) for b in blocks))):  # fmt: skip
             raise ValueError(f"Invalid blocks={blocks!r}. Must be 'auto' or a list of curvwatch.BlockSpec.")
         if not isinstance(log_key_prefix, str):
             raise ValueError(f"Invalid log_key_prefix={log_key_prefix!r}. Must be a str such as 'curv/'.")
-        check_number("tol", tol, low=0, high=1, low_open=False, hint="in [0, 1), e.g. 1e-2")
         kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
         if not kinds or any(k not in _PARTS for k in kinds):
             raise ValueError(f"Invalid kinds={kinds!r}. Must be a non-empty subset of {_PARTS}.")
@@ -219,9 +217,7 @@ class CurvatureMonitor(Callback):
         )
         self.on_error = choice("on_error", on_error, OnError)
         self.engine = Engine(
-            tol=float(tol),
-            max_iter=max_iter,
-            max_basis=max_basis,
+            lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
             dtype=choice("dtype", dtype, Precision).value,
             pairs=pairs_option(pairs),
             kinds=kinds,

@@ -238,7 +238,7 @@ class CapturedBlock:
         if kind.iterative:
             kwargs.update(lanczos=lanczos, kinds=kinds)
             if pairs is not None:
-                kwargs["pairs"] = [p for p in pairs if p in kind.pairs]
+                kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
         return kind.kernel()(**kwargs)
 
 

@@ -325,22 +325,37 @@ def _wandb_mode(requested: str | None) -> str:
 
 
 def loss_blowup_step(
-    steps: list[int], losses: list[float], factor: float = 1.25, min_increase: float = 0.1
+    steps: list[int], losses: list[float], window: int = 20, margin: float = 0.5, patience: int = 20
 ) -> int | None:
-    """First step whose training loss is not finite, or exceeds ``factor`` times the lowest loss seen before it
-    by at least ``min_increase`` nats (so noise on a near-zero loss is no blow-up).
+    """Onset of a loss divergence: the first step whose loss is not finite, or from which the trailing mean of the
+    last ``window`` losses stays more than ``margin`` nats above its running minimum for ``patience`` steps.
+
+    The rule of the instability suite (issue 14): a lasting excursion, not one noisy step (a healthy run near zero
+    loss wiggles by a tenth of a nat, which the old single-step rule reported as a blow-up).
 
     Example:
-        >>> loss_blowup_step([1, 2, 3, 4], [2.2, 2.1, 2.9, 5.0])
-        3
-        >>> loss_blowup_step([1, 2, 3], [2.0, 0.01, 0.02]) is None
+        >>> loss_blowup_step(list(range(60)), [2.0] * 30 + [3.0] * 30, window=5, patience=5)
+        32
+        >>> loss_blowup_step(list(range(60)), [0.01, 0.2] * 30) is None
         True
+        >>> loss_blowup_step([0, 1, 2], [2.0, float("nan"), 2.0])
+        1
     """
-    best = math.inf
-    for step, loss in sorted(zip(steps, losses, strict=True)):
-        if not math.isfinite(loss) or (loss > factor * best and loss - best >= min_increase):
+    pairs = sorted(zip(steps, losses, strict=True))
+    best, streak_start, streak = math.inf, None, 0
+    for i, (step, loss) in enumerate(pairs):
+        if not math.isfinite(loss):
             return step
-        best = min(best, loss)
+        recent = [v for _, v in pairs[max(0, i - window + 1) : i + 1]]
+        mean = sum(recent) / len(recent)
+        if mean > best + margin:
+            streak_start = step if streak == 0 else streak_start
+            streak += 1
+            if streak >= patience:
+                return streak_start
+        else:
+            streak = 0
+        best = min(best, mean)
     return None
 
 
@@ -643,7 +658,7 @@ def _print_summary(
         blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
         line = (
             f"timeline:   first curvature warning: {warn}; "
-            f"training loss blow-up (> 1.25x its best so far, +0.1 nats): {blow}"
+            f"training loss blow-up (trailing mean > 0.5 nats above its best for 20 steps): {blow}"
         )
         if result.first_warning_step is not None and result.loss_blowup_step is not None:
             lead = result.loss_blowup_step - result.first_warning_step

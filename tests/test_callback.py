@@ -568,7 +568,9 @@ def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
 
 def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     """A due full evaluation the budget cannot afford becomes terms-only where those are due too."""
-    monitor = CurvatureMonitor(every_n_train_steps=1, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False)
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1, max_overhead=0.01, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False
+    )
     monkeypatch.setattr(monitor.schedule, "affordable", lambda agree=None: (monitor._evaluations == 0, True))
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())

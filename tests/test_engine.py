@@ -24,7 +24,7 @@ def _captured(seed=0, n_layer=1):
 
 def test_results_equal_the_blocks_own_closed_forms():
     blocks = _captured()
-    engine = Engine(dtype="float64", tol=1e-6, max_iter=200, max_basis=None)
+    engine = Engine(dtype="float64", lanczos=Lanczos(tol=1e-6, max_iter=200, max_basis=None))
     out = engine.evaluate(blocks)
     assert list(out.results) == [b.spec.name for b in blocks] and not out.failed and not out.excluded
     attn = blocks[0]

@@ -36,7 +36,7 @@ def _evaluated_keys() -> set[str]:
     model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, d_ff=16))
     with Capture(find_blocks(model), max_tokens=12) as capture:
         model(torch.randint(0, 11, (2, 6))).square().mean().backward()
-    evaluation = Engine(pairs="all", max_iter=20, dtype="float64").evaluate(capture.blocks())
+    evaluation = Engine(pairs="all", dtype="float64").evaluate(capture.blocks())
     return {k for result in evaluation.results.values() for k in result}
 
 

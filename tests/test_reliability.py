@@ -188,11 +188,6 @@ PHASES = {
         "capturing block 'layer0/ffn' failed in the backward hook: RuntimeError: induced fault",
         RuntimeError,
     ),
-    "kernel": (
-        _kernel_fault,
-        "evaluating block 'layer0/ffn' raised FloatingPointError: induced fault in the ffn kernel",
-        FloatingPointError,
-    ),
     "summary": (
         _summary_fault,
         "summarizing or logging the numbers raised ZeroDivisionError: induced fault in summarize",
@@ -218,6 +213,26 @@ def test_fault_skips_evaluation_and_training_goes_on(tmp_path, monkeypatch, phas
     assert count_hooks(model) == 0 and monitor._capture_step is None
 
 
+def test_kernel_fault_leaves_the_block_out_alone(tmp_path, monkeypatch):
+    """A block whose closed form raises is left out of the evaluation alone (issue 13): the others are logged, one
+    warning names the block and the error, summary/skipped_blocks counts it; with on_error="raise" it raises."""
+    _kernel_fault(monkeypatch)
+    monitor = monitor_of()
+    trainer = make_trainer(tmp_path, monitor, max_steps=2)
+    messages = fit(trainer, tiny())
+    assert trainer.global_step == 2 and len(messages) == 1, messages
+    assert messages[0].startswith("CurvatureMonitor leaves block 'layer0/ffn' out of the evaluation at step 0")
+    assert "FloatingPointError: induced fault in the ffn kernel" in messages[0]
+    rows = logged(trainer)
+    assert sorted(rows) == [0, 1] and all(MAX_KEY in v and v[SKIP_KEY] == 0.0 for v in rows.values())
+    assert all(v[f"{P}summary/skipped_blocks"] == 1.0 for v in rows.values())
+    assert not any(k.startswith(f"{P}layer0/ffn/") for v in rows.values() for k in v)
+    assert f"{P}layer0/attn/hessian/QQ/h0" in rows[0]
+    raising = monitor_of(on_error="raise")
+    with pytest.raises(FloatingPointError, match="induced fault in the ffn kernel"):
+        make_trainer(tmp_path / "raise", raising, max_steps=1).fit(tiny(), loader(n=4))
+
+
 def test_logger_fault_skips_evaluation(tmp_path):
     class BrokenLogger(CSVLogger):
         def log_metrics(self, metrics, step=None):
@@ -240,7 +255,7 @@ def test_logger_fault_skips_evaluation(tmp_path):
     assert count_hooks(model) == 0
 
 
-@pytest.mark.parametrize("phase", ["backward hook", "kernel", "summary"])
+@pytest.mark.parametrize("phase", ["backward hook", "summary"])  # kernel: test_kernel_fault_leaves_the_block_out_alone
 def test_on_error_raise_reraises_original(tmp_path, monkeypatch, phase):
     inject, _, error_type = PHASES[phase]
     inject(monkeypatch)
@@ -325,8 +340,10 @@ def test_out_of_memory_twice_skips(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, monitor, max_steps=1)
     messages = fit(trainer, tiny())
     assert "ran out of memory" in messages[0]
-    assert "skipped the evaluation at step 0: evaluating block 'layer0/attn' raised OutOfMemoryError" in messages[1]
+    assert messages[1].startswith("CurvatureMonitor leaves block 'layer0/attn' out of the evaluation at step 0")
+    assert "raised OutOfMemoryError: induced: out of memory" in messages[1]
     assert trainer.global_step == 1 and monitor.engine.token_limit == 14
+    assert MAX_KEY in logged(trainer)[0]  # the other blocks were logged
 
 
 # -- bad numbers in, clear numbers out ------------------------------------------------------------
@@ -736,23 +753,24 @@ def test_resume_mid_epoch_same_schedule_and_warning_state(tmp_path):
 
 def test_one_time_warnings_and_token_limit_survive_checkpoint():
     first = CurvatureMonitor(max_tokens=64)
-    first._warned = {"nonfinite:layer0/attn", "memory_budget"}
-    first._token_limit = 16
-    first._basis_limit = 10
+    first.engine.warned = {"nonfinite:layer0/attn", "memory_budget"}
+    first.engine.token_limit = 16
+    first.engine.basis_limit = 10
     second = CurvatureMonitor(max_tokens=64)
     second.load_state_dict(first.state_dict())
-    assert second._warned == first._warned and second._token_limit == 16 and second._basis_limit == 10
+    assert second.engine.warned == first.engine.warned
+    assert second.engine.token_limit == 16 and second.engine.basis_limit == 10
     older = {k: v for k, v in first.state_dict().items() if k != "basis_limit"}  # before basis_limit existed
     second.load_state_dict(older)
-    assert second._basis_limit == 16  # this run's max_basis
+    assert second.engine.basis_limit == 16  # this run's max_basis
     unlimited = CurvatureMonitor(max_basis=None)
     unlimited.load_state_dict(older)
-    assert unlimited._basis_limit is None
+    assert unlimited.engine.basis_limit is None
     unlimited.load_state_dict(first.state_dict())  # a limit learned from an out-of-memory error stays
-    assert unlimited._basis_limit == 10
+    assert unlimited.engine.basis_limit == 10
     third = CurvatureMonitor(max_tokens=8)  # a smaller max_tokens on resume wins
     third.load_state_dict(first.state_dict())
-    assert third._token_limit == 8
+    assert third.engine.token_limit == 8
 
 
 # -- bad configuration ----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ with :func:`register_kind` at import, imported below), its adapter readers, and 
 in the modules of this package, one kind each.
 
 Example:
-    >>> sorted(KINDS)[:3]
-    ['attention', 'ffn', 'layernorm']
+    >>> sorted(KINDS)
+    ['attention', 'ffn', 'gated_ffn', 'layernorm', 'rmsnorm']
     >>> KINDS["layernorm"].prefix, KINDS["attention"].mask_name, KINDS["ffn"].input_name
     ('ln', 'key_padding_mask', 'Y')
 """

@@ -1,0 +1,260 @@
+"""Writes ``docs/instability.md`` and ``docs/instability/*.png`` from the suite's results and traces.
+
+``python -m benchmarks.instability.report [--out DIR]`` reads ``DIR/results.json`` and ``DIR/runs/*.json``
+(default ``benchmarks/results/instability``); ``python -m benchmarks.instability --report`` calls it after a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import markdown_table
+from benchmarks.instability.analysis import SIGNALS
+from benchmarks.instability.cases import HELD_OUT_SEEDS, TRAIN_SEEDS, mechanisms
+from benchmarks.instability.evaluate import _fmt, _is_control, lead_cell, mechanism_rows, signals_table
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "instability.md"
+FIG_DIR = ROOT / "docs" / "instability"
+# per mechanism: the monitor signal its plot shows under the loss
+PLOT_SIGNAL = {
+    "attn_logit": "softmax_jac_min",
+    "logit_div": "outer_VV",
+    "rewarm": "outer_VV",
+    "postln_depth": "outer_VV",
+    "ln_collapse": "ln_var_ratio",
+}
+
+
+def _plot_mechanism(name: str, traces: Sequence[Mapping[str, Any]], results: Mapping[str, Any], path: Path) -> bool:
+    """Loss, max attention logit and one monitor signal of seed 0's runs, onsets and first alarms marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return False
+    runs = [t for t in traces if t["label"]["mechanism"] == name and t["label"]["seed"] == min(TRAIN_SEEDS)]
+    if not runs:
+        return False
+    signal = SIGNALS[PLOT_SIGNAL.get(name, "outer_VV")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), dpi=72)
+    colors = {"unstable": "tab:red", "control": "tab:blue"}
+    for t in runs:
+        lab = t["label"]
+        key = f"{lab['mechanism']}/{lab['variant']}/s{lab['seed']}"
+        color = colors.get(lab["variant"], "tab:gray")
+        steps = t["steps"]
+        axes[0].plot(steps, t["series"]["loss"], color=color, lw=0.8, label=lab["variant"])
+        axes[1].semilogy(steps, t["series"]["max_attn_logit"], color=color, lw=0.8)
+        values = signal.read(t)
+        axes[2].semilogy(sorted(values), [max(values[s], 1e-30) for s in sorted(values)], color=color, lw=0.8)
+        onset = results["runs"][key]["onset"]
+        after = results["rules"]["after"]["per_run"][key]["first_alarm"]
+        before = results["rules"]["before"]["per_run"][key]["first_alarm"]
+        for ax in axes:
+            if onset is not None:
+                ax.axvline(onset, color=color, ls="--", lw=0.8)
+            if after is not None:
+                ax.axvline(after, color=color, ls=":", lw=1.2)
+        if before is not None:
+            axes[0].plot([before], [t["series"]["loss"][before] or 0], marker="x", color=color, ms=6)
+    axes[0].set_title("loss (dashed: onset, dotted: first new alarm, x: first old alarm)", fontsize=7)
+    axes[1].set_title("max attention logit (baseline)", fontsize=8)
+    axes[2].set_title(f"{signal.name}: {signal.description}", fontsize=7)
+    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(name, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _runs_table(results: Mapping[str, Any]) -> str:
+    header = ["mechanism", "variant", "onset per seed", "steps", "wall s (median)", "terms eval / train step",
+              "full eval / train step"]  # fmt: skip
+    rows = []
+    for mech, variants in mechanism_rows(results).items():
+        for variant, keys in variants.items():
+            rs = [results["runs"][k] for k in keys]
+            med = lambda xs: _fmt(sorted(x for x in xs if x is not None)[len(xs) // 2] if xs else None)
+            rows.append([
+                mech, variant, " / ".join(_fmt(r["onset"]) for r in rs), " / ".join(str(r["steps"]) for r in rs),
+                med([r["wall_s"] for r in rs]), med([r["terms_cost_steps"] for r in rs]),
+                med([r["full_cost_steps"] for r in rs]),
+            ])  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def _compare_table(results: Mapping[str, Any]) -> str:
+    runs = results["runs"]
+    header = ["mechanism", "onset per seed", "before: lead per seed", "before: FA/1000 ctrl", "after: lead per seed",
+              "after: first alarm kind", "after: FA/1000 ctrl"]  # fmt: skip
+    rows = []
+    for mech, variants in mechanism_rows(results).items():
+        unstable = variants.get("unstable", [])
+        ctrl = [k for v, ks in variants.items() if v != "unstable" for k in ks if _is_control(runs[k])]
+        cells = [mech, " / ".join(_fmt(runs[k]["onset"]) for k in unstable)]
+        for label in ("before", "after"):
+            rule = results["rules"][label]
+            fa = max((rule["per_run"][k]["per_1000"] for k in ctrl), default=None)
+            cells.append(lead_cell(rule["per_run"], runs, unstable))
+            if label == "after":
+                first = [rule["first"][k] for k in unstable]
+                cells.append(" / ".join(f"{f[1]}@{f[2]}" if f else "-" for f in first))
+            cells.append(_fmt(fa))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def _cadence_table(results: Mapping[str, Any]) -> str:
+    runs = results["runs"]
+    header = ["terms-only every", "overhead (this model)", "FA/1000 train ctrl", "FA/1000 held-out ctrl",
+              *[m for m in mechanism_rows(results)]]  # fmt: skip
+    rows = []
+    for every, c in results["cadence"].items():
+        cells = [every, _fmt(c["overhead_fraction"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
+                 _fmt(c["false_alarms"]["held_out"]["per_1000"])]  # fmt: skip
+        for _, variants in mechanism_rows(results).items():
+            cells.append(lead_cell(c["per_run"], runs, variants.get("unstable", [])))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def render(results: Mapping[str, Any], figures: Sequence[str]) -> str:
+    """The markdown of ``docs/instability.md``."""
+    mechs = {m.name: m for m in mechanisms(results.get("quick", False))}
+    mech_rows = [
+        [f"`{m.name}`", m.variants[0].config.model.arch, m.title, m.knob,
+         ", ".join(v.name for v in m.variants[1:])]
+        for m in mechs.values()
+    ]  # fmt: skip
+    fa = results["rules"]
+    wall = results.get("wall_s")
+    parts = [
+        "# Instability suite: do the warnings predict divergences?",
+        "",
+        "<!-- generated by `python -m benchmarks.instability.report`; edit benchmarks/instability/report.py -->",
+        "",
+        "Small byte-level causal LMs trained on the Python standard library's own sources (every top-level `*.py`",
+        "of `sysconfig.get_paths()['stdlib']`, sorted, first 2 MB; nothing downloaded, nothing written here) are",
+        "pushed into reproducible instabilities, each next to a stable control that differs in one knob, on "
+        f"seeds {', '.join(map(str, TRAIN_SEEDS))} (threshold fitting) and {', '.join(map(str, HELD_OUT_SEEDS))} "
+        "(held out).",
+        "Every run records per step the loss, the gradient norm, the largest attention logit `max |q.k|/sqrt(d_K)`",
+        "(forward hook), the output logits, and everything the `CurvatureMonitor` logs with",
+        "`terms_every_n_train_steps=1` and a full evaluation every 10 steps (`max_overhead=None`).",
+        "",
+        "```bash",
+        "python -m benchmarks.instability            # the suite: every run, results.json, tables on stdout",
+        "python -m benchmarks.instability --quick    # two small mechanisms, one seed: the CI smoke run",
+        "python -m benchmarks.instability.report     # this page and its plots, from stored results",
+        "```",
+        "",
+        f"Last full run: {_fmt(wall)} s wall on {results.get('environment', {}).get('processor', '?')} "
+        f"({results.get('environment', {}).get('cpu_count', '?')} CPUs, one training process at a time, one "
+        "thread each); results in `benchmarks/results/instability/` (`results.json`, one trace per run in `runs/`).",
+        "",
+        "## Mechanisms",
+        "",
+        markdown_table(["mechanism", "arch", "what goes wrong", "control knob", "other variants"], mech_rows),
+        "",
+        "Details and sizes: `benchmarks/instability/cases.py`. `gpt` is `curvwatch.models.gpt.GPT`; `torch` a",
+        "stack of `nn.TransformerEncoderLayer` under a causal mask. A LLaMA-style model plugs in through",
+        "`benchmarks/instability/models.py` (`ARCHITECTURES`).",
+        "",
+        "**Onset.** The first step from which the trailing 10-step mean of the loss stays more than 0.5 nats",
+        "above its running minimum for 20 consecutive steps, or the first non-finite loss. A run stops 25 steps",
+        "after it. **Lead** = onset - first alarm (negative: the first alarm came late; `miss`: none).",
+        "**False alarms** are alarms per 1000 steps on runs that stayed stable (controls, and variants without",
+        "onset); on unstable runs alarms before the onset count as the lead, not as false.",
+        "",
+        "## Runs",
+        "",
+        _runs_table(results),
+        "",
+        "`terms eval / train step`: the median time of one terms-only evaluation over the median training step",
+        "of the same run (the monitor's cost at `terms_every_n_train_steps=1`); `full eval`: the same for a full",
+        "evaluation. These models are tiny (d = 64): on larger models a terms-only evaluation is a much smaller",
+        "fraction of a step (`docs/performance.md`).",
+        "",
+        "## Warning rules, before and after",
+        "",
+        "*Before*: today's `curvwatch.alerts.AlertMonitor` at its defaults (collapse below 5 x eps; spike 10 x",
+        "its running baseline of `hessian/max`), replayed on the traces exactly as the callback feeds it. *After*:",
+        "`curvwatch.rules.RuleSet()` at its defaults, on the same traces. Cells: one value per seed "
+        f"({', '.join(map(str, TRAIN_SEEDS + HELD_OUT_SEEDS))}; the last is held out).",
+        "",
+        _compare_table(results),
+        "",
+        f"False alarms over all controls: before {_fmt(fa['before']['false_alarms']['train']['per_1000'])} "
+        f"(training seeds) / {_fmt(fa['before']['false_alarms']['held_out']['per_1000'])} (held out) per 1000 "
+        f"steps; after {_fmt(fa['after']['false_alarms']['train']['per_1000'])} / "
+        f"{_fmt(fa['after']['false_alarms']['held_out']['per_1000'])}.",
+        "",
+        "## What the new rules need, and what that costs",
+        "",
+        "The rules read only terms-only numbers. Replayed with terms-only evaluations every N steps and no full",
+        "evaluation at all (cost = terms-only evaluation time / (N x training step), measured on these models):",
+        "",
+        _cadence_table(results),
+        "",
+        "## Every signal, one generic detector",
+        "",
+        "Each signal (reduced over blocks and heads: max of growth signals, min of saturation signals) goes",
+        "through the same detector: the trailing 10-step median of `log10(signal)` moves more than `theta`",
+        "decades in the bad direction, above its running minimum since step 20 (`level`) or above its own value",
+        "50 steps earlier (`trend`). `theta` is the smallest value silent on every *training-seed* control, plus",
+        "0.05; the table gives the median lead over seeds per mechanism (negative: late, `-`: no alarm) and the",
+        "false-alarm rates on training and held-out controls. Gradient norm, max attention logit and max output",
+        "logit are the non-monitor baselines.",
+        "",
+        signals_table(results),
+        "",
+    ]
+    if figures:
+        parts += ["## Plots (seed 0)", ""]
+        parts += [f"![{Path(f).stem}](instability/{Path(f).name})" for f in figures]
+        parts.append("")
+    parts += FINDINGS
+    return "\n".join(parts) + "\n"
+
+
+FINDINGS: list[str] = []
+
+
+def write_report(results: Mapping[str, Any], traces: Sequence[Mapping[str, Any]]) -> Path:
+    """Write the page and its plots; returns the page's path."""
+    figures = []
+    for name in mechanism_rows(results):
+        path = FIG_DIR / f"{name}.png"
+        if _plot_mechanism(name, traces, results, path):
+            figures.append(str(path))
+    DOC.write_text(render(results, figures))
+    return DOC
+
+
+def main(argv: list[str] | None = None) -> Path:
+    from benchmarks.instability.suite import DEFAULT_OUT
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.instability.report", description=__doc__)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder of the suite")
+    args = p.parse_args(argv)
+    results = json.loads((args.out / "results.json").read_text())
+    traces = [json.loads(p.read_text()) for p in sorted((args.out / "runs").glob("*.json"))]
+    path = write_report(results, traces)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Smoke test of the instability suite: its ``--quick`` run trains, writes JSON, and separates unstable from stable.
+
+The quick run is two mechanisms on d = 32 models, one seed (a divergence and a LayerNorm collapse), about 20 s
+on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.instability import suite
+from benchmarks.instability.analysis import SIGNALS, onset_step
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("instability")
+    results = suite.main(["--quick", "--out", str(out)])
+    return out, results
+
+
+def test_writes_results_and_traces(quick):
+    out, results = quick
+    stored = json.loads((out / "results.json").read_text())
+    assert set(stored["runs"]) == set(results["runs"])
+    traces = sorted((out / "runs").glob("*.json"))
+    assert len(traces) == len(results["runs"]) == 4
+    trace = json.loads(traces[0].read_text())
+    assert {"config", "corpus", "steps", "series", "monitor", "label", "live_alerts"} <= set(trace)
+    assert trace["corpus"]["files"] > 0 and len(trace["corpus"]["sha256"]) == 64
+    # every step has the baselines and a terms-only (or full) evaluation of the monitor
+    assert len(trace["series"]["loss"]) == len(trace["steps"]) == len(trace["monitor"])
+    assert {"loss", "grad_norm", "max_attn_logit", "lse", "step_time_s"} <= set(trace["series"])
+    assert any(row["full"] for row in trace["monitor"]) and any(not row["full"] for row in trace["monitor"])
+    assert set(stored["signals"]) == {f"{s}/{k}" for s in SIGNALS for k in ("level", "trend")}
+
+
+def test_onsets_on_unstable_runs_only(quick):
+    _, results = quick
+    runs = results["runs"]
+    diverging = runs["attn_logit/unstable/s0"]
+    assert diverging["onset"] is not None and 20 < diverging["onset"] < diverging["steps"]
+    for key, run in runs.items():
+        if run["role"] == "control" or run["mechanism"] == "ln_collapse":
+            assert run["onset"] is None, key
+
+
+def test_collapse_warning_fires_on_the_collapse_only(quick):
+    _, results = quick
+    for label in ("before", "after"):
+        first = results["rules"][label]["first"]
+        kinds = {k: (f[1] if f else None) for k, f in first.items()}
+        assert kinds["ln_collapse/unstable/s0"] in ("ln_collapse", "ln_variance_drop"), (label, kinds)
+    assert results["rules"]["after"]["per_run"]["ln_collapse/control/s0"]["alarms"] == 0
+
+
+def test_new_rules_silent_on_controls_and_early_on_the_divergence(quick):
+    _, results = quick
+    after = results["rules"]["after"]
+    assert after["false_alarms"]["train"]["alarms"] == 0
+    lead = after["per_run"]["attn_logit/unstable/s0"]["lead"]
+    assert lead is not None and lead > 0
+
+
+def test_replay_of_todays_rules_matches_the_live_monitor(quick):
+    """The offline replay of AlertMonitor reproduces what the callback's own AlertMonitor fired."""
+    out, _ = quick
+    from benchmarks.instability.analysis import replay_alert_monitor
+
+    for path in sorted((out / "runs").glob("*.json")):
+        trace = json.loads(path.read_text())
+        replayed = [(s, k, b) for s, k, b in replay_alert_monitor(trace["monitor"], trace["config"]["model"]["ln_eps"])]
+        live = [(a["step"], a["kind"], a["block"]) for a in trace["live_alerts"]]
+        assert len(live) < 100, path.name  # the live history keeps the last 100
+        assert replayed == live, path.name
+
+
+def test_onset_definition():
+    assert onset_step([3.0] * 30) is None
+    assert onset_step([5.0, 4.0, 3.0] + [2.0] * 30 + [2.6] * 40) == 41  # mean > 2.5 from step 41
+    assert onset_step([2.0] * 15 + [float("nan")]) == 15
+    assert onset_step([2.0] * 15 + [None]) == 15
