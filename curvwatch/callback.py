@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from curvwatch import metrics as M
-from curvwatch import report, sinks
+from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
 from curvwatch.capture import Capture, CaptureError
@@ -29,7 +29,6 @@ from curvwatch.schedule import Schedule
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
-_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
 # Headline summaries: put in ``trainer.callback_metrics`` and given a W&B run summary.
 _HEADLINES = {
     "summary/max_hessian": "max",
@@ -62,6 +61,11 @@ class CurvatureMonitor(Callback):
 
     **DDP.** Each rank evaluates its own batch; the ranks then agree on a failure flag and reduce every number by
     its row in the key table (:mod:`curvwatch.keys`), so all ranks take the same decisions; rank zero logs and warns.
+
+    **Sharded training.** Under FSDP2 (``ModelParallelStrategy(tensor_parallel_size=1)`` with ``fully_shard`` in
+    ``configure_model``) the capture keeps no weights; each block's are gathered as full tensors only while it is
+    evaluated, on every rank in the same order, then freed (:mod:`curvwatch.sharding`; ``docs/strategies.md`` says
+    which strategies work). Tensor parallelism, ``FSDPStrategy`` and DeepSpeed are refused in ``setup``.
 
     **Faults.** A block whose closed form raises is left out of that evaluation alone (warned once,
     ``summary/skipped_blocks``); NaN or Inf in a block's captured tensors marks it ``skipped_nonfinite``; any other
@@ -154,7 +158,8 @@ class CurvatureMonitor(Callback):
 
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
-            curvwatch knows or the strategy shards parameters (FSDP, DeepSpeed, model parallel).
+            curvwatch knows or the strategy shards parameters in a way it does not support (tensor parallel,
+            ``FSDPStrategy``, DeepSpeed; the message says why and what to use).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -243,6 +248,7 @@ class CurvatureMonitor(Callback):
         self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
         self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
+        self._read_params: sharding.ParamReader | None = None  # sharded training: weights read at evaluation
         # state saved in checkpoints (with the schedule's, the engine's limits and the alerts')
         self._evaluations = 0
         self._terms_evaluations = 0
@@ -263,14 +269,17 @@ class CurvatureMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        unsupported = {cls.__name__ for cls in type(trainer.strategy).__mro__}.intersection(_UNSUPPORTED_STRATEGIES)
-        if unsupported:
+        self._read_params = sharding.param_reader(trainer.strategy, pl_module)  # refuses what is not supported
+        try:
+            self._specs = find_blocks(pl_module, self.blocks)
+        except ValueError as err:
+            if self._read_params is None:
+                raise
             raise ValueError(
-                f"CurvatureMonitor does not support strategy={type(trainer.strategy).__name__}: it shards "
-                "parameters, so no rank holds a block's full weights. Use strategy='ddp' (or a single "
-                "device), or remove the CurvatureMonitor callback."
-            )
-        self._specs = find_blocks(pl_module, self.blocks)
+                f"{err}\nUnder {type(trainer.strategy).__name__} the monitor finds the blocks in setup, before "
+                "configure_model: build the layers in __init__ (on the meta device under "
+                "trainer.init_module(empty_init=True) if they are large) and apply fully_shard in configure_model."
+            ) from err
         self._coverage = report.coverage_rows(self._specs)
         if any(r["status"] != "monitored" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
@@ -311,7 +320,9 @@ class CurvatureMonitor(Callback):
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()
         try:
-            self._capture = self._stack.enter_context(Capture(self._specs, max_tokens=self.engine.token_limit))
+            self._capture = self._stack.enter_context(
+                Capture(self._specs, max_tokens=self.engine.token_limit, read_params=self._read_params)
+            )
         except Exception as err:  # reported in on_before_optimizer_step, after the ranks agree
             self._open_error = err
             self._close()
@@ -433,18 +444,28 @@ class CurvatureMonitor(Callback):
         error: BaseException | None = open_error
         flat: dict[tuple[str, str], float] = {}
         evaluation = Evaluation()
+        ranks = Ranks(trainer.world_size, pl_module.device)
         start = time.perf_counter()
+        blocks, factor = [], 1.0
         if error is None:
             try:
                 if capture is None:
                     raise RuntimeError("no capture was open for this step")
-                evaluation = self.engine.evaluate(capture.blocks(), self._grad_factor(trainer, pl_module), terms_only)
+                blocks, factor = capture.blocks(), self._grad_factor(trainer, pl_module)
+            except Exception as err:
+                error = err
+        ready = True  # sharded: the engine gathers each block's weights, a collective: it runs on all ranks or none
+        if self._read_params is not None:
+            ready = not ranks.max(torch.tensor([float(error is not None)], dtype=torch.float64))[0] > 0
+        if error is None and ready:
+            try:
+                evaluation = self.engine.evaluate(blocks, factor, terms_only)
                 flat = _drop_nan_blocks(_to_floats(evaluation.results))
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start
         self.schedule.charge(elapsed, terms_only)
-        flat, failed_elsewhere = Ranks(trainer.world_size, pl_module.device).sync(flat, error is not None)
+        flat, failed_elsewhere = ranks.sync(flat, error is not None)
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
             return

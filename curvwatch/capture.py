@@ -4,7 +4,9 @@
 ``finally``:
 
 * a forward *pre*-hook (with kwargs) on the adapter's input module, storing ``X`` and a snapshot of the
-  weights (pre-hook, so that it runs before any sub-module of a composite input module);
+  weights (pre-hook, so that it runs before any sub-module of a composite input module); with ``read_params``
+  (sharded training, :mod:`curvwatch.sharding`) no weights are kept: each block reads them as full tensors when
+  it is evaluated (:attr:`CapturedBlock.params_fn`);
 * a forward pre-hook on the layer's attention module, storing the masks (causal flag and key padding;
   the FFN and LayerNorm blocks use the key padding mask as their ``row_mask``);
 * a forward hook on the output module that registers a *tensor* hook on the block output.
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,12 +114,28 @@ class CapturedBlock:
             ``(d_in, d_out)``), plus ``causal`` for attention.
         reason: Why the block cannot be evaluated (no gradient arrived, unsupported setting, ...), else
             ``None``.
+        params_fn: Reads the weights now, as full tensors (sharded training: a collective every rank calls for
+            every block in the same order), or ``None`` when ``params`` holds them already. :meth:`with_params`
+            calls it.
     """
 
     spec: BlockSpec
     inputs: dict[str, Tensor] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    params_fn: Callable[[], dict[str, Any]] | None = None
+
+    def with_params(self) -> CapturedBlock:
+        """The block with its weights in ``params``: ``params_fn()`` (read now) merged under the call's settings.
+
+        Keep the result only while evaluating the block: under sharding it holds the block's full weights.
+
+        Raises:
+            UnsupportedBlockError: If the adapter cannot read the block's weights.
+        """
+        if self.params_fn is None:
+            return self
+        return dataclasses.replace(self, params={**self.params_fn(), **self.params}, params_fn=None)
 
     @property
     def tokens(self) -> int:
@@ -138,7 +156,7 @@ class CapturedBlock:
             return self
         k, l = token_slice(X.shape[0], X.shape[1], max_tokens)
         inputs = {name: t[:k] if name.startswith("memory") else t[:k, :l] for name, t in self.inputs.items()}
-        return CapturedBlock(self.spec, inputs=inputs, params=self.params, reason=self.reason)
+        return dataclasses.replace(self, inputs=inputs)
 
     def nonfinite(self) -> list[str]:
         """Names of the captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``), one device sync."""
@@ -189,6 +207,8 @@ class CapturedBlock:
         """
         if self.reason is not None:
             raise RuntimeError(f"Block {self.spec.name!r} cannot be evaluated: {self.reason}")
+        if self.params_fn is not None:
+            return self.with_params().reference_inputs(dtype)
         kind = KINDS[self.spec.kind]
         kwargs: dict[str, Any] = {kind.input_name: self.inputs["X"]}
         kwargs.update(self.params)
@@ -286,6 +306,10 @@ class Capture:
         specs: Blocks to capture, from :func:`~curvwatch.adapters.find_blocks`.
         max_tokens: Keep at most this many token positions per block (see the module docstring).
         seed: Reserved for random subsampling; the current rule (first sequences) is deterministic.
+        read_params: Sharded training: reads one block's weights as full tensors
+            (:func:`curvwatch.sharding.full_params`, ...); the capture then keeps no weights and each
+            :class:`CapturedBlock` reads its own through ``params_fn`` when evaluated. ``None`` (default): a
+            snapshot of each block's weights is taken in the forward pass.
 
     Raises:
         ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
@@ -299,7 +323,13 @@ class Capture:
         [('layer0/attn', (2, 4, 8)), ('layer0/ln_1', (2, 4, 8))]
     """
 
-    def __init__(self, specs: list[BlockSpec], max_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        specs: list[BlockSpec],
+        max_tokens: int,
+        seed: int = 0,
+        read_params: Callable[[BlockSpec], dict[str, Any]] | None = None,
+    ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"Invalid max_tokens={max_tokens!r}. Must be an int >= 1.")
         specs = list(specs)
@@ -308,6 +338,7 @@ class Capture:
         self.specs = specs
         self.max_tokens = max_tokens
         self.seed = seed
+        self.read_params = read_params
         self._records = [_Record() for _ in specs]
         self._handles: list[Any] = []
 
@@ -350,7 +381,8 @@ class Capture:
             return
         try:
             rec.X = _keep(spec.adapter.read_input(spec, args, kwargs), self.max_tokens)
-            rec.params = _snapshot(spec.adapter.read_params(spec))
+            if self.read_params is None:  # sharded: the weights are read at evaluation, one block at a time
+                rec.params = _snapshot(spec.adapter.read_params(spec))
         except UnsupportedBlockError as err:
             rec.reason = str(err)
         except Exception as err:
@@ -443,13 +475,16 @@ class Capture:
                 f"no gradient arrived at the output of {type(output_module).__name__}: backward() was not "
                 "run inside the `with`, or the block output does not influence the loss"
             )
-        if reason is not None:
-            return CapturedBlock(spec, reason=reason)
+        params_fn = None if self.read_params is None else functools.partial(self.read_params, spec)
+        if reason is not None:  # a block left out still reads its weights under sharding: every rank gathers all
+            return CapturedBlock(spec, reason=reason, params_fn=params_fn)
         X, G, kpm = rec.X, rec.grad, rec.masks.key_padding_mask
         if G.shape[:2] != X.shape[:2] or (kpm is not None and kpm.shape != X.shape[:2]):
             shapes = f"X {tuple(X.shape)}, grad_output {tuple(G.shape)}"
             shapes += f", key padding mask {tuple(kpm.shape)}" if kpm is not None else ""
-            return CapturedBlock(spec, reason=f"captured shapes disagree ({shapes}), e.g. a chunked forward")
+            return CapturedBlock(
+                spec, reason=f"captured shapes disagree ({shapes}), e.g. a chunked forward", params_fn=params_fn
+            )
         call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm, tuple(X.shape[:2]))
         inputs = {"X": X, "grad_output": G, **call_inputs}
-        return CapturedBlock(spec, inputs=inputs, params={**rec.params, **call_params})
+        return CapturedBlock(spec, inputs=inputs, params={**(rec.params or {}), **call_params}, params_fn=params_fn)

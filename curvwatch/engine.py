@@ -10,7 +10,10 @@ it returns an :class:`Evaluation` (``{block: {key: 0-d tensor}}``, keys prefixed
   per-block memory budget;
 * the fault policy: a block whose captured tensors hold NaN or Inf is not evaluated (its result is the flag
   ``skipped_nonfinite``); a block whose closed form raises is left out alone (``Evaluation.failed``), the other
-  blocks are kept; out of memory frees, shrinks what dominates and retries once.
+  blocks are kept; out of memory frees, shrinks what dominates and retries once;
+* the order of sharded training (:mod:`curvwatch.sharding`): each block's weights are read as full tensors (a
+  collective) at the start of its turn, on every rank and whatever happens there, and freed before the next
+  block's; an error that ends the evaluation on this rank is raised once every block has been read.
 
 Example:
     >>> from curvwatch.adapters import find_blocks
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import CurvatureWarning
 from curvwatch.capture import CapturedBlock, vectors_held
 from curvwatch.closed_form.settings import Lanczos, WarmStart
@@ -175,51 +180,31 @@ class Engine:
         Raises:
             RuntimeError: If no block could be captured (the message lists why, block by block).
             BlockError: With ``raise_errors``, the first block whose closed form raised; without, the first one
-                when every block raised.
+                when every block raised. Raised after every block's weights were read (``params_fn``), so that
+                under sharding this rank joins the same collectives as the others.
         """
         out = Evaluation()
         dtype = _DTYPES[self.dtype]
+        pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
         with torch.no_grad():
-            for block in captured:
-                name = block.spec.name
-                if block.reason is not None:
-                    out.excluded[name] = block.reason
-                    continue
-                kind = KINDS[block.spec.kind]
-                bad = block.nonfinite()
-                if bad:
-                    out.nonfinite.append(name)
-                    self.warn_once(
-                        f"nonfinite:{name}",
-                        f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or Inf "
-                        f"(diverged training, or an overflow under mixed precision). Its numbers are left out and "
-                        f"{self.key_prefix}{name}/{NONFINITE}=1 marks every such evaluation. Check the loss for NaN; "
-                        "lower the learning rate or enable gradient clipping.",
-                    )
-                    if not kind.input_only_keys or "X" in bad:
-                        out.results[name] = {NONFINITE: 1.0}
-                        continue
-                    # statistics of X alone (LayerNorm variances): a collapse that caused the NaN is still seen
-                    block = dataclasses.replace(
-                        block, inputs={k: v for k, v in block.inputs.items() if k != "grad_output"}
-                    )
-                elif grad_factor != 1.0:
-                    block = dataclasses.replace(
-                        block,
-                        inputs={k: v * grad_factor if k == "grad_output" else v for k, v in block.inputs.items()},
-                    )
-                block, max_basis = self._fit_budget(block, dtype)
+            for captured_block in captured:
+                # Under sharding reading the weights is a collective: every rank reads every block, in order,
+                # before any local decision about it (left out, NaN, failed), so no rank waits on another.
+                read_error: Exception | None = None
                 try:
-                    result = self._evaluate_one(block, dtype, terms_only, max_basis, out)
+                    block = captured_block.with_params()
                 except Exception as err:
-                    if self.raise_errors:
-                        raise BlockError(name, err) from err
-                    out.failed[name] = err
-                    continue
-                result = {k: v for k, v in result.items() if not k.startswith("dense/")}
-                out.results[name] = select_pairs(kind.qualify(result), self.pairs)
-                if bad:
-                    out.results[name][NONFINITE] = 1.0
+                    block, read_error = captured_block, err
+                if pending is None:
+                    try:
+                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out)
+                    except Exception as err:
+                        pending = err
+                # the errors kept must not hold this block's weights through their frames' locals
+                _clear_frames(read_error, out.failed.get(block.spec.name), pending)
+                del block  # the block's full weights (sharding) go before the next block's are read
+        if pending is not None:
+            raise pending
         if not out.results and out.failed:  # every block that could be evaluated raised: say why, first block
             name, error = next(iter(out.failed.items()))
             raise BlockError(name, error) from error
@@ -227,6 +212,61 @@ class Engine:
             reasons = "; ".join(f"{n}: {r}" for n, r in out.excluded.items())
             raise RuntimeError(f"no block could be evaluated ({reasons})")
         return out
+
+    def _evaluate_block(
+        self,
+        block: CapturedBlock,
+        read_error: Exception | None,
+        dtype: torch.dtype,
+        grad_factor: float,
+        terms_only: bool,
+        out: Evaluation,
+    ) -> None:
+        """Evaluate one block into ``out``: left out, non-finite, failed or its numbers."""
+        name = block.spec.name
+        if block.reason is None and isinstance(read_error, UnsupportedBlockError):
+            block = dataclasses.replace(block, reason=str(read_error))
+        if block.reason is not None:
+            out.excluded[name] = block.reason
+            return
+        if read_error is not None:  # reading the weights failed: the block is left out alone, as a closed form
+            if self.raise_errors:
+                raise BlockError(name, read_error) from read_error
+            out.failed[name] = read_error
+            return
+        kind = KINDS[block.spec.kind]
+        bad = block.nonfinite()
+        if bad:
+            out.nonfinite.append(name)
+            self.warn_once(
+                f"nonfinite:{name}",
+                f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or Inf "
+                f"(diverged training, or an overflow under mixed precision). Its numbers are left out and "
+                f"{self.key_prefix}{name}/{NONFINITE}=1 marks every such evaluation. Check the loss for NaN; "
+                "lower the learning rate or enable gradient clipping.",
+            )
+            if not kind.input_only_keys or "X" in bad:
+                out.results[name] = {NONFINITE: 1.0}
+                return
+            # statistics of X alone (LayerNorm variances): a collapse that caused the NaN is still seen
+            block = dataclasses.replace(block, inputs={k: v for k, v in block.inputs.items() if k != "grad_output"})
+        elif grad_factor != 1.0:
+            block = dataclasses.replace(
+                block,
+                inputs={k: v * grad_factor if k == "grad_output" else v for k, v in block.inputs.items()},
+            )
+        block, max_basis = self._fit_budget(block, dtype)
+        try:
+            result = self._evaluate_one(block, dtype, terms_only, max_basis, out)
+        except Exception as err:
+            if self.raise_errors:
+                raise BlockError(name, err) from err
+            out.failed[name] = err
+            return
+        result = {k: v for k, v in result.items() if not k.startswith("dense/")}
+        out.results[name] = select_pairs(kind.qualify(result), self.pairs)
+        if bad:
+            out.results[name][NONFINITE] = 1.0
 
     def _fit_budget(self, block: CapturedBlock, dtype: torch.dtype) -> tuple[CapturedBlock, int | None]:
         """``(block on at most token_limit tokens, max_basis)``, both smaller where the block's estimate exceeds
@@ -314,6 +354,20 @@ class Engine:
             stacklevel=3,
         )
         return block.evaluate(**kwargs)
+
+
+def _clear_frames(*errors: BaseException | None) -> None:
+    """Drop the local variables of the finished frames in the tracebacks of ``errors`` and of their causes.
+
+    The tracebacks (file, line, function) stay printable; the tensors the frames held (a block's gathered
+    weights, its kwargs) are freed.
+    """
+    for error in errors:
+        seen: set[int] = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            traceback.clear_frames(error.__traceback__)
+            error = error.__cause__ or error.__context__
 
 
 def _free_memory(device: torch.device) -> None:

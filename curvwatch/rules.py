@@ -2,35 +2,45 @@
 
 :class:`RuleSet` reads the un-prefixed keys the monitor logs for one evaluation (``"layer0/attn/outer/VV/h0"``,
 ``"layer1/ln_2/ln/var_min_over_eps"``, ...) and decides which warnings to raise. It was designed on the
-instability suite (``python -m benchmarks.instability``, results in ``docs/instability.md``): thresholds were
-chosen on two seeds of every mechanism so that no stable control raised an alarm, and checked on a third.
+instability suite (``python -m benchmarks.instability``, results in ``docs/instability.md``): every default
+sits above the worst value any stable run of the two training seeds reached (``python -m
+benchmarks.instability.calibrate``) and was then checked on a held-out seed.
 
-Every rule reads only numbers that a **terms-only** evaluation logs (``terms_every_n_train_steps``), so it costs
-no Lanczos iteration; full evaluations are used the same way when they come. The rules:
+Every rule reads only numbers that a **terms-only** evaluation logs (``terms_every_n_train_steps``), so none needs
+a Lanczos iteration; full evaluations feed them alike. Windows and patience are counted in steps, so the rules
+work at any terms-only cadence; the suite's leads of 30 steps and more hold up to one evaluation every 10 steps.
+The rules:
 
+* ``"attn_saturation"``: in some head of an attention block every query attends (almost) one-hot: the
+  measured softmax-Jacobian norm ``max_i lambda_max(diag a_i - a_i a_i^T)`` (``term/softmax_jac_norm``), as a
+  geometric mean over ``saturation_steps``, falls below ``saturation_level``. Healthy heads stay near ``1/2``.
+  The attention logits of a high-learning-rate run grow until the softmax saturates (Wortsman et al. 2023);
+  in the suite this came 50-100 steps before the loss diverged.
 * ``"growth"``: a smooth, exact per-block quantity rises by more than its threshold, in decades, within
-  ``window_steps``. Watched: the attention-logit bound ``||X||_2^2 max_h ||W_Q^h||_2 ||W_K^h||_2`` (``logit``),
-  the exact value curvature ``max_h ||H_o(VV)||`` (``outer_VV``) and the FFN's exact ``||H(W2W2)||``
-  (``W2W2``). The rise compares the median of the last ``smooth`` evaluations with the median of the
-  ``smooth`` evaluations ending ``window_steps`` earlier, so a single outlier cannot trigger it, and it must
-  hold for ``patience`` consecutive evaluations. Per-head ``QQ``/``KK`` Hessian norms are not watched: they
-  swing 10-100x between steps in healthy runs (saturated heads), so no rule fires on them alone.
+  ``window_steps`` (from ``warmup_steps`` on: early training grows everything): the attention-logit bound
+  ``||X||_2^2 max_h ||W_Q^h||_2 ||W_K^h||_2`` (``logit_growth``), the exact value curvature
+  ``max_h ||H_o(VV)||`` (``outer_vv_growth``) and, off by default (too noisy where it is small), the FFN's exact
+  ``||H(W2W2)||`` (``w2w2_growth``). The rise compares medians of a few evaluations now and ``window_steps``
+  earlier and must hold for ``patience_steps``, so a single outlier cannot trigger it. Per-head ``QQ``/``KK``
+  Hessian norms are not watched: they swing 10-100x between steps in healthy runs (saturated heads), so no
+  rule fires on them.
 * ``"ln_collapse"``: a LayerNorm input's smallest row variance falls below ``collapse_ratio x eps`` for
-  ``collapse_patience`` consecutive evaluations (``ln/var_min_over_eps``).
-* ``"ln_variance_drop"``: the same variance ratio falls by more than ``variance_drop_decades`` within
-  ``window_steps`` while below ``variance_drop_ceiling``: the collapse on its way, before it arrives.
+  ``collapse_patience`` consecutive evaluations (``ln/var_min_over_eps``), as in :mod:`curvwatch.alerts`.
+* ``"ln_variance_drop"``: the same ratio falls by more than ``variance_drop_decades`` within ``window_steps``
+  while below ``variance_drop_ceiling``: the collapse on its way, before it arrives.
 
-After a rule fires for a block it stays silent there for ``cooldown_steps`` steps. The state is plain numbers
-(:meth:`RuleSet.state_dict`), so it survives a checkpoint.
+Each alert says what it saw, since when, how sure it is and what to try. After a rule fires for a block it stays
+silent there for ``cooldown_steps`` steps. The state is plain numbers (:meth:`RuleSet.state_dict`), so it survives
+a checkpoint.
 
 Example:
-    >>> rules = RuleSet(patience=2, window_steps=20, smooth=3)
+    >>> rules = RuleSet()
     >>> fired = []
-    >>> for step in range(60):
-    ...     norm = 1e3 * 10 ** (max(0, step - 20) / 10)   # flat, then a decade every 10 steps
-    ...     fired += rules.update(step, {"layer0/attn/outer/VV/h0": norm}, full=False)
+    >>> for step in range(300):
+    ...     vv = 1e3 * 10 ** (max(0, step - 200) / 20)   # flat, then a decade every 20 steps
+    ...     fired += rules.update(step, {"layer0/attn/outer/VV/h0": vv}, full=False)
     >>> [(a.kind, a.block, a.step) for a in fired]
-    [('growth', 'layer0/attn', 34)]
+    [('growth', 'layer0/attn', 237)]
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from curvwatch.alerts import Alert, CurvatureWarning
 
 __all__ = ["Alert", "CurvatureWarning", "RuleSet"]
 
+_SATURATION_FLOOR = -6.0  # log10: one evaluation counts at most as a softmax-Jacobian norm of 1e-6
 # watched growth quantities: name -> what it is (for messages)
 _GROWTH = {
     "logit": "attention-logit bound ||X||^2 max_h ||W_Q^h|| ||W_K^h||",
@@ -109,9 +120,7 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
     for block, m in per_block.items():
         x_norm = m.get("term/x_norm")
         heads = [k.rsplit("/", 1)[1] for k in m if k.startswith("term/wq_norm/")]
-        products = [
-            m[f"term/wq_norm/{h}"] * m[f"term/wk_norm/{h}"] for h in heads if f"term/wk_norm/{h}" in m
-        ]
+        products = [m[f"term/wq_norm/{h}"] * m[f"term/wk_norm/{h}"] for h in heads if f"term/wk_norm/{h}" in m]
         if x_norm is not None and products:
             out[(block, "logit")] = x_norm**2 * max(products)
         vv = [v for k, v in m.items() if k.startswith("outer/VV")]
@@ -143,9 +152,11 @@ class RuleSet:
 
     Args:
         saturation_level: ``attn_saturation`` fires when, in some head of an attention block, every query's
-            softmax Jacobian ``lambda_max(diag a_i - a_i a_i^T)`` is below this (``term/softmax_jac_norm``, median
-            of the last ``smooth`` evaluations): all queries attend one-hot (0 disables). Healthy heads sit near
-            ``1/2`` (a query splitting between two keys) and uniform ones near ``1/L``.
+            softmax Jacobian ``lambda_max(diag a_i - a_i a_i^T)`` is below this (``term/softmax_jac_norm``, geometric
+            mean over ``saturation_steps``, each evaluation floored at 1e-6): all queries attend one-hot (0 disables).
+            Healthy heads sit near ``1/2`` (a query splitting between two keys) and uniform ones near ``1/L``.
+        saturation_steps: Steps of that geometric mean: the last ``max(3, saturation_steps / cadence)``
+            evaluations (``>= 1``).
         logit_growth: Decades the attention-logit bound of a block may rise within ``window_steps`` (0 disables).
         outer_vv_growth: Decades ``max_h ||H_o(VV)||`` of an attention block may rise (0 disables).
         w2w2_growth: Decades ``||H(W2W2)||`` of an FFN block may rise (0 disables).
@@ -172,9 +183,10 @@ class RuleSet:
     def __init__(
         self,
         *,
-        saturation_level: float = 1e-3,
-        logit_growth: float = 1.0,
-        outer_vv_growth: float = 1.3,
+        saturation_level: float = 1e-2,
+        saturation_steps: int = 10,
+        logit_growth: float = 1.1,
+        outer_vv_growth: float = 1.5,
         w2w2_growth: float = 0.0,
         window_steps: int = 50,
         warmup_steps: int = 100,
@@ -182,7 +194,7 @@ class RuleSet:
         patience_steps: int = 5,
         collapse_ratio: float = 5.0,
         collapse_patience: int = 3,
-        variance_drop_decades: float = 0.7,
+        variance_drop_decades: float = 0.5,
         variance_drop_ceiling: float = 20.0,
         cooldown_steps: int = 100,
         max_history: int = 100,
@@ -193,6 +205,7 @@ class RuleSet:
                 f"Invalid saturation_level={saturation_level!r}. Must be in [0, 0.5): the softmax-Jacobian norm "
                 "never exceeds 1/2 (0 disables)."
             )
+        self.saturation_steps = _count("saturation_steps", saturation_steps, 1)
         self.thresholds = {
             "logit": _number("logit_growth", logit_growth, 0, strict=True, allow_zero=True),
             "outer_VV": _number("outer_vv_growth", outer_vv_growth, 0, strict=True, allow_zero=True),
@@ -289,9 +302,9 @@ class RuleSet:
         msg = (
             f"Instability risk in block '{block}' at step {step}: the {_GROWTH[quantity]} rose "
             f"{10**rise:.3g}x (10^{rise:.2f}) between step {then} and now ({10 ** points[-1][1]:.3g} now; medians "
-            f"of {self._n_smooth(points)} evaluations), above the threshold of 10^{threshold:g} per {self.window_steps} "
-            f"steps, continuously since step {since} ({count} evaluations). Confidence: {sure} (no stable run of "
-            f"the instability suite rose this fast, docs/instability.md). {_FIX_GROWTH[quantity]}"
+            f"of {self._n_smooth(points)} evaluations), above the threshold of 10^{threshold:g} per "
+            f"{self.window_steps} steps, continuously since step {since} ({count} evaluations). Confidence: {sure} "
+            f"(no stable run of the instability suite rose this fast, docs/instability.md). {_FIX_GROWTH[quantity]}"
         )
         return Alert("growth", block, step, float(10**rise), float(10**threshold), msg)
 
@@ -299,7 +312,12 @@ class RuleSet:
         points = self._add(f"{block}|saturation", step, math.log10(max(value, 1e-300)))
         if self.saturation_level == 0:
             return None
-        level = self._recent(points)
+        n = max(self._n_smooth(points), round(self.saturation_steps / self._cadence(points)))
+        # the geometric mean, each evaluation floored at _SATURATION_FLOOR: a head flickers between one-hot and
+        # soft batches, so depth and frequency both count, but one one-hot evaluation among soft ones cannot fire
+        level = None
+        if len(points) >= n:
+            level = sum(max(p[1], _SATURATION_FLOOR) for p in points[-n:]) / n
         holds = level is not None and level < math.log10(self.saturation_level)
         count, since = self._streak(f"attn_saturation|{block}|saturation", holds, step)
         if not holds or count < self._n_patience(points) or self._silent("attn_saturation", block, step):
@@ -309,7 +327,7 @@ class RuleSet:
             f"Attention saturation in block '{block}' at step {step}: in head {head or '?'} every query attends "
             f"(almost) one-hot; its softmax-Jacobian norm max_i lambda_max(diag a_i - a_i a_i^T) is "
             f"{10**level if level > -300 else 0:.2g} "
-            f"(median of {self._n_smooth(points)} evaluations; healthy heads: about 0.5), below "
+            f"(geometric mean of the last {n} evaluations; healthy heads: about 0.5), below "
             f"saturation_level={self.saturation_level:g}, since step {since} ({count} evaluations). Attention "
             f"logits are growing without bound; in the instability suite this preceded every divergence of a "
             f"high-learning-rate run by 50-100 steps. Confidence: {sure}. {_FIX_GROWTH['logit']}"
@@ -332,9 +350,7 @@ class RuleSet:
         if self.variance_drop_decades == 0:
             return fired
         change = self._change(points, step)
-        dropping = (
-            change is not None and -change[0] > self.variance_drop_decades and ratio < self.variance_drop_ceiling
-        )
+        dropping = change is not None and -change[0] > self.variance_drop_decades and ratio < self.variance_drop_ceiling
         count, since = self._streak(f"ln_variance_drop|{block}|ln_ratio", dropping, step)
         silent = self._silent("ln_variance_drop", block, step) or self._silent("ln_collapse", block, step)
         if dropping and count >= self._n_patience(points) and not silent and not fired:

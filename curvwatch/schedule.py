@@ -35,8 +35,10 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_OVERHEAD", "EXPENSIVE", "Schedule"]
 #: The default cadence and its budget.
 DEFAULT_EVERY = 200
 DEFAULT_OVERHEAD = 0.01
-#: A chosen cadence whose evaluations take more than this fraction of the training time is reported once.
+#: A chosen cadence whose evaluations take more than this fraction of the training time is reported once, after
+#: at least MEASURED_STEPS steps (the first steps' times include start-up).
 EXPENSIVE = 0.1
+MEASURED_STEPS = 10
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -169,9 +171,9 @@ class Schedule:
         """A note on what a chosen cadence costs, when its evaluations take over :data:`EXPENSIVE` of training.
 
         Priced from the last full evaluation and the training seconds per step so far; ``None`` before one full
-        interval was trained, unless the cadence was chosen with ``max_overhead="auto"``, or when it is cheap.
+        interval and :data:`MEASURED_STEPS` steps were trained, unless the cadence was chosen with ``max_overhead="auto"``, or when it is cheap.
         """
-        if not self.note_cost or step < self.every_n_train_steps:
+        if not self.note_cost or step < max(self.every_n_train_steps, MEASURED_STEPS):
             return None
         self.update()
         per_step = self.train_seconds / max(step, 1)

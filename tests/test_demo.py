@@ -5,11 +5,24 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 
 import pytest
 import torch
 
-from curvwatch.demo import GPTLitModule, build_parser, main, plot_block_norms, read_metrics, resolve_settings
+from curvwatch.demo import (
+    GPTLitModule,
+    build_model,
+    build_parser,
+    coverage_lines,
+    main,
+    model_config,
+    norm_stat_columns,
+    plot_block_norms,
+    plot_norm_stats,
+    read_metrics,
+    resolve_settings,
+)
 from curvwatch.models import GPTConfig
 
 
@@ -27,12 +40,136 @@ def test_quick_run_writes_metrics(tmp_path, capsys):
     assert losses and all(math.isfinite(v) for v in losses)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 30 and 0.0 <= summary["final_val_acc"] <= 1.0
+    assert summary["arch"] == "gpt" and summary["model"].startswith("GPT 2 layers")
+    assert {(r["part"], r["kind"]) for r in summary["coverage"]} == {
+        ("attn", "attention"),
+        ("ln_1", "layernorm"),
+        ("ln_2", "layernorm"),
+        ("ffn", "ffn"),
+    }
     assert (tmp_path / "plots" / "loss.png").is_file()
     if any(c.startswith("curv/") and "/hessian/" in c for c in columns):
         assert (tmp_path / "plots" / "block_norms.png").is_file()
     out = capsys.readouterr().out
     assert "curvwatch demo summary" in out and "exact-match accuracy" in out
     assert str(metrics) in out
+
+
+def _finite_values(rows: list[dict[str, str]], key: str) -> list[float]:
+    values = [float(r[key]) for r in rows if r.get(key)]
+    assert values, f"{key} was never logged"
+    assert all(math.isfinite(v) for v in values), f"{key} is not finite: {values}"
+    return values
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)  # about 10 s of training plus imports alone
+def test_quick_llama_run_monitors_every_block(tmp_path, capsys):
+    """litgpt's LLaMA-style GPT on the same task: rotary GQA attention, RMSNorm and SwiGLU are all monitored."""
+    pytest.importorskip("litgpt")
+    assert main(["--quick", "--arch", "llama", "--wandb", "disabled", "--out-dir", tmp_path]) == 0
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns = set(rows[0])
+    _finite_values(rows, "train/loss")
+    # queries per head, keys and values per key/value group (4 heads in 2 groups): no per-head KK/VV keys
+    for key in ("QQ/h0", "QQ/h3", "KK/g0", "KK/g1", "VV/g0", "VV/g1"):
+        _finite_values(rows, f"curv/layer0/attn/hessian/{key}")
+    assert "curv/layer0/attn/hessian/KK/h0" not in columns
+    assert "curv/layer0/attn/hessian/KK/g2" not in columns
+    ms_min = _finite_values(rows, "curv/layer0/ln_1/rms/ms_min")
+    assert all(v > 0 for v in ms_min)
+    _finite_values(rows, "curv/layer1/ln_2/rms/ms_min_over_eps")
+    for key in ("W1W1", "W2W2", "W3W3"):
+        _finite_values(rows, f"curv/layer0/ffn/hessian/{key}")
+    assert not any(c.startswith("curv/layer0/ln_1/ln/") for c in columns)  # RMSNorm, not LayerNorm
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["arch"] == "llama" and summary["settings"]["arch"] == "llama"
+    assert summary["model_config"]["n_query_groups"] == 2 and summary["model_config"]["mlp_class_name"] == "LLaMAMLP"
+    assert summary["steps"] == 30 and math.isfinite(summary["final_val_loss"])
+    monitored = {(r["layer"], r["part"], r["kind"]) for r in summary["coverage"] if r["status"] == "monitored"}
+    assert monitored == {
+        (str(i), part, kind)
+        for i in range(2)
+        for part, kind in (("attn", "attention"), ("ln_1", "rmsnorm"), ("ln_2", "rmsnorm"), ("ffn", "gated_ffn"))
+    }
+    assert all(r["status"] == "monitored" for r in summary["coverage"])
+    for name in ("block_norms.png", "norm_stats.png", "loss.png"):
+        assert (tmp_path / "plots" / name).is_file()
+    out = capsys.readouterr().out
+    assert "LLaMA-style (litgpt) 2 layers" in out and "4 heads in 2 kv groups" in out
+    assert "layers 0-1: attn (attention), ln_1 (rmsnorm), ln_2 (rmsnorm), ffn (gated_ffn)" in out
+
+
+def test_llama_settings():
+    parse = build_parser().parse_args
+    llama = resolve_settings(parse(["--arch", "llama"]))
+    gpt = resolve_settings(parse([]))
+    assert llama["arch"] == "llama" and gpt["arch"] == "gpt" and gpt["n_query_groups"] is None
+    assert (llama["n_head"], llama["n_query_groups"], llama["norm"]) == (4, 2, "pre")
+    assert llama["lr"] < gpt["lr"]  # at the GPT's peak learning rate the LLaMA model stalls
+    assert {k: v for k, v in llama.items() if k not in ("arch", "n_query_groups", "lr")} == {
+        k: v for k, v in gpt.items() if k not in ("arch", "n_query_groups", "lr")
+    }  # the same task, data, schedule and monitor settings
+    quick = resolve_settings(parse(["--quick", "--arch", "llama"]))
+    assert (quick["n_head"], quick["n_query_groups"], quick["d_model"], quick["lr"]) == (4, 2, 32, llama["lr"])
+    unstable = resolve_settings(parse(["--unstable", "--arch", "llama"]))
+    assert unstable["norm"] == "pre" and unstable["lr"] == resolve_settings(parse(["--unstable"]))["lr"]
+    assert resolve_settings(parse(["--arch", "llama", "--lr", "1e-3"]))["lr"] == 1e-3
+    assert resolve_settings(parse(["--arch", "llama", "--n-query-groups", "4"]))["n_query_groups"] == 4
+    with pytest.raises(ValueError, match="--norm=post for --arch llama"):
+        resolve_settings(parse(["--arch", "llama", "--norm", "post"]))
+    with pytest.raises(ValueError, match="--n-query-groups needs --arch llama"):
+        resolve_settings(parse(["--n-query-groups", "2"]))
+    with pytest.raises(ValueError, match="Invalid --n-query-groups=0"):
+        resolve_settings(parse(["--arch", "llama", "--n-query-groups", "0"]))
+    with pytest.raises(ValueError, match="n_query_groups must divide n_head"):
+        model_config("llama", resolve_settings(parse(["--arch", "llama", "--n-query-groups", "3"])))
+    with pytest.raises(ValueError, match="Invalid arch"):
+        model_config("bert", gpt)
+
+
+def test_llama_module_rebuilds_from_its_hparams():
+    pytest.importorskip("litgpt")
+    from litgpt.model import GPT as LitGPT
+
+    config = model_config("llama", resolve_settings(build_parser().parse_args(["--quick", "--arch", "llama"])))
+    module = GPTLitModule(config, arch="llama", max_steps=10)
+    assert isinstance(module.model, LitGPT)
+    assert module.model.config.n_query_groups == 2 and module.model.config.rope_n_elem == 8
+    idx = torch.zeros(2, config["block_size"], dtype=torch.long)
+    assert module(idx).shape == (2, config["block_size"], config["vocab_size"])
+    # what a checkpoint stores is enough to rebuild it
+    assert module.hparams["arch"] == "llama" and isinstance(module.hparams["config"], dict)
+    rebuilt = GPTLitModule(**module.hparams)
+    rebuilt.load_state_dict(module.state_dict())
+    torch.testing.assert_close(rebuilt(idx), module(idx))
+    with pytest.raises(ValueError, match="Invalid arch"):
+        GPTLitModule(config, arch="mamba")
+
+
+def test_llama_without_litgpt_says_how_to_install(monkeypatch):
+    for name in ("litgpt", "litgpt.config", "litgpt.model"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import litgpt...` fail
+    config = model_config("llama", resolve_settings(build_parser().parse_args(["--arch", "llama"])))
+    with pytest.raises(ModuleNotFoundError, match="pip install litgpt"):
+        build_model("llama", config)
+
+
+def test_coverage_lines_group_alike_layers():
+    rows = [
+        {"layer": str(i), "part": part, "kind": kind, "status": "monitored"}
+        for i in range(3)
+        for part, kind in (("attn", "attention"), ("ffn", "gated_ffn"))
+    ]
+    rows.append({"layer": "1", "part": "mlp", "kind": "-", "status": "not monitored: experts"})
+    assert coverage_lines(rows) == [
+        "6 monitored",
+        "  layers 0-2: attn (attention), ffn (gated_ffn)",
+        "  layer 1 mlp: not monitored: experts",
+    ]
+    assert coverage_lines([]) == ["0 monitored"]
 
 
 def test_presets_and_overrides():
@@ -81,6 +218,27 @@ def test_block_norm_plot_reads_curv_columns(tmp_path):
     assert (tmp_path / "plots" / "block_norms.png").stat().st_size > 0
     del series[keys[0]], series[keys[1]]
     assert not plot_block_norms(series, tmp_path / "none.png")  # no hessian columns: skipped
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_norm_stats_plot_picks_each_kinds_keys(tmp_path):
+    pytest.importorskip("matplotlib")
+    series = {
+        "curv/layer0/ln_1/ln/var_min_over_eps": ([0, 1], [50.0, 60.0]),
+        "curv/layer0/ln_1/rms/ms_min_over_eps": ([0, 1], [40.0, 45.0]),
+        "curv/layer1/ln_2/rms/hessian_norm": ([0, 1], [3.0, 2.0]),
+        "curv/summary/ln/var_min_over_eps": ([0, 1], [50.0, 60.0]),  # a model-wide extreme: not a block's line
+    }
+    assert norm_stat_columns(series) == {
+        "smallest variance (LayerNorm) or mean square (RMSNorm) / eps": [
+            ("curv/layer0/ln_1/ln/var_min_over_eps", "layer0/ln_1"),
+            ("curv/layer0/ln_1/rms/ms_min_over_eps", "layer0/ln_1"),
+        ],
+        "spectral norm of the normalisation's Hessian": [("curv/layer1/ln_2/rms/hessian_norm", "layer1/ln_2")],
+    }
+    assert plot_norm_stats(series, tmp_path / "norm_stats.png", "normalisation statistics: test")
+    assert (tmp_path / "norm_stats.png").stat().st_size > 0
+    assert not plot_norm_stats({"curv/summary/ln/var_min_over_eps": ([0], [1.0])}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
 
 

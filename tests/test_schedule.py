@@ -40,9 +40,10 @@ def test_affordable_prices_the_next_evaluation_as_the_last_one():
 def test_cost_note_for_an_expensive_chosen_cadence():
     s = Schedule(every_n_train_steps=2)
     s.charge(1.0, terms_only=False)
-    s.train_seconds = 0.4  # 0.1 s per step at step 4: one evaluation is 10 steps, 5x the 2 trained between
+    # one evaluation (1 s) is 10 training steps (0.1 s each), 5x the 2 trained between evaluations
     s.update = lambda: None
-    note = s.cost_note(4)
+    s.train_seconds = 1.0  # 0.1 s per step at step 10
+    note = s.cost_note(10)
     assert "every_n_train_steps=2 is expensive here" in note and "about 10.0 training steps" in note
     assert s.cost_note(1) is None  # before one interval was trained
     cheap = Schedule(every_n_train_steps=1000)

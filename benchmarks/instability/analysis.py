@@ -8,7 +8,8 @@ can be re-scored on stored results without training again.
   monitor's numbers reduced over blocks and heads (max of growth signals, min of saturation signals).
 * :func:`detector_alarms`: one generic detector applied to every signal alike: the trailing median of
   ``log10(signal)`` over ``SMOOTH`` steps rises more than ``theta`` decades above its running minimum
-  (``"level"``) or above its own value ``HORIZON`` steps earlier (``"trend"``). ``theta`` is fitted on the
+  (``"level"``) or above its own value ``HORIZON`` steps earlier (``"trend"``), from step ``BURN_IN`` on (as the
+  new rules' ``warmup_steps``). ``theta`` is fitted on the
   training seeds' controls (the smallest value that stays silent on all of them, plus a margin) and scored on
   every run, the held-out seeds reported apart.
 * :func:`replay_alert_monitor` (today's :class:`~curvwatch.alerts.AlertMonitor`, fed as the callback feeds it)
@@ -33,7 +34,7 @@ ONSET_PATIENCE = 20  # steps the mean must stay there
 
 SMOOTH = 10  # steps of the trailing median of a signal's log
 HORIZON = 50  # steps back for the trend detector
-BURN_IN = 20  # steps before a detector may fire (initialisation transients)
+BURN_IN = 100  # steps before a detector may fire: early training moves every signal by decades
 THETA_MARGIN = 0.05  # decades added to the largest excursion seen on the training controls
 
 
@@ -148,25 +149,58 @@ SIGNALS: dict[str, Signal] = {
     s.name: s
     for s in [
         Signal("grad_norm", "up", "baseline", "gradient norm before clipping", _series("grad_norm")),
-        Signal("max_attn_logit", "up", "baseline", "max |q.k|/sqrt(d_K) over heads and allowed pairs",
-               _series("max_attn_logit")),
+        Signal(
+            "max_attn_logit",
+            "up",
+            "baseline",
+            "max |q.k|/sqrt(d_K) over heads and allowed pairs",
+            _series("max_attn_logit"),
+        ),
         Signal("max_out_logit", "up", "baseline", "max |output logit|", _series("max_out_logit")),
-        Signal("x_norm6", "up", "terms", "max over attention blocks of ||X||_2^6", _reduce(r"/attn/term/x_norm6$", max)),
+        Signal(
+            "x_norm6", "up", "terms", "max over attention blocks of ||X||_2^6", _reduce(r"/attn/term/x_norm6$", max)
+        ),
         Signal("logit_bound", "up", "terms", "max over heads of ||X||^2 ||W_Q^h|| ||W_K^h|| / sqrt(d_K)", _logit_bound),
-        Signal("outer_VV", "up", "terms", "max over heads of ||H_o(VV)|| (exact)", _reduce(r"/attn/outer/VV/h\d+$", max)),
-        Signal("hessian_W2W2", "up", "terms", "max over FFNs of ||H(W2W2)|| (exact)",
-               _reduce(r"/ffn/hessian/W2W2$", max)),
-        Signal("softmax_jac_min", "down", "terms", "min over heads of the measured softmax-Jacobian norm",
-               _reduce(r"/attn/term/softmax_jac_norm/h\d+$", min)),
-        Signal("entropy_min", "down", "terms", "min over heads of the attention entropy / log L",
-               _reduce(r"/attn/term/attn_entropy_norm/h\d+$", min)),
-        Signal("ln_var_ratio", "down", "terms", "min over LayerNorms of var_min / eps",
-               _reduce(r"^summary/ln/var_min_over_eps$", min)),
-        Signal("ln_jacobian", "up", "terms", "max over LayerNorms of the input-Jacobian norm",
-               _reduce(r"/ln/jacobian_norm$", max)),
-        Signal("max_hessian", "up", "full", "largest block Hessian norm (Lanczos)",
-               _reduce(r"^summary/max_hessian$", max)),
-        Signal("hessian_QQ", "up", "full", "max over heads of ||H(QQ)|| (Lanczos)", _reduce(r"/attn/hessian/QQ/h\d+$", max)),
+        Signal(
+            "outer_VV", "up", "terms", "max over heads of ||H_o(VV)|| (exact)", _reduce(r"/attn/outer/VV/h\d+$", max)
+        ),
+        Signal(
+            "hessian_W2W2", "up", "terms", "max over FFNs of ||H(W2W2)|| (exact)", _reduce(r"/ffn/hessian/W2W2$", max)
+        ),
+        Signal(
+            "softmax_jac_min",
+            "down",
+            "terms",
+            "min over heads of the measured softmax-Jacobian norm",
+            _reduce(r"/attn/term/softmax_jac_norm/h\d+$", min),
+        ),
+        Signal(
+            "entropy_min",
+            "down",
+            "terms",
+            "min over heads of the attention entropy / log L",
+            _reduce(r"/attn/term/attn_entropy_norm/h\d+$", min),
+        ),
+        Signal(
+            "ln_var_ratio",
+            "down",
+            "terms",
+            "min over LayerNorms of var_min / eps",
+            _reduce(r"^summary/ln/var_min_over_eps$", min),
+        ),
+        Signal(
+            "ln_jacobian",
+            "up",
+            "terms",
+            "max over LayerNorms of the input-Jacobian norm",
+            _reduce(r"/ln/jacobian_norm$", max),
+        ),
+        Signal(
+            "max_hessian", "up", "full", "largest block Hessian norm (Lanczos)", _reduce(r"^summary/max_hessian$", max)
+        ),
+        Signal(
+            "hessian_QQ", "up", "full", "max over heads of ||H(QQ)|| (Lanczos)", _reduce(r"/attn/hessian/QQ/h\d+$", max)
+        ),
     ]
 }
 
@@ -180,18 +214,19 @@ def excursions(values: Mapping[int, float], direction: str, kind: str) -> dict[i
     """``{step: decades}``: how far the smoothed ``log10`` signal has moved in the bad direction.
 
     ``kind="level"``: above its running minimum since ``BURN_IN``; ``kind="trend"``: above its own smoothed
-    value ``HORIZON`` steps earlier. Steps before ``BURN_IN`` are left out.
+    value ``HORIZON`` steps earlier, that value itself at or after ``BURN_IN``. Earlier steps are left out.
     """
     sign = 1.0 if direction == "up" else -1.0
     steps = sorted(values)
     logs = [sign * math.log10(max(abs(values[s]), 1e-30)) for s in steps]
     smooth: dict[int, float] = {}
+    lo = 0
     for i, s in enumerate(steps):
-        window = [v for t, v in zip(steps[: i + 1], logs[: i + 1], strict=True) if t > s - SMOOTH]
-        smooth[s] = statistics.median(window)
+        while steps[lo] <= s - SMOOTH:
+            lo += 1
+        smooth[s] = statistics.median(logs[lo : i + 1])
     out: dict[int, float] = {}
     low = math.inf
-    past_steps = [s for s in steps]
     j = 0
     for s in steps:
         if s < BURN_IN:
@@ -200,10 +235,10 @@ def excursions(values: Mapping[int, float], direction: str, kind: str) -> dict[i
             low = min(low, smooth[s])
             out[s] = smooth[s] - low
         else:
-            while j + 1 < len(past_steps) and past_steps[j + 1] <= s - HORIZON:
+            while j + 1 < len(steps) and steps[j + 1] <= s - HORIZON:
                 j += 1
-            if past_steps[j] <= s - HORIZON:
-                out[s] = smooth[s] - smooth[past_steps[j]]
+            if BURN_IN <= steps[j] <= s - HORIZON:
+                out[s] = smooth[s] - smooth[steps[j]]
     return out
 
 
@@ -271,9 +306,7 @@ def replay_alert_monitor(rows: Sequence[Mapping[str, Any]], eps: float, **kwargs
         norms = {}
         if row["full"]:
             norms = {
-                k[: -len("/hessian/max")]: v
-                for k, v in metrics.items()
-                if k.endswith("/hessian/max") and v is not None
+                k[: -len("/hessian/max")]: v for k, v in metrics.items() if k.endswith("/hessian/max") and v is not None
             }
         for alert in monitor.update(row["step"], norms=norms, layernorms=_layernorm_stats(metrics, eps)):
             fired.append((alert.step, alert.kind, alert.block))

@@ -148,8 +148,8 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
 def _quick() -> list[Mechanism]:
     """Two mechanisms on d = 32, L = 32 models, 120 steps: a divergence and a collapse."""
     small = ModelSpec(arch="gpt", d_model=32, seq_len=32)
-    base = RunConfig(model=small, steps=120, batch_size=8, full_every=20, max_tokens=128, stop_after=10)
-    attn = replace(base, lr=_ramp(3.0, steps=120))
+    base = RunConfig(model=small, steps=100, batch_size=8, full_every=20, max_tokens=128, stop_after=10)
+    attn = replace(base, lr=_ramp(2.0, steps=100))
     collapse = replace(
         base,
         model=ModelSpec(arch="torch", d_model=32, seq_len=32, bias=False),
@@ -161,10 +161,10 @@ def _quick() -> list[Mechanism]:
         Mechanism(
             "attn_logit",
             "attention-logit growth at a high learning rate (quick)",
-            "peak learning rate 3.0 -> 0.03",
+            "peak learning rate 2.0 -> 0.03",
             (
                 Variant("unstable", "unstable", attn),
-                Variant("control", "control", replace(attn, lr=_ramp(0.03, steps=120))),
+                Variant("control", "control", replace(attn, lr=_ramp(0.03, steps=100))),
             ),
         ),
         Mechanism(

@@ -136,8 +136,16 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
             **_per_run_scores(alarms, runs),
             "overhead_fraction": (statistics.median(cost) / every) if cost else None,
         }
+    from benchmarks.instability.calibrate import calibrate
+    from benchmarks.instability.cases import HELD_OUT_SEEDS, QUICK_SEEDS, TRAIN_SEEDS
+
+    calibration = {
+        "train": calibrate(traces, (1, 10), QUICK_SEEDS if quick else TRAIN_SEEDS),
+        "held_out": calibrate(traces, (1, 10), () if quick else HELD_OUT_SEEDS),
+    }
     return {
         "quick": quick,
+        "calibration": calibration,
         "runs": runs,
         "signals": signals,
         "rules": rules,
@@ -179,7 +187,9 @@ def mechanism_rows(results: Mapping[str, Any]) -> dict[str, dict[str, list[str]]
     return out
 
 
-def lead_cell(per_run: Mapping[str, Mapping[str, Any]], runs: Mapping[str, Mapping[str, Any]], keys: Sequence[str]) -> str:
+def lead_cell(
+    per_run: Mapping[str, Mapping[str, Any]], runs: Mapping[str, Mapping[str, Any]], keys: Sequence[str]
+) -> str:
     """``lead@seed`` for every run (``miss`` without an alarm, ``-`` without onset)."""
     cells = []
     for k in keys:
@@ -210,7 +220,9 @@ def rules_table(results: Mapping[str, Any], label: str) -> str:
 def signals_table(results: Mapping[str, Any]) -> str:
     """Per signal and detector: threshold, median lead per mechanism, false alarms on held-out controls."""
     runs = results["runs"]
-    mechs = [m for m in mechanism_rows(results) if any(runs[k]["diverged"] for k in mechanism_rows(results)[m]["unstable"])]
+    mechs = [
+        m for m in mechanism_rows(results) if any(runs[k]["diverged"] for k in mechanism_rows(results)[m]["unstable"])
+    ]
     header = ["signal", "tier", "theta (decades)", *mechs, "FA/1000 train", "FA/1000 held-out"]
     rows = []
     for key, s in results["signals"].items():

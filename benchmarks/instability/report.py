@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,8 @@ def _compare_table(results: Mapping[str, Any]) -> str:
             fa = max((rule["per_run"][k]["per_1000"] for k in ctrl), default=None)
             cells.append(lead_cell(rule["per_run"], runs, unstable))
             if label == "after":
-                first = [rule["first"][k] for k in unstable]
-                cells.append(" / ".join(f"{f[1]}@{f[2]}" if f else "-" for f in first))
+                first = [f"{f[1]} ({f[2]})" if f else "-" for f in (rule["first"][k] for k in unstable)]
+                cells.append(", ".join(f"{x} x{first.count(x)}" for x in dict.fromkeys(first)))
             cells.append(_fmt(fa))
         rows.append(cells)
     return markdown_table(header, rows)
@@ -126,6 +127,42 @@ def _cadence_table(results: Mapping[str, Any]) -> str:
                  _fmt(c["false_alarms"]["held_out"]["per_1000"])]  # fmt: skip
         for _, variants in mechanism_rows(results).items():
             cells.append(lead_cell(c["per_run"], runs, variants.get("unstable", [])))
+        rows.append(cells)
+    return markdown_table(header, rows)
+
+
+# rule quantity -> (RuleSet default, how the calibration statistic relates to it)
+_THRESHOLDS = {
+    "saturation": ("saturation_level", "-log10 of the geometric-mean softmax-Jacobian level"),
+    "logit": ("logit_growth", "decades per window_steps"),
+    "outer_VV": ("outer_vv_growth", "decades per window_steps"),
+    "W2W2": ("w2w2_growth", "decades per window_steps (off by default)"),
+    "ln_ratio_min": ("collapse_ratio", "-log10 of the smallest var_min / eps"),
+}
+
+
+def _thresholds_table(results: Mapping[str, Any]) -> str:
+    from curvwatch.rules import RuleSet
+
+    rules = RuleSet()
+    default = {
+        "saturation": -math.log10(rules.saturation_level),
+        "logit": rules.thresholds["logit"],
+        "outer_VV": rules.thresholds["outer_VV"],
+        "W2W2": rules.thresholds["W2W2"],
+        "ln_ratio_min": -math.log10(rules.collapse_ratio),
+    }
+    cal = results["calibration"]
+    header = ["quantity", "default", "statistic", "worst training control (every 1 / 10)",
+              "worst held-out control (every 1 / 10)", "unstable training runs, smallest (every 1)"]  # fmt: skip
+    rows = []
+    for q, (name, what) in _THRESHOLDS.items():
+        cells = [q, f"`{name}` -> {default[q]:.2f}", what]
+        for split in ("train", "held_out"):
+            vals = [cal[split].get(c, {}).get("controls", {}).get(q) for c in ("1", "10")]
+            cells.append(" / ".join("-" if v is None else f"{v[0]:.2f} ({v[1]})" for v in vals))
+        unstable = cal["train"].get("1", {}).get("unstable", {}).get(q, [])
+        cells.append(" ".join(f"{v:.2f}" for v, _ in unstable[:3]) + (" ..." if len(unstable) > 3 else ""))
         rows.append(cells)
     return markdown_table(header, rows)
 
@@ -160,9 +197,11 @@ def render(results: Mapping[str, Any], figures: Sequence[str]) -> str:
         "python -m benchmarks.instability.report     # this page and its plots, from stored results",
         "```",
         "",
-        f"Last full run: {_fmt(wall)} s wall on {results.get('environment', {}).get('processor', '?')} "
-        f"({results.get('environment', {}).get('cpu_count', '?')} CPUs, one training process at a time, one "
-        "thread each); results in `benchmarks/results/instability/` (`results.json`, one trace per run in `runs/`).",
+        f"Last full run: {len(results['runs'])} runs, {_fmt(results.get('train_wall_s'))} s of training wall time "
+        f"(scoring {_fmt(wall)} s) on {results.get('environment', {}).get('processor', '?')} "
+        f"({results.get('environment', {}).get('cpu_count', '?')} CPUs shared with other jobs, one training process "
+        "at a time, one thread each); results in `benchmarks/results/instability/` (`results.json`, one trace per "
+        "run in `runs/`).",
         "",
         "## Mechanisms",
         "",
@@ -201,6 +240,16 @@ def render(results: Mapping[str, Any], figures: Sequence[str]) -> str:
         f"steps; after {_fmt(fa['after']['false_alarms']['train']['per_1000'])} / "
         f"{_fmt(fa['after']['false_alarms']['held_out']['per_1000'])}.",
         "",
+        "## How the defaults were fixed",
+        "",
+        "`python -m benchmarks.instability.calibrate` replays each rule's own statistic on the stable runs of the",
+        "training seeds and prints the worst value (before any onset); every default of `RuleSet` sits above it.",
+        "The held-out seed's controls were read only afterwards. (A statistic of an unstable run may stay low: it",
+        "only has to be high for the mechanism that rule is for; `ln_ratio_min` and the drop rule are for the",
+        "collapse, scored apart.)",
+        "",
+        _thresholds_table(results),
+        "",
         "## What the new rules need, and what that costs",
         "",
         "The rules read only terms-only numbers. Replayed with terms-only evaluations every N steps and no full",
@@ -225,11 +274,86 @@ def render(results: Mapping[str, Any], figures: Sequence[str]) -> str:
         parts += ["## Plots (seed 0)", ""]
         parts += [f"![{Path(f).stem}](instability/{Path(f).name})" for f in figures]
         parts.append("")
-    parts += FINDINGS
+    parts += _findings(results)
     return "\n".join(parts) + "\n"
 
 
-FINDINGS: list[str] = []
+def _leads(results: Mapping[str, Any], label: str, mech: str) -> str:
+    keys = mechanism_rows(results)[mech].get("unstable", [])
+    rule = results["rules"][label] if label in results["rules"] else results["cadence"][label]
+    return lead_cell(rule["per_run"], results["runs"], keys)
+
+
+def _first_steps(results: Mapping[str, Any], label: str, mech: str) -> str:
+    keys = mechanism_rows(results)[mech].get("unstable", [])
+    return " / ".join(_fmt(results["rules"][label]["per_run"][k]["first_alarm"]) for k in keys)
+
+
+def _findings(results: Mapping[str, Any]) -> list[str]:
+    """What the tables say, in words (numbers filled in from the results)."""
+    mechs = mechanism_rows(results)
+    if not {"attn_logit", "logit_div", "rewarm", "postln_depth", "ln_collapse"} <= set(mechs):
+        return []
+    runs = results["runs"]
+    fa = results["rules"]
+    z = [runs[k]["onset"] for k in mechs["logit_div"].get("z_loss", [])]
+    plain = [runs[k]["onset"] for k in mechs["logit_div"]["unstable"]]
+    return [
+        "## What the suite shows",
+        "",
+        "* **Attention saturation is the earliest sign of attention-logit growth.** In every `attn_logit` run one",
+        "  head of layer 0 went one-hot for every query (softmax-Jacobian norm below 1e-2, where healthy heads sit",
+        "  near 0.5 and no stable run's level fell below 0.2) well before the loss moved: leads "
+        f"{_leads(results, 'after', 'attn_logit')} steps. The max attention logit (Wortsman et al. 2023) grows",
+        "  by decades in the lower-learning-rate control too (to ~8e3 at the end of its ramp), so its level does",
+        "  not separate the runs; its trend does, later (signal table).",
+        "* **Re-warming and post-LN: the smooth exact norms lead.** The attention-logit bound and the exact value",
+        "  curvature `outer/VV` of one block rise by more than 1.1 and 1.5 decades per 50 steps, which no stable",
+        f"  run did: leads {_leads(results, 'after', 'rewarm')} (re-warm) and "
+        f"{_leads(results, 'after', 'postln_depth')}",
+        "  (post-LN). Per block beats model-wide: the generic detector on the maximum over blocks is late on",
+        "  post-LN, because the largest block is not the one that grows.",
+        "* **Output-logit divergence without a final LayerNorm is invisible to every monitored block.** The",
+        "  blow-up happens in the LM head, which no block covers; every monitor signal, the gradient norm and the",
+        f"  max output logit come late (new rules: {_leads(results, 'after', 'logit_div')}). z-loss 1e-3, the",
+        "  suggested control, did not prevent it in float32 (onsets "
+        f"{' / '.join(_fmt(x) for x in z)} with z-loss, {' / '.join(_fmt(x) for x in plain)} without); a",
+        "  LayerNorm before the head did (the control). An LM-head block kind in the monitor would be needed here.",
+        "* **LayerNorm collapse is caught, and announced, but did not diverge.** With the embeddings under weight",
+        "  decay 1000 the first LayerNorm's `var_min / eps` fell from 40 to about 1e-3; `ln_variance_drop` fired",
+        f"  at steps {_first_steps(results, 'after', 'ln_collapse')}, today's collapse warning at "
+        f"{_first_steps(results, 'before', 'ln_collapse')} and the new one (3 evaluations' patience) about 10",
+        "  steps after that, never on a control. The loss did not diverge: AdamW normalises the 1/sqrt(var + eps)",
+        "  growth of the gradients (the gradient norm ended ~100x above the control's), and the loss ended only",
+        "  0.02-0.06 nats above the control's (other optimizers were not tried).",
+        "* **Today's spike rule** fires on controls ("
+        f"{_fmt(fa['before']['false_alarms']['train']['per_1000'])} / "
+        f"{_fmt(fa['before']['false_alarms']['held_out']['per_1000'])} per 1000 steps, training / held-out),",
+        "  its early `attn_logit` alarms are early-training jumps of the same kind it raises on the controls, and",
+        f"  it is late or silent on post-LN ({_leads(results, 'before', 'postln_depth')}). The new rules raised",
+        f"  {_fmt(fa['after']['false_alarms']['train']['per_1000'])} / "
+        f"{_fmt(fa['after']['false_alarms']['held_out']['per_1000'])} false alarms per 1000 steps.",
+        "* **Cost.** The new rules read terms-only numbers only. At one terms-only evaluation every 10 steps every",
+        "  mechanism that some signal can lead keeps a lead of 30 steps or more (attention "
+        f"{_leads(results, '10', 'attn_logit')}, re-warm {_leads(results, '10', 'rewarm')}, post-LN "
+        f"{_leads(results, '10', 'postln_depth')}); at every 25 steps the post-LN warning comes late. A terms-only",
+        "  evaluation costs ~1.2 training steps of these d = 64 models (12% at every 10 steps) but 0.41 steps of the",
+        "  6-layer d = 384 model of `docs/performance.md` (about 4% at every 10 steps), less on larger models.",
+        "  Recommended: `CurvatureMonitor(terms_every_n_train_steps=10)` with the full evaluations at their default",
+        "  cadence; the rules do not use them.",
+        "",
+        "## Limits",
+        "",
+        "* Tiny models (d = 64, 2-6 layers, L = 64), float32 on CPU, a few hundred steps: bf16 effects, long",
+        "  runs and large models are not covered. Most stressors are learning-rate ramps; a sudden jump gives no",
+        "  rule anything to lead.",
+        "* `attn_saturation` assumes healthy heads keep some query soft. Large trained models can have heads that",
+        "  attend to the first token from every query (attention sinks); such a head would read as saturated.",
+        "  Raise `saturation_level` towards 0 (or disable it) if a healthy run warns.",
+        "* Three seeds per variant, two for fitting: the margins in the thresholds table are what the held-out",
+        "  seed can confirm, no more. The LLaMA-style architecture is not in the suite yet.",
+        "",
+    ]
 
 
 def write_report(results: Mapping[str, Any], traces: Sequence[Mapping[str, Any]]) -> Path:

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = evaluate(traces, quick=args.quick)
     results["environment"] = environment(torch.device("cpu"))
     results["wall_s"] = time.perf_counter() - start
+    results["train_wall_s"] = sum(t.get("wall_s") or 0.0 for t in traces)
     results["command"] = "python -m benchmarks.instability " + " ".join(argv if argv is not None else sys.argv[1:])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_round(results), indent=1, allow_nan=False) + "\n")

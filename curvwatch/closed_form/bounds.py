@@ -18,6 +18,14 @@ output projection too. Per sequence ``b`` and head ``h``, with ``x = ||X||_2``, 
 
 With ``kappa = x ||W_K||``, ``nu = x ||W_V||`` and ``gamma = c r`` these are exactly the sheet's §3b bounds.
 The only L-dependence left is through ``c = 2/(L d_V)`` and ``sqrt(L)`` in ``J_V``.
+
+Modern attention (docs "Modern attention"): ``1/sqrt(d_K)`` becomes the softmax scale ``s`` (every bound is linear
+in the factor ``s`` of ``T = s P K^T``). Each ``x`` above bounds one map from a weight perturbation to ``dP``,
+``dK`` or ``dV`` and is replaced by ``x_q``, ``x_k`` or ``x_v``: with rotary ``dP = R(X dW)``, ``||R(X dW)||_F <=
+max_i ||R_i|| x ||dW||_F`` (``max_i ||R_i|| = max sqrt(cos^2 + sin^2)``, 1 for a rotation), and in cross-attention
+``dK``, ``dV`` read the memory (``x_kv``); ``||A||_2 <= sqrt(L_b)`` holds for an ``L x L_kv`` row-stochastic ``A``
+(column sums ``<= L_b``). Grouped-query attention sums the heads that share ``W_K``, ``W_V``
+(:func:`_grouped_attention_bound_tables`). QK-norm is not covered: the kernels emit no bound with it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ in the modules of this package, one kind each.
 
 Example:
     >>> sorted(KINDS)
-    ['attention', 'ffn', 'gated_ffn', 'layernorm', 'rmsnorm']
+    ['attention', 'cross_attention', 'ffn', 'gated_ffn', 'layernorm', 'rmsnorm']
     >>> KINDS["layernorm"].prefix, KINDS["attention"].mask_name, KINDS["ffn"].input_name
     ('ln', 'key_padding_mask', 'Y')
 """

@@ -1,4 +1,8 @@
-"""The ``"attention"`` kind: multi-head (self-)attention with its output projection, per head."""
+"""The ``"attention"`` and ``"cross_attention"`` kinds: multi-head attention with its output projection, per head.
+
+Both call the same kernel; a cross-attention block takes its keys and values from the memory (the encoder
+output) its adapter reads from the call, and reports ``term/memory_norm`` besides.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +40,30 @@ def _prepare(kwargs):
     return kwargs
 
 
-KIND = register_kind(
-    BlockKind(
-        name="attention",
+_KEYS = (
+    KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (the formula sheet's; never below it)"),
+    KeySpec("bound/outer/{XY}[/{head}]", "corrected upper bound of `‖H_o(XY)‖`"),
+    KeySpec("bound/functional/{XY}[/{head}]", "corrected upper bound of `‖H_f(XY)‖`"),
+    KeySpec("term/x_norm", "`‖X‖₂` of the block input (max over sequences)"),
+    KeySpec("term/x_norm6", "its 6th power (QQ and KK grow like it)"),
+    KeySpec("term/grad_norm", "`‖G‖_F` of the output gradient"),
+    KeySpec("term/residual_norm", "`‖F − target‖_F` (target mode of the kernels only)"),
+    KeySpec("term/inv_L3", "the papers' `1/L³` (uniform-attention assumption)"),
+    KeySpec("term/softmax_jac_norm[/{head}]", "measured `‖∂A/∂T‖₂` (max over rows and sequences)"),
+    KeySpec("term/softmax_hess_frob[/{head}]", "measured `‖∂²A/∂T²‖_F` bound factor"),
+    KeySpec("term/attn_entropy[/{head}]", "mean attention entropy over the kept query rows"),
+    KeySpec("term/attn_entropy_norm[/{head}]", "the entropy divided by `log L`"),
+    KeySpec("term/wq_norm[/{head}]", "spectral norm of the head's `W_Q`"),
+    KeySpec("term/wk_norm[/{head}]", "spectral norm of the head's `W_K`"),
+    KeySpec("term/wv_norm[/{head}]", "spectral norm of the head's `W_V`"),
+    KeySpec("term/wo_norm[/{head}]", "spectral norm of the head's rows of `W_O`"),
+)
+
+
+def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> BlockKind:
+    """The attention kind declaration, shared by self- and cross-attention."""
+    return BlockKind(
+        name=name,
         closed_form="multi_head_attention",
         prefix="attn",
         input_name="X",
@@ -52,25 +77,24 @@ KIND = register_kind(
         # the per-head (B, H, L, L) tangents of the Lanczos products and the (B, L, d) intermediates
         work_elements=lambda B, L, d, p: 16 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
         basis_numel=lambda p: p["W_Q"].numel(),
-        keys=(
-            KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (the formula sheet's; never below it)"),
-            KeySpec("bound/outer/{XY}[/{head}]", "corrected upper bound of `‖H_o(XY)‖`"),
-            KeySpec("bound/functional/{XY}[/{head}]", "corrected upper bound of `‖H_f(XY)‖`"),
-            KeySpec("term/x_norm", "`‖X‖₂` of the block input (max over sequences)"),
-            KeySpec("term/x_norm6", "its 6th power (QQ and KK grow like it)"),
-            KeySpec("term/grad_norm", "`‖G‖_F` of the output gradient"),
-            KeySpec("term/residual_norm", "`‖F − target‖_F` (target mode of the kernels only)"),
-            KeySpec("term/inv_L3", "the papers' `1/L³` (uniform-attention assumption)"),
-            KeySpec("term/softmax_jac_norm[/{head}]", "measured `‖∂A/∂T‖₂` (max over rows and sequences)"),
-            KeySpec("term/softmax_hess_frob[/{head}]", "measured `‖∂²A/∂T²‖_F` bound factor"),
-            KeySpec("term/attn_entropy[/{head}]", "mean attention entropy over the kept query rows"),
-            KeySpec("term/attn_entropy_norm[/{head}]", "the entropy divided by `log L`"),
-            KeySpec("term/wq_norm[/{head}]", "spectral norm of the head's `W_Q`"),
-            KeySpec("term/wk_norm[/{head}]", "spectral norm of the head's `W_K`"),
-            KeySpec("term/wv_norm[/{head}]", "spectral norm of the head's `W_V`"),
-            KeySpec("term/wo_norm[/{head}]", "spectral norm of the head's rows of `W_O`"),
-        ),
-        label="attention",
-        doc="multi-head attention `softmax(P Kᵀ/√d_K) V W_O`: per-head Q, K, V blocks, bounds and bound terms",
+        keys=_KEYS + extra_keys,
+        label=name.replace("_", "-"),
+        doc=doc,
+    )
+
+
+KIND = register_kind(
+    _attention_kind(
+        "attention",
+        (),
+        "multi-head attention `softmax(P Kᵀ/√d_K) V W_O` (rotary, GQA, windows, QK-norm): per-head Q, K, V blocks, "
+        "bounds and bound terms",
+    )
+)
+CROSS_KIND = register_kind(
+    _attention_kind(
+        "cross_attention",
+        (KeySpec("term/memory_norm", "`‖memory‖₂` of the keys/values source (max over sequences)"),),
+        "cross-attention: queries from the block input, keys and values from the encoder memory",
     )
 )

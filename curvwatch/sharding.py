@@ -1,0 +1,200 @@
+"""Sharded training: which strategies the monitor runs under, and reading one block's weights as full tensors.
+
+Under data parallelism (a single device, ``strategy="ddp"``) every rank holds every weight, and the capture
+snapshots each block's weights in the forward pass. Under FSDP a rank holds a shard of each weight outside the
+forward; the block inputs and output gradients the monitor captures are not sharded (each rank has its own
+batch's). So the capture keeps no weights there, and the engine reads each block's weights as full tensors only
+while it evaluates that block (:attr:`curvwatch.capture.CapturedBlock.params_fn`), then frees them: the extra
+memory is about one block's weights plus its evaluation.
+
+Reading full weights is a collective (an all-gather over the ranks that hold the shards), so every rank reads
+every block, in the same order, whatever happens to it locally; the engine does so (:meth:`curvwatch.engine.Engine
+.evaluate`). The readers assume that an adapter's ``read_params`` runs the same tensor operations on every rank
+(they depend on the model's structure only), so any collective they trigger matches across ranks.
+
+:data:`STRATEGIES` says, by strategy class name, how the monitor runs under each sharding strategy Lightning has;
+``docs/strategies.md`` explains the choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from torch import Tensor, nn
+
+from curvwatch.adapters import BlockSpec
+
+__all__ = ["STRATEGIES", "ParamReader", "full_params", "param_reader", "summoned_params"]
+
+#: Reads one block's closed-form keyword arguments (``adapter.read_params``) with full, detached weights.
+ParamReader = Callable[[BlockSpec], dict[str, Any]]
+
+_USE_INSTEAD = (
+    "Use strategy='ddp' (or a single device), or ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
+    "with fully_shard applied in configure_model (FSDP2), or remove the CurvatureMonitor callback."
+)
+
+
+def _materialize(params: dict[str, Any], copy: bool) -> dict[str, Any]:
+    """``params`` with every ``DTensor`` gathered into a full tensor (nested dicts too) and every tensor detached.
+
+    The gathers happen in the (insertion) order of ``params``, the same on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if isinstance(v, DTensor):
+            out[k] = v.full_tensor().detach()
+        elif isinstance(v, Tensor):
+            out[k] = v.detach().clone() if copy else v.detach()
+        elif isinstance(v, dict):
+            out[k] = _materialize(v, copy)
+        else:
+            out[k] = v
+    return out
+
+
+def full_params(spec: BlockSpec) -> dict[str, Any]:
+    """One block's weights under FSDP2 (``fully_shard``): each ``DTensor`` gathered with ``full_tensor()``.
+
+    Outside the forward FSDP2 leaves every parameter a ``DTensor`` sharded on dim 0 across the data-parallel ranks;
+    ``full_tensor()`` all-gathers it (a collective). Plain tensors (a parameter FSDP2 does not manage, or one it
+    left unsharded) are returned detached, without a copy: the monitor evaluates before the optimizer step.
+
+    Args:
+        spec: The block.
+
+    Returns:
+        ``spec.adapter.read_params(spec)`` with full, detached tensors.
+
+    Raises:
+        UnsupportedBlockError: As ``read_params`` does.
+    """
+    return _materialize(spec.adapter.read_params(spec), copy=False)
+
+
+def summoned_params(root: Callable[[], nn.Module]) -> ParamReader:
+    """A reader of one block's weights under FSDP1 (``FullyShardedDataParallel``), through ``summon_full_params``.
+
+    For a block of layer ``M`` it unshards, with ``writeback=False``, the innermost FSDP unit around ``M`` (its own
+    flat parameter only, ``recurse=False``) and every FSDP unit inside ``M``, reads the block's weights, copies
+    them and reshards: the extra memory is one FSDP unit (typically one Transformer layer under a per-layer wrap
+    policy) plus the block's copies. Works with ``use_orig_params`` True and False.
+
+    Args:
+        root: Returns the FSDP-wrapped root module at evaluation time (Lightning wraps the model after ``setup``).
+
+    Returns:
+        A function ``spec -> read_params(spec)`` with full, detached copies of the weights.
+    """
+    units: dict[int, list[tuple[nn.Module, bool]]] = {}  # id(layer) -> [(FSDP unit, recurse)]
+
+    def read(spec: BlockSpec) -> dict[str, Any]:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        layer = spec.layer_module
+        if id(layer) not in units:
+            units[id(layer)] = _units_around(root(), layer)
+        with ExitStack() as stack:
+            for unit, recurse in units[id(layer)]:
+                stack.enter_context(FSDP.summon_full_params(unit, recurse=recurse, writeback=False))
+            return _materialize(spec.adapter.read_params(spec), copy=True)  # the unsharded views go on exit
+
+    return read
+
+
+def _units_around(root: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """``[(unit, recurse)]``: the innermost FSDP1 unit around ``layer`` (its own flat parameter: ``recurse=False``),
+    then the outermost units inside ``layer``, each with everything below it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def owner(module: nn.Module, unit: nn.Module | None) -> tuple[bool, nn.Module | None]:
+        unit = module if isinstance(module, FSDP) else unit
+        if module is layer:
+            return True, unit
+        for child in module.children():
+            found, inner = owner(child, unit)
+            if found:
+                return True, inner
+        return False, None
+
+    def inside(module: nn.Module):
+        for child in module.children():
+            if isinstance(child, FSDP):
+                yield child
+            else:
+                yield from inside(child)
+
+    found, unit = owner(root, None)
+    if not found:
+        raise RuntimeError(f"{type(layer).__name__} is not inside the FSDP-wrapped model {type(root).__name__}")
+    return ([(unit, False)] if unit is not None else []) + [(u, True) for u in inside(layer)]
+
+
+def _model_parallel(strategy: Any) -> ParamReader:
+    """``ModelParallelStrategy``: FSDP2 alone (``tensor_parallel_size=1``) is supported; tensor parallel is not."""
+    tp = getattr(strategy, "_tensor_parallel_size", "auto")  # resolved from "auto" before the callbacks' setup
+    if tp != 1:
+        raise ValueError(
+            f"CurvatureMonitor does not support strategy={type(strategy).__name__}: it shards parameters by tensor "
+            f"parallelism (tensor_parallel_size={tp!r}; 'auto' means all devices of a node). Under tensor "
+            "parallelism the attention and MLP of a layer run on local slices of their heads and hidden units "
+            "(the module's head count is the local one), which the closed forms, written for the whole block, do "
+            f"not model yet. {_USE_INSTEAD}"
+        )
+    return full_params
+
+
+def _fsdp1(strategy: Any) -> ParamReader:
+    """``FSDPStrategy`` (FSDP1): the weights through ``summon_full_params`` on the wrapped model."""
+    return summoned_params(lambda: strategy.model)
+
+
+#: How the monitor runs under each sharding strategy, by class name (matched along the strategy's MRO): a function
+#: of the strategy that returns the :data:`ParamReader` (or raises ``ValueError`` with the reason), or the reason
+#: the strategy is refused. Strategies not listed (single device, DDP) snapshot the weights in the forward pass.
+#: ``FSDPStrategy`` gets ``_fsdp1`` once its GPU check (``benchmarks/gpu_fsdp_check.sh``) has passed.
+STRATEGIES: dict[str, Callable[[Any], ParamReader] | str] = {
+    "ModelParallelStrategy": _model_parallel,
+    "FSDPStrategy": (
+        "it shards parameters into FSDP1 flat parameters. curvwatch reads them one block at a time through "
+        "summon_full_params (curvwatch.sharding.summoned_params, tested with torch FSDP1 on CPU), but Lightning runs "
+        "FSDPStrategy on GPUs only and that path has not been checked yet"
+    ),
+    "DeepSpeedStrategy": (
+        "it shards parameters (ZeRO stage 3; stages 1-2 shard optimizer states and gradients), and curvwatch has "
+        "no DeepSpeed reader yet: Lightning runs DeepSpeed on CUDA only, and deepspeed on CPU compiles its "
+        "communication op at start-up, so it could not be tested without a GPU"
+    ),
+    "XLAFSDPStrategy": "it shards parameters on XLA devices (TPUs), where curvwatch has never been run",
+}
+
+
+def param_reader(strategy: Any, model: nn.Module) -> ParamReader | None:
+    """How the capture reads the weights under ``strategy``: ``None`` (snapshot in the forward) or a reader.
+
+    Args:
+        strategy: ``trainer.strategy``.
+        model: The LightningModule (checked for parameters already sharded by hand).
+
+    Raises:
+        ValueError: If the strategy is refused (the message says why and what to use instead), or the model's
+            parameters are ``DTensor`` s under a strategy that does not shard them.
+    """
+    for cls in type(strategy).__mro__:
+        entry = STRATEGIES.get(cls.__name__)
+        if isinstance(entry, str):
+            raise ValueError(
+                f"CurvatureMonitor does not support strategy={type(strategy).__name__}: {entry}. {_USE_INSTEAD}"
+            )
+        if entry is not None:
+            return entry(strategy)
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            f"CurvatureMonitor found DTensor parameters (fully_shard or tensor parallel applied by hand) under "
+            f"strategy={type(strategy).__name__}, which does not shard them. {_USE_INSTEAD}"
+        )
+    return None
