@@ -23,8 +23,9 @@ from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import NONFINITE, BlockError, Engine, Evaluation
 from curvwatch.kinds import KINDS
-from curvwatch.options import OnError, Precision, check_int, check_number, choice, pairs_option
+from curvwatch.options import OnError, Precision, WarningRules, check_int, check_number, choice, pairs_option
 from curvwatch.ranks import Ranks
+from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
 
 __all__ = ["CurvatureMonitor", "OnError"]
@@ -138,13 +139,20 @@ class CurvatureMonitor(Callback):
             list of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
         kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default
             all three). ``("hessian",)`` alone made an evaluation 2.2x (demo) to 2.9x (mid-size model) cheaper.
-        collapse_ratio: LayerNorm collapse warning when ``var_min / eps`` drops below it (0 disables).
+        collapse_ratio: Legacy rules (``warning_rules="legacy"``): LayerNorm collapse warning when ``var_min / eps``
+            drops below it (0 disables).
         inv_var_threshold: Also warn when ``ln/inv_var_max = 1/min(var + eps)`` exceeds it (``None``: off).
         spike_factor: Spike warning when a block norm exceeds ``spike_factor`` x its running baseline.
         spike_warmup: Evaluations of a block that only build its baseline.
         patience: Consecutive evaluations a condition must hold before it warns.
         cooldown: Evaluations a fired (kind, block) stays silent.
         warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires.
+        warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
+            instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and
+            of the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
+            leads of 53-113 steps where a signal allows, best with ``terms_every_n_train_steps=10``), ``"legacy"``
+            (the spike and collapse rules configured by ``collapse_ratio`` ... ``cooldown``: they fire on healthy
+            runs too), ``"all"``, or a configured ``RuleSet``.
         on_error: ``"warn"``: an exception in an evaluation (capture hooks in forward or backward, summaries,
             loggers) skips it with a warning and training goes on (``{p}summary/skipped_evaluations`` counts them),
             a block whose closed form raises is left out alone; ``"raise"``: re-raise it. Out of memory in a closed
@@ -193,6 +201,7 @@ class CurvatureMonitor(Callback):
         patience: int = 1,
         cooldown: int = 10,
         warn: bool = True,
+        warning_rules: str | WarningRules | RuleSet = "suite",
         on_error: str | OnError = "warn",
         memory_budget_mb: float | None = None,
         log_heatmap: bool = True,
@@ -220,6 +229,13 @@ class CurvatureMonitor(Callback):
             patience=patience,
             cooldown=cooldown,
         )
+        if isinstance(warning_rules, RuleSet):
+            self._rules: RuleSet | None = warning_rules
+            self.warning_rules = WarningRules.SUITE
+        else:
+            self.warning_rules = choice("warning_rules", warning_rules, WarningRules)
+            self._rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
+        self._legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
         self.on_error = choice("on_error", on_error, OnError)
         self.engine = Engine(
             lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
@@ -357,6 +373,7 @@ class CurvatureMonitor(Callback):
             "terms_evaluations": self._terms_evaluations,
             "skipped": self._skipped,
             "alerts": self._alerts.state_dict(),
+            "rules": None if self._rules is None else self._rules.state_dict(),
             "last_norms": dict(self._last_norms),
             "last_summary": dict(self._last_summary),
             "peak": dict(self._peak),
@@ -372,6 +389,8 @@ class CurvatureMonitor(Callback):
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
         self._alerts.load_state_dict(state_dict.get("alerts", {}))
+        if self._rules is not None and state_dict.get("rules"):
+            self._rules.load_state_dict(state_dict["rules"])
         self._last_norms = dict(state_dict.get("last_norms", {}))
         self._last_summary = dict(state_dict.get("last_summary", {}))
         self._peak = dict(state_dict.get("peak", {}))
@@ -383,7 +402,13 @@ class CurvatureMonitor(Callback):
     @property
     def alerts(self) -> list[Alert]:
         """The warnings fired so far (most recent last)."""
-        return list(self._alerts.history)
+        history = self._alerts.history + ([] if self._rules is None else self._rules.history)
+        return sorted(history, key=lambda a: a.step)
+
+    @property
+    def _fired(self) -> int:
+        """Warnings fired so far by both rule sets."""
+        return self._alerts.fired + (0 if self._rules is None else self._rules.fired)
 
     @property
     def coverage(self) -> list[dict[str, str]]:
@@ -401,11 +426,11 @@ class CurvatureMonitor(Callback):
             terms_evaluations=self._terms_evaluations if self.terms_every_n_train_steps is not None else None,
             skipped=self._skipped,
             last_step=self.schedule.last_step,
-            fired=self._alerts.fired,
+            fired=self._fired,
             last_norms=self._last_norms,
             last_summary=self._last_summary,
             peak=self._peak,
-            history=self._alerts.history,
+            history=self.alerts,
             errors=self._errors,
             max_iter=self.max_iter,
             tol=self.tol,
@@ -469,12 +494,14 @@ class CurvatureMonitor(Callback):
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
             return
-        alerts_before = self._alerts.state_dict()
+        alerts_before = self._alerts.state_dict(), None if self._rules is None else self._rules.state_dict()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
             self._log(trainer, step, flat, evaluation, elapsed, terms_only)
         except Exception as err:
-            self._alerts.load_state_dict(alerts_before)
+            self._alerts.load_state_dict(alerts_before[0])
+            if self._rules is not None:
+                self._rules.load_state_dict(alerts_before[1])
             self._skip(trainer, step, _LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
             self.schedule.charge(time.perf_counter() - logging_start, terms_only, extra=True)
@@ -499,7 +526,10 @@ class CurvatureMonitor(Callback):
             if kind.collapse_stats is not None:
                 eps = getattr(specs[block].module, "eps", None)
                 collapse[block] = kind.collapse_stats(result, eps if isinstance(eps, (int, float)) else None)
-        fired = self._alerts.update(step, norms=norms, layernorms=collapse)
+        fired = self._alerts.update(step, norms=norms, layernorms=collapse) if self._legacy else []
+        if self._rules is not None:  # un-prefixed per-block keys: what the rules read
+            keys = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
+            fired += self._rules.update(step, keys, full=not terms_only)
         self._excluded.update(evaluation.excluded)
 
         evaluations = self._evaluations + (0 if terms_only else 1)
@@ -513,7 +543,7 @@ class CurvatureMonitor(Callback):
         if evaluation.failed:
             summary["summary/skipped_blocks"] = float(len(evaluation.failed))
         summary["summary/nonfinite_blocks"] = float(len(nonfinite))
-        summary["summary/warnings"] = float(self._alerts.fired)
+        summary["summary/warnings"] = float(self._fired)
         logged.update({f"{p}{k}": v for k, v in summary.items()})
         if trainer.is_global_zero:
             sinks.log_metrics(trainer.loggers, logged, step)

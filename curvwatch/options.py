@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["OnError", "PairSet", "Precision", "check_int", "check_number", "choice", "pairs_option"]
+__all__ = ["OnError", "PairSet", "Precision", "WarningRules", "check_int", "check_number", "choice", "pairs_option"]
 
 E = TypeVar("E", bound=Enum)
 
@@ -36,6 +36,14 @@ class Precision(str, Enum):
 
     FLOAT32 = "float32"
     FLOAT64 = "float64"
+
+
+class WarningRules(str, Enum):
+    """Which warning rules :class:`~curvwatch.CurvatureMonitor` runs."""
+
+    SUITE = "suite"  # curvwatch.rules.RuleSet, designed on the instability suite
+    LEGACY = "legacy"  # curvwatch.alerts.AlertMonitor: spike and collapse
+    ALL = "all"
 
 
 class PairSet(str, Enum):

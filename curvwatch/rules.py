@@ -111,7 +111,7 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
     for key, value in metrics.items():
         if key.startswith("summary/"):
             continue
-        for marker in ("/term/", "/outer/", "/hessian/", "/ln/"):
+        for marker in ("/term/", "/outer/", "/hessian/", "/ln/", "/rms/"):
             if marker in key:
                 block, rest = key.split(marker, 1)
                 per_block.setdefault(block, {})[marker.strip("/") + "/" + rest] = value
@@ -120,7 +120,13 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
     for block, m in per_block.items():
         x_norm = m.get("term/x_norm")
         heads = [k.rsplit("/", 1)[1] for k in m if k.startswith("term/wq_norm/")]
-        products = [m[f"term/wq_norm/{h}"] * m[f"term/wk_norm/{h}"] for h in heads if f"term/wk_norm/{h}" in m]
+        groups = [k.rsplit("/", 1)[1] for k in m if k.startswith("term/wk_norm/g")]
+        if groups and heads:  # grouped-query attention: query head h{i} reads key/value group g{i // (H / H_kv)}
+            per = max(1, len(heads) // len(groups))
+            products = [m[f"term/wq_norm/h{i}"] * m[f"term/wk_norm/g{i // per}"] for i in range(len(heads))
+                        if f"term/wq_norm/h{i}" in m and f"term/wk_norm/g{i // per}" in m]  # fmt: skip
+        else:
+            products = [m[f"term/wq_norm/{h}"] * m[f"term/wk_norm/{h}"] for h in heads if f"term/wk_norm/{h}" in m]
         if x_norm is not None and products:
             out[(block, "logit")] = x_norm**2 * max(products)
         vv = [v for k, v in m.items() if k.startswith("outer/VV")]
@@ -133,6 +139,8 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
             out[(block, "W2W2")] = m["hessian/W2W2"]
         if "ln/var_min_over_eps" in m:
             out[(block, "ln_ratio")] = m["ln/var_min_over_eps"]
+        elif "rms/ms_min_over_eps" in m:  # RMSNorm divides by sqrt(ms + eps): its mean square plays the variance
+            out[(block, "ln_ratio")] = m["rms/ms_min_over_eps"]
     return {
         k: float(v)
         for k, v in out.items()

@@ -170,8 +170,9 @@ class Schedule:
     def cost_note(self, step: int) -> str | None:
         """A note on what a chosen cadence costs, when its evaluations take over :data:`EXPENSIVE` of training.
 
-        Priced from the last full evaluation and the training seconds per step so far; ``None`` before one full
-        interval and :data:`MEASURED_STEPS` steps were trained, unless the cadence was chosen with ``max_overhead="auto"``, or when it is cheap.
+        Priced from the last full evaluation and the training seconds per step so far. ``None`` before one full
+        interval and :data:`MEASURED_STEPS` steps were trained, when the cadence was not chosen with
+        ``max_overhead="auto"``, or when it is cheap.
         """
         if not self.note_cost or step < max(self.every_n_train_steps, MEASURED_STEPS):
             return None

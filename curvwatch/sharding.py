@@ -183,6 +183,16 @@ def param_reader(strategy: Any, model: nn.Module) -> ParamReader | None:
     Raises:
         ValueError: If the strategy is refused (the message says why and what to use instead), or the model's
             parameters are ``DTensor`` s under a strategy that does not shard them.
+
+    Example:
+        >>> param_reader(type("DDPStrategy", (), {})(), nn.Linear(2, 2)) is None  # snapshot in the forward
+        True
+        >>> param_reader(type("ModelParallelStrategy", (), {"_tensor_parallel_size": 1})(), nn.Linear(2, 2)).__name__
+        'full_params'
+        >>> param_reader(type("DeepSpeedStrategy", (), {})(), nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: CurvatureMonitor does not support strategy=DeepSpeedStrategy: it shards parameters (ZeRO ...
     """
     for cls in type(strategy).__mro__:
         entry = STRATEGIES.get(cls.__name__)

@@ -205,7 +205,9 @@ def test_ln_collapse_warns(tmp_path):
     with torch.no_grad():  # LayerNorm inputs ~1e-4 x their usual scale: variance far below eps
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100)
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureWarning) as record:
         trainer.fit(model, loader())
@@ -221,7 +223,9 @@ def test_ln_collapse_warns(tmp_path):
 
 
 def test_healthy_run_does_not_warn(tmp_path):
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, spike_warmup=1)
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=1, max_tokens=16, spike_warmup=1
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CurvatureWarning)
@@ -260,7 +264,9 @@ def test_on_error_raise(tmp_path, monkeypatch):
 
 
 def test_resume_restores_state(tmp_path):
-    first = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    first = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1
+    )
     trainer = make_trainer(tmp_path / "a", first, max_steps=3)
     trainer.fit(TinyLM(), loader(n=12))  # 3 batches: the checkpoint is at an epoch end
     ckpt = tmp_path / "resume.ckpt"
@@ -273,7 +279,9 @@ def test_resume_restores_state(tmp_path):
         def on_train_start(self, trainer, pl_module):
             self.state = second.state_dict()
 
-    second = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1)
+    second = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, spike_warmup=1
+    )
     snapshot = Snapshot()
     trainer = make_trainer(tmp_path / "b", second, max_steps=5, callbacks=[snapshot])
     trainer.fit(TinyLM(), loader(n=12), ckpt_path=ckpt)
@@ -448,7 +456,9 @@ def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
         with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
             model.model.tok_emb.weight.mul_(1e-4)
             model.model.pos_emb.weight.mul_(1e-4)
-        monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100)
+        monitor = CurvatureMonitor(
+            warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
+        )
         trainer = make_trainer(tmp_path, monitor, max_steps=1, logger=logger)
         with pytest.warns(CurvatureWarning):
             trainer.fit(model, loader())
@@ -557,7 +567,12 @@ def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
     monitor = CurvatureMonitor(
-        max_overhead=None, every_n_train_steps=100, terms_every_n_train_steps=1, max_tokens=16, cooldown=0
+        warning_rules="legacy",
+        max_overhead=None,
+        every_n_train_steps=100,
+        terms_every_n_train_steps=1,
+        max_tokens=16,
+        cooldown=0,
     )
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureWarning):
@@ -624,3 +639,29 @@ def test_a_chosen_cadence_is_honoured_and_its_cost_said_once(tmp_path):
     # with the budget asked for explicitly it governs any cadence; max_overhead=None: fixed, and no note
     assert CurvatureMonitor(every_n_train_steps=2, max_overhead=0.05).schedule.max_overhead == 0.05
     assert not CurvatureMonitor(every_n_train_steps=2, max_overhead=None).schedule.note_cost
+
+
+def test_suite_rules_are_the_default_and_warn_on_a_collapse(tmp_path):
+    """The default warning rules (curvwatch.rules.RuleSet, designed on the instability suite) read the logged
+    numbers: a LayerNorm input far below eps warns after collapse_patience=3 evaluations, once per block; the
+    legacy spike rule does not run; both rule sets' state is checkpointed."""
+    model = TinyLM(lr=0.0)
+    with torch.no_grad():
+        model.model.tok_emb.weight.mul_(1e-4)
+        model.model.pos_emb.weight.mul_(1e-4)
+    monitor = CurvatureMonitor(every_n_train_steps=1, max_overhead=None, max_tokens=16, log_heatmap=False)
+    assert monitor.warning_rules == "suite"
+    trainer = make_trainer(tmp_path, monitor, max_steps=4)
+    with pytest.warns(CurvatureWarning) as record:
+        trainer.fit(model, loader())
+    messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    assert len(messages) == 2 and "variance collapse in block 'layer0/ln_1' at step 2" in messages[0], messages
+    assert "since step 0 (3 evaluations)" in messages[0] and "Lower the weight decay" in messages[0]
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("ln_collapse", 2)] * 2
+    assert curv_rows(read_rows(trainer))[3]["curv/summary/warnings"] == 2.0
+    state = monitor.state_dict()
+    again = CurvatureMonitor(every_n_train_steps=1, max_overhead=None)
+    again.load_state_dict(state)
+    assert [a.block for a in again.alerts] == [a.block for a in monitor.alerts]
+    with pytest.raises(ValueError, match="Invalid warning_rules='some'. Must be one of"):
+        CurvatureMonitor(warning_rules="some")

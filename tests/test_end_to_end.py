@@ -6,6 +6,7 @@ DOCSTRING_TABLE
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,34 +21,34 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvwatch import CurvatureMonitor
 from tests import zoo
-from tests.utils import TOL, assert_close_report
+from tests.utils import TOL, WORST, rel_err
 
 B, SEQ, VOCAB = 2, 8, zoo.VOCAB
-PARTS = ("outer", "functional", "hessian")
-
 
 # --------------------------------------------------------------------------------------------------
-# What each model is, and where its sub-blocks are (read from the models' own code, not from the adapters)
+# The models, and where their sub-blocks are (read from the models' own code, not from the adapters)
 # --------------------------------------------------------------------------------------------------
+
+Slice = tuple[str, int, int]  # (parameter name in the ref's root, first row, end row) of an nn.Linear weight
 
 
 @dataclass
 class Ref:
     """One sub-block as the reference sees it.
 
-    ``root`` is called with the arguments its forward pre-hook recorded (tensors detached): its output (first
-    element of a tuple) is the block output, whose gradient a tensor hook records. ``slices`` maps a logged pair
-    key (``"QQ/h0"``, ``"W1W1"``) to ``(parameter name in root, first row, end row)`` of an ``nn.Linear`` weight:
-    rows of ``weight (out, in)`` are the columns of the math ``W`` in ``X @ W``. ``stat`` (norm blocks) is the
+    ``root`` is called with the arguments its forward pre-hook recorded (tensors detached); its output (first element
+    of a tuple) is the block output, whose gradient a tensor hook records. ``slices`` maps a logged pair key
+    (``"QQ/h0"``, ``"KK/g1"``, ``"W1W1"``) to rows of an ``nn.Linear`` weight ``(out, in)``: the columns of the math
+    ``W`` in ``X @ W`` (the order of the variables does not change a spectral norm). ``stat`` (norm blocks): the
     logged statistic, ``"ln/var_min"`` or ``"rms/ms_min"``, computed from the recorded input.
     """
 
     block: str
     root: nn.Module
-    slices: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    slices: dict[str, Slice] = field(default_factory=dict)
     stat: str | None = None
-    float32_inside: bool = False  # the module computes part of its forward in float32 (see TOL_FLOAT32_INSIDE)
-    hooked: tuple[nn.Module, nn.Module] | None = None  # (input, output) modules to hook when root is not called
+    float32_inside: bool = False  # part of the module's forward runs in float32 (see TOL_FLOAT32_INSIDE)
+    hooked: tuple[nn.Module, nn.Module] | None = None  # (input, output) modules to hook where root itself is not called
 
 
 @dataclass
@@ -55,26 +56,27 @@ class Case:
     model: nn.Module
     batch: tuple[Tensor, ...]
     loss: Callable[[nn.Module, tuple[Tensor, ...]], Tensor]
-    refs: Callable[[nn.Module], list[Ref]]  # the refs of a model of this case (called on the copy)
+    refs: Callable[[nn.Module], list[Ref]]  # the blocks of a model of this case (called on the copy)
     pairs: tuple[str, ...]
+    sanity: Callable[[nn.Module, dict], None] | None = None  # the feature under test is really exercised
+    float64_twin: Callable[[nn.Module], None] | None = None  # patches out the float32 casts of float32_inside blocks
 
 
-def _attn_slices(
-    prefix_q: str, prefix_k: str, prefix_v: str, H: int, H_kv: int, d_K: int, off_k: int = 0, off_v: int = 0
-) -> dict[str, tuple[str, int, int]]:
-    """Q of the first and last query head, K and V of the first and last kv head (group suffix ``g`` under GQA)."""
-    out = {}
-    for h in sorted({0, H - 1}):
-        out[f"QQ/h{h}"] = (prefix_q, h * d_K, (h + 1) * d_K)
+def _attn_slices(q: str, k: str, v: str, H: int, H_kv: int, d_K: int, off_k: int = 0, off_v: int = 0):
+    """W_Q of the first and last query head, W_K and W_V of the first and last kv head (``g{j}`` under GQA, where the
+    kernel keys the kv blocks by group; ``h{j}`` otherwise). Parameters ``q``, ``k``, ``v``, kv rows from ``off_k``,
+    ``off_v`` (fused projections)."""
+    out = {f"QQ/h{h}": (q, h * d_K, (h + 1) * d_K) for h in sorted({0, H - 1})}
     tag = "g" if H_kv < H else "h"
     for g in sorted({0, H_kv - 1}):
-        out[f"KK/{tag}{g}"] = (prefix_k, off_k + g * d_K, off_k + (g + 1) * d_K)
-        out[f"VV/{tag}{g}"] = (prefix_v, off_v + g * d_K, off_v + (g + 1) * d_K)
+        out[f"KK/{tag}{g}"] = (k, off_k + g * d_K, off_k + (g + 1) * d_K)
+        out[f"VV/{tag}{g}"] = (v, off_v + g * d_K, off_v + (g + 1) * d_K)
     return out
 
 
-def _full(name: str, module: nn.Module) -> tuple[str, int, int]:
-    return (name, 0, module.get_parameter(name).shape[0])
+def _whole(module: nn.Module, **names: str) -> dict[str, Slice]:
+    """Whole weights: ``pair key -> parameter name`` (``W1W1="fc.weight"``)."""
+    return {key: (name, 0, module.get_parameter(name).shape[0]) for key, name in names.items()}
 
 
 def _perturb(model: nn.Module) -> nn.Module:
@@ -100,60 +102,82 @@ def _litgpt(family: str, **overrides) -> Case:
     cfg = tiny.model.config
     H, H_kv, hs = cfg.n_head, cfg.n_query_groups, cfg.head_size
     gated = cfg.mlp_class_name == "LLaMAMLP"
+    stat = "rms/ms_min" if cfg.norm_class_name == "RMSNorm" else "ln/var_min"
 
     def refs(model):
         out = []
         for i, layer in enumerate(model.transformer.h):
-            # litgpt's qkv rows: [q (H hs) | k (H_kv hs) | v (H_kv hs)], `qkv.split(...)` then `view(B, T, n, hs)`
-            out.append(
-                Ref(f"layer{i}/attn", layer.attn, _attn_slices("qkv.weight", "qkv.weight", "qkv.weight", H, H_kv, hs,
-                                                               H * hs, (H + H_kv) * hs))
-            )  # fmt: skip
-            stat = "rms/ms_min" if cfg.norm_class_name == "RMSNorm" else "ln/var_min"
+            # CausalSelfAttention: q, k, v = qkv(x).split((H hs, H_kv hs, H_kv hs)), then .view(B, T, n, hs)
+            sl = _attn_slices("qkv.weight", "qkv.weight", "qkv.weight", H, H_kv, hs, H * hs, (H + H_kv) * hs)
+            out += [Ref(f"layer{i}/attn", layer.attn, sl)]
             out += [Ref(f"layer{i}/ln_1", layer.norm_1, stat=stat), Ref(f"layer{i}/ln_2", layer.norm_2, stat=stat)]
-            mlp = layer.mlp
-            names = {"W1W1": "fc_1.weight", "W3W3": "fc_2.weight", "W2W2": "proj.weight"} if gated else {
-                "W1W1": "fc.weight", "W2W2": "proj.weight"}  # fmt: skip
-            out.append(Ref(f"layer{i}/ffn", mlp, {k: _full(n, mlp) for k, n in names.items()}))
+            if gated:  # LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))
+                sl = _whole(layer.mlp, W1W1="fc_1.weight", W3W3="fc_2.weight", W2W2="proj.weight")
+            else:  # GptNeoxMLP: proj(gelu(fc(x)))
+                sl = _whole(layer.mlp, W1W1="fc.weight", W2W2="proj.weight")
+            out.append(Ref(f"layer{i}/ffn", layer.mlp, sl))
         return out
+
+    def sanity(model, recs):
+        if family == "llama3":  # GQA, rotary over the whole head, llama3 frequency adjustments
+            assert H_kv < H and cfg.rope_n_elem == hs and cfg.rope_adjustments is not None
+        else:  # pythia: parallel residual, partial rotary
+            assert cfg.parallel_residual and 0 < cfg.rope_n_elem < hs and cfg.norm_class_name == "LayerNorm"
 
     idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
     pairs = ("VV", "QQ", "KK", "W1W1", "W2W2") + (("W3W3",) if gated else ())
-    return Case(tiny.model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs)
+    return Case(tiny.model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs, sanity)
+
+
+def _float64_rmsnorm(norm: nn.Module, x: Tensor) -> Tensor:
+    """``Qwen3RMSNorm.forward`` without its casts to float32 and back."""
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
 def _hf_causal_lm(family: str) -> Case:
     tf = pytest.importorskip("transformers")
     config_name, model_name, own = zoo.HF_FAMILIES[family]
     config = getattr(tf, config_name)(**{**zoo._HF_DECODER, **own, "num_hidden_layers": 1})
-    config._attn_implementation = "sdpa"  # eager takes its softmax in float32
+    config._attn_implementation = "sdpa"  # eager attention takes its softmax in float32
     torch.manual_seed(1)
     model = _perturb(getattr(tf, model_name.replace("Model", "ForCausalLM"))(config))
     H, H_kv = config.num_attention_heads, config.num_key_value_heads
     d_K = getattr(config, "head_dim", None) or config.hidden_size // H
-    qk_norm = family == "qwen3"
 
     def refs(m):
         out = []
         for i, layer in enumerate(m.model.layers):
-            a = layer.self_attn
-            ref = Ref(f"layer{i}/attn", a, _attn_slices("q_proj.weight", "k_proj.weight", "v_proj.weight", H, H_kv, d_K))
-            ref.float32_inside = qk_norm  # Qwen3RMSNorm (q_norm, k_norm) computes in float32
-            out += [ref, Ref(f"layer{i}/ln_1", layer.input_layernorm, stat="rms/ms_min")]
+            # q_proj(x).view(B, L, H, d_K); repeat_kv: query head h reads kv head h // (H / H_kv)
+            sl = _attn_slices("q_proj.weight", "k_proj.weight", "v_proj.weight", H, H_kv, d_K)
+            out.append(Ref(f"layer{i}/attn", layer.self_attn, sl, float32_inside=family == "qwen3"))
+            out.append(Ref(f"layer{i}/ln_1", layer.input_layernorm, stat="rms/ms_min"))
             out.append(Ref(f"layer{i}/ln_2", layer.post_attention_layernorm, stat="rms/ms_min"))
-            mlp = layer.mlp
-            names = {"W1W1": "gate_proj.weight", "W3W3": "up_proj.weight", "W2W2": "down_proj.weight"}
-            out.append(Ref(f"layer{i}/ffn", mlp, {k: _full(n, mlp) for k, n in names.items()}))
+            sl = _whole(layer.mlp, W1W1="gate_proj.weight", W3W3="up_proj.weight", W2W2="down_proj.weight")
+            out.append(Ref(f"layer{i}/ffn", layer.mlp, sl))
         return out
+
+    def sanity(m, recs):
+        assert type(m).__name__.endswith("ForCausalLM") and H_kv < H
+        if family == "qwen3":
+            assert type(m.model.layers[0].self_attn.q_norm).__name__ == "Qwen3RMSNorm"
+        if family == "mistral":  # the mask the attention really got: a window of 3 < L keys
+            allowed = recs["layer0/attn"].kwargs["attention_mask"][0, 0]
+            assert allowed.dtype == torch.bool and allowed[SEQ - 1].tolist() == [False] * (SEQ - 3) + [True] * 3
+
+    def float64_twin(m):
+        for layer in m.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.forward = types.MethodType(_float64_rmsnorm, norm)
 
     ids, targets = _tokens(B, SEQ, low=1), _tokens(B, SEQ)
     loss = lambda m, b: _ce(m(input_ids=b[0]).logits, b[1])
-    return Case(model, (ids, targets), loss, refs, ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3"))
+    pairs = ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3")
+    return Case(model, (ids, targets), loss, refs, pairs, sanity, float64_twin if family == "qwen3" else None)
 
 
 class _BartFFN(nn.Module):
-    """BART's FFN as its layer computes it, ``fc2(activation_fn(fc1(x)))`` (dropouts are 0), on the layer's own
-    modules: BART has no module of its own for it."""
+    """BART's FFN as its layers compute it, ``fc2(activation_fn(fc1(x)))`` (the dropouts are 0), on the layer's own
+    modules: BART has no module of its own for it (hooks go on ``fc1`` and ``fc2``)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -174,26 +198,29 @@ def _bart() -> Case:
     config._attn_implementation = "sdpa"
     torch.manual_seed(1)
     model = _perturb(tf.BartForConditionalGeneration(config))
-    slices = lambda: _attn_slices("q_proj.weight", "k_proj.weight", "v_proj.weight", 4, 4, 4)
 
     def refs(m):
-        enc, dec = m.model.encoder.layers[0], m.model.decoder.layers[0]
         out = []
-        for i, layer in enumerate((enc, dec)):
-            out += [Ref(f"layer{i}/attn", layer.self_attn, slices())]
+        for i, layer in enumerate((m.model.encoder.layers[0], m.model.decoder.layers[0])):
+            sl = _attn_slices("q_proj.weight", "k_proj.weight", "v_proj.weight", 4, 4, 4)
+            out.append(Ref(f"layer{i}/attn", layer.self_attn, sl))
             out.append(Ref(f"layer{i}/ln_1", layer.self_attn_layer_norm, stat="ln/var_min"))
-            if i == 1:
-                out.append(Ref("layer1/cross_attn", layer.encoder_attn, slices()))
+            if i == 1:  # encoder_attn(hidden_states, key_value_states=encoder output): the memory is held fixed
+                out.append(Ref("layer1/cross_attn", layer.encoder_attn, sl))
                 out.append(Ref("layer1/ln_2", layer.encoder_attn_layer_norm, stat="ln/var_min"))
             out.append(Ref(f"layer{i}/{'ln_3' if i else 'ln_2'}", layer.final_layer_norm, stat="ln/var_min"))
             ffn = _BartFFN(layer)
-            sl = {"W1W1": _full("fc1.weight", ffn), "W2W2": _full("fc2.weight", ffn)}
+            sl = _whole(ffn, W1W1="fc1.weight", W2W2="fc2.weight")
             out.append(Ref(f"layer{i}/ffn", ffn, sl, hooked=(layer.fc1, layer.fc2)))
         return out
 
+    def sanity(m, recs):  # cross-attention on an encoder memory of another length
+        memory = recs["layer1/cross_attn"].kwargs["key_value_states"]
+        assert memory.shape == (B, SEQ - 1, 16) and recs["layer1/cross_attn"].out.shape == (B, SEQ, 16)
+
     enc_ids, dec_ids, targets = _tokens(B, SEQ - 1, low=3), _tokens(B, SEQ, low=3), _tokens(B, SEQ)
     loss = lambda m, b: _ce(m(input_ids=b[0], decoder_input_ids=b[1]).logits, b[2])
-    return Case(model, (enc_ids, dec_ids, targets), loss, refs, ("VV", "QQ", "KK", "W1W1", "W2W2"))
+    return Case(model, (enc_ids, dec_ids, targets), loss, refs, ("VV", "QQ", "KK", "W1W1", "W2W2"), sanity)
 
 
 def _nanogpt() -> Case:
@@ -203,21 +230,26 @@ def _nanogpt() -> Case:
     def refs(m):
         out = []
         for i, layer in enumerate(m.transformer.h):
-            # q, k, v = c_attn(x).split(d, dim=2), then view(B, T, H, d / H)
+            # q, k, v = c_attn(x).split(d, dim=2), each .view(B, T, H, d / H)
             sl = _attn_slices("c_attn.weight", "c_attn.weight", "c_attn.weight", H, H, d // H, d, 2 * d)
-            out += [Ref(f"layer{i}/attn", layer.attn, sl), Ref(f"layer{i}/ln_1", layer.ln_1, stat="ln/var_min")]
+            out.append(Ref(f"layer{i}/attn", layer.attn, sl))
+            out.append(Ref(f"layer{i}/ln_1", layer.ln_1, stat="ln/var_min"))
             out.append(Ref(f"layer{i}/ln_2", layer.ln_2, stat="ln/var_min"))
-            mlp = layer.mlp
-            out.append(Ref(f"layer{i}/ffn", mlp, {"W1W1": _full("c_fc.weight", mlp), "W2W2": _full("c_proj.weight", mlp)}))
+            out.append(Ref(f"layer{i}/ffn", layer.mlp, _whole(layer.mlp, W1W1="c_fc.weight", W2W2="c_proj.weight")))
         return out
 
+    def sanity(m, recs):  # the fused c_attn, and no adapter table entry: found by structure
+        layer = m.transformer.h[0]
+        assert type(layer).__module__ == "tests.zoo" and layer.attn.c_attn.out_features == 3 * d
+
     idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
-    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, ("VV", "QQ", "KK", "W1W1", "W2W2"))
+    loss = lambda m, b: _ce(m(b[0]), b[1])
+    return Case(model, (idx, targets), loss, refs, ("VV", "QQ", "KK", "W1W1", "W2W2"), sanity)
 
 
 CASES: dict[str, Callable[[], Case]] = {
     "litgpt-llama3": lambda: _litgpt("llama3"),
-    "litgpt-pythia": lambda: _litgpt("pythia", n_layer=1, intermediate_size=48),
+    "litgpt-pythia": lambda: _litgpt("pythia", n_layer=1, intermediate_size=32),
     "hf-llama": lambda: _hf_causal_lm("llama"),
     "hf-qwen3": lambda: _hf_causal_lm("qwen3"),
     "hf-mistral": lambda: _hf_causal_lm("mistral"),
@@ -337,7 +369,7 @@ def record(model: nn.Module, refs: list[Ref], loss: Callable, batch) -> dict[str
     return recs
 
 
-def reference_norms(ref: Ref, rec: Recorded) -> dict[str, float]:
+def reference_norms(ref: Ref, rec: Recorded, replay_rtol: float = 1e-12) -> dict[str, float]:
     """``outer``, ``functional``, ``hessian`` of every slice of ``ref``, dense, through the module's own forward."""
     params = {k: v.detach() for k, v in ref.root.named_parameters()}
     G = rec.grad.detach()
@@ -353,8 +385,9 @@ def reference_norms(ref: Ref, rec: Recorded) -> dict[str, float]:
             return _first(functional_call(ref.root, {**params, name: Wn}, rec.args, rec.kwargs))
 
         with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel has no forward-mode derivative
-            replayed = f(theta0)  # the math backend rounds differently from the fused one, at 1e-16
-            assert_close_report(replayed, rec.out, 1e-12, f"{ref.block}: the replayed forward")
+            # the replay is the recorded call (the math backend rounds differently from the fused one, at 1e-16)
+            err = rel_err(f(theta0), rec.out)
+            assert err <= replay_rtol, f"{ref.block}: the replayed forward differs from the recorded call by {err:.1e}"
             J = (jacfwd if theta0.numel() <= G.numel() else jacrev)(f)(theta0).reshape(-1, theta0.numel())
             H_f = hessian(lambda t: (G * f(t)).sum())(theta0)
         H_o = c * J.T @ J
@@ -378,41 +411,56 @@ def reference_stat(ref: Ref, rec: Recorded) -> float:
 # The test
 # --------------------------------------------------------------------------------------------------
 
-#: Modules that compute in float32 whatever the input dtype (Qwen3's q_norm/k_norm): the reference's derivatives
-#: through them are float32-accurate, the kernel's float64.
+#: Blocks whose module computes part of its forward in float32 whatever the input dtype (Qwen3's q_norm/k_norm,
+#: ``Qwen3RMSNorm`` casts to float32): the reference's derivatives through them are float32-accurate (seen: 1.9e-7),
+#: the kernel's float64. Compared at float32 round-off; the float64 twin below is then held to TOL["end_to_end"].
 TOL_FLOAT32_INSIDE = 1e-5
-WORST_SEEN: dict[str, float] = {}
+
+
+def _check(logged: dict[str, float], key: str, expected: float, tol: float, scale: float) -> float:
+    """Assert the logged number is ``expected`` to ``tol`` relative (``tol * 1e-3 * scale`` absolute where it is
+    zero, e.g. ``functional/VV``: ``F`` is linear in ``W_V``); returns the relative error."""
+    assert key in logged, f"{key} was not logged; logged: {sorted(k for k in logged if k.startswith(key[:20]))}"
+    actual, ref = logged[key], max(abs(expected), 1e-3 * scale)
+    err = abs(actual - expected) / ref
+    assert err <= tol, f"{key}: logged {actual!r}, torch.func {expected!r}: relative error {err:.2e} > {tol:.0e}"
+    WORST[("test_end_to_end.py", tol)] = max(WORST.get(("test_end_to_end.py", tol), 0.0), err)
+    return err
+
+
+def _check_block(logged, ref: Ref, rec: Recorded, tol: float, replay_rtol: float = 1e-12) -> float:
+    expected = reference_norms(ref, rec, replay_rtol)
+    scale = max(v for k, v in expected.items() if k.startswith("hessian/"))
+    return max(_check(logged, f"curv/{ref.block}/{k}", v, tol, scale) for k, v in expected.items())
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_logged_numbers_are_the_models_curvature(name, tmp_path):
     case = CASES[name]()
-    initial = copy.deepcopy(case.model)
+    initial = copy.deepcopy(case.model)  # the weights the monitored step 0 sees
     logged, monitor = train_one_step(case, tmp_path)
-    assert logged, "the monitor logged nothing at step 0"
-    assert not any(p.equal(q) for p, q in zip(initial.parameters(), case.model.parameters(), strict=True) if p.ndim == 2)
+    moved = [n for (n, p), q in zip(initial.named_parameters(), case.model.parameters(), strict=True) if p.ne(q).any()]
+    assert moved, "the optimizer step did not happen"
 
-    initial.train()
+    rows = monitor.coverage
+    assert [r for r in rows if r["status"] != "monitored"] == [], "a part of a layer is left out"
+    initial.train()  # as Lightning runs the step (every dropout is 0)
     refs = case.refs(initial)
+    assert sorted(f"layer{r['layer']}/{r['part']}" for r in rows) == sorted(r.block for r in refs), "a block unchecked"
     recs = record(initial, refs, case.loss, case.batch)
-    monitored = {r["layer"] + "/" + r["part"] for r in monitor.coverage if r["status"] == "monitored"}
-    assert {r.block.replace("layer", "", 1) for r in refs} <= monitored
+    if case.sanity is not None:
+        case.sanity(initial, recs)
+
     worst = 0.0
     for ref in refs:
         rec = recs[ref.block]
-        p = f"curv/{ref.block}/"
         if ref.stat is not None:
-            worst = max(worst, assert_close_report(logged[p + ref.stat], reference_stat(ref, rec), TOL["float64"],
-                                                   p + ref.stat))  # fmt: skip
-            continue
-        expected = reference_norms(ref, rec)
-        scale = max(v for k, v in expected.items() if k.startswith("hessian/"))
-        tol = TOL_FLOAT32_INSIDE if ref.float32_inside else TOL["end_to_end"]
-        for key, value in expected.items():
-            assert p + key in logged, f"{p + key} not logged; logged keys: {sorted(k for k in logged if k.startswith(p))}"
-            err = assert_close_report(logged[p + key], value, tol, p + key, atol=1e-3 * tol * scale)
-            worst = max(worst, err if abs(value) > 1e-3 * scale else abs(logged[p + key] - value) / scale)
-    WORST_SEEN[name] = worst
-    print(f"{name}: worst relative error {worst:.2e}")
-    for row in monitor.coverage:
-        print(row)
+            stat = reference_stat(ref, rec)
+            worst = max(worst, _check(logged, f"curv/{ref.block}/{ref.stat}", stat, TOL["end_to_end"], abs(stat)))
+        elif not ref.float32_inside:
+            worst = max(worst, _check_block(logged, ref, rec, TOL["end_to_end"]))
+        else:
+            worst = max(worst, _check_block(logged, ref, rec, TOL_FLOAT32_INSIDE))
+            case.float64_twin(initial)  # the same forward without its float32 casts, on the same X, G and weights
+            _check_block(logged, ref, rec, TOL["end_to_end"], replay_rtol=1e-6)
+    print(f"{name}: {len(refs)} blocks, worst relative error {worst:.1e}")

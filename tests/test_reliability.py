@@ -695,7 +695,9 @@ def _leak_loop():
 
 
 def test_callback_state_bounded_over_many_evaluations():
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, spike_warmup=1, cooldown=0)
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=1, spike_warmup=1, cooldown=0
+    )
     monitor._specs = find_blocks(GPT(GPTConfig(vocab_size=VOCAB, block_size=4, n_layer=1, d_model=16, n_head=2)))
     monitor._excluded["layer0/ffn"] = "induced: left out"
     trainer = SimpleNamespace(is_global_zero=True, loggers=[], callback_metrics={})

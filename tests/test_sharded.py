@@ -318,6 +318,19 @@ def test_fsdp2_full_params_on_one_rank(one_rank_group):
     for block, numbers in Engine().evaluate(expected).results.items():
         for key, value in numbers.items():
             assert float(actual[block][key]) == pytest.approx(float(value), rel=TOL["float32"]), f"{block} {key}"
+    # a packed in_proj_weight, split by the adapter: the DTensor ops in read_params gather what they need
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    layer_specs = find_blocks(layer)
+    expected_params = {spec.name: spec.adapter.read_params(spec) for spec in layer_specs}
+    expected_params = {
+        n: {k: v.detach().clone() for k, v in p.items() if torch.is_tensor(v)} for n, p in expected_params.items()
+    }
+    fully_shard(layer, mesh=mesh)
+    assert isinstance(layer.self_attn.in_proj_weight, DTensor)
+    for spec in layer_specs:
+        read = sharding.full_params(spec)
+        for key, value in expected_params[spec.name].items():
+            assert type(read[key]) is torch.Tensor and torch.equal(read[key], value), f"{spec.name} {key}"
     # DTensor parameters under a strategy that does not shard them: refused, with what to use instead
     with pytest.raises(ValueError, match="found DTensor parameters .* under strategy=DDPStrategy.*ModelParallel"):
         sharding.param_reader(type("DDPStrategy", (), {})(), model)

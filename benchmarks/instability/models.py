@@ -46,8 +46,6 @@ class ModelSpec:
         final_norm: Whether a pre-LN model normalises before the head (``"gpt"`` always does).
         emb_std: Standard deviation of the token and position embeddings at initialisation.
         bias: Whether the Linear layers (and, for ``"torch"``, the LayerNorms) have biases.
-        logit_scale: Multiply the logits by a learnable ``exp(s)`` (``s`` a scalar, initially 0), like a
-            learnable softmax temperature.
     """
 
     arch: str = "gpt"
@@ -60,19 +58,6 @@ class ModelSpec:
     final_norm: bool = True
     emb_std: float = 0.02
     bias: bool = True
-    logit_scale: bool = False
-
-
-class ScaledHead(nn.Module):
-    """``exp(s) * head(x)``: an LM head with a learnable logit scale ``s`` (a scalar, initially 0)."""
-
-    def __init__(self, head: nn.Module) -> None:
-        super().__init__()
-        self.head = head
-        self.log_scale = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(x) * self.log_scale.exp()
 
 
 def build_gpt(spec: ModelSpec) -> nn.Module:
@@ -186,10 +171,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     if spec.arch not in ARCHITECTURES:
         raise ValueError(f"Invalid arch={spec.arch!r}. Must be one of {sorted(ARCHITECTURES)}.")
-    model = ARCHITECTURES[spec.arch].build(spec)
-    if spec.logit_scale:
-        model.head = ScaledHead(model.head)
-    return model
+    return ARCHITECTURES[spec.arch].build(spec)
 
 
 class MaxLogitProbe:

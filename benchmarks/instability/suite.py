@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.instability [--quick] [--out DIR] [--only NAME ...] [--reuse] [--report]``
 
-Writes ``DIR/runs/<mechanism>__<variant>__s<seed>.json`` (one trace per run, see
+Writes (``DIR`` defaults to ``benchmarks/results/instability``, with ``--quick`` ``.../instability_quick``)
+``DIR/runs/<mechanism>__<variant>__s<seed>.json`` (one trace per run, see
 :func:`benchmarks.instability.train.run`) and ``DIR/results.json`` (:func:`benchmarks.instability.evaluate.evaluate`),
 and prints the tables. ``--report`` also writes ``docs/instability.md`` and its plots
 (:mod:`benchmarks.instability.report`). Runs are trained one after the other, each on one thread.
@@ -27,6 +28,7 @@ from benchmarks.instability.cases import HELD_OUT_SEEDS, QUICK_SEEDS, TRAIN_SEED
 from benchmarks.instability.train import run
 
 DEFAULT_OUT = RESULTS_DIR / "instability"
+DEFAULT_OUT_QUICK = RESULTS_DIR / "instability_quick"  # so a smoke run never overwrites the suite's runs
 
 
 def _round(obj: Any, digits: int = 6) -> Any:
@@ -89,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sources; lead times and false alarms of every monitor signal and warning rule.",
     )
     p.add_argument("--quick", action="store_true", help="two small mechanisms, one seed: the CI smoke run (seconds)")
-    p.add_argument("--out", type=Path, default=None, help=f"results folder [{DEFAULT_OUT}]")
+    p.add_argument(
+        "--out", type=Path, default=None, help=f"results folder [{DEFAULT_OUT}; with --quick {DEFAULT_OUT_QUICK}]"
+    )
     p.add_argument("--only", nargs="+", default=None, help="mechanism names to run")
     p.add_argument("--reuse", action="store_true", help="load runs already in --out instead of training them")
     p.add_argument("--report", action="store_true", help="also write docs/instability.md and docs/instability/*.png")
@@ -100,8 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the suite; returns what ``results.json`` holds."""
     from benchmarks.instability.evaluate import evaluate, print_tables
 
-    args = build_parser().parse_args(argv)
-    out = args.out if args.out is not None else DEFAULT_OUT
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick and args.report:
+        parser.error("--report writes docs/instability.md from the full suite; run it without --quick.")
+    out = args.out if args.out is not None else DEFAULT_OUT_QUICK if args.quick else DEFAULT_OUT
     start = time.perf_counter()
     traces = collect(out, quick=args.quick, only=args.only, reuse=args.reuse)
     results = evaluate(traces, quick=args.quick)

@@ -86,8 +86,6 @@ class RunConfig:
         emb_weight_decay: Decay of the token and position embeddings (``None``: ``weight_decay``).
         emb_lr_mult: Learning-rate multiplier of the embeddings.
         betas: AdamW betas.
-        qk_lr_mult: Learning-rate multiplier of the query and key projections (``"gpt"`` only: its
-            ``q_proj``/``k_proj``; 1: none).
         z_loss: Coefficient of the z-loss ``mean(logsumexp(logits)^2)`` added to the cross-entropy (0: off).
         grad_clip: Gradient-norm clipping (0: off).
         seed: Seeds the weights and the batch order.
@@ -105,7 +103,6 @@ class RunConfig:
     emb_weight_decay: float | None = None
     emb_lr_mult: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
-    qk_lr_mult: float = 1.0
     z_loss: float = 0.0
     grad_clip: float = 0.0
     seed: int = 0
@@ -165,18 +162,15 @@ class SuiteLM(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.cfg
-        groups: dict[str, list[torch.nn.Parameter]] = {"emb": [], "qk": [], "decay": [], "none": []}
+        groups: dict[str, list[torch.nn.Parameter]] = {"emb": [], "decay": [], "none": []}
         for name, p in self.model.named_parameters():
             if name.endswith("_emb.weight"):
                 groups["emb"].append(p)
-            elif cfg.qk_lr_mult != 1 and (".q_proj." in name or ".k_proj." in name):
-                groups["qk"].append(p)
             else:
                 groups["decay" if p.dim() >= 2 else "none"].append(p)
         emb_wd = cfg.weight_decay if cfg.emb_weight_decay is None else cfg.emb_weight_decay
         settings = {  # group -> (weight decay, learning-rate multiplier)
             "emb": (emb_wd, cfg.emb_lr_mult),
-            "qk": (cfg.weight_decay, cfg.qk_lr_mult),
             "decay": (cfg.weight_decay, 1.0),
             "none": (0.0, 1.0),
         }
