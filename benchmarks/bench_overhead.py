@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from benchmarks.common import environment, markdown_table, select_device, synchronize, time_interleaved, write_json
 from curvwatch import CurvatureMonitor, find_blocks
 from curvwatch.capture import Capture
+from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset, sequence_length
 from curvwatch.demo import GPTLitModule, build_parser, resolve_settings
 from curvwatch.models.gpt import GPTConfig
@@ -219,7 +220,7 @@ def train_once(
         # training seconds (wall time minus its own), what max_overhead budgets; immune to drift between runs
         "monitor_overhead_fraction": None
         if monitor is None
-        else monitor._eval_seconds / max(monitor._train_seconds, 1e-9),
+        else monitor.schedule.eval_seconds / max(monitor.schedule.train_seconds, 1e-9),
     }
 
 
@@ -393,7 +394,8 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int, device: torch.devi
         loss_fn().backward()
     blocks = [b for b in capture.blocks() if b.reason is None]
     pairs = ("VV", "QQ", "KK", "W1W1", "W2W2")  # what pairs="diagonal" asks the kernels for
-    kw = {"tol": MONITOR_KWARGS["tol"], "max_iter": MONITOR_KWARGS["max_iter"], "pairs": pairs}
+    lanczos = Lanczos(tol=MONITOR_KWARGS["tol"], max_iter=MONITOR_KWARGS["max_iter"], max_basis=None, warn=False)
+    kw = {"lanczos": lanczos, "pairs": pairs}
     fns = {"train_step": step}
     fns.update({b.spec.name: (lambda b=b: b.evaluate(dtype=torch.float32, **kw)) for b in blocks})
 

@@ -296,8 +296,8 @@ class CurvatureMonitor(Callback):
                 "configure_model: build the layers in __init__ (on the meta device under "
                 "trainer.init_module(empty_init=True) if they are large) and apply fully_shard in configure_model."
             ) from err
-        self._coverage = report.coverage_rows(self._specs)
-        if any(r["status"] != "monitored" for r in self._coverage) or self.verbose:
+        self._coverage = report.coverage_rows(self._specs, pl_module)
+        if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -102,11 +102,12 @@ def summary_text(
     return "\n".join(lines)
 
 
-def coverage_rows(specs: Sequence[BlockSpec]) -> list[dict[str, str]]:
+def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = None) -> list[dict[str, str]]:
     """One row per monitored block and per part no block covers: ``{"layer", "part", "kind", "status"}``.
 
     The parts left out come from each layer's adapter (:meth:`~curvwatch.adapters.Adapter.unmonitored`), asked once
-    per layer module.
+    per layer module, and, with ``model``, from the modules with parameters outside every monitored layer
+    (embeddings, final norm, output head: layer ``"-"``).
 
     Example:
         >>> from curvwatch.adapters import find_blocks
@@ -121,7 +122,19 @@ def coverage_rows(specs: Sequence[BlockSpec]) -> list[dict[str, str]]:
     for s in layers.values():
         for part, why in s.adapter.unmonitored(s.layer_module):
             rows.append({"layer": str(s.layer), "part": part, "kind": "-", "status": f"not monitored: {why}"})
-    return sorted(rows, key=lambda r: int(r["layer"]))
+    rows.sort(key=lambda r: int(r["layer"]))
+    if model is not None:
+        inside = {id(m) for layer in layers.values() for m in layer.layer_module.modules()}
+        inside |= {id(m) for s in specs for m in s.module.modules()}
+        outside = [
+            name
+            for name, m in model.named_modules()
+            if id(m) not in inside and any(True for _ in m.parameters(recurse=False))
+        ]
+        if outside:
+            why = "outside the Transformer layers (embeddings, final norm, output head): not modelled"
+            rows.append({"layer": "-", "part": ", ".join(outside), "kind": "-", "status": f"not monitored: {why}"})
+    return rows
 
 
 def coverage_text(rows: Sequence[Mapping[str, str]]) -> str:

@@ -33,20 +33,26 @@ B, L, D, H = 3, 5, 8, 2
 # --------------------------------------------------------------------------------------------------
 
 
-def mha_ref(X, W_Q, W_K, W_V, W_O, n_heads, b_Q, b_K, b_V, b_O, causal, key_padding_mask=None):
+def mha_ref(
+    X, W_Q, W_K, W_V, W_O, n_heads, b_Q, b_K, b_V, b_O, causal, key_padding_mask=None, memory=None,
+    memory_padding_mask=None,
+):  # fmt: skip
     B_, L_, _ = X.shape
+    source = X if memory is None else memory  # cross-attention: keys and values from the memory
 
-    def heads(W, b):
-        Y = X @ W + (0 if b is None else b)
-        return Y.view(B_, L_, n_heads, -1).transpose(1, 2)  # (B, H, L, d_K)
+    def heads(Z, W, b):
+        Y = Z @ W + (0 if b is None else b)
+        return Y.view(B_, Z.shape[1], n_heads, -1).transpose(1, 2)  # (B, H, L, d_K)
 
-    Q, K, V = heads(W_Q, b_Q), heads(W_K, b_K), heads(W_V, b_V)
-    S = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])  # (B, H, L, L)
-    allowed = torch.ones(B_, L_, L_, dtype=torch.bool)
+    Q, K, V = heads(X, W_Q, b_Q), heads(source, W_K, b_K), heads(source, W_V, b_V)
+    S = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])  # (B, H, L, L_kv)
+    allowed = torch.ones(B_, L_, source.shape[1], dtype=torch.bool)
     if causal:
         allowed &= torch.ones(L_, L_, dtype=torch.bool).tril()
-    if key_padding_mask is not None:
+    if memory is None and key_padding_mask is not None:
         allowed &= ~key_padding_mask[:, None, :]
+    if memory_padding_mask is not None:
+        allowed &= ~memory_padding_mask[:, None, :]
     A = torch.softmax(S.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
     Y = (A @ V).transpose(1, 2).reshape(B_, L_, -1)  # (B, L, H d_V)
     return Y @ W_O + (0 if b_O is None else b_O)
@@ -76,7 +82,7 @@ def ln_ref(X, eps, weight, bias):
 def reconstruct(block):
     kw = block.reference_inputs(torch.float64)
     kw.pop("grad_output")
-    if block.spec.kind == "attention":
+    if block.spec.kind in ("attention", "cross_attention"):
         return mha_ref(**kw)
     kw.pop("row_mask")
     return ffn_ref(**kw) if block.spec.kind == "ffn" else ln_ref(**kw)
@@ -168,6 +174,7 @@ def _torch_decoder_case(batch_first, norm_first):
             "ln_2": lambda b: b.norm2,
             "ln_3": lambda b: b.norm3,
             "ffn": lambda b: b.linear2,
+            "cross_attn": lambda b: b.multihead_attn,  # its output 0, the block output
         }
         return model, run, kpm, batch_first, list(model.layers), outs
 
@@ -288,10 +295,10 @@ def test_reconstruct_block_outputs_and_gradients(case):
         actual = seen[(block.spec.layer, block.spec.name.split("/")[1])]
         expected_out = actual if batch_first else actual.transpose(0, 1)
         expected_grad = actual.grad if batch_first else actual.grad.transpose(0, 1)
-        if block.spec.kind == "attention":
+        if block.spec.kind in ("attention", "cross_attention"):
             causal = case.startswith(("gpt", "torch-dec")) or "causal" in case or "decoder" in case
-            assert block.params["causal"] == causal
-            if padding is not None:
+            assert block.params["causal"] == (causal and block.spec.kind == "attention")  # memory: not causal
+            if padding is not None:  # the target's padding: its query rows leave the cross-attention's loss too
                 assert torch.equal(block.inputs["key_padding_mask"], padding)
         elif padding is not None:
             assert torch.equal(block.inputs["row_mask"], ~padding)
@@ -387,3 +394,30 @@ def test_activation_names():
     assert activation_name(nn.GELU()) == "gelu"
     with pytest.raises(ValueError, match="not supported"):
         activation_name(ACT2FN["quick_gelu"])
+
+
+def test_decoder_cross_attention_is_monitored_and_matches_the_reference():
+    """nn.TransformerDecoderLayer's multihead_attn (queries from the target, keys and values from the memory, with
+    memory padding) is its own cross_attention block; its norms equal the torch.func ground truth."""
+    from curvwatch import reference as ref
+    from curvwatch.closed_form.settings import EXACT
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(D, H, dim_feedforward=16, dropout=0.0, batch_first=True).double()
+    tgt, memory = torch.randn(B, L, D, dtype=torch.float64), torch.randn(B, L + 2, D, dtype=torch.float64)
+    padded = torch.zeros(B, L + 2, dtype=torch.bool)
+    padded[1, -3:] = True
+    specs = find_blocks(layer)
+    assert [s.name for s in specs] == ["layer0/attn", "layer0/ln_1", "layer0/ln_2", "layer0/ln_3", "layer0/ffn",
+                                       "layer0/cross_attn"]  # fmt: skip
+    with Capture(specs, max_tokens=100) as capture:
+        layer(tgt, memory, memory_key_padding_mask=padded).square().sum().backward()
+    cross = capture.blocks()[-1]
+    assert cross.reason is None and torch.equal(cross.inputs["memory_padding_mask"], padded)
+    torch.testing.assert_close(cross.inputs["memory"], memory)
+    out = cross.evaluate(lanczos=EXACT, dtype=torch.float64)
+    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**cross.reference_inputs(torch.float64)))
+    common = sorted(k for k in set(out) & set(expected) if k.split("/")[1] in ("QQ", "KK", "VV"))
+    assert len(common) == 3 * 3 * H
+    for key in common:
+        assert_close_report(out[key], expected[key], TOL["float64"], key, atol=1e-12)

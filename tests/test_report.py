@@ -41,3 +41,15 @@ def test_summary_text_lists_peaks_warnings_and_skips():
     assert text.index("layer0/attn") < text.index("layer0/ffn")
     assert "1 of 9 norms stopped at max_iter=40" in text and "step 3: spike in layer0/attn" in text
     assert "step 1: induced" in text
+
+
+def test_coverage_names_the_modules_outside_the_layers():
+    from curvwatch.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, d_ff=16))
+    rows = coverage_rows(find_blocks(model), model)
+    assert [r for r in rows if r["status"] != "monitored"] == [
+        {"layer": "-", "part": "tok_emb, pos_emb, ln_f, head", "kind": "-",
+         "status": "not monitored: outside the Transformer layers (embeddings, final norm, output head): not modelled"}
+    ]  # fmt: skip
+    assert sum(r["status"] == "monitored" for r in rows) == 8

@@ -230,6 +230,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         max_tokens=cfg.max_tokens,
         log_key_prefix=PREFIX,
         warn=False,
+        warning_rules="legacy",  # today's rules run live (replayed offline to check the replay); RuleSet offline
         log_heatmap=False,
     )
     pl_log = logging.getLogger("lightning.pytorch")

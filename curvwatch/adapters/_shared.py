@@ -142,6 +142,44 @@ def softmax_scale(scale: float, d_K: int) -> float | None:
     return None if math.isclose(scale, d_K**-0.5, rel_tol=1e-9) else float(scale)
 
 
+def grouped_attention_params(
+    weights: tuple[Tensor, Tensor, Tensor, Tensor],
+    biases: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    d_K: int,
+    qk_norm: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Closed-form arguments of an attention whose ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
+
+    Args:
+        weights: ``(W_Q, W_K, W_V, W_O)`` in math convention, ``W_Q`` ``(d, n_heads d_K)``, ``W_K, W_V``
+            ``(d, n_kv_heads d_K)``, ``W_O`` ``(n_heads d_K, d)``.
+        biases: ``(b_Q, b_K, b_V, b_O)``, each ``None`` or of the width of its projection.
+        n_heads: Number of query heads ``H``.
+        n_kv_heads: Number of key/value heads; returned as ``None`` when it equals ``n_heads`` (no grouping).
+        scale: Softmax scale of the scores; returned as ``None`` when it is the default ``1/sqrt(d_K)``.
+        d_K: Head size.
+        qk_norm: The ``qk_norm`` argument (:func:`qk_norm_params`), or ``None``.
+    """
+    (W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O) = weights, biases
+    return dict(
+        W_Q=W_Q,
+        W_K=W_K,
+        W_V=W_V,
+        W_O=W_O,
+        n_heads=n_heads,
+        n_kv_heads=None if n_kv_heads == n_heads else n_kv_heads,
+        b_Q=b_Q,
+        b_K=b_K,
+        b_V=b_V,
+        b_O=b_O,
+        scale=softmax_scale(scale, d_K),
+        qk_norm=qk_norm,
+    )
+
+
 def check_probability_dropout(module: nn.Module, p: float, where: str, fix: str) -> None:
     """Raise if ``module`` drops attention probabilities (or FFN activations) on this call.
 

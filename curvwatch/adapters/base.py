@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +166,17 @@ def _conv1d(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     return module.weight, module.bias
 
 
+def _ffn(
+    fc1: nn.Module, fc2: nn.Module, act: Any, read: Callable[[nn.Module], tuple[Tensor, Tensor | None]] = _linear
+) -> dict[str, Any]:
+    """``W_1, W_2, b_1, b_2, activation, residual=False`` of an FFN ``act(X W_1 + b_1) W_2 + b_2``.
+
+    ``read`` gives ``(W, b)`` of a projection: :func:`_linear` for ``nn.Linear``, :func:`_conv1d` for ``Conv1D``.
+    """
+    (W_1, b_1), (W_2, b_2) = read(fc1), read(fc2)
+    return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=activation_name(act), residual=False)
+
+
 def _layernorm(module: nn.Module) -> dict[str, Any]:
     if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
         raise UnsupportedBlockError(
@@ -291,5 +303,25 @@ def _spec(
     layer: nn.Module, index: int, part: str, kind: str, module: nn.Module, adapter: Adapter
 ) -> BlockSpec:
     return BlockSpec(f"layer{index}/{part}", index, kind, module, adapter, layer_module=layer)
+
+
+def _four_specs(
+    layer: nn.Module, index: int, adapter: Adapter, attn: nn.Module, ln_1: nn.Module, ln_2: nn.Module, ffn: nn.Module
+) -> list[BlockSpec]:
+    """The specs ``attn, ln_1, ln_2, ffn`` of a layer with one attention, two LayerNorms and one plain FFN."""
+    return [
+        _spec(layer, index, "attn", "attention", attn, adapter),
+        _spec(layer, index, "ln_1", "layernorm", ln_1, adapter),
+        _spec(layer, index, "ln_2", "layernorm", ln_2, adapter),
+        _spec(layer, index, "ffn", "ffn", ffn, adapter),
+    ]
+
+
+def _capture(
+    spec: BlockSpec, mask_module: nn.Module, outputs: dict[str, nn.Module]
+) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """``(input_module, output_module, mask_module)``: the output module of ``spec.kind`` in ``outputs``, else the
+    input module itself (norms)."""
+    return spec.module, outputs.get(spec.kind, spec.module), mask_module
 
 

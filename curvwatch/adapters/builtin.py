@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from curvwatch.adapters.base import (
@@ -10,14 +11,16 @@ from curvwatch.adapters.base import (
     Masks,
     UnsupportedBlockError,
     _bind,
+    _capture,
     _check_scaling,
     _conv1d,
+    _ffn,
+    _four_specs,
     _hf_masks,
     _layernorm,
     _linear,
     _spec,
     _torch_masks,
-    activation_name,
 )
 
 
@@ -25,17 +28,11 @@ class GPTBlockAdapter(Adapter):
     """``curvwatch.models.gpt.Block``: ``ln_1, attn (q/k/v/out_proj), ln_2, mlp (fc, proj)``, causal."""
 
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
-        return [
-            _spec(layer, index, "attn", "attention", layer.attn, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.ln_1, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.ln_2, self),
-            _spec(layer, index, "ffn", "ffn", layer.mlp.fc, self),
-        ]
+        return _four_specs(layer, index, self, layer.attn, layer.ln_1, layer.ln_2, layer.mlp.fc)
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attn.out_proj, "ffn": layer.mlp.proj}.get(spec.kind, spec.module)
-        return spec.module, output, layer.attn
+        return _capture(spec, layer.attn, {"attention": layer.attn.out_proj, "ffn": layer.mlp.proj})
 
     def read_masks(self, spec, args, kwargs):
         return Masks(causal=bool(spec.layer_module.attn.causal))
@@ -52,9 +49,7 @@ class GPTBlockAdapter(Adapter):
             return dict(
                 W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, n_heads=attn.n_head, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O
             )
-        (W_1, b_1), (W_2, b_2) = _linear(layer.mlp.fc), _linear(layer.mlp.proj)
-        act = activation_name(layer.mlp.activation)
-        return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+        return _ffn(layer.mlp.fc, layer.mlp.proj, layer.mlp.activation)
 
 
 class TorchTransformerLayerAdapter(Adapter):
@@ -68,6 +63,9 @@ class TorchTransformerLayerAdapter(Adapter):
 
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
         norms = [n for n in ("norm1", "norm2", "norm3") if hasattr(layer, n)]
+        cross = []  # the decoder's attention over the encoder memory
+        if hasattr(layer, "multihead_attn"):
+            cross.append(_spec(layer, index, "cross_attn", "cross_attention", layer.multihead_attn, self))
         return [
             _spec(layer, index, "attn", "attention", layer.self_attn, self),
             *(
@@ -75,12 +73,14 @@ class TorchTransformerLayerAdapter(Adapter):
                 for i, n in enumerate(norms)
             ),
             _spec(layer, index, "ffn", "ffn", layer.linear1, self),
+            *cross,
         ]
 
     def capture_modules(self, spec):
         layer = spec.layer_module
         output = layer.linear2 if spec.kind == "ffn" else spec.module
-        return spec.module, output, layer.self_attn
+        # cross-attention: masks and memory from the decoder layer's own call (it alone sees the target's padding)
+        return spec.module, output, layer if spec.kind == "cross_attention" else layer.self_attn
 
     def to_batch_first(self, spec, t):
         if t.ndim == 2:
@@ -88,21 +88,33 @@ class TorchTransformerLayerAdapter(Adapter):
         return t if spec.layer_module.self_attn.batch_first else t.transpose(0, 1)
 
     def read_masks(self, spec, args, kwargs):
+        if spec.kind == "cross_attention":
+            return self._cross_masks(spec, _bind(spec.layer_module, args, kwargs))
         a = _bind(spec.layer_module.self_attn, args, kwargs)
         if not (a["key"] is a["query"] and a["value"] is a["query"]):
             raise UnsupportedBlockError("self_attn was called with key/value != query (not self-attention).")
         L = self.to_batch_first(spec, a["query"]).shape[1]
         return _torch_masks(a.get("key_padding_mask"), a.get("attn_mask"), a.get("is_causal", False), L)
 
+    def _cross_masks(self, spec, a):
+        """The decoder layer's ``forward(tgt, memory, ..., tgt_key_padding_mask, memory_key_padding_mask)`` call."""
+        memory = self.to_batch_first(spec, a["memory"])
+        mask = a.get("memory_mask")
+        if mask is not None and bool((mask if mask.dtype == torch.bool else mask != 0).any()):
+            raise UnsupportedBlockError("A memory_mask that masks positions is not supported for cross-attention.")
+        memory_kpm = _torch_masks(a.get("memory_key_padding_mask"), None, False, memory.shape[1]).key_padding_mask
+        L = self.to_batch_first(spec, a["tgt"]).shape[1]
+        target_kpm = _torch_masks(a.get("tgt_key_padding_mask"), None, False, L).key_padding_mask
+        causal = bool(a.get("memory_is_causal", False))
+        return Masks(causal=causal, key_padding_mask=target_kpm, memory=memory, memory_padding_mask=memory_kpm)
+
     def read_params(self, spec):
         layer = spec.layer_module
         if spec.kind == "layernorm":
             return _layernorm(spec.module)
         if spec.kind == "ffn":
-            (W_1, b_1), (W_2, b_2) = _linear(layer.linear1), _linear(layer.linear2)
-            act = activation_name(layer.activation)
-            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
-        mha = layer.self_attn
+            return _ffn(layer.linear1, layer.linear2, layer.activation)
+        mha = layer.multihead_attn if spec.kind == "cross_attention" else layer.self_attn
         if mha.bias_k is not None or mha.add_zero_attn:
             raise UnsupportedBlockError(
                 "nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported."
@@ -125,21 +137,18 @@ class GPT2BlockAdapter(Adapter):
     """Hugging Face ``GPT2Block``: ``ln_1, attn (c_attn packed q|k|v, c_proj), ln_2, mlp (c_fc, c_proj)``.
 
     Works with ``attn_implementation="eager"`` and ``"sdpa"``; causal, padding from ``attention_mask``.
-    Cross-attention (``add_cross_attention``) is not monitored.
+    Cross-attention (``add_cross_attention``) is not monitored: :meth:`unmonitored` names it.
     """
 
+    def unmonitored(self, layer):
+        return _cross_attention_left_out(layer, "crossattention")
+
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
-        return [
-            _spec(layer, index, "attn", "attention", layer.attn.c_attn, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.ln_1, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.ln_2, self),
-            _spec(layer, index, "ffn", "ffn", layer.mlp.c_fc, self),
-        ]
+        return _four_specs(layer, index, self, layer.attn.c_attn, layer.ln_1, layer.ln_2, layer.mlp.c_fc)
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attn.c_proj, "ffn": layer.mlp.c_proj}.get(spec.kind, spec.module)
-        return spec.module, output, layer.attn
+        return _capture(spec, layer.attn, {"attention": layer.attn.c_proj, "ffn": layer.mlp.c_proj})
 
     def read_masks(self, spec, args, kwargs):
         return _hf_masks(
@@ -151,9 +160,7 @@ class GPT2BlockAdapter(Adapter):
         if spec.kind == "layernorm":
             return _layernorm(spec.module)
         if spec.kind == "ffn":
-            (W_1, b_1), (W_2, b_2) = _conv1d(layer.mlp.c_fc), _conv1d(layer.mlp.c_proj)
-            act = activation_name(layer.mlp.act)
-            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+            return _ffn(layer.mlp.c_fc, layer.mlp.c_proj, layer.mlp.act, read=_conv1d)
         attn = layer.attn
         _check_scaling(attn.scaling, attn.head_dim, "GPT2Attention")
         W, b = _conv1d(attn.c_attn)
@@ -168,23 +175,23 @@ class GPT2BlockAdapter(Adapter):
 class BertLayerAdapter(Adapter):
     """Hugging Face ``BertLayer`` (post-LN): self-attention, ``attention.output.LayerNorm`` (``ln_1``),
     ``intermediate``/``output`` FFN, ``output.LayerNorm`` (``ln_2``). Bidirectional unless
-    ``config.is_decoder``; padding from ``attention_mask``. Cross-attention is not monitored.
+    ``config.is_decoder``; padding from ``attention_mask``. Cross-attention is not monitored: :meth:`unmonitored`
+    names it.
     """
 
+    def unmonitored(self, layer):
+        return _cross_attention_left_out(layer, "crossattention")
+
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
-        return [
-            _spec(layer, index, "attn", "attention", layer.attention.self, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.attention.output.LayerNorm, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.output.LayerNorm, self),
-            _spec(layer, index, "ffn", "ffn", layer.intermediate.dense, self),
-        ]
+        return _four_specs(
+            layer, index, self, layer.attention.self, layer.attention.output.LayerNorm, layer.output.LayerNorm,
+            layer.intermediate.dense,
+        )  # fmt: skip
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attention.output.dense, "ffn": layer.output.dense}.get(
-            spec.kind, spec.module
-        )
-        return spec.module, output, layer.attention.self
+        outputs = {"attention": layer.attention.output.dense, "ffn": layer.output.dense}
+        return _capture(spec, layer.attention.self, outputs)
 
     def read_masks(self, spec, args, kwargs):
         attn = spec.layer_module.attention.self
@@ -195,9 +202,7 @@ class BertLayerAdapter(Adapter):
         if spec.kind == "layernorm":
             return _layernorm(spec.module)
         if spec.kind == "ffn":
-            (W_1, b_1), (W_2, b_2) = _linear(layer.intermediate.dense), _linear(layer.output.dense)
-            act = activation_name(layer.intermediate.intermediate_act_fn)
-            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+            return _ffn(layer.intermediate.dense, layer.output.dense, layer.intermediate.intermediate_act_fn)
         attn = layer.attention.self
         _check_scaling(attn.scaling, attn.attention_head_size, "BertSelfAttention")
         (W_Q, b_Q), (W_K, b_K), (W_V, b_V) = map(_linear, (attn.query, attn.key, attn.value))
@@ -215,3 +220,8 @@ class BertLayerAdapter(Adapter):
         )
 
 
+def _cross_attention_left_out(layer: nn.Module, name: str) -> list[tuple[str, str]]:
+    """``[(name, reason)]`` when ``layer`` has an (unmonitored) cross-attention sub-module called ``name``."""
+    if getattr(layer, name, None) is None:
+        return []
+    return [(name, "cross-attention of this layer type is not modelled yet (BART's and PyTorch's decoders are)")]

@@ -16,6 +16,7 @@ from curvwatch.adapters._shared import (
     check_probability_dropout,
     check_rotary_dims,
     gated_activation,
+    grouped_attention_params,
     leftover,
     norm_params,
     qk_norm_params,
@@ -29,10 +30,12 @@ from curvwatch.adapters.base import (
     Masks,
     UnsupportedBlockError,
     _bind,
+    _capture,
+    _ffn,
+    _four_specs,
     _layernorm,
     _linear,
     _spec,
-    activation_name,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -181,25 +184,8 @@ def _proj_attention(attn: nn.Module, out_proj: nn.Module, d_K: int, p_drop: floa
     qk_norm = None
     if getattr(attn, "q_norm", None) is not None:
         qk_norm = qk_norm_params(attn.q_norm, attn.k_norm, d_K)
-    return dict(
-        W_Q=W_Q,
-        W_K=W_K,
-        W_V=W_V,
-        W_O=W_O,
-        n_heads=H,
-        n_kv_heads=None if H_kv == H else H_kv,
-        b_Q=b_Q,
-        b_K=b_K,
-        b_V=b_V,
-        b_O=b_O,
-        scale=softmax_scale(_scaling(attn, d_K), d_K),
-        qk_norm=qk_norm,
-    )
-
-
-def _ffn(fc1: nn.Module, fc2: nn.Module, act) -> dict:
-    (W_1, b_1), (W_2, b_2) = _linear(fc1), _linear(fc2)
-    return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=activation_name(act), residual=False)
+    weights, biases = (W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O)
+    return grouped_attention_params(weights, biases, H, H_kv, _scaling(attn, d_K), d_K, qk_norm)
 
 
 class _HFAdapter(Adapter):
@@ -249,8 +235,7 @@ class HFDecoderLayerAdapter(_HFAdapter):
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.self_attn.o_proj, "gated_ffn": layer.mlp.down_proj}.get(spec.kind, spec.module)
-        return spec.module, output, layer.self_attn
+        return _capture(spec, layer.self_attn, {"attention": layer.self_attn.o_proj, "gated_ffn": layer.mlp.down_proj})
 
     def unmonitored(self, layer):
         mlp_known = all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
@@ -302,17 +287,14 @@ class GPTNeoXLayerAdapter(_HFAdapter):
     """
 
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
-        return [
-            _spec(layer, index, "attn", "attention", layer.attention, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.input_layernorm, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.post_attention_layernorm, self),
-            _spec(layer, index, "ffn", "ffn", layer.mlp.dense_h_to_4h, self),
-        ]
+        return _four_specs(
+            layer, index, self, layer.attention, layer.input_layernorm, layer.post_attention_layernorm,
+            layer.mlp.dense_h_to_4h,
+        )  # fmt: skip
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attention.dense, "ffn": layer.mlp.dense_4h_to_h}.get(spec.kind, spec.module)
-        return spec.module, output, layer.attention
+        return _capture(spec, layer.attention, {"attention": layer.attention.dense, "ffn": layer.mlp.dense_4h_to_h})
 
     def unmonitored(self, layer):
         return leftover(layer, [layer.attention, layer.input_layernorm, layer.post_attention_layernorm, layer.mlp])
@@ -376,17 +358,13 @@ class ViTLayerAdapter(_HFAdapter):
                 "the adapter reads the 5.x layout (attention.q_proj, mlp.fc1). Upgrade transformers or register "
                 "an adapter."
             )
-        return [
-            _spec(layer, index, "attn", "attention", layer.attention, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.layernorm_before, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.layernorm_after, self),
-            _spec(layer, index, "ffn", "ffn", layer.mlp.fc1, self),
-        ]
+        return _four_specs(
+            layer, index, self, layer.attention, layer.layernorm_before, layer.layernorm_after, layer.mlp.fc1
+        )
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attention.o_proj, "ffn": layer.mlp.fc2}.get(spec.kind, spec.module)
-        return spec.module, output, layer.attention
+        return _capture(spec, layer.attention, {"attention": layer.attention.o_proj, "ffn": layer.mlp.fc2})
 
     def unmonitored(self, layer):
         return leftover(layer, [layer.attention, layer.layernorm_before, layer.layernorm_after, layer.mlp])
@@ -449,8 +427,7 @@ class BartLayerAdapter(_HFAdapter):
         layer = spec.layer_module
         if spec.kind == "cross_attention":
             return spec.module, layer.encoder_attn.out_proj, layer
-        output = {"attention": layer.self_attn.out_proj, "ffn": layer.fc2}.get(spec.kind, spec.module)
-        return spec.module, output, layer.self_attn
+        return _capture(spec, layer.self_attn, {"attention": layer.self_attn.out_proj, "ffn": layer.fc2})
 
     def unmonitored(self, layer):
         covered = [layer.self_attn, layer.self_attn_layer_norm, layer.fc1, layer.fc2, layer.final_layer_norm]

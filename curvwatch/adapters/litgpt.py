@@ -11,10 +11,10 @@ from torch import nn
 from curvwatch.adapters._shared import (
     check_rotary_dims,
     gated_activation,
+    grouped_attention_params,
     leftover,
     norm_params,
     qk_norm_params,
-    softmax_scale,
     squeeze_rotary,
     type_key,
 )
@@ -195,17 +195,4 @@ class LitGPTBlockAdapter(Adapter):
                 )
             qk_norm = qk_norm_params(attn.norm_q, attn.norm_k, hs)
         scale = (cfg.attention_scores_scalar or hs) ** -0.5 * getattr(attn, "mscale", 1.0) ** 2
-        return dict(
-            W_Q=W_Q,
-            W_K=W_K,
-            W_V=W_V,
-            W_O=W_O,
-            n_heads=H,
-            n_kv_heads=None if H_kv == H else H_kv,
-            b_Q=b_Q,
-            b_K=b_K,
-            b_V=b_V,
-            b_O=b_O,
-            scale=softmax_scale(scale, hs),
-            qk_norm=qk_norm,
-        )
+        return grouped_attention_params((W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O), H, H_kv, scale, hs, qk_norm)

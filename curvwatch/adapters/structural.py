@@ -20,9 +20,11 @@ from curvwatch.adapters.base import (
     BlockSpec,
     Masks,
     UnsupportedBlockError,
+    _capture,
+    _ffn,
+    _four_specs,
     _layernorm,
     _linear,
-    _spec,
     activation_name,
 )
 
@@ -130,17 +132,11 @@ class NanoGPTBlockAdapter(Adapter):
     """
 
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
-        return [
-            _spec(layer, index, "attn", "attention", layer.attn.c_attn, self),
-            _spec(layer, index, "ln_1", "layernorm", layer.ln_1, self),
-            _spec(layer, index, "ln_2", "layernorm", layer.ln_2, self),
-            _spec(layer, index, "ffn", "ffn", layer.mlp.c_fc, self),
-        ]
+        return _four_specs(layer, index, self, layer.attn.c_attn, layer.ln_1, layer.ln_2, layer.mlp.c_fc)
 
     def capture_modules(self, spec):
         layer = spec.layer_module
-        output = {"attention": layer.attn.c_proj, "ffn": layer.mlp.c_proj}.get(spec.kind, spec.module)
-        return spec.module, output, layer.attn
+        return _capture(spec, layer.attn, {"attention": layer.attn.c_proj, "ffn": layer.mlp.c_proj})
 
     def unmonitored(self, layer):
         return leftover(layer, [layer.attn, layer.ln_1, layer.ln_2, layer.mlp])
@@ -156,9 +152,7 @@ class NanoGPTBlockAdapter(Adapter):
                 return _layernorm(ln)
             return {"eps": float(getattr(ln, "eps", NANOGPT_LN_EPS)), "weight": ln.weight, "bias": ln.bias}
         if spec.kind == "ffn":
-            (W_1, b_1), (W_2, b_2) = _linear(layer.mlp.c_fc), _linear(layer.mlp.c_proj)
-            act = activation_name(_activation(layer.mlp))
-            return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=act, residual=False)
+            return _ffn(layer.mlp.c_fc, layer.mlp.c_proj, _activation(layer.mlp))
         attn = layer.attn
         p = getattr(attn, "dropout", 0.0)
         if not isinstance(p, (int, float)):
