@@ -12,13 +12,16 @@ PY := $(VENV)/bin/python
 
 setup: $(STAMP)
 
-# Re-installs only when pyproject.toml changed. The CPU build of torch first: a plain `torch` requirement would
-# pull a multi-GB CUDA build. litgpt pins an old huggingface-hub that breaks transformers 5: a newer one after it.
-$(STAMP): pyproject.toml
+# Re-installs only when pyproject.toml or the constraints changed. The CPU build of torch first: a plain `torch`
+# requirement would pull a multi-GB CUDA build.
+# transformers 5 needs huggingface-hub >= 1.31 and litgpt pins < 1.4, so one resolver call would fall back to an
+# old transformers: transformers first, then litgpt, then the hub again (litgpt still imports). Versions: .ci/constraints.txt.
+$(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,hf,litgpt]"
+	$(PY) -m pip install -q -c .ci/constraints.txt -e ".[dev,hf]"
+	$(PY) -m pip install -q -c .ci/constraints.txt "litgpt>=0.5.13,<0.6"
 	$(PY) -m pip install -q "huggingface-hub>=1.31,<2"
 	touch $(STAMP)
 

@@ -24,7 +24,7 @@ ADAPTER_CASES = [
 
 def _reference_norms(block) -> dict[str, torch.Tensor]:
     kwargs = block.reference_inputs(torch.float64)
-    if block.spec.kind == "attention":
+    if block.spec.kind in ("attention", "cross_attention"):  # cross: keys and values from the memory
         return reference.dense_to_norms(reference.multi_head_attention_blocks(**kwargs))
     if block.spec.kind == "ffn":
         return reference.dense_to_norms(reference.ffn_blocks(**kwargs))

@@ -162,7 +162,7 @@ class GPT2BlockAdapter(Adapter):
         if spec.kind == "ffn":
             return _ffn(layer.mlp.c_fc, layer.mlp.c_proj, layer.mlp.act, read=_conv1d)
         attn = layer.attn
-        _check_scaling(attn.scaling, attn.head_dim, "GPT2Attention")
+        _check_scaling(_gpt2_scaling(attn), attn.head_dim, "GPT2Attention")
         W, b = _conv1d(attn.c_attn)
         W_Q, W_K, W_V = W.split(attn.embed_dim, dim=1)
         b_Q, b_K, b_V = b.split(attn.embed_dim)
@@ -225,3 +225,26 @@ def _cross_attention_left_out(layer: nn.Module, name: str) -> list[tuple[str, st
     if getattr(layer, name, None) is None:
         return []
     return [(name, "cross-attention of this layer type is not modelled yet (BART's and PyTorch's decoders are)")]
+
+
+def _gpt2_scaling(attn: nn.Module) -> float:
+    """The softmax scale of a Hugging Face ``GPT2Attention``, across transformers versions.
+
+    Newer versions store it (``attn.scaling``); older 5.x ones (5.3) do not and compute it from the config flags
+    ``scale_attn_weights`` (``1/sqrt(head_dim)``, else 1) and ``scale_attn_by_inverse_layer_idx`` (an extra
+    ``1/(layer_idx + 1)``), which are read here the same way.
+    """
+    scaling = getattr(attn, "scaling", None)
+    if scaling is not None:
+        return float(scaling)
+    if not hasattr(attn, "scale_attn_weights"):
+        import transformers
+
+        raise UnsupportedBlockError(
+            f"GPT2Attention of transformers {transformers.__version__} has neither `scaling` nor "
+            "`scale_attn_weights`; curvwatch cannot read its softmax scale. Use transformers >= 5.24 (tested)."
+        )
+    scale = attn.head_dim**-0.5 if attn.scale_attn_weights else 1.0
+    if getattr(attn, "scale_attn_by_inverse_layer_idx", False):
+        scale /= float(attn.layer_idx + 1)
+    return scale
