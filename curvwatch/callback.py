@@ -23,7 +23,7 @@ from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import NONFINITE, BlockError, Engine, Evaluation
 from curvwatch.kinds import KINDS
-from curvwatch.options import OnError, Precision, WarningRules, check_int, check_number, choice, pairs_option
+from curvwatch.options import OnError, WarningRules, check_int, check_number, choice, pairs_option
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
@@ -239,7 +239,7 @@ class CurvatureMonitor(Callback):
         self.on_error = choice("on_error", on_error, OnError)
         self.engine = Engine(
             lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
-            dtype=choice("dtype", dtype, Precision).value,
+            dtype=dtype,  # validated by the engine
             pairs=pairs_option(pairs),
             kinds=kinds,
             max_tokens=max_tokens,

@@ -45,6 +45,7 @@ from curvwatch.capture import CapturedBlock, vectors_held
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
+from curvwatch.options import Precision, choice
 
 __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation"]
 
@@ -121,9 +122,7 @@ class Engine:
         key_prefix: str = "",
     ) -> None:
         self.lanczos = (MONITOR_LANCZOS if lanczos is None else lanczos).replace(warm_start=None, warn=False)
-        if dtype not in _DTYPES:
-            raise ValueError(f"Invalid dtype={dtype!r}. Must be one of {tuple(_DTYPES)}.")
-        self.dtype = dtype
+        self.dtype = choice("dtype", dtype, Precision).value  # the one check of the option set (options.py)
         self.pairs = pairs if isinstance(pairs, str) else tuple(pairs)
         # what the kernels compute (select_pairs then keeps exactly the requested keys)
         if self.pairs == "all":

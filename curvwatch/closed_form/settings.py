@@ -122,11 +122,6 @@ class Lanczos:
         """A copy with some fields changed, e.g. ``lanczos.replace(max_basis=8)``."""
         return dataclasses.replace(self, **changes)
 
-    def vectors_held(self, n: int | None = None) -> int | None:
-        """Lanczos vectors one norm holds at most (``None`` when unbounded and ``n`` is not given)."""
-        limits = [v for v in (self.max_iter, self.max_basis, n) if v is not None]
-        return min(limits) if limits else None
-
     def warn_unconverged(self, out: Mapping[str, torch.Tensor], where: str) -> None:
         """Warn once per call if some norm of ``out`` (keys ``residual/...``) stopped above ``tol``.
 
