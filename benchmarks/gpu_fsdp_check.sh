@@ -26,15 +26,7 @@ unset LOCAL_RANK  # Lightning starts the ranks itself
 py=python3
 status=0
 
-step() {  # step LIMIT_S NAME CMD...: run CMD under a time limit, append its output to the log
-    local limit=$1 name=$2
-    shift 2
-    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
-    timeout "$limit" "$@" 2>&1 | tee -a "$log"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: rc=$rc" | tee -a "$log"
-    [ "$rc" -eq 0 ] || status=1
-}
+. benchmarks/_gpu_step.sh  # step LIMIT_S NAME CMD...
 
 : >"$log"
 step 60 env $py -c "import torch, lightning as L; print(torch.__version__, L.__version__, torch.cuda.device_count())"
