@@ -27,6 +27,7 @@ from curvwatch.options import OnError, WarningRules, check_int, check_number, ch
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
+from curvwatch.sharpness import NO_STATE_YET, RealLoss
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -36,6 +37,7 @@ _HEADLINES = {
     "summary/heterogeneity/model": "max",
     "summary/vv_qq_ratio/median": "max",
     "summary/functional_outer/max": "max",
+    "summary/stability/max": "max",
     "summary/ln/var_min_over_eps": "min",
     "summary/skipped_evaluations": "max",
 }
@@ -92,6 +94,12 @@ class CurvatureMonitor(Callback):
     - With ``terms_every_n_train_steps``, terms-only evaluations log the per-block keys they compute, the
       kinds' summaries (``{p}summary/ln/...``), ``{p}summary/terms_eval_time_s`` and the counters (plus
       ``{p}summary/terms_evaluations``, also on full evaluations).
+    - With ``sharpness``, per attention/FFN block and diagonal pair ``XX`` (per head): ``ggn/XX`` (largest
+      eigenvalue of the Monte-Carlo Gauss-Newton block of the real loss), ``sharpness/XX`` (of it plus the block's
+      own functional term), ``precond_ggn/XX`` and ``precond_sharpness/XX`` (Adam: of ``P^-1/2 (.) P^-1/2``),
+      ``stability/XX`` (sharpness over the optimizer's stability threshold), ``sharpness/max``, ``stability/max``;
+      ``{p}summary/sharpness/max``, ``{p}summary/stability/max`` (headline), ``{p}summary/stability/max_layer``,
+      ``{p}summary/stability/max_block`` and the image ``{p}summary/stability_heatmap``.
     - ``{p}{block}/skipped_nonfinite`` (``1``), only on evaluations where the block's captured input or
       output gradient (or its closed-form result) held NaN or Inf: its numbers are left out, never logged
       as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
@@ -163,6 +171,18 @@ class CurvatureMonitor(Callback):
             per norm, then is evaluated on fewer tokens; one warning each. ``None``: no budget.
         log_heatmap: Log the block-norm heatmap image to W&B/TensorBoard loggers.
         verbose: Print one line per evaluation (rank zero).
+        sharpness: The curvature of the real training loss (:mod:`curvwatch.sharpness`): on full evaluations,
+            ``sharpness_samples`` extra backward passes from the logits (labels sampled from the model's own
+            predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the kernels add
+            the block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns it into
+            an edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a
+            logits module is found (set-up table row ``sharpness``); ``True``: required (error in ``setup``
+            otherwise); ``False``: off.
+        sharpness_samples: Sampled output gradients per evaluation (each one backward pass from the logits).
+        loss: The loss at the logits: ``"auto"`` (softmax cross-entropy, recognised from its gradient; anything
+            else is an error naming the options), ``"cross_entropy"`` or ``"mse"`` (mean over every element).
+        logits_module: Dotted name of the module whose output the loss reads (``None``: the first of ``lm_head``,
+            ``head``, ``classifier``, ``output``, ``score``, ``fc_out``, ``decoder`` found).
 
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
@@ -206,6 +226,10 @@ class CurvatureMonitor(Callback):
         memory_budget_mb: float | None = None,
         log_heatmap: bool = True,
         verbose: bool = False,
+        sharpness: bool | str = "auto",
+        sharpness_samples: int = 16,
+        loss: str = "auto",
+        logits_module: str | None = None,
     ) -> None:
         self.schedule = Schedule(every_n_train_steps, terms_every_n_train_steps, max_overhead)  # validates them
         check_int("max_tokens", max_tokens, 1)
@@ -237,6 +261,7 @@ class CurvatureMonitor(Callback):
             self._rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
         self._legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
         self.on_error = choice("on_error", on_error, OnError)
+        self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         self.engine = Engine(
             lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
             dtype=dtype,  # validated by the engine
@@ -263,6 +288,7 @@ class CurvatureMonitor(Callback):
         self._capture_step: int | None = None
         self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
+        self._sample_seconds = 0.0  # the sampled backward passes of the open capture, charged with its evaluation
         self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
         self._read_params: sharding.ParamReader | None = None  # sharded training: weights read at evaluation
         # state saved in checkpoints (with the schedule's, the engine's limits and the alerts')
@@ -297,8 +323,11 @@ class CurvatureMonitor(Callback):
                 "trainer.init_module(empty_init=True) if they are large) and apply fully_shard in configure_model."
             ) from err
         self._coverage = report.coverage_rows(self._specs, pl_module)
+        status = self.real_loss.resolve(pl_module, sharded=self._read_params is not None)
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
+        if self.verbose or not status.startswith("on"):
+            rank_zero_info(f"CurvatureMonitor real-loss sharpness: {status}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.schedule.start()
@@ -335,14 +364,41 @@ class CurvatureMonitor(Callback):
             return
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()
+        logits = None if terms_only else self.real_loss.module
         try:
             self._capture = self._stack.enter_context(
-                Capture(self._specs, max_tokens=self.engine.token_limit, read_params=self._read_params)
+                Capture(self._specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits)
             )
         except Exception as err:  # reported in on_before_optimizer_step, after the ranks agree
             self._open_error = err
             self._close()
             self._capture_step = step
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        capture = self._capture
+        if capture is None or capture.logits_module is None or self._capture_terms_only:
+            return
+        start = time.perf_counter()
+        try:  # sampled output gradients while the graph is alive; a failure leaves the real-loss keys out
+            self.real_loss.sample(capture, loss, self._grad_factor(trainer, pl_module), self._capture_step)
+            if capture.sample_note:
+                self.engine.warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
+            if capture.unsampled:
+                self.engine.warn_once(
+                    "sharpness_unsampled",
+                    f"CurvatureMonitor has no real-loss keys for {', '.join(capture.unsampled)}: their outputs were not "
+                    "in the forward graph when the loss was ready (reentrant activation checkpointing runs the forward "
+                    "under no_grad: use torch.utils.checkpoint(..., use_reentrant=False)), or do not reach the logits.",
+                )
+        except Exception as err:
+            capture._release()
+            self.engine.warn_once(
+                "sharpness_failed",
+                f"CurvatureMonitor leaves the real-loss keys (sharpness/..., stability/...) out at step "
+                f"{self._capture_step}: sampling the output gradients raised {type(err).__name__}: {err}",
+            )
+        finally:  # charged with the evaluation (summary/eval_time_s, the overhead budget)
+            self._sample_seconds += time.perf_counter() - start
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._capture_step is None:
@@ -352,7 +408,7 @@ class CurvatureMonitor(Callback):
         )  # fmt: skip
         self._close()
         self.schedule.last_step = step
-        self._evaluate_and_log(trainer, pl_module, step, capture, open_error, terms_only)
+        self._evaluate_and_log(trainer, pl_module, step, capture, open_error, terms_only, optimizer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -464,7 +520,7 @@ class CurvatureMonitor(Callback):
             factor /= float(scaler.get_scale())
         return factor
 
-    def _evaluate_and_log(self, trainer, pl_module, step, capture, open_error, terms_only=False) -> None:
+    def _evaluate_and_log(self, trainer, pl_module, step, capture, open_error, terms_only=False, optimizer=None):
         """Evaluate, agree across ranks, then log; the monitor's seconds are charged to the overhead budget."""
         error: BaseException | None = open_error
         flat: dict[tuple[str, str], float] = {}
@@ -484,11 +540,13 @@ class CurvatureMonitor(Callback):
             ready = not ranks.max(torch.tensor([float(error is not None)], dtype=torch.float64))[0] > 0
         if error is None and ready:
             try:
-                evaluation = self.engine.evaluate(blocks, factor, terms_only)
+                rules = self._stability_rules(optimizer, blocks)
+                evaluation = self.engine.evaluate(blocks, factor, terms_only, rules)
                 flat = _drop_nan_blocks(_to_floats(evaluation.results))
             except Exception as err:
                 error = err
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start + self._sample_seconds
+        self._sample_seconds = 0.0
         self.schedule.charge(elapsed, terms_only)
         flat, failed_elsewhere = ranks.sync(flat, error is not None)
         if error is not None or failed_elsewhere:
@@ -505,6 +563,19 @@ class CurvatureMonitor(Callback):
             self._skip(trainer, step, _LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
             self.schedule.charge(time.perf_counter() - logging_start, terms_only, extra=True)
+
+    def _stability_rules(self, optimizer, blocks) -> dict:
+        """The optimizer's stability rule per block with sampled output gradients (once-warned reasons else)."""
+        sampled = [b.spec for b in blocks if "output_samples" in b.inputs]
+        if optimizer is None or not sampled:
+            return {}
+        rules, why = self.real_loss.rules(optimizer, sampled)
+        for name, reason in why.items():
+            if reason == NO_STATE_YET:  # Adam before its first step: expected, no ratio yet
+                continue
+            self.engine.warn_once(f"stability:{reason}", f"CurvatureMonitor logs no stability/... ratio for '{name}' "
+                                  f"(nor for other blocks with the same reason): {reason}.")  # fmt: skip
+        return rules
 
     def _log(self, trainer, step, flat, evaluation: Evaluation, elapsed: float, terms_only: bool = False) -> None:
         """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last."""
@@ -549,6 +620,10 @@ class CurvatureMonitor(Callback):
             sinks.log_metrics(trainer.loggers, logged, step)
             if self.log_heatmap and norms:
                 sinks.log_heatmap(trainer.loggers, f"{p}summary/heatmap", self._specs, norms, step)
+            ratios = {b: keys["stability/max"] for b, keys in per_block.items() if "stability/max" in keys}
+            if self.log_heatmap and ratios:
+                label = ("log10 sharpness / threshold", "Edge-of-stability ratios")
+                sinks.log_heatmap(trainer.loggers, f"{p}summary/stability_heatmap", self._specs, ratios, step, label)
 
         # logged: commit the state
         self._evaluations, self._terms_evaluations = evaluations, terms_evaluations

@@ -32,6 +32,13 @@ model's device, subsampled to at most ``max_tokens`` token positions:
   later positions); for bidirectional attention it is an approximation (the prefix's queries lose the
   keys after it).
 
+**Sampled output gradients** (the real loss's Gauss-Newton matrix, :mod:`curvwatch.sharpness`): given the module
+whose output is the logits, the capture also keeps the live block outputs and the logits of the recorded calls,
+and :meth:`Capture.sample_outputs` (called with the loss before the real backward, while the graph is alive)
+back-propagates ``k`` sampled logit gradients to every block output at once (``torch.autograd.grad`` with
+``retain_graph``: no parameter gradient is touched, the capture hooks ignore these passes); each block of a kind
+that takes them then holds ``"output_samples"`` ``(k, B, L, d_out)``, cut to the same tokens as ``X``.
+
 Padded positions count as tokens and are stored as they are; :meth:`CapturedBlock.reference_inputs` zeroes
 their rows of ``X`` and ``grad_output`` before a closed form sees them (the closed forms also mask them), so
 no statistic, ``term/x_norm`` included, depends on what a padded position holds.
@@ -55,6 +62,7 @@ from torch import Tensor
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
+from curvwatch.sharpness import LogitSampler, LossKind, loss_weights
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -109,7 +117,7 @@ class CapturedBlock:
         spec: The block.
         inputs: Detached tensors: ``"X"`` ``(B, L, d)``, ``"grad_output"`` ``(B, L, d_out)`` and, if the
             batch has padding, ``"key_padding_mask"`` (attention; True = padded) or ``"row_mask"`` (LayerNorm
-            and FFN; True = keep), both ``(B, L)`` bool.
+            and FFN; True = keep), both ``(B, L)`` bool; with sampling, ``"output_samples"`` ``(k, B, L, d_out)``.
         params: Detached weight snapshot and settings read by the adapter at forward time (math convention
             ``(d_in, d_out)``), plus ``causal`` for attention.
         reason: Why the block cannot be evaluated (no gradient arrived, unsupported setting, ...), else
@@ -117,6 +125,9 @@ class CapturedBlock:
         params_fn: Reads the weights now, as full tensors (sharded training: a collective every rank calls for
             every block in the same order), or ``None`` when ``params`` holds them already. :meth:`with_params`
             calls it.
+        sample_scale: With ``"output_samples"``: the batch's total loss weight over that of the kept tokens, by
+            which the real-loss keys (``ggn/...``, ``sharpness/...``) of the kept tokens are scaled up to estimate
+            the whole batch's (1 when every token is kept).
     """
 
     spec: BlockSpec
@@ -124,6 +135,7 @@ class CapturedBlock:
     params: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
     params_fn: Callable[[], dict[str, Any]] | None = None
+    sample_scale: float = 1.0
 
     def with_params(self) -> CapturedBlock:
         """The block with its weights in ``params``: ``params_fn()`` (read now) merged under the call's settings.
@@ -155,12 +167,13 @@ class CapturedBlock:
         if X is None or X.shape[0] * X.shape[1] <= max_tokens:
             return self
         k, l = token_slice(X.shape[0], X.shape[1], max_tokens)
-        inputs = {name: t[:k] if name.startswith("memory") else t[:k, :l] for name, t in self.inputs.items()}
-        return dataclasses.replace(self, inputs=inputs)
+        inputs = {name: _cut(name, t, k, l) for name, t in self.inputs.items()}
+        scale = self.sample_scale * X.shape[0] * X.shape[1] / (k * l)  # the tokens dropped now, by their share
+        return dataclasses.replace(self, inputs=inputs, sample_scale=scale if "output_samples" in inputs else 1.0)
 
     def nonfinite(self) -> list[str]:
         """Names of the captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``), one device sync."""
-        names = [n for n, t in self.inputs.items() if t.is_floating_point()]
+        names = [n for n, t in self.inputs.items() if t.is_floating_point() and n != "output_samples"]
         if not names:
             return []
         finite = torch.stack([torch.isfinite(self.inputs[n]).all() for n in names]).tolist()
@@ -217,7 +230,7 @@ class CapturedBlock:
         mask = kwargs[kind.mask_name] = self.inputs.get(kind.mask_name)
         if mask is not None:  # padded rows carry no information: no statistic may see their values
             padded = (mask if kind.mask_name == "key_padding_mask" else ~mask)[..., None]
-            for name in (kind.input_name, "grad_output"):
+            for name in (kind.input_name, "grad_output", "output_samples"):
                 if isinstance(kwargs.get(name), Tensor):
                     kwargs[name] = kwargs[name].masked_fill(padded, 0.0)
         if dtype is not None:
@@ -231,6 +244,7 @@ class CapturedBlock:
         dtype: torch.dtype = torch.float64,
         pairs: Sequence[str] | None = None,
         kinds: Sequence[str] = ("outer", "functional", "hessian"),
+        precondition: dict[str, Tensor] | None = None,
     ):
         """Run the closed form on the captured tensors.
 
@@ -242,6 +256,8 @@ class CapturedBlock:
                 W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
             kinds: iterative norms to compute (attention, FFN): a subset of ``("outer", "functional",
                 "hessian")``.
+            precondition: ``{weight name: P}`` in the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``), for
+                the ``precond_sharpness/...`` keys of a block with ``output_samples``; ``None``: none.
 
         Returns:
             ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
@@ -259,6 +275,8 @@ class CapturedBlock:
             kwargs.update(lanczos=lanczos, kinds=kinds)
             if pairs is not None:
                 kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
+        if "output_samples" in kwargs and precondition is not None:
+            kwargs["precondition"] = _cast(precondition, dtype)
         return kind.kernel()(**kwargs)
 
 
@@ -270,6 +288,10 @@ class _Record:
         self.params: dict[str, Any] | None = None
         self.masks: Masks | None = None
         self.grad: Tensor | None = None
+        self.output: Tensor | None = None  # the live block output (sampling only), released after sampling
+        self.samples: list[Tensor] = []
+        self.shape: tuple[int, int] | None = None  # (B, L) of the whole batch, before the token cut
+        self.sample_scale = 1.0
         self.output_seen = False
         self.reason: str | None = None
         self.error: tuple[str, BaseException] | None = None  # (phase, exception) of the first hook failure
@@ -277,6 +299,52 @@ class _Record:
     def fail(self, phase: str, error: BaseException) -> None:
         if self.error is None:
             self.error = (phase, error)
+
+
+def _cut(name: str, t: Tensor, k: int, l: int) -> Tensor:
+    """A stored input cut to sequences ``[:k]`` and positions ``[:l]`` (memory by sequence only; samples
+    ``(n, B, L, ...)`` behind their sample dimension)."""
+    if name.startswith("memory"):
+        return t[:k]
+    return t[:, :k, :l] if name == "output_samples" else t[:k, :l]
+
+
+def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ...]:
+    """Index of the logits rows of the kept sequences ``[:k]``, for logits ``(B, L, V)``, ``(L, B, V)`` or ``(B, V)``
+    (one row per sequence); every row when the layout is none of these."""
+    if lead in ((B, L), (B,)):
+        return (slice(0, k),)
+    if lead == (L, B):
+        return (slice(None), slice(0, k))
+    return (slice(None),)
+
+
+def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float, positions: float):
+    """``(LogitSampler of the kept rows with its .note, scale)``; ``scale`` = the batch's total loss weight over that
+    of the kept tokens (a cut inside one sequence counts its share ``positions`` of them)."""
+    V = z.shape[-1]
+    z_kept, g_kept = z.detach()[rows], gz[rows]
+    everything = z_kept.numel() == z.numel()
+    n_active = None
+    if not everything:  # what an assumed mean runs over: the whole batch (counted in chunks: no (N, V) copies)
+        flat = gz.reshape(-1, V)
+        n_active = sum(int(flat[i : i + 4096].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], 4096))
+    w, loss_kind, note = loss_weights(z_kept, g_kept, kind)
+    if note is not None:  # an assumed mean (soft targets, squared error): over the whole batch
+        count = z.numel() if loss_kind is LossKind.MSE else n_active
+        w, loss_kind, note = loss_weights(z_kept, g_kept, loss_kind, count=count)
+    total = float(w.sum())
+    if not everything:
+        if note is not None:
+            total = 1.0  # a mean's weights sum to 1
+        else:
+            zf, gf = z.detach().reshape(-1, V), gz.reshape(-1, V)
+            total = sum(float(loss_weights(zf[i : i + 4096], gf[i : i + 4096], loss_kind)[0].sum())
+                        for i in range(0, zf.shape[0], 4096))  # fmt: skip
+    kept = float(w.sum()) * positions
+    sampler = LogitSampler(z_kept, w * factor, loss_kind)
+    sampler.note = note
+    return sampler, (total / kept if kept > 0 else 1.0)
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -310,6 +378,8 @@ class Capture:
             (:func:`curvwatch.sharding.full_params`, ...); the capture then keeps no weights and each
             :class:`CapturedBlock` reads its own through ``params_fn`` when evaluated. ``None`` (default): a
             snapshot of each block's weights is taken in the forward pass.
+        logits_module: The module whose output is the logits (:func:`curvwatch.sharpness.find_logits_module`):
+            its output and the block outputs are kept for :meth:`sample_outputs`. ``None``: no sampling.
 
     Raises:
         ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
@@ -329,6 +399,7 @@ class Capture:
         max_tokens: int,
         seed: int = 0,
         read_params: Callable[[BlockSpec], dict[str, Any]] | None = None,
+        logits_module: torch.nn.Module | None = None,
     ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"Invalid max_tokens={max_tokens!r}. Must be an int >= 1.")
@@ -339,8 +410,13 @@ class Capture:
         self.max_tokens = max_tokens
         self.seed = seed
         self.read_params = read_params
+        self.logits_module = logits_module
         self._records = [_Record() for _ in specs]
         self._handles: list[Any] = []
+        self._logits: Tensor | None = None
+        self._sampling = False  # inside sample_outputs: the gradient hooks ignore its backward passes
+        self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
+        self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -348,7 +424,10 @@ class Capture:
         if self._handles:
             raise RuntimeError("This Capture is already active; use a new Capture per step.")
         self._records = [_Record() for _ in self.specs]
+        self._logits = None
         try:
+            if self.logits_module is not None:
+                self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
             for spec, rec in zip(self.specs, self._records, strict=True):
                 input_module, output_module, mask_module = spec.adapter.capture_modules(spec)
                 self._handles.append(
@@ -367,6 +446,13 @@ class Capture:
 
     def __exit__(self, *exc: object) -> None:
         self._remove()
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the references to live graph tensors (block outputs, logits)."""
+        self._logits = None
+        for rec in self._records:
+            rec.output = None
 
     def _remove(self) -> None:
         while self._handles:
@@ -380,7 +466,9 @@ class Capture:
         if rec.X is not None or rec.reason or rec.error or not torch.is_grad_enabled():
             return
         try:
-            rec.X = _keep(spec.adapter.read_input(spec, args, kwargs), self.max_tokens)
+            X = spec.adapter.read_input(spec, args, kwargs)
+            rec.shape = (X.shape[0], X.shape[1])
+            rec.X = _keep(X, self.max_tokens)
             if self.read_params is None:  # sharded: the weights are read at evaluation, one block at a time
                 rec.params = _snapshot(spec.adapter.read_params(spec))
         except UnsupportedBlockError as err:
@@ -426,6 +514,8 @@ class Capture:
             )
             return None
         self._handles.append(out.register_hook(functools.partial(self._on_grad, spec, rec)))
+        if self.logits_module is not None and KINDS[spec.kind].sampled:
+            rec.output = out
         if not out._is_view():
             return None
         # A hook on a view is lost if the view is later modified in place (autograd regenerates the view's
@@ -435,13 +525,97 @@ class Capture:
             return copy
         return type(output)(copy if item is out else item for item in output)
 
+    def _on_logits(self, module, args, output) -> None:
+        if self._logits is None and torch.is_grad_enabled():
+            out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
+            if isinstance(out, Tensor) and out.requires_grad:
+                self._logits = out
+
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
-        if rec.grad is not None or rec.error:
+        if rec.grad is not None or rec.error or self._sampling:
             return
         try:
             rec.grad = _keep(spec.adapter.to_batch_first(spec, grad), self.max_tokens)
         except Exception as err:
             rec.fail("backward hook", err)
+
+    # -- sampled output gradients --------------------------------------------------------------------
+
+    def sample_outputs(
+        self,
+        loss: Tensor,
+        samples: int,
+        *,
+        kind: str | LossKind = "auto",
+        factor: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> int:
+        """Back-propagate ``samples`` sampled logit gradients to every kept block output (see the module docstring).
+
+        Call it with the loss after the forward and before its backward (Lightning's ``on_before_backward``).
+
+        Args:
+            loss: The loss tensor about to be back-propagated (its gradient at the logits gives the loss weights,
+                :func:`curvwatch.sharpness.loss_weights`).
+            samples: ``k``, the samples per block (one backward pass from the logits each).
+            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"`` or ``"mse"``.
+            factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
+            generator: Random source for the sampled labels.
+
+        Returns:
+            The blocks that received samples.
+
+        Raises:
+            RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking).
+            ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
+        """
+        z = self._logits
+        live = [
+            (spec, rec)
+            for spec, rec in zip(self.specs, self._records, strict=True)
+            if rec.output is not None and rec.error is None and rec.reason is None
+        ]
+        diverged = False
+        try:
+            if z is None:
+                raise RuntimeError(
+                    f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
+                    "tracking on this step; pass logits_module='<name>' for the module whose output the loss reads"
+                )
+            self._sampling = True
+            if not live:
+                return 0
+            (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+            if not bool(torch.isfinite(gz).all()):  # diverged: the blocks are flagged non-finite by the engine
+                diverged = True
+                return 0
+            B, L = live[0][1].shape
+            k, l = token_slice(B, L, self.max_tokens)
+            rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
+            sampler, scale = _sampler(z, gz, rows, kind, factor, l / L)
+            self.sample_note = sampler.note
+            for _, rec in live:
+                rec.sample_scale = scale
+            outputs = [rec.output for _, rec in live]
+            cotangent = torch.zeros_like(z)
+            for _ in range(samples):
+                r = sampler.draw(generator)
+                unit = r.abs().amax().clamp_min(1e-30)  # unit-sized cotangents: no underflow in low precision
+                cotangent[rows] = (r / unit).to(z.dtype)
+                grads = torch.autograd.grad(z, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True)
+                for (spec, rec), s in zip(live, grads, strict=True):
+                    if s is not None:  # None: the block output does not reach the logits
+                        rec.samples.append(_keep(spec.adapter.to_batch_first(spec, s), self.max_tokens).float() * unit)
+        finally:
+            sampled = {id(rec) for _, rec in live if len(rec.samples) == samples}
+            self.unsampled = [] if diverged else [
+                spec.name
+                for spec, rec in zip(self.specs, self._records, strict=True)
+                if KINDS[spec.kind].sampled and rec.reason is None and id(rec) not in sampled
+            ]
+            self._sampling = False
+            self._release()
+        return len(sampled)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -487,4 +661,9 @@ class Capture:
             )
         call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm, tuple(X.shape[:2]))
         inputs = {"X": X, "grad_output": G, **call_inputs}
-        return CapturedBlock(spec, inputs=inputs, params={**(rec.params or {}), **call_params}, params_fn=params_fn)
+        scale = 1.0
+        if rec.samples:
+            inputs["output_samples"] = torch.stack(rec.samples)  # (k, B, L, d_out), float32
+            scale = rec.sample_scale
+        params = {**(rec.params or {}), **call_params}
+        return CapturedBlock(spec, inputs=inputs, params=params, params_fn=params_fn, sample_scale=scale)

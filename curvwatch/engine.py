@@ -32,7 +32,7 @@ import dataclasses
 import gc
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
 from curvwatch.options import Precision, choice
+from curvwatch.sharpness import StabilityRule, stability_keys
 
 __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation"]
 
@@ -57,6 +58,7 @@ MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=40, max_basis=16, warn=False)
 NONFINITE = "skipped_nonfinite"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _PARTS = ("outer", "functional", "hessian")
+_SAMPLED = ("ggn/", "sharpness/", "precond_ggn/", "precond_sharpness/")  # the real-loss keys of the kernels
 
 
 @dataclass
@@ -167,7 +169,11 @@ class Engine:
     # -- evaluation -----------------------------------------------------------------------------------
 
     def evaluate(
-        self, captured: Sequence[CapturedBlock], grad_factor: float = 1.0, terms_only: bool = False
+        self,
+        captured: Sequence[CapturedBlock],
+        grad_factor: float = 1.0,
+        terms_only: bool = False,
+        rules: Mapping[str, StabilityRule] | None = None,
     ) -> Evaluation:
         """Closed forms of every capturable block, under ``torch.no_grad``.
 
@@ -175,6 +181,8 @@ class Engine:
             captured: The blocks of one step (``Capture.blocks()``).
             grad_factor: Multiplies every ``grad_output`` (undoes gradient accumulation and AMP loss scaling).
             terms_only: Ask the kernels for the exact pairs alone: no Lanczos over Hessian products.
+            rules: ``{block: StabilityRule}`` (:func:`curvwatch.sharpness.stability_rule`): a block with sampled
+                output gradients then also gets its preconditioned sharpness (Adam) and ``stability/...`` keys.
 
         Raises:
             RuntimeError: If no block could be captured (the message lists why, block by block).
@@ -196,7 +204,8 @@ class Engine:
                     block, read_error = captured_block, err
                 if pending is None:
                     try:
-                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out)
+                        rule = None if rules is None else rules.get(block.spec.name)
+                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule)
                     except Exception as err:
                         pending = err
                 # the errors kept must not hold this block's weights through their frames' locals
@@ -220,6 +229,7 @@ class Engine:
         grad_factor: float,
         terms_only: bool,
         out: Evaluation,
+        rule: StabilityRule | None = None,
     ) -> None:
         """Evaluate one block into ``out``: left out, non-finite, failed or its numbers."""
         name = block.spec.name
@@ -256,13 +266,17 @@ class Engine:
             )
         block, max_basis = self._fit_budget(block, dtype)
         try:
-            result = self._evaluate_one(block, dtype, terms_only, max_basis, out)
+            result = self._evaluate_one(block, dtype, terms_only, max_basis, out, rule)
         except Exception as err:
             if self.raise_errors:
                 raise BlockError(name, err) from err
             out.failed[name] = err
             return
         result = {k: v for k, v in result.items() if not k.startswith("dense/")}
+        if block.sample_scale != 1.0:  # the kept tokens' real-loss curvature, scaled to the whole batch's
+            result = {k: v * block.sample_scale if k.startswith(_SAMPLED) else v for k, v in result.items()}
+        if rule is not None:
+            result.update(stability_keys(result, rule))
         out.results[name] = select_pairs(kind.qualify(result), self.pairs)
         if bad:
             out.results[name][NONFINITE] = 1.0
@@ -311,7 +325,13 @@ class Engine:
         return block, max_basis
 
     def _evaluate_one(
-        self, block: CapturedBlock, dtype: torch.dtype, terms_only: bool, max_basis: int | None, out: Evaluation
+        self,
+        block: CapturedBlock,
+        dtype: torch.dtype,
+        terms_only: bool,
+        max_basis: int | None,
+        out: Evaluation,
+        rule: StabilityRule | None = None,
     ) -> dict[str, Tensor]:
         """The closed form of one block; on out-of-memory: free, halve what dominates the block's memory
         estimate (the Lanczos vectors held per norm, or the tokens), retry once."""
@@ -325,6 +345,7 @@ class Engine:
             dtype=dtype,
             pairs=kind.exact_pairs if terms_only else self._kernel_pairs,
             kinds=self.kinds,
+            precondition=None if rule is None else rule.precondition,
         )
         try:
             return block.evaluate(**kwargs)

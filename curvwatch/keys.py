@@ -75,6 +75,30 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec("residual/outer/{XY}[/{head}]", "the same for `outer/XY`", "max", logged=False),
     KeySpec("residual/functional/{XY}[/{head}]", "the same for `functional/XY`", "max", logged=False),
+    KeySpec(
+        "ggn/{XY}[/{head}]",
+        "`λ_max(J_Xᵀ C J_X)` of a diagonal pair: its Gauss-Newton block with the Monte-Carlo output curvature "
+        "`C = Σ_b (1/k) Σ_j s_jb s_jbᵀ` of `k` sampled output gradients `s_j` (kernels' `output_samples`)",
+    ),
+    KeySpec(
+        "sharpness/{XY}[/{head}]",
+        "largest algebraic eigenvalue (may be negative) of `J_Xᵀ C J_X + H_f(XX)`: the block of the real loss's "
+        "Hessian, without the second-order part of the layers downstream of the block",
+    ),
+    KeySpec(
+        "precond_ggn/{XY}[/{head}]",
+        "`ggn/XY` of `P^{-1/2} (·) P^{-1/2}`, `P` the optimizer's diagonal preconditioner (Adam: `√v̂ + ε`)",
+    ),
+    KeySpec("precond_sharpness/{XY}[/{head}]", "`sharpness/XY` of `P^{-1/2} (·) P^{-1/2}`"),
+    KeySpec(
+        "sharpness_spread/{XY}[/{head}]",
+        "Monte-Carlo standard error of `sharpness/XY` relative to it, at its top direction (`k ≥ 2` samples; not "
+        "for grouped-query attention)",
+    ),
+    KeySpec("residual/ggn/{XY}[/{head}]", "relative Lanczos residual of `ggn/XY`", "max", logged=False),
+    KeySpec("residual/sharpness/{XY}[/{head}]", "the same for `sharpness/XY`", "max", logged=False),
+    KeySpec("residual/precond_ggn/{XY}[/{head}]", "the same for `precond_ggn/XY`", "max", logged=False),
+    KeySpec("residual/precond_sharpness/{XY}[/{head}]", "the same for `precond_sharpness/XY`", "max", logged=False),
     KeySpec("hessian/max", "block norm: the largest `hessian/...` of the block", "derived"),
     KeySpec(
         "ratio/functional_outer",
@@ -92,6 +116,14 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "largest relative Lanczos residual of the block's iterative norms (`≤ tol` once converged)",
         "derived",
     ),
+    KeySpec(
+        "stability/{XY}[/{head}]",
+        "real-loss sharpness / the stability threshold of the block's optimizer (SGD: `(2 + 2β)/lr` on "
+        "`sharpness/XY`; Adam: `(2 + 2β₁)/((1 − β₁) lr)` on `precond_sharpness/XY`): `≥ 1` is past the edge of "
+        "stability",
+    ),
+    KeySpec("sharpness/max", "largest `sharpness/...` of the block", "derived"),
+    KeySpec("stability/max", "largest `stability/...` of the block", "derived"),
     KeySpec(
         "skipped_nonfinite",
         "1 on evaluations where the block's captured `X`/`grad_output` (or its result) held NaN or Inf: its "
@@ -121,7 +153,21 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
     ),
     KeySpec("summary/functional_outer/max", "max over blocks of `ratio/functional_outer`", "derived"),
     KeySpec("summary/functional_outer/median", "median over blocks of `ratio/functional_outer`", "derived"),
-    KeySpec("summary/eval_time_s", "seconds the evaluation took on rank zero (capture excluded)", "derived"),
+    KeySpec("summary/sharpness/max", "largest real-loss `sharpness/...` over the blocks", "derived"),
+    KeySpec(
+        "summary/stability/max",
+        "largest `stability/...` over the blocks (headline): `≥ 1` means some block is past the edge of stability "
+        "for its optimizer and learning rate",
+        "derived",
+    ),
+    KeySpec("summary/stability/max_layer", "layer index of that block", "derived"),
+    KeySpec("summary/stability/max_block", "index of that block in the monitored block list", "derived"),
+    KeySpec(
+        "summary/eval_time_s",
+        "seconds the evaluation took on rank zero (with the sampled backward passes of the real-loss keys; the "
+        "capture excluded)",
+        "derived",
+    ),
     KeySpec(
         "summary/terms_eval_time_s",
         "seconds a terms-only evaluation took on rank zero; on terms-only steps, in place of `summary/eval_time_s`",
@@ -156,6 +202,11 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
     KeySpec("summary/lanczos/norms", "how many Lanczos norms the evaluation computed", "derived"),
     KeySpec(
         "summary/heatmap", "image (W&B, TensorBoard; needs matplotlib): `log10 ‖H‖`, layers × sub-blocks", "derived"
+    ),
+    KeySpec(
+        "summary/stability_heatmap",
+        "image: `log10` of each block's `stability/max`, layers × sub-blocks (0 = the edge of stability)",
+        "derived",
     ),
 )
 

@@ -208,9 +208,22 @@ def residuals(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
     return {key[len("residual/") :]: to_float(v) for key, v in result.items() if key.startswith("residual/")}
 
 
+def prefix_max(result: Mapping[str, float | torch.Tensor], prefix: str) -> float | None:
+    """Largest value of the keys ``{prefix}/{pair}[/h{i}]`` of one block (NaN left out), or ``None``.
+
+    Example:
+        >>> prefix_max({"stability/QQ/h0": 0.5, "stability/KK/h0": 1.5, "sharpness/QQ/h0": 9.0}, "stability")
+        1.5
+    """
+    values = [to_float(v) for k, v in result.items() if k.startswith(prefix + "/") and pair_of(k) is not None]
+    values = [v for v in values if not math.isnan(v)]
+    return max(values) if values else None
+
+
 def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
-    """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]`` and
-    ``lanczos/rel_residual_max`` (the largest :func:`residuals` value of the block).
+    """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]``,
+    ``lanczos/rel_residual_max`` (the largest :func:`residuals` value of the block) and, with the real-loss keys,
+    ``sharpness/max`` and ``stability/max``.
 
     Example:
         >>> block_derived({"hessian/VV": 4.0, "hessian/QQ": 2.0, "outer/QQ": 2.0, "functional/QQ": 1.0})
@@ -227,6 +240,10 @@ def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float
     res = residuals(result)
     if res:
         out["lanczos/rel_residual_max"] = max(res.values())
+    for prefix in ("sharpness", "stability"):
+        top = prefix_max(result, prefix)
+        if top is not None:
+            out[f"{prefix}/max"] = top
     return out
 
 
@@ -284,7 +301,8 @@ def summarize(
         ``summary/max_hessian_block`` (its layer and its position in ``results``),
         ``summary/heterogeneity/model`` and ``summary/heterogeneity/layer{i}`` (log10 spread of block norms),
         ``summary/vv_qq_ratio/median`` (over all attention heads), ``summary/functional_outer/max`` and
-        ``/median`` (over blocks), and the block kinds' summaries (:func:`kind_summaries`:
+        ``/median`` (over blocks), ``summary/sharpness/max``, ``summary/stability/max`` with
+        ``summary/stability/max_layer`` and ``summary/stability/max_block`` (real-loss keys), and the block kinds' summaries (:func:`kind_summaries`:
         ``summary/ln/var_min``, ...). Keys whose inputs are absent are omitted.
 
     Example:
@@ -318,6 +336,17 @@ def summarize(
     if fo_finite:
         out["summary/functional_outer/max"] = max(fo_finite)
         out["summary/functional_outer/median"] = statistics.median(fo_finite)
+    for prefix in ("sharpness", "stability"):
+        tops = {name: prefix_max(result, prefix) for name, result in results.items()}
+        tops = {name: v for name, v in tops.items() if v is not None}
+        if tops:
+            top = max(tops, key=tops.__getitem__)
+            out[f"summary/{prefix}/max"] = tops[top]
+            if prefix == "stability":
+                layer = _layer_of(top, layers)
+                if layer is not None:
+                    out["summary/stability/max_layer"] = float(layer)
+                out["summary/stability/max_block"] = float(names.index(top))
     out.update(kind_summaries(results))
     return out
 
@@ -384,8 +413,9 @@ def derive(
     else:
         summary = summarize(results, layers)
         norms = {b: v for b, v in block_norms(results).items() if b not in skip_norms}
-        if "summary/max_hessian_block" in summary:  # index into the monitored blocks, not the evaluated ones
-            name = list(results)[int(summary["summary/max_hessian_block"])]
-            summary["summary/max_hessian_block"] = float(list(layers).index(name))
+        for key in ("summary/max_hessian_block", "summary/stability/max_block"):
+            if key in summary:  # index into the monitored blocks, not the evaluated ones
+                name = list(results)[int(summary[key])]
+                summary[key] = float(list(layers).index(name))
     summary.update(lanczos_accuracy(results, tol))
     return per_block, summary, norms

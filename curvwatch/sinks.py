@@ -81,14 +81,19 @@ def log_config(loggers: Sequence[Any], table: Sequence[Mapping[str, str]], text:
 
 
 def log_heatmap(
-    loggers: Sequence[Any], key: str, specs: Sequence[BlockSpec], norms: Mapping[str, float], step: int
+    loggers: Sequence[Any],
+    key: str,
+    specs: Sequence[BlockSpec],
+    norms: Mapping[str, float],
+    step: int,
+    label: tuple[str, str] = ("log10 ||H||", "Block Hessian norms"),
 ) -> None:
-    """The block-norm heatmap image to W&B and TensorBoard loggers (none: nothing drawn)."""
+    """A heatmap image of per-block values (``label``: colour bar, title) to W&B and TensorBoard loggers."""
     targets, boards = _wandb(loggers), _tensorboard(loggers)
     if not targets and not boards:
         return
     try:
-        figure = heatmap_figure(specs, norms, step)
+        figure = heatmap_figure(specs, norms, step, label)
     except ImportError:  # matplotlib missing: no image
         return
     for logger in targets:
@@ -103,8 +108,13 @@ def log_heatmap(
             warnings.warn(f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureWarning, 2)
 
 
-def heatmap_figure(specs: Sequence[BlockSpec], norms: Mapping[str, float], step: int) -> Any:
-    """A matplotlib figure of ``log10`` block norms, layers (rows) x sub-blocks (columns)."""
+def heatmap_figure(
+    specs: Sequence[BlockSpec],
+    norms: Mapping[str, float],
+    step: int,
+    label: tuple[str, str] = ("log10 ||H||", "Block Hessian norms"),
+) -> Any:
+    """A matplotlib figure of ``log10`` per-block values, layers (rows) x sub-blocks (columns)."""
     from matplotlib.figure import Figure
 
     layers = sorted({s.layer for s in specs if s.name in norms})
@@ -127,7 +137,7 @@ def heatmap_figure(specs: Sequence[BlockSpec], norms: Mapping[str, float], step:
         for j, value in enumerate(row):
             if math.isfinite(value):
                 ax.text(j, i, f"{value:.1f}", ha="center", va="center", color="w", fontsize=8)
-    figure.colorbar(image, ax=ax, label="log10 ||H||")
-    ax.set_title(f"Block Hessian norms, step {step}")
+    figure.colorbar(image, ax=ax, label=label[0])
+    ax.set_title(f"{label[1]}, step {step}")
     figure.tight_layout()
     return figure

@@ -88,7 +88,12 @@ def test_activation_checkpointing_gives_the_same_numbers(tmp_path, plain, mode):
     """With checkpointing the block runs twice (forward, then recomputed in backward; the reentrant variant's
     first run is under no_grad): the hooks record one call and its gradient, the same as without."""
     torch.manual_seed(0)
-    _assert_same(_logged(tmp_path, _Model(checkpointing=mode)), plain, rtol=0.0)
+    got = _logged(tmp_path, _Model(checkpointing=mode))
+    if mode == "reentrant":  # the real-loss keys need the block outputs in the forward graph: named, not logged
+        real = ("/ggn/", "sharpness", "stability", "precond", "lanczos/norms")  # (which counts them)
+        plain = [{k: v for k, v in e.items() if not any(r in k for r in real)} for e in plain]
+        got = [{k: v for k, v in e.items() if "lanczos/norms" not in k} for e in got]
+    _assert_same(got, plain, rtol=0.0)
 
 
 def test_torch_compile_gives_the_same_numbers(tmp_path, plain):
@@ -125,4 +130,9 @@ def test_torch_compile_inductor_gives_the_same_numbers_to_round_off(tmp_path, pl
     """Inductor generates fused kernels (~25 s to compile here) that sum in another order: agreement to 1e-4
     (the Lanczos norms run to tol 1e-6 on inputs that differ by float32 round-off)."""
     torch.manual_seed(0)
-    _assert_same(_logged(tmp_path, _Model(backend="inductor")), plain, rtol=1e-4)
+    # inductor donates its backward buffers (no retain_graph): the real-loss keys are left out, with a warning
+    # naming torch._functorch.config.donated_buffer; the rest is compared
+    real = ("/ggn/", "sharpness", "stability", "precond", "lanczos/norms")
+    expected = [{k: v for k, v in e.items() if not any(r in k for r in real)} for e in plain]
+    got = [{k: v for k, v in e.items() if "lanczos/norms" not in k} for e in _logged(tmp_path, _Model(backend="inductor"))]
+    _assert_same(got, expected, rtol=1e-4)

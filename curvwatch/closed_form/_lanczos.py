@@ -43,8 +43,9 @@ def lanczos_max_abs(
     both_ends: torch.Tensor | bool = True,
     pass_live: bool = False,
     info: dict | None = None,
+    algebraic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest |eigenvalue| of a batch of symmetric operators, matrix-free.
+    """Largest |eigenvalue| (``algebraic``: largest eigenvalue) of a batch of symmetric operators, matrix-free.
 
     Runs Lanczos with full re-orthogonalisation on every operator of the batch at once. A batch member
     stops contributing once its largest-magnitude Ritz value ``theta`` has residual ``|beta_j s_j| <= tol |theta|``
@@ -80,10 +81,16 @@ def lanczos_max_abs(
             the returned Ritz value when its member stopped. Some eigenvalue lies within that fraction of the
             norm; it is ``<= tol`` where the member converged and larger where ``max_iter`` cut it short (the
             norm may then read low: Ritz values never exceed the largest |eigenvalue|).
+        algebraic: follow the largest Ritz value ``theta`` (not the largest in magnitude) and return it with
+            its sign: the largest algebraic eigenvalue, e.g. of an indefinite Hessian whose most negative
+            eigenvalue is the largest in magnitude. The same stopping test on ``theta`` alone (``both_ends`` is
+            ignored: the other end cannot overtake the top one; Ritz values never exceed it); every step
+            re-orthogonalises twice.
 
     Returns:
-        ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest |eigenvalue| found; ``vec`` of
-        shape ``(*batch_shape, n)`` is its Ritz vector (a good warm start for the next call).
+        ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest |eigenvalue| found (the largest
+        eigenvalue with ``algebraic``); ``vec`` of shape ``(*batch_shape, n)`` is its Ritz vector (a good warm
+        start for the next call).
 
     Example:
         >>> M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=torch.float64))
@@ -121,7 +128,7 @@ def lanczos_max_abs(
         noise = noise / noise.norm(dim=-1, keepdim=True)
         v = v + WARM_NOISE * noise * v.norm(dim=-1, keepdim=True).clamp_min(1.0)
     v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-    both = torch.as_tensor(both_ends, dtype=torch.bool, device=device).expand(batch_shape)
+    both = torch.as_tensor(False if algebraic else both_ends, dtype=torch.bool, device=device).expand(batch_shape)
 
     # The basis grows one vector per step into a buffer: basis = buf[..., :size, :]. On CPU the buffer has
     # room for all its vectors from the start: torch.empty does not touch its pages, so only the vectors
@@ -160,10 +167,14 @@ def lanczos_max_abs(
         # needed only when the first cancelled most of w (then its rounding errors, ~eps ||w_before||, are
         # large next to what is left): it runs when ||w_after|| < REORTH_KAPPA ||w_before|| for some member.
         # Reading that is a host-device sync, free on CPU; elsewhere both passes always run (no extra sync).
+        # With ``algebraic`` both passes always run too: the top of an indefinite spectrum can need many steps,
+        # and over them the conditional pass let the basis lose orthogonality geometrically until a ghost Ritz
+        # value above the spectrum passed the stopping test (49 for a spectrum in [-5, -0.3], n = 60,
+        # max_basis = 8, tol = 1e-10; 80 run to the end with tol = 0: tests/test_lanczos.py).
         w_norm = w.norm(dim=-1) if cpu else None
         w = _project_out(w, basis)
         beta = w.norm(dim=-1)
-        if not cpu or bool((beta < REORTH_KAPPA * w_norm).any()):
+        if not cpu or algebraic or bool((beta < REORTH_KAPPA * w_norm).any()):
             w = _project_out(w, basis)
             beta = w.norm(dim=-1)
         last = j + 1 == k_max
@@ -187,7 +198,7 @@ def lanczos_max_abs(
                 T[..., :k, k] = arr
                 T[..., k, :k] = arr
             evals, evecs = torch.linalg.eigh(T)  # ascending
-            idx = evals.abs().argmax(-1, keepdim=True)
+            idx = (evals if algebraic else evals.abs()).argmax(-1, keepdim=True)
             theta_now = evals.gather(-1, idx).squeeze(-1)
             resid = (beta_h.unsqueeze(-1) * evecs[..., -1, :]).abs()  # residual of every Ritz pair
             # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
@@ -212,13 +223,20 @@ def lanczos_max_abs(
             # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end
             # (last evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
             converged = converged & (~both_h | (settled & (j > 0)))
+            was_live = live
             live = live & ~(exhausted | converged)  # the host mask; on CPU also the device one
-            if not bool(live.any()) or last:
+            done = not bool(live.any()) or last
+            # algebraic: a member takes its Ritz vector when it stops. Its later steps are zero (alpha = beta = 0),
+            # and with a negative theta those zero Ritz values would outrank it at the end.
+            take = (was_live if done else was_live & ~live) if algebraic else None
+            if done or (take is not None and bool(take.any())):
                 # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
                 y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, size)
                 y = y.to(device=device, dtype=dtype)
-                ritz = (y.unsqueeze(-2) @ basis).squeeze(-2)
-                break
+                new = (y.unsqueeze(-2) @ basis).squeeze(-2)
+                ritz = new if take is None else torch.where(take.to(device).unsqueeze(-1), new, ritz)
+                if done:
+                    break
             active = live if cpu else live.to(device)
             if full:
                 # thick restart: keep the Ritz vectors of the lowest and highest Ritz values (both ends of the
@@ -259,7 +277,7 @@ def lanczos_max_abs(
     theta, rel_residual = theta.to(device), rel_residual.to(device)
     if info is not None:
         info["rel_residual"] = rel_residual
-    return theta.abs(), ritz
+    return (theta if algebraic else theta.abs()), ritz
 
 
 def _project_out(w: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -334,9 +334,9 @@ def spectral_norms(
     return out
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos):
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False):
     """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
-    and stored into ``lanczos.warm_start``."""
+    and stored into ``lanczos.warm_start``; with ``algebraic`` the largest eigenvalues instead of the norms."""
     info: dict = {}
     warm = lanczos.warm_start
     shape = (len(kinds), emb.H, emb.n)
@@ -353,6 +353,7 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos):
         v0=None if warm is None else warm.get(key, shape, op.dtype, op.device),
         both_ends=_both_ends(kinds, op, diagonal=diagonal),
         info=info,
+        algebraic=algebraic,
     )
     if warm is not None:
         warm.put(key, ritz)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from functools import cached_property
 
 import torch
@@ -56,6 +57,7 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
+from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
 from .bounds import _attention_bound_table, _grouped_attention_bound_tables, softmax_bound_factors
 from .layernorm import LayerNormRows
 from .rmsnorm import RMSNormRows
@@ -254,11 +256,17 @@ class AttentionOperator(BlockOperator):
         rotary: a :class:`_Rotary` (from :func:`_check_rotary`) or None.
         scale: the softmax scale ``s``, or None for ``1/sqrt(d_K)``.
         qk_norm: a :class:`_QKNorm` (from :func:`_check_qk_norm`) or None.
+
+    Attributes:
+        sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` (``of_heads``) applied by
+            :meth:`_outer_cotangent` instead of ``c`` (set on a copy by
+            :func:`~curvwatch.closed_form._sampled.with_sampled`), or None.
     """
 
     suffix_heads = True
     supports_subsets = True
     supports_total = True
+    sampled = None
 
     def __init__(
         self,
@@ -531,8 +539,11 @@ class AttentionOperator(BlockOperator):
 
         Without ``mix`` (or with ``G = 1``) head ``h`` sees only its own output, ``u_h = c dF_h W_O^h W_O^h^T`` (the
         diagonal head block); with ``mix`` it sees its group's, ``u_h = c (sum_{h' in g} dF_h' W_O^h') W_O^h^T``,
-        which the blocks of the shared ``W_K``, ``W_V`` need.
+        which the blocks of the shared ``W_K``, ``W_V`` need. With :attr:`sampled` the curvature is the sampled ``C``
+        (mixed the same way).
         """
+        if self.sampled is not None:
+            return self.sampled(dF, group=self.G if mix and self.W_O is not None else 1)
         if self.G == 1 or not mix or self.W_O is None:
             u = dF if self.Mo is None else dF @ self.Mo
         else:
@@ -844,8 +855,11 @@ def _attention(
     qk_norm=None,
     memory=None,
     memory_padding_mask=None,
+    output_samples=None,
+    precondition=None,
 ):
-    """Shared body of :func:`self_attention` and :func:`multi_head_attention`; every argument is checked."""
+    """Shared body of :func:`self_attention` and :func:`multi_head_attention`; every argument is checked except
+    ``output_samples``; ``precondition`` is ``D = P^{-1/2}`` per block (``"Q"``, ``"K"``, ``"V"``), heads split."""
     B, L, d = X3.shape
     H, H_kv = W_Q.shape[0], W_K.shape[0]
     G = H // H_kv
@@ -872,6 +886,9 @@ def _attention(
         batched=batched,
     )
     op.set_cotangent(g, c)
+    samples = check_output_samples(
+        output_samples, target=target, out_shape=tuple(F.shape), batched=batched, row_keep=row_keep, ref=X3
+    )
     pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
     for p in pairs:
         if p not in ATTENTION_PAIRS and p != "QKV":
@@ -926,6 +943,15 @@ def _attention(
             out.update(_group_keys(spectral_norms(gv, g_pairs, kinds=kinds, lanczos=lanczos)))
         if full:
             out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
+    if samples is not None:
+        sop = with_sampled(op, SampledCurvature.of_heads(samples, W_O))
+        diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
+        if G == 1:
+            out.update(sampled_norms(sop, diagonal, lanczos=lanczos, scale=precondition))
+        else:  # as the other keys: QQ per query head, VV and KK per kv group
+            q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
+            out.update(sampled_norms(sop, q_diag, lanczos=lanczos, scale=precondition, view=_QueryView))
+            out.update(_group_keys(sampled_norms(sop, g_diag, lanczos=lanczos, scale=precondition, view=_GroupView)))
 
     if terms:
         norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
@@ -1044,6 +1070,8 @@ def self_attention(
     lanczos: Lanczos | None = None,
     dense: bool = False,
     terms: bool = True,
+    output_samples: torch.Tensor | None = None,
+    precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -1069,6 +1097,12 @@ def self_attention(
             False computes the norms only.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
             (vec_r order, equal to ``torch.func.hessian`` reshaped) and ``dense/*/QKV``.
+        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` for an unbatched ``X``; ``m`` the output width), grad_output
+            mode only: ``k`` sampled gradients ``s_j`` of the loss in the output ``F``. They define the Monte-Carlo
+            output curvature ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` (block diagonal over the sequences ``b``,
+            padded query rows zeroed) of the sampled keys below; every other key is unchanged.
+        precondition: with ``output_samples``, any of ``{"W_Q": P_Q, "W_K": P_K, "W_V": P_V}``: the diagonal of a
+            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight argument.
 
     Returns:
         Flat dict of 0-d tensors: ``outer/XY``, ``functional/XY``, ``hessian/XY`` (spectral norms) for XY in
@@ -1077,8 +1111,18 @@ def self_attention(
         (measured ``||dA/dT||_2``), ``term/softmax_hess_frob``, ``term/inv_L3`` (the papers' ``1/L^3``,
         valid only for uniform attention), ``term/w{q,k,v}_norm``, ``term/attn_entropy``.
 
+        With ``output_samples``, for each diagonal pair ``XX`` of ``pairs`` (VV, QQ, KK), with ``J_X = dF/dW_X`` and
+        ``H_f,XX`` the functional block (``G = grad_output``): ``ggn/XX`` = ``lambda_max(J_X^T C J_X)``;
+        ``sharpness/XX``, the largest *algebraic* eigenvalue of ``J_X^T C J_X + H_f,XX``: the block of the loss
+        Hessian except the second-order part of the layers downstream of ``F``, which ``C`` leaves out (negative
+        where ``H_f`` dominates with negative curvature); with ``precondition`` holding ``W_X``, ``precond_ggn/XX``
+        and ``precond_sharpness/XX``, the same of ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each. All by
+        Lanczos (VV too), whatever ``kinds``.
+
     Raises:
-        ValueError: on shape mismatches, or unless exactly one of ``target`` / ``grad_output`` is given.
+        ValueError: on shape mismatches, unless exactly one of ``target`` / ``grad_output`` is given, on
+            ``output_samples`` / ``precondition`` with ``target``, and on ``precondition`` without
+            ``output_samples``.
 
     Example:
         >>> X, W = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
@@ -1094,6 +1138,8 @@ def self_attention(
     W_V = check_weight(W_V, d, "W_V", X3)
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
+    shapes = {"W_Q": tuple(W_Q.shape), "W_K": tuple(W_K.shape), "W_V": tuple(W_V.shape)}
+    pre = check_precondition(precondition, shapes, X3, has_samples=output_samples is not None)  # D = P^{-1/2}
     return _attention(
         X3,
         batched,
@@ -1116,6 +1162,8 @@ def self_attention(
         single=True,
         kinds=kinds,
         terms=terms,
+        output_samples=output_samples,
+        precondition={nm[-1]: D.unsqueeze(0) for nm, D in pre.items()},  # "W_Q" -> "Q": (1, d, d_K)
     )
 
 
@@ -1149,6 +1197,8 @@ def multi_head_attention(
     lanczos: Lanczos | None = None,
     dense: bool = False,
     terms: bool = True,
+    output_samples: torch.Tensor | None = None,
+    precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -1194,6 +1244,12 @@ def multi_head_attention(
             ``memory W_K``, ``memory W_V``; queries come from ``X``. ``None``: self-attention.
         memory_padding_mask: ``(B, L_kv)`` or ``(L_kv,)`` bool, True = padded memory position (never attended to).
             A query that sees no key at all has ``A = 0`` (output ``b_O``) and no curvature.
+        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` unbatched): sampled output gradients defining the Monte-Carlo
+            output curvature ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` of the sampled keys, as in
+            :func:`self_attention` (grad_output mode only; padded query rows zeroed).
+        precondition: with ``output_samples``, any of ``{"W_Q": P_Q, "W_K": P_K, "W_V": P_V}``, each positive and of
+            that weight argument's packed shape (``(d, H d_K)`` etc.; its heads are split like the weight's): the
+            diagonal of a preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``).
 
     Returns:
         The keys of :func:`self_attention` suffixed by head or group. With ``H_kv = H``: ``/h{i}`` for everything,
@@ -1211,9 +1267,17 @@ def multi_head_attention(
         queries' input. ``bound/...`` keys cover scale, windows, rotary (through ``max ||R_i||``), grouped-query
         and cross-attention; **with ``qk_norm`` no ``bound/...`` key is returned** (the bounds do not cover it).
 
+        With ``output_samples``: ``ggn/XX``, ``sharpness/XX`` (the largest *algebraic* eigenvalue of
+        ``J_X^T C J_X + H_f,XX``, leaving out the second-order part of the layers downstream of ``F``), with
+        ``precondition`` holding ``W_X`` ``precond_ggn/XX``, ``precond_sharpness/XX`` (of ``P^{-1/2} (.) P^{-1/2}``),
+        and ``residual/...`` of each, for XX in VV, QQ, KK of ``pairs`` (see :func:`self_attention`), suffixed like
+        that pair's other keys: ``/h{i}`` with ``H_kv = H``; with ``H_kv < H`` ``QQ/h{i}`` per query head and
+        ``VV/g{j}``, ``KK/g{j}`` per kv group (blocks of the head's ``W_Q`` slice, the group's ``W_K``, ``W_V`` slices).
+
     Raises:
-        ValueError: on shape mismatches or invalid options (the message says what is allowed), or unless exactly one
-            of ``target`` / ``grad_output`` is given.
+        ValueError: on shape mismatches or invalid options (the message says what is allowed), unless exactly one
+            of ``target`` / ``grad_output`` is given, on ``output_samples`` / ``precondition`` with ``target``, and
+            on ``precondition`` without ``output_samples``.
 
     Example:
         >>> X = torch.randn(5, 4, dtype=torch.float64)
@@ -1266,6 +1330,11 @@ def multi_head_attention(
     W_O = _split_heads(W_O.to(dtype=X3.dtype, device=X3.device), n_heads, "W_O", per_head_cols=False)
     H, _, d_K = W_Q.shape
     d_V = W_V.shape[-1]
+    # the shapes the weights were passed with (check_weight and _split_heads accepted them)
+    shapes = {"W_Q": (d, H * d_K), "W_K": (d_kv, H_kv * d_K), "W_V": (d_kv, H_kv * d_V)}
+    pre = check_precondition(precondition, shapes, X3, has_samples=output_samples is not None)  # D = P^{-1/2}
+    heads = {"W_Q": H, "W_K": H_kv, "W_V": H_kv}
+    pre = {nm[-1]: _split_heads(D, heads[nm], f"precondition[{nm!r}]") for nm, D in pre.items()}  # (heads, ., .)
     b_Q = check_like(b_Q, (H * d_K,), "b_Q", X3)
     b_K = check_like(b_K, (H_kv * d_K,), "b_K", X3)
     b_V = check_like(b_V, (H_kv * d_V,), "b_V", X3)
@@ -1310,4 +1379,6 @@ def multi_head_attention(
         qk_norm=_check_qk_norm(qk_norm, d_K, X3),
         memory=M3,
         memory_padding_mask=memory_padding_mask,
+        output_samples=output_samples,
+        precondition=pre,
     )

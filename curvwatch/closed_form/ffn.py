@@ -12,6 +12,7 @@ Formula sheet §5, with ``Z = Y W_1 + b_1`` (pre-activation), ``Hid = act(Z)`` a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -26,6 +27,7 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
+from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
 from .settings import Lanczos
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
@@ -85,10 +87,15 @@ class FFNOperator(BlockOperator):
         W_1: ``(d, f)``; W_2: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)`` output
             curvature; row_keep: ``(B, L)`` tokens in the loss.
         act2_is_zero: True for ReLU (``act'' = 0``: the W1W1 functional term vanishes and is skipped).
+
+    Attributes:
+        sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` applied as the output curvature
+            instead of ``c`` (set on a copy by :func:`~curvwatch.closed_form._sampled.with_sampled`), or None.
     """
 
     supports_subsets = True
     supports_total = True
+    sampled = None
 
     def __init__(self, Y, Hid, act1, act2, W_1, W_2, g, c, row_keep, act2_is_zero=False):
         B, L, d = Y.shape
@@ -121,12 +128,17 @@ class FFNOperator(BlockOperator):
             dS = t if dS is None else dS.add_(t)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
-            u = select_rows(dS, idx) * self.ck if outer else None
+            u = self._outer_cotangent(select_rows(dS, idx)) if outer else None
             if not second_order:
                 return self._pull(u, None, None, None, False, outputs)
             return self._pull(u, select_rows(dZ, idx), select_rows(dHid, idx), select_rows(dW2, idx), True, outputs)
 
         return run_parts(part, outer_rows, func_rows, total_rows)
+
+    def _outer_cotangent(self, dS: torch.Tensor) -> torch.Tensor:
+        """``u = C dS`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token (0 on dropped ones) or the
+        sampled curvature."""
+        return dS * self.ck if self.sampled is None else self.sampled(dS)
 
     def _pull(self, u, dZ, dHid, dW2, second_order, outputs):
         """Weight gradients of the output cotangent ``u`` ``(n, N, m)`` (or None) plus, with ``second_order``,
@@ -171,6 +183,8 @@ def ffn(
     kinds=KINDS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
+    output_samples: torch.Tensor | None = None,
+    precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
@@ -188,11 +202,29 @@ def ffn(
             ``Lanczos()``: tol 1e-3, at most 100 steps and 16 vectors held per norm, a warning if one does not
             converge).
         dense: also return ``dense/{outer,functional,hessian}/XY``.
+        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` for an unbatched ``Y``), grad_output mode only: ``k``
+            sampled gradients ``s_j`` of the loss in the output ``S``. They define the Monte-Carlo output curvature
+            ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` (block diagonal over the sequences ``b``, rows dropped by
+            ``row_mask`` zeroed) that replaces ``c`` in the sampled keys below; the existing keys are unchanged.
+        precondition: with ``output_samples``, ``{"W_1": P_1, "W_2": P_2}`` (either or both): the diagonal of a
+            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
 
     Returns:
         0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY``, ``dead_fraction`` (hidden units never
         active on the kept tokens), ``active_fraction`` (mean fraction of positive pre-activations),
         ``term/y_norm``, ``term/hidden_norm``, ``term/w1_norm``, ``term/w2_norm``.
+
+        With ``output_samples``, for each diagonal pair ``XX`` of ``pairs`` (``W1W1``, ``W2W2``), with ``J_X`` the
+        Jacobian of ``S`` in ``W_X`` and ``H_f,XX`` the functional block (``G = grad_output``):
+        ``ggn/XX`` = ``lambda_max(J_X^T C J_X)``; ``sharpness/XX``, the largest *algebraic* eigenvalue of
+        ``J_X^T C J_X + H_f,XX`` (the block of the loss Hessian, except the second-order part of the layers
+        downstream of ``S``, which ``C`` leaves out; negative when ``H_f`` dominates with negative curvature);
+        with ``precondition`` holding ``W_X``, ``precond_ggn/XX`` and ``precond_sharpness/XX``, the same of
+        ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``kinds``).
+
+    Raises:
+        ValueError: on invalid shapes or options, ``output_samples`` / ``precondition`` with ``target``, or
+            ``precondition`` without ``output_samples``.
 
     Example:
         >>> Y, T = torch.randn(6, 3, dtype=torch.float64), torch.zeros(6, 3, dtype=torch.float64)
@@ -215,13 +247,20 @@ def ffn(
         keep = row_mask.to(device=Y3.device, dtype=torch.bool).reshape(B, L)
     pairs = FFN_PAIRS if pairs is None else tuple(pairs)
     iterative = [p for p in pairs if p != "W2W2"]
-    need_op = bool(iterative) or dense  # the operator (and act', act'') serves the Lanczos and dense products only
+    m = W_2.shape[1]
+    samples = check_output_samples(
+        output_samples, target=target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
+    )
+    pre = check_precondition(
+        precondition, {"W_1": tuple(W_1.shape), "W_2": tuple(W_2.shape)}, Y3, has_samples=samples is not None
+    )
+    # the operator (and act', act'') serves the Lanczos and dense products only
+    need_op = bool(iterative) or dense or samples is not None
     Z = Y3 @ W_1 + (0 if b_1 is None else b_1)  # (B, L, f)
     if need_op:
         Hid, a1, a2 = activation_derivatives(Z, activation)
     else:
         Hid = activation_value(Z, activation)
-    m = W_2.shape[1]
     if target is not None:
         S = Hid @ W_2 + (0 if b_2 is None else b_2) + (Y3 if residual else 0)
     else:  # grad_output mode reads only the output's shape, dtype and device
@@ -261,6 +300,11 @@ def ffn(
             out["functional/W1W1"] = zero
     if iterative:
         out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lz))
+    if samples is not None:
+        sop = with_sampled(op, SampledCurvature.of_tokens(samples))
+        blocks = {"W_1": "W1", "W_2": "W2"}
+        diagonal = [p for p in pairs if p in ("W1W1", "W2W2")]
+        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale={blocks[nm]: D for nm, D in pre.items()}))
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:

@@ -25,6 +25,8 @@ Per token (rows of ``Y``; the MLP acts token by token), with ``Z_g = Y W_g + b_g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
@@ -38,6 +40,7 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
+from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
 from .ffn import activation_derivatives, activation_value
 from .settings import Lanczos
 
@@ -106,10 +109,15 @@ class GatedFFNOperator(BlockOperator):
             activation and its first two derivatives at ``Z_g``.
         W_down: ``(f, m)``; g: ``(B, L, m)`` cotangent at the output; c: ``(B,)`` output curvature;
             row_keep: ``(B, L)`` tokens in the loss.
+
+    Attributes:
+        sampled: a sampled output curvature used instead of ``c``, as in
+            :class:`~curvwatch.closed_form.ffn.FFNOperator`.
     """
 
     supports_subsets = True
     supports_total = True
+    sampled = None
 
     def __init__(self, Y, Z_up, act, act1, act2, W_down, g, c, row_keep):
         B, L, d = Y.shape
@@ -150,13 +158,17 @@ class GatedFFNOperator(BlockOperator):
             dF = _acc(dF, self.Hid @ dW2)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
-            u = select_rows(dF, idx) * self.ck if outer else None
+            u = self._outer_cotangent(select_rows(dF, idx)) if outer else None
             if not second_order:
                 return self._pull(u, None, None, None, None, False, outputs)
             sel = (select_rows(t, idx) for t in (dZg, dZu, dHid, dW2))
             return self._pull(u, *sel, True, outputs)
 
         return run_parts(part, outer_rows, func_rows, total_rows)
+
+    def _outer_cotangent(self, dF: torch.Tensor) -> torch.Tensor:
+        """``u = C dF`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token or the sampled curvature."""
+        return dF * self.ck if self.sampled is None else self.sampled(dF)
 
     def _pull(self, u, dZg, dZu, dHid, dW2, second_order, outputs):
         """Weight gradients of the output cotangent ``u`` ``(n, N, m)`` (or None) plus, with ``second_order``,
@@ -218,6 +230,8 @@ def gated_ffn(
     kinds=KINDS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
+    output_samples: torch.Tensor | None = None,
+    precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a gated MLP (SwiGLU / GeGLU) in its three weights.
 
@@ -237,6 +251,12 @@ def gated_ffn(
         kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` for the six pairs (small sizes only).
+        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` unbatched), grad_output mode only: ``k`` sampled gradients
+            ``s_j`` of the loss in ``F``, defining the Monte-Carlo output curvature
+            ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` (block diagonal over sequences, dropped rows zeroed) of the
+            sampled keys below, as in :func:`curvwatch.closed_form.ffn`; the other keys are unchanged.
+        precondition: with ``output_samples``, any of ``{"W_gate": P_g, "W_up": P_u, "W_down": P_d}``: the diagonal
+            of a positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
 
     Returns:
         0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{kind}/XY`` for the Lanczos
@@ -248,9 +268,17 @@ def gated_ffn(
         of the gated hidden ``Hid = act(Z_g) * Z_u``), ``term/wgate_norm``, ``term/wup_norm``,
         ``term/wdown_norm`` (spectral norms).
 
+        With ``output_samples``, for each diagonal pair ``XX`` of ``pairs`` (``W1W1``, ``W3W3``, ``W2W2``):
+        ``ggn/XX`` = ``lambda_max(J_X^T C J_X)`` (``J_X = dF/dW_X``), ``sharpness/XX`` = the largest *algebraic*
+        eigenvalue of ``J_X^T C J_X + H_f,XX`` (the loss Hessian's block without the second-order part of the
+        layers downstream of ``F``; ``H_f,XX`` the functional block with ``G = grad_output``, zero for ``W3W3`` and
+        ``W2W2``), with ``precondition`` holding that weight ``precond_ggn/XX`` and ``precond_sharpness/XX``, the
+        same of ``P^{-1/2} (.) P^{-1/2}``, and ``residual/...`` of each (Lanczos, whatever ``kinds``).
+
     Raises:
-        ValueError: on an unknown ``activation``, pair or kind, inconsistent shapes, or unless exactly one of
-            ``target`` and ``grad_output`` is given.
+        ValueError: on an unknown ``activation``, pair or kind, inconsistent shapes, unless exactly one of
+            ``target`` and ``grad_output`` is given, on ``output_samples`` / ``precondition`` with ``target``, and
+            on ``precondition`` without ``output_samples``.
 
     Example:
         >>> Y, G = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -284,7 +312,13 @@ def gated_ffn(
             )
     kinds = _check_kinds(kinds)
     iterative = [p for p in pairs if p != "W2W2"]
-    need_op = bool(iterative) or dense  # act', act'' and the operator serve the Lanczos and dense products only
+    samples = check_output_samples(
+        output_samples, target=target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
+    )
+    shapes = {"W_gate": tuple(W_gate.shape), "W_up": tuple(W_up.shape), "W_down": tuple(W_down.shape)}
+    pre = check_precondition(precondition, shapes, Y3, has_samples=samples is not None)
+    # act', act'' and the operator serve the Lanczos and dense products only
+    need_op = bool(iterative) or dense or samples is not None
     Z_g = Y3 @ W_gate + (0 if b_gate is None else b_gate)  # (B, L, f)
     Z_u = Y3 @ W_up + (0 if b_up is None else b_up)  # (B, L, f)
     if need_op:
@@ -323,6 +357,11 @@ def gated_ffn(
             out["functional/W3W3"] = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
     if iterative:
         out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lz))
+    if samples is not None:
+        sop = with_sampled(op, SampledCurvature.of_tokens(samples))
+        blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
+        diagonal = [p for p in pairs if p in ("W1W1", "W3W3", "W2W2")]
+        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale={blocks[nm]: D for nm, D in pre.items()}))
     kept = keep.unsqueeze(-1)  # (B, L, 1)
     n_kept = f * (B * L if row_mask is None else keep.sum())
     off, pos = Z_g < GATE_OFF, Z_g > 0  # (B, L, f)

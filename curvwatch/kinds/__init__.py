@@ -89,6 +89,8 @@ class BlockKind:
             ``var_min``, ``inv_var_max``, ``eps``), or ``None`` for kinds that cannot collapse.
         input_only_keys: Whether the kernel reports statistics of ``X`` alone, which are still worth logging
             when only ``grad_output`` is non-finite (LayerNorm variances: a collapse that caused the NaN).
+        sampled: Whether the kernel takes ``output_samples`` (sampled output gradients of the real loss,
+            :mod:`curvwatch.sharpness`) and ``precondition``, and then returns ``ggn/...`` and ``sharpness/...``.
         label: A human name for messages and docs (``"LayerNorm"``).
         doc: One line for the docs' table of kinds.
     """
@@ -110,6 +112,7 @@ class BlockKind:
     summaries: tuple[Summary, ...] = ()
     collapse_stats: Callable[[Mapping[str, float], float | None], dict[str, float]] | None = None
     input_only_keys: bool = False
+    sampled: bool = False
     label: str = ""
     doc: str = ""
     diagonal_pairs: tuple[str, ...] = field(init=False)

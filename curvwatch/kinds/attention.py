@@ -71,6 +71,7 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         pairs=("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV"),
         exact_pairs=("VV",),
         iterative=True,
+        sampled=True,
         has_norms=True,
         call_inputs=_call_inputs,
         prepare=_prepare,

@@ -15,6 +15,7 @@ KIND = register_kind(
         pairs=("W1W1", "W2W2", "W1W2"),
         exact_pairs=("W2W2",),
         iterative=True,
+        sampled=True,
         has_norms=True,
         work_elements=lambda B, L, d, p: 32 * B * L * p["W_1"].shape[-1],
         basis_numel=lambda p: p["W_1"].numel(),

@@ -18,6 +18,7 @@ KIND = register_kind(
         pairs=("W1W1", "W3W3", "W2W2", "W1W3", "W1W2", "W3W2"),
         exact_pairs=("W2W2",),
         iterative=True,
+        sampled=True,
         has_norms=True,
         # gate and up pre-activations, the gated hidden layer and their tangents: (B, L, f) each
         work_elements=lambda B, L, d, p: 48 * B * L * p["W_gate"].shape[-1],

@@ -1,0 +1,217 @@
+"""Real-loss sharpness: Monte-Carlo error against the number of samples, the gap to the true block Hessian
+along training, and the cost of the sampling, on the demo's addition task (no downloads).
+
+For each model (our GPT; Hugging Face GPT-2 with eager attention) at three points of an AdamW run (initial
+weights, mid-run, converged), for a few blocks ``XX`` (attention QQ/KK/VV of head 0, FFN W1W1/W2W2):
+
+* exact, by ``torch.func`` in float64 (:func:`curvwatch.reference.real_loss.real_loss_blocks`): ``lambda_max`` of
+  the Gauss-Newton block ``ggn``, of ``ggn + own`` (what ``sharpness/XX`` estimates) and of the true Hessian;
+* the monitor's path (capture, sampled output gradients, closed-form kernels, float64, tight Lanczos): the
+  relative error of ``sharpness/XX`` against ``lambda_max(ggn + own)`` for ``k`` samples, median and 90th
+  percentile over seeds (each seed draws new labels);
+* the cost: one evaluation with and without sampling (16 samples) on the demo model, side by side.
+
+Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from curvwatch.adapters import find_blocks
+from curvwatch.capture import Capture
+from curvwatch.closed_form.settings import Lanczos
+from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset
+from curvwatch.engine import Engine
+from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.reference.real_loss import real_loss_blocks
+
+TIGHT = Lanczos(tol=1e-8, max_iter=200, max_basis=None, warn=False)
+# (block, pair, weight, columns of head 0 or None)
+PROBES = (
+    ("layer0/attn", "QQ", "W_Q", True),
+    ("layer0/attn", "KK", "W_K", True),
+    ("layer1/attn", "VV", "W_V", True),
+    ("layer0/ffn", "W1W1", "W_1", False),
+    ("layer1/ffn", "W2W2", "W_2", False),
+)
+
+
+def _data(n: int, seed: int, n_digits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = AdditionDataset(n_digits=n_digits, n_samples=n, seed=seed)
+    x, y = zip(*(ds[i] for i in range(n)), strict=True)
+    return torch.stack(x), torch.stack(y)
+
+
+def our_gpt() -> tuple[torch.nn.Module, int, str]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=8, n_layer=2, n_head=2, d_model=16, d_ff=32, dropout=0.0,
+                    attention="math")  # fmt: skip
+    return GPT(cfg).double(), 8, "GPT (ours)"
+
+
+def hf_gpt2() -> tuple[torch.nn.Module, int, str]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB_SIZE, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = tf.GPT2LMHeadModel(cfg).double()
+    return model, 8, "HF GPT-2"
+
+
+def _logits(model, x):
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _loss_fn(x, y):
+    def fn(model):
+        z = _logits(model, x)
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX), z
+
+    return fn
+
+
+def _train(model, steps: int, x, y) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss = torch.zeros(())
+    for i in range(steps):
+        sel = torch.randint(0, x.shape[0], (64,), generator=torch.Generator().manual_seed(i))
+        loss, _ = _loss_fn(x[sel], y[sel])(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss)
+
+
+def _head_slice(spec, weight):
+    n_heads = int(spec.adapter.read_params(spec).get("n_heads", 1))
+    width = spec.adapter.read_params(spec)[weight].shape[1] // n_heads
+    return slice(0, width)
+
+
+def _lam(M: torch.Tensor) -> float:
+    return float(torch.linalg.eigvalsh((M + M.T) / 2)[-1])
+
+
+def monitor_sharpness(model, x, y, k: int, seed: int) -> dict[str, dict[str, float]]:
+    """The monitor's path: capture with k sampled output gradients, the engine in float64 (tight Lanczos)."""
+    specs = find_blocks(model)
+    from curvwatch.sharpness import find_logits_module
+
+    _, logits_module = find_logits_module(model)
+    with Capture(specs, max_tokens=10**6, logits_module=logits_module) as cap:
+        loss, _ = _loss_fn(x, y)(model)
+        cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+        loss.backward()
+    model.zero_grad()
+    engine = Engine(lanczos=TIGHT, dtype="float64", kinds=("outer", "functional", "hessian"))
+    return engine.evaluate(cap.blocks()).results
+
+
+def accuracy_table(build, checkpoints, ks, seeds, n_eval: int) -> list[str]:
+    model, _, label = build()
+    x, y = _data(2000, 0)
+    xe, ye = x[:n_eval], y[:n_eval]
+    rows = []
+    done = 0
+    for name, steps in checkpoints:
+        loss = _train(model, steps - done, x, y) if steps > done else float(_loss_fn(xe, ye)(model)[0])
+        done = steps
+        specs = {s.name: s for s in find_blocks(model)}
+        exact = {}
+        for block, pair, weight, per_head in PROBES:
+            spec = specs[block]
+            cols = _head_slice(spec, weight) if per_head else None
+            r = real_loss_blocks(model, _loss_fn(xe, ye), spec, weight, cols)
+            exact[(block, pair)] = (_lam(r["ggn"]), _lam(r["ggn"] + r["own"]), _lam(r["hessian"]))
+        errors = {key: {k: [] for k in ks} for key in exact}
+        for k in ks:
+            for seed in range(seeds):
+                res = monitor_sharpness(model, xe, ye, k, seed)
+                for (block, pair), (_, target, _) in exact.items():
+                    key = f"sharpness/{pair}" + ("/h0" if pair in ("QQ", "KK", "VV") else "")
+                    errors[(block, pair)][k].append(abs(float(res[block][key]) - target) / abs(target))
+        for (block, pair), (ggn, target, true) in exact.items():
+            cells = []
+            for k in ks:
+                e = sorted(errors[(block, pair)][k])
+                cells.append(f"{statistics.median(e):.2f} / {e[int(0.9 * (len(e) - 1))]:.2f}")
+            rows.append(
+                f"| {label} | {name} (loss {loss:.2f}) | {block} {pair} | {ggn:.3g} | {target:.3g} | {true:.3g} | "
+                f"{true / target:.2f} | " + " | ".join(cells) + " |"
+            )
+    return rows
+
+
+def cost_table(repeats: int) -> list[str]:
+    """One evaluation of the demo-size model with and without 16 samples, interleaved, float32, demo settings."""
+    from curvwatch.sharpness import find_logits_module
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=11, n_layer=2, n_head=4, d_model=64, dropout=0.0))
+    x, y = _data(64, 1, n_digits=3)  # the demo's model and batch
+    specs = find_blocks(model)
+    _, head = find_logits_module(model)
+    times = {"step (forward+backward)": [], "without sampling": [], "with 16 samples": [], "of which sampling": []}
+    for _ in range(repeats):
+        for sample in (False, True):
+            t0 = time.perf_counter()
+            with Capture(specs, max_tokens=512, logits_module=head if sample else None) as cap:
+                loss, _ = _loss_fn(x, y)(model)
+                t1 = time.perf_counter()
+                if sample:
+                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+                t2 = time.perf_counter()
+                loss.backward()
+            t3 = time.perf_counter()
+            Engine().evaluate(cap.blocks())
+            t4 = time.perf_counter()
+            model.zero_grad()
+            if sample:
+                times["with 16 samples"].append(t4 - t0 - (t3 - t2) - (t1 - t0))
+                times["of which sampling"].append(t2 - t1)
+            else:
+                times["without sampling"].append(t4 - t3)
+                times["step (forward+backward)"].append(t3 - t0)
+    return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one model, two checkpoints, few seeds (smoke test)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        builds, checkpoints, ks, seeds, n_eval, repeats = [our_gpt], [("init", 0)], (1, 16), 2, 16, 1
+    else:
+        builds = [our_gpt, hf_gpt2]
+        checkpoints, ks, seeds, n_eval, repeats = [("init", 0), ("mid", 150), ("converged", 1500)], (1, 4, 16, 64), 8, 32, 5
+    head = (
+        "| model | weights | block | λ(GGN) | λ(GGN + own) | λ(true H) | true / sharpness | "
+        + " | ".join(f"rel. error k={k} (median / p90)" for k in ks)
+        + " |"
+    )
+    lines = [head, "|" + " --- |" * (7 + len(ks))]
+    for build in builds:
+        lines += accuracy_table(build, checkpoints, ks, seeds, n_eval)
+    lines += ["", "| cost per evaluation (demo model, float32, CPU) | ms (median) |", "| --- | --- |"]
+    lines += cost_table(repeats)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Ground truth of a block's curvature in the real training loss of a whole model, by ``torch.func``.
+
+For one weight block ``theta`` of a monitored sub-block (``W_Q`` of one head, an FFN's ``W_1``) in a model whose
+loss reads logits ``z``, :func:`real_loss_blocks` returns three dense ``(n, n)`` matrices:
+
+* ``hessian``: the true Hessian of the loss in ``theta`` (everything downstream included);
+* ``ggn``: the Gauss-Newton block ``J^T H_z J``, ``J = dz/dtheta``, ``H_z`` the loss's Hessian at the logits
+  (softmax cross-entropy: ``sum_n w_n (diag p_n - p_n p_n^T)``; squared error: ``2 w I``), what the Monte-Carlo
+  samples of :mod:`curvwatch.sharpness` estimate;
+* ``own``: the block's own functional term ``sum_i g_i d^2 F_i / dtheta^2``, ``g = dl/dF`` at the block output
+  ``F`` (the real gradient), which the closed forms compute exactly.
+
+``sharpness`` keys estimate ``lambda_max(ggn + own)``; ``hessian - ggn - own`` is the downstream second-order part
+that no closed form reaches. Tiny models only (dense Jacobians of the logits); use a twice-differentiable
+attention (no fused SDPA) and float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from curvwatch.adapters import BlockSpec
+from curvwatch.sharpness import param_index_map
+
+__all__ = ["real_loss_blocks"]
+
+
+class _Call(nn.Module):
+    """``loss_fn(model)`` as a module, so that ``torch.func.functional_call`` can swap the model's parameters."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module], tuple[Tensor, Tensor]]) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return self.loss_fn(self.model)
+
+
+def real_loss_blocks(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], tuple[Tensor, Tensor]],
+    spec: BlockSpec,
+    weight: str,
+    columns: slice | None = None,
+    loss: str = "cross_entropy",
+) -> dict[str, Tensor]:
+    """Dense ``hessian``, ``ggn`` and ``own`` blocks of ``theta`` (see the module docstring).
+
+    Args:
+        model: The model (float64, twice differentiable).
+        loss_fn: ``model -> (loss, logits)``, a forward pass on a fixed batch; ``logits`` ``(..., V)``.
+        spec: The monitored sub-block the weight belongs to (:func:`curvwatch.find_blocks`).
+        weight: The weight as its adapter reads it: ``"W_Q"``, ``"W_1"``, ...
+        columns: Columns of that ``(d_in, d_out)`` weight (one head: ``slice(h d_K, (h + 1) d_K)``); ``None``: all.
+        loss: ``"cross_entropy"`` (weights ``w_n`` read from the gradient at the logits, hard labels) or ``"mse"``
+            (the mean over every element).
+
+    Returns:
+        ``{"hessian", "ggn", "own"}``, each ``(n, n)`` in the row-major order of ``W[:, columns]``.
+    """
+    from curvwatch.sharpness import LossKind, loss_weights
+
+    params, index = param_index_map(spec, (weight,))[weight]
+    index = index if columns is None else index[:, columns]
+    flat = index.reshape(-1)
+    sizes = torch.tensor([0, *[p.numel() for p in params]]).cumsum(0)
+    which = torch.bucketize(flat, sizes[1:], right=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    base = {n: p.detach() for n, p in model.named_parameters()}
+    call = _Call(model, loss_fn)
+    out_module = spec.adapter.capture_modules(spec)[1]
+
+    def run(delta: Tensor, keep: dict | None = None) -> tuple[Tensor, Tensor]:
+        new = dict(base)
+        for j, p in enumerate(params):
+            sel = which == j
+            if bool(sel.any()):
+                pos = flat[sel] - sizes[j]
+                new[names[id(p)]] = (base[names[id(p)]].reshape(-1).index_add(0, pos, delta[sel])).reshape(p.shape)
+        handle = None
+        if keep is not None:
+            handle = out_module.register_forward_hook(
+                lambda m, a, o: keep.setdefault("F", spec.adapter.read_output(spec, o))
+            )
+        try:
+            return torch.func.functional_call(call, {f"model.{n}": t for n, t in new.items()}, ())
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    zero = torch.zeros(flat.numel(), dtype=next(iter(base.values())).dtype)
+    hessian = torch.func.hessian(lambda d: run(d)[0])(zero)
+    # the loss's Hessian at the logits
+    keep: dict = {}
+    with torch.enable_grad():
+        loss0, z = run(zero.clone().requires_grad_(True), keep)
+        gz, g_F = torch.autograd.grad(loss0, (z, keep["F"]), retain_graph=True)
+    zr = z.detach().reshape(-1, z.shape[-1])
+    if loss == "mse":
+        H_z = torch.eye(zr.numel(), dtype=zr.dtype) * 2.0 / zr.numel()
+    else:
+        w, _, _ = loss_weights(z.detach(), gz, LossKind.CROSS_ENTROPY)
+        p = torch.softmax(zr, -1)
+        H_z = torch.block_diag(*[wi * (torch.diag(pi) - torch.outer(pi, pi)) for wi, pi in zip(w.double(), p)])
+    J = torch.func.jacrev(lambda d: run(d)[1].reshape(-1))(zero)  # (N V, n)
+    ggn = J.T @ H_z @ J
+    g_F = g_F.detach()
+
+    def own_term(d: Tensor) -> Tensor:
+        kept: dict = {}
+        run(d, kept)
+        return (kept["F"] * g_F).sum()
+
+    own = torch.func.hessian(own_term)(zero)
+    return {"hessian": hessian, "ggn": ggn, "own": own}

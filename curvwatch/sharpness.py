@@ -1,0 +1,514 @@
+"""Curvature of the real training loss: Monte-Carlo output gradients, optimizer thresholds, stability ratios.
+
+The closed forms' ``outer/...`` keys use a stand-in output curvature. This module supplies what the real one
+needs, as pure functions (the capture and the callback call them; no ``Trainer`` here):
+
+* **Sampled output gradients.** For a loss ``l = sum_n w_n ell(z_n, y_n)`` over the rows ``z_n`` of the logits,
+  the Gauss-Newton matrix at the logits is ``sum_n w_n H_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (softmax
+  cross-entropy, ``p_n = softmax(z_n)``) or ``2 I`` (squared error). A sampled gradient ``r = sqrt(w) (p - e_y)``
+  with ``y ~ Categorical(p)`` (cross-entropy) or ``r = sqrt(2 w) eps`` with ``eps ~ N(0, I)`` (squared error) has
+  ``E[r r^T] = w H``, rows independent (the Monte-Carlo Fisher of K-FAC and BackPACK). Back-propagated to a block
+  output (:meth:`curvwatch.capture.Capture.sample_outputs`) each sample ``s_j`` gives ``E[s s^T]`` = the
+  Gauss-Newton matrix of the real loss at that output, which the kernels turn into ``ggn/...`` and
+  ``sharpness/...`` keys (``output_samples``).
+* **Loss weights** ``w_n``, read from the real loss's gradient at the logits (:func:`loss_weights`), so the mean
+  over tokens, ignored labels (``ignore_index``), a sum, per-token weights, gradient accumulation and AMP scaling
+  need no configuration.
+* **Stability thresholds** of the optimizer that updates a block (:func:`stability_rule`): gradient descent with
+  heavy-ball momentum ``beta`` is stable on a quadratic while ``lambda_max < (2 + 2 beta) / lr``; Adam/AdamW
+  (preconditioned by ``P = diag(sqrt(v_hat) + eps)``) while ``lambda_max(P^-1 H) < (2 + 2 beta_1) / ((1 - beta_1)
+  lr)`` (38/lr at ``beta_1 = 0.9``; Cohen et al. 2021, 2022). The ratio sharpness / threshold is the block's
+  ``stability/...`` key: ``>= 1`` means past the edge of stability.
+
+Example:
+    >>> z = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    >>> loss = torch.nn.functional.cross_entropy(z, torch.tensor([0, 2]))
+    >>> g, = torch.autograd.grad(loss, z)
+    >>> w, kind, note = loss_weights(z.detach(), g, "auto")
+    >>> kind.value, [round(float(v), 6) for v in w], note
+    ('cross_entropy', [0.5, 0.5], None)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LOGITS_NAMES",
+    "LogitSampler",
+    "LossKind",
+    "StabilityRule",
+    "find_logits_module",
+    "loss_weights",
+    "param_index_map",
+    "sample_logit_gradient",
+    "stability_keys",
+    "stability_rule",
+]
+
+#: Module names tried, in this order, for the module whose output is the logits (``logits_module=None``).
+LOGITS_NAMES = ("lm_head", "head", "classifier", "output", "score", "fc_out", "decoder")
+
+#: Weight arguments of the kernels that a preconditioner can be read for (see :func:`param_index_map`).
+PRECONDITIONED = ("W_Q", "W_K", "W_V", "W_1", "W_2", "W_gate", "W_up", "W_down")
+
+#: Why an Adam block has no ratio on the optimizer's first step (expected: not warned about).
+NO_STATE_YET = "the optimizer has no second-moment state yet (before its first step)"
+
+# A cross-entropy gradient row g = w (p - t) sums to zero; rows summing to more than this fraction of their
+# absolute sum are not cross-entropy ones (float32 round-off is ~1e-7; bfloat16 logits ~1e-3).
+_CE_ROW_SUM = 1e-2
+# Hard-label fit: per-row weights are used when the gradient equals w_n (p_n - e_y) to this relative residual.
+_HARD_FIT = 1e-2
+
+
+class LossKind(str, Enum):
+    """The training loss at the logits, for the Monte-Carlo Gauss-Newton matrix."""
+
+    AUTO = "auto"  # cross-entropy when the gradient rows sum to zero, else an error naming the options
+    CROSS_ENTROPY = "cross_entropy"
+    MSE = "mse"  # mean squared error over every element of the output
+
+
+def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
+    """``(name, module)`` of the module whose output is the logits the loss reads.
+
+    Args:
+        model: The LightningModule (or any module).
+        name: A dotted module name (``"lm_head"``, ``"model.classifier"``); ``None``: the first of
+            :data:`LOGITS_NAMES` found, searched as a suffix of every module's name, the shortest name first.
+
+    Raises:
+        ValueError: If no module matches, with the names tried and how to pass ``logits_module``.
+
+    Example:
+        >>> net = nn.Sequential()
+        >>> net.add_module("body", nn.Linear(4, 4)); net.add_module("lm_head", nn.Linear(4, 9))
+        >>> find_logits_module(net)[0]
+        'lm_head'
+    """
+    modules = dict(model.named_modules())
+    if name is not None:
+        if name not in modules:
+            close = [n for n in modules if n.endswith(name.split(".")[-1])][:5]
+            raise ValueError(
+                f"Invalid logits_module={name!r}: the model has no such module"
+                + (f" (similar names: {close})" if close else "")
+                + ". Pass the dotted name of the module whose output is the logits, as in model.named_modules()."
+            )
+        return name, modules[name]
+    for candidate in LOGITS_NAMES:
+        hits = sorted((n for n in modules if n == candidate or n.endswith("." + candidate)), key=len)
+        if hits:
+            return hits[0], modules[hits[0]]
+    raise ValueError(
+        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Pass "
+        "logits_module='<dotted name>' (see model.named_modules()), or sharpness=False to leave the real-loss "
+        "curvature out."
+    )
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``(N, V)`` float32 view of a ``(..., V)`` tensor."""
+    return t.detach().reshape(-1, t.shape[-1]).float()
+
+
+def loss_weights(
+    logits: Tensor, grad: Tensor, kind: str | LossKind = "auto", count: int | None = None
+) -> tuple[Tensor, LossKind, str | None]:
+    """Per-row weights ``w_n`` of the loss ``l = sum_n w_n ell(z_n)``, read from its gradient at the logits.
+
+    Cross-entropy: ``grad_n = w_n (p_n - t_n)`` with ``t_n`` the target distribution. With hard targets
+    (``t_n = e_y``, found as the most negative entry) ``w_n = -grad_{n,y} / (1 - p_{n,y})`` exactly, for any
+    reduction, ignored rows (``w_n = 0``) and per-token weights. With soft targets (label smoothing, mixup) the
+    target is unknown: the weight of a mean over the rows with a non-zero gradient is used (PyTorch's ``mean``
+    reduction), and ``note`` says so. Squared error: ``grad = 2 w (z - y)`` cannot tell ``w`` from the residual,
+    so the mean over every element is assumed (``w_n = 1/numel``).
+
+    Args:
+        logits: ``(..., V)`` the loss's input; rows are all leading dimensions.
+        grad: ``(..., V)`` the gradient of the loss (as back-propagated: Lightning's accumulation and AMP factors
+            included; the caller multiplies the weights by its factor).
+        kind: ``"auto"`` (cross-entropy if every gradient row sums to zero, else an error), ``"cross_entropy"`` or
+            ``"mse"``.
+        count: What an assumed mean runs over when these rows are part of a larger batch: the rows with a gradient
+            (soft targets) or the elements (squared error) of the whole batch; ``None``: those of ``logits``.
+
+    Returns:
+        ``(w, kind, note)``: ``w`` ``(N,)`` float32 (``N`` = rows), the loss kind used, and a note for the user
+        (``None`` when nothing was assumed).
+
+    Raises:
+        ValueError: If ``kind`` is invalid, shapes differ, or ``"auto"``/``"cross_entropy"`` meets a gradient
+            that is not a softmax cross-entropy's (the message names the fix).
+    """
+    kind = LossKind(kind) if not isinstance(kind, LossKind) else kind
+    if tuple(logits.shape) != tuple(grad.shape):
+        raise ValueError(f"logits {tuple(logits.shape)} and their gradient {tuple(grad.shape)} differ in shape.")
+    z, g = _rows(logits), _rows(grad)
+    N, V = z.shape
+    if kind is LossKind.MSE:
+        n = N * V if count is None else count
+        return torch.full((N,), 1.0 / n, device=z.device), kind, "squared error: assumed the mean over every element"
+    absum = g.abs().sum(-1)
+    active = absum > 0
+    if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & active).any()):
+        raise ValueError(
+            "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
+            + (", and the logits have one column" if V < 2 else "")
+            + "). Pass loss='mse' for a squared error, logits_module='<name>' if the module found is not the one "
+            "the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
+            "sharpness=False."
+        )
+    p = torch.softmax(z, -1)
+    y = g.argmin(-1)
+    p_y = p.gather(1, y[:, None])[:, 0]
+    g_y = g.gather(1, y[:, None])[:, 0]
+    w = torch.where(active, -g_y / (1 - p_y).clamp_min(1e-12), torch.zeros_like(g_y))
+    sure = active & (1 - p_y > 1e-3)  # below, w_n is ill-conditioned and the row's curvature ~0 anyway
+    if bool(sure.any()):
+        w = torch.where(active & ~sure, w[sure].median(), w)
+    resid = (g - w[:, None] * (p - torch.nn.functional.one_hot(y, V).float())).norm()
+    if resid <= _HARD_FIT * g.norm():
+        return w, LossKind.CROSS_ENTROPY, None
+    n_active = int(active.sum()) if count is None else count
+    w = active.float() / max(n_active, 1)
+    return w, LossKind.CROSS_ENTROPY, (
+        f"soft targets (label smoothing, mixup?): assumed a mean over the {n_active} rows with a gradient"
+    )
+
+
+class LogitSampler:
+    """Sampled gradients ``r`` at the logits with ``E[r r^T]`` = the loss's Gauss-Newton matrix at them.
+
+    Softmax cross-entropy: row ``n``'s curvature ``w_n H_n``, ``H_n = diag(p_n) - p_n p_n^T = sum_c a_c a_c^T`` with
+    ``a_c = sqrt(p_c) (e_c - p_n)``, is sampled one column at a time by *length-squared* importance sampling
+    (``q_c ∝ ||a_c||^2``, Drineas, Kannan & Mahoney 2006) with a random sign: ``r_n = sigma sqrt(w_n) a_c /
+    sqrt(q_c)``, ``sigma = ±1``. It is unbiased (``E[r_n r_n^T] = w_n H_n``; ``E[r_n] = 0``, so different rows are
+    uncorrelated) and every draw of a row has the same norm ``sqrt(w_n tr H_n)``. Drawing the label from the
+    model's own prediction (``q = p``, the textbook Monte-Carlo Fisher) is unbiased too, but for a confident model
+    it almost always draws the predicted class, whose column is nearly zero, and rarely a class whose column is
+    large: on the converged test models its estimate read ~0 most of the time and up to 14x too high otherwise
+    (``benchmarks/results/sharpness.md``). Squared error: ``r_n = sqrt(2 w_n) sigma`` with Rademacher ``sigma``
+    (``E[sigma sigma^T] = I``).
+
+    Args:
+        logits: ``(..., V)`` the rows to sample (the kept sequences' logits).
+        weights: ``(N,)`` their loss weights (:func:`loss_weights`, times the caller's factor).
+        kind: ``LossKind.CROSS_ENTROPY`` or ``LossKind.MSE``.
+
+    Example:
+        >>> z, w = torch.tensor([[4.0, 0.0, 0.0]]), torch.ones(1)
+        >>> r = LogitSampler(z, w, LossKind.CROSS_ENTROPY).draw(torch.Generator().manual_seed(0))
+        >>> p = torch.softmax(z, -1)
+        >>> bool(torch.isclose(r.square().sum(), (p - p.square()).sum()))  # ||r||^2 = w tr(H)
+        True
+    """
+
+    def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind) -> None:
+        self.shape, self.kind = logits.shape, kind
+        self.root = weights.clamp_min(0).sqrt()[:, None].float()  # (N, 1)
+        if kind is LossKind.CROSS_ENTROPY:
+            p = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]).double(), -1)  # (N, V)
+            # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
+            sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+            a2 = p * sq  # ||a_c||^2
+            total = a2.sum(-1, keepdim=True)  # tr H_n
+            self.q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p).float()  # (N, V)
+            self.coef = (total / sq.clamp_min(1e-300)).sqrt().float()  # sqrt(p_c / q_c) = sqrt(tr H_n / sq_c)
+            self.p = p.float()
+            del p, sq, a2, total
+
+    def draw(self, generator: torch.Generator | None = None) -> Tensor:
+        """One sample ``r``, float32, shaped like the logits."""
+        n = self.root.shape[0]
+        device = self.root.device
+        sign = torch.randint(0, 2, (n, 1), generator=generator, device=device).float().mul_(2).sub_(1)
+        if self.kind is LossKind.MSE:
+            V = self.shape[-1]
+            sign = torch.randint(0, 2, (n, V), generator=generator, device=device).float().mul_(2).sub_(1)
+            return (math.sqrt(2.0) * self.root * sign).reshape(self.shape)
+        c = torch.multinomial(self.q, 1, generator=generator)  # (N, 1)
+        r = -self.p
+        r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
+        return (r * (self.root * sign * self.coef.gather(1, c))).reshape(self.shape)
+
+
+def sample_logit_gradient(
+    logits: Tensor, weights: Tensor, kind: LossKind, generator: torch.Generator | None = None
+) -> Tensor:
+    """One draw of :class:`LogitSampler` (see there), for a single use."""
+    return LogitSampler(logits, weights, kind).draw(generator)
+
+
+# -- optimizers --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StabilityRule:
+    """The stability threshold of the optimizer updating one block.
+
+    Args:
+        optimizer: ``"sgd"`` or ``"adam"`` (Adam and AdamW).
+        lr: Learning rate of the block's parameter group.
+        beta: Momentum (SGD) or ``beta_1`` (Adam).
+        threshold: ``(2 + 2 beta) / lr`` (SGD) or ``(2 + 2 beta_1) / ((1 - beta_1) lr)`` (Adam).
+        precondition: ``{kernel weight name: (same shape) P}`` with ``P = sqrt(v_hat) + eps`` (Adam), else
+            ``None``: the ratio then reads ``sharpness/...``, with it ``precond_sharpness/...``.
+    """
+
+    optimizer: str
+    lr: float
+    beta: float
+    threshold: float
+    precondition: dict[str, Tensor] | None = None
+
+
+def _param_groups(optimizer: Any) -> dict[int, dict]:
+    """``id(param) -> param group`` of a torch optimizer (Lightning's wrapper unwrapped)."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    return {id(p): group for group in getattr(opt, "param_groups", []) for p in group["params"]}
+
+
+def stability_rule(
+    optimizer: Any, params: Mapping[str, tuple[list[Tensor], Tensor]]
+) -> tuple[StabilityRule | None, str | None]:
+    """The rule of the optimizer for one block, or ``(None, why not)``.
+
+    Args:
+        optimizer: The optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Lightning's ``LightningOptimizer``).
+        params: ``{kernel weight name: (module parameters, index)}`` from :func:`param_index_map`: ``index`` is
+            the weight's elements as positions in the concatenation of the flattened parameters.
+
+    Supported: ``SGD`` without Nesterov and without dampening (plain or heavy-ball), ``Adam`` and ``AdamW``
+    without ``amsgrad`` (after their first step, when ``exp_avg_sq`` exists). For the others no ratio is logged
+    (a wrong one would be worse than none); the reason says which.
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)
+    groups = _param_groups(opt)
+    plist = list(dict.fromkeys(id(p) for ps, _ in params.values() for p in ps))
+    used = [groups.get(i) for i in plist]
+    if not plist or any(g is None for g in used):
+        return None, "some of its weights are not in the optimizer's parameter groups"
+    keys = ("lr", "momentum", "betas", "dampening", "nesterov", "amsgrad")
+    first = {k: used[0].get(k) for k in keys}
+    if any({k: g.get(k) for k in keys} != first for g in used[1:]):
+        return None, "its weights are in parameter groups with different learning rates or momenta"
+    lr = float(first["lr"] if not isinstance(first["lr"], Tensor) else first["lr"].item())
+    if lr < 0 or not math.isfinite(lr):
+        return None, f"its learning rate is {lr}"
+    name = type(opt).__name__
+    if isinstance(opt, torch.optim.SGD):
+        if first["nesterov"] or first["dampening"]:
+            return None, "SGD with Nesterov momentum or dampening has no ratio here (plain or heavy-ball SGD only)"
+        beta = float(first["momentum"] or 0.0)
+        return StabilityRule("sgd", lr, beta, (2 + 2 * beta) / lr if lr > 0 else math.inf), None
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        if first["amsgrad"]:
+            return None, "Adam with amsgrad has no ratio here"
+        beta1, beta2 = (float(b) for b in first["betas"])
+        eps = float(used[0]["eps"])
+        precondition = {}
+        for weight, (ps, index) in params.items():
+            states = [opt.state.get(p, {}) for p in ps]
+            step = float(states[0].get("step", 0)) if states else 0.0
+            if any("exp_avg_sq" not in s for s in states) or step < 1:
+                return None, NO_STATE_YET
+            flat = torch.cat([s["exp_avg_sq"].detach().reshape(-1).float() for s in states])
+            v_hat = flat[index.to(flat.device)] / (1 - beta2**step)
+            P = v_hat.sqrt() + eps
+            if bool((P <= 0).any()):  # eps = 0 and a coordinate that never had a gradient: its smallest positive P
+                positive = P[P > 0]
+                P = P.clamp_min(float(positive.min()) if positive.numel() else 1.0)
+            precondition[weight] = P
+        threshold = (2 + 2 * beta1) / ((1 - beta1) * lr) if lr > 0 else math.inf  # lr = 0 (warm-up): ratio 0
+        return StabilityRule("adam", lr, beta1, threshold, precondition), None
+    return None, f"{name} is not supported for stability ratios (SGD, Adam and AdamW are)"
+
+
+def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[str, tuple[list[Tensor], Tensor]]:
+    """Where each element of a block's weights (as its adapter reads them) lives in the module parameters.
+
+    The adapter reads weights by indexing (transposes, head splits, fused-QKV slices). Reading them once with
+    every parameter's values replaced by their positions ``0, 1, ...`` (in float64, exact) gives that map, for
+    any adapter, without knowing its layout: optimizer state (Adam's ``exp_avg_sq``) indexed by it is in the
+    kernel's layout.
+
+    Args:
+        spec: A :class:`~curvwatch.adapters.BlockSpec`.
+        weights: The weight names wanted (those of the adapter's ``read_params`` found among them are mapped).
+
+    Returns:
+        ``{name: (parameters, index)}``: ``parameters`` the module parameters the weight reads (in order),
+        ``index`` a ``LongTensor`` of the weight's shape into their concatenated flattened values.
+
+    Raises:
+        ValueError: If a weight is not a pure re-indexing of the parameters (its positions are not whole numbers
+            in range), e.g. an adapter that scales a weight.
+    """
+    owner = spec.layer_module if spec.layer_module is not None else spec.module
+    params = list(dict.fromkeys(p for p in owner.parameters()))
+    sizes = [p.numel() for p in params]
+    positions, offset = {}, 0
+    for p, n in zip(params, sizes, strict=True):
+        positions[id(p)] = torch.arange(offset, offset + n, dtype=torch.float64, device=p.device).reshape(p.shape)
+        offset += n
+    # the positions stand in for the parameters as module attributes; the parameters themselves are not touched
+    # (assigning .data of another dtype would reset their gradient accumulators, and DDP's hooks on them)
+    swapped = []
+    try:
+        for module in owner.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) in positions:
+                    module._parameters[name] = positions[id(p)]
+                    swapped.append((module, name, p))
+        with torch.no_grad():
+            read = spec.adapter.read_params(spec)
+            found = {k: read[k].detach().clone() for k in weights if isinstance(read.get(k), Tensor)}
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+    out = {}
+    starts = torch.tensor([0, *sizes]).cumsum(0)  # (n_params + 1,) where each parameter's positions begin
+    for name, pos in found.items():
+        idx = pos.round().long()
+        if pos.dtype != torch.float64 or not torch.equal(idx.double(), pos) or idx.min() < 0 or idx.max() >= offset:
+            raise ValueError(
+                f"{spec.name}: the adapter's {name} is not a re-indexing of the module parameters (it computes "
+                "with them), so the optimizer state cannot be mapped onto it."
+            )
+        flat = idx.reshape(-1).cpu()
+        which = torch.bucketize(flat, starts[1:], right=True)  # the parameter of each element
+        used = which.unique()  # sorted
+        new_starts = torch.zeros(len(params), dtype=torch.long)
+        new_starts[used] = torch.tensor([0, *[sizes[i] for i in used.tolist()]]).cumsum(0)[:-1]
+        local = flat - starts[which] + new_starts[which]  # position in the concatenation of the used ones
+        out[name] = ([params[i] for i in used.tolist()], local.reshape(idx.shape))
+    return out
+
+
+def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, Tensor | float]:
+    """``stability/XX[/h{i}]`` = sharpness / threshold for each sharpness key of one block's result.
+
+    SGD reads ``sharpness/...``, Adam ``precond_sharpness/...`` (the sharpness of ``P^-1/2 H P^-1/2``).
+
+    Example:
+        >>> rule = StabilityRule("sgd", lr=0.1, beta=0.0, threshold=20.0)
+        >>> stability_keys({"sharpness/QQ/h0": 30.0, "ggn/QQ/h0": 29.0}, rule)
+        {'stability/QQ/h0': 1.5}
+    """
+    source = "precond_sharpness/" if rule.optimizer == "adam" else "sharpness/"
+    return {
+        "stability/" + key[len(source) :]: value / rule.threshold for key, value in result.items() if key.startswith(source)
+    }
+
+
+# -- the monitor's real-loss settings -------------------------------------------------------------------
+
+
+class RealLoss:
+    """What a monitor needs for the real-loss keys: the logits module, the sampling, the optimizer rules.
+
+    Trainer-free: :class:`~curvwatch.CurvatureMonitor` resolves it in ``setup`` (:meth:`resolve`), samples in
+    ``on_before_backward`` (:meth:`sample`) and asks for the rules before the optimizer step (:meth:`rules`).
+
+    Args:
+        enabled: ``True`` (an error in :meth:`resolve` if it cannot work), ``False``, or ``"auto"`` (on when a
+            logits module is found and the parameters are not sharded; the set-up table says which).
+        samples: Sampled output gradients per evaluation (one backward pass from the logits each).
+        loss: ``"auto"``, ``"cross_entropy"`` or ``"mse"`` (see :func:`loss_weights`).
+        logits_module: Dotted name of the module whose output is the logits, or ``None`` (:data:`LOGITS_NAMES`).
+        seed: Seed of the sampled labels (evaluation ``i`` uses ``seed + step``).
+
+    Raises:
+        ValueError: If an argument is invalid.
+    """
+
+    def __init__(
+        self,
+        enabled: bool | str = "auto",
+        samples: int = 16,
+        loss: str | LossKind = "auto",
+        logits_module: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        if enabled not in (True, False, "auto"):
+            raise ValueError(f"Invalid sharpness={enabled!r}. Must be True, False or 'auto'.")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"Invalid sharpness_samples={samples!r}. Must be an int >= 1 (default 16).")
+        try:
+            self.loss = LossKind(loss)
+        except ValueError:
+            raise ValueError(f"Invalid loss={loss!r}. Must be one of {[k.value for k in LossKind]}.") from None
+        if logits_module is not None and not isinstance(logits_module, str):
+            raise ValueError(f"Invalid logits_module={logits_module!r}. Must be a module name such as 'lm_head'.")
+        self.enabled, self.samples, self.logits_name, self.seed = enabled, samples, logits_module, int(seed)
+        self.module: nn.Module | None = None  # set by resolve when on
+        self.status = "off"
+        self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
+
+    def resolve(self, model: nn.Module, sharded: bool) -> str:
+        """Find the logits module; returns the status line of the set-up table (``"on: ..."`` / ``"off: ..."``).
+
+        Raises:
+            ValueError: With ``enabled=True``, if it cannot work (no logits module, sharded parameters).
+        """
+        self.module = None
+        if self.enabled is False:
+            self.status = "off (sharpness=False)"
+            return self.status
+        if sharded:
+            why = "sharded parameters (FSDP2): the sampled backward passes are not supported there yet"
+            if self.enabled is True:
+                raise ValueError(f"sharpness=True is not supported with {why}. Pass sharpness=False.")
+            self.status = f"off: {why}"
+            return self.status
+        try:
+            name, self.module = find_logits_module(model, self.logits_name)
+        except ValueError as err:
+            if self.enabled is True or self.logits_name is not None:
+                raise
+            self.status = f"off: {err}"
+            return self.status
+        self.status = f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}"
+        return self.status
+
+    def sample(self, capture: Any, loss: Tensor, factor: float, step: int) -> int:
+        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`)."""
+        z_device = next((p.device for p in self.module.parameters()), loss.device) if self.module else loss.device
+        generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
+        return capture.sample_outputs(loss, self.samples, kind=self.loss, factor=factor, generator=generator)
+
+    def rules(self, optimizer: Any, specs: Iterable[Any]) -> tuple[dict[str, StabilityRule], dict[str, str]]:
+        """``({block: rule}, {block: why none})`` for the blocks of kinds with sampled keys.
+
+        The maps from weights to parameters (:func:`param_index_map`) are computed once per block.
+        """
+        from curvwatch.kinds import KINDS
+
+        rules, why = {}, {}
+        for spec in specs:
+            if not KINDS[spec.kind].sampled:
+                continue
+            if spec.name not in self._maps:
+                try:
+                    self._maps[spec.name] = param_index_map(spec)
+                except Exception as err:  # an adapter computing with its weights: no ratio, named
+                    self._maps[spec.name] = str(err)
+            found = self._maps[spec.name]
+            if isinstance(found, str):
+                why[spec.name] = found
+                continue
+            rule, reason = stability_rule(optimizer, found)
+            if rule is None:
+                why[spec.name] = reason
+            else:
+                rules[spec.name] = rule
+        return rules, why

@@ -1,0 +1,464 @@
+"""Monte-Carlo output curvature of the closed-form kernels (``output_samples``, ``precondition``): the sampled GGN,
+sharpness and preconditioned keys against dense torch.func references (curvwatch.closed_form._sampled).
+
+The reference of a diagonal block ``XX``: ``J_X = jacrev`` of the block output ``(B, L, m)`` in weight ``X`` (one
+head's or one kv group's columns where per head), ``C`` built explicitly from the samples (block diagonal over the
+sequences, masked rows zeroed), ``H_f`` the Hessian of ``<G, F(X)>``; then ``eigvalsh(...)[-1]`` of ``J^T C J``,
+``J^T C J + H_f`` and ``P^{-1/2} (.) P^{-1/2}``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.func import hessian, jacrev
+
+from curvwatch.closed_form import EXACT, Lanczos, WarmStart, ffn, gated_ffn, multi_head_attention, self_attention
+from curvwatch.closed_form.ffn import activation_derivatives
+from curvwatch.reference._core import (
+    _attention_blocked,
+    _attention_head,
+    _blocked_logits,
+    _ffn,
+    _modern_attention,
+    _with_columns,
+)
+from curvwatch.reference.gated_ffn import _gated_ffn
+from tests.cases import DT, case_id, rand
+from tests.utils import assert_close_report
+
+# Tolerances, relative. The kernels' Lanczos with EXACT (run to the block size) vs dense eigvalsh, float64: round-off.
+RTOL = 1e-8
+# the relative Lanczos residual reported by EXACT runs (Krylov space exhausted or full: round-off)
+EXACT_RESIDUAL = 1e-6
+# a Lanczos(tol=1e-10) run (stopping test, not exhaustion) vs dense eigvalsh
+CONVERGED = 1e-6
+
+K = 3  # samples
+
+
+@dataclass
+class Block:
+    """One diagonal block: its key (``QQ/h1``), the kernel's weight argument, the block weight and output map."""
+
+    key: str
+    arg: str
+    W0: torch.Tensor
+    forward: Callable[[torch.Tensor], torch.Tensor]  # block weight -> output (B, L, m)
+
+
+@dataclass
+class Problem:
+    call: Callable[..., dict]  # kernel(**extra) with the case's inputs
+    samples: torch.Tensor  # as passed to the kernel
+    precondition: dict[str, torch.Tensor]  # kernel argument name -> P, as passed
+    blocks: list[Block]
+    G: torch.Tensor  # (B, L, m)
+    S: torch.Tensor  # (k, B, L, m)
+    keep: torch.Tensor  # (B, L) bool
+    cols: dict[str, slice]  # block key -> the columns of its weight argument (P's block)
+
+
+def _positive(gen, *shape):
+    return 0.05 + torch.rand(*shape, generator=gen, dtype=DT)
+
+
+def _keep_mask(gen, B, L):
+    mask = torch.rand(B, L, generator=gen) < 0.6
+    mask[:, 0] = True  # every sequence keeps a token
+    return mask
+
+
+def _finish(call, gen, case, out_shape, blocks, cols, keep, P, G):
+    """The samples and the batched reference tensors common to every kernel."""
+    B, L, m = out_shape
+    lead = (case["B"],) if case["B"] else ()
+    samples = rand(gen, K, *lead, L, m)
+    pre = {nm: p for nm, p in P.items() if nm in case["pre"]}
+    S = samples if case["B"] else samples.unsqueeze(1)
+    G = G if case["B"] else G.unsqueeze(0)
+    return Problem(call, samples, pre, blocks, G, S, keep, cols)
+
+
+def _ffn_problem(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, d, f, m = case["B"] or 1, case["L"], case["d"], case["f"], case["m"]
+    lead = (case["B"],) if case["B"] else ()
+    Y, W_1, W_2 = rand(gen, *lead, L, d), rand(gen, d, f), rand(gen, f, m)
+    G = rand(gen, *lead, L, m)
+    kw = dict(activation=case["activation"], residual=case["residual"], grad_output=G, output_curvature=0.37)
+    b_1 = b_2 = None
+    if case["bias"]:
+        b_1, b_2 = rand(gen, f), rand(gen, m)
+        kw.update(b_1=b_1, b_2=b_2)
+    keep = torch.ones(B, L, dtype=torch.bool)
+    if case["mask"]:
+        keep = _keep_mask(gen, B, L)
+        kw["row_mask"] = keep if case["B"] else keep[0]
+    Yb = Y if case["B"] else Y.unsqueeze(0)
+
+    def fwd(W1, W2):
+        return _ffn(Yb, W1, W2, case["activation"], case["residual"], b_1, b_2)
+
+    blocks = [Block("W1W1", "W_1", W_1, lambda W: fwd(W, W_2)), Block("W2W2", "W_2", W_2, lambda W: fwd(W_1, W))]
+    P = {"W_1": _positive(gen, d, f), "W_2": _positive(gen, f, m)}
+    cols = {"W1W1": slice(None), "W2W2": slice(None)}
+    return _finish(lambda **x: ffn(Y, W_1, W_2, **{**kw, **x}), gen, case, (B, L, m), blocks, cols, keep, P, G)
+
+
+def _gated_problem(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, d, f, m = case["B"] or 1, case["L"], case["d"], case["f"], case["m"]
+    lead = (case["B"],) if case["B"] else ()
+    Y, Wg, Wu, Wd = rand(gen, *lead, L, d), rand(gen, d, f), rand(gen, d, f), rand(gen, f, m)
+    G = rand(gen, *lead, L, m)
+    kw = dict(activation=case["activation"], grad_output=G)
+    bg = bu = bd = None
+    if case["bias"]:
+        bg, bu, bd = rand(gen, f), rand(gen, f), rand(gen, m)
+        kw.update(b_gate=bg, b_up=bu, b_down=bd)
+    keep = torch.ones(B, L, dtype=torch.bool)
+    if case["mask"]:
+        keep = _keep_mask(gen, B, L)
+        kw["row_mask"] = keep if case["B"] else keep[0]
+    Yb = Y if case["B"] else Y.unsqueeze(0)
+
+    def fwd(W1, W3, W2):
+        return _gated_ffn(Yb, W1, W3, W2, case["activation"], bg, bu, bd)
+
+    blocks = [
+        Block("W1W1", "W_gate", Wg, lambda W: fwd(W, Wu, Wd)),
+        Block("W3W3", "W_up", Wu, lambda W: fwd(Wg, W, Wd)),
+        Block("W2W2", "W_down", Wd, lambda W: fwd(Wg, Wu, W)),
+    ]
+    P = {"W_gate": _positive(gen, d, f), "W_up": _positive(gen, d, f), "W_down": _positive(gen, f, m)}
+    cols = {b.key: slice(None) for b in blocks}
+    return _finish(lambda **x: gated_ffn(Y, Wg, Wu, Wd, **{**kw, **x}), gen, case, (B, L, m), blocks, cols, keep, P, G)
+
+
+def _right_padding(gen, B, L):
+    """``(B, L)`` bool, True = padded: a seeded number of trailing positions per sequence (never all)."""
+    lengths = torch.randint(2, L + 1, (B,), generator=gen)
+    return torch.arange(L)[None] >= lengths[:, None]
+
+
+def _self_attention_problem(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, d, d_K, d_V = case["B"] or 1, case["L"], case["d"], case["d_K"], case["d_V"]
+    lead = (case["B"],) if case["B"] else ()
+    X, W_Q, W_K, W_V = rand(gen, *lead, L, d), rand(gen, d, d_K), rand(gen, d, d_K), rand(gen, d, d_V)
+    G = rand(gen, *lead, L, d_V)
+    kw = dict(grad_output=G, output_curvature=0.37, causal=case["causal"])
+    padded = None
+    if case["pad"]:
+        padded = _right_padding(gen, B, L)
+        kw["key_padding_mask"] = padded if case["B"] else padded[0]
+    keep = torch.ones(B, L, dtype=torch.bool) if padded is None else ~padded
+    Xb = X if case["B"] else X.unsqueeze(0)
+    blocked = _blocked_logits(B, L, case["causal"], padded, X.device)
+    W = {"W_Q": W_Q, "W_K": W_K, "W_V": W_V}
+
+    def fwd(arg):
+        return lambda blk: _attention_head(Xb, *({**W, arg: blk}[a] for a in ("W_Q", "W_K", "W_V")), blocked)
+
+    blocks = [Block(f"{p}", f"W_{p[0]}", W[f"W_{p[0]}"], fwd(f"W_{p[0]}")) for p in ("VV", "QQ", "KK")]
+    P = {nm: _positive(gen, *w.shape) for nm, w in W.items()}
+    cols = {b.key: slice(None) for b in blocks}
+    return _finish(
+        lambda **x: self_attention(X, W_Q, W_K, W_V, **{**kw, **x}), gen, case, (B, L, d_V), blocks, cols, keep, P, G
+    )
+
+
+def _rotary_tables(L, r):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, r, 2, dtype=DT) / r))  # (r/2,)
+    ang = torch.arange(L, dtype=DT)[:, None] * inv_freq[None]  # (L, r/2)
+    ang = torch.cat([ang, ang], -1)  # halves duplicated, as Hugging Face builds them
+    return ang.cos(), ang.sin()
+
+
+def _mha_problem(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B, L, d, m = case["B"] or 1, case["L"], case["d"], case["m"]
+    H, H_kv, d_K, d_V = case["H"], case["H_kv"], case["d_K"], case["d_V"]
+    G_ = H // H_kv
+    lead = (case["B"],) if case["B"] else ()
+    X = rand(gen, *lead, L, d)
+    W = {"W_Q": rand(gen, d, H * d_K), "W_K": rand(gen, d, H_kv * d_K), "W_V": rand(gen, d, H_kv * d_V)}
+    W_O = rand(gen, H * d_V, m)
+    G = rand(gen, *lead, L, m)
+    kw = dict(grad_output=G, output_curvature=0.37, causal=case["causal"], n_kv_heads=H_kv, scale=case["scale"])
+    biases = dict(b_Q=None, b_K=None, b_V=None, b_O=None)
+    if case["bias"]:
+        biases = dict(b_Q=rand(gen, H * d_K), b_K=rand(gen, H_kv * d_K), b_V=rand(gen, H_kv * d_V), b_O=rand(gen, m))
+        kw.update(biases)
+    rotary = _rotary_tables(L, d_K) if case["rotary"] else None
+    if rotary is not None:
+        kw["rotary"] = rotary
+    padded = None
+    if case["pad"]:
+        padded = _right_padding(gen, B, L)
+        kw["key_padding_mask"] = padded if case["B"] else padded[0]
+    keep = torch.ones(B, L, dtype=torch.bool) if padded is None else ~padded
+    Xb = X if case["B"] else X.unsqueeze(0)
+    blocked, dead = _attention_blocked(B, L, L, case["causal"], None, padded, X.device)
+    opts = dict(n_kv_heads=H_kv, rotary=rotary, scale=case["scale"], dead=dead)
+
+    def fwd(arg, start):
+        def forward(blk):
+            w = {**W, arg: _with_columns(W[arg], blk, start)}
+            return _modern_attention(Xb, w["W_Q"], w["W_K"], w["W_V"], W_O, H, blocked, *biases.values(), **opts)
+
+        return forward
+
+    blocks, cols = [], {}
+    for h in range(H):  # QQ per query head
+        c = slice(h * d_K, (h + 1) * d_K)
+        blocks.append(Block(f"QQ/h{h}", "W_Q", W["W_Q"][:, c], fwd("W_Q", c.start)))
+        cols[f"QQ/h{h}"] = c
+    for j in range(H_kv):  # VV, KK per kv group (per head without grouping)
+        suffix = f"/h{j}" if G_ == 1 else f"/g{j}"
+        for pair, arg, width in (("VV", "W_V", d_V), ("KK", "W_K", d_K)):
+            c = slice(j * width, (j + 1) * width)
+            blocks.append(Block(f"{pair}{suffix}", arg, W[arg][:, c], fwd(arg, c.start)))
+            cols[f"{pair}{suffix}"] = c
+    P = {nm: _positive(gen, *w.shape) for nm, w in W.items()}
+    call = lambda **x: multi_head_attention(X, W["W_Q"], W["W_K"], W["W_V"], W_O, H, **{**kw, **x})  # noqa: E731
+    return _finish(call, gen, case, (B, L, m), blocks, cols, keep, P, G)
+
+
+PROBLEMS = {
+    "ffn": _ffn_problem,
+    "gated_ffn": _gated_problem,
+    "self_attention": _self_attention_problem,
+    "mha": _mha_problem,
+}
+
+# fmt: off
+CASES = [
+    ("ffn", dict(B=2, L=3, d=4, f=5, m=4, activation="gelu", residual=True, bias=True, mask=True, pre=("W_1", "W_2"))),
+    ("ffn", dict(B=None, L=4, d=3, f=4, m=2, activation="relu", residual=False, bias=False, mask=False, pre=("W_1",))),
+    ("gated_ffn", dict(B=2, L=3, d=3, f=4, m=2, activation="silu", bias=True, mask=True, pre=("W_gate", "W_down"))),
+    ("gated_ffn", dict(B=None, L=4, d=3, f=5, m=3, activation="gelu_tanh", bias=False, mask=True,
+                       pre=("W_gate", "W_up", "W_down"))),
+    ("self_attention", dict(B=2, L=4, d=4, d_K=2, d_V=3, causal=False, pad=True, pre=("W_Q", "W_K", "W_V"))),
+    ("self_attention", dict(B=2, L=3, d=3, d_K=2, d_V=2, causal=True, pad=True, pre=("W_K",))),
+    ("self_attention", dict(B=None, L=4, d=3, d_K=2, d_V=2, causal=True, pad=False, pre=())),
+    ("mha", dict(B=2, L=4, d=4, H=2, H_kv=2, d_K=2, d_V=2, m=5, causal=True, pad=True, bias=True, rotary=False,
+                 scale=None, pre=("W_Q", "W_K", "W_V"))),
+    ("mha", dict(B=2, L=3, d=4, H=4, H_kv=2, d_K=2, d_V=3, m=4, causal=False, pad=False, bias=False, rotary=True,
+                 scale=0.7, pre=("W_Q", "W_V"))),  # GQA, rotary, scale
+    ("mha", dict(B=None, L=4, d=3, H=2, H_kv=1, d_K=2, d_V=2, m=3, causal=True, pad=False, bias=True, rotary=True,
+                 scale=None, pre=("W_K", "W_V"))),  # multi-query, unbatched
+]
+# fmt: on
+
+
+def _ids(param):
+    return case_id(param) if isinstance(param, dict) else param
+
+
+def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
+    ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight; plus ``H_f`` itself."""
+    G = prob.G if G is None else G
+    F0 = block.forward(block.W0)
+    B, L, m = F0.shape
+    n = block.W0.numel()
+    J = jacrev(block.forward)(block.W0).reshape(B * L * m, n)
+    S = prob.S * prob.keep[None, :, :, None].to(DT)  # masked rows zeroed
+    k = S.shape[0]
+    C = torch.block_diag(*(S[:, b].reshape(k, -1).T @ S[:, b].reshape(k, -1) / k for b in range(B)))  # (B L m,)^2
+    ggn = J.T @ C @ J
+    Gk = G * prob.keep[..., None].to(DT)
+    H_f = hessian(lambda W: (Gk * block.forward(W)).sum())(block.W0).reshape(n, n)
+
+    def top(M):
+        return torch.linalg.eigvalsh(M)[-1]
+
+    out = {"ggn": top(ggn), "sharpness": top(ggn + H_f)}
+    if block.arg in prob.precondition:
+        D = prob.precondition[block.arg][:, prob.cols[block.key]].reshape(-1).rsqrt()  # vec_r order, as W0
+        out["precond_ggn"] = top(D[:, None] * ggn * D)
+        out["precond_sharpness"] = top(D[:, None] * (ggn + H_f) * D)
+    return {**out, "H_f": H_f, "ggn_dense": ggn}
+
+
+@pytest.mark.parametrize("kernel, case", CASES, ids=_ids)
+def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(kernel, case):
+    prob = PROBLEMS[kernel](case)
+    plain = prob.call(lanczos=EXACT)
+    out = prob.call(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
+    for key, value in plain.items():
+        assert torch.equal(out[key], value), f"{key} changed with output_samples"
+    expected = set()
+    for block in prob.blocks:
+        ref = _reference(prob, block)
+        for name in ("ggn", "sharpness", "precond_ggn", "precond_sharpness"):
+            key = f"{name}/{block.key}"
+            if name not in ref:
+                assert key not in out
+                continue
+            expected |= {key, f"residual/{key}"}
+            assert_close_report(out[key], ref[name], RTOL, name=key)
+            assert float(out[f"residual/{key}"]) <= EXACT_RESIDUAL, key
+    assert set(out) - set(plain) == expected
+
+
+@pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[8]], ids=_ids)
+def test_default_lanczos_and_warm_start(kernel, case):
+    """With the default settings the other keys stay bitwise (and their warm-start vectors too); the sampled runs
+    store theirs under keys of their own and start from them next time."""
+    prob = PROBLEMS[kernel](case)
+    warm0, warm1 = WarmStart(), WarmStart()
+    plain = prob.call(lanczos=Lanczos(warm_start=warm0))
+    extra = dict(output_samples=prob.samples, precondition=prob.precondition)
+    out = prob.call(lanczos=Lanczos(warm_start=warm1), **extra)
+    for key, value in plain.items():
+        assert torch.equal(out[key], value), key
+    new = set(warm1._vectors) - set(warm0._vectors)
+    assert new and all(k[0] == "sharpness" for k in new), new
+    assert all(torch.equal(warm1._vectors[k], v) for k, v in warm0._vectors.items())
+    again = prob.call(lanczos=Lanczos(warm_start=warm1), **extra)
+    sampled = [k for k in out if k.split("/")[0] in ("ggn", "sharpness", "precond_ggn", "precond_sharpness")]
+    assert sampled
+    for key in sampled:  # both runs converged to tol = 1e-3: some eigenvalue within that of each
+        assert_close_report(again[key], out[key], 3 * Lanczos().tol, name=key)
+        assert float(out[f"residual/{key}"]) <= Lanczos().tol, key
+
+
+def test_pairs_select_the_sampled_keys():
+    """Only the diagonal pairs asked for; W2W2 alone (exact otherwise, no operator) still gets its keys."""
+    prob = _ffn_problem(CASES[0][1])
+    out = prob.call(pairs=("W2W2",), output_samples=prob.samples, lanczos=EXACT)
+    assert sorted(k for k in out if "ggn" in k or "sharpness" in k) == [
+        "ggn/W2W2", "residual/ggn/W2W2", "residual/sharpness/W2W2", "sharpness/W2W2"
+    ]  # fmt: skip
+    assert_close_report(out["sharpness/W2W2"], out["ggn/W2W2"], RTOL)  # H_f(W2W2) = 0
+    out = prob.call(pairs=("W1W2",), output_samples=prob.samples)  # no diagonal pair: no sampled key
+    assert not [k for k in out if "ggn" in k or "sharpness" in k]
+
+
+def test_dominant_negative_functional_part():
+    """Tiny samples and the sign of G chosen so that H_f's largest |eigenvalue| is negative: sharpness is the
+    largest algebraic eigenvalue, well below the largest |eigenvalue|, by EXACT and by a converging Lanczos."""
+    case = dict(B=2, L=4, d=3, d_K=2, d_V=2, causal=False, pad=False, pre=("W_Q",))
+    prob = _self_attention_problem(case)
+    block = next(b for b in prob.blocks if b.key == "QQ")
+    ev = torch.linalg.eigvalsh(_reference(prob, block)["H_f"])
+    sign = -1.0 if ev[-1] > -ev[0] else 1.0  # H_f is linear in G
+    G = sign * (prob.G if case["B"] else prob.G[0])
+    prob.G = sign * prob.G
+    prob.S = 1e-3 * prob.S
+    samples = 1e-3 * prob.samples
+    ref = _reference(prob, block)
+    M = ref["ggn_dense"] + ref["H_f"]
+    ev = torch.linalg.eigvalsh(M)
+    assert ev[-1] < 0.9 * -ev[0], "the case must have a dominant negative eigenvalue"
+    kw = dict(grad_output=G, output_samples=samples, precondition=prob.precondition, pairs=("QQ",))
+    exact = prob.call(lanczos=EXACT, **kw)
+    tight = prob.call(lanczos=Lanczos(tol=1e-10), **kw)
+    for name in ("ggn", "sharpness", "precond_ggn", "precond_sharpness"):
+        assert_close_report(exact[f"{name}/QQ"], ref[name], RTOL, name=name)
+        assert_close_report(tight[f"{name}/QQ"], ref[name], CONVERGED, name=name)
+    assert float(exact["sharpness/QQ"]) < 0.9 * float(-ev[0])
+
+
+def test_negative_definite_functional_part_gives_negative_sharpness():
+    """FFN with ``G`` built so that every ``act''(z) (G W_2^T)`` is negative: ``H_f(W1W1) = sum_n y_n y_n^T x
+    diag(c_n)`` is negative definite, and with tiny samples the sharpness (and its preconditioned variant) is
+    negative."""
+    gen = torch.Generator().manual_seed(3)
+    B, L, d, f, m = 2, 3, 3, 3, 4
+    Y, W_1, W_2 = rand(gen, B, L, d), rand(gen, d, f), rand(gen, f, m)
+    _, _, a2 = activation_derivatives(Y @ W_1, "gelu")  # (B, L, f)
+    t = -torch.sign(a2) * (0.5 + torch.rand(B, L, f, generator=gen, dtype=DT))  # the wanted G W_2^T
+    G = t @ torch.linalg.solve(W_2 @ W_2.T, W_2)  # G W_2^T = t
+    samples = 1e-4 * rand(gen, K, B, L, m)
+    P = _positive(gen, d, f)
+    prob = Problem(None, samples, {"W_1": P}, [], G, samples, torch.ones(B, L, dtype=torch.bool), {"W1W1": slice(None)})
+    block = Block("W1W1", "W_1", W_1, lambda W: _ffn(Y, W, W_2, "gelu", False))
+    ref = _reference(prob, block)
+    assert float(torch.linalg.eigvalsh(ref["H_f"])[-1]) < 0
+    out = ffn(Y, W_1, W_2, activation="gelu", residual=False, grad_output=G, output_samples=samples,
+              precondition={"W_1": P}, pairs=("W1W1",), lanczos=EXACT)  # fmt: skip
+    for name in ("sharpness", "precond_sharpness"):
+        assert float(ref[name]) < 0
+        assert_close_report(out[f"{name}/W1W1"], ref[name], RTOL, name=name)
+    assert float(out["functional/W1W1"]) > 0  # the norm, not the signed eigenvalue
+
+
+# ---- errors ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", ["ffn", "gated_ffn", "self_attention", "mha"])
+def test_bad_samples_and_preconditioners_say_how_to_fix(kernel):
+    case = next(c for k, c in CASES if k == kernel)
+    prob = PROBLEMS[kernel](case)
+    S = prob.samples
+    with pytest.raises(ValueError, match=r"Invalid output_samples shape .* Expected \(k, B, L, m\)"):
+        prob.call(output_samples=S[..., :-1])
+    with pytest.raises(ValueError, match=r"Invalid output_samples shape"):
+        prob.call(output_samples=S[0])  # no sample dimension
+    with pytest.raises(ValueError, match=r"Invalid output_samples shape .* k >= 1"):
+        prob.call(output_samples=S[:0])
+    with pytest.raises(ValueError, match=r"precondition= needs output_samples="):
+        prob.call(precondition=prob.precondition)
+    name, P = next(iter(prob.precondition.items()))
+    with pytest.raises(ValueError, match=rf"Invalid precondition\['{name}'\] shape \({P.shape[0]}, {P.shape[1] - 1}\)"):
+        prob.call(output_samples=S, precondition={name: P[:, :-1]})
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=rf"precondition\['{name}'\]: every entry must be finite and > 0"):
+            prob.call(output_samples=S, precondition={name: P.index_fill(0, torch.tensor([0]), bad)})
+    with pytest.raises(ValueError, match=r"Invalid precondition names \['W_X'\]"):
+        prob.call(output_samples=S, precondition={"W_X": P})
+    with pytest.raises(ValueError, match=r"Invalid precondition=list"):
+        prob.call(output_samples=S, precondition=[P])
+
+
+@pytest.mark.parametrize("kernel", ["ffn", "gated_ffn", "self_attention", "mha"])
+def test_target_mode_refuses_samples(kernel):
+    case = next(c for k, c in CASES if k == kernel)
+    prob = PROBLEMS[kernel](case)
+    G = prob.G if case["B"] else prob.G[0]
+    with pytest.raises(ValueError, match=r"output_samples= applies to grad_output= mode only"):
+        prob.call(grad_output=None, output_curvature=None, target=G, output_samples=prob.samples)
+    with pytest.raises(ValueError, match=r"needs output_samples= \(grad_output mode only\)"):
+        prob.call(grad_output=None, output_curvature=None, target=G, precondition=prob.precondition)
+
+
+def test_unbatched_input_wants_unbatched_samples():
+    prob = _ffn_problem(CASES[1][1])  # Y (L, d)
+    with pytest.raises(ValueError, match=r"Expected \(k, L, m\) = \(k, 4, 2\)"):
+        prob.call(output_samples=prob.samples.unsqueeze(1))
+
+
+# ---- a moderate size -------------------------------------------------------------------------------------------
+
+
+def test_smoke_moderate_ffn():
+    """B = 4, L = 64, d = 128, f = 512, k = 8 with the default Lanczos: every sampled norm converges (residual <= tol;
+    a LanczosWarning would raise) and costs about as much as the norms without samples."""
+    gen = torch.Generator().manual_seed(0)
+    B, L, d, f, k = 4, 64, 128, 512, 8
+    Y = rand(gen, B, L, d)
+    W_1, W_2 = rand(gen, d, f, scale=d**-0.5), rand(gen, f, d, scale=f**-0.5)
+    G, S = rand(gen, B, L, d, scale=1 / (B * L)), rand(gen, k, B, L, d, scale=1 / (B * L))
+    pre = {"W_1": _positive(gen, d, f), "W_2": _positive(gen, f, d)}
+    kw = dict(activation="gelu", grad_output=G, pairs=("W1W1", "W2W2"))
+    t0 = time.perf_counter()
+    ffn(Y, W_1, W_2, **kw)
+    t1 = time.perf_counter()
+    out = ffn(Y, W_1, W_2, output_samples=S, precondition=pre, **kw)
+    t2 = time.perf_counter()
+    names = ("ggn", "sharpness", "precond_ggn", "precond_sharpness")
+    sampled = {k: float(v) for k, v in out.items() if k.removeprefix("residual/").split("/")[0] in names}
+    residuals = {k: v for k, v in sampled.items() if k.startswith("residual/")}
+    assert len(residuals) == 8  # (ggn, sharpness) x (plain, preconditioned) x (W1W1, W2W2)
+    assert all(r <= Lanczos().tol for r in residuals.values()), residuals
+    assert all(math.isfinite(v) for v in sampled.values())
+    print(f"ffn B={B} L={L} d={d} f={f} k={k} float64: {t1 - t0:.2f} s without samples, {t2 - t1:.2f} s with")

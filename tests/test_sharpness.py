@@ -1,0 +1,255 @@
+"""The real-loss pieces without kernels: loss weights, sampled gradients, the capture's sampling, optimizer rules.
+
+Tolerances: weights and index maps are exact (float64, ``1e-12``); the Monte-Carlo statistics are checked at
+``0.02`` absolute on matrices with entries of order ``0.25`` from 40000 samples (standard error ~ 0.003).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from curvwatch.adapters import find_blocks
+from curvwatch.capture import Capture
+from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.sharpness import (
+    LogitSampler,
+    LossKind,
+    RealLoss,
+    StabilityRule,
+    find_logits_module,
+    loss_weights,
+    param_index_map,
+    stability_keys,
+    stability_rule,
+)
+from tests import zoo
+
+def _grad(loss_fn, z):
+    z = z.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(loss_fn(z), z)
+    return g
+
+
+Z = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+Y = torch.randint(0, 7, (3, 5), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "loss_fn, expected",
+    [
+        (lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1)), torch.full((15,), 1 / 15)),
+        (lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), reduction="sum"), torch.ones(15)),
+        (lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1)) / 4 * 1024, torch.full((15,), 256 / 15)),
+    ],
+    ids=["mean", "sum", "accumulation-and-amp-factors"],
+)
+def test_loss_weights_hard_labels(loss_fn, expected):
+    w, kind, note = loss_weights(Z, _grad(loss_fn, Z))
+    assert kind is LossKind.CROSS_ENTROPY and note is None
+    torch.testing.assert_close(w.double(), expected.double(), rtol=1e-5, atol=0)
+
+
+def test_loss_weights_ignored_and_weighted_rows():
+    labels = Y.reshape(-1).clone()
+    labels[:4] = -100
+    per_row = torch.linspace(0.5, 2.0, 15, dtype=torch.float64)
+    w, _, note = loss_weights(Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), labels), Z))
+    assert note is None and (w[:4] == 0).all()
+    torch.testing.assert_close(w[4:].double(), torch.full((11,), 1 / 11).double(), rtol=1e-5, atol=0)
+    w, _, _ = loss_weights(
+        Z, _grad(lambda z: (F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), reduction="none") * per_row).sum(), Z)
+    )
+    torch.testing.assert_close(w.double(), per_row, rtol=1e-5, atol=0)
+
+
+def test_loss_weights_soft_targets_and_mse_and_errors():
+    w, kind, note = loss_weights(
+        Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
+    )
+    assert kind is LossKind.CROSS_ENTROPY and "soft targets" in note
+    torch.testing.assert_close(w.double(), torch.full((15,), 1 / 15).double())
+    w, kind, note = loss_weights(Z, _grad(lambda z: (z - 1).square().mean(), Z), "mse")
+    assert kind is LossKind.MSE and "mean over every element" in note
+    torch.testing.assert_close(w.double(), torch.full((15,), 1 / Z.numel()).double())
+    with pytest.raises(ValueError, match="not a softmax cross-entropy"):
+        loss_weights(Z, _grad(lambda z: (z - 1).square().mean(), Z))
+    with pytest.raises(ValueError, match="differ in shape"):
+        loss_weights(Z, Z[:1])
+    with pytest.raises(ValueError, match="'hinge' is not a valid LossKind"):
+        loss_weights(Z, Z, "hinge")
+
+
+def test_sampled_gradients_have_the_gauss_newton_covariance():
+    """Unbiased, cross-row blocks zero, also for a confident row (where drawing from p fails)."""
+    z = torch.tensor([[1.0, -0.5, 0.2, 0.0], [0.3, 0.3, -1.0, 9.0]], dtype=torch.float64)
+    w = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    n = 40000
+    gen = torch.Generator().manual_seed(0)
+    for kind in (LossKind.CROSS_ENTROPY, LossKind.MSE):
+        acc = torch.zeros(8, 8, dtype=torch.float64)
+        sampler = LogitSampler(z, w, kind)
+        for _ in range(n // 1000):
+            r = torch.stack([sampler.draw(gen).reshape(-1) for _ in range(1000)]).double()
+            acc += r.T @ r
+        p = torch.softmax(z, -1)
+        blocks = [wi * (torch.diag(pi) - torch.outer(pi, pi)) for wi, pi in zip(w, p, strict=True)]
+        if kind is LossKind.MSE:
+            blocks = [2 * wi * torch.eye(4, dtype=torch.float64) for wi in w]
+        exact = torch.block_diag(*blocks)
+        assert (acc / n - exact).abs().max() < 0.02 * max(1.0, float(exact.abs().max()))
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0, **kw)
+    return GPT(cfg).double()
+
+
+def test_capture_samples_are_the_backpropagated_logit_samples():
+    """s_j at a block output is the VJP of the j-th sampled logit gradient, and the real capture is untouched."""
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    specs = find_blocks(model)
+    outputs = {}
+    attn = model.blocks[1].attn.out_proj
+    handle = attn.register_forward_hook(lambda m, a, o: outputs.__setitem__("y", o))
+    with Capture(specs, max_tokens=12, logits_module=model.head) as cap:
+        logits = model(idx)
+        loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
+        n = cap.sample_outputs(loss, 3, generator=torch.Generator().manual_seed(5))
+        loss.backward()
+    # reproduce the samples on a second forward (outside the capture): same generator, same loss weights,
+    # autograd's VJP from the logits to the block output
+    logits = model(idx)
+    loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
+    handle.remove()
+    (gz,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    w, kind, _ = loss_weights(logits[:2], gz[:2])  # the kept sequences' rows: no other row reaches them
+    sampler = LogitSampler(logits[:2], w, kind)
+    gen = torch.Generator().manual_seed(5)
+    expected = []
+    for _ in range(3):
+        r = torch.zeros_like(logits)
+        r[:2] = sampler.draw(gen).double()
+        expected.append(torch.autograd.grad(logits, outputs["y"], r, retain_graph=True)[0][:2])
+    blocks = {b.spec.name: b for b in cap.blocks()}
+    assert n == 4  # attention and FFN blocks; LayerNorms take no samples
+    samples = blocks["layer1/attn"].inputs["output_samples"]
+    assert samples.shape == (3, 2, 6, 8)  # (k, sequences kept, L, d)
+    assert "output_samples" not in blocks["layer1/ln_1"].inputs
+    torch.testing.assert_close(samples, torch.stack(expected).float(), rtol=1e-5, atol=1e-7)
+    # the real gradient capture is the plain backward's
+    with Capture(specs, max_tokens=12) as plain:
+        F.cross_entropy(model(idx).reshape(-1, 13), idx.reshape(-1)).backward()
+    for b in plain.blocks():
+        torch.testing.assert_close(blocks[b.spec.name].inputs["grad_output"], b.inputs["grad_output"], rtol=0, atol=0)
+
+
+def test_sampling_errors_are_clear():
+    model = _gpt()
+    idx = torch.randint(0, 13, (2, 5))
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+        out = model(idx)
+        with pytest.raises(ValueError, match="not a softmax cross-entropy"):
+            cap.sample_outputs((out - 1).square().mean(), 2)
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.blocks[0].ln_1) as cap:
+        with torch.no_grad():
+            model(idx)
+        with pytest.raises(RuntimeError, match="produced no output with gradient tracking"):
+            cap.sample_outputs(torch.zeros((), requires_grad=True), 2)
+
+
+def test_find_logits_module():
+    model = _gpt()
+    assert find_logits_module(model)[0] == "head"
+    assert find_logits_module(model, "blocks.0.mlp.proj")[0] == "blocks.0.mlp.proj"
+    with pytest.raises(ValueError, match="no such module"):
+        find_logits_module(model, "lm_head")
+    with pytest.raises(ValueError, match="logits_module='<dotted name>'"):
+        find_logits_module(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+_INDEX_MAP_MODELS = {
+    "gpt": _gpt,
+    "torch-encoder": lambda: torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2
+    ).double(),
+    "nanogpt": lambda: zoo.nanogpt().model,
+    "litgpt-llama-gqa": lambda: zoo.litgpt_gpt("interleave").model,
+    "litgpt-falcon-mqa": lambda: zoo.litgpt_gpt("falcon").model,
+    "hf-llama": lambda: zoo.hf_decoder("llama").model,
+    "hf-gpt2": lambda: _hf_gpt2(),
+}
+
+
+def _hf_gpt2():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return tf.GPT2Model(tf.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=2, n_head=2)).double()
+
+
+@pytest.mark.parametrize("name", sorted(_INDEX_MAP_MODELS))
+def test_param_index_map_reproduces_the_adapters_weights(name):
+    """cat(parameters)[index] is exactly what the adapter reads, for every weight of every sampled block."""
+    model = _INDEX_MAP_MODELS[name]()
+    checked = 0
+    for spec in find_blocks(model):
+        if spec.kind not in ("attention", "ffn", "gated_ffn"):
+            continue
+        read = spec.adapter.read_params(spec)
+        for weight, (params, index) in param_index_map(spec).items():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            torch.testing.assert_close(flat[index], read[weight].detach(), rtol=0, atol=0)
+            checked += 1
+    assert checked >= 4
+
+
+def _step(opt, model):
+    opt.zero_grad()
+    model(torch.randint(0, 13, (2, 5))).square().mean().backward()
+    opt.step()
+
+
+def test_stability_rules_of_the_optimizers():
+    model = _gpt()
+    spec = next(s for s in find_blocks(model) if s.kind == "attention")
+    params = param_index_map(spec)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rule, why = stability_rule(sgd, params)
+    assert why is None and rule.optimizer == "sgd" and rule.threshold == pytest.approx(3.8 / 0.1)
+    rule, why = stability_rule(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True), params)
+    assert rule is None and "Nesterov" in why
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    rule, why = stability_rule(adam, params)
+    assert rule is None and "before its first step" in why
+    _step(adam, model)
+    _step(adam, model)
+    rule, why = stability_rule(adam, params)
+    assert why is None and rule.threshold == pytest.approx(3.8 / (0.1 * 1e-3))
+    W_Q = model.blocks[0].attn.q_proj.weight
+    v_hat = adam.state[W_Q]["exp_avg_sq"] / (1 - 0.95**2)
+    torch.testing.assert_close(rule.precondition["W_Q"], (v_hat.sqrt() + 1e-8).T.float(), rtol=1e-6, atol=0)
+    rule, why = stability_rule(torch.optim.RMSprop(model.parameters(), lr=1e-3), params)
+    assert rule is None and "RMSprop is not supported" in why
+    groups = [{"params": [model.blocks[0].attn.q_proj.weight], "lr": 0.5}]
+    groups.append({"params": [p for p in model.parameters() if p is not model.blocks[0].attn.q_proj.weight]})
+    rule, why = stability_rule(torch.optim.SGD(groups, lr=0.1), params)
+    assert rule is None and "different learning rates" in why
+
+
+def test_stability_keys_and_real_loss_options():
+    adam = StabilityRule("adam", 1e-3, 0.9, 38e3)
+    keys = stability_keys({"sharpness/QQ/h0": 5.0, "precond_sharpness/QQ/h0": 19e3}, adam)
+    assert keys == {"stability/QQ/h0": 0.5}
+    for bad, match in ((dict(enabled="yes"), "sharpness"), (dict(samples=0), "sharpness_samples"),
+                       (dict(loss="hinge"), "loss"), (dict(logits_module=3), "logits_module")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"Invalid {match}="):
+            RealLoss(**bad)
+    real = RealLoss()
+    assert real.resolve(_gpt(), sharded=False).startswith("on: logits from 'head'")
+    assert real.resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False).startswith("off:")
+    assert "sharded" in real.resolve(_gpt(), sharded=True)
+    with pytest.raises(ValueError, match="Cannot find the module"):
+        RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False)
