@@ -27,7 +27,7 @@ from curvwatch.options import OnError, WarningRules, check_int, check_number, ch
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
-from curvwatch.sharpness import NO_STATE_YET, RealLoss
+from curvwatch.sharpness import NO_STATE_YET, RealLoss, true_sharpness
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -99,7 +99,8 @@ class CurvatureMonitor(Callback):
       own functional term), ``precond_ggn/XX`` and ``precond_sharpness/XX`` (Adam: of ``P^-1/2 (.) P^-1/2``),
       ``stability/XX`` (sharpness over the optimizer's stability threshold), ``sharpness/max``, ``stability/max``;
       ``{p}summary/sharpness/max``, ``{p}summary/stability/max`` (headline), ``{p}summary/stability/max_layer``,
-      ``{p}summary/stability/max_block`` and the image ``{p}summary/stability_heatmap``.
+      ``{p}summary/stability/max_block`` and the image ``{p}summary/stability_heatmap``; with
+      ``verify_every_n_evals``, ``verify/hessian/XX/h0`` and ``verify/ratio/XX/h0`` (true / sharpness).
     - ``{p}{block}/skipped_nonfinite`` (``1``), only on evaluations where the block's captured input or
       output gradient (or its closed-form result) held NaN or Inf: its numbers are left out, never logged
       as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
@@ -183,6 +184,12 @@ class CurvatureMonitor(Callback):
             else is an error naming the options), ``"cross_entropy"`` or ``"mse"`` (mean over every element).
         logits_module: Dotted name of the module whose output the loss reads (``None``: the first of ``lm_head``,
             ``head``, ``classifier``, ``output``, ``score``, ``fc_out``, ``decoder`` found).
+        verify_every_n_evals: Every this many full evaluations (``None``, default: never), also compute the true
+            block Hessian's largest eigenvalue by Hessian-vector products of the loss (everything downstream
+            included; head 0 of attention) and log it with its ratio to the sharpness (``verify/hessian/XX``,
+            ``verify/ratio/XX``): how far the closed-form view is from the truth on your model. Costs a backward
+            with ``create_graph`` and ~30 double-backward products per pair; needs double backward (no fused
+            attention kernels).
 
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
@@ -230,6 +237,7 @@ class CurvatureMonitor(Callback):
         sharpness_samples: int = 16,
         loss: str = "auto",
         logits_module: str | None = None,
+        verify_every_n_evals: int | None = None,
     ) -> None:
         self.schedule = Schedule(every_n_train_steps, terms_every_n_train_steps, max_overhead)  # validates them
         check_int("max_tokens", max_tokens, 1)
@@ -262,6 +270,9 @@ class CurvatureMonitor(Callback):
         self._legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
         self.on_error = choice("on_error", on_error, OnError)
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
+        check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
+        self.verify_every_n_evals = verify_every_n_evals
+        self._verify: dict[str, dict[str, float]] = {}  # true block sharpness of the open capture (by double backward)
         self.engine = Engine(
             lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
             dtype=dtype,  # validated by the engine
@@ -380,9 +391,12 @@ class CurvatureMonitor(Callback):
             return
         start = time.perf_counter()
         try:  # sampled output gradients while the graph is alive; a failure leaves the real-loss keys out
-            self.real_loss.sample(capture, loss, self._grad_factor(trainer, pl_module), self._capture_step)
+            sampled = self.real_loss.sample(capture, loss, self._grad_factor(trainer, pl_module), self._capture_step)
             if capture.sample_note:
                 self.engine.warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
+            every = self.verify_every_n_evals
+            if every is not None and sampled and self._evaluations % every == 0:
+                self._verify_true(capture, loss, self._grad_factor(trainer, pl_module))
             if capture.unsampled:
                 self.engine.warn_once(
                     "sharpness_unsampled",
@@ -399,6 +413,23 @@ class CurvatureMonitor(Callback):
             )
         finally:  # charged with the evaluation (summary/eval_time_s, the overhead budget)
             self._sample_seconds += time.perf_counter() - start
+
+    def _verify_true(self, capture: Capture, loss: Tensor, factor: float) -> None:
+        """The true block sharpness by Hessian-vector products (``verify_every_n_evals``), kept for the evaluation."""
+        maps = {}
+        for spec in self._specs:
+            found = self.real_loss.map_of(spec) if spec.name not in capture.unsampled else "-"
+            if KINDS[spec.kind].sampled and not isinstance(found, str):
+                maps[spec.name] = (spec, found)
+        try:
+            self._verify = true_sharpness(loss, maps, factor)
+        except RuntimeError as err:
+            self.engine.warn_once(
+                "verify_failed",
+                f"CurvatureMonitor cannot check the sharpness against the true block Hessian (verify_every_n_evals): "
+                f"its Hessian-vector products need double backward, which this model's graph lacks ({err}). Use an "
+                "attention without fused kernels for the check (e.g. attn_implementation='eager').",
+            )
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._capture_step is None:
@@ -542,6 +573,9 @@ class CurvatureMonitor(Callback):
             try:
                 rules = self._stability_rules(optimizer, blocks)
                 evaluation = self.engine.evaluate(blocks, factor, terms_only, rules)
+                verified, self._verify = self._verify, {}
+                for block, found in verified.items():
+                    _add_verified(evaluation.results.get(block), found)
                 flat = _drop_nan_blocks(_to_floats(evaluation.results))
             except Exception as err:
                 error = err
@@ -732,6 +766,20 @@ class _LogError(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
         self.error = error
+
+
+def _add_verified(result: dict[str, Any] | None, verified: Mapping[str, float]) -> None:
+    """``verify/hessian/XX[/h0]`` and ``verify/ratio/XX[/h0]`` (true / sharpness) into one block's result."""
+    if not result:
+        return
+    for key, value in verified.items():
+        pair = key.rsplit("/", 1)[-1]
+        for suffix in ("/h0", "/g0", ""):
+            sharp = result.get(f"sharpness/{pair}{suffix}")
+            if sharp is not None:
+                result[f"{key}{suffix}"] = value
+                result[f"verify/ratio/{pair}{suffix}"] = value / float(sharp) if float(sharp) != 0 else math.nan
+                break
 
 
 def _drop_nan_blocks(flat: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:

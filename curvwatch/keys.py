@@ -123,6 +123,12 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "stability",
     ),
     KeySpec("sharpness/max", "largest `sharpness/...` of the block", "derived"),
+    KeySpec(
+        "verify/hessian/{XY}[/{head}]",
+        "`verify_every_n_evals`: the true block Hessian's largest eigenvalue (Hessian-vector products of the whole "
+        "loss, head 0), the truth `sharpness/XY` approximates",
+    ),
+    KeySpec("verify/ratio/{XY}[/{head}]", "`verify/hessian/XY / sharpness/XY` (1: the closed-form view is exact)"),
     KeySpec("stability/max", "largest `stability/...` of the block", "derived"),
     KeySpec(
         "skipped_nonfinite",

@@ -181,3 +181,38 @@ def test_reentrant_checkpointing_names_the_blocks_without_real_loss_keys(tmp_pat
         trainer.fit(_Model(checkpointing="reentrant"), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/layer0/attn/hessian/QQ/h0" in row and not any("sharpness" in k for k in row)
+
+
+class _MathLM(TinyLM):
+    """TinyLM with the explicit softmax attention (double backward) in float64."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=2)
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(vocab_size=self.model.config.vocab_size, block_size=self.model.config.block_size,
+                                   n_layer=2, n_head=2, d_model=8, d_ff=16, attention="math", dropout=0.0))  # fmt: skip
+        self.double()
+
+
+def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
+    """The in-run check (Hessian-vector products) against torch.func's dense block Hessian of the same batch."""
+    module = _MathLM()
+    monitor = CurvatureMonitor(every_n_train_steps=1, sharpness_samples=8, verify_every_n_evals=2, dtype="float64")
+    batch = next(iter(loader(batch_size=4)))[0].double().long()
+    trainer = make_trainer(tmp_path, monitor, max_steps=2)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch), batch_size=4))
+    rows = curv_rows(read_rows(trainer))
+    assert "curv/layer1/ffn/verify/hessian/W2W2" in rows[0] and "curv/layer1/ffn/verify/hessian/W2W2" not in rows[1]
+    module.load_state_dict(state)  # the weights of step 0
+
+    def loss_fn(model):
+        z = model(batch[:, :-1])
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), batch[:, 1:].reshape(-1)), z
+
+    specs = {s.name: s for s in find_blocks(module)}
+    for block, weight, cols, key in (("layer0/attn", "W_Q", slice(0, 4), "QQ/h0"), ("layer1/ffn", "W_2", None, "W2W2")):
+        r = real_loss_blocks(module, loss_fn, specs[block], weight, cols)
+        assert rows[0][f"curv/{block}/verify/hessian/{key}"] == pytest.approx(_lam(r["hessian"]), rel=2e-3)
+        ratio = rows[0][f"curv/{block}/verify/hessian/{key}"] / rows[0][f"curv/{block}/sharpness/{key}"]
+        assert rows[0][f"curv/{block}/verify/ratio/{key}"] == pytest.approx(ratio, rel=1e-6)
