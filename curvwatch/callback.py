@@ -27,7 +27,7 @@ from curvwatch.options import OnError, WarningRules, check_int, check_number, ch
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
-from curvwatch.sharpness import NO_STATE_YET, RealLoss, true_sharpness
+from curvwatch.sharpness import RealLoss
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
@@ -272,7 +272,6 @@ class CurvatureMonitor(Callback):
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
         self.verify_every_n_evals = verify_every_n_evals
-        self._verify: dict[str, dict[str, float]] = {}  # true block sharpness of the open capture (by double backward)
         self.engine = Engine(
             lanczos=Lanczos(tol=tol, max_iter=max_iter, max_basis=max_basis),  # validates them
             dtype=dtype,  # validated by the engine
@@ -389,47 +388,12 @@ class CurvatureMonitor(Callback):
         capture = self._capture
         if capture is None or capture.logits_module is None or self._capture_terms_only:
             return
-        start = time.perf_counter()
-        try:  # sampled output gradients while the graph is alive; a failure leaves the real-loss keys out
-            sampled = self.real_loss.sample(capture, loss, self._grad_factor(trainer, pl_module), self._capture_step)
-            if capture.sample_note:
-                self.engine.warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
-            every = self.verify_every_n_evals
-            if every is not None and sampled and self._evaluations % every == 0:
-                self._verify_true(capture, loss, self._grad_factor(trainer, pl_module))
-            if capture.unsampled:
-                self.engine.warn_once(
-                    "sharpness_unsampled",
-                    f"CurvatureMonitor has no real-loss keys for {', '.join(capture.unsampled)}: their outputs were not "
-                    "in the forward graph when the loss was ready (reentrant activation checkpointing runs the forward "
-                    "under no_grad: use torch.utils.checkpoint(..., use_reentrant=False)), or do not reach the logits.",
-                )
-        except Exception as err:
-            capture._release()
-            self.engine.warn_once(
-                "sharpness_failed",
-                f"CurvatureMonitor leaves the real-loss keys (sharpness/..., stability/...) out at step "
-                f"{self._capture_step}: sampling the output gradients raised {type(err).__name__}: {err}",
-            )
-        finally:  # charged with the evaluation (summary/eval_time_s, the overhead budget)
-            self._sample_seconds += time.perf_counter() - start
-
-    def _verify_true(self, capture: Capture, loss: Tensor, factor: float) -> None:
-        """The true block sharpness by Hessian-vector products (``verify_every_n_evals``), kept for the evaluation."""
-        maps = {}
-        for spec in self._specs:
-            found = self.real_loss.map_of(spec) if spec.name not in capture.unsampled else "-"
-            if KINDS[spec.kind].sampled and not isinstance(found, str):
-                maps[spec.name] = (spec, found)
-        try:
-            self._verify = true_sharpness(loss, maps, factor)
-        except RuntimeError as err:
-            self.engine.warn_once(
-                "verify_failed",
-                f"CurvatureMonitor cannot check the sharpness against the true block Hessian (verify_every_n_evals): "
-                f"its Hessian-vector products need double backward, which this model's graph lacks ({err}). Use an "
-                "attention without fused kernels for the check (e.g. attn_implementation='eager').",
-            )
+        start = time.perf_counter()  # charged with the evaluation (summary/eval_time_s, the overhead budget)
+        every = self.verify_every_n_evals
+        verify = every is not None and self._evaluations % every == 0
+        factor = self._grad_factor(trainer, pl_module)
+        self.real_loss.before_backward(capture, loss, factor, self._capture_step, verify, self.engine.warn_once)
+        self._sample_seconds += time.perf_counter() - start
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._capture_step is None:
@@ -571,11 +535,9 @@ class CurvatureMonitor(Callback):
             ready = not ranks.max(torch.tensor([float(error is not None)], dtype=torch.float64))[0] > 0
         if error is None and ready:
             try:
-                rules = self._stability_rules(optimizer, blocks)
+                rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
                 evaluation = self.engine.evaluate(blocks, factor, terms_only, rules)
-                verified, self._verify = self._verify, {}
-                for block, found in verified.items():
-                    _add_verified(evaluation.results.get(block), found)
+                self.real_loss.add_verified(evaluation.results)
                 flat = _drop_nan_blocks(_to_floats(evaluation.results))
             except Exception as err:
                 error = err
@@ -597,19 +559,6 @@ class CurvatureMonitor(Callback):
             self._skip(trainer, step, _LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
             self.schedule.charge(time.perf_counter() - logging_start, terms_only, extra=True)
-
-    def _stability_rules(self, optimizer, blocks) -> dict:
-        """The optimizer's stability rule per block with sampled output gradients (once-warned reasons else)."""
-        sampled = [b.spec for b in blocks if "output_samples" in b.inputs]
-        if optimizer is None or not sampled:
-            return {}
-        rules, why = self.real_loss.rules(optimizer, sampled)
-        for name, reason in why.items():
-            if reason == NO_STATE_YET:  # Adam before its first step: expected, no ratio yet
-                continue
-            self.engine.warn_once(f"stability:{reason}", f"CurvatureMonitor logs no stability/... ratio for '{name}' "
-                                  f"(nor for other blocks with the same reason): {reason}.")  # fmt: skip
-        return rules
 
     def _log(self, trainer, step, flat, evaluation: Evaluation, elapsed: float, terms_only: bool = False) -> None:
         """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last."""
@@ -766,20 +715,6 @@ class _LogError(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
         self.error = error
-
-
-def _add_verified(result: dict[str, Any] | None, verified: Mapping[str, float]) -> None:
-    """``verify/hessian/XX[/h0]`` and ``verify/ratio/XX[/h0]`` (true / sharpness) into one block's result."""
-    if not result:
-        return
-    for key, value in verified.items():
-        pair = key.rsplit("/", 1)[-1]
-        for suffix in ("/h0", "/g0", ""):
-            sharp = result.get(f"sharpness/{pair}{suffix}")
-            if sharp is not None:
-                result[f"{key}{suffix}"] = value
-                result[f"verify/ratio/{pair}{suffix}"] = value / float(sharp) if float(sharp) != 0 else math.nan
-                break
 
 
 def _drop_nan_blocks(flat: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:

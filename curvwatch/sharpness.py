@@ -159,7 +159,13 @@ def loss_weights(
         return torch.full((N,), 1.0 / n, device=z.device), kind, "squared error: assumed the mean over every element"
     absum = g.abs().sum(-1)
     active = absum > 0
-    if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & active).any()):
+    p = torch.softmax(z.double(), -1)  # float64: 1 - p_y of confident rows
+    y = g.argmin(-1)  # the label of a hard target (its entry is the only negative one)
+    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)  # 1 - p_y
+    # rows with enough mass off the label decide whether the rows sum to zero; in a confident row the autograd
+    # gradient rounds p_y - 1 (to 0 when p_y rounds to 1) and its sum says nothing
+    decisive = active & (rest > 1e-3)
+    if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
         raise ValueError(
             "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
             + (", and the logits have one column" if V < 2 else "")
@@ -167,16 +173,12 @@ def loss_weights(
             "the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
             "sharpness=False."
         )
-    p = torch.softmax(z, -1)
-    y = g.argmin(-1)
-    p_y = p.gather(1, y[:, None])[:, 0]
-    g_y = g.gather(1, y[:, None])[:, 0]
-    w = torch.where(active, -g_y / (1 - p_y).clamp_min(1e-12), torch.zeros_like(g_y))
-    sure = active & (1 - p_y > 1e-3)  # below, w_n is ill-conditioned and the row's curvature ~0 anyway
-    if bool(sure.any()):
-        w = torch.where(active & ~sure, w[sure].median(), w)
-    resid = (g - w[:, None] * (p - torch.nn.functional.one_hot(y, V).float())).norm()
-    if resid <= _HARD_FIT * g.norm():
+    # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate even where p_y rounds
+    off = g.double().sum(-1) - g.double().gather(1, y[:, None])[:, 0]
+    w = torch.where(active & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off)).float()
+    fit = w[:, None].double() * (p - torch.nn.functional.one_hot(y, V).double())
+    resid = (g.double() - fit)[decisive].norm()
+    if resid <= _HARD_FIT * g.double()[decisive].norm() or not bool(decisive.any()):
         return w, LossKind.CROSS_ENTROPY, None
     n_active = int(active.sum()) if count is None else count
     w = active.float() / max(n_active, 1)
@@ -453,6 +455,7 @@ class RealLoss:
         self.module: nn.Module | None = None  # set by resolve when on
         self.status = "off"
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
+        self.verified: dict[str, dict[str, float]] = {}  # the last before_backward's true block sharpness
 
     def resolve(self, model: nn.Module, sharded: bool) -> str:
         """Find the logits module; returns the status line of the set-up table (``"on: ..."`` / ``"off: ..."``).
@@ -485,6 +488,78 @@ class RealLoss:
         z_device = next((p.device for p in self.module.parameters()), loss.device) if self.module else loss.device
         generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
         return capture.sample_outputs(loss, self.samples, kind=self.loss, factor=factor, generator=generator)
+
+    def before_backward(
+        self, capture: Any, loss: Tensor, factor: float, step: int, verify: bool, warn_once: Any
+    ) -> None:
+        """The monitor's ``on_before_backward``: sample (:meth:`sample`), with ``verify`` also the true block sharpness
+        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised."""
+        self.verified = {}
+        try:
+            sampled = self.sample(capture, loss, factor, step)
+            if capture.sample_note:
+                warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
+            if capture.unsampled:
+                warn_once(
+                    "sharpness_unsampled",
+                    f"CurvatureMonitor has no real-loss keys for {', '.join(capture.unsampled)}: their outputs were not "
+                    "in the forward graph when the loss was ready (reentrant activation checkpointing runs the forward "
+                    "under no_grad: use torch.utils.checkpoint(..., use_reentrant=False)), or do not reach the logits.",
+                )
+        except Exception as err:
+            capture._release()
+            warn_once(
+                "sharpness_failed",
+                f"CurvatureMonitor leaves the real-loss keys (sharpness/..., stability/...) out at step {step}: "
+                f"sampling the output gradients raised {type(err).__name__}: {err}",
+            )
+            return
+        if not (verify and sampled):
+            return
+        maps = {}
+        for spec in capture.specs:
+            found = self.map_of(spec) if spec.name not in capture.unsampled else "-"
+            if spec.kind in VERIFIED and not isinstance(found, str):
+                maps[spec.name] = (spec, found)
+        try:
+            self.verified = true_sharpness(loss, maps, factor)
+        except RuntimeError as err:
+            warn_once(
+                "verify_failed",
+                "CurvatureMonitor cannot check the sharpness against the true block Hessian (verify_every_n_evals): "
+                f"its Hessian-vector products need double backward, which this model's graph lacks ({err}). Use an "
+                "attention without fused kernels for the check (e.g. attn_implementation='eager').",
+            )
+
+    def add_verified(self, results: dict[str, dict[str, Any]]) -> None:
+        """``verify/hessian/XX[/h0]`` and ``verify/ratio/XX[/h0]`` (true / sharpness) of the last
+        :meth:`before_backward` into an evaluation's results (then forgotten)."""
+        verified, self.verified = self.verified, {}
+        for block, found in verified.items():
+            result = results.get(block)
+            for key, value in found.items() if result else ():
+                pair = key.rsplit("/", 1)[-1]
+                suffix = next((s for s in ("/h0", "/g0", "") if f"sharpness/{pair}{s}" in result), None)
+                if suffix is not None:
+                    sharp = float(result[f"sharpness/{pair}{suffix}"])
+                    result[f"{key}{suffix}"] = value
+                    result[f"verify/ratio/{pair}{suffix}"] = value / sharp if sharp != 0 else math.nan
+
+    def stability_rules(self, optimizer: Any, blocks: Iterable[Any], warn_once: Any) -> dict[str, StabilityRule]:
+        """The optimizer's rule per captured block with samples (:meth:`rules`); the reasons for none warned once
+        (Adam before its first step is expected and not warned about)."""
+        sampled = [b.spec for b in blocks if "output_samples" in b.inputs]
+        if optimizer is None or not sampled:
+            return {}
+        rules, why = self.rules(optimizer, sampled)
+        for name, reason in why.items():
+            if reason != NO_STATE_YET:
+                warn_once(
+                    f"stability:{reason}",
+                    f"CurvatureMonitor logs no stability/... ratio for '{name}' (nor for other blocks with the same "
+                    f"reason): {reason}.",
+                )
+        return rules
 
     def map_of(self, spec: Any) -> dict[str, tuple[list[Tensor], Tensor]] | str:
         """:func:`param_index_map` of ``spec``, computed once; the reason as a string when it cannot be mapped."""

@@ -253,3 +253,15 @@ def test_stability_keys_and_real_loss_options():
     assert "sharded" in real.resolve(_gpt(), sharded=True)
     with pytest.raises(ValueError, match="Cannot find the module"):
         RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False)
+
+
+def test_loss_weights_of_a_confident_model_in_float32():
+    """Converged: p_y rounds to 1 in float32 and autograd's p_y - 1 to 0 (rows no longer sum to zero); the
+    weights come from the entries off the label (the demo's run failed on this at step 1050 before)."""
+    z = torch.zeros(6, 12)
+    z[:, 3] = 25.0  # p_y = 1 - 11 e^-25 ~ 1 - 1.5e-10 (rounds to 1 in float32)
+    z[0, 5] = 2.0  # one row still uncertain
+    labels = torch.full((6,), 3)
+    w, kind, note = loss_weights(z, _grad(lambda x: F.cross_entropy(x, labels), z))
+    assert kind is LossKind.CROSS_ENTROPY and note is None
+    torch.testing.assert_close(w.double(), torch.full((6,), 1 / 6, dtype=torch.float64), rtol=1e-4, atol=0)
