@@ -153,35 +153,46 @@ def accuracy_table(build, checkpoints, ks, seeds, n_eval: int) -> list[str]:
 
 
 def cost_table(repeats: int) -> list[str]:
-    """One evaluation of the demo-size model with and without 16 samples, interleaved, float32, demo settings."""
-    from curvwatch.sharpness import find_logits_module
+    """One evaluation of the demo-size model without and with 16 samples (SGD: two Lanczos members per pair; AdamW:
+    four, with the preconditioned pair), interleaved, float32, the monitor's defaults."""
+    from curvwatch.sharpness import RealLoss, find_logits_module
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=11, n_layer=2, n_head=4, d_model=64, dropout=0.0))
     x, y = _data(64, 1, n_digits=3)  # the demo's model and batch
     specs = find_blocks(model)
     _, head = find_logits_module(model)
-    times = {"step (forward+backward)": [], "without sampling": [], "with 16 samples": [], "of which sampling": []}
+    adam = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    loss, _ = _loss_fn(x, y)(model)
+    loss.backward()
+    adam.step()  # second moments exist
+    model.zero_grad()
+    real = RealLoss()
+    names = ("step (forward + backward)", "evaluation without sampling", "with 16 samples (SGD)",
+             "with 16 samples (AdamW: + preconditioned)", "of which the 16 sampled backward passes")  # fmt: skip
+    times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(repeats):
-        for sample in (False, True):
+        for mode in ("plain", "sgd", "adam"):
             t0 = time.perf_counter()
-            with Capture(specs, max_tokens=512, logits_module=head if sample else None) as cap:
+            with Capture(specs, max_tokens=512, logits_module=None if mode == "plain" else head) as cap:
                 loss, _ = _loss_fn(x, y)(model)
                 t1 = time.perf_counter()
-                if sample:
+                if mode != "plain":
                     cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
                 t2 = time.perf_counter()
                 loss.backward()
             t3 = time.perf_counter()
-            Engine().evaluate(cap.blocks())
+            blocks = cap.blocks()
+            rules = real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode == "adam" else None
+            Engine().evaluate(blocks, rules=rules)
             t4 = time.perf_counter()
             model.zero_grad()
-            if sample:
-                times["with 16 samples"].append(t4 - t0 - (t3 - t2) - (t1 - t0))
-                times["of which sampling"].append(t2 - t1)
+            if mode == "plain":
+                times[names[0]].append(t3 - t0)
+                times[names[1]].append(t4 - t3)
             else:
-                times["without sampling"].append(t4 - t3)
-                times["step (forward+backward)"].append(t3 - t0)
+                times[names[2] if mode == "sgd" else names[3]].append(t4 - t3 + t2 - t1)
+                times[names[4]].append(t2 - t1)
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
