@@ -24,6 +24,7 @@ from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
 from curvwatch.reference.real_loss import real_loss_blocks
 from tests.ddp_script import TinyLM, loader
+from tests import zoo
 from tests.test_callback import curv_rows, make_trainer, read_rows
 
 
@@ -216,3 +217,74 @@ def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
         assert rows[0][f"curv/{block}/verify/hessian/{key}"] == pytest.approx(_lam(r["hessian"]), rel=2e-3)
         ratio = rows[0][f"curv/{block}/verify/hessian/{key}"] / rows[0][f"curv/{block}/sharpness/{key}"]
         assert rows[0][f"curv/{block}/verify/ratio/{key}"] == pytest.approx(ratio, rel=1e-6)
+
+
+def _litgpt_llama():
+    return zoo.litgpt_gpt("llama3").model  # GQA (4 heads, 2 groups), rotary, RMSNorm, SwiGLU
+
+
+def _hf_gpt2_lm():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)  # fmt: skip
+    cfg._attn_implementation = "eager"  # twice differentiable, for the reference
+    return tf.GPT2LMHeadModel(cfg).double()
+
+
+@pytest.mark.parametrize(
+    "build, probes",
+    [
+        (_litgpt_llama, [("layer0/attn", "W_Q", slice(0, 4), "QQ/h0"), ("layer1/attn", "W_K", slice(0, 4), "KK/g0"),
+                         ("layer1/ffn", "W_down", None, "W2W2"), ("layer0/ffn", "W_gate", None, "W1W1")]),
+        (_hf_gpt2_lm, [("layer0/attn", "W_Q", slice(0, 4), "QQ/h0"), ("layer1/attn", "W_V", slice(0, 4), "VV/h0"),
+                       ("layer1/ffn", "W_2", None, "W2W2")]),
+    ],
+    ids=["litgpt-llama3", "hf-gpt2"],
+)  # fmt: skip
+def test_monitor_sharpness_on_litgpt_and_hugging_face_models(build, probes):
+    """The whole path on real model code: sharpness (1024 samples) vs lambda_max(GGN + own) by torch.func, 15%."""
+    pytest.importorskip("litgpt")
+    model = build()
+    idx = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(m):
+        out = m(idx)
+        z = out if isinstance(out, torch.Tensor) else out.logits
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), idx.reshape(-1)), z
+
+    specs = find_blocks(model)
+    from curvwatch.sharpness import find_logits_module
+
+    with Capture(specs, max_tokens=100, logits_module=find_logits_module(model)[1]) as cap:
+        loss, _ = loss_fn(model)
+        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
+    by_name = {s.name: s for s in specs}
+    for block, weight, cols, key in probes:
+        r = real_loss_blocks(model, loss_fn, by_name[block], weight, cols)
+        target = _lam(r["ggn"] + r["own"])
+        assert abs(float(results[block][f"sharpness/{key}"]) - target) <= 0.15 * abs(target), (block, key)
+
+
+def test_monitor_sharpness_of_a_squared_error_loss():
+    """loss='mse' (the mean over every element): sharpness vs the reference with H_z = 2/numel I, 1024 samples."""
+    model = _model()
+    target = F.one_hot(IDX, 13).double()
+
+    def loss_fn(m):
+        z = m(IDX)
+        return (z - target).square().mean(), z
+
+    specs = find_blocks(model)
+    with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
+        loss, _ = loss_fn(model)
+        cap.sample_outputs(loss, 1024, kind="mse", generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
+    by_name = {s.name: s for s in specs}
+    for block, weight, cols, key, _ in PROBES:
+        r = real_loss_blocks(model, loss_fn, by_name[block], weight, cols, loss="mse")
+        target_value = _lam(r["ggn"] + r["own"])
+        assert abs(float(results[block][f"sharpness/{key}"]) - target_value) <= 0.15 * abs(target_value), (block, key)

@@ -11,8 +11,9 @@ loss reads logits ``z``, :func:`real_loss_blocks` returns three dense ``(n, n)``
   ``F`` (the real gradient), which the closed forms compute exactly.
 
 ``sharpness`` keys estimate ``lambda_max(ggn + own)``; ``hessian - ggn - own`` is the downstream second-order part
-that no closed form reaches. Tiny models only (dense Jacobians of the logits); use a twice-differentiable
-attention (no fused SDPA) and float64.
+that no closed form reaches. Tiny models only (dense Jacobians of the logits), in float64; ``F.scaled_dot_product_attention`` runs on its
+math backend here (the fused ones have no forward-mode or double backward), other fused attention kernels must be
+switched off by the caller (Hugging Face: ``attn_implementation="eager"``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def real_loss_blocks(
     Returns:
         ``{"hessian", "ggn", "own"}``, each ``(n, n)`` in the row-major order of ``W[:, columns]``.
     """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # fused attention kernels have no forward-mode or double backward
+        return _blocks(model, loss_fn, spec, weight, columns, loss)
+
+
+def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
     from curvwatch.sharpness import LossKind, loss_weights
 
     params, index = param_index_map(spec, (weight,))[weight]
