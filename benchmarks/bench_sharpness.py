@@ -183,7 +183,11 @@ def cost_table(repeats: int) -> list[str]:
                 loss.backward()
             t3 = time.perf_counter()
             blocks = cap.blocks()
-            rules = real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode == "adam" else None
+            rules = (
+                real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+                if mode == "adam"
+                else None
+            )
             Engine().evaluate(blocks, rules=rules)
             t4 = time.perf_counter()
             model.zero_grad()
@@ -205,7 +209,13 @@ def main(argv=None) -> int:
         builds, checkpoints, ks, seeds, n_eval, repeats = [our_gpt], [("init", 0)], (1, 16), 2, 16, 1
     else:
         builds = [our_gpt, hf_gpt2]
-        checkpoints, ks, seeds, n_eval, repeats = [("init", 0), ("mid", 150), ("converged", 1500)], (1, 4, 16, 64), 8, 32, 5
+        checkpoints, ks, seeds, n_eval, repeats = (
+            [("init", 0), ("mid", 150), ("converged", 1500)],
+            (1, 4, 16, 64),
+            8,
+            32,
+            5,
+        )
     head = (
         "| model | weights | block | λ(GGN) | λ(GGN + own) | λ(true H) | true / sharpness | "
         + " | ".join(f"rel. error k={k} (median / p90)" for k in ks)

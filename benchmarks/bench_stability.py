@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--reuse", action="store_true", help="reuse traces already in benchmarks/results/stability")
     args = parser.parse_args(argv)
-    lines = ["| mechanism | run | loss onset | first ratio ≥ 1 | lead (steps) | median ratio, 1st half | max before onset |",
+    lines = ["| mechanism | run | loss onset | first ratio ≥ 1 | lead (steps) | median ratio, 1st half "
+             "| max before onset |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for mech in mechanisms(False):
         if args.only and mech.name not in args.only:

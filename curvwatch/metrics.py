@@ -302,8 +302,8 @@ def summarize(
         ``summary/heterogeneity/model`` and ``summary/heterogeneity/layer{i}`` (log10 spread of block norms),
         ``summary/vv_qq_ratio/median`` (over all attention heads), ``summary/functional_outer/max`` and
         ``/median`` (over blocks), ``summary/sharpness/max``, ``summary/stability/max`` with
-        ``summary/stability/max_layer`` and ``summary/stability/max_block`` (real-loss keys), and the block kinds' summaries (:func:`kind_summaries`:
-        ``summary/ln/var_min``, ...). Keys whose inputs are absent are omitted.
+        ``summary/stability/max_layer`` and ``summary/stability/max_block`` (real-loss keys), and the block kinds'
+        summaries (:func:`kind_summaries`: ``summary/ln/var_min``, ...). Keys whose inputs are absent are omitted.
 
     Example:
         >>> s = summarize({"layer0/attn": {"hessian/QQ": 1.0}, "layer1/attn": {"hessian/QQ": 100.0}})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import warnings
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +22,8 @@ from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
 from curvwatch.reference.real_loss import real_loss_blocks
-from tests.ddp_script import TinyLM, loader
 from tests import zoo
+from tests.ddp_script import TinyLM, loader
 from tests.test_callback import curv_rows, make_trainer, read_rows
 
 
@@ -114,7 +113,8 @@ def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
         assert sorted(rows) == [0, 2, 4]
         last = rows[4]
         for key in ("curv/layer0/attn/sharpness/QQ/h0", "curv/layer1/ffn/ggn/W2W2", "curv/layer0/attn/stability/VV/h1",
-                    "curv/summary/stability/max", "curv/summary/sharpness/max", "curv/layer1/ffn/stability/max"):  # fmt: skip
+                    "curv/summary/stability/max", "curv/summary/sharpness/max",
+                    "curv/layer1/ffn/stability/max"):  # fmt: skip
             assert key in last, key
         assert ("curv/layer0/attn/precond_sharpness/QQ/h0" in last) == (source == "precond_sharpness")
         # the ratio is the sharpness over the optimizer's threshold
@@ -288,3 +288,13 @@ def test_monitor_sharpness_of_a_squared_error_loss():
         r = real_loss_blocks(model, loss_fn, by_name[block], weight, cols, loss="mse")
         target_value = _lam(r["ggn"] + r["own"])
         assert abs(float(results[block][f"sharpness/{key}"]) - target_value) <= 0.15 * abs(target_value), (block, key)
+
+
+def test_stability_heatmap_figure_is_labelled():
+    pytest.importorskip("matplotlib")
+    from curvwatch import sinks
+
+    specs = find_blocks(_model())
+    figure = sinks.heatmap_figure(specs, {"layer0/attn": 0.5, "layer1/ffn": 3.0}, 7, ("log10 ratio", "EoS ratios"))
+    ax = figure.axes[0]
+    assert ax.get_title() == "EoS ratios, step 7" and figure.axes[1].get_ylabel() == "log10 ratio"

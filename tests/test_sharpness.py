@@ -26,6 +26,7 @@ from curvwatch.sharpness import (
 )
 from tests import zoo
 
+
 def _grad(loss_fn, z):
     z = z.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(loss_fn(z), z)

@@ -5,22 +5,23 @@ Every mechanism is run on several seeds (the seed draws the weights and the batc
 with the thresholds frozen. Most mechanisms raise their stressor gradually (a learning-rate ramp), so the
 instability builds up over tens of steps, as it does in real runs, and a warning has something to lead.
 
-=================  =====  ================================================  =============================
-mechanism          arch   unstable run                                      control (one knob)
-=================  =====  ================================================  =============================
-``attn_logit``     gpt    pre-LN, lr ramped 1e-3 -> 1.0 over 400 steps      ramp to 0.1 (lower lr)
-``logit_div``      torch  pre-LN, no LayerNorm before the head, ramp to 0.1 final LayerNorm restored
-``rewarm``         gpt    trained 200 steps (3e-3, cosine), re-warmed to 0.3 re-warmed to 3e-3 (its peak)
-``postln_depth``   torch  post-LN, 6 layers, 2e-3 then ramped to 4e-2      pre-LN (``norm_first``)
-``ln_collapse``    torch  embeddings under weight decay 1000: var -> eps    embedding weight decay 0.1
-=================  =====  ================================================  =============================
+====================  =====  ==================================================  ============================
+mechanism             arch   unstable run                                        control (one knob)
+====================  =====  ==================================================  ============================
+``attn_logit``        gpt    pre-LN, lr ramped 1e-3 -> 1.0 over 400 steps        ramp to 0.1 (lower lr)
+``attn_logit_llama``  llama  the same ramp on a LLaMA-style litgpt model         ramp to 0.1 (lower lr)
+``logit_div``         torch  pre-LN, no LayerNorm before the head, ramp to 0.1   final LayerNorm restored
+``rewarm``            gpt    trained 200 steps (3e-3, cosine), re-warmed to 0.3  re-warmed to 3e-3 (its peak)
+``postln_depth``      torch  post-LN, 6 layers, 2e-3 then ramped to 4e-2         pre-LN (``norm_first``)
+``ln_collapse``       torch  embeddings under weight decay 1000: var -> eps      embedding weight decay 0.1
+====================  =====  ==================================================  ============================
 
 ``logit_div`` also runs ``z_loss`` (the issue's suggested control: z-loss 1e-3 with the unstable model), scored
 as what it turns out to be. Every run: d = 64, 2 heads, L = 64, batch 16, AdamW (0.9, 0.95), weight decay 0.1,
 no clipping, monitor terms-only every step and full every 10 steps.
 
-To add a LLaMA-style model: register it in :data:`benchmarks.instability.models.ARCHITECTURES` and add a
-:class:`Mechanism` here (or an ``arch=`` variant of an existing one).
+Another architecture: register it in :data:`benchmarks.instability.models.ARCHITECTURES` and add a
+:class:`Mechanism` here (or an ``arch=`` variant of an existing one), as ``attn_logit_llama`` does.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
     if quick:
         return _quick()
     gpt = ModelSpec(arch="gpt")
+    llama = ModelSpec(arch="llama")
     torch_pre = ModelSpec(arch="torch")
     base = RunConfig(model=gpt, steps=400)
     attn = replace(base, lr=_ramp(1.0))
@@ -103,6 +105,15 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
             "attention-logit growth at a high learning rate (no QK-norm)",
             "peak learning rate 1.0 -> 0.1",
             (Variant("unstable", "unstable", attn), Variant("control", "control", replace(attn, lr=_ramp(0.1)))),
+        ),
+        Mechanism(
+            "attn_logit_llama",
+            "attention-logit growth at a high learning rate, LLaMA-style (litgpt: RMSNorm, SwiGLU, rotary, GQA)",
+            "peak learning rate 1.0 -> 0.1",
+            (
+                Variant("unstable", "unstable", replace(attn, model=llama)),
+                Variant("control", "control", replace(attn, model=llama, lr=_ramp(0.1))),
+            ),
         ),
         Mechanism(
             "logit_div",

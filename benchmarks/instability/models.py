@@ -5,9 +5,10 @@ attention modules are and how to turn a module's input ``X`` into the scaled sco
 
 * ``"gpt"``: :class:`curvwatch.models.gpt.GPT` as it ships (pre-LN or post-LN);
 * ``"torch"``: a stack of ``nn.TransformerEncoderLayer`` (``norm_first`` for pre-LN) under a causal mask, with
-  token and position embeddings and an untied head.
+  token and position embeddings and an untied head;
+* ``"llama"``: litgpt's ``GPT`` as a LLaMA-style model (RMSNorm, SwiGLU, rotary, grouped-query attention).
 
-**Adding an architecture** (the LLaMA-style model of the modern-architectures issue): write a builder
+**Adding an architecture**: write a builder
 ``(ModelSpec) -> nn.Module`` whose forward maps ``(B, L)`` ids to ``(B, L, 256)`` logits, and a function
 ``(model) -> list[(attention module, scores_fn)]`` where ``scores_fn(module, X) -> (B, H, L, L)`` computes the
 pre-mask scores from the module's first forward input (apply the rotary embedding there for RoPE models), then
@@ -148,6 +149,42 @@ def torch_scores(model: nn.Module) -> list[tuple[nn.Module, ScoresFn]]:
     return [(layer.self_attn, scores) for layer in model.encoder.layers]
 
 
+def build_llama(spec: ModelSpec) -> nn.Module:
+    """litgpt's ``GPT`` as a LLaMA-style model: RMSNorm before each sub-block and the head, SwiGLU MLP (the demo's
+    width), rotary positions on whole heads, grouped-query attention (``n_head // 2`` key/value groups), no biases;
+    initialised like the demo's ``--arch llama`` (normal std 0.02, ``0.02 / sqrt(2 n_layer)`` into the residual)."""
+    from curvwatch.demo import build_model as build_demo_model
+    from curvwatch.demo import llama_ffn_width
+
+    config = {
+        "name": "suite-llama", "block_size": spec.seq_len, "vocab_size": VOCAB_SIZE, "padded_vocab_size": VOCAB_SIZE,
+        "n_layer": spec.n_layer, "n_head": spec.n_head, "n_query_groups": max(1, spec.n_head // 2),
+        "n_embd": spec.d_model, "rotary_percentage": 1.0, "parallel_residual": False, "bias": False,
+        "norm_class_name": "RMSNorm", "norm_eps": spec.ln_eps, "mlp_class_name": "LLaMAMLP",
+        "intermediate_size": llama_ffn_width(spec.d_model),
+    }  # fmt: skip
+    return build_demo_model("llama", config)
+
+
+def llama_scores(model: nn.Module) -> list[tuple[nn.Module, ScoresFn]]:
+    """The attention modules of a litgpt ``GPT`` and their scores ``R(q) R(k)^T / sqrt(d_K)`` (rotary applied, keys
+    of each group repeated over its query heads), from the weights as curvwatch's litgpt adapter reads them."""
+    from litgpt.model import apply_rope
+
+    def scores(attn: nn.Module, X: Tensor) -> Tensor:
+        cfg = attn.config
+        B, L, _ = X.shape
+        H, H_kv, hs = cfg.n_head, cfg.n_query_groups, cfg.head_size
+        q, k, _ = attn.qkv(X).split((H * hs, H_kv * hs, H_kv * hs), dim=-1)
+        q = q.view(B, L, H, hs).transpose(1, 2)  # (B, H, L, hs)
+        k = k.view(B, L, H_kv, hs).transpose(1, 2).repeat_interleave(H // H_kv, dim=1)
+        cos, sin = model.cos[:L].to(X.dtype)[None], model.sin[:L].to(X.dtype)[None]  # (1, L, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, H, L, L)
+
+    return [(block.attn, scores) for block in model.transformer.h]
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How the suite builds one architecture and reads its attention scores."""
@@ -156,10 +193,11 @@ class Architecture:
     attention_scores: Callable[[nn.Module], list[tuple[nn.Module, ScoresFn]]]
 
 
-#: Name -> architecture. A LLaMA-style model goes here as a third entry (see the module docstring).
+#: Name -> architecture (see the module docstring for adding one).
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt": Architecture(build_gpt, gpt_scores),
     "torch": Architecture(TorchCausalLM, torch_scores),
+    "llama": Architecture(build_llama, llama_scores),
 }
 
 

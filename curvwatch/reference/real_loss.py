@@ -11,9 +11,10 @@ loss reads logits ``z``, :func:`real_loss_blocks` returns three dense ``(n, n)``
   ``F`` (the real gradient), which the closed forms compute exactly.
 
 ``sharpness`` keys estimate ``lambda_max(ggn + own)``; ``hessian - ggn - own`` is the downstream second-order part
-that no closed form reaches. Tiny models only (dense Jacobians of the logits), in float64; ``F.scaled_dot_product_attention`` runs on its
-math backend here (the fused ones have no forward-mode or double backward), other fused attention kernels must be
-switched off by the caller (Hugging Face: ``attn_implementation="eager"``).
+that no closed form reaches. Tiny models only (dense Jacobians of the logits), in float64;
+``F.scaled_dot_product_attention`` runs on its math backend here (the fused ones have no forward-mode or double
+backward); other fused attention kernels must be switched off by the caller (Hugging Face:
+``attn_implementation="eager"``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
     else:
         w, _, _ = loss_weights(z.detach(), gz, LossKind.CROSS_ENTROPY)
         p = torch.softmax(zr, -1)
-        H_z = torch.block_diag(*[wi * (torch.diag(pi) - torch.outer(pi, pi)) for wi, pi in zip(w.double(), p)])
+        blocks = [wi * (torch.diag(pi) - torch.outer(pi, pi)) for wi, pi in zip(w.double(), p, strict=True)]
+        H_z = torch.block_diag(*blocks)
     J = torch.func.jacrev(lambda d: run(d)[1].reshape(-1))(zero)  # (N V, n)
     ggn = J.T @ H_z @ J
     g_F = g_F.detach()
