@@ -20,6 +20,8 @@ _LAZY = {
     "BlockSpec": "curvwatch.adapters",
     "find_blocks": "curvwatch.adapters",
     "register_adapter": "curvwatch.adapters",
+    "LayerDescription": "curvwatch.adapters",
+    "describe_layer": "curvwatch.adapters",
 }
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "BlockSpec",
     "find_blocks",
     "register_adapter",
+    "LayerDescription",
+    "describe_layer",
 ]
 
 

@@ -301,6 +301,27 @@ def _nanogpt() -> Case:
     return Case(model, (idx, targets), loss, refs, ("VV", "QQ", "KK", "W1W1", "W2W2"), sanity)
 
 
+def _hand_written() -> Case:
+    """A LLaMA-style layer written in plain torch (GQA 4/2, rotary passed by the caller, RMSNorm, SwiGLU), known to
+    curvwatch only through a LayerDescription."""
+    model = zoo.hand_written(seed=1).model
+    H, H_kv, d_K = 4, 2, 4
+
+    def refs(m):
+        out = []
+        for i, layer in enumerate(m.layers):
+            sl = _attn_slices("wq.weight", "wk.weight", "wv.weight", H, H_kv, d_K)
+            out.append(Ref(f"layer{i}/attn", layer.attn, sl))
+            out.append(Ref(f"layer{i}/norm1", layer.norm1, stat="rms/ms_min"))
+            out.append(Ref(f"layer{i}/norm2", layer.norm2, stat="rms/ms_min"))
+            sl = _whole(layer.mlp, W1W1="gate.weight", W3W3="up.weight", W2W2="down.weight")
+            out.append(Ref(f"layer{i}/ffn", layer.mlp, sl))
+        return out
+
+    idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
+    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3"))
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "litgpt-llama3": lambda: _litgpt("llama3"),
     "litgpt-pythia": lambda: _litgpt("pythia", n_layer=1, intermediate_size=32),
@@ -309,6 +330,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "hf-mistral": lambda: _hf_causal_lm("mistral"),
     "hf-bart": _bart,
     "nanogpt": _nanogpt,
+    "hand-written": _hand_written,
 }
 
 

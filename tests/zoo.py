@@ -333,3 +333,95 @@ def nanogpt(
     model = _finish(NanoGPT(bias=bias, flash=flash, dropout=dropout, torch_ln=torch_ln), dtype)
     idx = torch.randint(0, VOCAB, (B, L))
     return Tiny(model, lambda m: _weighted_sum(m(idx)), list(model.transformer.h))
+
+
+# -- a LLaMA-style layer written by hand, monitored through a LayerDescription ------------------------------------
+
+
+def _rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Half-split rotary: dimension i pairs with i + d/2; ``cos``, ``sin`` ``(L, d_K)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class HandAttention(nn.Module):
+    """q/k/v/o projections, GQA (4 query heads, 2 kv heads), rotary from the caller, causal softmax."""
+
+    def __init__(self, d: int = 16, n_heads: int = 4, n_kv: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d_K = n_heads, n_kv, d // n_heads
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, n_kv * self.d_K, bias=False)
+        self.wv = nn.Linear(d, n_kv * self.d_K, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, self.d_K).transpose(1, 2)  # (B, H, L, d_K)
+        k = self.wk(x).view(B, L, self.n_kv, self.d_K).transpose(1, 2)
+        v = self.wv(x).view(B, L, self.n_kv, self.d_K).transpose(1, 2)
+        q, k = _rope_half(q, cos, sin), _rope_half(k, cos, sin)
+        g = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        s = q @ k.transpose(-2, -1) / math.sqrt(self.d_K)
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+        y = torch.softmax(s, -1) @ v  # (B, H, L, d_K)
+        return self.wo(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class HandMLP(nn.Module):
+    def __init__(self, d: int = 16, f: int = 24) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class HandLayer(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+        self.attn, self.mlp = HandAttention(d), HandMLP(d)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class HandLM(nn.Module):
+    def __init__(self, d: int = 16, n_layer: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(HandLayer(d) for _ in range(n_layer))
+        self.norm, self.lm_head = nn.RMSNorm(d, eps=1e-6), nn.Linear(d, VOCAB, bias=False)
+        self.d_K = d // 4
+
+    def forward(self, idx: Tensor) -> Tensor:
+        L = idx.shape[1]
+        inv = 1.0 / 10000 ** (torch.arange(0, self.d_K, 2, dtype=torch.float64) / self.d_K)
+        angles = torch.arange(L, dtype=torch.float64)[:, None] * inv[None]  # (L, d_K / 2)
+        angles = torch.cat((angles, angles), dim=-1).to(self.emb.weight.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def hand_written(*, dtype: torch.dtype = torch.float64, seed: int = 0) -> Tiny:
+    """:class:`HandLM`, its layer described to curvwatch with :class:`curvwatch.LayerDescription`."""
+    from curvwatch import LayerDescription, describe_layer
+
+    describe_layer(
+        HandLayer,
+        LayerDescription(
+            q="attn.wq", k="attn.wk", v="attn.wv", o="attn.wo", n_heads=4, n_kv_heads=2,
+            rotary=lambda args, kwargs: (args[1], args[2]),  # HandAttention.forward(x, cos, sin)
+            norms=("norm1", "norm2"), gate="mlp.gate", up="mlp.up", down="mlp.down", activation="silu",
+        ),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = _finish(HandLM(), dtype)
+    ids = torch.randint(0, VOCAB, (B, L))
+    return Tiny(model, lambda m: _weighted_sum(m(ids)), list(model.layers))

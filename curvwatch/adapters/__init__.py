@@ -58,10 +58,12 @@ __all__ = [
     "ADAPTERS",
     "Adapter",
     "BlockSpec",
+    "LayerDescription",
     "Masks",
     "UnsupportedBlockError",
     "activation_name",
     "adapter_for",
+    "describe_layer",
     "find_blocks",
     "register_adapter",
 ]
@@ -218,3 +220,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[BlockSpec] = "auto") ->
             raise ValueError(f"BlockSpec {spec.name!r}: adapter={spec.adapter!r} is not an Adapter instance.")
         seen.add(spec.name)
     return specs
+
+
+# layers described in a few lines (it registers through register_adapter, defined above)
+from curvwatch.adapters.described import LayerDescription, describe_layer  # noqa: E402
