@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.instability import suite
 from benchmarks.instability.analysis import SIGNALS, onset_step
@@ -82,3 +83,36 @@ def test_onset_definition():
     assert onset_step([5.0, 4.0, 3.0] + [2.0] * 30 + [2.6] * 40) == 41  # mean > 2.5 from step 41
     assert onset_step([2.0] * 15 + [float("nan")]) == 15
     assert onset_step([2.0] * 15 + [None]) == 15
+
+
+def test_llama_architecture_scores_are_litgpts():
+    """The suite's LLaMA-style model: the attention-logit probe's scores are the ones litgpt's SDPA call gets."""
+    pytest.importorskip("litgpt")
+    import math
+
+    import torch.nn.functional as F
+
+    from benchmarks.instability.models import ARCHITECTURES, ModelSpec, build_model
+
+    model = build_model(ModelSpec(arch="llama", d_model=32, seq_len=16, n_head=4))
+    (attn, scores), *_ = ARCHITECTURES["llama"].attention_scores(model)
+    seen: dict = {}
+    attn.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]) if "x" not in seen else None)
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if "s" not in seen:  # the first call: layer 0
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+            seen["s"] = q @ k.transpose(-2, -1) * kwargs.get("scale", 1 / math.sqrt(q.shape[-1]))
+        return original(q, k, v, *args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 256, (2, 16)))
+    finally:
+        F.scaled_dot_product_attention = original
+    with torch.no_grad():
+        got = scores(attn, seen["x"])
+    torch.testing.assert_close(got, seen["s"], rtol=1e-5, atol=1e-6)
+    assert model.config.n_query_groups == 2 and model.config.norm_class_name == "RMSNorm"
