@@ -29,7 +29,8 @@ def _describe(**changes):
 
 def test_described_layer_blocks_and_coverage(hand):
     assert [(s.name, s.kind) for s in find_blocks(hand)][:4] == [
-        ("layer0/attn", "attention"), ("layer0/norm1", "rmsnorm"), ("layer0/norm2", "rmsnorm"), ("layer0/ffn", "gated_ffn")
+        ("layer0/attn", "attention"), ("layer0/norm1", "rmsnorm"), ("layer0/norm2", "rmsnorm"),
+        ("layer0/ffn", "gated_ffn"),
     ]  # fmt: skip
     _describe()  # norm2 left out: named as not monitored
     spec = find_blocks(hand)[0]

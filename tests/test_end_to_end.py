@@ -319,7 +319,8 @@ def _hand_written() -> Case:
         return out
 
     idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
-    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3"))
+    pairs = ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3")
+    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs)
 
 
 CASES: dict[str, Callable[[], Case]] = {
