@@ -49,6 +49,9 @@ HF BartForConditionalGeneration    encoder: attn, ln_1, ln_2, ffn;        none  
                                    ln_3, ffn (ffn, gelu)
 nanoGPT-style, tests/zoo.py        attn (fused c_attn, SDPA is_causal),   none               4.8e-15
 (2, 16, 4/4)                       ln_1, ln_2 (layernorm), ffn (ffn)
+hand-written LLaMA-style layer,    attn (GQA, rotary from the call),      none               3.3e-15
+plain torch, LayerDescription      norm1, norm2 (rmsnorm), ffn
+(tests/zoo.py; 2, 16, 4/2)         (gated_ffn)
 =================================  =====================================  =================  =================
 
 "Not monitored" is what the set-up table lists inside the layers. Outside them, and not in the table: the

@@ -8,6 +8,8 @@ pytest runs with warnings as errors) and the memory the bases take is bounded by
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -60,3 +62,22 @@ def test_unconverged_default_call_warns_and_says_how_to_fix():
     Y, G = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
     with pytest.warns(UserWarning, match=r"stopped at max_iter=2 above tol=0.001.*Lanczos\(max_iter=\.\.\.\)"):
         ffn(Y, _w(gen, 16, 64), _w(gen, 64, 16), activation="gelu", grad_output=G, lanczos=Lanczos(max_iter=2))
+
+
+def test_sampled_sharpness_defaults_at_B4_L128_d256_with_16_samples():
+    """The real-loss keys (16 samples, an Adam-like preconditioner) at the default Lanczos settings: converged."""
+    gen = torch.Generator().manual_seed(4)
+    X, G = torch.randn(4, 128, 256, generator=gen), torch.randn(4, 128, 256, generator=gen) * 1e-3
+    S = torch.randn(16, 4, 128, 256, generator=gen) * 1e-2
+    W = [_w(gen, 256, 256) for _ in range(4)]
+    P = {name: torch.rand(256, 256, generator=gen) + 0.5 for name in ("W_Q", "W_K", "W_V")}
+    start = time.perf_counter()
+    out = multi_head_attention(X, *W, 4, grad_output=G, causal=True, output_samples=S, precondition=P)
+    elapsed = time.perf_counter() - start
+    _converged(out)
+    assert sum(k.startswith("precond_sharpness/QQ/h") for k in out) == 4 and elapsed < 120
+    Y = torch.randn(128, 256, generator=gen)
+    out = ffn(Y, _w(gen, 256, 1024), _w(gen, 1024, 256), activation="gelu", grad_output=G[0],
+              output_samples=S[:, 0])  # fmt: skip
+    _converged(out)
+    assert "sharpness/W1W1" in out
