@@ -115,8 +115,9 @@ class CurvatureMonitor(Callback):
         every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``. ``None`` (default): every 200 steps
             within the overhead budget (``max_overhead``). A chosen cadence is honoured as it is; when its
             evaluations take over 10% of the training time the monitor says so once, with what each costs. One
-            evaluation costs a fixed amount of work (capped by ``max_tokens``), about 10 training steps of the tiny
-            demo model and fewer on larger ones (``docs/performance.md`` section 3).
+            evaluation costs a fixed amount of work (capped by ``max_tokens``), about 15 training steps of the tiny
+            demo model (32-40 with the real-loss keys of ``sharpness``, ``docs/sharpness.md``) and fewer on larger
+            ones (``docs/performance.md`` section 3).
         max_overhead: Largest fraction of the training wall time the evaluations may take. ``"auto"`` (default):
             0.01 with the default cadence, none with a chosen one; ``None``: a fixed schedule; a number: that
             budget (with any cadence). A due step is evaluated only if the evaluations so far plus this one
