@@ -65,6 +65,8 @@ NO_STATE_YET = "the optimizer has no second-moment state yet (before its first s
 # A cross-entropy gradient row g = w (p - t) sums to zero; rows summing to more than this fraction of their
 # absolute sum are not cross-entropy ones (float32 round-off is ~1e-7; bfloat16 logits ~1e-3).
 _CE_ROW_SUM = 1e-2
+# Elements per chunk of rows when the sampler builds its tables.
+_CHUNK = 2**22
 # Hard-label fit: per-row weights are used when the gradient equals w_n (p_n - e_y) to this relative residual.
 _HARD_FIT = 1e-2
 
@@ -220,15 +222,18 @@ class LogitSampler:
         self.shape, self.kind = logits.shape, kind
         self.root = weights.clamp_min(0).sqrt()[:, None].float()  # (N, 1)
         if kind is LossKind.CROSS_ENTROPY:
-            p = torch.softmax(logits.detach().reshape(-1, logits.shape[-1]).double(), -1)  # (N, V)
-            # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
-            sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
-            a2 = p * sq  # ||a_c||^2
-            total = a2.sum(-1, keepdim=True)  # tr H_n
-            self.q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p).float()  # (N, V)
-            self.coef = (total / sq.clamp_min(1e-300)).sqrt().float()  # sqrt(p_c / q_c) = sqrt(tr H_n / sq_c)
-            self.p = p.float()
-            del p, sq, a2, total
+            z = logits.detach().reshape(-1, logits.shape[-1])
+            self.p, self.q, self.coef = (torch.empty(z.shape, device=z.device) for _ in range(3))  # (N, V) float32
+            step = max(1, _CHUNK // z.shape[-1])  # rows per chunk: the float64 temporaries stay ~32 MB each
+            for i in range(0, z.shape[0], step):
+                p = torch.softmax(z[i : i + step].double(), -1)
+                # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
+                sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+                a2 = p * sq  # ||a_c||^2
+                total = a2.sum(-1, keepdim=True)  # tr H_n
+                self.q[i : i + step] = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
+                self.coef[i : i + step] = (total / sq.clamp_min(1e-300)).sqrt()  # sqrt(p_c / q_c)
+                self.p[i : i + step] = p
 
     def draw(self, generator: torch.Generator | None = None) -> Tensor:
         """One sample ``r``, float32, shaped like the logits."""

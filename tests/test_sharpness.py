@@ -266,3 +266,14 @@ def test_loss_weights_of_a_confident_model_in_float32():
     w, kind, note = loss_weights(z, _grad(lambda x: F.cross_entropy(x, labels), z))
     assert kind is LossKind.CROSS_ENTROPY and note is None
     torch.testing.assert_close(w.double(), torch.full((6,), 1 / 6, dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+def test_sampler_tables_built_in_chunks_are_the_same(monkeypatch):
+    import curvwatch.sharpness as sharpness
+
+    z = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
+    whole = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY)
+    monkeypatch.setattr(sharpness, "_CHUNK", 10)  # two rows per chunk
+    chunked = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY)
+    for name in ("p", "q", "coef"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=0, atol=0)
