@@ -14,6 +14,7 @@ mechanism             arch   unstable run                                       
 ``rewarm``            gpt    trained 200 steps (3e-3, cosine), re-warmed to 0.3  re-warmed to 3e-3 (its peak)
 ``postln_depth``      torch  post-LN, 6 layers, 2e-3 then ramped to 4e-2         pre-LN (``norm_first``)
 ``ln_collapse``       torch  embeddings under weight decay 1000: var -> eps      embedding weight decay 0.1
+``ln_collapse_llama`` llama  the same on the LLaMA-style model (RMSNorm)         embedding weight decay 0.1
 ====================  =====  ==================================================  ============================
 
 ``logit_div`` also runs ``z_loss`` (the issue's suggested control: z-loss 1e-3 with the unstable model), scored
@@ -153,6 +154,16 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
             ),
             diverges=False,
         ),
+        Mechanism(
+            "ln_collapse_llama",
+            "RMSNorm collapse, LLaMA-style (litgpt): token embeddings shrink under strong weight decay",
+            "embedding weight decay 1000 -> 0.1",
+            (
+                Variant("unstable", "unstable", replace(collapse, model=llama)),
+                Variant("control", "control", replace(collapse, model=llama, emb_weight_decay=0.1)),
+            ),
+            diverges=False,
+        ),
     ]
 
 
@@ -185,6 +196,16 @@ def _quick() -> list[Mechanism]:
             (
                 Variant("unstable", "unstable", collapse),
                 Variant("control", "control", replace(collapse, emb_weight_decay=0.1)),
+            ),
+            diverges=False,
+        ),
+        Mechanism(
+            "ln_collapse_llama",
+            "RMSNorm collapse, LLaMA-style (litgpt): token embeddings shrink under strong weight decay",
+            "embedding weight decay 1000 -> 0.1",
+            (
+                Variant("unstable", "unstable", replace(collapse, model=llama)),
+                Variant("control", "control", replace(collapse, model=llama, emb_weight_decay=0.1)),
             ),
             diverges=False,
         ),

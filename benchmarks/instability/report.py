@@ -351,8 +351,8 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         "  attend to the first token from every query (attention sinks); such a head would read as saturated.",
         "  Raise `saturation_level` towards 0 (or disable it) if a healthy run warns.",
         "* Three seeds per variant, two for fitting: the margins in the thresholds table are what the held-out",
-        "  seed can confirm, no more. The LLaMA-style architecture (litgpt: RMSNorm, SwiGLU, rotary, GQA) is in one",
-        "  mechanism only (`attn_logit_llama`); its RMSNorm collapse and its logit divergence are not.",
+        "  seed can confirm, no more. The LLaMA-style architecture (litgpt: RMSNorm, SwiGLU, rotary, GQA) is in two",
+        "  mechanisms (`attn_logit_llama`, `ln_collapse_llama`); its logit divergence and re-warm are not.",
         "",
     ]
 

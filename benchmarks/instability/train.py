@@ -164,7 +164,7 @@ class SuiteLM(L.LightningModule):
         cfg = self.cfg
         groups: dict[str, list[torch.nn.Parameter]] = {"emb": [], "decay": [], "none": []}
         for name, p in self.model.named_parameters():
-            if name.endswith("_emb.weight"):
+            if name.endswith(("_emb.weight", ".wte.weight")):  # token (and position) embeddings; litgpt: wte
                 groups["emb"].append(p)
             else:
                 groups["decay" if p.dim() >= 2 else "none"].append(p)
