@@ -199,14 +199,4 @@ def _quick() -> list[Mechanism]:
             ),
             diverges=False,
         ),
-        Mechanism(
-            "ln_collapse_llama",
-            "RMSNorm collapse, LLaMA-style (litgpt): token embeddings shrink under strong weight decay",
-            "embedding weight decay 1000 -> 0.1",
-            (
-                Variant("unstable", "unstable", replace(collapse, model=llama)),
-                Variant("control", "control", replace(collapse, model=llama, emb_weight_decay=0.1)),
-            ),
-            diverges=False,
-        ),
     ]
