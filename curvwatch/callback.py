@@ -626,53 +626,20 @@ class CurvatureMonitor(Callback):
             self._warn_after(trainer, step, evaluation, results, fired, summary, norms, elapsed, terms_only)
 
     def _warn_after(self, trainer, step, evaluation, results, fired, summary, norms, elapsed, terms_only) -> None:
-        """Rank zero's warnings and messages about one logged evaluation."""
-        for name, reason in evaluation.excluded.items():
-            self.engine.warn_once(name, f"CurvatureMonitor leaves block '{name}' out: {reason}.")
-        for name, error in evaluation.failed.items():
-            self.engine.warn_once(
-                f"failed:{name}",
-                f"CurvatureMonitor leaves block '{name}' out of the evaluation at step {step} (and of later ones where "
-                f"it fails again, without further warnings): its closed form raised {type(error).__name__}: {error}. "
-                "The other blocks are "
-                "logged; pass on_error='raise' to get the traceback, or blocks=[...] to leave the block out.",
-            )
-        # a cold start (first evaluation of a block, or after a resume) may need more than max_iter steps once;
-        # the warning is about norms that stay unconverged although Lanczos started from the last Ritz vectors
+        """Rank zero's warnings and messages about one logged evaluation (their texts: :mod:`curvwatch.report`)."""
         warm = {b: r for b, r in results.items() if b not in evaluation.cold}
-        accuracy = M.lanczos_accuracy(warm, self.tol)
-        if accuracy.get("summary/lanczos/unconverged", 0) > 0:
-            worst = {b: max(M.residuals(r).values(), default=0.0) for b, r in warm.items()}
-            block = max(worst, key=worst.__getitem__)
-            p, n = self.log_key_prefix, accuracy["summary/lanczos/unconverged"]
-            self.engine.warn_once(
-                "lanczos_unconverged",
-                f"CurvatureMonitor: at step {step}, {n:.0f} of {accuracy['summary/lanczos/norms']:.0f} warm-started "
-                f"Lanczos norms stopped at max_iter={self.max_iter} before reaching tol={self.tol:g} (worst relative "
-                f"residual {worst[block]:.2g}, in '{block}'); such a norm may read low by up to about that fraction "
-                f"(usually far less). {p}summary/lanczos/unconverged and {p}<block>/lanczos/rel_residual_max track it. "
-                "Raise max_iter for tighter norms (each step costs about one more product), or a larger tol.",
-            )
-        if not terms_only:
-            note = self.schedule.cost_note(step)
-            if note is not None:
-                self.engine.warn_once("cadence_cost", note)
+        notices = report.evaluation_notices(
+            step, evaluation.excluded, evaluation.failed, warm, self.tol, self.max_iter, self.log_key_prefix
+        )
+        note = None if terms_only else self.schedule.cost_note(step)
+        for key, message in notices + ([("cadence_cost", note)] if note is not None else []):
+            self.engine.warn_once(key, message)
         if self.warn:
             for alert in fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
                 sinks.wandb_alert(trainer.loggers, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
-        if self.verbose and terms_only:
-            rank_zero_info(
-                f"[CurvatureMonitor] step {step}: terms only, LayerNorm var_min/eps "
-                f"{summary.get('summary/ln/var_min_over_eps', math.nan):.3g}, {len(fired)} warning(s), {elapsed:.3f} s"
-            )
-        elif self.verbose:
-            where = f" in {max(norms, key=norms.__getitem__)}" if norms else ""
-            rank_zero_info(
-                f"[CurvatureMonitor] step {step}: max ||H|| {summary.get('summary/max_hessian', math.nan):.3e}{where}, "
-                f"heterogeneity {summary.get('summary/heterogeneity/model', math.nan):.2f} decades, "
-                f"{len(fired)} warning(s), {elapsed:.2f} s"
-            )
+        if self.verbose:
+            rank_zero_info(report.progress_line(step, summary, norms, len(fired), elapsed, terms_only))
 
     def _skip(self, trainer: Trainer, step: int, error: BaseException | None) -> None:
         """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""

@@ -5,6 +5,7 @@ Pure functions from plain numbers and specs to text; nothing here sees a ``Train
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch  # noqa: F401  (used by the doctests)
 from curvwatch.adapters import BlockSpec
 from curvwatch.alerts import Alert
 
-__all__ = ["coverage_rows", "coverage_text", "summary_text"]
+__all__ = ["coverage_rows", "coverage_text", "evaluation_notices", "progress_line", "summary_text"]
 
 
 def summary_text(
@@ -150,3 +151,73 @@ def coverage_text(rows: Sequence[Mapping[str, str]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
     lines += ["  ".join(r[c].ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def evaluation_notices(
+    step: int,
+    excluded: Mapping[str, str],
+    failed: Mapping[str, BaseException],
+    warm_results: Mapping[str, Mapping[str, Any]],
+    tol: float,
+    max_iter: int,
+    prefix: str,
+) -> list[tuple[str, str]]:
+    """``(key, message)`` of the one-time notices about one evaluation: blocks left out, blocks whose closed form
+    failed, Lanczos norms that stayed unconverged although warm-started (``warm_results``: the blocks that were not
+    cold-started). The caller warns once per key.
+
+    Example:
+        >>> notices = evaluation_notices(3, {"layer0/ffn": "no gradient arrived"}, {}, {}, 1e-2, 40, "curv/")
+        >>> notices[0]
+        ('layer0/ffn', "CurvatureMonitor leaves block 'layer0/ffn' out: no gradient arrived.")
+    """
+    from curvwatch import metrics as M
+
+    out = [(name, f"CurvatureMonitor leaves block '{name}' out: {reason}.") for name, reason in excluded.items()]
+    for name, error in failed.items():
+        out.append((
+            f"failed:{name}",
+            f"CurvatureMonitor leaves block '{name}' out of the evaluation at step {step} (and of later ones where "
+            f"it fails again, without further warnings): its closed form raised {type(error).__name__}: {error}. "
+            "The other blocks are logged; pass on_error='raise' to get the traceback, or blocks=[...] to leave the "
+            "block out.",
+        ))  # fmt: skip
+    # a cold start (first evaluation of a block, or after a resume) may need more than max_iter steps once; the
+    # notice is about norms that stay unconverged although Lanczos started from the last Ritz vectors
+    accuracy = M.lanczos_accuracy(warm_results, tol)
+    if accuracy.get("summary/lanczos/unconverged", 0) > 0:
+        worst = {b: max(M.residuals(r).values(), default=0.0) for b, r in warm_results.items()}
+        block = max(worst, key=worst.__getitem__)
+        n = accuracy["summary/lanczos/unconverged"]
+        out.append((
+            "lanczos_unconverged",
+            f"CurvatureMonitor: at step {step}, {n:.0f} of {accuracy['summary/lanczos/norms']:.0f} warm-started "
+            f"Lanczos norms stopped at max_iter={max_iter} before reaching tol={tol:g} (worst relative "
+            f"residual {worst[block]:.2g}, in '{block}'); such a norm may read low by up to about that fraction "
+            f"(usually far less). {prefix}summary/lanczos/unconverged and {prefix}<block>/lanczos/rel_residual_max "
+            "track it. Raise max_iter for tighter norms (each step costs about one more product), or a larger tol.",
+        ))  # fmt: skip
+    return out
+
+
+def progress_line(
+    step: int, summary: Mapping[str, float], norms: Mapping[str, float], fired: int, elapsed: float, terms_only: bool
+) -> str:
+    """The one line ``verbose=True`` prints per evaluation.
+
+    Example:
+        >>> summary = {"summary/max_hessian": 2.0, "summary/heterogeneity/model": 0.5}
+        >>> progress_line(5, summary, {"a": 2.0}, 0, 0.1, False)
+        '[CurvatureMonitor] step 5: max ||H|| 2.000e+00 in a, heterogeneity 0.50 decades, 0 warning(s), 0.10 s'
+    """
+    if terms_only:
+        return (
+            f"[CurvatureMonitor] step {step}: terms only, LayerNorm var_min/eps "
+            f"{summary.get('summary/ln/var_min_over_eps', math.nan):.3g}, {fired} warning(s), {elapsed:.3f} s"
+        )
+    where = f" in {max(norms, key=norms.__getitem__)}" if norms else ""
+    return (
+        f"[CurvatureMonitor] step {step}: max ||H|| {summary.get('summary/max_hessian', math.nan):.3e}{where}, "
+        f"heterogeneity {summary.get('summary/heterogeneity/model', math.nan):.2f} decades, "
+        f"{fired} warning(s), {elapsed:.2f} s"
+    )
