@@ -100,21 +100,29 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
         emb_weight_decay=1000.0,
         emb_lr_mult=5e-3,
     )
-    return [
-        Mechanism(
-            "attn_logit",
-            "attention-logit growth at a high learning rate (no QK-norm)",
-            "peak learning rate 1.0 -> 0.1",
-            (Variant("unstable", "unstable", attn), Variant("control", "control", replace(attn, lr=_ramp(0.1)))),
+    attn_logit = Mechanism(
+        "attn_logit",
+        "attention-logit growth at a high learning rate (no QK-norm)",
+        "peak learning rate 1.0 -> 0.1",
+        (Variant("unstable", "unstable", attn), Variant("control", "control", replace(attn, lr=_ramp(0.1)))),
+    )
+    ln_collapse = Mechanism(
+        "ln_collapse",
+        "LayerNorm variance collapse: embeddings shrink under strong weight decay",
+        "embedding weight decay 1000 -> 0.1",
+        (
+            Variant("unstable", "unstable", collapse),
+            Variant("control", "control", replace(collapse, emb_weight_decay=0.1)),
         ),
-        Mechanism(
+        diverges=False,
+    )
+    return [
+        attn_logit,
+        _on_model(
+            attn_logit,
+            llama,
             "attn_logit_llama",
             "attention-logit growth at a high learning rate, LLaMA-style (litgpt: RMSNorm, SwiGLU, rotary, GQA)",
-            "peak learning rate 1.0 -> 0.1",
-            (
-                Variant("unstable", "unstable", replace(attn, model=llama)),
-                Variant("control", "control", replace(attn, model=llama, lr=_ramp(0.1))),
-            ),
         ),
         Mechanism(
             "logit_div",
@@ -144,27 +152,20 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
                 Variant("control", "control", replace(postln, model=replace(postln.model, norm="pre"))),
             ),
         ),
-        Mechanism(
-            "ln_collapse",
-            "LayerNorm variance collapse: embeddings shrink under strong weight decay",
-            "embedding weight decay 1000 -> 0.1",
-            (
-                Variant("unstable", "unstable", collapse),
-                Variant("control", "control", replace(collapse, emb_weight_decay=0.1)),
-            ),
-            diverges=False,
-        ),
-        Mechanism(
+        ln_collapse,
+        _on_model(
+            ln_collapse,
+            llama,
             "ln_collapse_llama",
             "RMSNorm collapse, LLaMA-style (litgpt): token embeddings shrink under strong weight decay",
-            "embedding weight decay 1000 -> 0.1",
-            (
-                Variant("unstable", "unstable", replace(collapse, model=llama)),
-                Variant("control", "control", replace(collapse, model=llama, emb_weight_decay=0.1)),
-            ),
-            diverges=False,
         ),
     ]
+
+
+def _on_model(mechanism: Mechanism, model: ModelSpec, name: str, title: str) -> Mechanism:
+    """``mechanism`` with every variant on ``model``: the same recipe and knob on another architecture."""
+    variants = tuple(replace(v, config=replace(v.config, model=model)) for v in mechanism.variants)
+    return replace(mechanism, name=name, title=title, variants=variants)
 
 
 def _quick() -> list[Mechanism]:
