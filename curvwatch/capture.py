@@ -320,19 +320,19 @@ def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ..
 
 
 def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float, positions: float):
-    """``(LogitSampler of the kept rows with its .note, scale)``; ``scale`` = the batch's total loss weight over that
-    of the kept tokens (a cut inside one sequence counts its share ``positions`` of them)."""
+    """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
+    kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
+    :func:`~curvwatch.sharpness.loss_weights` assumed."""
     V = z.shape[-1]
     z_kept, g_kept = z.detach()[rows], gz[rows]
     everything = z_kept.numel() == z.numel()
-    n_active = None
-    if not everything:  # what an assumed mean runs over: the whole batch (counted in chunks: no (N, V) copies)
+    count = None  # what an assumed mean (soft targets, squared error) runs over: the whole batch
+    if LossKind(kind) is LossKind.MSE:
+        count = z.numel()
+    elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat = gz.reshape(-1, V)
-        n_active = sum(int(flat[i : i + 4096].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], 4096))
-    w, loss_kind, note = loss_weights(z_kept, g_kept, kind)
-    if note is not None:  # an assumed mean (soft targets, squared error): over the whole batch
-        count = z.numel() if loss_kind is LossKind.MSE else n_active
-        w, loss_kind, note = loss_weights(z_kept, g_kept, loss_kind, count=count)
+        count = sum(int(flat[i : i + 4096].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], 4096))
+    w, loss_kind, note = loss_weights(z_kept, g_kept, kind, count=count)
     total = float(w.sum())
     if not everything:
         if note is not None:
@@ -342,9 +342,7 @@ def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float
             total = sum(float(loss_weights(zf[i : i + 4096], gf[i : i + 4096], loss_kind)[0].sum())
                         for i in range(0, zf.shape[0], 4096))  # fmt: skip
     kept = float(w.sum()) * positions
-    sampler = LogitSampler(z_kept, w * factor, loss_kind)
-    sampler.note = note
-    return sampler, (total / kept if kept > 0 else 1.0)
+    return LogitSampler(z_kept, w * factor, loss_kind), (total / kept if kept > 0 else 1.0), note
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -592,8 +590,7 @@ class Capture:
             B, L = live[0][1].shape
             k, l = token_slice(B, L, self.max_tokens)
             rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
-            sampler, scale = _sampler(z, gz, rows, kind, factor, l / L)
-            self.sample_note = sampler.note
+            sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
             for _, rec in live:
                 rec.sample_scale = scale
             outputs = [rec.output for _, rec in live]

@@ -48,7 +48,7 @@ __all__ = [
     "find_logits_module",
     "loss_weights",
     "param_index_map",
-    "sample_logit_gradient",
+    "param_positions",
     "stability_keys",
     "stability_rule",
 ]
@@ -238,23 +238,14 @@ class LogitSampler:
     def draw(self, generator: torch.Generator | None = None) -> Tensor:
         """One sample ``r``, float32, shaped like the logits."""
         n = self.root.shape[0]
-        device = self.root.device
-        sign = torch.randint(0, 2, (n, 1), generator=generator, device=device).float().mul_(2).sub_(1)
+        columns = self.shape[-1] if self.kind is LossKind.MSE else 1  # one sign per element, or per row
+        sign = torch.randint(0, 2, (n, columns), generator=generator, device=self.root.device).float().mul_(2).sub_(1)
         if self.kind is LossKind.MSE:
-            V = self.shape[-1]
-            sign = torch.randint(0, 2, (n, V), generator=generator, device=device).float().mul_(2).sub_(1)
             return (math.sqrt(2.0) * self.root * sign).reshape(self.shape)
         c = torch.multinomial(self.q, 1, generator=generator)  # (N, 1)
         r = -self.p
         r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
         return (r * (self.root * sign * self.coef.gather(1, c))).reshape(self.shape)
-
-
-def sample_logit_gradient(
-    logits: Tensor, weights: Tensor, kind: LossKind, generator: torch.Generator | None = None
-) -> Tensor:
-    """One draw of :class:`LogitSampler` (see there), for a single use."""
-    return LogitSampler(logits, weights, kind).draw(generator)
 
 
 # -- optimizers --------------------------------------------------------------------------------------
@@ -400,6 +391,27 @@ def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[
         new_starts[used] = torch.tensor([0, *[sizes[i] for i in used.tolist()]]).cumsum(0)[:-1]
         local = flat - starts[which] + new_starts[which]  # position in the concatenation of the used ones
         out[name] = ([params[i] for i in used.tolist()], local.reshape(idx.shape))
+    return out
+
+
+def param_positions(params: list[Tensor], index: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(parameter, elements, positions)`` for each of ``params`` holding some of a weight's elements.
+
+    Args:
+        params, index: One entry of :func:`param_index_map` (``index`` into the concatenated flattened ``params``).
+
+    Returns:
+        ``elements``: which entries of ``index.reshape(-1)`` the parameter holds; ``positions``: where they are in its
+        flattened values (both ``LongTensor``, on the CPU).
+    """
+    flat = index.reshape(-1)
+    starts = torch.tensor([0, *[p.numel() for p in params]]).cumsum(0)
+    which = torch.bucketize(flat, starts[1:], right=True)  # the parameter of each element
+    out = []
+    for j, p in enumerate(params):
+        elements = (which == j).nonzero().reshape(-1)
+        if elements.numel():
+            out.append((p, elements, flat[elements] - starts[j]))
     return out
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvwatch.sharpness import param_positions
+
 __all__ = ["VERIFIED", "true_sharpness"]
 
 #: Diagonal pair -> (weight read by the adapter, whether the key is per head): what :func:`true_sharpness` checks.
@@ -71,29 +73,21 @@ def true_sharpness(
                 continue
             ps, index = weights[weight]
             index = _head_columns(spec, weight, index) if per_head else index
-            flat = index.reshape(-1)
-            sizes = torch.tensor([0, *[p.numel() for p in ps]]).cumsum(0)
-            which = torch.bucketize(flat, sizes[1:], right=True)
-            parts = [(p, flat[which == j] - sizes[j]) for j, p in enumerate(ps)]
-            parts = [(p, pos.to(p.device)) for p, pos in parts if pos.numel()]
-            if any(grad_of[id(p)] is None for p, _ in parts):
+            parts = [(p, el.to(p.device), pos.to(p.device)) for p, el, pos in param_positions(ps, index)]
+            if any(grad_of[id(p)] is None for p, _, _ in parts):
                 continue
+            n = index.numel()
 
-            def matvec(u: Tensor, parts=parts) -> Tensor:
-                v = u.reshape(-1)
-                dot, start = 0.0, 0
-                for p, pos in parts:
-                    g = grad_of[id(p)].reshape(-1)
-                    dot = dot + (g[pos] * v[start : start + pos.numel()].to(g.dtype)).sum()
-                    start += pos.numel()
-                hv = torch.autograd.grad(dot, [p for p, _ in parts], retain_graph=True, allow_unused=True)
-                pieces = [
-                    (torch.zeros(pos.numel(), device=u.device) if h is None else h.reshape(-1)[pos].to(u.dtype))
-                    for h, (_, pos) in zip(hv, parts, strict=True)
-                ]
-                return torch.cat(pieces).reshape(u.shape) * factor
+            def matvec(u: Tensor, parts=parts, n=n) -> Tensor:
+                v = u.reshape(-1)  # (n,), the weight's elements in index order
+                dot = sum((grad_of[id(p)].reshape(-1)[pos] * v[el].to(p.dtype)).sum() for p, el, pos in parts)
+                hv = torch.autograd.grad(dot, [p for p, _, _ in parts], retain_graph=True, allow_unused=True)
+                Hv = torch.zeros(n, dtype=u.dtype, device=u.device)
+                for h, (_, el, pos) in zip(hv, parts, strict=True):
+                    if h is not None:
+                        Hv[el] = h.reshape(-1)[pos].to(u.dtype)
+                return Hv.reshape(u.shape) * factor
 
-            n = sum(pos.numel() for _, pos in parts)
             device = parts[0][0].device
             dtype = torch.float64 if parts[0][0].dtype == torch.float64 else torch.float32
             value, _ = lanczos_max_abs(matvec, (1,), n, dtype=dtype, device=device, tol=tol,

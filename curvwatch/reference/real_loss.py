@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from curvwatch.adapters import BlockSpec
-from curvwatch.sharpness import param_index_map
+from curvwatch.sharpness import param_index_map, param_positions
 
 __all__ = ["real_loss_blocks"]
 
@@ -74,9 +74,7 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
 
     params, index = param_index_map(spec, (weight,))[weight]
     index = index if columns is None else index[:, columns]
-    flat = index.reshape(-1)
-    sizes = torch.tensor([0, *[p.numel() for p in params]]).cumsum(0)
-    which = torch.bucketize(flat, sizes[1:], right=True)
+    parts = param_positions(params, index)
     names = {id(p): n for n, p in model.named_parameters()}
     base = {n: p.detach() for n, p in model.named_parameters()}
     call = _Call(model, loss_fn)
@@ -84,11 +82,8 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
 
     def run(delta: Tensor, keep: dict | None = None) -> tuple[Tensor, Tensor]:
         new = dict(base)
-        for j, p in enumerate(params):
-            sel = which == j
-            if bool(sel.any()):
-                pos = flat[sel] - sizes[j]
-                new[names[id(p)]] = (base[names[id(p)]].reshape(-1).index_add(0, pos, delta[sel])).reshape(p.shape)
+        for p, elements, pos in parts:
+            new[names[id(p)]] = base[names[id(p)]].reshape(-1).index_add(0, pos, delta[elements]).reshape(p.shape)
         handle = None
         if keep is not None:
             handle = out_module.register_forward_hook(
@@ -100,7 +95,7 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
             if handle is not None:
                 handle.remove()
 
-    zero = torch.zeros(flat.numel(), dtype=next(iter(base.values())).dtype)
+    zero = torch.zeros(index.numel(), dtype=next(iter(base.values())).dtype)
     hessian = torch.func.hessian(lambda d: run(d)[0])(zero)
     # the loss's Hessian at the logits
     keep: dict = {}
