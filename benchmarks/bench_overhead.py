@@ -214,8 +214,8 @@ def train_once(
         "wall_s": wall,
         "step_s": [b - a for a, b in zip(starts, starts[1:], strict=False)],  # start(i) -> start(i + 1)
         "hook_s": [b - a for a, b in zip(starts, ends, strict=False)],  # start(i) -> end(i)
-        "evaluations": None if monitor is None else monitor._evaluations,
-        "terms_evaluations": None if monitor is None else monitor._terms_evaluations,
+        "evaluations": None if monitor is None else monitor.book.evaluations,
+        "terms_evaluations": None if monitor is None else monitor.book.terms_evaluations,
         # the monitor's own account at the end of the run: its seconds (evaluations and logging) over the
         # training seconds (wall time minus its own), what max_overhead budgets; immune to drift between runs
         "monitor_overhead_fraction": None

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -15,14 +14,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from curvwatch import metrics as M
 from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.engine import NONFINITE, BlockError, Engine, Evaluation
+from curvwatch.engine import BlockError, Engine, Evaluation
 from curvwatch.kinds import KINDS
+from curvwatch.logbook import HEADLINES, Logbook, LogError, flatten
 from curvwatch.options import OnError, WarningRules, check_int, check_number, choice, pairs_option
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
@@ -31,16 +30,6 @@ from curvwatch.sharpness import RealLoss
 
 __all__ = ["CurvatureMonitor", "OnError"]
 
-# Headline summaries: put in ``trainer.callback_metrics`` and given a W&B run summary.
-_HEADLINES = {
-    "summary/max_hessian": "max",
-    "summary/heterogeneity/model": "max",
-    "summary/vv_qq_ratio/median": "max",
-    "summary/functional_outer/max": "max",
-    "summary/stability/max": "max",
-    "summary/ln/var_min_over_eps": "min",
-    "summary/skipped_evaluations": "max",
-}
 _PARTS = ("outer", "functional", "hessian")
 
 
@@ -263,12 +252,15 @@ class CurvatureMonitor(Callback):
             cooldown=cooldown,
         )
         if isinstance(warning_rules, RuleSet):
-            self._rules: RuleSet | None = warning_rules
+            rules: RuleSet | None = warning_rules
             self.warning_rules = WarningRules.SUITE
         else:
             self.warning_rules = choice("warning_rules", warning_rules, WarningRules)
-            self._rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
-        self._legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
+            rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
+        legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
+        # the run's record: summaries, warnings, counters (checkpointed)
+        self.book = Logbook(log_key_prefix, float(tol), self._alerts if legacy else None, rules,
+                            count_terms=terms_every_n_train_steps is not None)  # fmt: skip
         self.on_error = choice("on_error", on_error, OnError)
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
@@ -293,6 +285,7 @@ class CurvatureMonitor(Callback):
         self.memory_budget_mb = self.engine.memory_budget_mb
 
         self._specs: list[BlockSpec] = []
+        self._block_info: dict[str, tuple[str, int | None, float | None]] = {}  # name -> (kind, layer, eps)
         self._coverage: list[dict[str, str]] = []
         self._stack: ExitStack | None = None
         self._capture: Capture | None = None
@@ -300,16 +293,7 @@ class CurvatureMonitor(Callback):
         self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
         self._sample_seconds = 0.0  # the sampled backward passes of the open capture, charged with its evaluation
-        self._excluded: dict[str, str] = {}  # block -> why it cannot be evaluated
         self._read_params: sharding.ParamReader | None = None  # sharded training: weights read at evaluation
-        # state saved in checkpoints (with the schedule's, the engine's limits and the alerts')
-        self._evaluations = 0
-        self._terms_evaluations = 0
-        self._skipped = 0
-        self._last_norms: dict[str, float] = {}
-        self._last_summary: dict[str, float] = {}
-        self._peak: dict[str, Any] = {}
-        self._errors: list[str] = []
 
     # -- Lightning hooks ----------------------------------------------------------------------------
 
@@ -334,6 +318,11 @@ class CurvatureMonitor(Callback):
                 "trainer.init_module(empty_init=True) if they are large) and apply fully_shard in configure_model."
             ) from err
         self._coverage = report.coverage_rows(self._specs, pl_module)
+        eps = {s.name: getattr(s.module, "eps", None) for s in self._specs}
+        self._block_info = {
+            s.name: (s.kind, s.layer, eps[s.name] if isinstance(eps[s.name], (int, float)) else None)
+            for s in self._specs
+        }
         status = self.real_loss.resolve(pl_module, sharded=self._read_params is not None)
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
@@ -343,7 +332,7 @@ class CurvatureMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.schedule.start()
         if trainer.is_global_zero:
-            keys = dict(_HEADLINES)
+            keys = dict(HEADLINES)
             keys.update({f"{s.name}/hessian/max": "max" for s in self._specs if KINDS[s.kind].has_norms})
             sinks.define_wandb_metrics(trainer.loggers, {self.log_key_prefix + k: v for k, v in keys.items()})
             sinks.log_config(trainer.loggers, self._coverage, report.coverage_text(self._coverage))
@@ -391,7 +380,7 @@ class CurvatureMonitor(Callback):
             return
         start = time.perf_counter()  # charged with the evaluation (summary/eval_time_s, the overhead budget)
         every = self.verify_every_n_evals
-        verify = every is not None and self._evaluations % every == 0
+        verify = every is not None and self.book.evaluations % every == 0
         factor = self._grad_factor(trainer, pl_module)
         self.real_loss.before_backward(capture, loss, factor, self._capture_step, verify, self.engine.warn_once)
         self._sample_seconds += time.perf_counter() - start
@@ -418,35 +407,14 @@ class CurvatureMonitor(Callback):
         self._close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **self.schedule.state_dict(),
-            **self.engine.state_dict(),
-            "evaluations": self._evaluations,
-            "terms_evaluations": self._terms_evaluations,
-            "skipped": self._skipped,
-            "alerts": self._alerts.state_dict(),
-            "rules": None if self._rules is None else self._rules.state_dict(),
-            "last_norms": dict(self._last_norms),
-            "last_summary": dict(self._last_summary),
-            "peak": dict(self._peak),
-            "errors": list(self._errors),
-            "warned": sorted(self.engine.warned),
-        }
+        state = {**self.schedule.state_dict(), **self.engine.state_dict(), **self.book.state_dict()}
+        return {**state, "warned": sorted(self.engine.warned)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._evaluations = int(state_dict.get("evaluations", 0))
-        self._terms_evaluations = int(state_dict.get("terms_evaluations", 0))
-        self._skipped = int(state_dict.get("skipped", 0))
-        runs = self._evaluations + self._terms_evaluations + self._skipped  # checkpoints written before "runs"
+        self.book.load_state_dict(state_dict)
+        runs = self.book.evaluations + self.book.terms_evaluations + self.book.skipped  # checkpoints before "runs"
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
-        self._alerts.load_state_dict(state_dict.get("alerts", {}))
-        if self._rules is not None and state_dict.get("rules"):
-            self._rules.load_state_dict(state_dict["rules"])
-        self._last_norms = dict(state_dict.get("last_norms", {}))
-        self._last_summary = dict(state_dict.get("last_summary", {}))
-        self._peak = dict(state_dict.get("peak", {}))
-        self._errors = list(state_dict.get("errors", []))
         self.engine.warned = set(state_dict.get("warned", []))
 
     # -- public helpers -----------------------------------------------------------------------------
@@ -454,13 +422,7 @@ class CurvatureMonitor(Callback):
     @property
     def alerts(self) -> list[Alert]:
         """The warnings fired so far (most recent last)."""
-        history = self._alerts.history + ([] if self._rules is None else self._rules.history)
-        return sorted(history, key=lambda a: a.step)
-
-    @property
-    def _fired(self) -> int:
-        """Warnings fired so far by both rule sets."""
-        return self._alerts.fired + (0 if self._rules is None else self._rules.fired)
+        return self.book.history
 
     @property
     def coverage(self) -> list[dict[str, str]]:
@@ -473,17 +435,18 @@ class CurvatureMonitor(Callback):
         Args:
             top: How many of the most curved blocks to list.
         """
+        book = self.book
         return report.summary_text(
-            evaluations=self._evaluations,
-            terms_evaluations=self._terms_evaluations if self.terms_every_n_train_steps is not None else None,
-            skipped=self._skipped,
+            evaluations=book.evaluations,
+            terms_evaluations=book.terms_evaluations if book.count_terms else None,
+            skipped=book.skipped,
             last_step=self.schedule.last_step,
-            fired=self._fired,
-            last_norms=self._last_norms,
-            last_summary=self._last_summary,
-            peak=self._peak,
-            history=self.alerts,
-            errors=self._errors,
+            fired=book.fired,
+            last_norms=book.last_norms,
+            last_summary=book.last_summary,
+            peak=book.peak,
+            history=book.history,
+            errors=book.errors,
             max_iter=self.max_iter,
             tol=self.tol,
             top=top,
@@ -539,7 +502,7 @@ class CurvatureMonitor(Callback):
                 rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
                 evaluation = self.engine.evaluate(blocks, factor, terms_only, rules)
                 self.real_loss.add_verified(evaluation.results)
-                flat = _drop_nan_blocks(_to_floats(evaluation.results))
+                flat = flatten(evaluation.results)
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start + self._sample_seconds
@@ -549,85 +512,28 @@ class CurvatureMonitor(Callback):
         if error is not None or failed_elsewhere:
             self._skip(trainer, step, error)
             return
-        alerts_before = self._alerts.state_dict(), None if self._rules is None else self._rules.state_dict()
+        rule_states = self.book.rule_states()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
             self._log(trainer, step, flat, evaluation, elapsed, terms_only)
         except Exception as err:
-            self._alerts.load_state_dict(alerts_before[0])
-            if self._rules is not None:
-                self._rules.load_state_dict(alerts_before[1])
-            self._skip(trainer, step, _LogError(err))
+            self.book.load_rule_states(rule_states)
+            self._skip(trainer, step, LogError(err))
         finally:  # logging (heatmap, W&B) is part of the monitor's cost too
             self.schedule.charge(time.perf_counter() - logging_start, terms_only, extra=True)
 
     def _log(self, trainer, step, flat, evaluation: Evaluation, elapsed: float, terms_only: bool = False) -> None:
-        """Summaries, warnings and logging of one evaluation's (reduced) numbers; state changes last."""
-        results: dict[str, dict[str, float]] = {}
-        nonfinite = [block for (block, key) in flat if key == NONFINITE]
-        for (block, key), value in flat.items():
-            if key != NONFINITE:
-                results.setdefault(block, {})[key] = value
-        specs = {s.name: s for s in self._specs}
-        per_block, summary, norms = M.derive(
-            results, {s.name: s.layer for s in self._specs}, terms_only=terms_only, tol=self.tol, skip_norms=nonfinite
-        )
-        p = self.log_key_prefix
-        logged = {f"{p}{block}/{NONFINITE}": 1.0 for block in nonfinite}
-        logged.update({f"{p}{block}/{k}": v for block, keys in per_block.items() for k, v in keys.items()})
-        collapse = {}
-        for block, result in results.items():
-            kind = KINDS[specs[block].kind]
-            if kind.collapse_stats is not None:
-                eps = getattr(specs[block].module, "eps", None)
-                collapse[block] = kind.collapse_stats(result, eps if isinstance(eps, (int, float)) else None)
-        fired = self._alerts.update(step, norms=norms, layernorms=collapse) if self._legacy else []
-        if self._rules is not None:  # un-prefixed per-block keys: what the rules read
-            keys = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
-            fired += self._rules.update(step, keys, full=not terms_only)
-        self._excluded.update(evaluation.excluded)
-
-        evaluations = self._evaluations + (0 if terms_only else 1)
-        terms_evaluations = self._terms_evaluations + (1 if terms_only else 0)
-        summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
-        summary["summary/overhead_fraction"] = self.schedule.overhead_fraction
-        summary["summary/evaluations"] = float(evaluations)
-        if self.terms_every_n_train_steps is not None:
-            summary["summary/terms_evaluations"] = float(terms_evaluations)
-        summary["summary/skipped_evaluations"] = float(self._skipped)
-        if evaluation.failed:
-            summary["summary/skipped_blocks"] = float(len(evaluation.failed))
-        summary["summary/nonfinite_blocks"] = float(len(nonfinite))
-        summary["summary/warnings"] = float(self._fired)
-        logged.update({f"{p}{k}": v for k, v in summary.items()})
+        """Log one evaluation's (reduced) numbers (:class:`~curvwatch.logbook.Logbook`), count it, then warn."""
+        overhead = self.schedule.overhead_fraction
+        entry = self.book.record(step, flat, evaluation, self._block_info, elapsed, overhead, terms_only)
         if trainer.is_global_zero:
-            sinks.log_metrics(trainer.loggers, logged, step)
-            if self.log_heatmap and norms:
-                sinks.log_heatmap(trainer.loggers, f"{p}summary/heatmap", self._specs, norms, step)
-            ratios = {b: keys["stability/max"] for b, keys in per_block.items() if "stability/max" in keys}
-            if self.log_heatmap and ratios:
-                label = ("log10 sharpness / threshold", "Edge-of-stability ratios")
-                sinks.log_heatmap(trainer.loggers, f"{p}summary/stability_heatmap", self._specs, ratios, step, label)
-
-        # logged: commit the state
-        self._evaluations, self._terms_evaluations = evaluations, terms_evaluations
-        if terms_only:  # the last full evaluation's norms and norm summaries stay current
-            self._last_summary = {**self._last_summary, **summary}
-        else:
-            self._last_norms, self._last_summary = norms, summary
-        if norms:
-            top = max(norms, key=norms.__getitem__)
-            if not self._peak or norms[top] > self._peak["value"]:
-                self._peak = {"value": norms[top], "block": top, "step": step}
-        for key in _HEADLINES:
-            if key in self._last_summary:
-                trainer.callback_metrics[p + key] = torch.tensor(self._last_summary[key], dtype=torch.float32)
-        if trainer.is_global_zero:
-            self._warn_after(trainer, step, evaluation, results, fired, summary, norms, elapsed, terms_only)
-
-    def _warn_after(self, trainer, step, evaluation, results, fired, summary, norms, elapsed, terms_only) -> None:
-        """Rank zero's warnings and messages about one logged evaluation (their texts: :mod:`curvwatch.report`)."""
-        warm = {b: r for b, r in results.items() if b not in evaluation.cold}
+            sinks.log_entry(trainer.loggers, entry, self._specs, self.log_key_prefix, self.log_heatmap)
+        self.book.commit(entry)
+        for key, value in self.book.headlines().items():
+            trainer.callback_metrics[self.log_key_prefix + key] = torch.tensor(value, dtype=torch.float32)
+        if not trainer.is_global_zero:
+            return
+        warm = {b: r for b, r in entry.results.items() if b not in evaluation.cold}
         notices = report.evaluation_notices(
             step, evaluation.excluded, evaluation.failed, warm, self.tol, self.max_iter, self.log_key_prefix
         )
@@ -635,71 +541,31 @@ class CurvatureMonitor(Callback):
         for key, message in notices + ([("cadence_cost", note)] if note is not None else []):
             self.engine.warn_once(key, message)
         if self.warn:
-            for alert in fired:
+            for alert in entry.fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
                 sinks.wandb_alert(trainer.loggers, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
         if self.verbose:
-            rank_zero_info(report.progress_line(step, summary, norms, len(fired), elapsed, terms_only))
+            line = report.progress_line(step, entry.summary, entry.norms, len(entry.fired), elapsed, terms_only)
+            rank_zero_info(line)
 
     def _skip(self, trainer: Trainer, step: int, error: BaseException | None) -> None:
         """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""
-        self._skipped += 1
-        if error is None:
-            what = "an evaluation failed on another rank"
-        elif isinstance(error, BlockError):
-            what = f"evaluating block '{error.block}' raised {type(error.error).__name__}: {error.error}"
-        elif isinstance(error, _LogError):
-            what = f"summarizing or logging the numbers raised {type(error.error).__name__}: {error.error}"
-        else:
-            what = f"{type(error).__name__}: {error}"
-        self._errors = (self._errors + [f"step {step}: {what}"])[-20:]
+        what = self.book.skip(step, error)
         if self.on_error is OnError.RAISE:
-            if isinstance(error, (BlockError, _LogError, CaptureError)):
+            if isinstance(error, (BlockError, LogError, CaptureError)):
                 raise error.error
             if error is not None:
                 raise error
             raise RuntimeError(f"CurvatureMonitor: {what} at step {step} (on_error='raise').")
         key = f"{self.log_key_prefix}summary/skipped_evaluations"
-        trainer.callback_metrics[key] = torch.tensor(float(self._skipped))
+        trainer.callback_metrics[key] = torch.tensor(float(self.book.skipped))
         if not trainer.is_global_zero:
             return
-        for logger in trainer.loggers:
-            try:
-                logger.log_metrics({key: float(self._skipped)}, step=step)
-            except Exception:  # the logger itself may be what failed; the warning below still says so
-                pass
+        sinks.log_quietly(trainer.loggers, {key: float(self.book.skipped)}, step)
         warnings.warn(
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
-            f"{key}={self._skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
+            f"{key}={self.book.skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
             "the failing block out.",
             CurvatureWarning,
             stacklevel=2,
         )
-
-
-class _LogError(Exception):
-    """An error after the numbers were computed: in the summaries, the alerts or a logger."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.error = error
-
-
-def _drop_nan_blocks(flat: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
-    """Replace the numbers of every block with a NaN among them by its ``skipped_nonfinite`` flag.
-
-    ``+-inf`` is kept: it is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row).
-    """
-    bad = {block for (block, _), value in flat.items() if math.isnan(value)}
-    out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
-    out.update({(b, NONFINITE): 1.0 for b in bad})
-    return out
-
-
-def _to_floats(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:
-    """Flatten ``{block: {key: 0-d tensor}}`` to ``{(block, key): float}`` with one device sync."""
-    keys = [(block, key) for block, result in results.items() for key in result]
-    if not keys:
-        return {}
-    values = [torch.as_tensor(results[b][k]).detach().reshape(()).to("cpu", torch.float64) for b, k in keys]
-    return dict(zip(keys, torch.stack(values).tolist(), strict=True))

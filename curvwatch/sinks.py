@@ -19,7 +19,16 @@ import torch
 from curvwatch.adapters import BlockSpec
 from curvwatch.alerts import CurvatureWarning
 
-__all__ = ["define_wandb_metrics", "heatmap_figure", "log_config", "log_heatmap", "log_metrics", "wandb_alert"]
+__all__ = [
+    "define_wandb_metrics",
+    "heatmap_figure",
+    "log_config",
+    "log_entry",
+    "log_heatmap",
+    "log_metrics",
+    "log_quietly",
+    "wandb_alert",
+]
 
 
 def _wandb(loggers: Sequence[Any]) -> list[Any]:
@@ -40,6 +49,29 @@ def log_metrics(loggers: Sequence[Any], metrics: Mapping[str, float], step: int)
     """``log_metrics(metrics, step=step)`` on every logger (errors propagate: the caller decides)."""
     for logger in loggers:
         logger.log_metrics(dict(metrics), step=step)
+
+
+def log_quietly(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
+    """``log_metrics`` on every logger, ignoring the loggers' errors (for a counter logged after a failure)."""
+    for logger in loggers:
+        try:
+            logger.log_metrics(dict(metrics), step=step)
+        except Exception:  # the logger itself may be what failed; the caller's warning still says so
+            pass
+
+
+def log_entry(loggers: Sequence[Any], entry: Any, specs: Sequence[BlockSpec], prefix: str, heatmaps: bool) -> None:
+    """One evaluation (:class:`curvwatch.logbook.Entry`): its keys, and with ``heatmaps`` its two heatmap images.
+
+    The images are ``{prefix}summary/heatmap`` (``log10`` block norms, full evaluations) and
+    ``{prefix}summary/stability_heatmap`` (edge-of-stability ratios, when the real-loss keys are on).
+    """
+    log_metrics(loggers, entry.logged, entry.step)
+    if heatmaps and entry.norms:
+        log_heatmap(loggers, f"{prefix}summary/heatmap", specs, entry.norms, entry.step)
+    if heatmaps and entry.ratios:
+        label = ("log10 sharpness / threshold", "Edge-of-stability ratios")
+        log_heatmap(loggers, f"{prefix}summary/stability_heatmap", specs, entry.ratios, entry.step, label)
 
 
 def define_wandb_metrics(loggers: Sequence[Any], summaries: Mapping[str, str]) -> None:

@@ -231,7 +231,7 @@ def test_healthy_run_does_not_warn(tmp_path):
         warnings.simplefilter("always", CurvatureWarning)
         trainer.fit(TinyLM(), loader())
     assert not [w for w in caught if issubclass(w.category, CurvatureWarning)]
-    assert monitor.alerts == [] and monitor._evaluations == 4
+    assert monitor.alerts == [] and monitor.book.evaluations == 4
 
 
 def _raise(self, **kwargs):
@@ -291,7 +291,7 @@ def test_resume_restores_state(tmp_path):
         k: v for k, v in saved.items() if k != "train_seconds"
     }
     assert sorted(curv_rows(read_rows(trainer))) == [4]  # step 3 is not due; nothing repeated
-    assert second._evaluations == 3
+    assert second.book.evaluations == 3
     assert curv_rows(read_rows(trainer))[4]["curv/summary/evaluations"] == 3.0
 
 
@@ -578,7 +578,7 @@ def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
     with pytest.warns(CurvatureWarning):
         trainer.fit(model, loader())
     assert [(a.kind, a.step) for a in monitor.alerts] == [("ln_collapse", s) for s in (0, 0, 1, 1, 2, 2)]
-    assert monitor._evaluations == 1 and monitor._terms_evaluations == 2
+    assert monitor.book.evaluations == 1 and monitor.book.terms_evaluations == 2
 
 
 def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
@@ -586,13 +586,13 @@ def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     monitor = CurvatureMonitor(
         every_n_train_steps=1, max_overhead=0.01, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False
     )
-    monkeypatch.setattr(monitor.schedule, "affordable", lambda agree=None: (monitor._evaluations == 0, True))
+    monkeypatch.setattr(monitor.schedule, "affordable", lambda agree=None: (monitor.book.evaluations == 0, True))
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
     assert sorted(logged) == [0, 2, 4]  # step 0 full; odd steps: full unaffordable, terms not due
     assert MAX_KEY in logged[0] and MAX_KEY not in logged[2] and MAX_KEY not in logged[4]
-    assert monitor._evaluations == 1 and monitor._terms_evaluations == 2
+    assert monitor.book.evaluations == 1 and monitor.book.terms_evaluations == 2
 
 
 def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):

@@ -252,7 +252,8 @@ def test_logger_fault_skips_evaluation(tmp_path):
         for s in (0, 1)
     ]
     # a failed log is not an evaluation: counters and alert state are as if it never happened
-    assert monitor._evaluations == 0 and monitor._skipped == 2 and monitor._alerts.state_dict()["baselines"] == {}
+    assert monitor.book.evaluations == 0 and monitor.book.skipped == 2
+    assert monitor._alerts.state_dict()["baselines"] == {}
     assert count_hooks(model) == 0
 
 
@@ -396,7 +397,7 @@ def test_diverged_model_logs_flags_not_nan(tmp_path):
     for step in (0, 1):
         assert all(math.isfinite(v) for v in rows[step].values()), rows[step]
         assert rows[step][NONFINITE_KEY] == 4.0 and MAX_KEY not in rows[step]
-    assert monitor._skipped == 0 and monitor._evaluations == 2
+    assert monitor.book.skipped == 0 and monitor.book.evaluations == 2
 
 
 def _constant_row_model(eps: float) -> TinyLM:
@@ -703,7 +704,7 @@ def test_callback_state_bounded_over_many_evaluations():
         warning_rules="legacy", max_overhead=None, every_n_train_steps=1, spike_warmup=1, cooldown=0
     )
     monitor._specs = find_blocks(GPT(GPTConfig(vocab_size=VOCAB, block_size=4, n_layer=1, d_model=16, n_head=2)))
-    monitor._excluded["layer0/ffn"] = "induced: left out"
+    monitor._block_info = {s.name: (s.kind, s.layer, None) for s in monitor._specs}
     trainer = SimpleNamespace(is_global_zero=True, loggers=[], callback_metrics={})
     flat = {("layer0/attn", "hessian/VV/h0"): 1.0, ("layer0/ln_1", "ln/var_min_over_eps"): 1.0}
     with warnings.catch_warnings():
@@ -713,9 +714,9 @@ def test_callback_state_bounded_over_many_evaluations():
             monitor._log(trainer, step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
             monitor._skip(trainer, step, RuntimeError("induced"))
     state = monitor.state_dict()
-    assert monitor._evaluations == 2000 and monitor._skipped == 2000 and monitor._alerts.fired >= 2000
+    assert monitor.book.evaluations == 2000 and monitor.book.skipped == 2000 and monitor._alerts.fired >= 2000
     assert len(state["errors"]) == 20 and len(state["alerts"]["history"]) == 100
-    assert len(state["alerts"]["streaks"]) == 2 and len(state["warned"]) == 1 and len(monitor._excluded) <= 4
+    assert len(state["alerts"]["streaks"]) == 2 and len(state["warned"]) == 1
 
 
 # -- resume ---------------------------------------------------------------------------------------

@@ -1,0 +1,277 @@
+"""The monitor's record of a run, without Lightning: what an evaluation's numbers become, and what a checkpoint keeps.
+
+:class:`Logbook` turns one evaluation's reduced numbers (``{(block, key): float}``, the same on every rank) into an
+:class:`Entry`: the prefixed keys to log, the per-block summaries (:func:`curvwatch.metrics.derive`), the warnings
+the rule sets fired, the norms and ratios of the heatmaps. Nothing is counted until :meth:`Logbook.commit`, so a
+logger that fails half-way leaves the counters as they were, and :meth:`Logbook.load_rule_states` rewinds the rule
+sets. The
+logbook also keeps the counters, last values, peak and errors that :meth:`Logbook.state_dict` saves and
+:func:`curvwatch.report.summary_text` prints. The Lightning callback only hands entries to the sinks.
+
+Example:
+    >>> from curvwatch.engine import Evaluation
+    >>> book = Logbook(key_prefix="curv/", tol=1e-2)
+    >>> flat = {("layer0/ln_1", "ln/var_min"): 0.5, ("layer0/ln_1", "ln/inv_var_max"): 2.0}
+    >>> entry = book.record(0, flat, Evaluation(), {"layer0/ln_1": ("layernorm", 0, 1e-5)}, 0.1, 0.0, False)
+    >>> entry.logged["curv/layer0/ln_1/ln/var_min"], book.evaluations
+    (0.5, 0)
+    >>> book.commit(entry); book.evaluations
+    1
+    >>> book.skip(5, RuntimeError("boom")), book.skipped
+    ('RuntimeError: boom', 1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from curvwatch import metrics as M
+from curvwatch.alerts import Alert, AlertMonitor
+from curvwatch.engine import NONFINITE, BlockError, Evaluation
+from curvwatch.kinds import KINDS
+from curvwatch.rules import RuleSet
+
+__all__ = ["HEADLINES", "Entry", "LogError", "Logbook", "flatten"]
+
+# Headline summaries: put in ``trainer.callback_metrics`` and given a W&B run summary (how it is reduced over steps).
+HEADLINES = {
+    "summary/max_hessian": "max",
+    "summary/heterogeneity/model": "max",
+    "summary/vv_qq_ratio/median": "max",
+    "summary/functional_outer/max": "max",
+    "summary/stability/max": "max",
+    "summary/ln/var_min_over_eps": "min",
+    "summary/skipped_evaluations": "max",
+}
+
+
+class LogError(Exception):
+    """An error after the numbers were computed: in the summaries, the alerts or a logger."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+@dataclass
+class Entry:
+    """One evaluation, ready for the loggers (made by :meth:`Logbook.record`, counted by :meth:`Logbook.commit`).
+
+    Args:
+        step: Optimizer step of the evaluation.
+        terms_only: Whether it was a terms-only evaluation.
+        logged: Prefixed key -> value, everything to log at ``step``.
+        results: ``{block: {key: value}}``, the evaluation's own numbers (non-finite flags left out).
+        summary: The ``summary/...`` keys (unprefixed).
+        norms: Block -> largest Hessian norm (full evaluations; the block-norm heatmap).
+        ratios: Block -> largest edge-of-stability ratio (the stability heatmap).
+        fired: Warnings the rule sets fired on it.
+    """
+
+    step: int
+    terms_only: bool
+    logged: dict[str, float]
+    results: dict[str, dict[str, float]]
+    summary: dict[str, float]
+    norms: dict[str, float]
+    ratios: dict[str, float]
+    fired: list[Alert]
+
+
+class Logbook:
+    """Summaries, warnings and the run's counters, fed one evaluation at a time (no Trainer needed).
+
+    Args:
+        key_prefix: Prefix of every logged key (``"curv/"``).
+        tol: Lanczos tolerance the residual summaries compare against.
+        alerts: The legacy spike/collapse rules, or ``None`` for none.
+        rules: The suite's rules (:class:`curvwatch.rules.RuleSet`), or ``None`` for none.
+        count_terms: Log ``summary/terms_evaluations`` (a terms-only cadence is set).
+    """
+
+    def __init__(
+        self,
+        key_prefix: str = "",
+        tol: float = 1e-2,
+        alerts: AlertMonitor | None = None,
+        rules: RuleSet | None = None,
+        count_terms: bool = False,
+    ) -> None:
+        self.key_prefix, self.tol, self.alerts_monitor, self.rules = key_prefix, tol, alerts, rules
+        self.count_terms = count_terms
+        self.excluded: dict[str, str] = {}  # block -> why it cannot be evaluated (not in checkpoints)
+        self.evaluations = self.terms_evaluations = self.skipped = 0
+        self.last_norms: dict[str, float] = {}
+        self.last_summary: dict[str, float] = {}
+        self.peak: dict[str, Any] = {}
+        self.errors: list[str] = []
+
+    @property
+    def history(self) -> list[Alert]:
+        """Every warning fired so far, oldest first."""
+        history = self.alerts_monitor.history if self.alerts_monitor else []
+        history = history + (self.rules.history if self.rules else [])
+        return sorted(history, key=lambda a: a.step)
+
+    @property
+    def fired(self) -> int:
+        """How many warnings fired so far."""
+        return (self.alerts_monitor.fired if self.alerts_monitor else 0) + (self.rules.fired if self.rules else 0)
+
+    def record(
+        self,
+        step: int,
+        flat: Mapping[tuple[str, str], float],
+        evaluation: Evaluation,
+        blocks: Mapping[str, tuple[str, int | None, float | None]],
+        elapsed: float,
+        overhead_fraction: float,
+        terms_only: bool,
+    ) -> Entry:
+        """Summaries, warnings and keys of one evaluation; the rule sets advance, the counters do not (:meth:`commit`).
+
+        Args:
+            step: Optimizer step.
+            flat: ``{(block, key): value}`` reduced over ranks (:func:`flatten`, then ``Ranks.sync``).
+            evaluation: What the engine returned (its ``excluded``, ``failed``).
+            blocks: Block name -> ``(kind, layer, eps)``: the block's kind, layer index and norm ``eps`` (or ``None``).
+            elapsed: Seconds the evaluation took.
+            overhead_fraction: Fraction of the training time the monitor has spent.
+            terms_only: A terms-only evaluation.
+        """
+        results: dict[str, dict[str, float]] = {}
+        nonfinite = [block for (block, key) in flat if key == NONFINITE]
+        for (block, key), value in flat.items():
+            if key != NONFINITE:
+                results.setdefault(block, {})[key] = value
+        layers = {name: layer for name, (_, layer, _) in blocks.items()}
+        per_block, summary, norms = M.derive(results, layers, terms_only=terms_only, tol=self.tol, skip_norms=nonfinite)
+        p = self.key_prefix
+        logged = {f"{p}{block}/{NONFINITE}": 1.0 for block in nonfinite}
+        logged.update({f"{p}{block}/{k}": v for block, keys in per_block.items() for k, v in keys.items()})
+        fired: list[Alert] = []
+        if self.alerts_monitor is not None:
+            collapse = {}
+            for block, result in results.items():
+                kind, _, eps = blocks[block]
+                if KINDS[kind].collapse_stats is not None:
+                    collapse[block] = KINDS[kind].collapse_stats(result, eps)
+            fired += self.alerts_monitor.update(step, norms=norms, layernorms=collapse)
+        if self.rules is not None:  # un-prefixed per-block keys: what the rules read
+            keys = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
+            fired += self.rules.update(step, keys, full=not terms_only)
+        self.excluded.update(evaluation.excluded)
+
+        summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
+        summary["summary/overhead_fraction"] = overhead_fraction
+        summary["summary/evaluations"] = float(self.evaluations + (0 if terms_only else 1))
+        if self.count_terms:
+            summary["summary/terms_evaluations"] = float(self.terms_evaluations + (1 if terms_only else 0))
+        summary["summary/skipped_evaluations"] = float(self.skipped)
+        if evaluation.failed:
+            summary["summary/skipped_blocks"] = float(len(evaluation.failed))
+        summary["summary/nonfinite_blocks"] = float(len(nonfinite))
+        summary["summary/warnings"] = float(self.fired)
+        logged.update({f"{p}{k}": v for k, v in summary.items()})
+        ratios = {b: keys["stability/max"] for b, keys in per_block.items() if "stability/max" in keys}
+        return Entry(step, terms_only, logged, results, summary, norms, ratios, fired)
+
+    def commit(self, entry: Entry) -> None:
+        """Count a logged entry: counters, last values (a terms-only one keeps the last full norms) and the peak."""
+        if entry.terms_only:
+            self.terms_evaluations += 1
+            self.last_summary = {**self.last_summary, **entry.summary}
+        else:
+            self.evaluations += 1
+            self.last_norms, self.last_summary = entry.norms, entry.summary
+        if entry.norms:
+            top = max(entry.norms, key=entry.norms.__getitem__)
+            if not self.peak or entry.norms[top] > self.peak["value"]:
+                self.peak = {"value": entry.norms[top], "block": top, "step": entry.step}
+
+    def rule_states(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The rule sets' states, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
+        return (self.alerts_monitor and self.alerts_monitor.state_dict(), self.rules and self.rules.state_dict())
+
+    def load_rule_states(self, states: tuple[dict[str, Any] | None, dict[str, Any] | None]) -> None:
+        """Rewind the rule sets to :meth:`rule_states`."""
+        if self.alerts_monitor is not None:
+            self.alerts_monitor.load_state_dict(states[0])
+        if self.rules is not None:
+            self.rules.load_state_dict(states[1])
+
+    def headlines(self) -> dict[str, float]:
+        """The headline summaries of the last evaluations (unprefixed keys)."""
+        return {key: self.last_summary[key] for key in HEADLINES if key in self.last_summary}
+
+    def skip(self, step: int, error: BaseException | None) -> str:
+        """Count a skipped evaluation and keep its error (the last 20); returns what went wrong, in words.
+
+        ``error`` is ``None`` when the evaluation failed on another rank.
+        """
+        self.skipped += 1
+        if error is None:
+            what = "an evaluation failed on another rank"
+        elif isinstance(error, BlockError):
+            what = f"evaluating block '{error.block}' raised {type(error.error).__name__}: {error.error}"
+        elif isinstance(error, LogError):
+            what = f"summarizing or logging the numbers raised {type(error.error).__name__}: {error.error}"
+        else:
+            what = f"{type(error).__name__}: {error}"
+        self.errors = (self.errors + [f"step {step}: {what}"])[-20:]
+        return what
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, last values, peak, errors and the rule sets' states (the callback's checkpoint keys)."""
+        return {
+            "evaluations": self.evaluations,
+            "terms_evaluations": self.terms_evaluations,
+            "skipped": self.skipped,
+            "alerts": {} if self.alerts_monitor is None else self.alerts_monitor.state_dict(),
+            "rules": None if self.rules is None else self.rules.state_dict(),
+            "last_norms": dict(self.last_norms),
+            "last_summary": dict(self.last_summary),
+            "peak": dict(self.peak),
+            "errors": list(self.errors),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (missing keys keep their defaults: older checkpoints)."""
+        self.evaluations = int(state.get("evaluations", 0))
+        self.terms_evaluations = int(state.get("terms_evaluations", 0))
+        self.skipped = int(state.get("skipped", 0))
+        if self.alerts_monitor is not None:
+            self.alerts_monitor.load_state_dict(state.get("alerts", {}))
+        if self.rules is not None and state.get("rules"):
+            self.rules.load_state_dict(state["rules"])
+        self.last_norms = dict(state.get("last_norms", {}))
+        self.last_summary = dict(state.get("last_summary", {}))
+        self.peak = dict(state.get("peak", {}))
+        self.errors = list(state.get("errors", []))
+
+
+def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:
+    """``{block: {key: 0-d tensor}}`` as ``{(block, key): float}`` (one device sync); NaN blocks become flags.
+
+    Every block with a NaN among its numbers is replaced by its ``skipped_nonfinite`` flag; ``+-inf`` is kept: it
+    is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row).
+
+    Example:
+        >>> flatten({"a": {"x": torch.tensor(1.0)}, "b": {"x": float("nan"), "y": 2.0}})
+        {('a', 'x'): 1.0, ('b', 'skipped_nonfinite'): 1.0}
+    """
+    keys = [(block, key) for block, result in results.items() for key in result]
+    if not keys:
+        return {}
+    values = [torch.as_tensor(results[b][k]).detach().reshape(()).to("cpu", torch.float64) for b, k in keys]
+    flat = dict(zip(keys, torch.stack(values).tolist(), strict=True))
+    bad = {block for (block, _), value in flat.items() if math.isnan(value)}
+    out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
+    out.update({(b, NONFINITE): 1.0 for b in bad})
+    return out
