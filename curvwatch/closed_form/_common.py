@@ -36,6 +36,35 @@ def check_like(t: torch.Tensor | None, shape: tuple[int, ...], name: str, ref: t
     return t.to(dtype=ref.dtype, device=ref.device)
 
 
+def check_row_mask(
+    row_mask: torch.Tensor | None, B: int, L: int, ref: torch.Tensor, nonempty: bool = False
+) -> torch.Tensor | None:
+    """The optional ``row_mask`` as ``(B, L)`` bool on ``ref``'s device (True = token in the loss), or ``None``.
+
+    Accepts ``(B, L)``, and ``(L,)`` when ``B == 1`` (an unbatched input).
+
+    Raises:
+        ValueError: If it is not a tensor of those shapes, or (``nonempty``) if it keeps no token.
+
+    Example:
+        >>> check_row_mask(torch.tensor([True, False]), 1, 2, torch.zeros(1)).shape
+        torch.Size([1, 2])
+    """
+    if row_mask is None:
+        return None
+    allowed = [(B, L)] + ([(L,)] if B == 1 else [])
+    if not isinstance(row_mask, torch.Tensor) or tuple(row_mask.shape) not in allowed:
+        got = tuple(row_mask.shape) if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
+        raise ValueError(
+            f"Invalid row_mask shape {got}. row_mask must have shape (B, L) = {(B, L)}"
+            f"{' or (L,)' if B == 1 else ''}: one bool per token, True = token in the loss."
+        )
+    keep = row_mask.to(device=ref.device, dtype=torch.bool).reshape(B, L)
+    if nonempty and not bool(keep.any()):
+        raise ValueError("row_mask excludes every row; nothing to measure. Keep at least one row (True = keep).")
+    return keep
+
+
 def check_weight(W: torch.Tensor, rows: int, name: str, ref: torch.Tensor) -> torch.Tensor:
     """Check a weight in math convention (``X @ W``): 2-D with ``rows`` rows."""
     if not isinstance(W, torch.Tensor) or W.ndim != 2:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
+from ._common import as_batched, check_like, check_row_mask, check_weight, gram_lambda_max, output_cotangent
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -242,9 +242,8 @@ def ffn(
         raise ValueError(
             f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False."
         )
-    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device)
-    if row_mask is not None:
-        keep = row_mask.to(device=Y3.device, dtype=torch.bool).reshape(B, L)
+    keep = check_row_mask(row_mask, B, L, Y3)
+    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
     pairs = FFN_PAIRS if pairs is None else tuple(pairs)
     iterative = [p for p in pairs if p != "W2W2"]
     m = W_2.shape[1]

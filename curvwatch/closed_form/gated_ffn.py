@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
+from ._common import as_batched, check_like, check_row_mask, check_weight, gram_lambda_max, output_cotangent
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -199,19 +199,6 @@ class GatedFFNOperator(BlockOperator):
         return out
 
 
-def _row_keep(row_mask: torch.Tensor | None, B: int, L: int, batched: bool, ref: torch.Tensor) -> torch.Tensor:
-    """``(B, L)`` bool tokens in the loss from an optional ``row_mask`` (True = keep)."""
-    if row_mask is None:
-        return torch.ones(B, L, dtype=torch.bool, device=ref.device)
-    allowed = [(B, L)] if batched else [(L,), (1, L)]
-    if not isinstance(row_mask, torch.Tensor) or tuple(row_mask.shape) not in allowed:
-        got = tuple(row_mask.shape) if isinstance(row_mask, torch.Tensor) else type(row_mask).__name__
-        raise ValueError(
-            f"Invalid row_mask shape {got}. Expected one of {allowed}: one bool per token, True = token in the loss."
-        )
-    return row_mask.to(device=ref.device, dtype=torch.bool).reshape(B, L)
-
-
 def gated_ffn(
     Y: torch.Tensor,
     W_gate: torch.Tensor,
@@ -303,7 +290,8 @@ def gated_ffn(
     b_gate = check_like(b_gate, (f,), "b_gate", Y3)
     b_up = check_like(b_up, (f,), "b_up", Y3)
     b_down = check_like(b_down, (m,), "b_down", Y3)
-    keep = _row_keep(row_mask, B, L, batched, Y3)
+    keep = check_row_mask(row_mask, B, L, Y3)
+    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
     pairs = GATED_FFN_PAIRS if pairs is None else ((pairs,) if isinstance(pairs, str) else tuple(pairs))
     for p in pairs:
         if p not in GATED_FFN_PAIRS:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import as_batched, check_like
+from ._common import as_batched, check_like, check_row_mask
 
 
 class LayerNormRows:
@@ -159,15 +159,7 @@ def layernorm(
         raise ValueError(f"Invalid eps={eps}. Must be >= 0.")
     weight = check_like(weight, (n,), "weight", X3)
     bias = check_like(bias, (n,), "bias", X3)
-    keep = None  # all rows
-    if row_mask is not None:
-        rm = row_mask.to(device=X3.device, dtype=torch.bool)
-        rm = rm.unsqueeze(0) if rm.ndim == 1 else rm
-        if tuple(rm.shape) != (B, L):
-            raise ValueError(f"row_mask must have shape (B, L) = {(B, L)}; got {tuple(row_mask.shape)}.")
-        if not bool(rm.any()):
-            raise ValueError("row_mask excludes every row; nothing to measure.")
-        keep = rm
+    keep = check_row_mask(row_mask, B, L, X3, nonempty=True)  # None: all rows
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]

@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from ._common import as_batched
+from ._common import as_batched, check_row_mask
 
 __all__ = ["RMSNormRows", "rmsnorm"]
 
@@ -206,18 +206,7 @@ def rmsnorm(
     X3, batched = as_batched(X)
     B, L, n = X3.shape
     eps = _check_eps(eps)
-    keep = None  # all rows
-    if row_mask is not None:
-        if not isinstance(row_mask, torch.Tensor):
-            got = type(row_mask).__name__
-            raise ValueError(f"Invalid row_mask: expected a bool tensor of shape (B, L), got {got}.")
-        rm = row_mask.to(device=X3.device, dtype=torch.bool)
-        rm = rm.unsqueeze(0) if rm.ndim == 1 else rm
-        if tuple(rm.shape) != (B, L):
-            raise ValueError(f"row_mask must have shape (B, L) = {(B, L)}; got {tuple(row_mask.shape)}.")
-        if not bool(rm.any()):
-            raise ValueError("row_mask excludes every row; nothing to measure. Keep at least one row (True = keep).")
-        keep = rm
+    keep = check_row_mask(row_mask, B, L, X3, nonempty=True)  # None: all rows
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]

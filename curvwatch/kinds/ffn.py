@@ -5,6 +5,14 @@ from __future__ import annotations
 from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, register_kind
 
+# the keys every FFN kind reports (the gated one too)
+ACTIVITY_KEYS = (
+    KeySpec("ffn/dead_fraction", "fraction of hidden units inactive on every captured token"),
+    KeySpec("ffn/active_fraction", "mean fraction of positive pre-activations"),
+    KeySpec("term/y_norm", "spectral norm of the input (max over sequences)"),
+    KeySpec("term/hidden_norm", "spectral norm of the hidden activations (max over sequences)"),
+)
+
 KIND = register_kind(
     BlockKind(
         name="ffn",
@@ -20,10 +28,7 @@ KIND = register_kind(
         work_elements=lambda B, L, d, p: 32 * B * L * p["W_1"].shape[-1],
         basis_numel=lambda p: p["W_1"].numel(),
         keys=(
-            KeySpec("ffn/dead_fraction", "fraction of hidden units inactive on every captured token"),
-            KeySpec("ffn/active_fraction", "mean fraction of positive pre-activations"),
-            KeySpec("term/y_norm", "spectral norm of the input (max over sequences)"),
-            KeySpec("term/hidden_norm", "spectral norm of the hidden activations (max over sequences)"),
+            *ACTIVITY_KEYS,
             KeySpec("term/w1_norm", "spectral norm of `W_1`"),
             KeySpec("term/w2_norm", "spectral norm of `W_2`"),
         ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, register_kind
+from curvwatch.kinds.ffn import ACTIVITY_KEYS
 
 KIND = register_kind(
     BlockKind(
@@ -24,11 +25,8 @@ KIND = register_kind(
         work_elements=lambda B, L, d, p: 48 * B * L * p["W_gate"].shape[-1],
         basis_numel=lambda p: p["W_gate"].numel(),
         keys=(
-            KeySpec("ffn/dead_fraction", "fraction of hidden units inactive on every captured token"),
-            KeySpec("ffn/active_fraction", "mean fraction of positive pre-activations"),
+            *ACTIVITY_KEYS,
             KeySpec("ffn/gate_saturation", "fraction of gate pre-activations below -4 (gate nearly off)"),
-            KeySpec("term/y_norm", "spectral norm of the input (max over sequences)"),
-            KeySpec("term/hidden_norm", "spectral norm of the hidden activations (max over sequences)"),
             KeySpec("term/wgate_norm", "spectral norm of `W_gate`"),
             KeySpec("term/wup_norm", "spectral norm of `W_up`"),
             KeySpec("term/wdown_norm", "spectral norm of `W_down`"),
