@@ -56,8 +56,22 @@ __all__ = [
 #: Module names tried, in this order, for the module whose output is the logits (``logits_module=None``).
 LOGITS_NAMES = ("lm_head", "head", "classifier", "output", "score", "fc_out", "decoder")
 
-#: Weight arguments of the kernels that a preconditioner can be read for (see :func:`param_index_map`).
-PRECONDITIONED = ("W_Q", "W_K", "W_V", "W_1", "W_2", "W_gate", "W_up", "W_down")
+#: Weight arguments of the kernels that a preconditioner can be read for (see :func:`param_index_map`); a dotted name
+#: is an entry of a dict argument (``"qk_norm.weight_q"``: the attention's QK-norm parameters, blocks ``N1``, ``N2``).
+PRECONDITIONED = (
+    "W_Q", "W_K", "W_V", "W_1", "W_2", "W_gate", "W_up", "W_down",
+    "qk_norm.weight_q", "qk_norm.bias_q", "qk_norm.weight_k", "qk_norm.bias_k",
+)  # fmt: skip
+
+
+def _read_weight(read: Mapping[str, Any], name: str) -> Any:
+    """``read[name]``, or ``read["qk_norm"]["weight_q"]`` for a dotted ``name`` (None where absent)."""
+    outer, _, inner = name.partition(".")
+    value = read.get(outer)
+    if inner:
+        value = value.get(inner) if isinstance(value, Mapping) else None
+    return value
+
 
 #: Why an Adam block has no ratio on the optimizer's first step (expected: not warned about).
 NO_STATE_YET = "the optimizer has no second-moment state yet (before its first step)"
@@ -343,7 +357,8 @@ def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[
 
     Args:
         spec: A :class:`~curvwatch.adapters.BlockSpec`.
-        weights: The weight names wanted (those of the adapter's ``read_params`` found among them are mapped).
+        weights: The weight names wanted (those of the adapter's ``read_params`` found among them are mapped); a dotted
+            name reads an entry of a dict parameter (``"qk_norm.weight_q"``).
 
     Returns:
         ``{name: (parameters, index)}``: ``parameters`` the module parameters the weight reads (in order),
@@ -371,7 +386,8 @@ def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[
                     swapped.append((module, name, p))
         with torch.no_grad():
             read = spec.adapter.read_params(spec)
-            found = {k: read[k].detach().clone() for k in weights if isinstance(read.get(k), Tensor)}
+            found = {k: _read_weight(read, k).detach().clone() for k in weights
+                     if isinstance(_read_weight(read, k), Tensor)}  # fmt: skip
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p

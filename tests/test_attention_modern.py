@@ -148,6 +148,8 @@ def test_modern_attention_matches_autograd(case):
     unit = "h" if G == 1 else "g"
     expected = {f"{p}/h{i}" for p in QUERY_PAIRS for i in range(case["H"])}
     expected |= {f"{p}/{unit}{j}" for p in (*GROUP_PAIRS, "QKV") for j in range(case["H_kv"])}
+    if case["qk_norm"] is not None:  # the norm's own parameters (tests/test_qk_norm_blocks.py)
+        expected |= {"N1N1", "N2N2", "N1N2"}
     assert {k.split("/", 1)[1] for k in ref if k.startswith("hessian/")} == expected
     assert {k.split("/", 1)[1] for k in out if k.startswith("hessian/")} == expected
 

@@ -10,7 +10,8 @@ QK-norm, memory), in one slice of weights at a time: ``J`` the dense Jacobian of
 
 * ``outer/XY = lambda_max(c J^T J)``, ``functional/XY = ||Hess <G, F>||_2``, ``hessian/XY`` the norm of their sum,
   for ``W_Q`` of the first and last query head (``QQ/h{i}``), ``W_K``, ``W_V`` of the first and last kv head
-  (``KK``/``VV``, keyed ``/g{j}`` under grouped-query attention, ``/h{j}`` otherwise), the whole FFN weights
+  (``KK``/``VV``, keyed ``/g{j}`` under grouped-query attention, ``/h{j}`` otherwise), the QK-norm weights of Qwen3
+  (``N1N1`` = the query norm's, ``N2N2`` = the key norm's, shared by every head), the whole FFN weights
   (``W1W1`` = gate or ``W_1``, ``W3W3`` = up, ``W2W2`` = down or ``W_2``);
 * ``ln/var_min`` (LayerNorm) and ``rms/ms_min`` (RMSNorm) from the norm's recorded input.
 
@@ -18,8 +19,9 @@ Every monitored block is checked and the set-up table (``CurvatureMonitor.covera
 out. Tolerance: ``TOL["end_to_end"]`` (1e-9) relative, an absolute ``1e-3 TOL * ||H||`` where a norm is zero
 (``functional/VV``, ``functional/W2W2``, ``functional/W3W3``: ``F`` is linear there). Where the model computes in
 float32 whatever the dtype, the comparison is at float32 round-off (``TOL_FLOAT32_INSIDE``, 1e-5): Qwen3's
-``q_norm``/``k_norm`` (``Qwen3RMSNorm`` casts to float32) gave 1.1e-7; the same forward with that cast patched out, on
-the same ``X``, ``G`` and weights, agrees to 1.9e-15 (checked at 1e-9 too). The RMSNorms in front of the blocks also
+``q_norm``/``k_norm`` (``Qwen3RMSNorm`` and litgpt's ``RMSNorm`` cast to float32) gave 1.1e-7 (HF) and 3.1e-7 (litgpt);
+the same forward with that cast patched out, on the same ``X``, ``G`` and weights, agrees to 1.5e-15 and 1.2e-15
+(checked at 1e-9 too). The RMSNorms in front of the blocks also
 cast, but their float32-rounded output is the block input both sides see, and the rotary tables, computed in
 float32, are the same tensors both sides use. Hugging Face attention runs SDPA (eager takes its softmax in float32);
 the reference differentiates under the SDPA math backend (the CPU flash kernel has no forward-mode derivative), whose
@@ -36,11 +38,14 @@ RMSNorm, LLaMAMLP                  ffn (gated_ffn)
 litgpt pythia (1, 32, 4/4):        attn (attention: rotary r = 2 of 8),   none               1.7e-15
 LayerNorm, parallel residual,      ln_1, ln_2 (layernorm), ffn (ffn,
 partial rotary, GptNeoxMLP         gelu)
+litgpt Qwen3 (1, 16, 4/2,          attn (GQA, QK-norm with N1N1, N2N2),   none               3.1e-7 (float32
+head_size 4)                       ln_1, ln_2, ffn (gated_ffn)                               QK-norm; twin
+                                                                                             1.2e-15)
 HF LlamaForCausalLM (1, 16, 4/2)   attn (GQA), ln_1, ln_2 (rmsnorm),      none               1.4e-15
                                    ffn (gated_ffn)
-HF Qwen3ForCausalLM (1, 16, 4/2,   attn (GQA, QK-norm), ln_1, ln_2,       none               1.1e-7 (float32
-head_dim 4)                        ffn (gated_ffn)                                           QK-norm; twin
-                                                                                             1.9e-15)
+HF Qwen3ForCausalLM (1, 16, 4/2,   attn (GQA, QK-norm with N1N1, N2N2),   none               1.1e-7 (float32
+head_dim 4)                        ln_1, ln_2, ffn (gated_ffn)                               QK-norm; twin
+                                                                                             1.5e-15)
 HF MistralForCausalLM (1, 16,      attn (GQA, window 3 < L = 8), ln_1,    none               1.7e-15
 4/2)                               ln_2, ffn (gated_ffn)
 HF BartForConditionalGeneration    encoder: attn, ln_1, ln_2, ffn;        none               1.8e-15
@@ -159,13 +164,16 @@ def _litgpt(family: str, **overrides) -> Case:
     H, H_kv, hs = cfg.n_head, cfg.n_query_groups, cfg.head_size
     gated = cfg.mlp_class_name == "LLaMAMLP"
     stat = "rms/ms_min" if cfg.norm_class_name == "RMSNorm" else "ln/var_min"
+    model = _perturb(tiny.model) if cfg.norm_qk else tiny.model  # QK-norm: its weights off their ones
 
     def refs(model):
         out = []
         for i, layer in enumerate(model.transformer.h):
             # CausalSelfAttention: q, k, v = qkv(x).split((H hs, H_kv hs, H_kv hs)), then .view(B, T, n, hs)
             sl = _attn_slices("qkv.weight", "qkv.weight", "qkv.weight", H, H_kv, hs, H * hs, (H + H_kv) * hs)
-            out += [Ref(f"layer{i}/attn", layer.attn, sl)]
+            if cfg.norm_qk:  # norm_q / norm_k of each head, before the rotary embedding: the blocks N1, N2
+                sl.update(N1N1=("norm_q.weight", 0, hs), N2N2=("norm_k.weight", 0, hs))
+            out += [Ref(f"layer{i}/attn", layer.attn, sl, float32_inside=cfg.norm_qk)]
             out += [Ref(f"layer{i}/ln_1", layer.norm_1, stat=stat), Ref(f"layer{i}/ln_2", layer.norm_2, stat=stat)]
             if gated:  # LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x))
                 sl = _whole(layer.mlp, W1W1="fc_1.weight", W3W3="fc_2.weight", W2W2="proj.weight")
@@ -177,12 +185,27 @@ def _litgpt(family: str, **overrides) -> Case:
     def sanity(model, recs):
         if family == "llama3":  # GQA, rotary over the whole head, llama3 frequency adjustments
             assert H_kv < H and cfg.rope_n_elem == hs and cfg.rope_adjustments is not None
+        elif family == "qwen3":  # GQA, per-head QK-norm
+            assert H_kv < H and cfg.norm_qk and type(model.transformer.h[0].attn.norm_q).__name__ == "RMSNorm"
         else:  # pythia: parallel residual, partial rotary
             assert cfg.parallel_residual and 0 < cfg.rope_n_elem < hs and cfg.norm_class_name == "LayerNorm"
 
+    def float64_twin(model):
+        for layer in model.transformer.h:
+            for norm in (layer.attn.norm_q, layer.attn.norm_k):
+                norm.forward = types.MethodType(_float64_litgpt_rmsnorm, norm)
+
     idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
     pairs = ("VV", "QQ", "KK", "W1W1", "W2W2") + (("W3W3",) if gated else ())
-    return Case(tiny.model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs, sanity)
+    pairs += ("N1N1", "N2N2") if cfg.norm_qk else ()
+    twin = float64_twin if cfg.norm_qk else None
+    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs, sanity, twin)
+
+
+def _float64_litgpt_rmsnorm(norm: nn.Module, x: Tensor) -> Tensor:
+    """litgpt ``RMSNorm.forward`` without its casts to float32 and back."""
+    weight = (1 + norm.weight) if norm.add_unit_offset else norm.weight
+    return x * torch.rsqrt(torch.mean(x * x, dim=norm.dim, keepdim=True) + norm.eps) * weight
 
 
 def _float64_rmsnorm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -206,6 +229,8 @@ def _hf_causal_lm(family: str) -> Case:
         for i, layer in enumerate(m.model.layers):
             # q_proj(x).view(B, L, H, d_K); repeat_kv: query head h reads kv head h // (H / H_kv)
             sl = _attn_slices("q_proj.weight", "k_proj.weight", "v_proj.weight", H, H_kv, d_K)
+            if family == "qwen3":  # q_norm / k_norm of each head, before the rotary embedding: the blocks N1, N2
+                sl.update(N1N1=("q_norm.weight", 0, d_K), N2N2=("k_norm.weight", 0, d_K))
             out.append(Ref(f"layer{i}/attn", layer.self_attn, sl, float32_inside=family == "qwen3"))
             out.append(Ref(f"layer{i}/ln_1", layer.input_layernorm, stat="rms/ms_min"))
             out.append(Ref(f"layer{i}/ln_2", layer.post_attention_layernorm, stat="rms/ms_min"))
@@ -228,7 +253,7 @@ def _hf_causal_lm(family: str) -> Case:
 
     ids, targets = _tokens(B, SEQ, low=1), _tokens(B, SEQ)
     loss = lambda m, b: _ce(m(input_ids=b[0]).logits, b[1])
-    pairs = ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3")
+    pairs = ("VV", "QQ", "KK", "W1W1", "W2W2", "W3W3") + (("N1N1", "N2N2") if family == "qwen3" else ())
     return Case(model, (ids, targets), loss, refs, pairs, sanity, float64_twin if family == "qwen3" else None)
 
 
@@ -329,6 +354,7 @@ def _hand_written() -> Case:
 CASES: dict[str, Callable[[], Case]] = {
     "litgpt-llama3": lambda: _litgpt("llama3"),
     "litgpt-pythia": lambda: _litgpt("pythia", n_layer=1, intermediate_size=32),
+    "litgpt-qwen3": lambda: _litgpt("qwen3", n_layer=1),
     "hf-llama": lambda: _hf_causal_lm("llama"),
     "hf-qwen3": lambda: _hf_causal_lm("qwen3"),
     "hf-mistral": lambda: _hf_causal_lm("mistral"),
@@ -461,7 +487,7 @@ def reference_norms(ref: Ref, rec: Recorded, replay_rtol: float = 1e-12) -> dict
         theta0 = W[lo:hi].reshape(-1).clone()
 
         def f(theta, W=W, name=name, lo=lo, hi=hi):
-            Wn = torch.cat([W[:lo], theta.view(hi - lo, W.shape[1]), W[hi:]])
+            Wn = torch.cat([W[:lo], theta.view(hi - lo, *W.shape[1:]), W[hi:]])  # rows of a Linear; a norm's weight
             return _first(functional_call(ref.root, {**params, name: Wn}, rec.args, rec.kwargs))
 
         with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel has no forward-mode derivative

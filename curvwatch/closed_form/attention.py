@@ -33,6 +33,8 @@ Key and value blocks of a group collect every query head that reads them (``J_K^
 operator works per query head and sums each group's heads where a product returns to ``W_K``, ``W_V``. Each
 product costs ``O(L L_kv (d_K + d_V) + (L d + L_kv d_kv)(d_K + d_V))`` per head, like one forward pass.
 ``||H_o(VV)||`` is exact in closed form for ``G = 1``: ``(sum_b c_b ||A_b X_kv,b||^2-Gram) * ||W_O^h||^2``.
+The QK-norm's own parameters (blocks ``N1``, ``N2``, shared by every head) run through the same products; their
+tangents and cotangents are in :mod:`curvwatch.closed_form._qk_norm_blocks`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ from ._operator import (
     run_parts,
     select_rows,
     spectral_norms,
+)
+from ._qk_norm_blocks import (
+    NORM_PAIRS,
+    affine_grad,
+    affine_tangent,
+    block_precondition,
+    norm_affine,
+    norm_pairs,
+    precondition_shapes,
+    qk_norm_norms,
 )
 from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
 from .bounds import _attention_bound_table, _grouped_attention_bound_tables, softmax_bound_factors
@@ -201,6 +213,10 @@ class _QKNorm:
         rows = LayerNormRows(Y0, self.eps, None if w is None else w + self.offset)
         return rows, rows.forward(b)
 
+    def affine(self, rows, side: str):
+        """The norm's parameters of ``side`` as a block (:class:`~._qk_norm_blocks.NormAffine`), or None."""
+        return norm_affine(self, rows, side)
+
 
 def _check_qk_norm(qk_norm, d_K: int, ref: torch.Tensor) -> _QKNorm | None:
     """Validate the ``qk_norm`` dict of :func:`multi_head_attention`."""
@@ -328,9 +344,11 @@ class AttentionOperator(BlockOperator):
             if b is not None:
                 t.add_(b[None, :, None, :])
         self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
+        self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (see _qk_norm_blocks)
         if qk_norm is not None:
             self.q_rows, P = qk_norm.rows(P, "q")
             self.k_rows, Kk = qk_norm.rows(Kk, "k")
+            self.q_affine, self.k_affine = qk_norm.affine(self.q_rows, "q"), qk_norm.affine(self.k_rows, "k")
         if rotary is not None:
             P, Kk = rotary(P), rotary(Kk)
         self.P, self.K_kv, self.V_kv = P, Kk, Vv
@@ -355,12 +373,15 @@ class AttentionOperator(BlockOperator):
         return t if t is None or self.G == 1 else t.unflatten(-3, (self.H_kv, self.G)).sum(-3)
 
     # ---- the maps in front of P and K (QK-norm, then rotary) ---------------------------------------
-    def _fwd(self, d0: torch.Tensor | None, side: str) -> torch.Tensor | None:
-        """Tangent of the pre-norm queries (keys) ``dQ0`` -> ``dP = R(J_N dQ0)``."""
+    def _fwd(self, d0: torch.Tensor | None, side: str, dn: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Tangent of the pre-norm queries (keys) ``dQ0`` -> ``dP = R(J_N dQ0)``; ``dn``: a tangent at the norm's
+        output (its parameters moving, :func:`~._qk_norm_blocks.affine_tangent`), ``dP = R(dn)``."""
         rows = self.q_rows if side == "q" else self.k_rows
-        if d0 is None:
+        if d0 is None and dn is None:
             return None
-        if rows is not None:
+        if d0 is None:
+            d0 = dn
+        elif rows is not None:
             d0 = rows.jvp(d0)
         return d0 if self.rotary is None else self.rotary(d0)
 
@@ -440,7 +461,10 @@ class AttentionOperator(BlockOperator):
         return None if self.W_O is None else self.W_O @ self.W_O.mT
 
     def _zero_out(self, n: int, name: str) -> torch.Tensor:
-        """A zero result of block ``name`` for ``n`` tangents: ``(n, H, d, d_K)`` for Q, ``(n, H_kv, d_kv, k)`` else."""
+        """A zero result of block ``name`` for ``n`` tangents: ``(n, H, d, d_K)`` for Q, ``(n, H_kv, d_kv, k)`` for K,
+        V, ``(n, p, d_K)`` for the QK-norm parameters N1, N2."""
+        if name not in self.params:
+            return affine_grad(self, None, "q" if name == "N1" else "k", n)
         heads = self.H if name == "Q" else self.H_kv
         return torch.zeros((n, heads, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
@@ -448,14 +472,16 @@ class AttentionOperator(BlockOperator):
     def jvp(self, tangent):
         """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP.
 
-        ``tangent`` maps ``"Q"`` to ``(n, H, d, d_K)`` and ``"K"``, ``"V"`` to ``(n, H_kv, d_kv, k)``; a missing name
-        is a zero perturbation and costs nothing.
+        ``tangent`` maps ``"Q"`` to ``(n, H, d, d_K)`` and ``"K"``, ``"V"`` to ``(n, H_kv, d_kv, k)``, or (alone) the
+        QK-norm parameters ``"N1"``, ``"N2"`` to ``(n, p, d_K)``; a missing name is a zero perturbation and costs
+        nothing.
         """
         X, A = self.X, self.A1
         dQ0 = _xw(X, tangent["Q"]) if "Q" in tangent else None  # (n, B, H, L, d_K)
         dK0 = _xw(self.Xkv, tangent["K"]) if "K" in tangent else None  # (n, B, H_kv, L_kv, d_K)
         dV = self._rep(_xw(self.Xkv, tangent["V"])) if "V" in tangent else None  # (n, B, H, L_kv, d_V)
-        dP, dK = self._fwd(dQ0, "q"), self._rep(self._fwd(dK0, "k"))
+        dnq, dnk = affine_tangent(self, tangent, "q"), affine_tangent(self, tangent, "k")  # QK-norm parameters
+        dP, dK = self._fwd(dQ0, "q", dnq), self._rep(self._fwd(dK0, "k", dnk))
         dT = None  # (n, B, H, L, L_kv), already scaled by s
         if dP is not None:
             dT = (dP * self.scale) @ self.Kk.mT
@@ -486,10 +512,12 @@ class AttentionOperator(BlockOperator):
             inter: intermediates of :meth:`jvp` for the same ``n`` tangents, ``(dP, dK, dV, dT, r, dA, dQ0, dK0)``.
             u: ``(n, B, H, L, d_V)`` per-head output cotangents, or None.
             second_order: add the functional (second-derivative) terms.
-            outputs: weight blocks to return, a subset of ``("V", "Q", "K")``.
+            outputs: weight blocks to return, a subset of ``("V", "Q", "K")``, or of the QK-norm parameters
+                ``("N1", "N2")``.
 
         Returns:
-            ``{name: (n, heads, d_in, k)}`` for the names in ``outputs`` (``H`` heads for Q, ``H_kv`` for K, V).
+            ``{name: (n, heads, d_in, k)}`` for the names in ``outputs`` (``H`` heads for Q, ``H_kv`` for K, V;
+            ``(n, p, d_K)`` for N1, N2).
         """
         X, A, g_h = self.X, self.A1, self.g_h
         dP, dK, dV, dT, r, dA, dQ0, dK0 = inter if second_order else (None,) * 8
@@ -500,7 +528,7 @@ class AttentionOperator(BlockOperator):
             if dA is not None:
                 mV = dA.mT @ g_h if mV is None else mV.add_(dA.mT @ g_h)
             out["V"] = self._zero_out(ref.shape[0], "V") if mV is None else _xtm(self.Xkv, self._grp(mV))
-        if "Q" in outputs or "K" in outputs:
+        if any(nm in outputs for nm in ("Q", "K", "N1", "N2")):
             # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
             hA = None
             if dT is not None:
@@ -511,17 +539,22 @@ class AttentionOperator(BlockOperator):
             G2 = None
             if hA is not None:  # softmax VJP, in place on the temporary hA
                 G2 = hA.sub_(torch.linalg.vecdot(A, hA).unsqueeze(-1)).mul_(A)
-            for name, left, right, Gam in (("Q", G2, self.Kk, dK), ("K", None if G2 is None else G2.mT, self.P, dP)):
-                if name not in outputs:
+            sides = (("Q", "N1", G2, self.Kk, dK), ("K", "N2", None if G2 is None else G2.mT, self.P, dP))
+            for name, norm, left, right, Gam in sides:
+                if name not in outputs and norm not in outputs:
                     continue
                 m = None if left is None else left @ right
                 if Gam is not None:  # the bilinear term of T in (P, K)
                     t = (self.Gamma if name == "Q" else self.Gamma.mT) @ Gam
                     m = t if m is None else m.add_(t)
-                if name == "Q":
-                    m, source = self._back(m, dQ0, "q"), X
-                else:
-                    m, source = self._back(self._grp(m), dK0, "k"), self.Xkv
+                side = "q" if name == "Q" else "k"
+                if name == "K":
+                    m = self._grp(m)
+                if norm in outputs:  # the cotangent at P (K) back to the norm's parameters
+                    out[norm] = affine_grad(self, m, side, ref.shape[0])
+                if name not in outputs:
+                    continue
+                m, source = self._back(m, dQ0 if name == "Q" else dK0, side), X if name == "Q" else self.Xkv
                 out[name] = self._zero_out(ref.shape[0], name) if m is None else _xtm(source, m) * self.scale
         return out
 
@@ -534,17 +567,21 @@ class AttentionOperator(BlockOperator):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""
         return self.pull(inter, u=None, second_order=True, outputs=outputs)
 
-    def _outer_cotangent(self, dF, mix: bool = True):
+    def _outer_cotangent(self, dF, mix: bool | str = True):
         """``u = c dF`` through the output metric, padded rows dropped.
 
         Without ``mix`` (or with ``G = 1``) head ``h`` sees only its own output, ``u_h = c dF_h W_O^h W_O^h^T`` (the
         diagonal head block); with ``mix`` it sees its group's, ``u_h = c (sum_{h' in g} dF_h' W_O^h') W_O^h^T``,
-        which the blocks of the shared ``W_K``, ``W_V`` need. With :attr:`sampled` the curvature is the sampled ``C``
-        (mixed the same way).
+        which the blocks of the shared ``W_K``, ``W_V`` need; with ``mix="all"`` every head's (the QK-norm parameters,
+        shared by all heads). With :attr:`sampled` the curvature is the sampled ``C`` (mixed the same way).
         """
         if self.sampled is not None:
-            return self.sampled(dF, group=self.G if mix and self.W_O is not None else 1)
-        if self.G == 1 or not mix or self.W_O is None:
+            group = self.H if mix == "all" else self.G
+            return self.sampled(dF, group=group if mix and self.W_O is not None else 1)
+        if mix == "all" and self.W_O is not None and self.H > 1:
+            Y = torch.einsum("nbhlv,hvm->nblm", dF, self.W_O)  # the layer's output tangent
+            u = torch.einsum("nblm,hvm->nbhlv", Y, self.W_O)
+        elif self.G == 1 or not mix or self.W_O is None:
             u = dF if self.Mo is None else dF @ self.Mo
         else:
             W_O = self.W_O.unflatten(0, (self.H_kv, self.G))  # (H_kv, G, d_V, m)
@@ -558,7 +595,8 @@ class AttentionOperator(BlockOperator):
         ``outer_rows`` / ``func_rows`` / ``total_rows`` (index tensors) select the tangents for which each part
         is needed; the returned tensors then hold only those rows, in that order. ``outer_rows`` and
         ``func_rows`` default to all rows; with ``total_rows`` a third dict ``H v`` (both parts, fused) is
-        returned. ``mix``: see :meth:`_outer_cotangent`.
+        returned. ``mix``: see :meth:`_outer_cotangent`. ``outputs`` and ``tangent`` may name the QK-norm
+        parameters ``"N1"``, ``"N2"`` instead (see :class:`~._qk_norm_blocks.QKNormView`).
         """
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
@@ -859,7 +897,8 @@ def _attention(
     precondition=None,
 ):
     """Shared body of :func:`self_attention` and :func:`multi_head_attention`; every argument is checked except
-    ``output_samples``; ``precondition`` is ``D = P^{-1/2}`` per block (``"Q"``, ``"K"``, ``"V"``), heads split."""
+    ``output_samples``; ``precondition`` is ``D = P^{-1/2}`` per block (``"Q"``, ``"K"``, ``"V"``), heads split, and
+    per QK-norm parameter (``"qk_norm.weight_q"``, ...)."""
     B, L, d = X3.shape
     H, H_kv = W_Q.shape[0], W_K.shape[0]
     G = H // H_kv
@@ -889,10 +928,12 @@ def _attention(
     samples = check_output_samples(
         output_samples, target=target, out_shape=tuple(F.shape), batched=batched, row_keep=row_keep, ref=X3
     )
-    pairs = ATTENTION_PAIRS if pairs is None else tuple(pairs)
+    pairs = (*ATTENTION_PAIRS, *NORM_PAIRS) if pairs is None else tuple(pairs)
     for p in pairs:
-        if p not in ATTENTION_PAIRS and p != "QKV":
-            raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',)}.")
+        if p not in ATTENTION_PAIRS and p not in NORM_PAIRS and p != "QKV":
+            raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',) + NORM_PAIRS}.")
+    n_pairs = norm_pairs(op, pairs)  # those of a QK-norm with parameters: N1N1, N2N2, N1N2
+    pairs = tuple(p for p in pairs if p not in NORM_PAIRS)
     kinds = _check_kinds(kinds)
 
     def hk(base):  # per-query-head keys
@@ -943,6 +984,7 @@ def _attention(
             out.update(_group_keys(spectral_norms(gv, g_pairs, kinds=kinds, lanczos=lanczos)))
         if full:
             out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
+    sop = None
     if samples is not None:
         sop = with_sampled(op, SampledCurvature.of_heads(samples, W_O))
         diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
@@ -964,6 +1006,10 @@ def _attention(
         else:
             out.update(dense_blocks(qv, QUERY_PAIRS))
             out.update(_group_keys(dense_blocks(gv, GROUP_PAIRS, full=("Q", "K", "V"))))
+    if n_pairs or dense:  # the QK-norm parameters' blocks, after every other key (which they leave unchanged)
+        norm_pre = block_precondition(op, precondition or {})
+        out.update(qk_norm_norms(op, n_pairs, kinds=kinds, lanczos=lanczos, dense=dense, sampled_op=sop,
+                                 precondition=norm_pre))  # fmt: skip
     lanczos.warn_unconverged(out, "self_attention" if single else "multi_head_attention")
     return out
 
@@ -1218,7 +1264,8 @@ def multi_head_attention(
             ``H``, plain multi-head attention (``H_kv = H`` gives bit-identical numbers).
         b_Q: ``(H d_K,)``; b_K: ``(H_kv d_K,)``; b_V: ``(H_kv d_V,)``; b_O: ``(m,)``; optional.
         target, grad_output, output_curvature, pairs, kinds, lanczos, terms, dense: as in :func:`self_attention`
-            (default ``c = 2/(L m)``).
+            (default ``c = 2/(L m)``); ``pairs`` may also name ``"N1N1"``, ``"N2N2"``, ``"N1N2"`` (the QK-norm
+            parameters' blocks; in the default), left out where the call's ``qk_norm`` lacks that norm's parameters.
         causal: query ``i`` sees keys ``j <= i`` (also across, in cross-attention).
         key_padding_mask: ``(B, L)`` or ``(L,)`` bool, True = padded query position: dropped from the loss and, in
             self-attention, never attended to.
@@ -1238,8 +1285,9 @@ def multi_head_attention(
             every head before the rotary embedding (the Hugging Face and litgpt order): ``None`` or a dict with
             ``"kind"`` (``"rmsnorm"`` or ``"layernorm"``), ``"eps"``, optional ``"weight_q"``, ``"weight_k"``
             ``(d_K,)``, ``"bias_q"``, ``"bias_k"`` ``(d_K,)`` (layernorm only) and ``"weight_offset"`` (``0.0``, or
-            ``1.0`` for Gemma's ``(1 + weight)``). The norm's weights are held fixed (not blocks). OLMo 2 normalises
-            the whole ``H d_K`` projection instead, which couples the heads: not this.
+            ``1.0`` for Gemma's ``(1 + weight)``). The norms' own parameters are blocks ``N1`` (query norm: its weight,
+            then its bias when it has one, ``(p, d_K)``) and ``N2`` (key norm), shared by every head; see Returns.
+            OLMo 2 normalises the whole ``H d_K`` projection instead, which couples the heads: not this.
         memory: ``(B, L_kv, d_kv)`` (``(L_kv, d_kv)`` unbatched) cross-attention source: keys and values are
             ``memory W_K``, ``memory W_V``; queries come from ``X``. ``None``: self-attention.
         memory_padding_mask: ``(B, L_kv)`` or ``(L_kv,)`` bool, True = padded memory position (never attended to).
@@ -1249,7 +1297,9 @@ def multi_head_attention(
             :func:`self_attention` (grad_output mode only; padded query rows zeroed).
         precondition: with ``output_samples``, any of ``{"W_Q": P_Q, "W_K": P_K, "W_V": P_V}``, each positive and of
             that weight argument's packed shape (``(d, H d_K)`` etc.; its heads are split like the weight's): the
-            diagonal of a preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``).
+            diagonal of a preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``); and ``"qk_norm.weight_q"``,
+            ``"qk_norm.bias_q"``, ``"qk_norm.weight_k"``, ``"qk_norm.bias_k"`` ``(d_K,)`` for the parameters ``qk_norm``
+            holds (block ``N1`` / ``N2`` is preconditioned when every one of its parameters has an entry).
 
     Returns:
         The keys of :func:`self_attention` suffixed by head or group. With ``H_kv = H``: ``/h{i}`` for everything,
@@ -1273,6 +1323,15 @@ def multi_head_attention(
         and ``residual/...`` of each, for XX in VV, QQ, KK of ``pairs`` (see :func:`self_attention`), suffixed like
         that pair's other keys: ``/h{i}`` with ``H_kv = H``; with ``H_kv < H`` ``QQ/h{i}`` per query head and
         ``VV/g{j}``, ``KK/g{j}`` per kv group (blocks of the head's ``W_Q`` slice, the group's ``W_K``, ``W_V`` slices).
+
+        With a ``qk_norm`` that has parameters: ``{kind}/N1N1``, ``{kind}/N2N2``, ``{kind}/N1N2`` (and
+        ``residual/...``, ``dense/...``), without head suffix: the blocks of the query norm's parameters ``N1`` (weight
+        ``gamma_q``, then bias ``beta_q`` for a LayerNorm with bias; ``(p d_K)`` rows in that order) and the key
+        norm's ``N2``, each shared by all heads, so the Gauss-Newton part collects every head's output (cross-head
+        terms). Only a norm with parameters gets blocks: ``N1N1`` alone without ``weight_k``, none without any.
+        With ``output_samples`` also ``ggn/``, ``sharpness/`` (``precond_...`` with ``precondition`` covering the
+        block) of ``N1N1``, ``N2N2``; no ``sharpness_spread/`` for them. Not computed: the blocks between a norm
+        parameter and ``W_Q``, ``W_K``, ``W_V``.
 
     Raises:
         ValueError: on shape mismatches or invalid options (the message says what is allowed), unless exactly one
@@ -1332,9 +1391,13 @@ def multi_head_attention(
     d_V = W_V.shape[-1]
     # the shapes the weights were passed with (check_weight and _split_heads accepted them)
     shapes = {"W_Q": (d, H * d_K), "W_K": (d_kv, H_kv * d_K), "W_V": (d_kv, H_kv * d_V)}
+    shapes.update(precondition_shapes(qk_norm, d_K))  # "qk_norm.weight_q": (d_K,), ... (the norm's parameters)
     pre = check_precondition(precondition, shapes, X3, has_samples=output_samples is not None)  # D = P^{-1/2}
     heads = {"W_Q": H, "W_K": H_kv, "W_V": H_kv}
-    pre = {nm[-1]: _split_heads(D, heads[nm], f"precondition[{nm!r}]") for nm, D in pre.items()}  # (heads, ., .)
+    pre = {
+        (nm[-1] if nm in heads else nm): (_split_heads(D, heads[nm], f"precondition[{nm!r}]") if nm in heads else D)
+        for nm, D in pre.items()
+    }  # "W_Q" -> "Q": (heads, d, d_K); "qk_norm.weight_q" stays, (d_K,)
     b_Q = check_like(b_Q, (H * d_K,), "b_Q", X3)
     b_K = check_like(b_K, (H_kv * d_K,), "b_K", X3)
     b_V = check_like(b_V, (H_kv * d_V,), "b_V", X3)

@@ -68,7 +68,8 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         prefix="attn",
         input_name="X",
         mask_name="key_padding_mask",
-        pairs=("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV"),
+        # N1N1, N2N2, N1N2: the QK-norm's own parameters (query norm N1, key norm N2), where the call has them
+        pairs=("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV", "N1N1", "N2N2", "N1N2"),
         exact_pairs=("VV",),
         iterative=True,
         sampled=True,
@@ -89,7 +90,7 @@ KIND = register_kind(
         "attention",
         (),
         "multi-head attention `softmax(P Kᵀ/√d_K) V W_O` (rotary, GQA, windows, QK-norm): per-head Q, K, V blocks, "
-        "bounds and bound terms",
+        "the QK-norm weights' blocks (N1 query norm, N2 key norm), bounds and bound terms",
     )
 )
 CROSS_KIND = register_kind(

@@ -613,6 +613,9 @@ def multi_head_attention_blocks(
     Returns:
         ``{kind}/{XY}/h{i}`` for kind in ``hessian, outer, functional``, XY in
         ``VV, QQ, KK, VQ, VK, QK`` and every head ``i``; plus ``{kind}/QKV/h{i}`` (block order Q, K, V).
+        With a ``qk_norm`` that has parameters, ``{kind}/N1N1``, ``{kind}/N2N2``, ``{kind}/N1N2`` (no head suffix):
+        the blocks of the query norm's parameters ``N1 = [weight_q; bias_q]`` (those it has, ``(p, d_K)`` in vec_r
+        order) and the key norm's ``N2``, each shared by every head.
         With ``H_kv < H`` the blocks with a query weight stay per query head (``QQ/h{i}``; ``VQ/h{i}`` and
         ``QK/h{i}`` pair head ``i``'s ``W_Q`` with its group's ``W_V``, ``W_K``), those of ``W_K``, ``W_V`` alone are
         per kv group (``KK/g{j}``, ``VV/g{j}``, ``VK/g{j}``), and ``QKV/g{j}`` is group ``j``'s whole Hessian in block
@@ -797,7 +800,47 @@ def _modern_attention_blocks(
             out[f"{kind}/QKV{g_suffix}"] = torch.cat(
                 [torch.cat([mats[kind][X_, Y_] for Y_ in order], dim=1) for X_ in order], dim=0
             )
+    if qk_norm is not None:
+
+        def with_norm(norm: Mapping) -> Tensor:
+            return _multi_head_attention(
+                Xb, W_Q, W_K, W_V, W_O, n_heads, blocked, b_Q, b_K, b_V, b_O, **{**opts, "qk_norm": norm}
+            )  # fmt: skip
+
+        out.update(
+            _qk_norm_parameter_blocks(
+                qk_norm, with_norm, lambda F0: _output_loss(F0, keep, target, grad_output, output_curvature, batched)
+            )
+        )
     return out
+
+
+def _qk_norm_parameter_blocks(
+    qk_norm: Mapping,
+    forward: Callable[[Mapping], Tensor],
+    make_loss: Callable[[Tensor], tuple[Callable[[Tensor], Tensor], Tensor]],
+) -> dict[str, Tensor]:
+    """``{kind}/N1N1``, ``{kind}/N2N2``, ``{kind}/N1N2``: the blocks of the QK-norm's own parameters.
+
+    ``N1`` is the query norm's ``[weight_q; bias_q]`` (the entries ``qk_norm`` has, stacked as rows, vec_r order),
+    ``N2`` the key norm's; ``forward`` maps a ``qk_norm`` dict to the attention output. A norm with neither weight
+    nor bias has no block.
+    """
+    entries = {s: [e for e in ("weight", "bias") if qk_norm.get(f"{e}_{s}") is not None] for s in ("q", "k")}
+    sides = {name: side for name, side in (("N1", "q"), ("N2", "k")) if entries[side]}
+    blocks = {name: torch.stack([qk_norm[f"{e}_{side}"] for e in entries[side]]) for name, side in sides.items()}
+    if not blocks:
+        return {}
+
+    def of_parameters(*params: Tensor) -> Tensor:
+        norm = dict(qk_norm)
+        for name, p in zip(blocks, params, strict=True):
+            norm.update({f"{e}_{sides[name]}": p[i] for i, e in enumerate(entries[sides[name]])})
+        return forward(norm)
+
+    mats = _dense_blocks(of_parameters, blocks, make_loss)
+    pairs = [(X_, Y_) for X_, Y_ in (("N1", "N1"), ("N2", "N2"), ("N1", "N2")) if X_ in blocks and Y_ in blocks]
+    return _pair_keys(mats, pairs)
 
 
 def _describe(value: object) -> str:
