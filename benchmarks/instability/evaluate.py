@@ -9,11 +9,13 @@
 * ``rules``: the same for ``before`` (today's :class:`~curvwatch.alerts.AlertMonitor` at its defaults) and
   ``after`` (:class:`curvwatch.rules.RuleSet` at its defaults), with the kind of the first alarm;
 * ``cadence``: the new rules replayed with terms-only evaluations every 1, 5, 10, 25 steps (and no full ones),
-  with the cost of that cadence.
+  with the cost of that cadence, and at the default (``"auto"``: every 10 steps within 2% of training, the
+  cadence each run's own terms-only cost allows).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -32,6 +34,7 @@ from benchmarks.instability.analysis import (
     score,
     thinned,
 )
+from curvwatch.schedule import DEFAULT_TERMS_EVERY, DEFAULT_TERMS_OVERHEAD
 
 DETECTORS = ("level", "trend")
 CADENCES = (1, 5, 10, 25)
@@ -136,6 +139,15 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
             **_per_run_scores(alarms, runs),
             "overhead_fraction": (statistics.median(cost) / every) if cost else None,
         }
+    # the default: every 10 steps within 2% of training, i.e. the multiple of 10 each run's own terms cost allows
+    every_of = {k: default_terms_every(runs[k]["terms_cost_steps"]) for k in by_key}
+    alarms = {k: [s for s, _, _ in _after(t, thinned(t, every_of[k], full_every=10**9))] for k, t in by_key.items()}
+    fractions = [runs[k]["terms_cost_steps"] / every_of[k] for k in by_key if runs[k]["terms_cost_steps"] is not None]
+    cadence["auto"] = {
+        **_per_run_scores(alarms, runs),
+        "overhead_fraction": statistics.median(fractions) if fractions else None,
+        "every": statistics.median(every_of.values()) if every_of else None,
+    }
     from benchmarks.instability.calibrate import calibrate
     from benchmarks.instability.cases import HELD_OUT_SEEDS, QUICK_SEEDS, TRAIN_SEEDS
 
@@ -152,6 +164,22 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
         "cadence": cadence,
         "onset_definition": {"window": 10, "margin_nats": 0.5, "patience": 20},
     }
+
+
+def default_terms_every(cost_steps: float | None) -> int:
+    """The terms-only cadence the default budget allows where one evaluation costs ``cost_steps`` training steps.
+
+    ``terms_every_n_train_steps="auto"`` evaluates on multiples of 10 while the terms-only seconds stay within 2% of
+    training: in the long run one evaluation per ``10 * ceil(cost / (0.02 * 10))`` steps.
+
+    Example:
+        >>> default_terms_every(0.1), default_terms_every(1.23), default_terms_every(None)
+        (10, 70, 10)
+    """
+    every = DEFAULT_TERMS_EVERY
+    if cost_steps is None:
+        return every
+    return every * max(1, math.ceil(cost_steps / (DEFAULT_TERMS_OVERHEAD * every) - 1e-9))
 
 
 def _eps(trace: Mapping[str, Any]) -> float:

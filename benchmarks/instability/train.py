@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -210,8 +210,14 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
+def run(cfg: RunConfig, monitor: bool = True, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Train one run and return its traces (JSON-ready: non-finite numbers are ``None``).
+
+    Args:
+        cfg: The run.
+        monitor: Whether the :class:`~curvwatch.CurvatureMonitor` is attached (``False``: the same training
+            without it, ``monitor`` and ``live_alerts`` empty; training does not depend on it).
+        callbacks: Extra Lightning callbacks (recorders of other signals), run after the monitor's.
 
     Returns:
         ``{"config", "corpus", "steps", "series": {name: [per step]}, "monitor": [{"step", "full", "metrics"}],
@@ -223,7 +229,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     data = WindowBatches(corpus, cfg.steps, cfg.batch_size, cfg.model.seq_len, cfg.seed)
     module = SuiteLM(cfg)
     logger = MemoryLogger()
-    monitor = CurvatureMonitor(
+    curvature = CurvatureMonitor(
         every_n_train_steps=cfg.full_every,
         max_overhead=None,
         terms_every_n_train_steps=cfg.terms_every,
@@ -245,7 +251,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                 accelerator="cpu",
                 devices=1,
                 logger=[logger],
-                callbacks=[monitor, _StepClock(module, cfg.stop_after)],
+                callbacks=[*([curvature] if monitor else []), *callbacks, _StepClock(module, cfg.stop_after)],
                 gradient_clip_val=cfg.grad_clip or None,
                 log_every_n_steps=1,
                 enable_checkpointing=False,
@@ -288,7 +294,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "series": series,
         "monitor": monitor_rows,
         "live_alerts": [
-            {"kind": a.kind, "block": a.block, "step": a.step, "value": _finite(a.value)} for a in monitor.alerts
+            {"kind": a.kind, "block": a.block, "step": a.step, "value": _finite(a.value)}
+            for a in (curvature.alerts if monitor else [])
         ],
         "wall_s": wall,
     }
