@@ -221,6 +221,9 @@ def train_once(
         "monitor_overhead_fraction": None
         if monitor is None
         else monitor.schedule.eval_seconds / max(monitor.schedule.train_seconds, 1e-9),
+        "monitor_terms_fraction": None  # the terms-only tier's part of it
+        if monitor is None
+        else monitor.schedule.terms_seconds / max(monitor.schedule.train_seconds, 1e-9),
     }
 
 
@@ -354,16 +357,21 @@ def bench_default(m: Model, seed: int, device: torch.device = CPU) -> dict[str, 
         rounds.append({
             "overhead": sum(on["step_s"][:n]) / sum(off["step_s"][:n]) - 1,
             "evaluations": on["evaluations"],
+            "terms_evaluations": on["terms_evaluations"],
             "monitor_overhead_fraction": on["monitor_overhead_fraction"],
+            "monitor_terms_fraction": on["monitor_terms_fraction"],
             "wall_s": {"without": off["wall_s"], "with": on["wall_s"]},
         })  # fmt: skip
         print(f"[{NAME}] {m.name} defaults round {r + 1}/{m.rounds}: {rounds[-1]}", file=sys.stderr, flush=True)
     return {
         "steps": m.default_steps,
-        "monitor": "CurvatureMonitor(max_tokens=...) defaults: every_n_train_steps=200, max_overhead=0.01",
+        "monitor": "CurvatureMonitor(max_tokens=...) defaults: every_n_train_steps=200, max_overhead=0.01, "
+        "terms_every_n_train_steps='auto' (every 10 steps within 2%)",
         "overhead": _median([x["overhead"] for x in rounds]),
         "monitor_overhead_fraction": _median([x["monitor_overhead_fraction"] for x in rounds]),
+        "monitor_terms_fraction": _median([x["monitor_terms_fraction"] for x in rounds]),
         "evaluations": [x["evaluations"] for x in rounds],
+        "terms_evaluations": [x["terms_evaluations"] for x in rounds],
         "rounds": rounds,
     }
 

@@ -80,8 +80,8 @@ class CurvatureMonitor(Callback):
       ``{p}summary/skipped_blocks``, ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``,
       ``{p}summary/overhead_fraction``, ``{p}summary/lanczos/rel_residual_max``, ``{p}summary/lanczos/unconverged``,
       ``{p}summary/lanczos/norms``.
-    - With ``terms_every_n_train_steps``, terms-only evaluations log the per-block keys they compute, the
-      kinds' summaries (``{p}summary/ln/...``), ``{p}summary/terms_eval_time_s`` and the counters (plus
+    - With ``terms_every_n_train_steps`` (on by default), terms-only evaluations log the per-block keys they
+      compute, the kinds' summaries (``{p}summary/ln/...``), ``{p}summary/terms_eval_time_s`` and the counters (plus
       ``{p}summary/terms_evaluations``, also on full evaluations).
     - With ``sharpness``, per attention/FFN block and diagonal pair ``XX`` (per head): ``ggn/XX`` (largest
       eigenvalue of the Monte-Carlo Gauss-Newton block of the real loss), ``sharpness/XX`` (of it plus the block's
@@ -116,11 +116,15 @@ class CurvatureMonitor(Callback):
         terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a
             full evaluation, everything that needs no Lanczos over Hessian products: the bound terms and bounds
             (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``), the
-            LayerNorm statistics, norms and collapse warnings, the FFN activity fractions (``None``, the
-            default: off). Such a terms-only evaluation costs a fraction of a full one (``docs/performance.md``
-            section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and the heatmap come from full
-            evaluations only; ``patience`` and ``cooldown`` of the collapse warning count both kinds. Under
-            the overhead budget a full evaluation it cannot afford falls back to terms only on steps due for both.
+            LayerNorm statistics, norms and collapse warnings, the FFN activity fractions: what the warning rules
+            read. ``"auto"`` (default): every 10 steps within a budget of its own, 2% of the training time (a due
+            terms-only step is skipped while the terms-only seconds so far plus one more would exceed it; the full
+            tier's budget then counts full evaluations only); an int: that cadence, under ``max_overhead`` like
+            the full tier; ``None``: off. A terms-only evaluation costs a fraction of a full one
+            (``docs/performance.md`` section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and the
+            heatmap come from full evaluations only; ``patience`` and ``cooldown`` of the collapse warning count
+            both kinds. Under the overhead budget a full evaluation it cannot afford falls back to terms only on
+            steps due for both.
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         max_tokens: Token positions kept per block (first whole sequences; see
             :class:`~curvwatch.capture.Capture`).
@@ -149,7 +153,7 @@ class CurvatureMonitor(Callback):
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and
             of the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
-            leads of 53-113 steps where a signal allows, best with ``terms_every_n_train_steps=10``), ``"legacy"``
+            leads of 53-113 steps where a signal allows, with terms-only numbers every 10 steps), ``"legacy"``
             (the spike and collapse rules configured by ``collapse_ratio`` ... ``cooldown``: they fire on healthy
             runs too), ``"all"``, or a configured ``RuleSet``.
         on_error: ``"warn"``: an exception in an evaluation (capture hooks in forward or backward, summaries,
@@ -201,7 +205,7 @@ class CurvatureMonitor(Callback):
         self,
         every_n_train_steps: int | None = None,
         max_overhead: float | str | None = "auto",
-        terms_every_n_train_steps: int | None = None,
+        terms_every_n_train_steps: int | str | None = "auto",
         blocks: str | Sequence[BlockSpec] = "auto",
         max_tokens: int = 512,
         log_key_prefix: str = "curv/",
@@ -260,7 +264,7 @@ class CurvatureMonitor(Callback):
         legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
         # the run's record: summaries, warnings, counters (checkpointed)
         self.book = Logbook(log_key_prefix, float(tol), self._alerts if legacy else None, rules,
-                            count_terms=terms_every_n_train_steps is not None)  # fmt: skip
+                            count_terms=self.schedule.terms_every_n_train_steps is not None)  # fmt: skip
         self.on_error = choice("on_error", on_error, OnError)
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
@@ -276,7 +280,7 @@ class CurvatureMonitor(Callback):
             key_prefix=log_key_prefix,
         )
         self.every_n_train_steps = self.schedule.every_n_train_steps
-        self.terms_every_n_train_steps = terms_every_n_train_steps
+        self.terms_every_n_train_steps = terms_every_n_train_steps  # as given ("auto", an int or None)
         self.max_overhead = self.schedule.max_overhead
         self.blocks = blocks
         self.max_tokens, self.log_key_prefix, self.tol, self.max_iter = max_tokens, log_key_prefix, float(tol), max_iter
@@ -355,12 +359,7 @@ class CurvatureMonitor(Callback):
         if terms_only and not (terms_due and terms_ok):
             if "budget_info" not in self.engine.warned:
                 self.engine.warned.add("budget_info")
-                rank_zero_info(
-                    f"CurvatureMonitor: skipping due step {step} and later ones while the evaluations so far "
-                    f"({self.schedule.eval_seconds:.3g} s) plus one more exceed max_overhead={self.max_overhead:g} of "
-                    f"the training time ({self.schedule.train_seconds:.3g} s); pass every_n_train_steps=... (or "
-                    "max_overhead=None) for a fixed schedule."
-                )
+                rank_zero_info(self.schedule.budget_note(step, full_due))
             return
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()

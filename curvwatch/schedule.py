@@ -12,14 +12,22 @@ The budget governs the default schedule only (``max_overhead="auto"``, the defau
 :meth:`Schedule.cost_note` then says what it costs when it is expensive. ``max_overhead=None`` asks for a fixed
 schedule explicitly: no budget and no note.
 
+The terms-only tier feeds the warning rules. By default (``terms_every_n_train_steps="auto"``) it is due every
+:data:`DEFAULT_TERMS_EVERY` steps and has a budget of its own: a due terms-only step is affordable when the
+terms-only seconds so far plus one more stay within :data:`DEFAULT_TERMS_OVERHEAD` of the training seconds; the
+full tier's budget then counts the full evaluations' seconds only, so the default costs at most the sum of the two
+budgets. A terms cadence the user chose (an int) shares ``max_overhead`` with the full tier, as before.
+
 Example:
-    >>> schedule = Schedule(every_n_train_steps=10)
-    >>> schedule.due(0), schedule.due(5), schedule.due(20)
-    ((True, False), (False, False), (True, False))
+    >>> schedule = Schedule(every_n_train_steps=20)
+    >>> schedule.due(0), schedule.due(5), schedule.due(10), schedule.due(20)  # (full, terms only)
+    ((True, True), (False, False), (False, True), (True, True))
     >>> schedule.max_overhead is None, schedule.note_cost  # a chosen cadence: no budget, its cost reported
     (True, True)
     >>> Schedule().every_n_train_steps, Schedule().max_overhead  # the default: every 200 steps within 1%
     (200, 0.01)
+    >>> Schedule().terms_every_n_train_steps, Schedule().terms_overhead  # terms only: every 10 steps within 2%
+    (10, 0.02)
 """
 
 from __future__ import annotations
@@ -30,11 +38,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_EVERY", "DEFAULT_OVERHEAD", "EXPENSIVE", "Schedule"]
+__all__ = [
+    "DEFAULT_EVERY",
+    "DEFAULT_OVERHEAD",
+    "DEFAULT_TERMS_EVERY",
+    "DEFAULT_TERMS_OVERHEAD",
+    "EXPENSIVE",
+    "Schedule",
+]
 
 #: The default cadence and its budget.
 DEFAULT_EVERY = 200
 DEFAULT_OVERHEAD = 0.01
+#: The default terms-only cadence and its own budget (``terms_every_n_train_steps="auto"``): the warning rules'
+#: leads on the instability suite hold at every 10 steps (docs/instability.md).
+DEFAULT_TERMS_EVERY = 10
+DEFAULT_TERMS_OVERHEAD = 0.02
 #: A chosen cadence whose evaluations take more than this fraction of the training time is reported once, after
 #: at least MEASURED_STEPS steps (the first steps' times include start-up).
 EXPENSIVE = 0.1
@@ -53,7 +72,8 @@ class Schedule:
         every_n_train_steps: Full evaluations on steps ``0, n, 2n, ...``; ``None``: every
             :data:`DEFAULT_EVERY` steps within the :data:`DEFAULT_OVERHEAD` budget.
         terms_every_n_train_steps: Terms-only evaluations on steps ``0, n, 2n, ...`` not due for a full one;
-            ``None``: none.
+            ``"auto"`` (default): every :data:`DEFAULT_TERMS_EVERY` steps within a budget of their own,
+            :data:`DEFAULT_TERMS_OVERHEAD`; ``None``: none.
         max_overhead: Largest fraction of the training time the evaluations may take; ``"auto"`` (default): the
             default budget with the default cadence, none with a chosen one (whose cost is then reported when it
             is expensive); ``None``: a fixed schedule, no budget.
@@ -65,12 +85,21 @@ class Schedule:
     def __init__(
         self,
         every_n_train_steps: int | None = None,
-        terms_every_n_train_steps: int | None = None,
+        terms_every_n_train_steps: int | str | None = "auto",
         max_overhead: float | str | None = "auto",
     ) -> None:
         if every_n_train_steps is not None:
             _check_int("every_n_train_steps", every_n_train_steps, 1)
-        if terms_every_n_train_steps is not None:
+        self.terms_auto = terms_every_n_train_steps == "auto"
+        if self.terms_auto:
+            terms_every_n_train_steps = DEFAULT_TERMS_EVERY
+        elif terms_every_n_train_steps is not None:
+            if isinstance(terms_every_n_train_steps, str):
+                raise ValueError(
+                    f"Invalid terms_every_n_train_steps={terms_every_n_train_steps!r}. Must be an int >= 1, 'auto' "
+                    f"(the default: every {DEFAULT_TERMS_EVERY} steps within {DEFAULT_TERMS_OVERHEAD:.0%} of the "
+                    "training time) or None (no terms-only evaluations)."
+                )
             _check_int("terms_every_n_train_steps", terms_every_n_train_steps, 1)
         if (
             max_overhead is not None
@@ -83,7 +112,8 @@ class Schedule:
             )
         self.chosen = every_n_train_steps is not None  # the user chose the cadence
         self.every_n_train_steps = DEFAULT_EVERY if every_n_train_steps is None else every_n_train_steps
-        self.terms_every_n_train_steps = terms_every_n_train_steps
+        self.terms_every_n_train_steps: int | None = terms_every_n_train_steps
+        self.terms_overhead = DEFAULT_TERMS_OVERHEAD if self.terms_auto else None  # the terms tier's own budget
         auto = isinstance(max_overhead, str)
         if auto:
             self.max_overhead: float | None = None if self.chosen else DEFAULT_OVERHEAD
@@ -95,6 +125,7 @@ class Schedule:
         self.train_seconds = 0.0  # wall time minus eval_seconds, over the run and across resumes
         self.last_eval_seconds = 0.0  # cost of the last full evaluation, the next one's price
         self.last_terms_seconds = 0.0  # the same for the last terms-only evaluation
+        self.terms_seconds = 0.0  # the part of eval_seconds spent on terms-only evaluations
         self.runs = 0  # evaluations and skips so far, of both tiers
         # (wall time at start, eval_seconds then, train_seconds then) of this fit; None outside training
         self._clock: tuple[float, float, float] | None = None
@@ -121,6 +152,7 @@ class Schedule:
         """Count ``seconds`` of monitor work on one evaluation (``extra``: more of the same evaluation)."""
         self.eval_seconds += seconds
         if terms_only:
+            self.terms_seconds += seconds
             self.last_terms_seconds = seconds + (self.last_terms_seconds if extra else 0.0)
         else:
             self.last_eval_seconds = seconds + (self.last_eval_seconds if extra else 0.0)
@@ -151,21 +183,39 @@ class Schedule:
                 ``None`` on one process.
         """
         self.update()
-        if self.max_overhead is None or self.runs == 0:
+        if (self.max_overhead is None and self.terms_overhead is None) or self.runs == 0:
             return True, True
-        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget
+        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget;
+        # with the terms tier's own budget, each tier counts its own seconds
+        own = self.terms_overhead is not None
+        full_spent = self.eval_seconds - (self.terms_seconds if own else 0.0)
+        terms_spent = self.terms_seconds if own else self.eval_seconds
         spent = torch.tensor(
-            [
-                self.eval_seconds + self.last_eval_seconds,
-                self.eval_seconds + self.last_terms_seconds,
-                -self.train_seconds,
-            ],
+            [full_spent + self.last_eval_seconds, terms_spent + self.last_terms_seconds, -self.train_seconds],
             dtype=torch.float64,
         )
         if agree is not None:
             spent = agree(spent).cpu()  # the slowest rank's evaluations, the least training
-        full, terms = (spent[:2] <= self.max_overhead * -spent[2]).tolist()
+        train = float(-spent[2])
+        full_budget = self.max_overhead
+        terms_budget = self.terms_overhead if own else self.max_overhead
+        full = full_budget is None or float(spent[0]) <= full_budget * train
+        terms = terms_budget is None or float(spent[1]) <= terms_budget * train
         return full, terms
+
+    def budget_note(self, step: int, full_due: bool) -> str:
+        """The one-time line when a due step is skipped by a budget (``full_due``: a full evaluation was due)."""
+        if full_due or self.terms_overhead is None:
+            spent = self.eval_seconds - (0.0 if self.terms_overhead is None else self.terms_seconds)
+            budget, name = self.max_overhead, "max_overhead"
+            fix = "pass every_n_train_steps=... (or max_overhead=None) for a fixed schedule"
+        else:
+            spent, budget, name = self.terms_seconds, self.terms_overhead, "the terms-only budget"
+            fix = "pass terms_every_n_train_steps=... for a fixed terms-only cadence"
+        return (
+            f"CurvatureMonitor: skipping due step {step} and later ones while the evaluations so far ({spent:.3g} s) "
+            f"plus one more exceed {name}={budget:g} of the training time ({self.train_seconds:.3g} s); {fix}."
+        )
 
     def cost_note(self, step: int) -> str | None:
         """A note on what a chosen cadence costs, when its evaluations take over :data:`EXPENSIVE` of training.
@@ -198,6 +248,7 @@ class Schedule:
             "train_seconds": self.train_seconds,
             "last_eval_seconds": self.last_eval_seconds,
             "last_terms_seconds": self.last_terms_seconds,
+            "terms_seconds": self.terms_seconds,
             "last_step": self.last_step,
             "runs": self.runs,
         }
@@ -208,4 +259,5 @@ class Schedule:
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_eval_seconds = float(state.get("last_eval_seconds", 0.0))
         self.last_terms_seconds = float(state.get("last_terms_seconds", 0.0))
+        self.terms_seconds = float(state.get("terms_seconds", 0.0))
         self.runs = int(state.get("runs", 0))

@@ -595,6 +595,27 @@ def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     assert monitor.book.evaluations == 1 and monitor.book.terms_evaluations == 2
 
 
+def test_default_terms_tier_every_10_steps_within_its_own_budget(tmp_path, monkeypatch):
+    """The default feeds the warning rules: terms-only evaluations every 10 steps, within 2% of training."""
+    monitor = CurvatureMonitor(max_tokens=16, log_heatmap=False)
+    assert (monitor.schedule.terms_every_n_train_steps, monitor.schedule.terms_overhead) == (10, 0.02)
+    trainer = make_trainer(tmp_path, monitor, max_steps=31)
+    trainer.fit(TinyLM(), loader(n=64))
+    logged = curv_rows(read_rows(trainer))
+    assert set(logged) <= {0, 10, 20, 30} and 0 in logged and MAX_KEY in logged[0]
+    assert all(MAX_KEY not in logged[s] for s in logged if s)  # the full tier's next due step is 200
+    s = monitor.schedule  # the budget held at every decision: spent before the last one fitted 2% of training
+    assert s.terms_seconds - s.last_terms_seconds <= 0.02 * s.train_seconds
+    # the same run with the budget out of the way: every 10th step is a terms-only evaluation
+    free = CurvatureMonitor(max_tokens=16, log_heatmap=False)
+    monkeypatch.setattr(free.schedule, "affordable", lambda agree=None: (True, True))
+    trainer = make_trainer(tmp_path / "free", free, max_steps=31)
+    trainer.fit(TinyLM(), loader(n=64))
+    logged = curv_rows(read_rows(trainer))
+    assert sorted(logged) == [0, 10, 20, 30] and free.book.terms_evaluations == 3
+    assert "curv/summary/terms_evaluations" in logged[30] and "curv/layer0/attn/term/x_norm" in logged[10]
+
+
 def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     """max_iter=2 cannot reach tol=1e-2: the run logs how many norms stopped early and each block's worst
     relative residual, keeps the per-norm residual keys out of the logs, and warns once, at the first

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvwatch.schedule import DEFAULT_EVERY, DEFAULT_OVERHEAD, Schedule
+from curvwatch.schedule import (
+    DEFAULT_EVERY,
+    DEFAULT_OVERHEAD,
+    DEFAULT_TERMS_EVERY,
+    DEFAULT_TERMS_OVERHEAD,
+    Schedule,
+)
 
 
 def test_due_steps_of_both_tiers_and_no_step_twice():
@@ -25,7 +31,7 @@ def test_the_budget_governs_the_default_cadence_only():
 
 
 def test_affordable_prices_the_next_evaluation_as_the_last_one():
-    s = Schedule(max_overhead=0.1)
+    s = Schedule(max_overhead=0.1, terms_every_n_train_steps=5)  # a chosen terms cadence shares the budget
     assert s.affordable() == (True, True)  # nothing spent yet
     s.charge(1.0, terms_only=False)
     s.charge(0.1, terms_only=True)
@@ -35,6 +41,33 @@ def test_affordable_prices_the_next_evaluation_as_the_last_one():
     assert s.affordable() == (False, True)
     # the ranks agree through the slowest rank's numbers: a larger spend elsewhere decides
     assert s.affordable(lambda t: t + torch.tensor([10.0, 10.0, 0.0], dtype=torch.float64)) == (False, False)
+
+
+def test_the_default_terms_tier_has_a_budget_of_its_own():
+    s = Schedule()
+    assert (s.terms_every_n_train_steps, s.terms_overhead) == (DEFAULT_TERMS_EVERY, DEFAULT_TERMS_OVERHEAD)
+    assert [s.due(k) for k in (0, 5, 10, 200)] == [(True, True), (False, False), (False, True), (True, True)]
+    s.update = lambda: None
+    s.charge(0.5, terms_only=False)  # step 0's full evaluation
+    s.charge(0.1, terms_only=True)
+    assert (s.eval_seconds, s.terms_seconds) == (0.6, 0.1)
+    # full: 0.5 + 0.5 <= 1% of 100 s; terms: 0.1 + 0.1 <= 2% of 100 s (the full seconds do not count against it)
+    s.train_seconds = 100.0
+    assert s.affordable() == (True, True)
+    s.train_seconds = 9.0  # terms 0.2 > 0.18 and full 1.0 > 0.09: neither
+    assert s.affordable() == (False, False)
+    s.train_seconds = 12.0  # terms 0.2 <= 0.24; full still over its 1%
+    assert s.affordable() == (False, True)
+    assert "the terms-only budget=0.02" in s.budget_note(30, full_due=False)
+    assert "max_overhead=0.01" in s.budget_note(200, full_due=True) and "(0.5 s)" in s.budget_note(200, True)
+    # a fixed full schedule keeps the terms tier's own budget; no terms tier: no budget at all
+    fixed = Schedule(every_n_train_steps=5, max_overhead=None)
+    fixed.charge(1.0, terms_only=True)
+    fixed.train_seconds, fixed.update = 10.0, lambda: None
+    assert fixed.affordable() == (True, False)
+    off = Schedule(every_n_train_steps=5, terms_every_n_train_steps=None, max_overhead=None)
+    off.charge(1.0, terms_only=False)
+    assert off.affordable() == (True, True) and off.due(10) == (True, False)
 
 
 def test_cost_note_for_an_expensive_chosen_cadence():
@@ -55,10 +88,12 @@ def test_cost_note_for_an_expensive_chosen_cadence():
 def test_state_round_trips():
     s = Schedule(every_n_train_steps=3)
     s.charge(0.5, terms_only=False)
+    s.charge(0.25, terms_only=True)
     s.last_step = 9
     t = Schedule(every_n_train_steps=3)
     t.load_state_dict(s.state_dict())
-    assert (t.eval_seconds, t.last_step, t.runs, t.last_eval_seconds) == (0.5, 9, 1, 0.5)
+    assert (t.eval_seconds, t.last_step, t.runs, t.last_eval_seconds) == (0.75, 9, 2, 0.5)
+    assert (t.terms_seconds, t.last_terms_seconds) == (0.25, 0.25)
 
 
 @pytest.mark.parametrize(
@@ -66,6 +101,7 @@ def test_state_round_trips():
     [
         ({"every_n_train_steps": 0}, "Invalid every_n_train_steps=0. Must be an int >= 1."),
         ({"terms_every_n_train_steps": 1.5}, "Invalid terms_every_n_train_steps=1.5"),
+        ({"terms_every_n_train_steps": "often"}, "Invalid terms_every_n_train_steps='often'. Must be an int >= 1"),
         ({"max_overhead": -1}, "Invalid max_overhead=-1. Must be a fraction > 0"),
         ({"max_overhead": "sometimes"}, "Invalid max_overhead='sometimes'"),
     ],
