@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from curvwatch import reference
-from curvwatch.closed_form import Lanczos, multi_head_attention
+from curvwatch.closed_form import Lanczos, multi_head_attention, self_attention
 from curvwatch.closed_form import attention as attention_module
 from curvwatch.closed_form.attention import GROUP_PAIRS, QUERY_PAIRS, apply_rotary
 from curvwatch.closed_form.settings import EXACT
@@ -152,6 +152,32 @@ def test_modern_attention_matches_autograd(case):
         expected |= {"N1N1", "N2N2", "N1N2"}
     assert {k.split("/", 1)[1] for k in ref if k.startswith("hessian/")} == expected
     assert {k.split("/", 1)[1] for k in out if k.startswith("hessian/")} == expected
+
+
+SINGLE_HEAD_CASES = [
+    _case(H=1, H_kv=1, d_K=4, m=2, rotary="half", r=4),
+    _case(B=None, L=1, H=1, H_kv=1, m=2, mode="target"),  # L = 1
+    _case(H=1, H_kv=1, m=2, window=2, pad=True, mode="target", scale=0.7),
+    _case(H=1, H_kv=1, d_K=4, m=2, qk_norm="rmsnorm", rotary="interleaved", r=2, rot_batched=True),
+    _case(H=1, H_kv=1, d_K=3, m=2, qk_norm="layernorm", causal=False, pad=True),
+]
+
+
+@pytest.mark.parametrize("case", SINGLE_HEAD_CASES, ids=case_id)
+def test_single_head_self_attention_takes_the_modern_options(case):
+    """``self_attention`` (one head, no ``W_O``) with rotary, window, scale and QK-norm: every dense block and norm
+    against the torch.func reference of that head with ``W_O = I`` (the same function), to 1e-10."""
+    X, W, kw = _inputs(case)
+    del kw["n_heads"], kw["n_kv_heads"]
+    eye = torch.eye(case["d_V"], dtype=DT)
+    ref = reference.multi_head_attention_blocks(X, W["W_Q"], W["W_K"], W["W_V"], eye, 1, **kw)
+    out = self_attention(X, W["W_Q"], W["W_K"], W["W_V"], **kw, dense=True, lanczos=EXACT)
+    ref_norms = reference.dense_to_norms(ref)
+    for key, mat in ref.items():
+        mine = key.removesuffix("/h0")  # one head: no head suffix
+        assert_close_report(out[f"dense/{mine}"], mat, TOL["float64"], name=f"dense/{mine}", atol=1e-13)
+        assert_close_report(out[mine], ref_norms[key], TOL["float64"], name=mine, atol=1e-13)
+    assert {k.removesuffix("/h0") for k in ref} == {k.removeprefix("dense/") for k in out if k.startswith("dense/")}
 
 
 def test_grouped_query_blocks_collect_every_query_head_of_the_group():

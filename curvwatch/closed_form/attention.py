@@ -1100,6 +1100,19 @@ def _terms_and_bounds(
     return out
 
 
+def _modern_options(window, scale, rotary, rotary_interleaved, qk_norm, d_K: int, X3: torch.Tensor) -> dict:
+    """The checked ``window``, ``scale``, ``rotary`` and ``qk_norm`` arguments of :func:`_attention`."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"Invalid window={window!r}. Must be an int >= 1 (keys i - w < j <= i with causal) or None.")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
+    ):
+        raise ValueError(f"Invalid scale={scale!r}. Must be a finite number > 0, or None for 1/sqrt(d_K).")
+    B, L, _ = X3.shape
+    rot = None if rotary is None else _check_rotary(rotary, rotary_interleaved, B, L, d_K, X3)
+    return {"window": window, "scale": scale, "rotary": rot, "qk_norm": _check_qk_norm(qk_norm, d_K, X3)}
+
+
 def self_attention(
     X: torch.Tensor,
     W_Q: torch.Tensor,
@@ -1111,6 +1124,11 @@ def self_attention(
     output_curvature: float | None = None,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary_interleaved: bool = False,
+    qk_norm: dict | None = None,
     pairs=None,
     kinds=KINDS,
     lanczos: Lanczos | None = None,
@@ -1130,7 +1148,11 @@ def self_attention(
         causal: mask future keys before the softmax.
         key_padding_mask: ``(B, L)`` or ``(L,)`` bool, True = padded; padded keys are masked and padded
             query rows leave the loss.
-        pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all).
+        window, scale, rotary, rotary_interleaved, qk_norm: attention as modern models compute it, exactly as in
+            :func:`multi_head_attention` (sliding window, softmax scale, rotary tables ``(L, d_K/2..)`` applied to
+            queries and keys, per-head QK-norm with its weights as blocks ``N1``, ``N2``); one head without ``W_O``.
+        pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all; with a QK-norm that has
+            weights also ``"N1N1"``, ``"N2N2"``, ``"N1N2"``).
         kinds: which iterative norms to compute, a subset of ``("outer", "functional", "hessian")``
             (each costs its own Lanczos run; ``outer/VV`` is exact and always returned with ``VV``).
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
@@ -1185,6 +1207,7 @@ def self_attention(
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
     shapes = {"W_Q": tuple(W_Q.shape), "W_K": tuple(W_K.shape), "W_V": tuple(W_V.shape)}
+    shapes.update(precondition_shapes(qk_norm, W_Q.shape[-1]))  # the QK-norm's parameters, (d_K,) each
     pre = check_precondition(precondition, shapes, X3, has_samples=output_samples is not None)  # D = P^{-1/2}
     return _attention(
         X3,
@@ -1208,8 +1231,11 @@ def self_attention(
         single=True,
         kinds=kinds,
         terms=terms,
+        **_modern_options(window, scale, rotary, rotary_interleaved, qk_norm, W_Q.shape[-1], X3),
         output_samples=output_samples,
-        precondition={nm[-1]: D.unsqueeze(0) for nm, D in pre.items()},  # "W_Q" -> "Q": (1, d, d_K)
+        # "W_Q" -> "Q": (1, d, d_K); "qk_norm.weight_q" stays, (d_K,)
+        precondition={(nm[-1] if nm.startswith("W_") else nm): (D.unsqueeze(0) if nm.startswith("W_") else D)
+                      for nm, D in pre.items()},  # fmt: skip
     )
 
 
@@ -1402,18 +1428,11 @@ def multi_head_attention(
     b_K = check_like(b_K, (H_kv * d_K,), "b_K", X3)
     b_V = check_like(b_V, (H_kv * d_V,), "b_V", X3)
     b_O = check_like(b_O, (W_O.shape[-1],), "b_O", X3)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"Invalid window={window!r}. Must be an int >= 1 (keys i - w < j <= i with causal) or None.")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf
-    ):
-        raise ValueError(f"Invalid scale={scale!r}. Must be a finite number > 0, or None for 1/sqrt(d_K).")
     if rotary is not None and M3 is not None:
         raise ValueError(
             "rotary= applies to self-attention only: in cross-attention queries and keys sit at different positions. "
             "Drop rotary or memory."
         )
-    rot = None if rotary is None else _check_rotary(rotary, rotary_interleaved, B, L, d_K, X3)
     return _attention(
         X3,
         batched,
@@ -1436,10 +1455,7 @@ def multi_head_attention(
         single=False,
         kinds=kinds,
         terms=terms,
-        window=window,
-        scale=scale,
-        rotary=rot,
-        qk_norm=_check_qk_norm(qk_norm, d_K, X3),
+        **_modern_options(window, scale, rotary, rotary_interleaved, qk_norm, d_K, X3),
         memory=M3,
         memory_padding_mask=memory_padding_mask,
         output_samples=output_samples,
