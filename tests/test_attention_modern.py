@@ -16,7 +16,9 @@ import torch
 from curvwatch import reference
 from curvwatch.closed_form import Lanczos, multi_head_attention, self_attention
 from curvwatch.closed_form import attention as attention_module
-from curvwatch.closed_form.attention import GROUP_PAIRS, QUERY_PAIRS, apply_rotary
+from curvwatch.closed_form._masks import attention_masks
+from curvwatch.closed_form.attention import GROUP_PAIRS, QUERY_PAIRS
+from curvwatch.closed_form.rotary import apply_rotary, check_rotary
 from curvwatch.closed_form.settings import EXACT
 from curvwatch.reference._core import _attention_blocked, _modern_attention
 from tests.cases import DT, case_id, rand
@@ -261,7 +263,7 @@ def test_query_that_sees_no_key_has_zero_attention_and_no_curvature():
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_mask_is_the_documented_one(causal):
     L, w = 7, 3
-    keep, _, _ = attention_module._attention_masks(1, L, L, causal, w, None, None, False, "cpu")
+    keep, _, _ = attention_masks(1, L, L, causal, w, None, None, False, "cpu")
     expected = torch.tensor(
         [[(i - w < j <= i) if causal else abs(i - j) < w for j in range(L)] for i in range(L)], dtype=torch.bool
     )
@@ -287,21 +289,21 @@ def test_rotary_matches_hugging_face_llama_neox_and_gptj():
     config = LlamaConfig(hidden_size=H * d_K, num_attention_heads=H, head_dim=d_K, max_position_embeddings=32)
     cos, sin = LlamaRotaryEmbedding(config).to(DT)(q, position_ids)  # (B, L, d_K), the halves duplicated
     q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
-    rot = attention_module._check_rotary((cos, sin), False, B, L, d_K, q)  # the tables as the kernel takes them
+    rot = check_rotary((cos, sin), False, B, L, d_K, q)  # the tables as the kernel takes them
     assert_close_report(rot(q), q_hf, 1e-15, name="llama q")
     assert_close_report(apply_rotary(k, cos[:, None], sin[:, None]), k_hf, 1e-15, name="llama k")
     # partial rotary (NeoX / pythia): tables of r = 4 < d_K columns rotate the first 4 dims only
     small = LlamaConfig(hidden_size=H * 4, num_attention_heads=H, head_dim=4, max_position_embeddings=32)
     cos4, sin4 = LlamaRotaryEmbedding(small).to(DT)(q, position_ids)
     q_neox, _ = neox_rope(q, k, cos4, sin4)
-    partial = attention_module._check_rotary((cos4, sin4), False, B, L, d_K, q)
+    partial = check_rotary((cos4, sin4), False, B, L, d_K, q)
     assert_close_report(partial(q), q_neox, 1e-15, name="neox")
     # interleaved (GPT-J): its sin/cos tables hold one column per frequency, repeated in pairs inside
     sincos = create_sinusoidal_positions(16, 4).to(DT)[position_ids]  # (B, L, 4) = [sin | cos], r = 4
     s_half, c_half = sincos.chunk(2, dim=-1)
     q_gptj = gptj_rope(q[..., :4].transpose(1, 2), s_half, c_half).transpose(1, 2)  # GPT-J is (B, L, H, r)
     c4, s4 = torch.cat([c_half, c_half], -1), torch.cat([s_half, s_half], -1)
-    mine = attention_module._check_rotary((c4, s4), True, B, L, d_K, q)(q)
+    mine = check_rotary((c4, s4), True, B, L, d_K, q)(q)
     assert_close_report(mine[..., :4], q_gptj, 1e-15, name="gptj")
     assert torch.equal(mine[..., 4:], q[..., 4:])
 
@@ -313,11 +315,11 @@ def test_rotary_matches_litgpt_apply_rope_and_its_interleaved_layout():
     B, H, L, d_K, r = 2, 2, 5, 6, 4
     q, k = rand(gen, B, H, L, d_K), rand(gen, B, H, L, d_K)
     cos, sin = (t.to(DT) for t in build_rope_cache(L, r))  # (L, r), the halves duplicated
-    half = attention_module._check_rotary((cos, sin), False, B, L, d_K, q)
+    half = check_rotary((cos, sin), False, B, L, d_K, q)
     lit = torch.cat([apply_rope(q[..., :r], cos[None], sin[None]), q[..., r:]], dim=-1)
     assert_close_report(half(q), lit, 1e-15, name="litgpt apply_rope")
     # litgpt's interleaved variant returns the rotated pairs regrouped [even | odd]: the same logits q_rot k_rot^T
-    inter = attention_module._check_rotary((cos, sin), True, B, L, d_K, q)
+    inter = check_rotary((cos, sin), True, B, L, d_K, q)
     lq, lk = (apply_rope_interleave(t[..., :r], cos[None], sin[None]) for t in (q, k))
     mq, mk = inter(q)[..., :r], inter(k)[..., :r]
     assert_close_report(torch.cat([mq[..., 0::2], mq[..., 1::2]], -1), lq, 1e-15, name="litgpt interleave")

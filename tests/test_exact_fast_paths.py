@@ -7,7 +7,8 @@ import torch
 
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
-from curvwatch.closed_form.attention import AttentionOperator, _keep_masks
+from curvwatch.closed_form._masks import keep_masks
+from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form.settings import EXACT
 from tests.utils import TOL, assert_close_report
@@ -52,7 +53,7 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     W_Q, W_K, W_V, W_O = _rand(gen, H, d, k), _rand(gen, H, d, k), _rand(gen, H, d, k), _rand(gen, H, k, 5)
     kpm = torch.zeros(B, L, dtype=torch.bool)
     kpm[1, -2:] = True
-    keep, row_keep = _keep_masks(B, L, True, kpm, X.device)
+    keep, row_keep = keep_masks(B, L, True, kpm, X.device)
     op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, 5), None)
     op.set_cotangent(_rand(gen, B, L, 5), torch.rand(B, generator=gen, dtype=DT))
     M = op.vv_factor()  # (H, B L, d)

@@ -77,7 +77,7 @@ class NormAffine:
 
 
 def norm_affine(qk_norm, rows, side: str) -> NormAffine | None:
-    """The :class:`NormAffine` of ``side`` (``"q"``, ``"k"``) of a checked ``qk_norm`` (``_QKNorm``) at its rows
+    """The :class:`NormAffine` of ``side`` (``"q"``, ``"k"``) of a checked ``qk_norm`` (``QKNorm``) at its rows
     (``RMSNormRows``, ``LayerNormRows``); None when that norm has neither weight nor bias."""
     entries = tuple(e for e in _ENTRIES if qk_norm.weights.get(f"{e}_{side}") is not None)
     if not entries:

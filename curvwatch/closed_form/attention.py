@@ -35,6 +35,9 @@ product costs ``O(L L_kv (d_K + d_V) + (L d + L_kv d_kv)(d_K + d_V))`` per head,
 ``||H_o(VV)||`` is exact in closed form for ``G = 1``: ``(sum_b c_b ||A_b X_kv,b||^2-Gram) * ||W_O^h||^2``.
 The QK-norm's own parameters (blocks ``N1``, ``N2``, shared by every head) run through the same products; their
 tangents and cotangents are in :mod:`curvwatch.closed_form._qk_norm_blocks`.
+
+The other parts live beside this module: ``R`` in :mod:`curvwatch.closed_form.rotary`, ``N`` in ``_qk_norm``, head
+splitting and the masks in ``_masks``, the bounds in ``bounds``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import torch
 
 from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
 from ._lanczos import lanczos_max_abs
+from ._masks import attention_masks, split_heads
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -59,192 +63,30 @@ from ._operator import (
     select_rows,
     spectral_norms,
 )
+from ._qk_norm import check_qk_norm
 from ._qk_norm_blocks import (
     NORM_PAIRS,
     affine_grad,
     affine_tangent,
     block_precondition,
-    norm_affine,
     norm_pairs,
     precondition_shapes,
     qk_norm_norms,
 )
 from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
 from .bounds import _attention_bound_table, _grouped_attention_bound_tables, softmax_bound_factors
-from .layernorm import LayerNormRows
-from .rmsnorm import RMSNormRows
+from .rotary import check_rotary
 from .settings import Lanczos
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
 # with grouped-query attention: pairs with a query block are per query head (h{i}), the others per kv group (g{j})
 QUERY_PAIRS = ("QQ", "VQ", "QK")
 GROUP_PAIRS = ("VV", "KK", "VK")
-QK_NORM_KINDS = ("rmsnorm", "layernorm")
-_QK_NORM_KEYS = ("kind", "eps", "weight_q", "weight_k", "bias_q", "bias_k", "weight_offset")
 
 
 def softmax_jvp(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
     """Row-softmax Jacobian applied to ``dT``: ``A * (dT - rowsum(A * dT))``; also its VJP (symmetric)."""
     return A * (dT - (A * dT).sum(-1, keepdim=True))
-
-
-# ---- rotary position embeddings ----------------------------------------------------------------------
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dimension (halves of equal width)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, transpose: bool = False
-) -> torch.Tensor:
-    """Rotary embedding ``R`` (or its transpose) on the first ``r`` dimensions of ``x`` ``(..., L, d_K)``.
-
-    The tables hold ``r`` columns in the half-split layout of Hugging Face and litgpt, the frequencies' halves
-    duplicated: ``cos[..., i] == cos[..., i + r/2]`` (``torch.cat([freqs, freqs], -1)``); they broadcast against
-    ``x[..., :r]``. Half-split (``interleaved=False``, LLaMA / NeoX): ``R x = x * cos + rotate_half(x) * sin`` with
-    ``rotate_half([x1, x2]) = [-x2, x1]``. Interleaved (GPT-J): pair ``(2i, 2i+1)`` turns by frequency ``i``,
-    ``y_2i = x_2i c_i - x_2i+1 s_i``, ``y_2i+1 = x_2i+1 c_i + x_2i s_i``. Dimensions ``r:`` pass unchanged
-    (partial rotary, NeoX / pythia). ``R`` acts per position as ``r/2`` blocks ``[[c, -s], [s, c]]``; its transpose
-    flips the sign of ``sin``.
-
-    Args:
-        x: ``(..., L, d_K)``.
-        cos, sin: ``(..., L, r)``, ``r <= d_K`` even, broadcastable against ``x[..., :r]``.
-        interleaved: the GPT-J layout.
-        transpose: apply ``R^T`` (the VJP of ``R``).
-
-    Returns:
-        ``(..., L, d_K)``.
-
-    Example:
-        >>> x = torch.tensor([[1.0, 0.0]])  # one position, d_K = 2
-        >>> c, s = torch.zeros(1, 2), torch.ones(1, 2)  # a quarter turn
-        >>> apply_rotary(x, c, s), apply_rotary(x, c, s, transpose=True)
-        (tensor([[0., 1.]]), tensor([[ 0., -1.]]))
-    """
-    r = cos.shape[-1]
-    xr = x[..., :r]
-    sin = -sin if transpose else sin
-    if interleaved:
-        c, s = cos[..., : r // 2], sin[..., : r // 2]
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        y = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
-    else:
-        y = xr * cos + _rotate_half(xr) * sin
-    return y if r == x.shape[-1] else torch.cat([y, x[..., r:]], dim=-1)
-
-
-class _Rotary:
-    """The rotary map of one call: validated tables ``(B or 1, L, r)`` broadcast over heads, and its norm."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, d_K: int):
-        self.cos, self.sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B or 1, 1, L, r): broadcast over heads
-        self.interleaved = interleaved
-        self.partial = cos.shape[-1] < d_K
-
-    def __call__(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-        return apply_rotary(x, self.cos, self.sin, self.interleaved, transpose)
-
-    def norm(self) -> torch.Tensor:
-        """``max_i ||R_i||_2`` over positions: ``max sqrt(cos^2 + sin^2)`` (1 for a rotation; YaRN scales it)."""
-        n = (self.cos * self.cos + self.sin * self.sin).amax().sqrt()
-        return n.clamp_min(1.0) if self.partial else n
-
-
-def _check_rotary(rotary, interleaved, B: int, L: int, d_K: int, ref: torch.Tensor) -> _Rotary:
-    """Validate ``rotary=(cos, sin)`` for ``L`` positions and heads of width ``d_K``; see :func:`apply_rotary`."""
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"Invalid rotary_interleaved={interleaved!r}. Must be False (half-split) or True (GPT-J).")
-    pair = isinstance(rotary, (tuple, list)) and len(rotary) == 2
-    if not (pair and all(isinstance(t, torch.Tensor) for t in rotary)):
-        raise ValueError(
-            f"Invalid rotary={type(rotary).__name__}: expected a (cos, sin) pair of tensors, each (L, r) or (B, L, r) "
-            "(Hugging Face: the position_embeddings of the layer; litgpt: build_rope_cache(...) cut to the sequence)."
-        )
-    cos, sin = rotary
-    if cos.shape != sin.shape:
-        raise ValueError(f"rotary cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape.")
-    shape = tuple(cos.shape)
-    if cos.ndim == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    if cos.ndim != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != L:
-        raise ValueError(
-            f"Invalid rotary table shape {shape}. Expected (L, r) = ({L}, r) or (B, L, r) with B in (1, {B}): one row "
-            "per position of the sequence (cut a longer cache to the sequence, e.g. cos[:L])."
-        )
-    r = cos.shape[-1]
-    if r % 2 or not 2 <= r <= d_K:
-        raise ValueError(
-            f"Invalid rotary width r={r}. Must be even with 2 <= r <= d_K = {d_K} (the first r dims of a head rotate)."
-        )
-    cos, sin = cos.to(dtype=ref.dtype, device=ref.device), sin.to(dtype=ref.dtype, device=ref.device)
-    if not bool(torch.isfinite(cos).all() and torch.isfinite(sin).all()):
-        raise ValueError("rotary tables hold NaN or Inf values.")
-    h = r // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not torch.equal(t[..., :h], t[..., h:]):
-            raise ValueError(
-                f"rotary {name} must repeat its frequencies' halves, {name}[..., i] == {name}[..., i + r/2] (the "
-                "layout Hugging Face's rotary embeddings and litgpt's build_rope_cache return, for either "
-                "rotary_interleaved). A GPT-J style table t with the frequencies repeated in pairs [c0, c0, c1, c1, "
-                "...] becomes torch.cat([t[..., ::2], t[..., ::2]], -1)."
-            )
-    return _Rotary(cos, sin, interleaved, d_K)
-
-
-# ---- QK-norm -----------------------------------------------------------------------------------------
-
-
-class _QKNorm:
-    """Per-head QK-norm settings: builds the row products of ``N_q``, ``N_k`` at the pre-norm queries and keys."""
-
-    def __init__(self, kind: str, eps: float, weights: dict, offset: float):
-        self.kind, self.eps, self.weights, self.offset = kind, eps, weights, offset
-
-    def rows(self, Y0: torch.Tensor, side: str):
-        """``(rows, N(Y0))``: the row object (``jvp``, ``vjp``, ``hvp``) and the normalised ``Y0`` ``(..., d_K)``."""
-        w, b = self.weights[f"weight_{side}"], self.weights.get(f"bias_{side}")
-        if self.kind == "rmsnorm":
-            rows = RMSNormRows(Y0, self.eps, w, self.offset)
-            return rows, rows.forward()
-        rows = LayerNormRows(Y0, self.eps, None if w is None else w + self.offset)
-        return rows, rows.forward(b)
-
-    def affine(self, rows, side: str):
-        """The norm's parameters of ``side`` as a block (:class:`~._qk_norm_blocks.NormAffine`), or None."""
-        return norm_affine(self, rows, side)
-
-
-def _check_qk_norm(qk_norm, d_K: int, ref: torch.Tensor) -> _QKNorm | None:
-    """Validate the ``qk_norm`` dict of :func:`multi_head_attention`."""
-    if qk_norm is None:
-        return None
-    if not isinstance(qk_norm, dict):
-        raise ValueError(f"Invalid qk_norm={type(qk_norm).__name__}. Must be None or a dict with keys {_QK_NORM_KEYS}.")
-    unknown = sorted(set(qk_norm) - set(_QK_NORM_KEYS))
-    if unknown:
-        raise ValueError(f"Invalid qk_norm keys {unknown}. Allowed: {list(_QK_NORM_KEYS)}.")
-    kind = qk_norm.get("kind")
-    if kind not in QK_NORM_KINDS:
-        raise ValueError(f"Invalid qk_norm kind={kind!r}. Must be one of {list(QK_NORM_KINDS)}.")
-    eps = qk_norm.get("eps")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"Invalid qk_norm eps={eps!r}. Must be a finite number >= 0 (the norm module's eps).")
-    offset = qk_norm.get("weight_offset", 0.0)
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-        raise ValueError(f"Invalid qk_norm weight_offset={offset!r}. Must be 0.0, or 1.0 for Gemma's (1 + weight).")
-    names = ("weight_q", "weight_k") + (("bias_q", "bias_k") if kind == "layernorm" else ())
-    if kind == "rmsnorm" and any(qk_norm.get(b) is not None for b in ("bias_q", "bias_k")):
-        raise ValueError("qk_norm bias_q / bias_k apply to kind='layernorm' only; RMSNorm has no bias.")
-    weights = {}
-    for name in names:
-        weights[name] = check_like(qk_norm.get(name), (d_K,), f"qk_norm {name}", ref)
-    if offset != 0.0 and (weights["weight_q"] is None or weights["weight_k"] is None):
-        raise ValueError(f"qk_norm weight_offset={offset} needs weight_q and weight_k: the offset is added to them.")
-    return _QKNorm(kind, float(eps), weights, float(offset))
 
 
 # ---- the operator ------------------------------------------------------------------------------------
@@ -269,9 +111,9 @@ class AttentionOperator(BlockOperator):
             :meth:`set_cotangent` (once :meth:`output` has given the loss its ``F``).
         c: ``(B,)`` output curvature per sequence (with ``g``).
         memory: ``(B, L_kv, d_kv)`` keys/values source (cross-attention), or None (``X``).
-        rotary: a :class:`_Rotary` (from :func:`_check_rotary`) or None.
+        rotary: a :class:`Rotary` (from :func:`check_rotary`) or None.
         scale: the softmax scale ``s``, or None for ``1/sqrt(d_K)``.
-        qk_norm: a :class:`_QKNorm` (from :func:`_check_qk_norm`) or None.
+        qk_norm: a :class:`QKNorm` (from :func:`check_qk_norm`) or None.
 
     Attributes:
         sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` (``of_heads``) applied by
@@ -796,74 +638,6 @@ def _xtm(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     return torch.matmul(X.reshape(B * L, -1).mT, Mr)
 
 
-def _split_heads(W: torch.Tensor, n_heads: int, name: str, per_head_cols: bool = True) -> torch.Tensor:
-    """(d, H*k) -> (H, d, k) for column-packed heads; (H*k, m) -> (H, k, m) for row-packed W_O."""
-    if per_head_cols:
-        d, hk = W.shape
-        if hk % n_heads:
-            raise ValueError(f"{name} has {hk} columns, not divisible by n_heads={n_heads}.")
-        return W.reshape(d, n_heads, hk // n_heads).permute(1, 0, 2)
-    hk, m = W.shape
-    if hk % n_heads:
-        raise ValueError(f"{name} has {hk} rows, not divisible by n_heads={n_heads}.")
-    return W.reshape(n_heads, hk // n_heads, m)
-
-
-def _padding(mask, B: int, L: int, name: str, device) -> torch.Tensor | None:
-    """A ``(B, L)`` (or ``(L,)``) padding mask as bool ``(B, L)``, True = padded."""
-    if mask is None:
-        return None
-    m = mask.to(device=device, dtype=torch.bool)
-    if m.ndim == 1:
-        m = m.unsqueeze(0)
-    if tuple(m.shape) != (B, L):
-        raise ValueError(f"{name} must have shape (B, L) = {(B, L)}; got {tuple(mask.shape)}.")
-    return m
-
-
-def _attention_masks(
-    B: int,
-    L: int,
-    L_kv: int,
-    causal: bool,
-    window: int | None,
-    key_padding_mask,
-    memory_padding_mask,
-    cross: bool,
-    device,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(keep (B, L, L_kv) or None, row_keep (B, L), kv_keep (B, L_kv))`` of one attention call.
-
-    ``keep[b, i, j]``: query ``i`` sees key ``j``. Causal: ``j <= i``; a window ``w`` adds ``j > i - w`` (causal) or
-    ``|i - j| < w`` (not causal); padded keys are never seen: ``key_padding_mask`` in self-attention,
-    ``memory_padding_mask`` in cross-attention. ``row_keep``: query rows that belong to the loss (not padded);
-    ``kv_keep``: key positions that are not padded.
-    """
-    kpm = _padding(key_padding_mask, B, L, "key_padding_mask", device)
-    row_keep = torch.ones(B, L, dtype=torch.bool, device=device) if kpm is None else ~kpm
-    keep = None
-    if causal or window is not None:
-        m = torch.ones(L, L_kv, dtype=torch.bool, device=device)
-        m = m.tril() if causal else m
-        if window is not None:
-            i, j = torch.arange(L, device=device)[:, None], torch.arange(L_kv, device=device)[None]
-            m = m & ((j > i - window) if causal else ((i - j).abs() < window))
-        keep = m.expand(B, L, L_kv)
-    kv_pad = _padding(memory_padding_mask, B, L_kv, "memory_padding_mask", device) if cross else kpm
-    kv_keep = row_keep if not cross else torch.ones(B, L_kv, dtype=torch.bool, device=device)
-    if kv_pad is not None:
-        kv_keep = ~kv_pad
-        kk = kv_keep.unsqueeze(1).expand(B, L, L_kv)
-        keep = kk if keep is None else keep & kk
-    return keep, row_keep, kv_keep
-
-
-def _keep_masks(B: int, L: int, causal: bool, key_padding_mask, device) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(keep (B, L, L) or None, row_keep (B, L))`` from the causal flag and a padding mask (True = padded)."""
-    keep, row_keep, _ = _attention_masks(B, L, L, causal, None, key_padding_mask, None, False, device)
-    return keep, row_keep
-
-
 def _attention(
     X3,
     batched,
@@ -904,7 +678,7 @@ def _attention(
     G = H // H_kv
     cross = memory is not None
     L_kv = memory.shape[1] if cross else L
-    keep, row_keep, kv_keep = _attention_masks(
+    keep, row_keep, kv_keep = attention_masks(
         B, L, L_kv, causal, window, key_padding_mask, memory_padding_mask, cross, X3.device
     )
     # one forward pass: the operator's, which also gives the output the loss convention needs
@@ -1109,8 +883,8 @@ def _modern_options(window, scale, rotary, rotary_interleaved, qk_norm, d_K: int
     ):
         raise ValueError(f"Invalid scale={scale!r}. Must be a finite number > 0, or None for 1/sqrt(d_K).")
     B, L, _ = X3.shape
-    rot = None if rotary is None else _check_rotary(rotary, rotary_interleaved, B, L, d_K, X3)
-    return {"window": window, "scale": scale, "rotary": rot, "qk_norm": _check_qk_norm(qk_norm, d_K, X3)}
+    rot = None if rotary is None else check_rotary(rotary, rotary_interleaved, B, L, d_K, X3)
+    return {"window": window, "scale": scale, "rotary": rot, "qk_norm": check_qk_norm(qk_norm, d_K, X3)}
 
 
 def self_attention(
@@ -1398,9 +1172,9 @@ def multi_head_attention(
             "memory_padding_mask needs memory= (cross-attention); self-attention pads with key_padding_mask."
         )
     d_kv = d if M3 is None else M3.shape[-1]
-    W_Q = _split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
-    W_K = _split_heads(check_weight(W_K, d_kv, "W_K", X3), H_kv, "W_K")
-    W_V = _split_heads(check_weight(W_V, d_kv, "W_V", X3), H_kv, "W_V")
+    W_Q = split_heads(check_weight(W_Q, d, "W_Q", X3), n_heads, "W_Q")
+    W_K = split_heads(check_weight(W_K, d_kv, "W_K", X3), H_kv, "W_K")
+    W_V = split_heads(check_weight(W_V, d_kv, "W_V", X3), H_kv, "W_V")
     if W_Q.shape[-1] != W_K.shape[-1]:
         raise ValueError(
             f"W_Q and W_K must have the same shape per head (d_K columns each); got {tuple(W_Q.shape)} for "
@@ -1412,16 +1186,16 @@ def multi_head_attention(
             f"W_O must have shape (H*d_V, m) = ({n_heads * W_V.shape[-1]}, m) as used in concat(heads) @ W_O; "
             f"got {tuple(W_O.shape)} (pass out_proj.weight.T)."
         )
-    W_O = _split_heads(W_O.to(dtype=X3.dtype, device=X3.device), n_heads, "W_O", per_head_cols=False)
+    W_O = split_heads(W_O.to(dtype=X3.dtype, device=X3.device), n_heads, "W_O", per_head_cols=False)
     H, _, d_K = W_Q.shape
     d_V = W_V.shape[-1]
-    # the shapes the weights were passed with (check_weight and _split_heads accepted them)
+    # the shapes the weights were passed with (check_weight and split_heads accepted them)
     shapes = {"W_Q": (d, H * d_K), "W_K": (d_kv, H_kv * d_K), "W_V": (d_kv, H_kv * d_V)}
     shapes.update(precondition_shapes(qk_norm, d_K))  # "qk_norm.weight_q": (d_K,), ... (the norm's parameters)
     pre = check_precondition(precondition, shapes, X3, has_samples=output_samples is not None)  # D = P^{-1/2}
     heads = {"W_Q": H, "W_K": H_kv, "W_V": H_kv}
     pre = {
-        (nm[-1] if nm in heads else nm): (_split_heads(D, heads[nm], f"precondition[{nm!r}]") if nm in heads else D)
+        (nm[-1] if nm in heads else nm): (split_heads(D, heads[nm], f"precondition[{nm!r}]") if nm in heads else D)
         for nm, D in pre.items()
     }  # "W_Q" -> "Q": (heads, d, d_K); "qk_norm.weight_q" stays, (d_K,)
     b_Q = check_like(b_Q, (H * d_K,), "b_Q", X3)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from ._common import as_batched, check_weight, output_cotangent
+from ._masks import keep_masks, split_heads
 from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
-from .attention import AttentionOperator, _keep_masks, _split_heads
+from .attention import AttentionOperator
 from .ffn import activation_derivatives
 from .layernorm import LayerNormRows
 from .settings import Lanczos
@@ -36,7 +37,7 @@ class TransformerBlockOperator(BlockOperator):
         self.dtype, self.device = X.dtype, X.device
         H = p["n_heads"]
         self.n_heads, self.head_diagonal = H, False
-        keep, row_keep = _keep_masks(B, L, causal, None, X.device)
+        keep, row_keep = keep_masks(B, L, causal, None, X.device)
         self.row_keep = row_keep
         self.W_1, self.W_2 = p["W_1"], p["W_2"]
         ln1_w, ln2_w = p.get("ln1_weight"), p.get("ln2_weight")
@@ -192,9 +193,9 @@ def _prepare_params(params: dict, X: torch.Tensor) -> dict:
     if H < 1:
         raise ValueError(f"Invalid n_heads={H}. Must be >= 1.")
     p = {"n_heads": H}
-    p["W_Q"] = _split_heads(check_weight(params["W_Q"], d, "W_Q", X), H, "W_Q")
-    p["W_K"] = _split_heads(check_weight(params["W_K"], d, "W_K", X), H, "W_K")
-    p["W_V"] = _split_heads(check_weight(params["W_V"], d, "W_V", X), H, "W_V")
+    p["W_Q"] = split_heads(check_weight(params["W_Q"], d, "W_Q", X), H, "W_Q")
+    p["W_K"] = split_heads(check_weight(params["W_K"], d, "W_K", X), H, "W_K")
+    p["W_V"] = split_heads(check_weight(params["W_V"], d, "W_V", X), H, "W_V")
     d_V = p["W_V"].shape[-1]
     if params.get("W_O") is None:
         if H * d_V != d:
@@ -204,7 +205,7 @@ def _prepare_params(params: dict, X: torch.Tensor) -> dict:
         W_O = params["W_O"].to(dtype=X.dtype, device=X.device)
         if tuple(W_O.shape) != (H * d_V, d):
             raise ValueError(f"W_O must have shape (H*d_V, d) = {(H * d_V, d)}; got {tuple(W_O.shape)}.")
-    p["W_O"] = _split_heads(W_O, H, "W_O", per_head_cols=False)
+    p["W_O"] = split_heads(W_O, H, "W_O", per_head_cols=False)
     p["W_1"] = check_weight(params["W_1"], d, "W_1", X)
     p["W_2"] = check_weight(params["W_2"], p["W_1"].shape[1], "W_2", X)
     if p["W_2"].shape[1] != d:
