@@ -12,6 +12,7 @@ mechanism             arch   unstable run                                       
 ``attn_logit_llama``  llama  the same ramp on a LLaMA-style litgpt model         ramp to 0.1 (lower lr)
 ``logit_div``         torch  pre-LN, no LayerNorm before the head, ramp to 0.1   final LayerNorm restored
 ``rewarm``            gpt    trained 200 steps (3e-3, cosine), re-warmed to 0.3  re-warmed to 3e-3 (its peak)
+``rewarm_llama``      llama  the same on the LLaMA-style model                   re-warmed to 3e-3 (its peak)
 ``postln_depth``      torch  post-LN, 6 layers, 2e-3 then ramped to 4e-2         pre-LN (``norm_first``)
 ``ln_collapse``       torch  embeddings under weight decay 1000: var -> eps      embedding weight decay 0.1
 ``ln_collapse_llama`` llama  the same on the LLaMA-style model (RMSNorm)         embedding weight decay 0.1
@@ -100,6 +101,15 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
         emb_weight_decay=1000.0,
         emb_lr_mult=5e-3,
     )
+    rewarm_mech = Mechanism(
+        "rewarm",
+        "learning-rate re-warm of a trained model (continued pretraining)",
+        "re-warm peak 0.3 -> 3e-3",
+        (
+            Variant("unstable", "unstable", rewarm),
+            Variant("control", "control", replace(rewarm, lr=((0, 3e-4), (20, 3e-3), (200, 3e-4), (400, 3e-3)))),
+        ),
+    )
     attn_logit = Mechanism(
         "attn_logit",
         "attention-logit growth at a high learning rate (no QK-norm)",
@@ -134,14 +144,12 @@ def mechanisms(quick: bool = False) -> list[Mechanism]:
                 Variant("z_loss", "extra", replace(logit, z_loss=1e-3)),
             ),
         ),
-        Mechanism(
-            "rewarm",
-            "learning-rate re-warm of a trained model (continued pretraining)",
-            "re-warm peak 0.3 -> 3e-3",
-            (
-                Variant("unstable", "unstable", rewarm),
-                Variant("control", "control", replace(rewarm, lr=((0, 3e-4), (20, 3e-3), (200, 3e-4), (400, 3e-3)))),
-            ),
+        rewarm_mech,
+        _on_model(
+            rewarm_mech,
+            llama,
+            "rewarm_llama",
+            "learning-rate re-warm of a trained LLaMA-style model (litgpt: RMSNorm, SwiGLU, rotary, GQA)",
         ),
         Mechanism(
             "postln_depth",

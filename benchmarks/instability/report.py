@@ -329,6 +329,12 @@ def _leads(results: Mapping[str, Any], label: str, mech: str) -> str:
     return lead_cell(rule["per_run"], results["runs"], keys)
 
 
+def _onsets(results: Mapping[str, Any], mech: str) -> str:
+    """The unstable runs' onsets per seed, ``-`` for none."""
+    keys = mechanism_rows(results).get(mech, {}).get("unstable", [])
+    return " / ".join(_fmt(results["runs"][k]["onset"]) for k in keys)
+
+
 def _first_steps(results: Mapping[str, Any], label: str, mech: str) -> str:
     keys = mechanism_rows(results)[mech].get("unstable", [])
     return " / ".join(_fmt(results["rules"][label]["per_run"][k]["first_alarm"]) for k in keys)
@@ -356,7 +362,10 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         "  curvature `outer/VV` of one block rise by more than 1.1 and 1.5 decades per 50 steps, which no stable",
         f"  run did: leads {_leads(results, 'after', 'rewarm')} (re-warm) and "
         f"{_leads(results, 'after', 'postln_depth')}",
-        "  (post-LN). Per block beats model-wide: the generic detector on the maximum over blocks is late on",
+        "  (post-LN); on the LLaMA-style re-warm "
+        f"{_leads(results, 'after', 'rewarm_llama')} (onsets {_onsets(results, 'rewarm_llama')}; the re-warm",
+        "  starts at step 200, so the earliest onset leaves little to lead).",
+        "  Per block beats model-wide: the generic detector on the maximum over blocks is late on",
         "  post-LN, because the largest block is not the one that grows.",
         "* **Output-logit divergence without a final LayerNorm is invisible to every monitored block.** The",
         "  blow-up happens in the LM head, which no block covers; every monitor signal, the gradient norm and the",
@@ -399,8 +408,10 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         "  attend to the first token from every query (attention sinks); such a head would read as saturated.",
         "  Raise `saturation_level` towards 0 (or disable it) if a healthy run warns.",
         "* Three seeds per variant, two for fitting: the margins in the thresholds table are what the held-out",
-        "  seed can confirm, no more. The LLaMA-style architecture (litgpt: RMSNorm, SwiGLU, rotary, GQA) is in two",
-        "  mechanisms (`attn_logit_llama`, `ln_collapse_llama`); its logit divergence and re-warm are not.",
+        "  seed can confirm, no more. The LLaMA-style architecture (litgpt: RMSNorm, SwiGLU, rotary, GQA) is in three",
+        "  mechanisms (`attn_logit_llama`, `rewarm_llama`, `ln_collapse_llama`; the rules were fixed before",
+        "  `rewarm_llama` was added, so all three of its seeds are held out for them); its logit divergence and",
+        "  post-LN depth are not.",
         "",
     ]
 
