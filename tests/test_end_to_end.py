@@ -57,6 +57,9 @@ nanoGPT-style, tests/zoo.py        attn (fused c_attn, SDPA is_causal),   none  
 hand-written LLaMA-style layer,    attn (GQA, rotary from the call),      none               3.3e-15
 plain torch, LayerDescription      norm1, norm2 (rmsnorm), ffn
 (tests/zoo.py; 2, 16, 4/2)         (gated_ffn)
+hand-written nanoGPT-style layer,  attn (one fused c_attn, GQA, causal    none               1.7e-15
+fused qkv, LayerDescription(qkv=)  SDPA), ln_1, ln_2 (layernorm), ffn
+(tests/zoo.py; 2, 16, 4/2)         (ffn, gelu)
 =================================  =====================================  =================  =================
 
 "Not monitored" is what the set-up table lists inside the layers. Outside them, and not in the table: the
@@ -351,6 +354,34 @@ def _hand_written() -> Case:
     return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs)
 
 
+def _fused_qkv() -> Case:
+    """A nanoGPT-style layer written in plain torch with one fused ``c_attn`` for q, k and v under GQA (4/2), causal
+    SDPA, LayerNorm, GELU FFN, known to curvwatch only through a LayerDescription with ``qkv=``."""
+    model = zoo.fused_qkv(seed=1).model
+    H, H_kv, d_K = 4, 2, 4
+
+    def refs(m):
+        out = []
+        for i, layer in enumerate(m.h):
+            # q, k, v = c_attn(x).split([H d_K, H_kv d_K, H_kv d_K], dim=2), each .view(B, T, heads, d_K)
+            c = "c_attn.weight"
+            sl = _attn_slices(c, c, c, H, H_kv, d_K, H * d_K, (H + H_kv) * d_K)
+            out.append(Ref(f"layer{i}/attn", layer.attn, sl))
+            out.append(Ref(f"layer{i}/ln_1", layer.ln_1, stat="ln/var_min"))
+            out.append(Ref(f"layer{i}/ln_2", layer.ln_2, stat="ln/var_min"))
+            out.append(Ref(f"layer{i}/ffn", layer.mlp, _whole(layer.mlp, W1W1="c_fc.weight", W2W2="c_proj.weight")))
+        return out
+
+    def sanity(m, recs):  # one fused Linear with the GQA widths (not nanoGPT's 3 d: not found by structure), biased
+        attn = m.h[0].attn
+        assert attn.layout == "concat" and attn.c_attn.out_features == (H + 2 * H_kv) * d_K != 3 * 16
+        assert attn.c_attn.bias is not None and H_kv < H
+
+    idx, targets = _tokens(B, SEQ), _tokens(B, SEQ)
+    pairs = ("VV", "QQ", "KK", "W1W1", "W2W2")
+    return Case(model, (idx, targets), lambda m, b: _ce(m(b[0]), b[1]), refs, pairs, sanity)
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "litgpt-llama3": lambda: _litgpt("llama3"),
     "litgpt-pythia": lambda: _litgpt("pythia", n_layer=1, intermediate_size=32),
@@ -361,6 +392,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "hf-bart": _bart,
     "nanogpt": _nanogpt,
     "hand-written": _hand_written,
+    "fused-qkv": _fused_qkv,
 }
 
 

@@ -425,3 +425,92 @@ def hand_written(*, dtype: torch.dtype = torch.float64, seed: int = 0) -> Tiny:
     model = _finish(HandLM(), dtype)
     ids = torch.randint(0, VOCAB, (B, L))
     return Tiny(model, lambda m: _weighted_sum(m(ids)), list(model.layers))
+
+
+# -- a nanoGPT-style layer with a fused qkv projection and GQA, monitored through a LayerDescription with qkv= ------
+
+
+class FusedAttention(nn.Module):
+    """One ``c_attn`` for q, k and v, GQA (4 query heads, 2 kv heads), causal SDPA, ``c_proj``.
+
+    ``layout="concat"``: ``q, k, v = c_attn(x).split([H d_K, H_kv d_K, H_kv d_K], dim=2)`` (nanoGPT);
+    ``"per_head"``: ``c_attn(x).view(B, L, H_kv, H / H_kv + 2, d_K)``, each kv head's query heads, key, value.
+    """
+
+    def __init__(self, d: int = 16, n_heads: int = 4, n_kv: int = 2, layout: str = "concat") -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d_K, self.layout = n_heads, n_kv, d // n_heads, layout
+        self.c_attn = nn.Linear(d, (n_heads + 2 * n_kv) * self.d_K)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, L, d = x.shape
+        H, H_kv, d_K = self.n_heads, self.n_kv, self.d_K
+        qkv = self.c_attn(x)
+        if self.layout == "concat":
+            q, k, v = qkv.split([H * d_K, H_kv * d_K, H_kv * d_K], dim=2)
+            q = q.view(B, L, H, d_K).transpose(1, 2)  # (B, H, L, d_K)
+            k = k.view(B, L, H_kv, d_K).transpose(1, 2)  # (B, H_kv, L, d_K)
+            v = v.view(B, L, H_kv, d_K).transpose(1, 2)
+        else:
+            per = qkv.view(B, L, H_kv, H // H_kv + 2, d_K)
+            q = per[:, :, :, :-2].reshape(B, L, H, d_K).transpose(1, 2)  # (B, H, L, d_K)
+            k, v = per[:, :, :, -2].transpose(1, 2), per[:, :, :, -1].transpose(1, 2)  # (B, H_kv, L, d_K)
+        g = H // H_kv
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # query head h reads kv head h // g
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, d_K)
+        return self.c_proj(y.transpose(1, 2).reshape(B, L, d))
+
+
+class FusedMLP(nn.Module):
+    def __init__(self, d: int = 16, f: int = 24) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, d: int = 16, layout: str = "concat") -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), FusedAttention(d, layout=layout)
+        self.ln_2, self.mlp = nn.LayerNorm(d), FusedMLP(d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class FusedLM(nn.Module):
+    def __init__(self, d: int = 16, n_layer: int = 2, block_size: int = 16, layout: str = "concat") -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(block_size, d)
+        self.h = nn.ModuleList(FusedBlock(d, layout) for _ in range(n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def fused_qkv_description(**changes):
+    """The :class:`curvwatch.LayerDescription` of :class:`FusedBlock` (``changes`` override its fields)."""
+    from curvwatch import LayerDescription
+
+    fields = dict(qkv="attn.c_attn", o="attn.c_proj", n_heads=4, n_kv_heads=2, norms=("ln_1", "ln_2"),
+                  up="mlp.c_fc", down="mlp.c_proj", activation="gelu")  # fmt: skip
+    return LayerDescription(**{**fields, **changes})
+
+
+def fused_qkv(*, layout: str = "concat", dtype: torch.dtype = torch.float64, seed: int = 0) -> Tiny:
+    """:class:`FusedLM` (its ``c_attn`` in ``layout``), its layer described with ``qkv=`` and that layout."""
+    from curvwatch import describe_layer
+
+    describe_layer(FusedBlock, fused_qkv_description(qkv_layout=layout))
+    torch.manual_seed(seed)
+    model = _finish(FusedLM(layout=layout), dtype)
+    ids = torch.randint(0, VOCAB, (B, L))
+    return Tiny(model, lambda m: _weighted_sum(m(ids)), list(model.h))

@@ -3,10 +3,11 @@
 A :class:`LayerDescription` names the modules of one Transformer layer type by their dotted names inside the
 layer (``"attn.wq"``), and :func:`describe_layer` registers an adapter built from it:
 
-* attention: the four ``nn.Linear`` projections ``q, k, v, o`` (``n_heads`` query heads, ``n_kv_heads`` key/value
-  heads for grouped-query attention), the attention module whose forward gets ``X`` (default: the nearest module
-  holding all four), causality, an optional softmax scale and an optional rotary function that reads the
-  ``(cos, sin)`` tables from that module's call;
+* attention: the ``nn.Linear`` projections ``q, k, v, o``, or ``qkv, o`` with one fused ``qkv`` projection (nanoGPT's
+  ``c_attn``, split ``[q | k | v]`` in the forward), ``n_heads`` query heads and ``n_kv_heads`` key/value heads for
+  grouped-query attention, the attention module whose forward gets ``X`` (default: the nearest module holding the
+  projections), causality, an optional softmax scale and an optional rotary function that reads the ``(cos, sin)``
+  tables from that module's call;
 * norms: ``nn.LayerNorm``, ``nn.RMSNorm`` or any module with ``weight`` and ``eps`` that normalises by the root mean
   square (``"rmsnorm"``);
 * the MLP: ``up`` and ``down`` (an FFN ``down(act(up(x)))``), plus ``gate`` for a gated MLP
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -48,20 +50,36 @@ from curvwatch.adapters._shared import (
     squeeze_rotary,
 )
 from curvwatch.adapters.base import Adapter, BlockSpec, Masks, _linear
+from curvwatch.options import choice
 
-__all__ = ["LayerDescription", "describe_layer"]
+__all__ = ["LayerDescription", "QKVLayout", "describe_layer"]
 
 _FFN_ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 _GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
-@dataclass(frozen=True)
+class QKVLayout(str, Enum):
+    """How a fused ``qkv`` projection orders its output features (``d_K`` the head size, ``G = H / H_kv``)."""
+
+    CONCAT = "concat"  # [q (H d_K) | k (H_kv d_K) | v (H_kv d_K)]: q, k, v = qkv(x).split(...) (nanoGPT)
+    PER_HEAD = "per_head"  # per kv head g: [its G query heads | k_g | v_g]: .view(B, L, H_kv, G + 2, d_K) (GPT-NeoX)
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerDescription:
-    """Where the sub-blocks of one layer type are; module names are dotted paths inside the layer.
+    """Where the sub-blocks of one layer type are; module names are dotted paths inside the layer (keyword arguments).
 
     Args:
         q, k, v, o: The ``nn.Linear`` query, key, value and output projections (``q.out_features = n_heads d_K``,
             ``k``/``v``: ``n_kv_heads d_K``; heads are consecutive column groups, as ``view(B, L, H, d_K)`` reads them).
+            ``o`` is always needed; ``q, k, v`` unless ``qkv`` is given.
+        qkv: One fused ``nn.Linear`` in place of ``q, k, v`` (not with them), with ``(n_heads + 2 n_kv_heads) d_K``
+            outputs, ``d_K = o.in_features / n_heads`` (values of another head size: write an Adapter subclass).
+        qkv_layout: The order of the fused outputs (:class:`QKVLayout`): ``"concat"`` ``[q | k | v]``, each head a
+            consecutive column group (``q, k, v = qkv(x).split([H d_K, H_kv d_K, H_kv d_K], dim=-1)``: nanoGPT and
+            most hand-written code), or ``"per_head"``: for each key/value head ``g`` its ``n_heads / n_kv_heads``
+            query heads, then its key, then its value (``qkv(x).view(B, L, H_kv, H / H_kv + 2, d_K)``: GPT-NeoX for
+            ``n_kv_heads = n_heads``). Another interleaving needs an Adapter subclass.
         n_heads: Query heads.
         n_kv_heads: Key/value heads (grouped-query attention; ``None``: ``n_heads``).
         attention: The module whose forward's first argument is the attention input ``X`` (default: the nearest
@@ -77,11 +95,33 @@ class LayerDescription:
         up, down: The MLP's input and output ``nn.Linear`` (``None``: no MLP block).
         gate: The gate ``nn.Linear`` of a gated MLP (SwiGLU: ``down(silu(gate(x)) * up(x))``), or ``None``.
         activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"`` (FFN) or ``"silu"``, ``"gelu"``, ``"gelu_tanh"`` (gated).
+
+    Raises:
+        ValueError: If ``qkv`` is given with ``q``/``k``/``v`` or neither is complete, for an unknown ``qkv_layout``,
+            heads that are not ints >= 1, half an MLP or an activation its MLP does not have.
+
+    Example:
+        A nanoGPT-style attention, ``q, k, v = self.c_attn(x).split([4 * 2, 2 * 2, 2 * 2], dim=2)``:
+
+        >>> class Fused(torch.nn.Module):
+        ...     def __init__(self, d=8):
+        ...         super().__init__()
+        ...         self.ln_1, self.attn = torch.nn.LayerNorm(d), torch.nn.Module()
+        ...         self.attn.c_attn, self.attn.c_proj = torch.nn.Linear(d, 16), torch.nn.Linear(d, d)
+        >>> describe_layer(Fused, LayerDescription(qkv="attn.c_attn", o="attn.c_proj", n_heads=4, n_kv_heads=2,
+        ...                                       norms=("ln_1",)))
+        >>> from curvwatch.adapters import ADAPTERS, find_blocks
+        >>> attn = find_blocks(Fused())[0]
+        >>> {k: tuple(attn.adapter.read_params(attn)[k].shape) for k in ("W_Q", "W_K", "W_V")}
+        {'W_Q': (8, 8), 'W_K': (8, 4), 'W_V': (8, 4)}
+        >>> del ADAPTERS[Fused]
     """
 
-    q: str
-    k: str
-    v: str
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    qkv_layout: QKVLayout | str = QKVLayout.CONCAT
     o: str
     n_heads: int
     n_kv_heads: int | None = None
@@ -97,6 +137,18 @@ class LayerDescription:
     activation: str = "gelu"
 
     def __post_init__(self) -> None:
+        separate = {"q": self.q, "k": self.k, "v": self.v}
+        given = ", ".join(f"{name}={path!r}" for name, path in separate.items())
+        if self.qkv is not None and any(path is not None for path in separate.values()):
+            raise ValueError(
+                f"Invalid qkv={self.qkv!r} together with {given}: name either the fused projection (qkv=) or the "
+                "three projections (q=, k=, v=), not both."
+            )
+        if self.qkv is None and any(path is None for path in separate.values()):
+            raise ValueError(f"Invalid {given}: name all three projections q=, k=, v=, or one fused qkv=.")
+        object.__setattr__(self, "qkv_layout", choice("qkv_layout", self.qkv_layout, QKVLayout))
+        if self.qkv is None and self.qkv_layout is not QKVLayout.CONCAT:
+            raise ValueError(f"Invalid qkv_layout={self.qkv_layout.value!r} without qkv=: it orders a fused qkv.")
         for name in ("n_heads", "n_kv_heads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -140,14 +192,49 @@ class DescribedAdapter(Adapter):
         if linear and not isinstance(module, nn.Linear):
             raise ValueError(
                 f"{type(layer).__name__}.{path} is a {type(module).__name__}; the LayerDescription needs an nn.Linear "
-                "there (fused projections: register an Adapter subclass instead)."
+                "there (a fused q|k|v projection: qkv=; other fused projections: register an Adapter subclass)."
             )
         return module
+
+    def _projections(self) -> tuple[str, ...]:
+        """The attention's projection paths: ``(qkv, o)`` or ``(q, k, v, o)``."""
+        d = self.d
+        return (d.qkv, d.o) if d.qkv is not None else (d.q, d.k, d.v, d.o)
+
+    def _heads(self, layer: nn.Module) -> tuple[int, int, int]:
+        """``(H, H_kv, d_K)``, checked against the projections' sizes.
+
+        Raises:
+            ValueError: If the heads do not divide the projections, or a fused ``qkv`` has another width than
+                ``(H + 2 H_kv) d_K``.
+        """
+        d = self.d
+        H, H_kv = d.n_heads, d.n_kv_heads or d.n_heads
+        name = type(layer).__name__
+        if d.qkv is None:
+            q, k = self._get(layer, d.q, linear=True), self._get(layer, d.k, linear=True)
+            if q.out_features % H or k.out_features % H_kv or H % H_kv:
+                raise ValueError(
+                    f"{name}: q has {q.out_features} outputs and k {k.out_features}, which n_heads={H} "
+                    f"and n_kv_heads={H_kv} do not divide into heads (or n_kv_heads does not divide n_heads)."
+                )
+            return H, H_kv, q.out_features // H
+        qkv, o = self._get(layer, d.qkv, linear=True), self._get(layer, d.o, linear=True)
+        d_K = o.in_features // H
+        if H % H_kv or o.in_features % H or qkv.out_features != (H + 2 * H_kv) * d_K:
+            raise ValueError(
+                f"{name}: qkv={d.qkv!r} has {qkv.out_features} outputs, but n_heads={H} and n_kv_heads={H_kv} with "
+                f"head size d_K = o.in_features / n_heads = {o.in_features}/{H} need (n_heads + 2 n_kv_heads) d_K = "
+                f"{(H + 2 * H_kv) * d_K} (and n_kv_heads dividing n_heads). Fix: n_heads and n_kv_heads as your "
+                "forward splits qkv (.split([H d_K, H_kv d_K, H_kv d_K])); value heads of another size need an "
+                "Adapter subclass."
+            )
+        return H, H_kv, d_K
 
     def _attention_module(self, layer: nn.Module) -> nn.Module:
         if self.d.attention is not None:
             return self._get(layer, self.d.attention)
-        parts = [p.split(".")[:-1] for p in (self.d.q, self.d.k, self.d.v, self.d.o)]
+        parts = [p.split(".")[:-1] for p in self._projections()]
         common = []
         for names in zip(*parts, strict=False):
             if len(set(names)) > 1:
@@ -157,13 +244,9 @@ class DescribedAdapter(Adapter):
 
     def specs(self, layer: nn.Module, index: int) -> list[BlockSpec]:
         d = self.d
-        q, k, v, o = (self._get(layer, p, linear=True) for p in (d.q, d.k, d.v, d.o))
-        H, H_kv = d.n_heads, d.n_kv_heads or d.n_heads
-        if q.out_features % H or k.out_features % H_kv or H % H_kv:
-            raise ValueError(
-                f"{type(layer).__name__}: q has {q.out_features} outputs and k {k.out_features}, which n_heads={H} "
-                f"and n_kv_heads={H_kv} do not divide into heads (or n_kv_heads does not divide n_heads)."
-            )
+        for path in self._projections():
+            self._get(layer, path, linear=True)
+        self._heads(layer)
         specs = [BlockSpec(f"layer{index}/attn", index, "attention", self._attention_module(layer), self, layer)]
         for path in d.norms:
             norm = self._get(layer, path)
@@ -204,17 +287,32 @@ class DescribedAdapter(Adapter):
         if spec.kind == "ffn":
             (W_1, b_1), (W_2, b_2) = (_linear(self._get(layer, p)) for p in (d.up, d.down))
             return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=d.activation, residual=False)
-        (W_Q, b_Q), (W_K, b_K), (W_V, b_V), (W_O, b_O) = (_linear(self._get(layer, p)) for p in (d.q, d.k, d.v, d.o))
-        d_K = W_Q.shape[1] // d.n_heads
+        H, H_kv, d_K = self._heads(layer)
+        W_O, b_O = _linear(self._get(layer, d.o))
+        if d.qkv is None:
+            (W_Q, b_Q), (W_K, b_K), (W_V, b_V) = (_linear(self._get(layer, p)) for p in (d.q, d.k, d.v))
+        else:
+            W, b = _linear(self._get(layer, d.qkv))  # (d, (H + 2 H_kv) d_K), (H + 2 H_kv) d_K
+            W_Q, W_K, W_V = _split_fused(W, d.qkv_layout, H, H_kv, d_K)
+            b_Q, b_K, b_V = (None, None, None) if b is None else _split_fused(b, d.qkv_layout, H, H_kv, d_K)
         scale = d_K**-0.5 if d.scale is None else float(d.scale)
-        return grouped_attention_params(
-            (W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O), d.n_heads, d.n_kv_heads or d.n_heads, scale, d_K, None
-        )
+        return grouped_attention_params((W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O), H, H_kv, scale, d_K, None)
 
     def unmonitored(self, layer: nn.Module) -> list[tuple[str, str]]:
         d = self.d
-        paths = [d.q, d.k, d.v, d.o, *d.norms, *(p for p in (d.up, d.down, d.gate) if p is not None)]
+        paths = [*self._projections(), *d.norms, *(p for p in (d.up, d.down, d.gate) if p is not None)]
         return leftover(layer, [layer.get_submodule(p) for p in paths])
+
+
+def _split_fused(t: Tensor, layout: QKVLayout, H: int, H_kv: int, d_K: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The query, key and value parts of the last dimension of a fused projection's ``W`` ``(d, (H + 2 H_kv) d_K)``
+    or bias ``((H + 2 H_kv) d_K,)``: ``(..., H d_K), (..., H_kv d_K), (..., H_kv d_K)``, heads as consecutive column
+    groups, query head ``h`` of kv head ``h // (H / H_kv)``. Pure indexing (``param_index_map`` relies on it)."""
+    if layout is QKVLayout.CONCAT:
+        return t.split((H * d_K, H_kv * d_K, H_kv * d_K), dim=-1)
+    G = H // H_kv
+    per = t.unflatten(-1, (H_kv, G + 2, d_K))  # (..., H_kv, G + 2, d_K)
+    return per[..., :G, :].flatten(-3), per[..., G, :].flatten(-2), per[..., G + 1, :].flatten(-2)
 
 
 # keep torch referenced for the doctest namespace
