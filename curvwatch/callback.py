@@ -262,9 +262,6 @@ class CurvatureMonitor(Callback):
             self.warning_rules = choice("warning_rules", warning_rules, WarningRules)
             rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
         legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
-        # the run's record: summaries, warnings, counters (checkpointed)
-        self.book = Logbook(log_key_prefix, float(tol), self._alerts if legacy else None, rules,
-                            count_terms=self.schedule.terms_every_n_train_steps is not None)  # fmt: skip
         self.on_error = choice("on_error", on_error, OnError)
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
@@ -279,6 +276,9 @@ class CurvatureMonitor(Callback):
             raise_errors=self.on_error is OnError.RAISE,
             key_prefix=log_key_prefix,
         )
+        # the run's record: summaries, warnings, counters (checkpointed); tol was validated by Lanczos above
+        self.book = Logbook(log_key_prefix, float(tol), self._alerts if legacy else None, rules,
+                            count_terms=self.schedule.terms_every_n_train_steps is not None)  # fmt: skip
         self.every_n_train_steps = self.schedule.every_n_train_steps
         self.terms_every_n_train_steps = terms_every_n_train_steps  # as given ("auto", an int or None)
         self.max_overhead = self.schedule.max_overhead
@@ -322,11 +322,7 @@ class CurvatureMonitor(Callback):
                 "trainer.init_module(empty_init=True) if they are large) and apply fully_shard in configure_model."
             ) from err
         self._coverage = report.coverage_rows(self._specs, pl_module)
-        eps = {s.name: getattr(s.module, "eps", None) for s in self._specs}
-        self._block_info = {
-            s.name: (s.kind, s.layer, eps[s.name] if isinstance(eps[s.name], (int, float)) else None)
-            for s in self._specs
-        }
+        self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         status = self.real_loss.resolve(pl_module, sharded=self._read_params is not None)
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
@@ -568,3 +564,9 @@ class CurvatureMonitor(Callback):
             CurvatureWarning,
             stacklevel=2,
         )
+
+
+def _eps(module: Any) -> float | None:
+    """The module's ``eps`` if it has a numeric one (norms), else ``None``."""
+    eps = getattr(module, "eps", None)
+    return eps if isinstance(eps, (int, float)) else None

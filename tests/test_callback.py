@@ -305,6 +305,7 @@ def test_resume_restores_state(tmp_path):
         ({"max_basis": 3}, "Invalid max_basis=3. Must be an int >= 4"),
         ({"max_basis": 8.0}, "Invalid max_basis=8.0. Must be an int >= 4"),
         ({"tol": 1.5}, "Invalid tol=1.5. Must be a number in [0, 1)"),
+        ({"tol": "abc"}, "Invalid tol='abc'. Must be a number in [0, 1)"),
         ({"dtype": "float16"}, "Invalid dtype='float16'. Must be one of ['float32', 'float64']."),
         ({"pairs": "some"}, "Invalid pairs='some'. Must be 'diagonal', 'all'"),
         ({"pairs": ["qq"]}, "Invalid pairs=['qq']. Must be 'diagonal', 'all'"),
