@@ -105,7 +105,6 @@ class Logbook:
     ) -> None:
         self.key_prefix, self.tol, self.alerts_monitor, self.rules = key_prefix, tol, alerts, rules
         self.count_terms = count_terms
-        self.excluded: dict[str, str] = {}  # block -> why it cannot be evaluated (not in checkpoints)
         self.evaluations = self.terms_evaluations = self.skipped = 0
         self.last_norms: dict[str, float] = {}
         self.last_summary: dict[str, float] = {}
@@ -139,7 +138,7 @@ class Logbook:
         Args:
             step: Optimizer step.
             flat: ``{(block, key): value}`` reduced over ranks (:func:`flatten`, then ``Ranks.sync``).
-            evaluation: What the engine returned (its ``excluded``, ``failed``).
+            evaluation: What the engine returned (its ``failed`` blocks are counted).
             blocks: Block name -> ``(kind, layer, eps)``: the block's kind, layer index and norm ``eps`` (or ``None``).
             elapsed: Seconds the evaluation took.
             overhead_fraction: Fraction of the training time the monitor has spent.
@@ -166,7 +165,6 @@ class Logbook:
         if self.rules is not None:  # un-prefixed per-block keys: what the rules read
             keys = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
             fired += self.rules.update(step, keys, full=not terms_only)
-        self.excluded.update(evaluation.excluded)
 
         summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
         summary["summary/overhead_fraction"] = overhead_fraction

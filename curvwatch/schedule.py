@@ -90,8 +90,8 @@ class Schedule:
     ) -> None:
         if every_n_train_steps is not None:
             _check_int("every_n_train_steps", every_n_train_steps, 1)
-        self.terms_auto = terms_every_n_train_steps == "auto"
-        if self.terms_auto:
+        terms_auto = terms_every_n_train_steps == "auto"
+        if terms_auto:
             terms_every_n_train_steps = DEFAULT_TERMS_EVERY
         elif terms_every_n_train_steps is not None:
             if isinstance(terms_every_n_train_steps, str):
@@ -113,7 +113,7 @@ class Schedule:
         self.chosen = every_n_train_steps is not None  # the user chose the cadence
         self.every_n_train_steps = DEFAULT_EVERY if every_n_train_steps is None else every_n_train_steps
         self.terms_every_n_train_steps: int | None = terms_every_n_train_steps
-        self.terms_overhead = DEFAULT_TERMS_OVERHEAD if self.terms_auto else None  # the terms tier's own budget
+        self.terms_overhead = DEFAULT_TERMS_OVERHEAD if terms_auto else None  # the terms tier's own budget
         auto = isinstance(max_overhead, str)
         if auto:
             self.max_overhead: float | None = None if self.chosen else DEFAULT_OVERHEAD
@@ -185,11 +185,8 @@ class Schedule:
         self.update()
         if (self.max_overhead is None and self.terms_overhead is None) or self.runs == 0:
             return True, True
-        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget;
-        # with the terms tier's own budget, each tier counts its own seconds
-        own = self.terms_overhead is not None
-        full_spent = self.eval_seconds - (self.terms_seconds if own else 0.0)
-        terms_spent = self.terms_seconds if own else self.eval_seconds
+        # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget
+        (full_spent, full_budget), (terms_spent, terms_budget) = self._tiers()
         spent = torch.tensor(
             [full_spent + self.last_eval_seconds, terms_spent + self.last_terms_seconds, -self.train_seconds],
             dtype=torch.float64,
@@ -197,20 +194,25 @@ class Schedule:
         if agree is not None:
             spent = agree(spent).cpu()  # the slowest rank's evaluations, the least training
         train = float(-spent[2])
-        full_budget = self.max_overhead
-        terms_budget = self.terms_overhead if own else self.max_overhead
         full = full_budget is None or float(spent[0]) <= full_budget * train
         terms = terms_budget is None or float(spent[1]) <= terms_budget * train
         return full, terms
 
+    def _tiers(self) -> tuple[tuple[float, float | None], tuple[float, float | None]]:
+        """``((seconds, budget) of the full tier, (seconds, budget) of the terms tier)``: with the terms tier's own
+        budget each tier counts its own seconds, else both share ``max_overhead`` and every second."""
+        if self.terms_overhead is None:
+            return (self.eval_seconds, self.max_overhead), (self.eval_seconds, self.max_overhead)
+        return (self.eval_seconds - self.terms_seconds, self.max_overhead), (self.terms_seconds, self.terms_overhead)
+
     def budget_note(self, step: int, full_due: bool) -> str:
         """The one-time line when a due step is skipped by a budget (``full_due``: a full evaluation was due)."""
+        full, terms = self._tiers()
         if full_due or self.terms_overhead is None:
-            spent = self.eval_seconds - (0.0 if self.terms_overhead is None else self.terms_seconds)
-            budget, name = self.max_overhead, "max_overhead"
+            (spent, budget), name = full, "max_overhead"
             fix = "pass every_n_train_steps=... (or max_overhead=None) for a fixed schedule"
         else:
-            spent, budget, name = self.terms_seconds, self.terms_overhead, "the terms-only budget"
+            (spent, budget), name = terms, "the terms-only budget"
             fix = "pass terms_every_n_train_steps=... for a fixed terms-only cadence"
         return (
             f"CurvatureMonitor: skipping due step {step} and later ones while the evaluations so far ({spent:.3g} s) "
