@@ -193,16 +193,25 @@ def check_probability_dropout(module: nn.Module, p: float, where: str, fix: str)
         )
 
 
-def split_heads_columns(W: Tensor, n: int, parts: int) -> list[Tensor]:
-    """De-interleave a fused projection whose columns are ``[part_0, ..., part_{parts-1}]`` per head.
+def split_fused_qkv(t: Tensor, layout: str, H: int, H_kv: int, d_K: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The query, key and value parts of the last dimension of a fused projection's ``W`` ``(d, (H + 2 H_kv) d_K)``
+    or bias ``((H + 2 H_kv) d_K,)``: ``(..., H d_K), (..., H_kv d_K), (..., H_kv d_K)``, heads as consecutive column
+    groups, query head ``h`` of kv head ``h // (H / H_kv)``. Pure indexing (``param_index_map`` relies on it).
 
-    ``W`` is ``(d, n * parts * d_h)``, head ``h`` owning columns ``h * parts * d_h : (h + 1) * parts * d_h`` split
-    into ``parts`` equal slices; returns ``parts`` matrices ``(d, n * d_h)`` with head ``h`` in columns
-    ``h * d_h : (h + 1) * d_h`` (GPT-NeoX's ``query_key_value``).
+    ``layout``: ``"concat"``, the features are ``[q | k | v]`` (litgpt, nanoGPT); ``"per_head"``, for each kv head
+    ``g`` its ``H / H_kv`` query heads, then its key, then its value (GPT-NeoX's ``query_key_value`` for ``H_kv = H``).
+
+    Example:
+        >>> [x.tolist() for x in split_fused_qkv(torch.arange(6.0), "concat", 2, 2, 1)]
+        [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+        >>> [x.tolist() for x in split_fused_qkv(torch.arange(6.0), "per_head", 2, 2, 1)]
+        [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
     """
-    d = W.shape[0]
-    per = W.reshape(d, n, parts, -1)  # (d, n, parts, d_h)
-    return [per[:, :, i].reshape(d, -1) for i in range(parts)]
+    if layout == "concat":
+        return t.split((H * d_K, H_kv * d_K, H_kv * d_K), dim=-1)
+    G = H // H_kv
+    per = t.unflatten(-1, (H_kv, G + 2, d_K))  # (..., H_kv, G + 2, d_K)
+    return per[..., :G, :].flatten(-3), per[..., G, :].flatten(-2), per[..., G + 1, :].flatten(-2)
 
 
 def leftover(layer: nn.Module, covered: list[nn.Module | None]) -> list[tuple[str, str]]:

@@ -47,6 +47,7 @@ from curvwatch.adapters._shared import (
     grouped_attention_params,
     leftover,
     norm_params,
+    split_fused_qkv,
     squeeze_rotary,
 )
 from curvwatch.adapters.base import Adapter, BlockSpec, Masks, _linear
@@ -293,8 +294,8 @@ class DescribedAdapter(Adapter):
             (W_Q, b_Q), (W_K, b_K), (W_V, b_V) = (_linear(self._get(layer, p)) for p in (d.q, d.k, d.v))
         else:
             W, b = _linear(self._get(layer, d.qkv))  # (d, (H + 2 H_kv) d_K), (H + 2 H_kv) d_K
-            W_Q, W_K, W_V = _split_fused(W, d.qkv_layout, H, H_kv, d_K)
-            b_Q, b_K, b_V = (None, None, None) if b is None else _split_fused(b, d.qkv_layout, H, H_kv, d_K)
+            W_Q, W_K, W_V = split_fused_qkv(W, d.qkv_layout, H, H_kv, d_K)
+            b_Q, b_K, b_V = (None, None, None) if b is None else split_fused_qkv(b, d.qkv_layout, H, H_kv, d_K)
         scale = d_K**-0.5 if d.scale is None else float(d.scale)
         return grouped_attention_params((W_Q, W_K, W_V, W_O), (b_Q, b_K, b_V, b_O), H, H_kv, scale, d_K, None)
 
@@ -302,17 +303,6 @@ class DescribedAdapter(Adapter):
         d = self.d
         paths = [*self._projections(), *d.norms, *(p for p in (d.up, d.down, d.gate) if p is not None)]
         return leftover(layer, [layer.get_submodule(p) for p in paths])
-
-
-def _split_fused(t: Tensor, layout: QKVLayout, H: int, H_kv: int, d_K: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The query, key and value parts of the last dimension of a fused projection's ``W`` ``(d, (H + 2 H_kv) d_K)``
-    or bias ``((H + 2 H_kv) d_K,)``: ``(..., H d_K), (..., H_kv d_K), (..., H_kv d_K)``, heads as consecutive column
-    groups, query head ``h`` of kv head ``h // (H / H_kv)``. Pure indexing (``param_index_map`` relies on it)."""
-    if layout is QKVLayout.CONCAT:
-        return t.split((H * d_K, H_kv * d_K, H_kv * d_K), dim=-1)
-    G = H // H_kv
-    per = t.unflatten(-1, (H_kv, G + 2, d_K))  # (..., H_kv, G + 2, d_K)
-    return per[..., :G, :].flatten(-3), per[..., G, :].flatten(-2), per[..., G + 1, :].flatten(-2)
 
 
 # keep torch referenced for the doctest namespace

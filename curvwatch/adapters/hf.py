@@ -21,7 +21,7 @@ from curvwatch.adapters._shared import (
     norm_params,
     qk_norm_params,
     softmax_scale,
-    split_heads_columns,
+    split_fused_qkv,
     squeeze_rotary,
 )
 from curvwatch.adapters.base import (
@@ -325,10 +325,10 @@ class GPTNeoXLayerAdapter(_HFAdapter):
         d_K = attn.head_size
         W, b = _linear(attn.query_key_value)  # (d, H * 3 d_K), per head [q | k | v]
         H = W.shape[1] // (3 * d_K)
-        W_Q, W_K, W_V = split_heads_columns(W, H, 3)
+        W_Q, W_K, W_V = split_fused_qkv(W, "per_head", H, H, d_K)
         b_Q = b_K = b_V = None
         if b is not None:
-            b_Q, b_K, b_V = (c[0] for c in split_heads_columns(b[None], H, 3))
+            b_Q, b_K, b_V = split_fused_qkv(b, "per_head", H, H, d_K)
         W_O, b_O = _linear(attn.dense)
         return dict(
             W_Q=W_Q, W_K=W_K, W_V=W_V, W_O=W_O, n_heads=H, n_kv_heads=None, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O,

@@ -15,6 +15,7 @@ from curvwatch.adapters._shared import (
     leftover,
     norm_params,
     qk_norm_params,
+    split_fused_qkv,
     squeeze_rotary,
     type_key,
 )
@@ -181,10 +182,10 @@ class LitGPTBlockAdapter(Adapter):
                 f"litgpt qkv has {W.shape[1]} outputs, expected (n_head + 2 n_query_groups) head_size = "
                 f"{sum(sizes)}; this litgpt version's layout is not supported."
             )
-        W_Q, W_K, W_V = W.split(sizes, dim=1)
+        W_Q, W_K, W_V = split_fused_qkv(W, "concat", H, H_kv, hs)
         b_Q = b_K = b_V = None
         if b is not None:
-            b_Q, b_K, b_V = b.split(sizes)
+            b_Q, b_K, b_V = split_fused_qkv(b, "concat", H, H_kv, hs)
         W_O, b_O = _linear(attn.proj)
         qk_norm = None
         if cfg.norm_qk:
