@@ -22,7 +22,7 @@ from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import BlockError, Engine, Evaluation
 from curvwatch.kinds import KINDS
 from curvwatch.logbook import HEADLINES, Logbook, LogError, flatten
-from curvwatch.options import OnError, WarningRules, check_int, check_number, choice, pairs_option
+from curvwatch.options import OnError, TermsKeys, WarningRules, check_int, check_number, choice, pairs_option
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
 from curvwatch.schedule import Schedule
@@ -114,17 +114,22 @@ class CurvatureMonitor(Callback):
             period may grow beyond ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction
             spent). Step 0 is always evaluated. With DDP the ranks agree through one all-reduce per due step.
         terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a
-            full evaluation, everything that needs no Lanczos over Hessian products: the bound terms and bounds
-            (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``), the
-            LayerNorm statistics, norms and collapse warnings, the FFN activity fractions: what the warning rules
-            read. ``"auto"`` (default): every 10 steps within a budget of its own, 2% of the training time (a due
-            terms-only step is skipped while the terms-only seconds so far plus one more would exceed it; the full
-            tier's budget then counts full evaluations only); an int: that cadence, under ``max_overhead`` like
-            the full tier; ``None``: off. A terms-only evaluation costs a fraction of a full one
-            (``docs/performance.md`` section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and the
-            heatmap come from full evaluations only; ``patience`` and ``cooldown`` of the collapse warning count
+            full evaluation, numbers that need no Lanczos over Hessian products (``terms_keys`` says which): by
+            default what the warning rules read. ``"auto"`` (default): every 10 steps within a budget of its own,
+            4% of the training time (a due terms-only step is skipped while the terms-only seconds so far plus one
+            more would exceed it; the full tier's budget then counts full evaluations only); an int: that cadence,
+            under ``max_overhead`` like the full tier; ``None``: off. A terms-only evaluation costs a fraction of a
+            full one (``docs/performance.md`` section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and
+            the heatmap come from full evaluations only; ``patience`` and ``cooldown`` of the collapse warning count
             both kinds. Under the overhead budget a full evaluation it cannot afford falls back to terms only on
             steps due for both.
+        terms_keys: What a terms-only evaluation computes. ``"warnings"`` (default): what the warning rules read,
+            no more (attention: ``term/x_norm``, ``term/x_norm6``, ``term/wq_norm``, ``term/wk_norm``,
+            ``term/softmax_jac_norm`` and the exact ``outer/VV``; LayerNorm/RMSNorm: the row statistics; FFN blocks
+            only when a rule reads their ``W2W2``): the same numbers, 3.3-3.9x cheaper than ``"all"`` on the
+            instability suite's models, 3.5-3.8x on the demo and a d = 384 GPT (``docs/performance.md``).
+            ``"all"``: every bound term and bound (``term/...``, ``bound/...``), the exact norms (``outer/VV``,
+            ``hessian/VV``, ``.../W2W2``), the norms of the LayerNorm/RMSNorm blocks, the FFN activity fractions.
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         max_tokens: Token positions kept per block (first whole sequences; see
             :class:`~curvwatch.capture.Capture`).
@@ -153,7 +158,7 @@ class CurvatureMonitor(Callback):
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and
             of the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
-            leads of 53-113 steps where a signal allows, with terms-only numbers every 10 steps), ``"legacy"``
+            leads of 29-147 steps where a signal allows, with the default terms-only tier), ``"legacy"``
             (the spike and collapse rules configured by ``collapse_ratio`` ... ``cooldown``: they fire on healthy
             runs too), ``"all"``, or a configured ``RuleSet``.
         on_error: ``"warn"``: an exception in an evaluation (capture hooks in forward or backward, summaries,
@@ -206,6 +211,7 @@ class CurvatureMonitor(Callback):
         every_n_train_steps: int | None = None,
         max_overhead: float | str | None = "auto",
         terms_every_n_train_steps: int | str | None = "auto",
+        terms_keys: str = "warnings",
         blocks: str | Sequence[BlockSpec] = "auto",
         max_tokens: int = 512,
         log_key_prefix: str = "curv/",
@@ -262,6 +268,9 @@ class CurvatureMonitor(Callback):
             self.warning_rules = choice("warning_rules", warning_rules, WarningRules)
             rules = RuleSet() if self.warning_rules in (WarningRules.SUITE, WarningRules.ALL) else None
         legacy = self.warning_rules in (WarningRules.LEGACY, WarningRules.ALL)
+        self.terms_keys = choice("terms_keys", terms_keys, TermsKeys)
+        # a signals evaluation's exact pairs (None: every term and bound); the statistics of the norms always
+        self._signal_pairs = (rules.exact_pairs if rules else ()) if self.terms_keys is TermsKeys.WARNINGS else None
         self.on_error = choice("on_error", on_error, OnError)
         self.real_loss = RealLoss(sharpness, sharpness_samples, loss, logits_module)  # validates them
         check_int("verify_every_n_evals", verify_every_n_evals, 1, allow_none=True)
@@ -495,7 +504,7 @@ class CurvatureMonitor(Callback):
         if error is None and ready:
             try:
                 rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
-                evaluation = self.engine.evaluate(blocks, factor, terms_only, rules)
+                evaluation = self.engine.evaluate(blocks, factor, terms_only, rules, self._signal_pairs)
                 self.real_loss.add_verified(evaluation.results)
                 flat = flatten(evaluation.results)
             except Exception as err:

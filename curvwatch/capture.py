@@ -176,7 +176,11 @@ class CapturedBlock:
         names = [n for n, t in self.inputs.items() if t.is_floating_point() and n != "output_samples"]
         if not names:
             return []
-        finite = torch.stack([torch.isfinite(self.inputs[n]).all() for n in names]).tolist()
+        # amax propagates NaN and |-inf| = inf: one reduction per tensor, ~4x cheaper than isfinite(t).all()
+        # (an empty tensor has no amax and nothing non-finite)
+        peaks = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
+                 for t in (self.inputs[n] for n in names)]  # fmt: skip
+        finite = torch.isfinite(torch.stack(peaks)).tolist()
         return [n for n, ok in zip(names, finite, strict=True) if not ok]
 
     def evaluation_bytes(
@@ -245,6 +249,7 @@ class CapturedBlock:
         pairs: Sequence[str] | None = None,
         kinds: Sequence[str] = ("outer", "functional", "hessian"),
         precondition: dict[str, Tensor] | None = None,
+        signals: bool = False,
     ):
         """Run the closed form on the captured tensors.
 
@@ -258,6 +263,8 @@ class CapturedBlock:
                 "hessian")``.
             precondition: ``{weight name: P}`` in the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``), for
                 the ``precond_sharpness/...`` keys of a block with ``output_samples``; ``None``: none.
+            signals: Pass the kind's :attr:`~curvwatch.kinds.BlockKind.signal_kwargs` too: only what the warning
+                rules read (and ``pairs``).
 
         Returns:
             ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
@@ -277,6 +284,8 @@ class CapturedBlock:
                 kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
         if "output_samples" in kwargs and precondition is not None:
             kwargs["precondition"] = _cast(precondition, dtype)
+        if signals and kind.signal_kwargs:
+            kwargs.update(kind.signal_kwargs)
         return kind.kernel()(**kwargs)
 
 

@@ -803,6 +803,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
             monitor = CurvatureMonitor(
                 every_n_train_steps=s["every_n_steps"],
                 terms_every_n_train_steps=s["terms_every_n_steps"] or None,
+                terms_keys="all",  # the demo shows every bound term on its terms-only steps, not only the rules' keys
                 max_overhead=None,  # a fixed schedule: the demo favours dense plots over a 1% budget
                 spike_warmup=s["spike_warmup"],
                 warning_rules=s["warning_rules"],

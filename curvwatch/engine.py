@@ -32,7 +32,7 @@ import dataclasses
 import gc
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +174,7 @@ class Engine:
         grad_factor: float = 1.0,
         terms_only: bool = False,
         rules: Mapping[str, StabilityRule] | None = None,
+        signal_pairs: Collection[str] | None = None,
     ) -> Evaluation:
         """Closed forms of every capturable block, under ``torch.no_grad``.
 
@@ -183,6 +184,10 @@ class Engine:
             terms_only: Ask the kernels for the exact pairs alone: no Lanczos over Hessian products.
             rules: ``{block: StabilityRule}`` (:func:`curvwatch.sharpness.stability_rule`): a block with sampled
                 output gradients then also gets its preconditioned sharpness (Adam) and ``stability/...`` keys.
+            signal_pairs: With ``terms_only``, a *signals* evaluation: each block computes only what the warning
+                rules read (its kind's ``signal_kwargs``) and those of its exact pairs named here
+                (:attr:`curvwatch.rules.RuleSet.exact_pairs`); a block with neither is left out of it (no keys,
+                not counted as excluded). ``None``: every term and bound.
 
         Raises:
             RuntimeError: If no block could be captured (the message lists why, block by block).
@@ -192,6 +197,9 @@ class Engine:
         """
         out = Evaluation()
         dtype = _DTYPES[self.dtype]
+        signals = terms_only and signal_pairs is not None
+        if signals:
+            captured = [b for b in captured if _signal_plan(b, signal_pairs) is not None]
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
         with torch.no_grad():
             for captured_block in captured:
@@ -205,7 +213,8 @@ class Engine:
                 if pending is None:
                     try:
                         rule = None if rules is None else rules.get(block.spec.name)
-                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule)
+                        plan = _signal_plan(block, signal_pairs) if signals else None
+                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule, plan)
                     except Exception as err:
                         pending = err
                 # the errors kept must not hold this block's weights through their frames' locals
@@ -216,7 +225,7 @@ class Engine:
         if not out.results and out.failed:  # every block that could be evaluated raised: say why, first block
             name, error = next(iter(out.failed.items()))
             raise BlockError(name, error) from error
-        if not out.results:
+        if not out.results and not (signals and not captured):  # (a signals evaluation may have nothing to do)
             reasons = "; ".join(f"{n}: {r}" for n, r in out.excluded.items())
             raise RuntimeError(f"no block could be evaluated ({reasons})")
         return out
@@ -230,8 +239,10 @@ class Engine:
         terms_only: bool,
         out: Evaluation,
         rule: StabilityRule | None = None,
+        signals: tuple[str, ...] | None = None,
     ) -> None:
-        """Evaluate one block into ``out``: left out, non-finite, failed or its numbers."""
+        """Evaluate one block into ``out``: left out, non-finite, failed or its numbers (``signals``: the exact
+        pairs of a signals evaluation)."""
         name = block.spec.name
         if block.reason is None and isinstance(read_error, UnsupportedBlockError):
             block = dataclasses.replace(block, reason=str(read_error))
@@ -266,7 +277,7 @@ class Engine:
             )
         block, max_basis = self._fit_budget(block, dtype)
         try:
-            result = self._evaluate_one(block, dtype, terms_only, max_basis, out, rule)
+            result = self._evaluate_one(block, dtype, terms_only, max_basis, out, rule, signals)
         except Exception as err:
             if self.raise_errors:
                 raise BlockError(name, err) from err
@@ -332,6 +343,7 @@ class Engine:
         max_basis: int | None,
         out: Evaluation,
         rule: StabilityRule | None = None,
+        signals: tuple[str, ...] | None = None,
     ) -> dict[str, Tensor]:
         """The closed form of one block; on out-of-memory: free, halve what dominates the block's memory
         estimate (the Lanczos vectors held per norm, or the tokens), retry once."""
@@ -343,9 +355,10 @@ class Engine:
         kwargs = dict(
             lanczos=lanczos,
             dtype=dtype,
-            pairs=kind.exact_pairs if terms_only else self._kernel_pairs,
+            pairs=(kind.exact_pairs if signals is None else signals) if terms_only else self._kernel_pairs,
             kinds=self.kinds,
             precondition=None if rule is None else rule.precondition,
+            signals=signals is not None,
         )
         try:
             return block.evaluate(**kwargs)
@@ -374,6 +387,14 @@ class Engine:
             stacklevel=3,
         )
         return block.evaluate(**kwargs)
+
+
+def _signal_plan(block: CapturedBlock, signal_pairs: Collection[str]) -> tuple[str, ...] | None:
+    """The exact pairs ``block`` computes in a signals evaluation, or ``None`` when it has nothing to compute there
+    (no signal keys, none of its exact pairs read by the rules)."""
+    kind = KINDS[block.spec.kind]
+    pairs = tuple(p for p in kind.exact_pairs if p in signal_pairs)
+    return pairs if pairs or kind.signal_kwargs is not None else None
 
 
 def _clear_frames(*errors: BaseException | None) -> None:

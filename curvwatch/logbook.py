@@ -267,8 +267,19 @@ def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[s
     keys = [(block, key) for block, result in results.items() for key in result]
     if not keys:
         return {}
-    values = [torch.as_tensor(results[b][k]).detach().reshape(()).to("cpu", torch.float64) for b, k in keys]
-    flat = dict(zip(keys, torch.stack(values).tolist(), strict=True))
+    raw = [results[b][k] for b, k in keys]
+    values = [math.nan] * len(raw)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # one stack and one transfer per device and dtype
+    for i, v in enumerate(raw):
+        if isinstance(v, Tensor):
+            groups.setdefault((v.device, v.dtype), []).append(i)
+        else:
+            values[i] = float(v)
+    for idx in groups.values():
+        stacked = torch.stack([raw[i].detach().reshape(()) for i in idx]).to("cpu", torch.float64).tolist()
+        for i, v in zip(idx, stacked, strict=True):
+            values[i] = v
+    flat = dict(zip(keys, values, strict=True))
     bad = {block for (block, _), value in flat.items() if math.isnan(value)}
     out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
     out.update({(b, NONFINITE): 1.0 for b in bad})

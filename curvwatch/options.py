@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["OnError", "PairSet", "Precision", "WarningRules", "check_int", "check_number", "choice", "pairs_option"]
+__all__ = [
+    "OnError", "PairSet", "Precision", "TermsKeys", "WarningRules",
+    "check_int", "check_number", "choice", "pairs_option",
+]  # fmt: skip
 
 E = TypeVar("E", bound=Enum)
 
@@ -44,6 +47,13 @@ class WarningRules(str, Enum):
     SUITE = "suite"  # curvwatch.rules.RuleSet, designed on the instability suite
     LEGACY = "legacy"  # curvwatch.alerts.AlertMonitor: spike and collapse
     ALL = "all"
+
+
+class TermsKeys(str, Enum):
+    """What a terms-only evaluation of :class:`~curvwatch.CurvatureMonitor` computes."""
+
+    WARNINGS = "warnings"  # what the warning rules read (the kinds' signal_kwargs): the cheap default
+    ALL = "all"  # every bound term, bound and exact norm
 
 
 class PairSet(str, Enum):

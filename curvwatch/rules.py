@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -55,6 +56,14 @@ from curvwatch.alerts import Alert, CurvatureWarning
 
 __all__ = ["Alert", "CurvatureWarning", "RuleSet"]
 
+# the first segment of every per-block key (curvwatch.keys) but "ffn" (also the usual name of an FFN block: in
+# "layer0/ffn/ffn/dead_fraction" the first "/ffn/" is the block's), and those the rules read
+CATEGORIES = (
+    "bound", "functional", "ggn", "hessian", "lanczos", "ln", "outer", "precond_ggn", "precond_sharpness",
+    "ratio", "residual", "rms", "sharpness", "sharpness_spread", "skipped_nonfinite", "stability", "term", "verify",
+)  # fmt: skip
+_CATEGORY = re.compile("/(" + "|".join(sorted(CATEGORIES, key=len, reverse=True)) + ")(?:/|$)")
+_READ = ("term", "outer", "hessian", "ln", "rms")
 _SATURATION_FLOOR = -6.0  # log10: one evaluation counts at most as a softmax-Jacobian norm of 1e-6
 # watched growth quantities: name -> what it is (for messages)
 _GROWTH = {
@@ -111,11 +120,12 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
     for key, value in metrics.items():
         if key.startswith("summary/"):
             continue
-        for marker in ("/term/", "/outer/", "/hessian/", "/ln/", "/rms/"):
-            if marker in key:
-                block, rest = key.split(marker, 1)
-                per_block.setdefault(block, {})[marker.strip("/") + "/" + rest] = value
-                break
+        # the block is everything before the key's first category: "layer0/attn/bound/outer/VV/h0" is a bound
+        # of block "layer0/attn", not the outer norm of a block "layer0/attn/bound"
+        match = _CATEGORY.search(key)
+        if match is not None and match.group(1) in _READ:
+            block, rest = key[: match.start()], key[match.end() :]
+            per_block.setdefault(block, {})[match.group(1) + "/" + rest] = value
     out: dict[tuple[str, str], float] = {}
     for block, m in per_block.items():
         x_norm = m.get("term/x_norm")
@@ -239,6 +249,17 @@ class RuleSet:
         self._silent_until: dict[str, int] = {}
         self.history: list[Alert] = []
         self.fired = 0
+
+    @property
+    def exact_pairs(self) -> tuple[str, ...]:
+        """The exact block pairs an enabled rule reads (``"VV"`` for ``outer_vv_growth``, ``"W2W2"`` for
+        ``w2w2_growth``): what a signals evaluation computes besides the bound terms and statistics.
+
+        Example:
+            >>> RuleSet().exact_pairs, RuleSet(outer_vv_growth=0, w2w2_growth=1.0).exact_pairs
+            (('VV',), ('W2W2',))
+        """
+        return tuple(pair for pair, q in (("VV", "outer_VV"), ("W2W2", "W2W2")) if self.thresholds[q] > 0)
 
     # -- windows -----------------------------------------------------------------------------------
 

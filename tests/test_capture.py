@@ -269,3 +269,16 @@ def test_gpt2_ffn_gelu_tanh_evaluates_or_is_refused_by_name():
     else:
         with pytest.raises(ValueError, match="gelu_tanh"):
             ffn.evaluate(lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
+
+
+def test_nonfinite_names_the_tensors_with_nan_or_inf():
+    """One reduction per tensor: NaN and -inf are both found, masks and empty tensors are not flagged."""
+    X = torch.randn(2, 3, 4)
+    bad_x, bad_g = X.clone(), X.clone()
+    bad_x[1, 2, 3] = float("nan")
+    bad_g[0, 0, 0] = float("-inf")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert CapturedBlock(None, inputs={"X": X, "grad_output": X, "row_mask": mask}).nonfinite() == []
+    assert CapturedBlock(None, inputs={"X": bad_x, "grad_output": bad_g}).nonfinite() == ["X", "grad_output"]
+    assert CapturedBlock(None, inputs={"X": X, "grad_output": bad_g.bfloat16()}).nonfinite() == ["grad_output"]
+    assert CapturedBlock(None, inputs={"X": torch.empty(0, 3, 4), "grad_output": X}).nonfinite() == []

@@ -51,14 +51,14 @@ def test_the_default_terms_tier_has_a_budget_of_its_own():
     s.charge(0.5, terms_only=False)  # step 0's full evaluation
     s.charge(0.1, terms_only=True)
     assert (s.eval_seconds, s.terms_seconds) == (0.6, 0.1)
-    # full: 0.5 + 0.5 <= 1% of 100 s; terms: 0.1 + 0.1 <= 2% of 100 s (the full seconds do not count against it)
+    # full: 0.5 + 0.5 <= 1% of 100 s; terms: 0.1 + 0.1 <= 4% of 100 s (the full seconds do not count against it)
     s.train_seconds = 100.0
     assert s.affordable() == (True, True)
-    s.train_seconds = 9.0  # terms 0.2 > 0.18 and full 1.0 > 0.09: neither
+    s.train_seconds = 4.5  # terms 0.2 > 0.18 and full 1.0 > 0.045: neither
     assert s.affordable() == (False, False)
-    s.train_seconds = 12.0  # terms 0.2 <= 0.24; full still over its 1%
+    s.train_seconds = 6.0  # terms 0.2 <= 0.24; full still over its 1%
     assert s.affordable() == (False, True)
-    assert "the terms-only budget=0.02" in s.budget_note(30, full_due=False)
+    assert "the terms-only budget=0.04" in s.budget_note(30, full_due=False)
     assert "max_overhead=0.01" in s.budget_note(200, full_due=True) and "(0.5 s)" in s.budget_note(200, True)
     # a fixed full schedule keeps the terms tier's own budget; no terms tier: no budget at all
     fixed = Schedule(every_n_train_steps=5, max_overhead=None)

@@ -74,7 +74,12 @@ from ._qk_norm_blocks import (
     qk_norm_norms,
 )
 from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
-from .bounds import _attention_bound_table, _grouped_attention_bound_tables, softmax_bound_factors
+from .bounds import (
+    _attention_bound_table,
+    _grouped_attention_bound_tables,
+    softmax_bound_factors,
+    softmax_jacobian_norm,
+)
 from .rotary import check_rotary
 from .settings import Lanczos
 
@@ -673,6 +678,8 @@ def _attention(
     """Shared body of :func:`self_attention` and :func:`multi_head_attention`; every argument is checked except
     ``output_samples``; ``precondition`` is ``D = P^{-1/2}`` per block (``"Q"``, ``"K"``, ``"V"``), heads split, and
     per QK-norm parameter (``"qk_norm.weight_q"``, ...)."""
+    if not (isinstance(terms, bool) or terms == "signals"):
+        raise ValueError(f"Invalid terms={terms!r}. Must be True, False or 'signals'.")
     B, L, d = X3.shape
     H, H_kv = W_Q.shape[0], W_K.shape[0]
     G = H // H_kv
@@ -698,7 +705,10 @@ def _attention(
         output_curvature=output_curvature,
         batched=batched,
     )
-    op.set_cotangent(g, c)
+    if terms == "signals" and G == 1:  # the exact VV reads only c (G > 1: VV by Lanczos products, which read g_h)
+        op.c = c
+    else:
+        op.set_cotangent(g, c)
     samples = check_output_samples(
         output_samples, target=target, out_shape=tuple(F.shape), batched=batched, row_keep=row_keep, ref=X3
     )
@@ -721,9 +731,11 @@ def _attention(
     vv_exact = "VV" in pairs and G == 1 and op.vv_exact(op.Xkv.shape[-1], lanczos.max_iter)
     if vv_exact:
         mats["vv"] = op.vv_factor()  # (H, B L, d_kv)
-    if W_O is not None and ("VV" in pairs or terms):
+    if W_O is not None and ("VV" in pairs or terms is True):
         mats["wo"] = W_O
-    if terms:
+    if terms == "signals":  # only the norms the warning rules read (curvwatch.rules)
+        mats.update(x=X3 if key_padding_mask is None else X3 * row_keep.unsqueeze(-1).to(X3.dtype), wq=W_Q, wk=W_K)
+    elif terms:
         mats.update(x=X3 * row_keep.unsqueeze(-1).to(X3.dtype), P=op.P, K=op.K_kv, V=op.V_kv, wq=W_Q, wk=W_K, wv=W_V)
         if cross:
             mats["mem"] = memory * kv_keep.unsqueeze(-1).to(X3.dtype)
@@ -771,9 +783,12 @@ def _attention(
 
     if terms:
         norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
-        out.update(
-            _terms_and_bounds(X3, op, g, c, resid, row_keep, kv_keep, norms, target, hk, gk, bounds=qk_norm is None)
-        )
+        if terms == "signals":
+            out.update(_signal_terms(op, norms, hk, gk))
+        else:
+            out.update(
+                _terms_and_bounds(X3, op, g, c, resid, row_keep, kv_keep, norms, target, hk, gk, bounds=qk_norm is None)
+            )
     if dense:
         if G == 1:
             out.update(dense_blocks(op, ATTENTION_PAIRS, full=("Q", "K", "V")))
@@ -785,6 +800,21 @@ def _attention(
         out.update(qk_norm_norms(op, n_pairs, kinds=kinds, lanczos=lanczos, dense=dense, sampled_op=sop,
                                  precondition=norm_pre))  # fmt: skip
     lanczos.warn_unconverged(out, "self_attention" if single else "multi_head_attention")
+    return out
+
+
+def _signal_terms(op, norms, hk, gk) -> dict[str, torch.Tensor]:
+    """The bound terms the warning rules read (:mod:`curvwatch.rules`), no others and no bounds: ``term/x_norm``,
+    ``term/x_norm6``, ``term/softmax_jac_norm/h*``, ``term/wq_norm/h*``, ``term/wk_norm/h*`` (``/g*`` per kv group),
+    each the same number :func:`_terms_and_bounds` gives. ``norms`` holds ``x`` ``(B,)``, ``wq`` ``(H,)``,
+    ``wk`` ``(H_kv,)``."""
+    x_max = norms["x"].max()
+    out = {"term/x_norm": x_max, "term/x_norm6": x_max**6}
+    per_head = torch.stack([softmax_jacobian_norm(op.A).amax(0), norms["wq"]])  # (2, H)
+    out.update(zip([f"term/{k}" for name in ("softmax_jac_norm", "wq_norm") for k in hk(name)],
+                   per_head.flatten().unbind(), strict=True))  # fmt: skip
+    wk = hk("wk_norm") if op.G == 1 else gk("wk_norm")
+    out.update(zip([f"term/{k}" for k in wk], norms["wk"].unbind(), strict=True))
     return out
 
 
@@ -907,7 +937,7 @@ def self_attention(
     kinds=KINDS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
-    terms: bool = True,
+    terms: bool | str = True,
     output_samples: torch.Tensor | None = None,
     precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -936,7 +966,9 @@ def self_attention(
             :class:`~curvwatch.closed_form.WarmStart` kept between calls) starts each norm from the last Ritz
             vectors, as the monitor does across evaluations.
         terms: also return the bound terms ``term/...`` and the corrected bounds ``bound/...`` (default);
-            False computes the norms only.
+            False computes the norms only; ``"signals"`` only the terms the warning rules read
+            (:mod:`curvwatch.rules`: ``term/x_norm``, ``term/x_norm6``, ``term/softmax_jac_norm``, ``term/wq_norm``,
+            ``term/wk_norm``), the same numbers at a fraction of the cost, and no bounds.
         dense: also return the dense blocks ``dense/{outer,functional,hessian}/XY`` of shape ``(n_X, n_Y)``
             (vec_r order, equal to ``torch.func.hessian`` reshaped) and ``dense/*/QKV``.
         output_samples: ``(k, B, L, m)`` (``(k, L, m)`` for an unbatched ``X``; ``m`` the output width), grad_output
@@ -1042,7 +1074,7 @@ def multi_head_attention(
     kinds=KINDS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
-    terms: bool = True,
+    terms: bool | str = True,
     output_samples: torch.Tensor | None = None,
     precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ and ``max|gamma|`` times them bounds the affine LayerNorm's (keys ``*_affine_bou
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from ._common import as_batched, check_like, check_row_mask
@@ -41,8 +43,13 @@ class LayerNormRows:
         Xc = X - mu
         self.var = (Xc * Xc).mean(-1, keepdim=True)  # (B, L, 1), biased
         self.s = (self.var + eps).sqrt()
-        self.yhat = Xc / self.s  # (B, L, n)
+        self._Xc = Xc
         self.weight = weight
+
+    @cached_property
+    def yhat(self) -> torch.Tensor:
+        """The normalised input ``(X - mu) / s``, ``(B, L, n)`` (on first use: the statistics alone need none)."""
+        return self._Xc / self.s
 
     def forward(self, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.yhat if self.weight is None else self.yhat * self.weight
@@ -127,6 +134,7 @@ def layernorm(
     grad_output: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
     dense: bool = False,
+    stats_only: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Closed-form curvature of a LayerNorm over the last dimension.
 
@@ -139,6 +147,8 @@ def layernorm(
         row_mask: ``(B, L)`` or ``(L,)`` bool, True = row included in the statistics (padding excluded).
         dense: also return ``dense/jacobian`` ``(N n, N n)`` and ``dense/hessian`` ``(N n, N n, N n)`` of the
             affine LayerNorm over the kept rows' vec_r order (all rows when no mask), small sizes only.
+        stats_only: return the row statistics alone (``var_min`` ... ``collapsed_fraction``, what the collapse
+            warnings read), no norms (the monitor's terms-only evaluations, :mod:`curvwatch.rules`).
 
     Returns:
         0-d tensors: ``var_min``, ``var_mean``, ``inv_std_max`` (``1/min sqrt(var + eps)``), ``inv_var_max``
@@ -167,8 +177,6 @@ def layernorm(
     ln = LayerNormRows(X3, eps, weight)
     var = rows(ln.var).squeeze(-1)  # (N,)
     s = rows(ln.s).squeeze(-1)
-    yhat = rows(ln.yhat)  # (N, n)
-    rho2 = (yhat * yhat).sum(-1)
     inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)
     with torch.no_grad():
         s_min = s.min()
@@ -182,6 +190,10 @@ def layernorm(
             "var_min_over_eps": var_min / eps if eps > 0 else inf,
             "collapsed_fraction": (var <= 10 * eps).to(X3.dtype).mean() if eps > 0 else (var == 0).to(X3.dtype).mean(),
         }
+        if stats_only:
+            return out
+        yhat = rows(ln.yhat)  # (N, n)
+        rho2 = (yhat * yhat).sum(-1)
         s_safe = s.clamp_min(torch.finfo(X3.dtype).tiny)
         if n >= 3:  # ||J_i|| = 1/s_i, so the max is 1/min s (exactly: the reciprocal is monotone)
             out["jacobian_norm"] = inv_std_max

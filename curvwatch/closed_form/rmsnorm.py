@@ -172,6 +172,7 @@ def rmsnorm(
     grad_output: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
     dense: bool = False,
+    stats_only: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Closed-form curvature of an RMSNorm over the last dimension.
 
@@ -185,6 +186,8 @@ def rmsnorm(
         row_mask: ``(B, L)`` or ``(L,)`` bool, True = row included in the statistics (padding excluded).
         dense: also return ``dense/jacobian`` ``(N n, N n)`` and ``dense/hessian`` ``(N n, N n, N n)`` of the
             affine RMSNorm over the kept rows' vec_r order (all rows when no mask), small sizes only.
+        stats_only: return the row statistics alone (``ms_min`` ... ``collapsed_fraction``, what the collapse
+            warnings read), no norms (the monitor's terms-only evaluations, :mod:`curvwatch.rules`).
 
     Returns:
         0-d tensors in ``X``'s dtype: ``ms_min`` and ``ms_mean`` (row mean square ``m``), ``inv_rms_max``
@@ -234,6 +237,8 @@ def rmsnorm(
             "ms_min_over_eps": ms_min / eps if eps > 0 else inf,
             "collapsed_fraction": ((ms <= 10 * eps) if eps > 0 else (ms == 0)).to(X3.dtype).mean(),
         }
+        if stats_only:
+            return out
         if n >= 2:  # ||J_i|| = 1/r_i, so the max is 1/min r (exactly: the reciprocal is monotone)
             out["jacobian_norm"] = out["inv_rms_max"]
         else:  # ||J_i|| = eps / r_i^3

@@ -70,6 +70,10 @@ class BlockKind:
         pairs: The kernel's block pairs (``()`` for kinds without Hessian norms).
         exact_pairs: The pairs whose norms are exact without Lanczos over Hessian products: a terms-only
             evaluation asks for these alone.
+        signal_kwargs: Extra kernel keyword arguments of a *signals* evaluation (the default terms-only tier,
+            ``terms_keys="warnings"``): the kernel then computes only what the warning rules read
+            (:mod:`curvwatch.rules`), e.g. ``{"stats_only": True}``. ``None``: the kind has nothing the rules read
+            besides its exact pairs; a signals evaluation leaves it out unless a rule reads one of them.
         iterative: Whether the kernel takes Lanczos settings (``lanczos``, ``kinds``, ``pairs``).
         has_norms: Whether the block reports Hessian norms (``hessian/...``): it then takes part in the
             norm summaries, the spike warnings and the heatmap.
@@ -102,6 +106,7 @@ class BlockKind:
     mask_name: str = "row_mask"
     pairs: tuple[str, ...] = ()
     exact_pairs: tuple[str, ...] = ()
+    signal_kwargs: Mapping[str, Any] | None = None
     iterative: bool = False
     has_norms: bool = False
     call_inputs: Callable[[Any, Tensor | None, tuple[int, int]], tuple[dict[str, Tensor], dict[str, Any]]] | None = None

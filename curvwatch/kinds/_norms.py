@@ -41,6 +41,7 @@ def norm_kind(
         closed_form=name,
         prefix=p,
         work_elements=lambda B, L, d, params: 16 * B * L * d,
+        signal_kwargs={"stats_only": True},  # the row statistics the collapse warnings read, no norms
         keys=(
             KeySpec(f"{p}/{stat}_min", f"smallest {stat_text} of the {label} input", "min"),
             KeySpec(f"{p}/{stat}_mean", f"mean {stat_text} of the {label} input"),

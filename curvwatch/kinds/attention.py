@@ -71,6 +71,7 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         # N1N1, N2N2, N1N2: the QK-norm's own parameters (query norm N1, key norm N2), where the call has them
         pairs=("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV", "N1N1", "N2N2", "N1N2"),
         exact_pairs=("VV",),
+        signal_kwargs={"terms": "signals"},  # x_norm, wq/wk norms, softmax-Jacobian norm: no other term, no bound
         iterative=True,
         sampled=True,
         has_norms=True,
