@@ -72,20 +72,23 @@ def test_breakdown(data):
         assert 0 < b["evaluate_total_s_terms_only"] < b["evaluate_total_s"]
 
 
-def test_terms_only_every_step(data):
+@pytest.mark.parametrize("key,variant", [("terms_only_every_step", "terms"), ("warnings_only_every_step", "warnings")])
+def test_terms_only_every_step(data, key, variant):
     for r in data["results"]:
-        cell = r["terms_only_every_step"]
+        cell = r[key]
         assert len(cell["overhead_rounds"]) == r["rounds"] and math.isfinite(cell["cost_per_eval_steps"])
-        for run in r["runs"]["terms"]:
+        for run in r["runs"][variant]:
             assert run["steps"] == r["warmup_steps_excluded"] + r["windows"]["1"] + 1
             assert run["evaluations"] == 1 and run["terms_evaluations"] == run["steps"] - 1  # step 0 is full
+    prefix = key.split("_every")[0]
     for goal in data["goals"]:
-        assert goal["terms_only_cost_per_eval_ok"] == (goal["terms_only_cost_per_eval_steps"] < 1.0)
+        assert goal[f"{prefix}_cost_per_eval_ok"] == (goal[f"{prefix}_cost_per_eval_steps"] < 1.0)
 
 
 def test_table_lists_every_cadence(data):
     table = bench_overhead.overhead_table(data["results"])
     lines = table.splitlines()
-    assert len(lines) == 2 + len(bench_overhead.CADENCES) + 1  # + terms only every step
-    assert lines[-1].startswith("| 1, terms only")
+    assert len(lines) == 2 + len(bench_overhead.CADENCES) + 2  # + terms only every step, both terms_keys
+    assert lines[-2].startswith("| 1, terms only (`terms_keys=\"all\"`)")
+    assert lines[-1].startswith("| 1, terms only (`terms_keys=\"warnings\"`, default)")
     assert "derived" in table

@@ -116,3 +116,18 @@ def test_llama_architecture_scores_are_litgpts():
         got = scores(attn, seen["x"])
     torch.testing.assert_close(got, seen["s"], rtol=1e-5, atol=1e-6)
     assert model.config.n_query_groups == 2 and model.config.norm_class_name == "RMSNorm"
+
+
+def test_cost_of_a_terms_only_evaluation_per_terms_keys(tmp_path):
+    """``python -m benchmarks.instability.cost --quick``: both settings measured per model; the default is cheaper."""
+    from benchmarks.instability import cost
+
+    out = tmp_path / "cost.json"
+    result = cost.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["models"] == result["models"]
+    assert [m["model"] for m in result["models"]] == [vars(m) for m in cost.suite_models(quick=True)]
+    for m in result["models"]:
+        assert 0 < m["warnings"]["terms_cost_steps"] < m["all"]["terms_cost_steps"]
+    assert set(cost.load_costs(out)) == {cost.model_key(m) for m in cost.suite_models(quick=True)}
+    assert cost.load_costs(tmp_path / "absent.json") == {}
+    assert "| model |" in cost.table(result)

@@ -91,6 +91,8 @@ class RunConfig:
         seed: Seeds the weights and the batch order.
         full_every: Monitor cadence of full evaluations.
         terms_every: Monitor cadence of terms-only evaluations.
+        terms_keys: What they compute (``CurvatureMonitor(terms_keys=...)``): the suite records ``"all"`` (its
+            signal table reads terms no rule reads); the rules' own keys are the same numbers either way.
         max_tokens: Token positions the monitor keeps per block.
         stop_after: Steps recorded after the onset (or the first non-finite loss) before stopping.
     """
@@ -108,6 +110,7 @@ class RunConfig:
     seed: int = 0
     full_every: int = 10
     terms_every: int | None = 1
+    terms_keys: str = "all"
     max_tokens: int = 512
     stop_after: int = 25
 
@@ -233,6 +236,7 @@ def run(cfg: RunConfig, monitor: bool = True, callbacks: Sequence[Callback] = ()
         every_n_train_steps=cfg.full_every,
         max_overhead=None,
         terms_every_n_train_steps=cfg.terms_every,
+        terms_keys=cfg.terms_keys,
         max_tokens=cfg.max_tokens,
         log_key_prefix=PREFIX,
         warn=False,
