@@ -198,8 +198,10 @@ class Engine:
         out = Evaluation()
         dtype = _DTYPES[self.dtype]
         signals = terms_only and signal_pairs is not None
+        # a signals evaluation: each block's exact pairs; blocks with nothing to compute are left out
+        plans = {b.spec.name: _signal_plan(b, signal_pairs) for b in captured} if signals else {}
         if signals:
-            captured = [b for b in captured if _signal_plan(b, signal_pairs) is not None]
+            captured = [b for b in captured if plans[b.spec.name] is not None]
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
         with torch.no_grad():
             for captured_block in captured:
@@ -213,7 +215,7 @@ class Engine:
                 if pending is None:
                     try:
                         rule = None if rules is None else rules.get(block.spec.name)
-                        plan = _signal_plan(block, signal_pairs) if signals else None
+                        plan = plans.get(block.spec.name)
                         self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule, plan)
                     except Exception as err:
                         pending = err

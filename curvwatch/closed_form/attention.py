@@ -256,14 +256,19 @@ class AttentionOperator(BlockOperator):
     def set_cotangent(self, g: torch.Tensor, c: torch.Tensor) -> None:
         """Set ``g = dl/dF`` ``(B, L, m)`` and the output curvature ``c`` ``(B,)``.
 
-        The products' cotangent factors (``G_A``, ``Gamma``, ...) are computed on first use: an evaluation
-        without Lanczos never needs them.
+        The products' cotangent factors (``g_h``, ``G_A``, ``Gamma``, ...) are computed on first use: an
+        evaluation without Lanczos never needs them (the exact ``VV`` reads ``c`` alone).
         """
-        W_O = self.W_O
         self.c = c
-        self.g_h = g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", g, W_O)  # (B, H, L, d_V)
-        for name in ("G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn"):
+        self._g = g
+        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn"):
             self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
+
+    @cached_property
+    def g_h(self) -> torch.Tensor:
+        """The per-head cotangent ``g W_O^h^T``, ``(B, H, L, d_V)`` (``g`` itself, one head, without ``W_O``)."""
+        W_O = self.W_O
+        return self._g.unsqueeze(1) if W_O is None else torch.einsum("blm,hvm->bhlv", self._g, W_O)
 
     @cached_property
     def G_A(self) -> torch.Tensor:
@@ -705,10 +710,7 @@ def _attention(
         output_curvature=output_curvature,
         batched=batched,
     )
-    if terms == "signals" and G == 1:  # the exact VV reads only c (G > 1: VV by Lanczos products, which read g_h)
-        op.c = c
-    else:
-        op.set_cotangent(g, c)
+    op.set_cotangent(g, c)
     samples = check_output_samples(
         output_samples, target=target, out_shape=tuple(F.shape), batched=batched, row_keep=row_keep, ref=X3
     )
