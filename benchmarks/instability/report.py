@@ -240,8 +240,8 @@ def render(results: Mapping[str, Any], figures: Sequence[str], head: Mapping[str
         "",
         f"Last full run: {len(results['runs'])} runs, {_fmt(results.get('train_wall_s'))} s of training wall time "
         f"(scoring {_fmt(wall)} s) on {results.get('environment', {}).get('processor', '?')} "
-        f"({results.get('environment', {}).get('cpu_count', '?')} CPUs shared with other jobs, one training process "
-        "at a time, one thread each); results in `benchmarks/results/instability/` (`results.json`, one trace per "
+        f"({results.get('environment', {}).get('cpu_count', '?')} CPUs shared with other jobs; each run trains on "
+        "one thread, and runs split over processes with `--only` share the CPUs, so wall times are noisy); results in `benchmarks/results/instability/` (`results.json`, one trace per "
         "run in `runs/`).",
         "",
         "## Mechanisms",
