@@ -50,6 +50,27 @@ def test_multi_head_attention_defaults_at_B4_L128_d256():
     assert sum(k.startswith("hessian/QQ/h") for k in out) == 4
 
 
+def test_signals_terms_tier_at_B4_L512_d512_gqa():
+    """The monitor's default terms-only evaluation (``terms="signals"``, exact ``VV`` only) at a training size with
+    grouped-query attention (``VV`` per kv group is then a Lanczos norm over ``d``-vectors): seconds, converged,
+    and the same numbers as the full terms tier."""
+    gen = torch.Generator().manual_seed(3)
+    B, L, d, H, H_kv = 4, 512, 512, 8, 2
+    X, G = torch.randn(B, L, d, generator=gen), torch.randn(B, L, d, generator=gen)
+    W_Q, W_K, W_V, W_O = _w(gen, d, d), _w(gen, d, d // 4), _w(gen, d, d // 4), _w(gen, d, d)
+    kw = dict(n_kv_heads=H_kv, grad_output=G, causal=True, pairs=("VV",))
+    start = time.perf_counter()
+    signals = multi_head_attention(X, W_Q, W_K, W_V, W_O, H, terms="signals", **kw)
+    seconds = time.perf_counter() - start
+    _converged(signals)
+    everything = multi_head_attention(X, W_Q, W_K, W_V, W_O, H, **kw)
+    assert {k for k in signals if k.startswith("term/")} < {k for k in everything if k.startswith("term/")}
+    for key, value in signals.items():
+        if not key.startswith(("residual/", "lanczos/")):
+            torch.testing.assert_close(value, everything[key], rtol=1e-5, atol=0, msg=key)
+    assert seconds < 60, seconds
+
+
 def test_ffn_defaults_at_L128_d256_dff1024():
     gen = torch.Generator().manual_seed(2)
     Y, G = torch.randn(128, 256, generator=gen), torch.randn(128, 256, generator=gen)
