@@ -443,59 +443,50 @@ def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog)
     assert all(float(f) > 0 for f in fractions)
 
 
-def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
+def _wandb_alerts_of_a_collapsed_run(tmp_path, monkeypatch, monitor, max_steps: int, match: str) -> list[dict]:
+    """Train TinyLM with LayerNorm inputs far below eps (as in test_ln_collapse_warns) under an offline W&B logger;
+    the keyword arguments of every ``run.alert`` call."""
     wandb = pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="curvwatch-test")
-    sent = []
+    sent: list[dict] = []
     try:
         monkeypatch.setattr(type(logger.experiment), "alert", lambda self, **kw: sent.append(kw), raising=False)
         model = TinyLM(lr=0.0)
-        with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
+        with torch.no_grad():
             model.model.tok_emb.weight.mul_(1e-4)
             model.model.pos_emb.weight.mul_(1e-4)
-        monitor = CurvatureMonitor(
-            warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
-        )
-        trainer = make_trainer(tmp_path, monitor, max_steps=1, logger=logger)
-        with pytest.warns(CurvatureWarning):
+        trainer = make_trainer(tmp_path, monitor, max_steps=max_steps, logger=logger)
+        with pytest.warns(CurvatureWarning, match=match):
             trainer.fit(model, loader())
     finally:
         wandb.finish()
-    assert len(sent) == 2 and all(kw["level"] == wandb.AlertLevel.WARN for kw in sent)
+    assert all(kw["level"] == wandb.AlertLevel.WARN for kw in sent)
+    return sent
+
+
+def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
+    )
+    sent = _wandb_alerts_of_a_collapsed_run(tmp_path, monkeypatch, monitor, max_steps=1, match="")
+    assert len(sent) == 2
     assert "layer0/ln_1" in sent[0]["text"] and "collapse" in sent[0]["title"].lower()
 
 
 def test_suite_rule_from_the_default_terms_tier_is_sent_as_wandb_alert(tmp_path, monkeypatch):
     """The default rules (``warning_rules="suite"``) fed by default terms-only evaluations (``terms_keys="warnings"``):
     the collapse warning reaches W&B as an alert that says what it saw, since when, how sure and what to try."""
-    wandb = pytest.importorskip("wandb")
-    from lightning.pytorch.loggers import WandbLogger
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="curvwatch-test")
-    sent = []
-    try:
-        monkeypatch.setattr(type(logger.experiment), "alert", lambda self, **kw: sent.append(kw), raising=False)
-        model = TinyLM(lr=0.0)
-        with torch.no_grad():  # LayerNorm inputs far below eps, as in test_ln_collapse_warns
-            model.model.tok_emb.weight.mul_(1e-4)
-            model.model.pos_emb.weight.mul_(1e-4)
-        monitor = CurvatureMonitor(
-            max_overhead=None, every_n_train_steps=100, terms_every_n_train_steps=1, max_tokens=16, log_heatmap=False
-        )
-        assert monitor.terms_keys.value == "warnings" and monitor.warning_rules.value == "suite"
-        trainer = make_trainer(tmp_path, monitor, max_steps=4, logger=logger)
-        with pytest.warns(CurvatureWarning, match="LayerNorm variance collapse"):
-            trainer.fit(model, loader())
-    finally:
-        wandb.finish()
+    monitor = CurvatureMonitor(
+        max_overhead=None, every_n_train_steps=100, terms_every_n_train_steps=1, max_tokens=16, log_heatmap=False
+    )
+    assert monitor.terms_keys.value == "warnings" and monitor.warning_rules.value == "suite"
+    sent = _wandb_alerts_of_a_collapsed_run(tmp_path, monkeypatch, monitor, max_steps=4, match="variance collapse")
     collapse = [kw for kw in sent if kw["title"] == "curvwatch: ln collapse"]
-    assert collapse and all(kw["level"] == wandb.AlertLevel.WARN for kw in sent)
+    assert collapse
     text = collapse[0]["text"]  # fired at step 2: patience of 3 evaluations (steps 0, 1, 2; step 0 is full)
     assert "'layer0/ln_1' at step 2" in text and "since step 0 (3 evaluations)" in text
     assert "Confidence: high" in text and "raise the LayerNorm eps" in text
