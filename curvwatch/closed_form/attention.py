@@ -735,10 +735,11 @@ def _attention(
         mats["vv"] = op.vv_factor()  # (H, B L, d_kv)
     if W_O is not None and ("VV" in pairs or terms is True):
         mats["wo"] = W_O
-    if terms == "signals":  # only the norms the warning rules read (curvwatch.rules)
-        mats.update(x=X3 if key_padding_mask is None else X3 * row_keep.unsqueeze(-1).to(X3.dtype), wq=W_Q, wk=W_K)
-    elif terms:
-        mats.update(x=X3 * row_keep.unsqueeze(-1).to(X3.dtype), P=op.P, K=op.K_kv, V=op.V_kv, wq=W_Q, wk=W_K, wv=W_V)
+    if terms:  # ||X||_2 per sequence over the kept rows, and the projections the rules read
+        x_kept = X3 if key_padding_mask is None else X3 * row_keep.unsqueeze(-1).to(X3.dtype)
+        mats.update(x=x_kept, wq=W_Q, wk=W_K)
+    if terms is True:  # and every other norm of the bound terms
+        mats.update(P=op.P, K=op.K_kv, V=op.V_kv, wv=W_V)
         if cross:
             mats["mem"] = memory * kv_keep.unsqueeze(-1).to(X3.dtype)
     sq = dict(zip(mats, gram_lambda_max(*mats.values()), strict=True))  # squared norms
