@@ -76,7 +76,7 @@ def test_closed_forms_on_cuda_agree_with_cpu_and_stay_on_the_gpu():
 
 
 def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
-    """Every ``CHECK_EVERY_OFF_CPU`` steps one read of alpha/beta; the products and the re-orthogonalisation never
+    """Every ``CHECK_EVERY`` steps one read of alpha/beta; the products and the re-orthogonalisation never
     synchronise (``torch.cuda.set_sync_debug_mode`` warns at every synchronising call)."""
     g = torch.Generator().manual_seed(1)
     n = 400
@@ -101,7 +101,7 @@ def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in record if "synchroniz" in str(w.message).lower()]
-    tests = -(-len(products) // _lanczos.CHECK_EVERY_OFF_CPU)
+    tests = -(-len(products) // _lanczos.CHECK_EVERY)
     # one per stopping test, plus the both_ends mask read once at the start
     assert len(syncs) <= tests + 1, [str(w.message) for w in syncs]
     assert_close_report(val.cpu(), lam.abs().amax(-1).float(), 2e-3)

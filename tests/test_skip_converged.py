@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvwatch.closed_form import _operator, ffn, multi_head_attention, transformer_block
-from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form import _lanczos, _operator, ffn, multi_head_attention, transformer_block
+from curvwatch.closed_form._lanczos import LanczosRun, lanczos_max_abs
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.block import TransformerBlockOperator
 from curvwatch.closed_form.ffn import FFNOperator
@@ -27,7 +27,7 @@ def test_lanczos_pass_live_marks_the_nonzero_rows_and_changes_nothing():
 
     def mv(v, live=None):
         if live is not None:
-            seen.append((live.clone(), v.abs().sum(-1) > 0))
+            seen.append((torch.from_numpy(live.copy()), v.abs().sum(-1) > 0))
         return (S @ v.unsqueeze(-1)).squeeze(-1)
 
     plain = lanczos_max_abs(mv, (4,), 30, dtype=DT, device=CPU, tol=1e-8)
@@ -63,27 +63,35 @@ def _problems():
 def test_converged_kinds_are_not_computed(case, monkeypatch):
     name, cls, call = case
     kw = dict(lanczos=Lanczos(tol=1e-5, max_iter=40, max_basis=None, warn=False))
-    reference = call(**kw)  # with the skipping
     runs = []  # per Lanczos run, per product: (tangent rows the operator got, kinds with a live member)
+    current: list = [None]  # the products of the run whose product is being computed (runs go in lockstep)
     apply = cls.apply
 
     def counting_apply(self, tangent, *a, **k):
-        runs[-1].append([next(iter(tangent.values())).shape[0]])
+        current[0].append([next(iter(tangent.values())).shape[0]])
         return apply(self, tangent, *a, **k)
 
-    def lanczos(matvec, batch_shape, n, *, pass_live=False, **k):
-        assert pass_live
-        runs.append([])
+    class Counting(LanczosRun):
+        def __init__(self, matvec, batch_shape, n, *, pass_live=False, **k):
+            assert pass_live
+            products: list = []
+            runs.append(products)
 
-        def mv(v, live):
-            out = matvec(v, live)
-            runs[-1][-1].append(int(live.reshape(batch_shape[0], -1).any(-1).sum()))
-            return out
+            def mv(v, live):
+                current[0] = products
+                out = matvec(v, live)
+                products[-1].append(int(live.reshape(batch_shape[0], -1).any(-1).sum()))
+                return out
 
-        return lanczos_max_abs(mv, batch_shape, n, pass_live=True, **k)
+            super().__init__(mv, batch_shape, n, pass_live=True, **k)
 
     monkeypatch.setattr(cls, "apply", counting_apply)
-    monkeypatch.setattr(_operator, "lanczos_max_abs", lanczos)
+    monkeypatch.setattr(_operator, "LanczosRun", Counting)
+    # a stopping test every step: kinds of these small blocks converge a few steps apart, which tests every
+    # CHECK_EVERY steps would often merge
+    monkeypatch.setattr(_lanczos, "CHECK_EVERY", 1)
+    reference = call(**kw)
+    runs.clear()
     again = call(**kw)
     assert again.keys() == reference.keys()
     assert all(torch.equal(again[k], reference[k]) for k in reference), name
@@ -100,7 +108,7 @@ def test_converged_kinds_are_not_computed(case, monkeypatch):
     assert fewer > 0, f"{name}: no product with a converged kind left out; the test does not exercise it"
 
     # without the skipping (every product over all kinds) the norms are the same, bit for bit
-    monkeypatch.setattr(_operator, "lanczos_max_abs", lambda *a, pass_live=False, **k: lanczos_max_abs(*a, **k))
+    monkeypatch.setattr(_operator, "LanczosRun", lambda *a, pass_live=False, **k: LanczosRun(*a, **k))
     full = call(**kw)
     assert all(torch.equal(full[k], reference[k]) for k in reference), name
 

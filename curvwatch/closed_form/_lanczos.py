@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 # The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
@@ -20,13 +21,25 @@ OVERTAKE_K = 10.0
 # monitor's tolerances (1e-3, 1e-2) the runs stop before it shows; the second pass costs one more (k, n) matmul.
 REORTH_KAPPA = 0.7071
 
-# Norm of the noise mixed into a warm start, relative to the start vector's norm.
-WARM_NOISE = 1e-3
+# Norm of the noise mixed into a warm start, relative to the start vector's norm. A warm start is the last
+# evaluation's Ritz vector: near an eigenvector of the operator as it was. With little noise (1e-3, until issue 23) the
+# Krylov space stayed near the few directions that vector drifted into, and an indefinite norm whose other end had
+# grown since stopped "converged" on the old end: at the monitor's defaults over 12 training steps 11 of 744 norms
+# were more than 5% below a tight cold solve (worst -64%). With noise of the start vector's own norm the other
+# directions weigh what they weigh in a cold start, up to 1/sqrt(2), while the old vector keeps half its weight
+# (tests/test_lanczos.py: a perturbed operator whose other end is 1.5 against 1 returned 1.0 with 1e-3 and 0.1).
+WARM_NOISE = 1.0
 
-# Off the CPU, the stopping test (a host-device sync) runs every this many Lanczos steps. Not tuned: no GPU
-# has been available to measure the sync's cost against the products that a member iterating past its
-# convergence spends (on average (CHECK_EVERY_OFF_CPU - 1) / 2 per run).
-CHECK_EVERY_OFF_CPU = 2
+# The stopping test (a host-device sync: alpha and beta read by the host) runs every this many Lanczos steps, and at
+# a restart and at the last step. The same on every device, so that operator and sync counts measured on the CPU are
+# those of a GPU. A member that converged between two tests spends at most CHECK_EVERY - 1 more products, which only
+# sharpen its Ritz value.
+CHECK_EVERY = 4
+
+
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """The solver's one device-to-host read per stopping test: ``t`` as a float64 numpy array (a sync off the CPU)."""
+    return t.detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
 def lanczos_max_abs(
@@ -74,7 +87,7 @@ def lanczos_max_abs(
         both_ends: bool or ``batch_shape`` bool tensor; False where the spectrum is known to be one-sided
             (a Gauss-Newton block, PSD) or symmetric about zero (the ``[[0, B], [B^T, 0]]`` embedding of an
             off-diagonal block), where the largest-magnitude end alone decides.
-        pass_live: call ``matvec(v, live)`` instead, ``live`` a CPU bool tensor of shape ``batch_shape``: the
+        pass_live: call ``matvec(v, live)`` instead, ``live`` a host (numpy) bool array of shape ``batch_shape``: the
             members still iterating. The others have zero vectors and their output rows must be zero (exactly
             what a linear ``matvec`` returns), so ``matvec`` may skip computing them. Reading ``live`` costs no
             extra host-device sync: the stopping test reads it anyway.
@@ -99,186 +112,270 @@ def lanczos_max_abs(
         >>> round(float(val), 6)
         5.0
     """
-    if n <= 0:
-        if info is not None:
-            info["rel_residual"] = torch.zeros(batch_shape, dtype=dtype, device=device)
-        return torch.zeros(batch_shape, dtype=dtype, device=device), torch.zeros(
-            (*batch_shape, max(n, 0)), dtype=dtype, device=device
-        )
-    # products at most; without restarts the basis spans the whole space after n of them (then it stops)
-    k_max = n if max_iter is None else max(1, int(max_iter))
-    cap = min(k_max, n) if max_basis is None else min(k_max, n, int(max_basis))  # basis vectors at most
-    if cap >= min(k_max, n):  # room for every vector the run can make: no restarts
-        k_max = min(k_max, n)
-    elif cap < 4:
-        raise ValueError(
-            f"Invalid max_basis={max_basis!r}. Must be >= 4 (a restart keeps two Ritz vectors and needs room for "
-            "more), or None for no limit."
-        )
-    if v0 is None:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        v = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
-    else:
-        v = v0.to(dtype=dtype, device=device).clone()
-        # a zero warm start (e.g. an exactly-zero block last time) would stall: mix in noise of norm
-        # WARM_NOISE * ||v0|| (1 for a zero v0). Per entry it was that size, i.e. sqrt(n) times more: 16% of a
-        # unit start vector at n = 24576, which made every other warm start of the same operator as slow as a
-        # cold one (the same seeded noise, only half removed by a short run, came back doubled).
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        noise = torch.randn((*batch_shape, n), generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
-        noise = noise / noise.norm(dim=-1, keepdim=True)
-        v = v + WARM_NOISE * noise * v.norm(dim=-1, keepdim=True).clamp_min(1.0)
-    v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-    both = torch.as_tensor(False if algebraic else both_ends, dtype=torch.bool, device=device).expand(batch_shape)
-
-    # The basis grows one vector per step into a buffer: basis = buf[..., :size, :]. On CPU the buffer has
-    # room for all its vectors from the start: torch.empty does not touch its pages, so only the vectors
-    # written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
-    # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
-    cpu = _on_cpu(device)
-    buf = torch.empty((*batch_shape, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
-    buf[..., 0, :] = v
-    basis = buf[..., :1, :]
-    # The stopping test (eigen-decomposition of the small projected matrix T of every member) runs on the
-    # host. On CPU that is where everything is, and it runs every step. Elsewhere reading alpha, beta is a
-    # host-device sync, and torch.linalg.eigh on a CUDA tensor syncs too (and pays a solver launch for a tiny
-    # matrix), so the test runs every CHECK_EVERY_OFF_CPU steps on a float64 host copy of T, and members that
-    # converged in between keep iterating until then (more steps only sharpen their Ritz values).
-    check_every = 1 if cpu else CHECK_EVERY_OFF_CPU
-    host = torch.device("cpu")
-    # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (*b, k) of the k kept Ritz
-    # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail)
-    alphas: list[torch.Tensor] = []
-    betas: list[torch.Tensor] = []
-    arrow: torch.Tensor | None = None
-    restarted = False
-    active = torch.ones(batch_shape, dtype=torch.bool, device=device)
-    live = torch.ones(batch_shape, dtype=torch.bool)  # host copy of ``active``, for ``pass_live``
-    both_h = both if cpu else both.cpu()
-    eps = torch.finfo(dtype).eps
-    theta = torch.zeros(batch_shape, dtype=dtype, device=host)
-    rel_residual = torch.zeros(batch_shape, dtype=dtype, device=host)
-    ritz = v.clone()
-    for j in range(k_max):
-        size = basis.shape[-2]  # vectors in the basis, the current one (v) last
-        w = matvec(v, live) if pass_live else matvec(v)
-        alpha = (w * v).sum(-1)
-        alphas.append(alpha)
-        # full re-orthogonalisation against the whole basis by classical Gram-Schmidt. A second pass is
-        # needed only when the first cancelled most of w (then its rounding errors, ~eps ||w_before||, are
-        # large next to what is left): it runs when ||w_after|| < REORTH_KAPPA ||w_before|| for some member.
-        # Reading that is a host-device sync, free on CPU; elsewhere both passes always run (no extra sync).
-        # With ``algebraic`` both passes always run too: the top of an indefinite spectrum can need many steps,
-        # and over them the conditional pass let the basis lose orthogonality geometrically until a ghost Ritz
-        # value above the spectrum passed the stopping test (49 for a spectrum in [-5, -0.3], n = 60,
-        # max_basis = 8, tol = 1e-10; 80 run to the end with tol = 0: tests/test_lanczos.py).
-        w_norm = w.norm(dim=-1) if cpu else None
-        w = _project_out(w, basis)
-        beta = w.norm(dim=-1)
-        if not cpu or algebraic or bool((beta < REORTH_KAPPA * w_norm).any()):
-            w = _project_out(w, basis)
-            beta = w.norm(dim=-1)
-        last = j + 1 == k_max
-        full = size == cap and not last  # no room for the next vector: restart (after the test)
-        if cpu or last or full or (j + 1) % check_every == 0:
-            # eigen-decomposition of the (size x size) projected matrix of every member, on the host
-            if cpu:
-                a, off, beta_h = torch.stack(alphas, -1), (torch.stack(betas, -1) if size > 1 else None), beta
-                arr = arrow
-            else:  # one transfer for all of alpha, the betas kept so far, the current beta (and the arrow)
-                parts = [*alphas, *betas, beta] if arrow is None else [*alphas, *betas, beta, *arrow.unbind(-1)]
-                ab = torch.stack(parts, -1).to(device=host, dtype=torch.float64)
-                a, beta_h = ab[..., :size], ab[..., 2 * size - 1]
-                off = ab[..., size : 2 * size - 1] if size > 1 else None
-                arr = None if arrow is None else ab[..., 2 * size :]
-            T = torch.diag_embed(a)
-            if off is not None:
-                T = T + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
-            if arr is not None:  # the kept Ritz vectors 0..k-1 couple to vector k only
-                k = arr.shape[-1]
-                T[..., :k, k] = arr
-                T[..., k, :k] = arr
-            evals, evecs = torch.linalg.eigh(T)  # ascending
-            idx = (evals if algebraic else evals.abs()).argmax(-1, keepdim=True)
-            theta_now = evals.gather(-1, idx).squeeze(-1)
-            resid = (beta_h.unsqueeze(-1) * evecs[..., -1, :]).abs()  # residual of every Ritz pair
-            # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
-            opp = torch.where(
-                idx == evals.shape[-1] - 1, torch.zeros_like(idx), torch.full_like(idx, evals.shape[-1] - 1)
-            )
-            scale = a.abs().amax(-1).clamp_min(torch.finfo(dtype).tiny)
-            exhausted = beta_h <= 10 * eps * scale
-            # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end
-            # is either accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1
-            # and -0.95, the isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of
-            # 40 trials)
-            r_theta = resid.gather(-1, idx).squeeze(-1)
-            converged = r_theta <= tol * theta_now.abs()
-            # relative residual of the members iterating in this step (a stopped member keeps its last one);
-            # r / 0 = inf: a zero Ritz value, unresolved
-            rel_now = torch.where(r_theta > 0, r_theta / theta_now.abs(), 0.0).to(dtype)
-            rel_residual = torch.where(live, rel_now, rel_residual)
-            theta = torch.where(live, theta_now.to(dtype), theta)
-            r_opp, t_opp = resid.gather(-1, opp).squeeze(-1), evals.gather(-1, opp).squeeze(-1).abs()
-            settled = (r_opp <= tol * theta_now.abs()) | (t_opp + OVERTAKE_K * r_opp <= theta_now.abs())
-            # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end
-            # (last evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
-            converged = converged & (~both_h | (settled & (j > 0)))
-            was_live = live
-            live = live & ~(exhausted | converged)  # the host mask; on CPU also the device one
-            done = not bool(live.any()) or last
-            # algebraic: a member takes its Ritz vector when it stops. Its later steps are zero (alpha = beta = 0),
-            # and with a negative theta those zero Ritz values would outrank it at the end.
-            take = (was_live if done else was_live & ~live) if algebraic else None
-            if done or (take is not None and bool(take.any())):
-                # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
-                y = evecs.gather(-1, idx.unsqueeze(-2).expand(*evecs.shape[:-1], 1)).squeeze(-1)  # (*b, size)
-                y = y.to(device=device, dtype=dtype)
-                new = (y.unsqueeze(-2) @ basis).squeeze(-2)
-                ritz = new if take is None else torch.where(take.to(device).unsqueeze(-1), new, ritz)
-                if done:
-                    break
-            active = live if cpu else live.to(device)
-            if full:
-                # thick restart: keep the Ritz vectors of the lowest and highest Ritz values (both ends of the
-                # spectrum, the members' theta among them) and continue from the residual direction. With
-                # H V = V T + w e^T, H y_i = theta_i y_i + (beta s_i) w / beta: the kept vectors couple to the
-                # next one only, through arrow_i = beta s_i (s_i the last entry of eigenvector i).
-                k_lo = max(1, cap // 4)
-                keep = torch.cat([torch.arange(k_lo), torch.arange(size - k_lo, size)]).to(evecs.device)
-                Y = evecs.index_select(-1, keep)  # (*b, size, 2 k_lo)
-                kept = Y.to(device=device, dtype=dtype).mT @ basis  # (*b, 2 k_lo, n), a temporary
-                k = kept.shape[-2]
-                buf[..., :k, :] = kept
-                del kept
-                basis = buf[..., :k, :]
-                arrow = (beta_h.unsqueeze(-1) * Y[..., -1, :]).to(device=device, dtype=dtype)  # (*b, k)
-                arrow = torch.where(active.unsqueeze(-1), arrow, torch.zeros_like(arrow))
-                alphas = list(evals.index_select(-1, keep).to(device=device, dtype=dtype).unbind(-1))
-                # zero couplings between the kept vectors, and between the last of them and the next vector
-                # (that one, like all of the kept vectors' couplings to it, is in arrow)
-                betas = [torch.zeros_like(beta) for _ in range(k)]
-                restarted = True
-        if restarted:
-            restarted = False
-        else:
-            betas.append(torch.where(active, beta, torch.zeros_like(beta)))
-        size = basis.shape[-2]
-        if size + 1 > buf.shape[-2]:
-            grown = torch.empty((*batch_shape, min(cap, 2 * buf.shape[-2]), n), dtype=dtype, device=device)
-            grown[..., :size, :] = basis
-            buf = grown
-        # the next vector, written straight into its basis slot; members that stopped get a zero vector
-        # (in place: torch.where with a broadcast condition and a scalar was 10x slower on CPU at n = 590k)
-        v = buf[..., size, :]
-        torch.div(w, beta.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1), out=v)
-        if not bool(live.all()):
-            v.masked_fill_(~active.unsqueeze(-1), 0.0)
-        basis = buf[..., : size + 1, :]
-    theta, rel_residual = theta.to(device), rel_residual.to(device)
+    run = LanczosRun(matvec, batch_shape, n, dtype=dtype, device=device, tol=tol, max_iter=max_iter,
+                     max_basis=max_basis, v0=v0, seed=seed, both_ends=both_ends, pass_live=pass_live,
+                     algebraic=algebraic)  # fmt: skip
+    solve([run])
     if info is not None:
-        info["rel_residual"] = rel_residual
-    return (theta if algebraic else theta.abs()), ritz
+        info["rel_residual"] = run.rel_residual
+    return run.norm, run.ritz
+
+
+def solve(runs: Sequence[LanczosRun]) -> None:
+    """Advance several independent Lanczos runs in lockstep until each has stopped.
+
+    Every run takes one product per round; the runs whose stopping test is due read their small projected matrices
+    in **one** device-to-host copy (:func:`to_host`) for all of them, so the host waits on the device once per test
+    round, however many runs (pairs, kinds, blocks) there are. The runs then hold their results
+    (:attr:`LanczosRun.norm`, :attr:`~LanczosRun.ritz`, :attr:`~LanczosRun.rel_residual`).
+    """
+    live = [r for r in runs if not r.done]
+    while live:
+        for r in live:
+            r.step()
+        due = [r for r in live if r.due]
+        if due:
+            parts = [r.host_parts() for r in due]
+            flat = [p.reshape(-1) for p in parts]
+            host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
+            ends = np.cumsum([p.numel() for p in parts])[:-1]
+            for r, part in zip(due, np.split(host, ends), strict=True):
+                r.check(part.reshape(r.host_shape))
+        live = [r for r in live if not r.done]
+
+
+class LanczosRun:
+    """One batched Lanczos run (the arguments of :func:`lanczos_max_abs`) as a state machine driven by :func:`solve`.
+
+    :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
+    when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
+    restart couplings), which decides convergence on the host, restarts or finishes.
+
+    Attributes (once :attr:`done`):
+        norm: ``batch_shape``, the largest |eigenvalue| (the largest eigenvalue with ``algebraic``).
+        ritz: ``(*batch_shape, n)``, its Ritz vector.
+        rel_residual: ``batch_shape``, the relative residual of the returned Ritz value when its member stopped.
+    """
+
+    def __init__(self, matvec, batch_shape, n, *, dtype, device, tol=1e-6, max_iter=None, max_basis=None, v0=None,
+                 seed=0, both_ends=True, pass_live=False, algebraic=False):  # fmt: skip
+        device = torch.device(device)
+        self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, tuple(batch_shape), n, dtype, device
+        self.tol, self.pass_live, self.algebraic = tol, pass_live, algebraic
+        self.done, self.due = False, False
+        if n <= 0:
+            self.done = True
+            self.norm = self.rel_residual = torch.zeros(batch_shape, dtype=dtype, device=device)
+            self.ritz = torch.zeros((*batch_shape, max(n, 0)), dtype=dtype, device=device)
+            return
+        # products at most; without restarts the basis spans the whole space after n of them (then it stops)
+        k_max = n if max_iter is None else max(1, int(max_iter))
+        cap = min(k_max, n) if max_basis is None else min(k_max, n, int(max_basis))  # basis vectors at most
+        if cap >= min(k_max, n):  # room for every vector the run can make: no restarts
+            k_max = min(k_max, n)
+        elif cap < 4:
+            raise ValueError(
+                f"Invalid max_basis={max_basis!r}. Must be >= 4 (a restart keeps two Ritz vectors and needs room for "
+                "more), or None for no limit."
+            )
+        self.k_max, self.cap = k_max, cap
+        # start vectors drawn on the device (no host tensor copied over)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        noise = torch.randn((*batch_shape, n), generator=gen, dtype=dtype, device=device)
+        tiny = torch.finfo(dtype).tiny
+        if v0 is None:
+            v = noise
+        else:
+            # a warm start keeps its direction and gets noise of its own norm (see WARM_NOISE); a zero v0 (an
+            # exactly-zero block last time) is then a cold start
+            v = v0.to(dtype=dtype, device=device)
+            v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny) + noise * (
+                WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
+            )
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+        # which members must resolve both ends, a host mask (no read of a device value)
+        both = False if algebraic else both_ends
+        both = both.detach().to("cpu").numpy() if isinstance(both, torch.Tensor) else np.asarray(both)
+        self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape)
+        # The basis grows one vector per step into a buffer: basis = buf[..., :size, :]. On CPU the buffer has room
+        # for all its vectors from the start: torch.empty does not touch its pages, so only the vectors written cost
+        # memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at n = 590k, batch 3). On
+        # other devices an allocation is memory at once, so the capacity doubles instead.
+        cpu = _on_cpu(device)
+        self.buf = torch.empty((*batch_shape, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
+        self.buf[..., 0, :] = v
+        self.basis = self.buf[..., :1, :]
+        self.v = self.basis[..., 0, :]
+        # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (*b, k) of the k kept Ritz
+        # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail)
+        self.alphas: list[torch.Tensor] = []
+        self.betas: list[torch.Tensor] = []
+        self.arrow: torch.Tensor | None = None
+        self.restarted = False
+        self.live = np.ones(self.batch_shape, dtype=bool)  # host mask of the members still iterating
+        self.active = torch.ones(self.batch_shape, dtype=torch.bool, device=device)  # its device copy
+        self.theta = np.zeros(self.batch_shape)
+        self.rel = np.zeros(self.batch_shape)
+        self.ritz = v
+        self.j = 0
+        self.w = self.beta = None
+
+    # -- one step on the device ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One product and its full re-orthogonalisation (two classical Gram-Schmidt passes, "twice is enough");
+        sets :attr:`due` when the stopping test must run before the next step."""
+        size = self.basis.shape[-2]  # vectors in the basis, the current one (v) last
+        w = self.matvec(self.v, self.live) if self.pass_live else self.matvec(self.v)
+        self.alphas.append(torch.linalg.vecdot(w, self.v))
+        # Two passes always: the second is needed where the first cancelled most of w (its rounding errors,
+        # ~eps ||w_before||, are then large next to what is left), and deciding that is a read of a device value.
+        w = _project_out(_project_out(w, self.basis), self.basis)
+        self.w, self.beta = w, torch.linalg.vector_norm(w, dim=-1)
+        last = self.j + 1 == self.k_max
+        self.full = size == self.cap and not last  # no room for the next vector: restart (after the test)
+        self.due = last or self.full or (self.j + 1) % CHECK_EVERY == 0
+        if not self.due:
+            self._next()
+
+    def host_parts(self) -> torch.Tensor:
+        """``(*batch_shape, m)``: the alphas, the betas kept so far, the current beta (and the restart couplings),
+        what the stopping test reads."""
+        parts = [*self.alphas, *self.betas, self.beta]
+        if self.arrow is not None:
+            parts += list(self.arrow.unbind(-1))
+        return torch.stack(parts, -1)
+
+    @property
+    def host_shape(self) -> tuple[int, ...]:
+        k = 0 if self.arrow is None else self.arrow.shape[-1]
+        return (*self.batch_shape, 2 * len(self.alphas) + k)
+
+    # -- the stopping test on the host -----------------------------------------------------------------------------
+
+    def check(self, ab: np.ndarray) -> None:
+        """Eigen-decompose every member's projected matrix (``ab``: the float64 host copy of :meth:`host_parts`, a
+        numpy array), freeze the members that converged, and finish, restart or go on. All on the host: nothing
+        here reads a device value or dispatches a device operator."""
+        size, dtype, device, algebraic, tol = len(self.alphas), self.dtype, self.device, self.algebraic, self.tol
+        a, beta_h = ab[..., :size], ab[..., 2 * size - 1]
+        T = np.zeros((*ab.shape[:-1], size, size))
+        diag = np.arange(size)
+        T[..., diag, diag] = a
+        if size > 1:
+            off = ab[..., size : 2 * size - 1]
+            T[..., diag[:-1], diag[1:]] = off
+            T[..., diag[1:], diag[:-1]] = off
+        if self.arrow is not None:  # the kept Ritz vectors 0..k-1 couple to vector k only
+            arr = ab[..., 2 * size :]
+            k = arr.shape[-1]
+            T[..., :k, k] = arr
+            T[..., k, :k] = arr
+        evals, evecs = np.linalg.eigh(T)  # ascending
+        idx = (evals if algebraic else np.abs(evals)).argmax(-1)[..., None]
+        theta_now = np.take_along_axis(evals, idx, -1)[..., 0]
+        resid = np.abs(beta_h[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
+        # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
+        opp = np.where(idx == size - 1, 0, size - 1)
+        scale = np.maximum(np.abs(a).max(-1), torch.finfo(dtype).tiny)
+        exhausted = beta_h <= 10 * torch.finfo(dtype).eps * scale
+        # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end is either
+        # accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and -0.95, the
+        # isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of 40 trials)
+        r_theta = np.take_along_axis(resid, idx, -1)[..., 0]
+        converged = r_theta <= tol * np.abs(theta_now)
+        # relative residual of the members iterating in this step (a stopped member keeps its last one); r / 0 = inf:
+        # a zero Ritz value, unresolved
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel_now = np.where(r_theta > 0, r_theta / np.abs(theta_now), 0.0)
+        live = self.live
+        self.rel = np.where(live, rel_now, self.rel)
+        self.theta = np.where(live, theta_now, self.theta)
+        r_opp = np.take_along_axis(resid, opp, -1)[..., 0]
+        t_opp = np.abs(np.take_along_axis(evals, opp, -1)[..., 0])
+        settled = (r_opp <= tol * np.abs(theta_now)) | (t_opp + OVERTAKE_K * r_opp <= np.abs(theta_now))
+        # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end (last
+        # evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
+        converged = converged & (~self.both_h | (settled & (size > 1)))
+        self.live = live & ~(exhausted | converged)
+        done = not self.live.any() or self.j + 1 == self.k_max
+        # algebraic: a member takes its Ritz vector when it stops. Its later steps are zero (alpha = beta = 0), and
+        # with a negative theta those zero Ritz values would outrank it at the end.
+        take = (live if done else live & ~self.live) if algebraic else None
+        if done or (take is not None and take.any()):
+            # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
+            y = np.take_along_axis(evecs, idx[..., None, :], -1)[..., 0]  # (*b, size)
+            new = (_to_device(y, dtype, device).unsqueeze(-2) @ self.basis).squeeze(-2)
+            self.ritz = new if take is None else torch.where(_to_device(take[..., None], None, device), new,
+                                                             self.ritz)  # fmt: skip
+        if done:
+            self._finish()
+            return
+        if not np.array_equal(self.live, live):
+            self.active = _to_device(self.live, None, device)
+        if self.full:
+            self._restart(evals, evecs, beta_h)
+        self._next()
+
+    def _restart(self, evals: np.ndarray, evecs: np.ndarray, beta_h: np.ndarray) -> None:
+        """Thick restart: keep the Ritz vectors of the lowest and highest Ritz values (both ends of the spectrum, the
+        members' theta among them) and continue from the residual direction. With H V = V T + w e^T,
+        H y_i = theta_i y_i + (beta s_i) w / beta: the kept vectors couple to the next one only, through
+        arrow_i = beta s_i (s_i the last entry of eigenvector i)."""
+        size, dtype, device = len(self.alphas), self.dtype, self.device
+        k_lo = max(1, self.cap // 4)
+        keep = np.concatenate([np.arange(k_lo), np.arange(size - k_lo, size)])
+        Y = evecs[..., keep]  # (*b, size, 2 k_lo), host
+        kept = _to_device(Y, dtype, device).mT @ self.basis  # (*b, 2 k_lo, n), a temporary
+        k = kept.shape[-2]
+        self.buf[..., :k, :] = kept
+        del kept
+        self.basis = self.buf[..., :k, :]
+        arrow = beta_h[..., None] * Y[..., -1, :] * self.live[..., None]  # (*b, k); 0 for stopped members
+        self.arrow = _to_device(arrow, dtype, device)
+        self.alphas = list(_to_device(evals[..., keep], dtype, device).unbind(-1))
+        # zero couplings between the kept vectors, and between the last of them and the next vector (that one, like
+        # all of the kept vectors' couplings to it, is in arrow)
+        self.betas = [torch.zeros_like(self.beta) for _ in range(k)]
+        self.restarted = True
+
+    def _next(self) -> None:
+        """The next Lanczos vector ``w / beta``, written straight into its basis slot; stopped members get zero."""
+        beta = self.beta
+        if self.restarted:
+            self.restarted = False
+        elif self.live.all():  # a host array: no sync
+            self.betas.append(beta)
+        else:
+            self.betas.append(beta * self.active)
+        size = self.basis.shape[-2]
+        if size + 1 > self.buf.shape[-2]:
+            grown = torch.empty((*self.batch_shape, min(self.cap, 2 * self.buf.shape[-2]), self.n), dtype=self.dtype,
+                                device=self.device)  # fmt: skip
+            grown[..., :size, :] = self.basis
+            self.buf = grown
+        v = self.buf[..., size, :]
+        # (in place: torch.where with a broadcast condition and a scalar was 10x slower on CPU at n = 590k)
+        torch.div(self.w, beta.clamp_min(torch.finfo(self.dtype).tiny).unsqueeze(-1), out=v)
+        if not self.live.all():
+            v.masked_fill_(~self.active.unsqueeze(-1), 0.0)
+        self.v = v
+        self.basis = self.buf[..., : size + 1, :]
+        self.w = None
+        self.j += 1
+
+    def _finish(self) -> None:
+        self.done = True
+        theta = _to_device(self.theta, self.dtype, self.device)
+        self.rel_residual = _to_device(self.rel, self.dtype, self.device)
+        self.norm = theta if self.algebraic else theta.abs()  # (a device operator, as the old in-loop version)
+        self.buf = self.basis = self.v = self.w = self.alphas = self.betas = self.arrow = None
+
+
+def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """A small host array as a tensor on the solver's device (non-blocking: the host does not wait for the device)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
 def _project_out(w: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

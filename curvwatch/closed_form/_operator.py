@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._lanczos import lanczos_max_abs
+from ._lanczos import LanczosRun, solve
 from .settings import Lanczos
 
 KINDS = ("outer", "functional", "hessian")
@@ -319,14 +319,18 @@ def spectral_norms(
         converged, larger when ``max_iter`` stopped it).
     """
     names = list(op.params)
-    out: dict[str, torch.Tensor] = {}
+    jobs = []
     for pair_name in pairs:
         pair = _pair_blocks(pair_name, names)
         ks = [k for k in kinds if (k, pair_name) not in skip]
-        if not ks:
-            continue
-        emb, mv = pair_matvec(op, pair, ks)
-        vals, rel = _lanczos_norms(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1], lanczos)
+        if ks:
+            emb, mv = pair_matvec(op, pair, ks)
+            jobs.append((pair_name, pair, ks, _norm_run(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1],
+                                                        lanczos)))  # fmt: skip
+    solve([job[-1] for job in jobs])  # every pair in lockstep: one host read per stopping test for all of them
+    out: dict[str, torch.Tensor] = {}
+    for pair_name, pair, ks, run in jobs:
+        vals, rel = _norm_results(run, (pair_name, tuple(ks)), lanczos)
         for i, kind in enumerate(ks):
             for h, key in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
                 out[key] = vals[i, h]
@@ -334,13 +338,12 @@ def spectral_norms(
     return out
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False):
-    """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
-    and stored into ``lanczos.warm_start``; with ``algebraic`` the largest eigenvalues instead of the norms."""
-    info: dict = {}
+def _norm_run(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False) -> LanczosRun:
+    """The batched Lanczos run ``(len(kinds), H)`` of ``mv``, warm-started from ``lanczos.warm_start``; with
+    ``algebraic`` it finds the largest eigenvalues instead of the norms (drive it with :func:`solve`)."""
     warm = lanczos.warm_start
     shape = (len(kinds), emb.H, emb.n)
-    vals, ritz = lanczos_max_abs(
+    return LanczosRun(
         mv,
         shape[:2],
         emb.n,
@@ -351,24 +354,34 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, al
         max_basis=lanczos.max_basis,
         pass_live=True,
         v0=None if warm is None else warm.get(key, shape, op.dtype, op.device),
-        both_ends=_both_ends(kinds, op, diagonal=diagonal),
-        info=info,
+        both_ends=_both_ends(kinds, diagonal=diagonal),
         algebraic=algebraic,
     )
-    if warm is not None:
-        warm.put(key, ritz)
-    return vals, info["rel_residual"]
 
 
-def _both_ends(kinds: Sequence[str], op: BlockOperator, diagonal: bool) -> torch.Tensor:
-    """``(len(kinds), 1)`` mask: which Lanczos runs must resolve both ends of the spectrum.
+def _norm_results(run: LanczosRun, key, lanczos: Lanczos) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norms, relative residuals)`` of a finished run; its Ritz vectors go into ``lanczos.warm_start``."""
+    if lanczos.warm_start is not None:
+        lanczos.warm_start.put(key, run.ritz)
+    return run.norm, run.rel_residual
+
+
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False):
+    """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
+    and stored into ``lanczos.warm_start``; with ``algebraic`` the largest eigenvalues instead of the norms."""
+    run = _norm_run(op, emb, mv, kinds, key, diagonal, lanczos, algebraic)
+    solve([run])
+    return _norm_results(run, key, lanczos)
+
+
+def _both_ends(kinds: Sequence[str], diagonal: bool) -> torch.Tensor:
+    """``(len(kinds), 1)`` host mask: which Lanczos runs must resolve both ends of the spectrum.
 
     Outer (Gauss-Newton) blocks are PSD and off-diagonal blocks are embedded with a spectrum symmetric
     about zero: the largest-magnitude end alone decides. Functional and total diagonal blocks are
     indefinite.
     """
-    need = [diagonal and k != "outer" for k in kinds]
-    return torch.tensor(need, dtype=torch.bool, device=op.device).unsqueeze(-1)
+    return torch.tensor([diagonal and k != "outer" for k in kinds], dtype=torch.bool).unsqueeze(-1)
 
 
 def full_norms(

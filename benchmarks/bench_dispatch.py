@@ -1,0 +1,274 @@
+"""Benchmark: dispatched operators and host syncs of one monitor evaluation, per layer (and timings on a GPU).
+
+On a GPU an evaluation of many small tensors is bound by what the host dispatches and by how often it waits for the
+device, not by arithmetic. Both counts are the same on any device, so they are measured here on the CPU:
+
+* **operators**: every ATen operator the dispatcher runs below autograd (a ``TorchDispatchMode`` counts them);
+* **host syncs**: reads of a tensor's value by the host: ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``,
+  ``bool(t)``), ``Tensor.tolist()`` and ``Tensor.numpy()`` calls, and explicit device-to-host copies of the solver
+  (:func:`curvwatch.closed_form._lanczos.to_host`). On a CUDA device each one stops the host until the GPU is done.
+
+A small Lightning run trains the same model three times (same seed and data): without the monitor, with a full
+evaluation every step (``every_n_train_steps=1``, every default key, real-loss keys included) and with a terms-only
+evaluation every step (the default ``terms_keys="warnings"``, full evaluations only at step 0). The counts of one warm
+step (step 2) with the monitor, less those of the same step without it, divided by the number of layers, are the
+monitor's per-layer cost. Defaults: a 2-layer GPT of GPT-2-small width (d 768, 12 heads, vocabulary 50304), B 2,
+L 128, as the issue that set the ceilings measured it.
+
+``--device cuda`` also times, side by side in one process, the plain step and the step with a full / terms-only
+evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of each (GPT-2-small shape by default on
+CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
+
+Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+from curvwatch import CurvatureMonitor
+
+NAME = "bench_dispatch"
+_SYNC_OPS = ("aten._local_scalar_dense.default",)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every dispatched ATen operator and every host read of a tensor's value inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.ops[n] for n in _SYNC_OPS) + self.host_reads
+
+
+@contextlib.contextmanager
+def count_host_reads(counter: OpCounter):
+    """Count ``tolist``/``numpy`` calls (they read memory directly, without a dispatched operator) and the solver's
+    explicit host copies into ``counter.host_reads``."""
+    from curvwatch.closed_form import _lanczos
+
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    to_host = getattr(_lanczos, "to_host", None)
+
+    def wrap(fn):
+        def wrapped(*args, **kwargs):
+            counter.host_reads += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    try:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, wrap(fn))
+        if to_host is not None:
+            _lanczos.to_host = wrap(to_host)
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        if to_host is not None:
+            _lanczos.to_host = to_host
+
+
+def build_model(arch: str, n_layer: int, vocab: int, L_seq: int) -> torch.nn.Module:
+    """A model of GPT-2-small width built from a config (no download): curvwatch's GPT or a HF LLaMA."""
+    if arch == "gpt":
+        from curvwatch.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=vocab, block_size=L_seq, n_layer=n_layer, n_head=12, d_model=768))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=n_layer,
+                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=L_seq,
+                         attn_implementation="sdpa")  # fmt: skip
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(config)
+
+        def forward(self, idx):
+            return self.model(input_ids=idx).logits
+
+    return Wrapped()
+
+
+class LitLM(L.LightningModule):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        idx, y = batch
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class StepProbe(Callback):
+    """Counts the operators and host syncs of step ``at`` (from its batch start to its end) and times every step."""
+
+    def __init__(self, at: int, device: torch.device) -> None:
+        self.at, self.device = at, device
+        self.counter: OpCounter | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self.times: list[float] = []
+        self.peak: list[int] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if trainer.global_step == self.at and self.device.type == "cpu":
+            self.counter = OpCounter()
+            self._stack = contextlib.ExitStack()
+            self._stack.enter_context(self.counter)
+            self._stack.enter_context(count_host_reads(self.counter))
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak.append(torch.cuda.max_memory_allocated())
+        self.times.append(time.perf_counter() - self._t0)
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+def run(model_fn, monitor: CurvatureMonitor | None, steps: int, at: int, batch: int, L_seq: int, vocab: int,
+        device: torch.device, precision: str) -> StepProbe:  # fmt: skip
+    torch.manual_seed(0)
+    model = LitLM(model_fn())
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab, (batch * steps, L_seq + 1), generator=g)
+    data = DataLoader(TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=batch)
+    probe = StepProbe(at, device)
+    callbacks: list[Callback] = [probe] + ([monitor] if monitor is not None else [])
+    trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, precision=precision, logger=False,
+                        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data)
+    return probe
+
+
+def variants() -> dict[str, Any]:
+    """The monitors compared: none, a full evaluation every step, a terms-only evaluation every step."""
+    return {
+        "off": lambda: None,
+        "full": lambda: CurvatureMonitor(every_n_train_steps=1, max_overhead=None, terms_every_n_train_steps=None),
+        "terms": lambda: CurvatureMonitor(every_n_train_steps=10**9, max_overhead=None, terms_every_n_train_steps=1),
+    }
+
+
+def count(args) -> dict[str, Any]:
+    """Operators and host syncs of step 2 per variant, and the monitor's share per layer."""
+    device = torch.device("cpu")
+    model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq)
+    out: dict[str, Any] = {}
+    for name, make in variants().items():
+        probe = run(model_fn, make(), 3, 2, args.batch, args.seq, args.vocab, device, "32-true")
+        out[name] = {"ops": probe.counter.total, "syncs": probe.counter.syncs,
+                     "top": probe.counter.ops.most_common(12)}  # fmt: skip
+        print(f"{name}: {out[name]['ops']} operators, {out[name]['syncs']} host syncs", file=sys.stderr)
+    for name in ("full", "terms"):
+        out[f"{name}_per_layer"] = {
+            "ops": (out[name]["ops"] - out["off"]["ops"]) / args.n_layer,
+            "syncs": (out[name]["syncs"] - out["off"]["syncs"]) / args.n_layer,
+        }
+    return out
+
+
+def timings(args) -> dict[str, Any]:
+    """Median step times (and peak memory) side by side on CUDA: plain, full evaluation, terms-only evaluation."""
+    device = torch.device("cuda")
+    model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq)
+    res: dict[str, Any] = {}
+    for round_ in range(args.rounds):
+        for name, make in variants().items():
+            # a full evaluation every step costs many steps: fewer of them (step 0 cold, step 1 warms up)
+            steps = (args.full_repeats if name == "full" else args.repeats) + 2
+            probe = run(model_fn, make(), steps, -1, args.batch, args.seq, args.vocab, device, args.precision)
+            t = probe.times[2:]  # step 0 (a full evaluation in every monitored variant) and one warm-up step out
+            res.setdefault(name, {"times": [], "peak": []})
+            res[name]["times"] += t
+            res[name]["peak"].append(max(probe.peak))
+            print(f"round {round_} {name}: median {statistics.median(t) * 1e3:.1f} ms", file=sys.stderr)
+    plain = statistics.median(res["off"]["times"])
+    for name in ("full", "terms"):
+        med = statistics.median(res[name]["times"])
+        res[name]["steps"] = (med - plain) / plain  # the evaluation's cost in plain training steps
+    res["plain_ms"] = plain * 1e3
+    for name in res:
+        if isinstance(res[name], dict):
+            res[name]["median_ms"] = statistics.median(res[name]["times"]) * 1e3
+            res[name]["peak_gib"] = max(res[name]["peak"]) / 2**30
+            del res[name]["times"]
+    res["extra_peak_fraction"] = {n: res[n]["peak_gib"] / res["off"]["peak_gib"] - 1 for n in ("full", "terms")}
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--n-layer", type=int, default=None, help="default: 2 on CPU, 12 on CUDA")
+    p.add_argument("--batch", type=int, default=None, help="default: 2 on CPU, 8 on CUDA")
+    p.add_argument("--seq", type=int, default=None, help="default: 128 on CPU, 1024 on CUDA")
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--precision", default="bf16-mixed", help="CUDA only")
+    p.add_argument("--repeats", type=int, default=8, help="CUDA: timed steps per run")
+    p.add_argument("--full-repeats", type=int, default=3, help="CUDA: timed steps of the full-evaluation run")
+    p.add_argument("--rounds", type=int, default=1, help="CUDA: rounds (each runs the three variants in turn)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.n_layer = args.n_layer or (12 if cuda else 2)
+    args.batch = args.batch or (8 if cuda else 2)
+    args.seq = args.seq or (1024 if cuda else 128)
+    result = {"args": vars(args), **(timings(args) if cuda else count(args))}
+    text = json.dumps(result, indent=1, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()

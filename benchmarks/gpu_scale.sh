@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 23's GPU check, one command (each step under its own time limit; ~8 minutes in all on one H200):
+#
+#   bash benchmarks/gpu_scale.sh      # writes gpu_scale.log and JSON files to $OUT (else benchmarks/results/gpu)
+#
+# 1. the CUDA tests (tests/test_cuda.py: closed forms on CUDA equal the CPU ones, the Lanczos loop's syncs, a
+#    Lightning run on the GPU) and the float16 mixed-precision test that needs CUDA;
+# 2. benchmarks/bench_dispatch.py --device cuda: the plain training step, the step with a full evaluation (every
+#    default key, real-loss keys included) and with a terms-only evaluation, side by side, with peak memory, on the
+#    GPT-2-small-shaped curvwatch GPT (12 layers, d 768, 12 heads, vocabulary 50304, B 8, L 1024, bf16-mixed, AdamW)
+#    and on a LLaMA-style HF LlamaForCausalLM (12 layers, d 768, 12 / 4 heads, ff 2048, vocabulary 32000) built from
+#    a config (the machine's own transformers).
+# It uses the machine's own python3 (its PyTorch, Lightning, transformers); curvwatch comes from this checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$out"
+log="$out/gpu_scale.log"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled
+py=python3
+status=0
+
+. benchmarks/_gpu_step.sh  # step LIMIT_S NAME CMD...
+
+: >"$log"
+step 30 env $py -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
+step 150 tests $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    "tests/test_reliability.py::test_mixed_precision_computed_in_float32"
+step 170 dispatch_gpt $py -m benchmarks.bench_dispatch --device cuda --arch gpt --out "$out/dispatch_gpt.json"
+step 170 dispatch_llama $py -m benchmarks.bench_dispatch --device cuda --arch llama --out "$out/dispatch_llama.json"
+exit $status
