@@ -16,7 +16,7 @@ from torch import Tensor
 
 from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
-from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
+from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import BlockError, Engine, Evaluation
@@ -154,7 +154,9 @@ class CurvatureMonitor(Callback):
         spike_warmup: Evaluations of a block that only build its baseline.
         patience: Consecutive evaluations a condition must hold before it warns.
         cooldown: Evaluations a fired (kind, block) stays silent.
-        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires.
+        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires. The monitor's
+            notices about itself (unconverged norms, costs, blocks left out, skipped evaluations) are
+            :class:`~curvwatch.CurvatureNotice`, a separate category, whatever ``warn``.
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and
             of the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
@@ -570,7 +572,7 @@ class CurvatureMonitor(Callback):
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
             f"{key}={self.book.skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
             "the failing block out.",
-            CurvatureWarning,
+            CurvatureNotice,
             stacklevel=2,
         )
 

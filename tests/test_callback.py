@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 import curvwatch.callback as callback_module
-from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.closed_form.settings import Lanczos
 from tests.ddp_script import TinyLM, loader
@@ -242,7 +242,7 @@ def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
-    with pytest.warns(CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
+    with pytest.warns(CurvatureNotice, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
         trainer.fit(TinyLM(), loader())
     assert trainer.global_step == 5  # training went on
     logged = curv_rows(read_rows(trainer))
@@ -684,7 +684,7 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     converges: no warning, 0 unconverged."""
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
-    with pytest.warns(CurvatureWarning, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
+    with pytest.warns(CurvatureNotice, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
         trainer.fit(TinyLM(), loader())
     stopped = [str(w.message) for w in rec if "Lanczos norms stopped" in str(w.message)]
     assert len(stopped) == 1 and "at step 1," in stopped[0]  # once per run, not per evaluation; not the cold one
@@ -708,13 +708,45 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     assert "Lanczos" not in monitor.summary_text()
 
 
+def test_notices_and_instability_warnings_have_separate_categories(tmp_path):
+    """Issue 26: an unconverged-Lanczos notice is a CurvatureNotice, a LayerNorm collapse a CurvatureWarning; a
+    filter that turns CurvatureWarning into errors does not trip on the notice (the categories are siblings)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    with torch.no_grad():  # LayerNorm inputs ~1e-4 x their usual scale: variance far below eps
+        model.model.tok_emb.weight.mul_(1e-4)
+        model.model.pos_emb.weight.mul_(1e-4)
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2, cooldown=100
+    )
+    trainer = make_trainer(tmp_path / "both", monitor, max_steps=3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", CurvatureWarning)
+        warnings.simplefilter("always", CurvatureNotice)
+        trainer.fit(model, loader())
+    by_category = {c: [str(w.message) for w in record if w.category is c] for c in (CurvatureWarning, CurvatureNotice)}
+    assert [m.split(" in block")[0] for m in by_category[CurvatureWarning]] == ["LayerNorm variance collapse"] * 2
+    assert len(by_category[CurvatureNotice]) == 1
+    assert "Lanczos norms stopped at max_iter=2" in by_category[CurvatureNotice][0]
+    assert not issubclass(CurvatureNotice, CurvatureWarning) and not issubclass(CurvatureWarning, CurvatureNotice)
+
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
+    trainer = make_trainer(tmp_path / "notice", monitor, max_steps=3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("error", CurvatureWarning)  # a pager on instabilities: a notice must not page
+        warnings.simplefilter("always", CurvatureNotice)
+        trainer.fit(TinyLM(), loader())
+    assert [w.category for w in record if "Lanczos" in str(w.message)] == [CurvatureNotice]
+    assert sorted(curv_rows(read_rows(trainer))) == [0, 1, 2] and not monitor.alerts
+
+
 def test_a_chosen_cadence_is_honoured_and_its_cost_said_once(tmp_path):
     """Issue 12's defect: every_n_train_steps=2 on a 12-step run evaluated only step 0 (the default 1% budget
     skipped the rest). A chosen cadence is now kept as it is; its cost is said once, with the ways to cap it."""
     monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, log_heatmap=False)
     assert monitor.max_overhead is None and CurvatureMonitor().max_overhead == 0.01
     trainer = make_trainer(tmp_path, monitor, max_steps=12)
-    with pytest.warns(CurvatureWarning, match=r"every_n_train_steps=2 is expensive here.*max_overhead=0.01") as seen:
+    with pytest.warns(CurvatureNotice, match=r"every_n_train_steps=2 is expensive here.*max_overhead=0.01") as seen:
         trainer.fit(TinyLM(), loader(n=48))
     assert sum("is expensive here" in str(w.message) for w in seen) == 1
     assert sorted(curv_rows(read_rows(trainer))) == [0, 2, 4, 6, 8, 10]

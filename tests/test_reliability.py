@@ -25,7 +25,7 @@ import curvwatch.callback as callback_module
 import curvwatch.closed_form as closed_form
 import curvwatch.metrics as metrics_module
 from benchmarks.common import PeakMemory
-from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
 from curvwatch.capture import Capture, CapturedBlock, CaptureError
 from curvwatch.closed_form.settings import Lanczos
@@ -104,14 +104,16 @@ LANCZOS_CUT = "Lanczos norms stopped at max_iter"
 
 
 def curv_warnings(record) -> list[str]:
-    messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    """The messages of the monitor's warnings and notices, both categories."""
+    messages = [str(w.message) for w in record if issubclass(w.category, (CurvatureWarning, CurvatureNotice))]
     return [m for m in messages if LANCZOS_CUT not in m]
 
 
 def fit(trainer, model, data=None):
-    """Fit, recording every CurvatureWarning (pytest turns other warnings into errors)."""
+    """Fit, recording every CurvatureWarning and CurvatureNotice (pytest turns other warnings into errors)."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", CurvatureWarning)
+        warnings.simplefilter("always", CurvatureNotice)
         trainer.fit(model, data if data is not None else loader(n=12))
     return curv_warnings(record)
 
@@ -709,6 +711,7 @@ def test_callback_state_bounded_over_many_evaluations():
     flat = {("layer0/attn", "hessian/VV/h0"): 1.0, ("layer0/ln_1", "ln/var_min_over_eps"): 1.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CurvatureWarning)
+        warnings.simplefilter("ignore", CurvatureNotice)
         for step in range(2000):  # every evaluation fires a collapse alert; every other one also a skip
             flat[("layer0/attn", "hessian/VV/h0")] = 100.0 ** (step % 2)
             monitor._log(trainer, step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
@@ -736,6 +739,7 @@ def test_resume_mid_epoch_same_schedule_and_warning_state(tmp_path):
         )
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always", CurvatureWarning)
+            warnings.simplefilter("always", CurvatureNotice)
             trainer.fit(model, loader(n=32), ckpt_path=ckpt_path)  # 8 batches: checkpoints are mid-epoch
         fired = [(m.split("'")[1], int(m.split("at step ")[1].split(":")[0])) for m in curv_warnings(record)]
         return monitor, logged(trainer), fired

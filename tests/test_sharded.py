@@ -23,7 +23,7 @@ import torch
 
 from curvwatch import CurvatureMonitor, sharding
 from curvwatch.adapters import UnsupportedBlockError, find_blocks
-from curvwatch.alerts import CurvatureWarning
+from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.engine import NONFINITE, BlockError, Engine
 from curvwatch.models.gpt import GPT, GPTConfig
@@ -263,10 +263,10 @@ def test_engine_reads_every_block_before_any_local_decision(raise_errors, monkey
     monkeypatch.setattr(CapturedBlock, "evaluate", failing)
     engine = Engine(raise_errors=raise_errors)
     if raise_errors:  # raised once every block was read
-        with pytest.raises(BlockError, match="layer0/ffn"), pytest.warns(CurvatureWarning, match="layer0/ln_1"):
+        with pytest.raises(BlockError, match="layer0/ffn"), pytest.warns(CurvatureNotice, match="layer0/ln_1"):
             engine.evaluate(blocks)
     else:
-        with pytest.warns(CurvatureWarning, match="skips block 'layer0/ln_1': its captured X hold NaN"):
+        with pytest.warns(CurvatureNotice, match="skips block 'layer0/ln_1': its captured X hold NaN"):
             out = engine.evaluate(blocks)
         assert out.excluded == {"layer0/attn": "test: left out", "layer0/ln_2": "test: cannot read this block"}
         assert out.results["layer0/ln_1"] == {NONFINITE: 1.0}
