@@ -321,6 +321,8 @@ class CurvatureMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # a fit starts a fresh record (an instance may be reused); a resumed one loads its checkpoint's after setup
+        self.load_state_dict({})
         self._read_params = sharding.param_reader(trainer.strategy, pl_module)  # refuses what is not supported
         try:
             self._specs = find_blocks(pl_module, self.blocks)
@@ -422,6 +424,7 @@ class CurvatureMonitor(Callback):
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
         self.engine.warned = set(state_dict.get("warned", []))
+        self.engine.warm.clear()  # Lanczos start vectors are not checkpointed: a cold start is only slower
 
     # -- public helpers -----------------------------------------------------------------------------
 

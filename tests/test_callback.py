@@ -295,6 +295,31 @@ def test_resume_restores_state(tmp_path):
     assert curv_rows(read_rows(trainer))[4]["curv/summary/evaluations"] == 3.0
 
 
+def test_a_reused_monitor_starts_each_fit_afresh_and_resumes_from_a_checkpoint(tmp_path):
+    """Issue 26: one instance given to a second Trainer (same model, then a new one) evaluates that fit's steps
+    0, 2, 4 with counters of its own and the real-loss stability keys of the new model; given a ckpt_path it
+    still resumes the schedule and counters from the checkpoint."""
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2)
+    stability = "curv/layer1/ffn/stability/W1W1"
+    model = TinyLM(n_layer=2)
+    trainer = make_trainer(tmp_path / "first", monitor, max_steps=3)
+    trainer.fit(model, loader(n=12))  # 3 batches: the checkpoint is at an epoch end
+    ckpt = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(ckpt)
+    for name, module in (("same_model", model), ("new_model", TinyLM(n_layer=2))):
+        trainer = make_trainer(tmp_path / name, monitor, max_steps=5)
+        trainer.fit(module, loader(n=12))
+        rows = curv_rows(read_rows(trainer))
+        assert sorted(rows) == [0, 2, 4], name
+        assert [rows[s]["curv/summary/evaluations"] for s in (0, 2, 4)] == [1.0, 2.0, 3.0], name
+        assert all(stability in rows[s] for s in (0, 2, 4)), name  # the maps belong to this fit's model
+        assert monitor.book.evaluations == 3 and monitor.schedule.last_step == 4
+    trainer = make_trainer(tmp_path / "resumed", monitor, max_steps=5)
+    trainer.fit(TinyLM(n_layer=2), loader(n=12), ckpt_path=ckpt)
+    rows = curv_rows(read_rows(trainer))
+    assert sorted(rows) == [4] and rows[4]["curv/summary/evaluations"] == 3.0  # the checkpoint had 0 and 2
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
