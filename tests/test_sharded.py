@@ -162,6 +162,34 @@ def test_fsdp2_checkpoint_resume(runs):
     assert [logged[s]["curv/summary/evaluations"] for s in ("6", "8")] == [4.0, 5.0]
 
 
+def test_fsdp2_per_submodule_sharding_logs_the_ddp_numbers(tmp_path):
+    """Issue 26: fully_shard on each nn.TransformerEncoderLayer's attention and MLP Linears, then the layer and the
+    root. FSDP2's pre-forward hook hands the attention module aliases of its one input as query, key and value;
+    every block was refused as "not self-attention". Now every block is evaluated, with the DDP run's numbers."""
+    procs = _start(tmp_path, "encoder")
+    try:
+        for rank, (proc, log) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"encoder, rank {rank}: no exit in {TIMEOUT_S} s (hang?)\n{log.read_text()[-3000:]}")
+            assert code == 0, f"encoder, rank {rank}: exit code {code}\n{log.read_text()[-3000:]}"
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ddp, fsdp2 = (json.loads((tmp_path / run / "rank0.json").read_text()) for run in ("encoder_ddp", "encoder_fsdp2"))
+    assert fsdp2["param_types"] == ["DTensor"] and ddp["param_types"] == ["Parameter"]  # really sharded
+    assert sorted(fsdp2["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"]
+    blocks = [f"layer{i}/{b}" for i in (0, 1) for b in ("attn", "ln_1", "ln_2", "ffn")]
+    assert fsdp2["reads"] == [blocks] * 3  # every block read (and evaluated) at every evaluation
+    for step in ("0", "2", "4"):
+        assert sorted(fsdp2["logged"][step]) == sorted(ddp["logged"][step])
+        assert all(f"curv/{b}/hessian/max" in fsdp2["logged"][step] for b in blocks if "ln" not in b)
+    _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "per-sub-module FSDP2 vs DDP at step 0")
+
+
 # -- FSDP1 (torch FullyShardedDataParallel on CPU; Lightning's FSDPStrategy needs a GPU) ----------------------
 
 
