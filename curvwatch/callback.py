@@ -57,7 +57,8 @@ class CurvatureMonitor(Callback):
     **Sharded training.** Under FSDP2 (``ModelParallelStrategy(tensor_parallel_size=1)`` with ``fully_shard`` in
     ``configure_model``) the capture keeps no weights; each block's are gathered as full tensors only while it is
     evaluated, on every rank in the same order, then freed (:mod:`curvwatch.sharding`; ``docs/strategies.md`` says
-    which strategies work). Tensor parallelism, ``FSDPStrategy`` and DeepSpeed are refused in ``setup``.
+    which strategies work). Under ``FSDPStrategy`` (FSDP1) the same, through ``summon_full_params`` of the FSDP units
+    around one layer at a time. Tensor parallelism and DeepSpeed are refused in ``setup``.
 
     **Faults.** A block whose closed form raises is left out of that evaluation alone (warned once,
     ``summary/skipped_blocks``); NaN or Inf in a block's captured tensors marks it ``skipped_nonfinite``; any other
@@ -195,7 +196,7 @@ class CurvatureMonitor(Callback):
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
             curvwatch knows or the strategy shards parameters in a way it does not support (tensor parallel,
-            ``FSDPStrategy``, DeepSpeed; the message says why and what to use).
+            DeepSpeed; the message says why and what to use).
 
     Example:
         >>> from lightning.pytorch import Trainer

@@ -19,8 +19,9 @@ Lightning's ``FSDPStrategy`` does not allow), comparing the monitor's numbers th
 :func:`curvwatch.sharding.summoned_params` with those of an unsharded copy of the model on the same batch, under four
 wrappings, with a block failing on rank 1 only (``OUT_DIR/fsdp1``).
 
-``lightning-fsdp1`` (GPU only: ``benchmarks/gpu_fsdp_check.sh``) enables the FSDP1 reader for Lightning's
-``FSDPStrategy`` (refused by default) and trains under it, with and without ``use_orig_params``; ``compare`` prints
+``lightning-fsdp1`` trains under Lightning's ``FSDPStrategy`` (per-layer wrap policy), with and without
+``use_orig_params`` (``OUT_DIR/fsdp1``, ``OUT_DIR/fsdp1_orig``; on CPU through :func:`cpu_fsdp_strategy`; on GPUs by
+``benchmarks/gpu_fsdp_check.sh``); ``compare`` prints
 how each run's step-0 numbers compare with the ``ddp`` run's. ``--accelerator`` and ``--devices`` (default ``cpu``,
 ``2``) set the Lightning runs' hardware.
 
@@ -224,6 +225,29 @@ def encoder_lm():
     return EncoderLM()
 
 
+def cpu_fsdp_strategy() -> type:
+    """Lightning's ``FSDPStrategy`` on CPU, for the tests: Lightning refuses the class itself off CUDA (an exact type
+    check) and wraps with ``device_id=root_device.index`` (``None`` on CPU, which torch's FSDP1 refuses); torch FSDP1
+    runs on CPU (gloo) with ``device_id=cpu``. This subclass changes that argument alone (no activation checkpointing,
+    no torchmetrics: not used here)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+
+    return CPUFSDPStrategy
+
+
 def lightning_run(
     out_dir: str,
     ledger: Ledger,
@@ -260,6 +284,7 @@ def lightning_run(
         def on_train_start(self, trainer, pl_module):
             states["start"] = {k: monitor.state_dict()[k] for k in ("evaluations", "skipped", "last_step")}
 
+    fsdp = FSDPStrategy if accelerator != "cpu" else cpu_fsdp_strategy()
     logger = CSVLogger(out_dir, name="logs", version=0)
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -267,8 +292,8 @@ def lightning_run(
         strategy={
             "ddp": lambda: "ddp",
             "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
-            "fsdp1": lambda: FSDPStrategy(auto_wrap_policy={Block}, use_orig_params=False),
-            "fsdp1_orig": lambda: FSDPStrategy(auto_wrap_policy={Block}, use_orig_params=True),
+            "fsdp1": lambda: fsdp(auto_wrap_policy={Block}, use_orig_params=False),
+            "fsdp1_orig": lambda: fsdp(auto_wrap_policy={Block}, use_orig_params=True),
         }[strategy](),
         max_steps=max_steps,
         logger=logger,
@@ -444,8 +469,7 @@ def main(out_dir: str, scenario: str, *options: str) -> None:
     elif scenario == "encoder":  # nn.TransformerEncoderLayer blocks: DDP, then FSDP2 on each sub-module
         for strategy in ("ddp", "fsdp2"):
             lightning_run(os.path.join(out_dir, f"encoder_{strategy}"), ledger, strategy, lm=encoder_lm, **hardware)
-    elif scenario == "lightning-fsdp1":  # FSDPStrategy: GPUs only; its reader enabled here, for the GPU check
-        sharding.STRATEGIES["FSDPStrategy"] = sharding._fsdp1
+    elif scenario == "lightning-fsdp1":  # FSDPStrategy (on CPU: cpu_fsdp_strategy)
         for strategy in ("fsdp1", "fsdp1_orig"):
             lightning_run(os.path.join(out_dir, strategy), ledger, strategy, **hardware)
     else:

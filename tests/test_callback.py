@@ -365,14 +365,14 @@ def test_setup_checks(tmp_path):
         monitor.setup(trainer, NoBlocks(), "fit")
     monitor.setup(trainer, NoBlocks(), "validate")  # other stages: nothing to check
 
-    class FSDPStrategy:  # stands in for lightning's, matched by class name along the MRO
+    class DeepSpeedStrategy:  # stands in for lightning's, matched by class name along the MRO
         pass
 
-    class MyFSDP(FSDPStrategy):
+    class MyDeepSpeed(DeepSpeedStrategy):
         pass
 
-    with pytest.raises(ValueError, match="does not support strategy=MyFSDP.*Use strategy='ddp'"):
-        monitor.setup(SimpleNamespace(strategy=MyFSDP()), TinyLM(), "fit")
+    with pytest.raises(ValueError, match="does not support strategy=MyDeepSpeed.*Use strategy='ddp'"):
+        monitor.setup(SimpleNamespace(strategy=MyDeepSpeed()), TinyLM(), "fit")
 
 
 def test_wandb_offline_logger(tmp_path, monkeypatch):
