@@ -16,6 +16,7 @@ _LAZY = {
     # the Lightning callback
     "CurvatureMonitor": "curvwatch.callback",
     "CurvatureWarning": "curvwatch.alerts",
+    "CurvatureNotice": "curvwatch.alerts",
     # model discovery
     "BlockSpec": "curvwatch.adapters",
     "find_blocks": "curvwatch.adapters",
@@ -31,6 +32,7 @@ __all__ = [
     # the Lightning callback
     "CurvatureMonitor",
     "CurvatureWarning",
+    "CurvatureNotice",
     # model discovery
     "BlockSpec",
     "find_blocks",

@@ -30,14 +30,29 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Alert", "AlertMonitor", "CurvatureWarning"]
+__all__ = ["Alert", "AlertMonitor", "CurvatureNotice", "CurvatureWarning"]
 
 
 class CurvatureWarning(UserWarning):
-    """Warning category of every curvwatch alert and of skipped evaluations.
+    """Warning category of the instability alerts alone: "your run is going unstable".
 
     Filter it like any warning, e.g. ``warnings.simplefilter("error", CurvatureWarning)`` to stop a run on
-    the first alert.
+    the first alert; the monitor's notices about itself are :class:`CurvatureNotice`, a sibling class, so such
+    a filter never trips on them. W&B alerts are sent for these warnings only.
+    """
+
+
+class CurvatureNotice(UserWarning):
+    """Warning category of the monitor's notices about itself: "my numbers are limited here".
+
+    Unconverged Lanczos norms, cost and budget notes, blocks left out or not finite, out-of-memory retries,
+    skipped evaluations, set-up notes of the real-loss keys, loggers that refused an image. A sibling of
+    :class:`CurvatureWarning`, not a subclass: ``warnings.simplefilter("error", CurvatureWarning)`` does not
+    turn a notice into an error. Silence them with ``warnings.filterwarnings("ignore", category=CurvatureNotice)``.
+
+    Example:
+        >>> issubclass(CurvatureNotice, CurvatureWarning), issubclass(CurvatureNotice, UserWarning)
+        (False, True)
     """
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
-from curvwatch.alerts import Alert, AlertMonitor, CurvatureWarning
+from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import BlockError, Engine, Evaluation
@@ -57,7 +57,8 @@ class CurvatureMonitor(Callback):
     **Sharded training.** Under FSDP2 (``ModelParallelStrategy(tensor_parallel_size=1)`` with ``fully_shard`` in
     ``configure_model``) the capture keeps no weights; each block's are gathered as full tensors only while it is
     evaluated, on every rank in the same order, then freed (:mod:`curvwatch.sharding`; ``docs/strategies.md`` says
-    which strategies work). Tensor parallelism, ``FSDPStrategy`` and DeepSpeed are refused in ``setup``.
+    which strategies work). Under ``FSDPStrategy`` (FSDP1) the same, through ``summon_full_params`` of the FSDP units
+    around one layer at a time. Tensor parallelism and DeepSpeed are refused in ``setup``.
 
     **Faults.** A block whose closed form raises is left out of that evaluation alone (warned once,
     ``summary/skipped_blocks``); NaN or Inf in a block's captured tensors marks it ``skipped_nonfinite``; any other
@@ -154,7 +155,9 @@ class CurvatureMonitor(Callback):
         spike_warmup: Evaluations of a block that only build its baseline.
         patience: Consecutive evaluations a condition must hold before it warns.
         cooldown: Evaluations a fired (kind, block) stays silent.
-        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires.
+        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a condition fires. The monitor's
+            notices about itself (unconverged norms, costs, blocks left out, skipped evaluations) are
+            :class:`~curvwatch.CurvatureNotice`, a separate category, whatever ``warn``.
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and
             of the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
@@ -193,7 +196,7 @@ class CurvatureMonitor(Callback):
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
             curvwatch knows or the strategy shards parameters in a way it does not support (tensor parallel,
-            ``FSDPStrategy``, DeepSpeed; the message says why and what to use).
+            DeepSpeed; the message says why and what to use).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -319,6 +322,8 @@ class CurvatureMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # a fit starts a fresh record (an instance may be reused); a resumed one loads its checkpoint's after setup
+        self.load_state_dict({})
         self._read_params = sharding.param_reader(trainer.strategy, pl_module)  # refuses what is not supported
         try:
             self._specs = find_blocks(pl_module, self.blocks)
@@ -420,6 +425,7 @@ class CurvatureMonitor(Callback):
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
         self.engine.warned = set(state_dict.get("warned", []))
+        self.engine.warm.clear()  # Lanczos start vectors are not checkpointed: a cold start is only slower
 
     # -- public helpers -----------------------------------------------------------------------------
 
@@ -570,7 +576,7 @@ class CurvatureMonitor(Callback):
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
             f"{key}={self.book.skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
             "the failing block out.",
-            CurvatureWarning,
+            CurvatureNotice,
             stacklevel=2,
         )
 

@@ -21,6 +21,13 @@ with respect to the value the module produced. One exception: if the output is a
 (``clone``, only on the captured step) and hooks the untouched original. Neither hook kind needs double
 backward, so fused attention (SDPA) is fine.
 
+**torch.compile.** Inside the ``with`` compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``,
+restored on exit), so the captured step is the plain model's step, whatever graphs exist: dynamo does not guard
+compiled graphs on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a graph compiled on a step
+without the hooks (an earlier step, an earlier fit, the LR finder) would run on the captured step without calling
+them, and one compiled with them would replay the hooks of an old capture on later steps. The steps between
+captures run the compiled graphs untouched; the captured step pays eager speed, and nothing is recompiled.
+
 Only the first call of each module made with gradient tracking inside the ``with`` is recorded (later
 calls, e.g. a validation forward or activation checkpointing's recomputation, are ignored; calls under
 ``torch.no_grad()`` cannot produce a gradient and are skipped). Everything is stored detached, on the
@@ -420,6 +427,7 @@ class Capture:
         self.logits_module = logits_module
         self._records = [_Record() for _ in specs]
         self._handles: list[Any] = []
+        self._stance: Any = None  # the compiler stance set while the capture is open
         self._logits: Tensor | None = None
         self._sampling = False  # inside sample_outputs: the gradient hooks ignore its backward passes
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
@@ -432,6 +440,7 @@ class Capture:
             raise RuntimeError("This Capture is already active; use a new Capture per step.")
         self._records = [_Record() for _ in self.specs]
         self._logits = None
+        self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -464,6 +473,9 @@ class Capture:
     def _remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)
 
     # -- hooks ------------------------------------------------------------------------------------
 

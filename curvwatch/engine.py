@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from curvwatch.adapters import UnsupportedBlockError
-from curvwatch.alerts import CurvatureWarning
+from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import CapturedBlock, vectors_held
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.kinds import KINDS
@@ -164,7 +164,7 @@ class Engine:
         """Warn the first time ``key`` comes up (on the rank where it happens)."""
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, CurvatureWarning, stacklevel=3)
+            warnings.warn(message, CurvatureNotice, stacklevel=3)
 
     # -- evaluation -----------------------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ class Engine:
             f"CurvatureMonitor ran out of memory evaluating block '{block.spec.name}' {what} ({message}). Freed "
             f"it and retrying {retry}; later evaluations keep this lower limit. Pass a smaller max_tokens or a "
             "memory_budget_mb to avoid the retry.",
-            CurvatureWarning,
+            CurvatureNotice,
             stacklevel=3,
         )
         return block.evaluate(**kwargs)

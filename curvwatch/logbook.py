@@ -240,14 +240,14 @@ class Logbook:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (missing keys keep their defaults: older checkpoints)."""
+        """Restore :meth:`state_dict` (missing keys take their defaults: older checkpoints; ``{}`` resets)."""
         self.evaluations = int(state.get("evaluations", 0))
         self.terms_evaluations = int(state.get("terms_evaluations", 0))
         self.skipped = int(state.get("skipped", 0))
         if self.alerts_monitor is not None:
             self.alerts_monitor.load_state_dict(state.get("alerts", {}))
-        if self.rules is not None and state.get("rules"):
-            self.rules.load_state_dict(state["rules"])
+        if self.rules is not None:
+            self.rules.load_state_dict(state.get("rules") or {})
         self.last_norms = dict(state.get("last_norms", {}))
         self.last_summary = dict(state.get("last_summary", {}))
         self.peak = dict(state.get("peak", {}))

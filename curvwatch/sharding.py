@@ -32,8 +32,9 @@ __all__ = ["STRATEGIES", "ParamReader", "full_params", "param_reader", "summoned
 ParamReader = Callable[[BlockSpec], dict[str, Any]]
 
 _USE_INSTEAD = (
-    "Use strategy='ddp' (or a single device), or ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
-    "with fully_shard applied in configure_model (FSDP2), or remove the CurvatureMonitor callback."
+    "Use strategy='ddp' (or a single device), ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
+    "with fully_shard applied in configure_model (FSDP2), or FSDPStrategy (FSDP1), or remove the CurvatureMonitor "
+    "callback."
 )
 
 
@@ -149,21 +150,19 @@ def _model_parallel(strategy: Any) -> ParamReader:
 
 
 def _fsdp1(strategy: Any) -> ParamReader:
-    """``FSDPStrategy`` (FSDP1): the weights through ``summon_full_params`` on the wrapped model."""
+    """``FSDPStrategy`` (FSDP1): the weights through ``summon_full_params`` on the wrapped model (``use_orig_params``
+    False or True)."""
     return summoned_params(lambda: strategy.model)
 
 
 #: How the monitor runs under each sharding strategy, by class name (matched along the strategy's MRO): a function
 #: of the strategy that returns the :data:`ParamReader` (or raises ``ValueError`` with the reason), or the reason
 #: the strategy is refused. Strategies not listed (single device, DDP) snapshot the weights in the forward pass.
-#: ``FSDPStrategy`` gets ``_fsdp1`` once its GPU check (``benchmarks/gpu_fsdp_check.sh``) has passed.
+#: ``FSDPStrategy`` (FSDP1): checked on one H200 by ``benchmarks/gpu_fsdp_check.sh`` (issue 26) and on 2 CPU
+#: processes under Lightning (``tests/test_sharded.py``).
 STRATEGIES: dict[str, Callable[[Any], ParamReader] | str] = {
     "ModelParallelStrategy": _model_parallel,
-    "FSDPStrategy": (
-        "it shards parameters into FSDP1 flat parameters. curvwatch reads them one block at a time through "
-        "summon_full_params (curvwatch.sharding.summoned_params, tested with torch FSDP1 on CPU), but Lightning runs "
-        "FSDPStrategy on GPUs only and that path has not been checked yet"
-    ),
+    "FSDPStrategy": _fsdp1,
     "DeepSpeedStrategy": (
         "it shards parameters (ZeRO stage 3; stages 1-2 shard optimizer states and gradients), and curvwatch has "
         "no DeepSpeed reader yet: Lightning runs DeepSpeed on CUDA only, and deepspeed on CPU compiles its "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from curvwatch.adapters import BlockSpec
-from curvwatch.alerts import CurvatureWarning
+from curvwatch.alerts import CurvatureNotice
 
 __all__ = [
     "define_wandb_metrics",
@@ -132,12 +132,12 @@ def log_heatmap(
         try:
             logger.log_image(key=key, images=[figure], step=step)
         except Exception as err:
-            warnings.warn(f"CurvatureMonitor could not log the heatmap to W&B: {err}", CurvatureWarning, 2)
+            warnings.warn(f"CurvatureMonitor could not log the heatmap to W&B: {err}", CurvatureNotice, 2)
     for logger in boards:
         try:
             logger.experiment.add_figure(key, figure, global_step=step, close=False)
         except Exception as err:
-            warnings.warn(f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureWarning, 2)
+            warnings.warn(f"CurvatureMonitor could not log the heatmap to TensorBoard: {err}", CurvatureNotice, 2)
 
 
 def heatmap_figure(

@@ -1,6 +1,6 @@
 """Sharded runs of the tiny GPT on 2 CPU processes (gloo), for ``tests/test_sharded.py``.
 
-    python tests/fsdp_script.py OUT_DIR {ddp,fsdp2,fsdp1,lightning-fsdp1,compare} [--accelerator A --devices N]
+    python tests/fsdp_script.py OUT_DIR {ddp,fsdp2,encoder,fsdp1,lightning-fsdp1,compare} [--accelerator A --devices N]
 
 ``ddp`` and ``fsdp2`` train a 2-layer GPT with SGD under Lightning, with a CSVLogger and a CurvatureMonitor
 evaluating on steps 0, 2, 4, ...: ``ddp`` for 5 steps (``OUT_DIR/ddp``); ``fsdp2`` under
@@ -10,13 +10,18 @@ a folder, ``OUT_DIR/fsdp2.ckpt``) (``OUT_DIR/fsdp2``); resumed from it up to ste
 from scratch with activation checkpointing (each layer in a non-reentrant checkpoint wrapper before sharding) and
 the closed form of ``layer0/attn`` raising on rank 1 only, at its second evaluation (step 2) (``OUT_DIR/fail``).
 
+``encoder`` trains a 2-layer ``nn.TransformerEncoderLayer`` LM (:func:`encoder_lm`) for 5 steps under DDP
+(``OUT_DIR/encoder_ddp``), then under FSDP2 with ``fully_shard`` on each layer's attention and MLP Linears, the layer
+and the root (``OUT_DIR/encoder_fsdp2``), in the same two processes.
+
 ``fsdp1`` runs FSDP1 outside Lightning (``torch.distributed.fsdp.FullyShardedDataParallel`` on CPU, which
 Lightning's ``FSDPStrategy`` does not allow), comparing the monitor's numbers through
 :func:`curvwatch.sharding.summoned_params` with those of an unsharded copy of the model on the same batch, under four
 wrappings, with a block failing on rank 1 only (``OUT_DIR/fsdp1``).
 
-``lightning-fsdp1`` (GPU only: ``benchmarks/gpu_fsdp_check.sh``) enables the FSDP1 reader for Lightning's
-``FSDPStrategy`` (refused by default) and trains under it, with and without ``use_orig_params``; ``compare`` prints
+``lightning-fsdp1`` trains under Lightning's ``FSDPStrategy`` (per-layer wrap policy), with and without
+``use_orig_params`` (``OUT_DIR/fsdp1``, ``OUT_DIR/fsdp1_orig``; on CPU through :func:`cpu_fsdp_strategy`; on GPUs by
+``benchmarks/gpu_fsdp_check.sh``); ``compare`` prints
 how each run's step-0 numbers compare with the ``ddp`` run's. ``--accelerator`` and ``--devices`` (default ``cpu``,
 ``2``) set the Lightning runs' hardware.
 
@@ -164,6 +169,85 @@ def sharded_lm(activation_checkpointing: bool = False):
     return ShardedLM(activation_checkpointing)
 
 
+def encoder_lm():
+    """A 2-layer LM of ``nn.TransformerEncoderLayer`` s (d 8, 2 heads) whose FSDP2 wrapping in ``configure_model``
+    shards each layer's attention and MLP Linears, then the layer, then the root (per-sub-module sharding: FSDP2's
+    pre-forward hook of the attention module hands it aliases of its query/key/value input, not the same object)."""
+    import lightning as L
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tests.ddp_script import VOCAB
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 8)
+            self.layers = nn.ModuleList(
+                nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True) for _ in range(2)
+            )
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.emb(idx)  # (B, L, d)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    class EncoderLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Encoder()
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.model(idx)
+
+        def training_step(self, batch, batch_idx):
+            (idx,) = batch
+            logits = self(idx[:, :-1])  # (B, L - 1, V)
+            return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            if self.device_mesh is None:  # DDP
+                return
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.layers:
+                for sub in (layer.self_attn, layer.linear1, layer.linear2):
+                    fully_shard(sub, mesh=mesh)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return EncoderLM()
+
+
+def cpu_fsdp_strategy() -> type:
+    """Lightning's ``FSDPStrategy`` on CPU, for the tests: Lightning refuses the class itself off CUDA (an exact type
+    check) and wraps with ``device_id=root_device.index`` (``None`` on CPU, which torch's FSDP1 refuses); torch FSDP1
+    runs on CPU (gloo) with ``device_id=cpu``. This subclass changes that argument alone (no activation checkpointing,
+    no torchmetrics: not used here)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+
+    return CPUFSDPStrategy
+
+
 def lightning_run(
     out_dir: str,
     ledger: Ledger,
@@ -174,6 +258,7 @@ def lightning_run(
     resume: str | None = None,
     accelerator: str = "cpu",
     devices: int = 2,
+    lm=None,
 ) -> None:
     """One fit under ``strategy`` (``"ddp"``, ``"fsdp2"``, ``"fsdp1"`` or ``"fsdp1_orig"``: FSDP1 with
     ``use_orig_params``), recorded into ``out_dir/rank{r}.json``."""
@@ -199,6 +284,7 @@ def lightning_run(
         def on_train_start(self, trainer, pl_module):
             states["start"] = {k: monitor.state_dict()[k] for k in ("evaluations", "skipped", "last_step")}
 
+    fsdp = FSDPStrategy if accelerator != "cpu" else cpu_fsdp_strategy()
     logger = CSVLogger(out_dir, name="logs", version=0)
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -206,8 +292,8 @@ def lightning_run(
         strategy={
             "ddp": lambda: "ddp",
             "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
-            "fsdp1": lambda: FSDPStrategy(auto_wrap_policy={Block}, use_orig_params=False),
-            "fsdp1_orig": lambda: FSDPStrategy(auto_wrap_policy={Block}, use_orig_params=True),
+            "fsdp1": lambda: fsdp(auto_wrap_policy={Block}, use_orig_params=False),
+            "fsdp1_orig": lambda: fsdp(auto_wrap_policy={Block}, use_orig_params=True),
         }[strategy](),
         max_steps=max_steps,
         logger=logger,
@@ -217,7 +303,7 @@ def lightning_run(
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    model = sharded_lm(activation_checkpointing)
+    model = sharded_lm(activation_checkpointing) if lm is None else lm()
     trainer.fit(model, loader(n=40), ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
@@ -380,12 +466,16 @@ def main(out_dir: str, scenario: str, *options: str) -> None:
             lightning_run(os.path.join(out_dir, "resumed"), ledger, "fsdp2", resume=ckpt, max_steps=9, **hardware)
             _fail(1, "layer0/attn", at=2)
             lightning_run(os.path.join(out_dir, "fail"), ledger, "fsdp2", activation_checkpointing=True, **hardware)
-    elif scenario == "lightning-fsdp1":  # FSDPStrategy: GPUs only; its reader enabled here, for the GPU check
-        sharding.STRATEGIES["FSDPStrategy"] = sharding._fsdp1
+    elif scenario == "encoder":  # nn.TransformerEncoderLayer blocks: DDP, then FSDP2 on each sub-module
+        for strategy in ("ddp", "fsdp2"):
+            lightning_run(os.path.join(out_dir, f"encoder_{strategy}"), ledger, strategy, lm=encoder_lm, **hardware)
+    elif scenario == "lightning-fsdp1":  # FSDPStrategy (on CPU: cpu_fsdp_strategy)
         for strategy in ("fsdp1", "fsdp1_orig"):
             lightning_run(os.path.join(out_dir, strategy), ledger, strategy, **hardware)
     else:
-        raise SystemExit(f"Invalid scenario {scenario!r}. Must be ddp, fsdp2, fsdp1, lightning-fsdp1 or compare.")
+        raise SystemExit(
+            f"Invalid scenario {scenario!r}. Must be ddp, fsdp2, encoder, fsdp1, lightning-fsdp1 or compare."
+        )
 
 
 if __name__ == "__main__":

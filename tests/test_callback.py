@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 import curvwatch.callback as callback_module
-from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.closed_form.settings import Lanczos
 from tests.ddp_script import TinyLM, loader
@@ -242,7 +242,7 @@ def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(CapturedBlock, "evaluate", _raise)
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
-    with pytest.warns(CurvatureWarning, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
+    with pytest.warns(CurvatureNotice, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
         trainer.fit(TinyLM(), loader())
     assert trainer.global_step == 5  # training went on
     logged = curv_rows(read_rows(trainer))
@@ -295,6 +295,31 @@ def test_resume_restores_state(tmp_path):
     assert curv_rows(read_rows(trainer))[4]["curv/summary/evaluations"] == 3.0
 
 
+def test_a_reused_monitor_starts_each_fit_afresh_and_resumes_from_a_checkpoint(tmp_path):
+    """Issue 26: one instance given to a second Trainer (same model, then a new one) evaluates that fit's steps
+    0, 2, 4 with counters of its own and the real-loss stability keys of the new model; given a ckpt_path it
+    still resumes the schedule and counters from the checkpoint."""
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2)
+    stability = "curv/layer1/ffn/stability/W1W1"
+    model = TinyLM(n_layer=2)
+    trainer = make_trainer(tmp_path / "first", monitor, max_steps=3)
+    trainer.fit(model, loader(n=12))  # 3 batches: the checkpoint is at an epoch end
+    ckpt = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(ckpt)
+    for name, module in (("same_model", model), ("new_model", TinyLM(n_layer=2))):
+        trainer = make_trainer(tmp_path / name, monitor, max_steps=5)
+        trainer.fit(module, loader(n=12))
+        rows = curv_rows(read_rows(trainer))
+        assert sorted(rows) == [0, 2, 4], name
+        assert [rows[s]["curv/summary/evaluations"] for s in (0, 2, 4)] == [1.0, 2.0, 3.0], name
+        assert all(stability in rows[s] for s in (0, 2, 4)), name  # the maps belong to this fit's model
+        assert monitor.book.evaluations == 3 and monitor.schedule.last_step == 4
+    trainer = make_trainer(tmp_path / "resumed", monitor, max_steps=5)
+    trainer.fit(TinyLM(n_layer=2), loader(n=12), ckpt_path=ckpt)
+    rows = curv_rows(read_rows(trainer))
+    assert sorted(rows) == [4] and rows[4]["curv/summary/evaluations"] == 3.0  # the checkpoint had 0 and 2
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -340,14 +365,14 @@ def test_setup_checks(tmp_path):
         monitor.setup(trainer, NoBlocks(), "fit")
     monitor.setup(trainer, NoBlocks(), "validate")  # other stages: nothing to check
 
-    class FSDPStrategy:  # stands in for lightning's, matched by class name along the MRO
+    class DeepSpeedStrategy:  # stands in for lightning's, matched by class name along the MRO
         pass
 
-    class MyFSDP(FSDPStrategy):
+    class MyDeepSpeed(DeepSpeedStrategy):
         pass
 
-    with pytest.raises(ValueError, match="does not support strategy=MyFSDP.*Use strategy='ddp'"):
-        monitor.setup(SimpleNamespace(strategy=MyFSDP()), TinyLM(), "fit")
+    with pytest.raises(ValueError, match="does not support strategy=MyDeepSpeed.*Use strategy='ddp'"):
+        monitor.setup(SimpleNamespace(strategy=MyDeepSpeed()), TinyLM(), "fit")
 
 
 def test_wandb_offline_logger(tmp_path, monkeypatch):
@@ -684,7 +709,7 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     converges: no warning, 0 unconverged."""
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
-    with pytest.warns(CurvatureWarning, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
+    with pytest.warns(CurvatureNotice, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
         trainer.fit(TinyLM(), loader())
     stopped = [str(w.message) for w in rec if "Lanczos norms stopped" in str(w.message)]
     assert len(stopped) == 1 and "at step 1," in stopped[0]  # once per run, not per evaluation; not the cold one
@@ -708,13 +733,45 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     assert "Lanczos" not in monitor.summary_text()
 
 
+def test_notices_and_instability_warnings_have_separate_categories(tmp_path):
+    """Issue 26: an unconverged-Lanczos notice is a CurvatureNotice, a LayerNorm collapse a CurvatureWarning; a
+    filter that turns CurvatureWarning into errors does not trip on the notice (the categories are siblings)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    with torch.no_grad():  # LayerNorm inputs ~1e-4 x their usual scale: variance far below eps
+        model.model.tok_emb.weight.mul_(1e-4)
+        model.model.pos_emb.weight.mul_(1e-4)
+    monitor = CurvatureMonitor(
+        warning_rules="legacy", max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2, cooldown=100
+    )
+    trainer = make_trainer(tmp_path / "both", monitor, max_steps=3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", CurvatureWarning)
+        warnings.simplefilter("always", CurvatureNotice)
+        trainer.fit(model, loader())
+    by_category = {c: [str(w.message) for w in record if w.category is c] for c in (CurvatureWarning, CurvatureNotice)}
+    assert [m.split(" in block")[0] for m in by_category[CurvatureWarning]] == ["LayerNorm variance collapse"] * 2
+    assert len(by_category[CurvatureNotice]) == 1
+    assert "Lanczos norms stopped at max_iter=2" in by_category[CurvatureNotice][0]
+    assert not issubclass(CurvatureNotice, CurvatureWarning) and not issubclass(CurvatureWarning, CurvatureNotice)
+
+    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
+    trainer = make_trainer(tmp_path / "notice", monitor, max_steps=3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("error", CurvatureWarning)  # a pager on instabilities: a notice must not page
+        warnings.simplefilter("always", CurvatureNotice)
+        trainer.fit(TinyLM(), loader())
+    assert [w.category for w in record if "Lanczos" in str(w.message)] == [CurvatureNotice]
+    assert sorted(curv_rows(read_rows(trainer))) == [0, 1, 2] and not monitor.alerts
+
+
 def test_a_chosen_cadence_is_honoured_and_its_cost_said_once(tmp_path):
     """Issue 12's defect: every_n_train_steps=2 on a 12-step run evaluated only step 0 (the default 1% budget
     skipped the rest). A chosen cadence is now kept as it is; its cost is said once, with the ways to cap it."""
     monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, log_heatmap=False)
     assert monitor.max_overhead is None and CurvatureMonitor().max_overhead == 0.01
     trainer = make_trainer(tmp_path, monitor, max_steps=12)
-    with pytest.warns(CurvatureWarning, match=r"every_n_train_steps=2 is expensive here.*max_overhead=0.01") as seen:
+    with pytest.warns(CurvatureNotice, match=r"every_n_train_steps=2 is expensive here.*max_overhead=0.01") as seen:
         trainer.fit(TinyLM(), loader(n=48))
     assert sum("is expensive here" in str(w.message) for w in seen) == 1
     assert sorted(curv_rows(read_rows(trainer))) == [0, 2, 4, 6, 8, 10]

@@ -255,6 +255,7 @@ def test_training_step_loss_ignores_prompt():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureWarning")
+@pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureNotice")
 def test_unstable_preset_warns_before_the_loss_blows_up(tmp_path):
     from curvwatch.demo import run
 

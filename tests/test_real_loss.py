@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
@@ -108,6 +108,7 @@ def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
         trainer = make_trainer(tmp_path / source, monitor, max_steps=5)
         with warnings.catch_warnings():
             warnings.simplefilter("error", CurvatureWarning)  # no warning on this healthy run
+            warnings.simplefilter("error", CurvatureNotice)  # and no notice
             trainer.fit(module, loader())
         rows = curv_rows(read_rows(trainer))
         assert sorted(rows) == [0, 2, 4]
@@ -147,13 +148,13 @@ class _MSELM(TinyLM):
 def test_callback_mse_needs_the_loss_named(tmp_path):
     monitor = CurvatureMonitor(every_n_train_steps=2, sharpness_samples=2)
     trainer = make_trainer(tmp_path / "auto", monitor, max_steps=1)
-    with pytest.warns(CurvatureWarning, match="not a softmax cross-entropy.*loss='mse'"):
+    with pytest.warns(CurvatureNotice, match="not a softmax cross-entropy.*loss='mse'"):
         trainer.fit(_MSELM(), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/summary/max_hessian" in row and not any("sharpness" in k for k in row)
     monitor = CurvatureMonitor(every_n_train_steps=2, sharpness_samples=2, loss="mse")
     trainer = make_trainer(tmp_path / "mse", monitor, max_steps=1)
-    with pytest.warns(CurvatureWarning, match="squared error: assumed the mean"):
+    with pytest.warns(CurvatureNotice, match="squared error: assumed the mean"):
         trainer.fit(_MSELM(), loader())
     assert "curv/layer0/ffn/sharpness/W1W1" in curv_rows(read_rows(trainer))[0]
 
@@ -178,7 +179,7 @@ def test_reentrant_checkpointing_names_the_blocks_without_real_loss_keys(tmp_pat
 
     monitor = CurvatureMonitor(every_n_train_steps=1, sharpness_samples=2)
     trainer = make_trainer(tmp_path, monitor, max_steps=1)
-    with pytest.warns(CurvatureWarning, match="no real-loss keys for layer0/attn, layer0/ffn.*use_reentrant=False"):
+    with pytest.warns(CurvatureNotice, match="no real-loss keys for layer0/attn, layer0/ffn.*use_reentrant=False"):
         trainer.fit(_Model(checkpointing="reentrant"), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/layer0/attn/hessian/QQ/h0" in row and not any("sharpness" in k for k in row)

@@ -10,6 +10,7 @@ evaluation on every rank, no hang) is tested in ``tests/test_callback.py::test_d
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import warnings
@@ -25,7 +26,7 @@ import curvwatch.callback as callback_module
 import curvwatch.closed_form as closed_form
 import curvwatch.metrics as metrics_module
 from benchmarks.common import PeakMemory
-from curvwatch import CurvatureMonitor, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
 from curvwatch.capture import Capture, CapturedBlock, CaptureError
 from curvwatch.closed_form.settings import Lanczos
@@ -45,6 +46,8 @@ TOL = {
     # bf16-mixed vs 32-true run of the same step: bf16 autocast rounds every matmul input to 8 mantissa bits
     # (relative 2^-8 ~ 4e-3 each); measured differences on this model are ~1e-2 on the headline norms
     "bf16_vs_fp32": 5e-2,
+    # fp16-mixed vs 32-true: float16 rounds to 11 mantissa bits (relative 2^-11 ~ 5e-4 each)
+    "fp16_vs_fp32": 1e-2,
     # RSS growth allowed over 2000 capture + evaluate rounds after warm-up (allocator noise)
     "rss_mib": 16.0,
 }
@@ -104,14 +107,16 @@ LANCZOS_CUT = "Lanczos norms stopped at max_iter"
 
 
 def curv_warnings(record) -> list[str]:
-    messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
+    """The messages of the monitor's warnings and notices, both categories."""
+    messages = [str(w.message) for w in record if issubclass(w.category, (CurvatureWarning, CurvatureNotice))]
     return [m for m in messages if LANCZOS_CUT not in m]
 
 
 def fit(trainer, model, data=None):
-    """Fit, recording every CurvatureWarning (pytest turns other warnings into errors)."""
+    """Fit, recording every CurvatureWarning and CurvatureNotice (pytest turns other warnings into errors)."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", CurvatureWarning)
+        warnings.simplefilter("always", CurvatureNotice)
         trainer.fit(model, data if data is not None else loader(n=12))
     return curv_warnings(record)
 
@@ -528,20 +533,48 @@ def test_attention_mask_excluded_hugging_face_gpt2():
 HEADLINE = (MAX_KEY, "curv/summary/ln/var_min", f"{P}layer0/attn/hessian/max", f"{P}layer0/ffn/hessian/max")
 
 
-def _precision_run(tmp_path, precision, spy):
+def _precision_run(tmp_path, precision, spy, init_scale=None):
+    """One step at ``precision``: ``(monitor, logged numbers, captured blocks, [(grad factor, loss scale)])``.
+
+    ``"16-mixed"`` runs on CUDA (Lightning's GradScaler); ``"16-mixed-cpu"`` is float16 CPU autocast with a CPU
+    ``GradScaler`` (``init_scale``, default 2**16) through Lightning's ``MixedPrecision`` plugin."""
     spy.instances = []
     torch.manual_seed(0)
     monitor = monitor_of()
-    accelerator = "cuda" if precision == "16-mixed" else "cpu"  # CPU autocast has no float16
-    trainer = make_trainer(tmp_path / precision, monitor, max_steps=1, precision=precision, accelerator=accelerator)
-    fit(trainer, tiny(), loader(n=4))
-    return monitor, logged(trainer)[0], spy.instances[0].handed
+    factors = []
+    grad_factor = CurvatureMonitor._grad_factor
+
+    def record(trainer, pl_module):  # the factor the monitor applied to grad_output, and the scale then
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        factors.append((grad_factor(trainer, pl_module), None if scaler is None else float(scaler.get_scale())))
+        return factors[-1][0]
+
+    kwargs = {"precision": precision, "accelerator": "cuda" if precision == "16-mixed" else "cpu"}
+    if precision == "16-mixed-cpu":
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16 if init_scale is None else init_scale)
+        kwargs = {"accelerator": "cpu", "plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    trainer = make_trainer(tmp_path / f"{precision}-{init_scale}", monitor, max_steps=1, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CurvatureMonitor, "_grad_factor", staticmethod(record))
+        fit(trainer, tiny(), loader(n=4))
+    return monitor, logged(trainer)[0], spy.instances[0].handed, factors
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def _scaled(block: CapturedBlock, factor: float) -> CapturedBlock:
+    """``block`` with ``grad_output`` times ``factor``, as the engine applies the monitor's grad factor."""
+    inputs = {k: v * factor if k == "grad_output" else v for k, v in block.inputs.items()}
+    return dataclasses.replace(block, inputs=inputs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "16-mixed-cpu"])
 def test_mixed_precision_computed_in_float32(tmp_path, spy, monkeypatch, precision):
+    """The closed forms run in float32 on the captured tensors, with fp16's loss scale undone (the captured
+    ``grad_output`` is the scaled one: the expectation applies the factor the monitor used, 1 / the scale), and the
+    logged numbers agree with a ``32-true`` run of the same step."""
     if precision == "16-mixed" and not torch.cuda.is_available():
-        pytest.skip("precision='16-mixed' needs a CUDA GPU (CPU autocast supports bfloat16 only)")
+        pytest.skip("precision='16-mixed' needs a CUDA GPU ('16-mixed-cpu' runs float16 CPU autocast here)")
     dtypes = set()
     original = CapturedBlock.evaluate
 
@@ -551,22 +584,47 @@ def test_mixed_precision_computed_in_float32(tmp_path, spy, monkeypatch, precisi
         return out
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
-    monitor, mixed, blocks = _precision_run(tmp_path, precision, spy)
+    monitor, mixed, blocks, factors = _precision_run(tmp_path, precision, spy)
+    ((factor, scale),) = set(factors)  # the same for the sampled backward passes and the evaluation
+    if precision == "bf16-mixed":
+        assert (factor, scale) == (1.0, None)  # no loss scale
+    else:
+        assert scale == 2.0**16 and factor == 1.0 / scale, factors
     assert dtypes == {torch.float32}  # the closed forms ran in float32 whatever autocast produced
     assert all(math.isfinite(v) for v in mixed.values())
-    for block in blocks:  # the logged numbers are the float32 closed form of the captured tensors
+    for block in blocks:  # the logged numbers are the float32 closed form of the captured tensors, scale undone
         lanczos = Lanczos(tol=monitor.tol, max_iter=monitor.max_iter, max_basis=None, warn=False)
-        expected = original(block, lanczos=lanczos, dtype=torch.float32)
+        expected = original(_scaled(block, factor), lanczos=lanczos, dtype=torch.float32)
         for key in ("hessian/QQ/h0", "hessian/VV/h1", "hessian/W1W1", "ln/var_min", "var_min", "term/x_norm"):
             if key in expected:
                 name = f"{P}{block.spec.name}/{key if '/' in key else 'ln/' + key}"
                 assert_close_report(mixed[name], expected[key], rtol=TOL["recompute"], name=name)
-    _, full, _ = _precision_run(tmp_path, "32-true", spy)
+    _, full, _, _ = _precision_run(tmp_path, "32-true", spy)
     for key in HEADLINE:  # and they agree with a float32 run of the same step
         assert_close_report(mixed[key], full[key], rtol=TOL["bf16_vs_fp32"], name=f"{precision} vs 32-true {key}")
     # the real-loss sharpness under autocast: the same sampled labels (same seed) on logits that differ by rounding
     key = "curv/summary/sharpness/max"
     assert_close_report(mixed[key], full[key], rtol=0.25, name=f"{precision} vs 32-true {key}")
+
+
+def test_fp16_loss_scale_is_undone(tmp_path, spy):
+    """float16 CPU autocast with a GradScaler at two loss scales (2**16, 2**8): the captured output gradients
+    differ by the ratio of the scales (2**8, to fp16 rounding: the smaller scale leaves more of them subnormal),
+    the logged numbers do not, and they agree with a 32-true run of the same step (to fp16 autocast's rounding,
+    TOL['fp16_vs_fp32']). Without the factor they would differ by 2**8 and 2**16."""
+    runs = {s: _precision_run(tmp_path, "16-mixed-cpu", spy, init_scale=s) for s in (2.0**16, 2.0**8)}
+    _, full, blocks32, _ = _precision_run(tmp_path, "32-true", spy)
+    (_, high, blocks_high, f_high), (_, low, blocks_low, f_low) = runs[2.0**16], runs[2.0**8]
+    assert {f for f, _ in f_high} == {2.0**-16} and {f for f, _ in f_low} == {2.0**-8}
+    for a, b, c in zip(blocks_high, blocks_low, blocks32, strict=True):
+        high_grad, low_grad = a.inputs["grad_output"].double(), b.inputs["grad_output"].double()
+        assert_close_report(high_grad, low_grad * 2.0**8, rtol=1e-4, name=f"{a.spec.name} grad_output ratio")
+        f32_grad = c.inputs["grad_output"].double()  # the scaled gradient, unscaled: the float32 run's
+        assert_close_report(high_grad * 2.0**-16, f32_grad, rtol=TOL["fp16_vs_fp32"], name=a.spec.name)
+    assert high.keys() == low.keys() == full.keys()
+    for key in (*HEADLINE, "curv/layer0/attn/hessian/QQ/h0", "curv/layer0/ffn/hessian/W1W1"):
+        assert_close_report(high[key], low[key], rtol=TOL["fp16_vs_fp32"], name=f"scale 2**16 vs 2**8 {key}")
+        assert_close_report(high[key], full[key], rtol=TOL["fp16_vs_fp32"], name=f"16-mixed vs 32-true {key}")
 
 
 # -- bounded cost ---------------------------------------------------------------------------------
@@ -709,6 +767,7 @@ def test_callback_state_bounded_over_many_evaluations():
     flat = {("layer0/attn", "hessian/VV/h0"): 1.0, ("layer0/ln_1", "ln/var_min_over_eps"): 1.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CurvatureWarning)
+        warnings.simplefilter("ignore", CurvatureNotice)
         for step in range(2000):  # every evaluation fires a collapse alert; every other one also a skip
             flat[("layer0/attn", "hessian/VV/h0")] = 100.0 ** (step % 2)
             monitor._log(trainer, step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
@@ -736,6 +795,7 @@ def test_resume_mid_epoch_same_schedule_and_warning_state(tmp_path):
         )
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always", CurvatureWarning)
+            warnings.simplefilter("always", CurvatureNotice)
             trainer.fit(model, loader(n=32), ckpt_path=ckpt_path)  # 8 batches: checkpoints are mid-epoch
         fired = [(m.split("'")[1], int(m.split("at step ")[1].split(":")[0])) for m in curv_warnings(record)]
         return monitor, logged(trainer), fired
@@ -823,7 +883,7 @@ def test_model_without_blocks_fails_in_setup_of_a_real_fit(tmp_path):
     assert trainer.global_step == 0 and count_hooks(model) == 0
 
 
-@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"])
+@pytest.mark.parametrize("name", ["DeepSpeedStrategy", "ModelParallelStrategy"])  # FSDPStrategy: test_sharded.py
 def test_sharding_strategies_refused_in_setup(name):
     import lightning.pytorch.strategies as strategies
 

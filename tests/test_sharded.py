@@ -23,7 +23,7 @@ import torch
 
 from curvwatch import CurvatureMonitor, sharding
 from curvwatch.adapters import UnsupportedBlockError, find_blocks
-from curvwatch.alerts import CurvatureWarning
+from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.engine import NONFINITE, BlockError, Engine
 from curvwatch.models.gpt import GPT, GPTConfig
@@ -64,6 +64,23 @@ def _start(out: Path, scenario: str) -> list[tuple[subprocess.Popen, Path]]:
                 )
             )
     return procs
+
+
+def _run(out: Path, scenario: str) -> None:
+    """Run both ranks of one scenario to their end (a hang fails after TIMEOUT_S); nothing outlives it."""
+    procs = _start(out, scenario)
+    try:
+        for rank, (proc, log) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{scenario}, rank {rank}: no exit in {TIMEOUT_S} s (hang?)\n{log.read_text()[-3000:]}")
+            assert code == 0, f"{scenario}, rank {rank}: exit code {code}\n{log.read_text()[-3000:]}"
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +179,39 @@ def test_fsdp2_checkpoint_resume(runs):
     assert [logged[s]["curv/summary/evaluations"] for s in ("6", "8")] == [4.0, 5.0]
 
 
-# -- FSDP1 (torch FullyShardedDataParallel on CPU; Lightning's FSDPStrategy needs a GPU) ----------------------
+def test_fsdp2_per_submodule_sharding_logs_the_ddp_numbers(tmp_path):
+    """Issue 26: fully_shard on each nn.TransformerEncoderLayer's attention and MLP Linears, then the layer and the
+    root. FSDP2's pre-forward hook hands the attention module aliases of its one input as query, key and value;
+    every block was refused as "not self-attention". Now every block is evaluated, with the DDP run's numbers."""
+    _run(tmp_path, "encoder")
+    ddp, fsdp2 = (json.loads((tmp_path / run / "rank0.json").read_text()) for run in ("encoder_ddp", "encoder_fsdp2"))
+    assert fsdp2["param_types"] == ["DTensor"] and ddp["param_types"] == ["Parameter"]  # really sharded
+    assert sorted(fsdp2["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"]
+    blocks = [f"layer{i}/{b}" for i in (0, 1) for b in ("attn", "ln_1", "ln_2", "ffn")]
+    assert fsdp2["reads"] == [blocks] * 3  # every block read (and evaluated) at every evaluation
+    for step in ("0", "2", "4"):
+        assert sorted(fsdp2["logged"][step]) == sorted(ddp["logged"][step])
+        assert all(f"curv/{b}/hessian/max" in fsdp2["logged"][step] for b in blocks if "ln" not in b)
+    _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "per-sub-module FSDP2 vs DDP at step 0")
+
+
+# -- FSDP1 (torch FullyShardedDataParallel on CPU; Lightning's FSDPStrategy) ---------------------------------------
+
+
+def test_lightning_fsdp_strategy_logs_the_ddp_numbers(runs, tmp_path):
+    """Issue 26: Lightning's FSDPStrategy (FSDP1, per-layer wrap policy, use_orig_params False and True) on 2 CPU
+    processes (a subclass that passes device_id=cpu: Lightning runs the class itself on CUDA only): the DDP run's
+    keys at steps 0, 2, 4 and its step-0 numbers."""
+    _run(tmp_path, "lightning-fsdp1")
+    ddp = runs["ddp"][0]
+    for run in ("fsdp1", "fsdp1_orig"):
+        result = json.loads((tmp_path / run / "rank0.json").read_text())
+        assert result["world_size"] == 2
+        assert sorted(result["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"], run
+        for step in ("0", "2", "4"):
+            assert sorted(result["logged"][step]) == sorted(ddp["logged"][step]), (run, step)
+        assert result["states"]["end"] == {"evaluations": 3, "skipped": 0, "last_step": 4}
+        _assert_same_numbers(result["logged"]["0"], ddp["logged"]["0"], f"FSDPStrategy ({run}) vs DDP at step 0")
 
 
 def test_fsdp1_summon_full_params_reads_the_unsharded_numbers(runs):
@@ -263,10 +312,10 @@ def test_engine_reads_every_block_before_any_local_decision(raise_errors, monkey
     monkeypatch.setattr(CapturedBlock, "evaluate", failing)
     engine = Engine(raise_errors=raise_errors)
     if raise_errors:  # raised once every block was read
-        with pytest.raises(BlockError, match="layer0/ffn"), pytest.warns(CurvatureWarning, match="layer0/ln_1"):
+        with pytest.raises(BlockError, match="layer0/ffn"), pytest.warns(CurvatureNotice, match="layer0/ln_1"):
             engine.evaluate(blocks)
     else:
-        with pytest.warns(CurvatureWarning, match="skips block 'layer0/ln_1': its captured X hold NaN"):
+        with pytest.warns(CurvatureNotice, match="skips block 'layer0/ln_1': its captured X hold NaN"):
             out = engine.evaluate(blocks)
         assert out.excluded == {"layer0/attn": "test: left out", "layer0/ln_2": "test: cannot read this block"}
         assert out.results["layer0/ln_1"] == {NONFINITE: 1.0}
@@ -351,6 +400,8 @@ def test_setup_picks_the_reader_by_strategy():
     assert sharding.param_reader(_strategy("SingleDeviceStrategy"), model) is None
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     assert sharding.param_reader(strategy, model) is sharding.full_params
+    fsdp1 = sharding.param_reader(_strategy("FSDPStrategy"), model)  # issue 26: FSDP1 is accepted
+    assert fsdp1 is not None and fsdp1.__qualname__.startswith("summoned_params")
     monitor = CurvatureMonitor()
     from tests.ddp_script import TinyLM
 
@@ -366,7 +417,6 @@ def test_setup_picks_the_reader_by_strategy():
     [
         (_strategy("ModelParallelStrategy", _tensor_parallel_size=2), r"tensor parallelism \(tensor_parallel_size=2"),
         (_strategy("ModelParallelStrategy"), r"tensor parallelism \(tensor_parallel_size='auto'"),
-        (_strategy("FSDPStrategy"), "FSDP1 flat parameters.*GPUs only"),
         (_strategy("DeepSpeedStrategy"), "ZeRO stage 3.*CUDA only"),
         (_strategy("XLAFSDPStrategy"), "XLA"),
     ],

@@ -91,7 +91,7 @@ class TorchTransformerLayerAdapter(Adapter):
         if spec.kind == "cross_attention":
             return self._cross_masks(spec, _bind(spec.layer_module, args, kwargs))
         a = _bind(spec.layer_module.self_attn, args, kwargs)
-        if not (a["key"] is a["query"] and a["value"] is a["query"]):
+        if not (_same_input(a["key"], a["query"]) and _same_input(a["value"], a["query"])):
             raise UnsupportedBlockError("self_attn was called with key/value != query (not self-attention).")
         L = self.to_batch_first(spec, a["query"]).shape[1]
         return _torch_masks(a.get("key_padding_mask"), a.get("attn_mask"), a.get("is_causal", False), L)
@@ -248,3 +248,19 @@ def _gpt2_scaling(attn: nn.Module) -> float:
     if getattr(attn, "scale_attn_by_inverse_layer_idx", False):
         scale /= float(attn.layer_idx + 1)
     return scale
+
+
+def _same_input(a: object, b: object) -> bool:
+    """Whether two arguments of a call hold the same tensor: the same object, the same memory (an alias such as the
+    ones FSDP2's pre-forward hook of a ``fully_shard``-ed attention module makes of each input that requires grad),
+    or equal values (a cast copy). The value comparison runs on captured steps only, when the others fail.
+    """
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return bool(torch.equal(a.detach(), b.detach()))
