@@ -76,6 +76,24 @@ __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 _DTYPES = (torch.float32, torch.float64)
 
 
+def nonfinite_inputs(blocks: Sequence[CapturedBlock]) -> list[list[str]]:
+    """For each block, the names of its captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``).
+
+    One reduction per tensor and **one** host read for all the blocks (a device sync): ``amax`` propagates NaN and
+    ``|-inf| = inf``, ~4x cheaper than ``isfinite(t).all()``; an empty tensor has no amax and nothing non-finite.
+    """
+    names = [[n for n, t in b.inputs.items() if t.is_floating_point() and n != "output_samples"] for b in blocks]
+    peaks = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
+             for b, ns in zip(blocks, names, strict=True) for t in (b.inputs[n] for n in ns)]  # fmt: skip
+    if not peaks:
+        return [[] for _ in blocks]
+    devices = {p.device for p in peaks}
+    if len(devices) > 1:  # blocks on several devices (a model split by hand): one read per device
+        peaks = [p.to(peaks[0].device) for p in peaks]
+    finite = iter(torch.isfinite(torch.stack(peaks)).tolist())
+    return [[n for n in ns if not next(finite)] for ns in names]
+
+
 def vectors_held(max_iter: int, max_basis: int | None) -> int:
     """Lanczos vectors one norm holds at most: ``max_iter``, or fewer with ``max_basis`` (thick restarts)."""
     return max_iter if max_basis is None else min(max_iter, max_basis)
@@ -180,15 +198,7 @@ class CapturedBlock:
 
     def nonfinite(self) -> list[str]:
         """Names of the captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``), one device sync."""
-        names = [n for n, t in self.inputs.items() if t.is_floating_point() and n != "output_samples"]
-        if not names:
-            return []
-        # amax propagates NaN and |-inf| = inf: one reduction per tensor, ~4x cheaper than isfinite(t).all()
-        # (an empty tensor has no amax and nothing non-finite)
-        peaks = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
-                 for t in (self.inputs[n] for n in names)]  # fmt: skip
-        finite = torch.isfinite(torch.stack(peaks)).tolist()
-        return [n for n, ok in zip(names, finite, strict=True) if not ok]
+        return nonfinite_inputs([self])[0]
 
     def evaluation_bytes(
         self, dtype: torch.dtype = torch.float32, max_iter: int = 20, max_basis: int | None = None

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import CurvatureNotice
-from curvwatch.capture import CapturedBlock, vectors_held
+from curvwatch.capture import CapturedBlock, nonfinite_inputs, vectors_held
+from curvwatch.closed_form._common import inputs_checked
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
@@ -203,7 +204,9 @@ class Engine:
         if signals:
             captured = [b for b in captured if plans[b.spec.name] is not None]
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
-        with torch.no_grad():
+        # NaN/Inf in the captured tensors of every block, in one host read (the kernels then skip their own check)
+        bad_inputs = dict(zip((b.spec.name for b in captured), nonfinite_inputs(captured), strict=True))
+        with torch.no_grad(), inputs_checked():
             for captured_block in captured:
                 # Under sharding reading the weights is a collective: every rank reads every block, in order,
                 # before any local decision about it (left out, NaN, failed), so no rank waits on another.
@@ -216,7 +219,8 @@ class Engine:
                     try:
                         rule = None if rules is None else rules.get(block.spec.name)
                         plan = plans.get(block.spec.name)
-                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule, plan)
+                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule, plan,
+                                             bad_inputs[block.spec.name])  # fmt: skip
                     except Exception as err:
                         pending = err
                 # the errors kept must not hold this block's weights through their frames' locals
@@ -242,9 +246,11 @@ class Engine:
         out: Evaluation,
         rule: StabilityRule | None = None,
         signals: tuple[str, ...] | None = None,
+        bad: list[str] | None = None,
     ) -> None:
         """Evaluate one block into ``out``: left out, non-finite, failed or its numbers (``signals``: the exact
-        pairs of a signals evaluation)."""
+        pairs of a signals evaluation; ``bad``: its captured tensors holding NaN or Inf, as
+        :func:`~curvwatch.capture.nonfinite_inputs` found them, ``None`` to check here)."""
         name = block.spec.name
         if block.reason is None and isinstance(read_error, UnsupportedBlockError):
             block = dataclasses.replace(block, reason=str(read_error))
@@ -257,7 +263,7 @@ class Engine:
             out.failed[name] = read_error
             return
         kind = KINDS[block.spec.kind]
-        bad = block.nonfinite()
+        bad = block.nonfinite() if bad is None else bad
         if bad:
             out.nonfinite.append(name)
             self.warn_once(
