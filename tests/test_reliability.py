@@ -54,6 +54,7 @@ def monitor_of(**overrides) -> CurvatureMonitor:
     """A monitor evaluating every step, cheaply (few Lanczos steps: the numbers' accuracy is not tested here)."""
     kwargs = {"every_n_train_steps": 1, "max_overhead": None, "max_tokens": 16, "max_iter": 4, "log_heatmap": False}
     kwargs["warning_rules"] = "legacy"  # the reliability of the spike and collapse rules these tests were written on
+    kwargs["log_level"] = "all"  # these tests read per-block and per-head keys from the logger
     kwargs.update(overrides)
     return CurvatureMonitor(**kwargs)
 
