@@ -9,8 +9,14 @@ is set), and writes everything under ``--out-dir``::
     <out-dir>/wandb/                   the W&B run (offline: upload later with `wandb sync`)
     <out-dir>/plots/block_norms.png    per-block Hessian norms over training (when the monitor ran)
     <out-dir>/plots/norm_stats.png     LayerNorm / RMSNorm statistics over training (when the monitor ran)
+    <out-dir>/plots/stability.png      each layer's edge-of-stability ratio over training (real-loss keys on)
+    <out-dir>/plots/heatmap.png        the block-norm heatmap of the last full evaluation (as logged to W&B)
+    <out-dir>/plots/stability_heatmap.png   the same for the edge-of-stability ratios
     <out-dir>/plots/loss.png           train/val loss and validation accuracy
-    <out-dir>/summary.json             the numbers printed at the end
+    <out-dir>/summary.json             the numbers printed at the end (with what the monitor cost)
+
+The plots read every key of every evaluation (a :class:`curvwatch.logbook.Logbook` listener), whatever
+``--log-level`` lets reach the CSV and W&B (default ``summary``: the headline keys and the per-layer maxima).
 
 ``--arch llama`` trains, on the same task and data, a LLaMA-style model built with litgpt from a config (no
 download; needs ``pip install litgpt``): rotary positions, grouped-query attention, RMSNorm before each sub-block
@@ -18,7 +24,9 @@ and a SwiGLU MLP. The monitor reads it through its litgpt adapter; the plots and
 
 ``--unstable`` trains a post-LN model at a high learning rate without warmup or clipping, a recipe that
 makes the loss spike and the model collapse within the run, so the curvature can be watched as it happens
-(with ``--arch llama`` only its optimization settings apply: litgpt's LLaMA blocks are always pre-norm).
+(with ``--arch llama`` only its optimization settings apply: litgpt's LLaMA blocks are always pre-norm). Its loss
+blows up at step 2, too early for the default rules (built to lead slower divergences: their growth rules skip the
+first 100 steps), so it runs them beside the legacy spike rule (``warning_rules="all"``), which fires at step 1.
 ``--quick`` is a seconds-long smoke run used by the tests.
 """
 
