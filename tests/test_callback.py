@@ -594,7 +594,7 @@ def test_default_terms_only_evaluations_compute_what_the_rules_read(tmp_path, sp
     monitor = CurvatureMonitor(
         log_level="all", max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, max_tokens=16,
         log_heatmap=False,
-    )
+    )  # fmt: skip
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
