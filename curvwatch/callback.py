@@ -20,8 +20,7 @@ from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarn
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import BlockError, Engine, Evaluation
-from curvwatch.kinds import KINDS
-from curvwatch.logbook import HEADLINES, Logbook, LogError, flatten
+from curvwatch.logbook import Logbook, LogError, flatten
 from curvwatch.options import OnError, TermsKeys, WarningRules, check_int, check_number, choice, pairs_option
 from curvwatch.ranks import Ranks
 from curvwatch.rules import RuleSet
@@ -96,7 +95,12 @@ class CurvatureMonitor(Callback):
       as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
       so a collapse that produced the NaN is still seen.
     - With a ``WandbLogger`` (or ``TensorBoardLogger``) and matplotlib: ``{p}summary/heatmap``, an image of
-      ``log10`` block norms, layers x sub-blocks.
+      ``log10`` block norms, layers x sub-blocks; with a ``WandbLogger``, ``{p}summary/layers``, a table of every
+      block's maxima and warning signals per full evaluation.
+    - The warning signals, model-wide: ``{p}summary/signals/softmax_jac_min``, ``{p}summary/signals/logit_bound_max``,
+      ``{p}summary/signals/outer_vv_max``; per layer (``curv_`` is the prefix without its ``/``):
+      ``curv_hessian/layer{i}/{part}`` (the block norm of sub-block ``part``), ``curv_stability/layer{i}``.
+    - ``log_level`` decides which of these reach the loggers (the key tables of ``docs/metrics.md`` give each key's).
 
     The headline summaries are also put in ``trainer.callback_metrics`` (as tensors), so ``EarlyStopping``
     and ``ModelCheckpoint`` can monitor e.g. ``"curv/summary/max_hessian"``.
@@ -192,6 +196,12 @@ class CurvatureMonitor(Callback):
             ``verify/ratio/XX``): how far the closed-form view is from the truth on your model. Costs a backward
             with ``create_graph`` and ~30 double-backward products per pair; needs double backward (no fused
             attention kernels).
+        log_level: Which keys reach the loggers. ``"summary"`` (default; 59 for a 12-layer, 12-head GPT):
+            the headline summaries, per layer the block norm of each sub-block (``curv_hessian/layer{i}/{part}``)
+            and the largest stability ratio (``curv_stability/layer{i}``), the heatmaps and, with a
+            ``WandbLogger``, a table of every block per evaluation (``{p}summary/layers``); ``"blocks"``: also every
+            per-block key that is not per head nor a bound or term (727); ``"all"``: everything (7,303). Summaries,
+            warnings, heatmaps and tables read the whole evaluation at every level (``docs/metrics.md``).
 
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``), or in ``setup`` if the model has no block
@@ -241,6 +251,7 @@ class CurvatureMonitor(Callback):
         loss: str = "auto",
         logits_module: str | None = None,
         verify_every_n_evals: int | None = None,
+        log_level: str = "summary",
     ) -> None:
         self.schedule = Schedule(every_n_train_steps, terms_every_n_train_steps, max_overhead)  # validates them
         check_int("max_tokens", max_tokens, 1)
@@ -290,7 +301,9 @@ class CurvatureMonitor(Callback):
         )
         # the run's record: summaries, warnings, counters (checkpointed); tol was validated by Lanczos above
         self.book = Logbook(log_key_prefix, float(tol), self._alerts if legacy else None, rules,
-                            count_terms=self.schedule.terms_every_n_train_steps is not None)  # fmt: skip
+                            count_terms=self.schedule.terms_every_n_train_steps is not None,
+                            log_level=log_level)  # fmt: skip
+        self.log_level = self.book.log_level
         self.every_n_train_steps = self.schedule.every_n_train_steps
         self.terms_every_n_train_steps = terms_every_n_train_steps  # as given ("auto", an int or None)
         self.max_overhead = self.schedule.max_overhead
@@ -346,9 +359,7 @@ class CurvatureMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.schedule.start()
         if trainer.is_global_zero:
-            keys = dict(HEADLINES)
-            keys.update({f"{s.name}/hessian/max": "max" for s in self._specs if KINDS[s.kind].has_norms})
-            sinks.define_wandb_metrics(trainer.loggers, {self.log_key_prefix + k: v for k, v in keys.items()})
+            sinks.define_wandb_metrics(trainer.loggers, self.book.metric_summaries(self._block_info))
             sinks.log_config(trainer.loggers, self._coverage, report.coverage_text(self._coverage))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

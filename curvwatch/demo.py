@@ -9,8 +9,14 @@ is set), and writes everything under ``--out-dir``::
     <out-dir>/wandb/                   the W&B run (offline: upload later with `wandb sync`)
     <out-dir>/plots/block_norms.png    per-block Hessian norms over training (when the monitor ran)
     <out-dir>/plots/norm_stats.png     LayerNorm / RMSNorm statistics over training (when the monitor ran)
+    <out-dir>/plots/stability.png      each layer's edge-of-stability ratio over training (real-loss keys on)
+    <out-dir>/plots/heatmap.png        the block-norm heatmap of the last full evaluation (as logged to W&B)
+    <out-dir>/plots/stability_heatmap.png   the same for the edge-of-stability ratios
     <out-dir>/plots/loss.png           train/val loss and validation accuracy
-    <out-dir>/summary.json             the numbers printed at the end
+    <out-dir>/summary.json             the numbers printed at the end (with what the monitor cost)
+
+The plots read every key of every evaluation (a :class:`curvwatch.logbook.Logbook` listener), whatever
+``--log-level`` lets reach the CSV and W&B (default ``summary``: the headline keys and the per-layer maxima).
 
 ``--arch llama`` trains, on the same task and data, a LLaMA-style model built with litgpt from a config (no
 download; needs ``pip install litgpt``): rotary positions, grouped-query attention, RMSNorm before each sub-block
@@ -18,7 +24,9 @@ and a SwiGLU MLP. The monitor reads it through its litgpt adapter; the plots and
 
 ``--unstable`` trains a post-LN model at a high learning rate without warmup or clipping, a recipe that
 makes the loss spike and the model collapse within the run, so the curvature can be watched as it happens
-(with ``--arch llama`` only its optimization settings apply: litgpt's LLaMA blocks are always pre-norm).
+(with ``--arch llama`` only its optimization settings apply: litgpt's LLaMA blocks are always pre-norm). Its loss
+blows up at step 2, too early for the default rules (built to lead slower divergences: their growth rules skip the
+first 100 steps), so it runs them beside the legacy spike rule (``warning_rules="all"``), which fires at step 1.
 ``--quick`` is a seconds-long smoke run used by the tests.
 """
 
@@ -349,6 +357,7 @@ _DEFAULTS: dict[str, Any] = {
     "val_every": 250,
     "threads": 1,
     "warning_rules": "suite",
+    "log_level": "summary",
 }
 # The unstable recipe blows up within the first few steps, so it is watched at every step, and the spike
 # detector takes its baseline from the first evaluation alone (spike_warmup=1).
@@ -360,8 +369,9 @@ _UNSTABLE: dict[str, Any] = {
     "steps": 300,
     "every_n_steps": 1,
     "spike_warmup": 1,
-    # this recipe blows up within the first steps, before the suite's rules have the 100 steps of history their
-    # growth rules need (their warmup); the legacy spike rule runs beside them and fires at once
+    # this recipe's training loss blows up at step 2 (python -m curvwatch.demo --unstable --steps 20): no rule built
+    # to lead a divergence can (the suite's growth rule, even on a 5-step window without warmup, fired at step 8);
+    # the legacy spike rule runs beside the suite's and fires at step 1, on the jump itself
     "warning_rules": "all",
 }
 _QUICK: dict[str, Any] = {
@@ -392,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m curvwatch.demo",
         description="Train a small GPT (ours, or a LLaMA-style one built with litgpt) on n-digit addition while "
         "curvwatch logs per-block Hessian norms.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Each option's default is in [brackets]; options left out take the preset's value.",
     )
     preset = p.add_argument_group("presets")
     preset.add_argument(
@@ -405,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=None, help=f"optimizer steps [{_DEFAULTS['steps']}]")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="[0]")
     run.add_argument(
         "--out-dir", type=Path, default=None, help="output folder [./curvwatch_runs/<timestamp>]"
     )
@@ -416,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for torch; 0 keeps torch's default. One is fastest for this tiny model on a busy "
         f"machine [{_DEFAULTS['threads']}]",
     )
-    run.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto, ...")
+    run.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu, gpu, auto, ... [cpu]")
     run.add_argument(
         "--wandb",
         choices=["offline", "online", "disabled"],
@@ -437,6 +447,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mon.add_argument(
         "--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]"
+    )
+    mon.add_argument(
+        "--warning-rules",
+        choices=["suite", "legacy", "all"],
+        default=None,
+        help="the monitor's warning rules: suite (its default), legacy (spike and collapse) or all "
+        f"[{_DEFAULTS['warning_rules']}]",
+    )
+    mon.add_argument(
+        "--log-level",
+        choices=["summary", "blocks", "all"],
+        default=None,
+        help="which keys reach the CSV and W&B loggers; the plots read every key whatever the level "
+        f"[{_DEFAULTS['log_level']}]",
     )
     model = p.add_argument_group("task and model")
     model.add_argument(
@@ -673,6 +697,78 @@ def plot_norm_stats(
     return True
 
 
+def plot_stability(
+    series: dict[str, tuple[list[int], list[float]]], path: Path, title: str = "edge of stability"
+) -> bool:
+    """The largest edge-of-stability ratio of each layer (``curv_stability/layer{i}``) over training, log scale, with
+    the edge (1) dashed. False if the real-loss keys were off (no ratio logged)."""
+    from matplotlib.figure import Figure
+
+    lines = sorted((k for k in series if k.startswith("curv_stability/layer")), key=lambda k: int(k.rsplit("layer")[1]))
+    if not lines:
+        return False
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.subplots()
+    for key in lines:
+        ax.plot(*_positive(*series[key]), marker=".", markersize=3, linewidth=1, label=key.split("/", 1)[1])
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="edge (1)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("sharpness / stability threshold")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def save_heatmaps(entry: Any, folder: Path) -> list[Path]:
+    """The two heatmap images the monitor logs to W&B (:func:`curvwatch.sinks.heatmap_figure`), of the last full
+    evaluation ``entry`` (:class:`curvwatch.logbook.Entry`), as ``heatmap.png`` and ``stability_heatmap.png``."""
+    from types import SimpleNamespace
+
+    from curvwatch.sinks import heatmap_figure
+
+    specs = [SimpleNamespace(name=row["block"], layer=row["layer"]) for row in entry.table if row["layer"] is not None]
+    saved = []
+    for name, values, label in (
+        ("heatmap.png", entry.norms, ("log10 ||H||", "Block Hessian norms")),
+        ("stability_heatmap.png", entry.ratios, ("log10 sharpness / threshold", "Edge-of-stability ratios")),
+    ):
+        if values:
+            folder.mkdir(parents=True, exist_ok=True)
+            heatmap_figure(specs, values, entry.step, label).savefig(folder / name, dpi=90)
+            saved.append(folder / name)
+    return saved
+
+
+class FullRecord:
+    """Every key of every evaluation (a :class:`curvwatch.logbook.Logbook` listener): the plots' input, whatever
+    ``log_level`` lets reach the CSV.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> record = FullRecord()
+        >>> record.add(SimpleNamespace(step=0, values={"curv/a": 1.0}, terms_only=False))
+        >>> record.series
+        {'curv/a': ([0], [1.0])}
+    """
+
+    def __init__(self) -> None:
+        self.series: dict[str, tuple[list[int], list[float]]] = {}
+        self.last_full: Any = None  # the last full evaluation's Entry (the heatmaps)
+
+    def add(self, entry: Any) -> None:
+        for key, value in entry.values.items():
+            steps, values = self.series.setdefault(key, ([], []))
+            steps.append(entry.step)
+            values.append(value)
+        if not entry.terms_only:
+            self.last_full = entry
+
+
 def plot_loss(series: dict[str, tuple[list[int], list[float]]], path: Path, title: str | None = None) -> bool:
     """Train/val loss (log scale) and validation accuracy. False if no loss was logged."""
     from matplotlib.figure import Figure
@@ -728,6 +824,10 @@ class DemoResult:
     model: str = ""  # describe_model's line
     n_parameters: int = 0
     warnings: int = 0  # CurvatureWarnings fired
+    monitor_seconds: float = 0.0  # spent evaluating and logging (both tiers), the monitor's cost
+    monitor_terms_seconds: float = 0.0  # the part of it spent on terms-only evaluations
+    overhead_fraction: float = 0.0  # monitor_seconds / (training wall time - monitor_seconds)
+    evaluations: tuple[int, int] = (0, 0)  # full and terms-only evaluations
     # the monitor's set-up table: a row per monitored block and per part left out ({"layer", "part", "kind", "status"})
     coverage: list[dict[str, str]] = field(default_factory=list)
 
@@ -793,6 +893,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
 
     callbacks: list[L.Callback] = []
     monitor = None
+    record = FullRecord()
     if not args.no_monitor:
         try:
             from curvwatch import CurvatureMonitor
@@ -807,8 +908,10 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
                 max_overhead=None,  # a fixed schedule: the demo favours dense plots over a 1% budget
                 spike_warmup=s["spike_warmup"],
                 warning_rules=s["warning_rules"],
+                log_level=s["log_level"],
                 **kwargs,
             )
+            monitor.book.listeners.append(record.add)  # the plots read every key, whatever reaches the loggers
             callbacks.append(monitor)
 
     trainer = L.Trainer(
@@ -869,6 +972,11 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         result.warnings = len(monitor.alerts)
     if monitor is not None:
         result.coverage = monitor.coverage
+        schedule = monitor.schedule
+        result.monitor_seconds = schedule.eval_seconds
+        result.monitor_terms_seconds = schedule.terms_seconds
+        result.overhead_fraction = schedule.overhead_fraction
+        result.evaluations = (monitor.book.evaluations, monitor.book.terms_evaluations)
 
     loss_series = read_metrics(metrics_csv).get("train/loss")
     if loss_series is not None:
@@ -878,15 +986,18 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
     except ModuleNotFoundError:
         print("[curvwatch demo] plots skipped: matplotlib is not installed (`pip install curvwatch[plots]`).")
     else:
-        series = read_metrics(metrics_csv)
+        series = {**read_metrics(metrics_csv), **record.series}  # every key of every evaluation, at any log level
         label = f"{ARCHS[arch]}, {s['n_digits']}-digit addition"
         for name, plot, title in (
             ("block_norms.png", plot_block_norms, f"closed-form Hessian block norms: {label}"),
             ("norm_stats.png", plot_norm_stats, f"normalisation statistics: {label}"),
+            ("stability.png", plot_stability, f"edge of stability per layer: {label}"),
             ("loss.png", plot_loss, f"training: {label}"),
         ):
             if plot(series, out_dir / "plots" / name, title):
                 result.plots.append(out_dir / "plots" / name)
+        if record.last_full is not None:
+            result.plots += save_heatmaps(record.last_full, out_dir / "plots")
 
     _print_summary(result, module.model, data, s["n_digits"], desc)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
@@ -935,6 +1046,27 @@ def coverage_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
     return lines + [f"  {line}" for line in left_out]
 
 
+def cost_line(result: DemoResult) -> str:
+    """What the monitor cost: its seconds against the run's and the training's (``summary/overhead_fraction``).
+
+    Example:
+        >>> r = DemoResult(Path("."), Path("m.csv"), 30.0, 0.1, 1.0, 100, True, monitor_seconds=10.0,
+        ...                monitor_terms_seconds=4.0, overhead_fraction=0.5, evaluations=(3, 7))
+        >>> print(cost_line(r))
+        monitor:    10.0 s of the 30.0 s run (33%; 0.50 x the training time): 3 full evaluations 6.0 s, 7 terms 4.0 s
+                    (the demo's fixed, dense schedule; CurvatureMonitor() at its defaults keeps to 1% + 4%)
+    """
+    share = result.monitor_seconds / max(result.train_seconds, 1e-9)
+    full, terms = result.evaluations
+    return (
+        f"monitor:    {result.monitor_seconds:.1f} s of the {result.train_seconds:.1f} s run ({100 * share:.0f}%; "
+        f"{result.overhead_fraction:.2f} x the training time): {full} full evaluations "
+        f"{result.monitor_seconds - result.monitor_terms_seconds:.1f} s, {terms} terms "
+        f"{result.monitor_terms_seconds:.1f} s\n"
+        "            (the demo's fixed, dense schedule; CurvatureMonitor() at its defaults keeps to 1% + 4%)"
+    )
+
+
 def _print_summary(
     result: DemoResult, model: nn.Module, data: AdditionDataModule, n_digits: int, desc: str
 ) -> None:
@@ -964,6 +1096,7 @@ def _print_summary(
         lines.append("curvature:")
         lines.extend("  " + line for line in result.monitor_summary.rstrip().splitlines())
     if result.monitor_attached:
+        lines.append(cost_line(result))
         warn = "none" if result.first_warning_step is None else f"step {result.first_warning_step}"
         blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
         line = (

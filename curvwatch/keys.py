@@ -7,7 +7,14 @@ those the monitor derives. :func:`key_table` assembles the one table, from which
 (``python -m curvwatch.keys``) and against which a test checks the docs and the callback's docstring.
 
 Pattern placeholders: ``{XY}`` a block pair (``QQ``, ``W1W2``), ``{head}`` a head (``h0``) or a key/value group
-(``g0``), ``{i}`` a layer index; ``[...]`` is optional.
+(``g0``), ``{i}`` a layer index, ``{part}`` a sub-block's name within its layer (``attn``, ``ffn``); ``[...]`` is
+optional.
+
+Log levels (``log_level``, :class:`curvwatch.options.LogLevel`): which keys reach the loggers. ``"summary"`` (the
+default): the model-wide keys of :data:`SUMMARY_LEVEL` and the per-layer keys of :data:`LAYER_KEYS`; ``"blocks"``:
+also every per-block key that is neither per head nor a bound, term or cross-check (:func:`block_level`) and the
+other ``summary/...`` keys; ``"all"``: everything. Summaries, warnings, heatmaps and tables always read the whole
+evaluation.
 
 Reductions: ``"mean"`` (norms, ratios and terms: each rank saw its own batch, the mean estimates the global
 batch), ``"max"`` / ``"min"`` (quantities that are extremes by definition, which are also those the warnings
@@ -26,10 +33,16 @@ import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["BLOCK_KEYS", "SUMMARY_KEYS", "KeySpec", "key_table", "markdown", "reduce_op", "spec_of"]
+__all__ = [
+    "BLOCK_KEYS", "LAYER_KEYS", "SUMMARY_KEYS", "SUMMARY_LEVEL", "KeySpec", "block_level", "key_table", "layer_key",
+    "markdown", "reduce_op", "spec_of", "summary_level",
+]  # fmt: skip
 
 _REDUCTIONS = ("mean", "max", "min", "derived")
-_PLACEHOLDERS = {"{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+"}
+_PLACEHOLDERS = {"{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+", "{part}": r"\w+"}
+_HEAD = re.compile(r"^[hg]\d+$")
+# per-block categories logged only at log_level="all": bound terms and bounds, and the in-run cross-check
+_ALL_ONLY = ("bound", "term", "verify")
 
 
 @dataclass(frozen=True)
@@ -214,7 +227,105 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
         "image: `log10` of each block's `stability/max`, layers × sub-blocks (0 = the edge of stability)",
         "derived",
     ),
+    KeySpec(
+        "summary/layers",
+        "W&B table (full evaluations, with a `WandbLogger`): one row per block, its layer, kind and maxima "
+        "(`hessian_max`, `stability_max`, `sharpness_max`, `functional_outer`, the warning signals, the Lanczos "
+        "residual)",
+        "derived",
+    ),
+    KeySpec(
+        "summary/signals/softmax_jac_min",
+        "smallest softmax-Jacobian norm of any attention head (`term/softmax_jac_norm`): the `attn_saturation` rule "
+        "fires when a head's stays below `saturation_level`",
+        "derived",
+    ),
+    KeySpec(
+        "summary/signals/logit_bound_max",
+        "largest attention-logit bound `‖X‖² max_h ‖W_Q^h‖ ‖W_K^h‖` of any attention block: the `growth` rule "
+        "watches each block's rise",
+        "derived",
+    ),
+    KeySpec(
+        "summary/signals/outer_vv_max",
+        "largest exact value curvature `max_h ‖H_o(VV)‖` of any attention block: the `growth` rule watches each "
+        "block's rise",
+        "derived",
+    ),
 )
+
+#: Per-layer keys, logged at every level, each under a W&B section of its own: ``{stem}_{pattern}`` with ``stem``
+#: the prefix without its ``/`` (``curv_hessian/layer3/attn``; :func:`layer_key`).
+LAYER_KEYS: tuple[KeySpec, ...] = (
+    KeySpec(
+        "hessian/layer{i}/{part}",
+        "block norm `hessian/max` of sub-block `{part}` (`attn`, `ffn`, ...) of layer `i`: the largest Hessian "
+        "norm over its pairs and heads (full evaluations)",
+        "derived",
+    ),
+    KeySpec(
+        "stability/layer{i}",
+        "largest `stability/max` over the sub-blocks of layer `i` (real-loss keys, full evaluations): `≥ 1` is past "
+        "the edge of stability",
+        "derived",
+    ),
+)
+
+#: The model-wide keys logged at ``log_level="summary"`` (the others of :data:`SUMMARY_KEYS` from ``"blocks"`` on).
+SUMMARY_LEVEL: frozenset[str] = frozenset(
+    {
+        "summary/max_hessian", "summary/max_hessian_layer", "summary/heterogeneity/model",
+        "summary/vv_qq_ratio/median", "summary/functional_outer/max", "summary/stability/max",
+        "summary/stability/max_layer", "summary/ln/var_min_over_eps", "summary/rms/ms_min_over_eps",
+        "summary/signals/softmax_jac_min", "summary/signals/logit_bound_max", "summary/signals/outer_vv_max",
+        "summary/eval_time_s", "summary/terms_eval_time_s", "summary/overhead_fraction", "summary/evaluations",
+        "summary/terms_evaluations", "summary/skipped_evaluations", "summary/skipped_blocks",
+        "summary/nonfinite_blocks", "summary/warnings", "summary/lanczos/unconverged", "summary/heatmap",
+        "summary/stability_heatmap", "summary/layers",
+    }
+)  # fmt: skip
+
+
+def layer_key(prefix: str, key: str) -> str:
+    """The logged name of a per-layer key (:data:`LAYER_KEYS`): its own W&B section, named after the prefix.
+
+    Example:
+        >>> layer_key("curv/", "hessian/layer3/attn"), layer_key("", "stability/layer3")
+        ('curv_hessian/layer3/attn', 'stability/layer3')
+    """
+    stem = prefix.rstrip("/")
+    return f"{stem}_{key}" if stem else key
+
+
+def block_level(key: str) -> str:
+    """The lowest log level at which a per-block key (relative to its block) is logged: ``"all"`` for per-head
+    keys, bounds, terms and the cross-check (``verify/...``), ``"blocks"`` for the rest.
+
+    Example:
+        >>> block_level("hessian/QQ/h0"), block_level("term/x_norm"), block_level("hessian/max")
+        ('all', 'all', 'blocks')
+    """
+    pieces = key.split("/")
+    return "all" if pieces[0] in _ALL_ONLY or _HEAD.match(pieces[-1]) else "blocks"
+
+
+def summary_level(key: str) -> str:
+    """The lowest log level at which a ``summary/...`` key is logged: ``"summary"`` or ``"blocks"``.
+
+    Example:
+        >>> summary_level("summary/max_hessian"), summary_level("summary/heterogeneity/layer3")
+        ('summary', 'blocks')
+    """
+    return "summary" if key in SUMMARY_LEVEL else "blocks"
+
+
+def _pattern_level(pattern: str) -> str:
+    """The docs' *level* column of a key pattern."""
+    if pattern.startswith("summary/"):
+        return summary_level(pattern)
+    if pattern.split("/")[0] in _ALL_ONLY or pattern.endswith("/{head}"):
+        return "all"
+    return "blocks (per head: all)" if pattern.endswith("[/{head}]") else "blocks"
 
 
 def key_table() -> tuple[KeySpec, ...]:
@@ -256,10 +367,13 @@ def reduce_op(key: str) -> str:
     return spec.reduce
 
 
-def markdown(rows: tuple[KeySpec, ...]) -> str:
-    """A markdown table ``| key | meaning | ranks |`` of ``rows`` (those logged)."""
-    lines = ["| key | meaning | ranks |", "| --- | --- | --- |"]
-    lines += [f"| `{r.pattern}` | {r.meaning} | {r.reduce} |" for r in rows if r.logged]
+def markdown(rows: tuple[KeySpec, ...], level: str | None = None) -> str:
+    """A markdown table ``| key | meaning | ranks | level |`` of ``rows`` (those logged); ``level`` for all rows
+    (else each pattern's, :func:`block_level` / :func:`summary_level`)."""
+    lines = ["| key | meaning | ranks | level |", "| --- | --- | --- | --- |"]
+    lines += [
+        f"| `{r.pattern}` | {r.meaning} | {r.reduce} | {level or _pattern_level(r.pattern)} |" for r in rows if r.logged
+    ]
     return "\n".join(lines)
 
 
@@ -267,7 +381,7 @@ def doc_sections() -> dict[str, str]:
     """The generated tables of ``docs/metrics.md``, by marker name: ``block``, ``summary`` and one per kind."""
     from curvwatch.kinds import KINDS
 
-    sections = {"block": markdown(BLOCK_KEYS)}
+    sections = {"block": markdown(BLOCK_KEYS), "layers": markdown(LAYER_KEYS, "summary")}
     summaries = list(SUMMARY_KEYS)
     for kind in KINDS.values():
         sections[f"kind:{kind.name}"] = markdown(kind.keys)

@@ -1,20 +1,23 @@
 """The monitor's record of a run, without Lightning: what an evaluation's numbers become, and what a checkpoint keeps.
 
 :class:`Logbook` turns one evaluation's reduced numbers (``{(block, key): float}``, the same on every rank) into an
-:class:`Entry`: the prefixed keys to log, the per-block summaries (:func:`curvwatch.metrics.derive`), the warnings
-the rule sets fired, the norms and ratios of the heatmaps. Nothing is counted until :meth:`Logbook.commit`, so a
-logger that fails half-way leaves the counters as they were, and :meth:`Logbook.load_rule_states` rewinds the rule
-sets. The
-logbook also keeps the counters, last values, peak and errors that :meth:`Logbook.state_dict` saves and
-:func:`curvwatch.report.summary_text` prints. The Lightning callback only hands entries to the sinks.
+:class:`Entry`: the prefixed keys, the per-block summaries (:func:`curvwatch.metrics.derive`), the warnings the rule
+sets fired, the norms and ratios of the heatmaps, the per-block table. ``log_level`` decides which keys reach the
+loggers (:attr:`Entry.logged`); everything else reads all of them (:attr:`Entry.values`). Nothing is counted until
+:meth:`Logbook.commit`, so a logger that fails half-way leaves the counters as they were, and
+:meth:`Logbook.load_rule_states` rewinds the rule sets. The logbook also keeps the counters, last values, peak and
+errors that :meth:`Logbook.state_dict` saves and :func:`curvwatch.report.summary_text` prints. The Lightning
+callback only hands entries to the sinks.
 
 Example:
     >>> from curvwatch.engine import Evaluation
     >>> book = Logbook(key_prefix="curv/", tol=1e-2)
     >>> flat = {("layer0/ln_1", "ln/var_min"): 0.5, ("layer0/ln_1", "ln/inv_var_max"): 2.0}
     >>> entry = book.record(0, flat, Evaluation(), {"layer0/ln_1": ("layernorm", 0, 1e-5)}, 0.1, 0.0, False)
-    >>> entry.logged["curv/layer0/ln_1/ln/var_min"], book.evaluations
+    >>> entry.values["curv/layer0/ln_1/ln/var_min"], book.evaluations
     (0.5, 0)
+    >>> "curv/layer0/ln_1/ln/var_min" in entry.logged  # log_level="summary": not to the loggers
+    False
     >>> book.commit(entry); book.evaluations
     1
     >>> book.skip(5, RuntimeError("boom")), book.skipped
@@ -31,13 +34,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from curvwatch import keys as K
 from curvwatch import metrics as M
 from curvwatch.alerts import Alert, AlertMonitor
 from curvwatch.engine import NONFINITE, BlockError, Evaluation
 from curvwatch.kinds import KINDS
-from curvwatch.rules import RuleSet
+from curvwatch.options import LogLevel, choice
+from curvwatch.rules import RuleSet, block_quantities
 
-__all__ = ["HEADLINES", "Entry", "LogError", "Logbook", "flatten"]
+__all__ = ["HEADLINES", "TABLE_COLUMNS", "Entry", "LogError", "Logbook", "flatten"]
 
 # Headline summaries: put in ``trainer.callback_metrics`` and given a W&B run summary (how it is reduced over steps).
 HEADLINES = {
@@ -48,6 +53,19 @@ HEADLINES = {
     "summary/stability/max": "max",
     "summary/ln/var_min_over_eps": "min",
     "summary/skipped_evaluations": "max",
+}
+
+# The per-block table of a full evaluation (``summary/layers``): column -> the per-block key or watched quantity.
+TABLE_COLUMNS = {
+    "hessian_max": "hessian/max",
+    "stability_max": "stability/max",
+    "sharpness_max": "sharpness/max",
+    "functional_outer": "ratio/functional_outer",
+    "softmax_jac_min": "saturation",
+    "logit_bound": "logit",
+    "outer_vv": "outer_VV",
+    "norm_ratio": "ln_ratio",
+    "lanczos_residual": "lanczos/rel_residual_max",
 }
 
 
@@ -66,22 +84,27 @@ class Entry:
     Args:
         step: Optimizer step of the evaluation.
         terms_only: Whether it was a terms-only evaluation.
-        logged: Prefixed key -> value, everything to log at ``step``.
+        logged: Prefixed key -> value, what reaches the loggers at ``step`` (the keys of the log level).
+        values: Prefixed key -> value, every key of the evaluation, whatever the log level.
         results: ``{block: {key: value}}``, the evaluation's own numbers (non-finite flags left out).
         summary: The ``summary/...`` keys (unprefixed).
         norms: Block -> largest Hessian norm (full evaluations; the block-norm heatmap).
         ratios: Block -> largest edge-of-stability ratio (the stability heatmap).
         fired: Warnings the rule sets fired on it.
+        table: One row per block of a full evaluation (``block``, ``layer``, ``kind`` and :data:`TABLE_COLUMNS`,
+            ``None`` where a block has no such number); empty for a terms-only one.
     """
 
     step: int
     terms_only: bool
     logged: dict[str, float]
+    values: dict[str, float]
     results: dict[str, dict[str, float]]
     summary: dict[str, float]
     norms: dict[str, float]
     ratios: dict[str, float]
     fired: list[Alert]
+    table: list[dict[str, Any]]
 
 
 class Logbook:
@@ -93,6 +116,9 @@ class Logbook:
         alerts: The legacy spike/collapse rules, or ``None`` for none.
         rules: The suite's rules (:class:`curvwatch.rules.RuleSet`), or ``None`` for none.
         count_terms: Log ``summary/terms_evaluations`` (a terms-only cadence is set).
+        log_level: Which keys reach the loggers: ``"summary"`` (default), ``"blocks"`` or ``"all"``
+            (:class:`curvwatch.options.LogLevel`, :mod:`curvwatch.keys`).
+        listeners: Called with every committed :class:`Entry` (e.g. the demo's plots, which read every key).
     """
 
     def __init__(
@@ -102,9 +128,13 @@ class Logbook:
         alerts: AlertMonitor | None = None,
         rules: RuleSet | None = None,
         count_terms: bool = False,
+        log_level: str | LogLevel = LogLevel.SUMMARY,
+        listeners: list[Any] | None = None,
     ) -> None:
         self.key_prefix, self.tol, self.alerts_monitor, self.rules = key_prefix, tol, alerts, rules
         self.count_terms = count_terms
+        self.log_level = choice("log_level", log_level, LogLevel)
+        self.listeners: list[Any] = list(listeners or [])
         self.evaluations = self.terms_evaluations = self.skipped = 0
         self.last_norms: dict[str, float] = {}
         self.last_summary: dict[str, float] = {}
@@ -162,9 +192,11 @@ class Logbook:
                 if KINDS[kind].collapse_stats is not None:
                     collapse[block] = KINDS[kind].collapse_stats(result, eps)
             fired += self.alerts_monitor.update(step, norms=norms, layernorms=collapse)
-        if self.rules is not None:  # un-prefixed per-block keys: what the rules read
-            keys = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
-            fired += self.rules.update(step, keys, full=not terms_only)
+        unprefixed = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
+        if self.rules is not None:  # what the rules read
+            fired += self.rules.update(step, unprefixed, full=not terms_only)
+        quantities = block_quantities(unprefixed)
+        summary.update(M.signal_summaries(quantities))
 
         summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
         summary["summary/overhead_fraction"] = overhead_fraction
@@ -177,11 +209,22 @@ class Logbook:
         summary["summary/nonfinite_blocks"] = float(len(nonfinite))
         summary["summary/warnings"] = float(self.fired)
         logged.update({f"{p}{k}": v for k, v in summary.items()})
+        layer_keys = {K.layer_key(p, k): v for k, v in M.layer_maxima(per_block, layers).items()}
+        logged.update(layer_keys)
+        level = self.log_level
+        keep = set(layer_keys) | {f"{p}{k}" for k in summary if level.includes(LogLevel(K.summary_level(k)))}
+        keep |= {f"{p}{block}/{k}" for block, ks in per_block.items() for k in ks
+                 if level.includes(LogLevel(K.block_level(k)))}  # fmt: skip
+        if level.includes(LogLevel.BLOCKS):
+            keep |= {f"{p}{block}/{NONFINITE}" for block in nonfinite}
+        shown = {k: v for k, v in logged.items() if k in keep}
         ratios = {b: keys["stability/max"] for b, keys in per_block.items() if "stability/max" in keys}
-        return Entry(step, terms_only, logged, results, summary, norms, ratios, fired)
+        table = [] if terms_only else _table(per_block, quantities, blocks)
+        return Entry(step, terms_only, shown, logged, results, summary, norms, ratios, fired, table)
 
     def commit(self, entry: Entry) -> None:
-        """Count a logged entry: counters, last values (a terms-only one keeps the last full norms) and the peak."""
+        """Count a logged entry: counters, last values (a terms-only one keeps the last full norms) and the peak;
+        then hand it to the listeners."""
         if entry.terms_only:
             self.terms_evaluations += 1
             self.last_summary = {**self.last_summary, **entry.summary}
@@ -192,6 +235,25 @@ class Logbook:
             top = max(entry.norms, key=entry.norms.__getitem__)
             if not self.peak or entry.norms[top] > self.peak["value"]:
                 self.peak = {"value": entry.norms[top], "block": top, "step": entry.step}
+        for listener in self.listeners:
+            listener(entry)
+
+    def metric_summaries(self, blocks: Mapping[str, tuple[str, int | None, float | None]]) -> dict[str, str]:
+        """How run tables summarize the headline keys over steps (``"max"``/``"min"``), prefixed: the headline
+        summaries and the per-layer block norms (W&B ``define_metric``).
+
+        Args:
+            blocks: Block name -> ``(kind, layer, eps)``, as :meth:`record` takes it.
+        """
+        p = self.key_prefix
+        out = {p + k: v for k, v in HEADLINES.items()}
+        for name, (kind, layer, _) in blocks.items():
+            if KINDS[kind].has_norms and layer is not None:
+                per_block = {name: {"hessian/max": 1.0}}
+                out.update({K.layer_key(p, k): "max" for k in M.layer_maxima(per_block, {name: layer})})
+                if self.log_level is not LogLevel.SUMMARY:
+                    out[f"{p}{name}/hessian/max"] = "max"
+        return out
 
     def rule_states(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """The rule sets' states, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
@@ -252,6 +314,22 @@ class Logbook:
         self.last_summary = dict(state.get("last_summary", {}))
         self.peak = dict(state.get("peak", {}))
         self.errors = list(state.get("errors", []))
+
+
+def _table(
+    per_block: Mapping[str, Mapping[str, float]],
+    quantities: Mapping[tuple[str, str], float],
+    blocks: Mapping[str, tuple[str, int | None, float | None]],
+) -> list[dict[str, Any]]:
+    """The per-block table of a full evaluation (:attr:`Entry.table`)."""
+    rows = []
+    for block, keys in per_block.items():
+        kind, layer, _ = blocks.get(block, ("-", None, None))
+        row: dict[str, Any] = {"block": block, "layer": layer, "kind": kind}
+        for column, source in TABLE_COLUMNS.items():
+            row[column] = keys.get(source, quantities.get((block, source)))
+        rows.append(row)
+    return rows
 
 
 def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:

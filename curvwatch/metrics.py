@@ -45,8 +45,10 @@ __all__ = [
     "pair_of",
     "derive",
     "kind_summaries",
+    "layer_maxima",
     "residuals",
     "select_pairs",
+    "signal_summaries",
     "summarize",
     "to_float",
     "vv_qq_ratios",
@@ -419,3 +421,55 @@ def derive(
                 summary[key] = float(list(layers).index(name))
     summary.update(lanczos_accuracy(results, tol))
     return per_block, summary, norms
+
+
+def layer_maxima(per_block: Mapping[str, Mapping[str, float]], layers: Mapping[str, int | None]) -> dict[str, float]:
+    """Per layer, the maxima per sub-block: ``hessian/layer{i}/{part}`` (the block norm ``hessian/max`` of each
+    sub-block with Hessian norms, ``part`` the block's name after ``layer{i}/``) and ``stability/layer{i}`` (the
+    largest ``stability/max`` over the layer's sub-blocks). Blocks without a layer index are left out.
+
+    Example:
+        >>> per_block = {"layer0/attn": {"hessian/max": 2.0, "stability/max": 0.1},
+        ...              "layer0/ffn": {"hessian/max": 3.0, "stability/max": 0.4}, "layer0/ln_1": {"ln/var_min": 1.0}}
+        >>> layer_maxima(per_block, {"layer0/attn": 0, "layer0/ffn": 0, "layer0/ln_1": 0})
+        {'hessian/layer0/attn': 2.0, 'hessian/layer0/ffn': 3.0, 'stability/layer0': 0.4}
+    """
+    out: dict[str, float] = {}
+    stability: dict[int, float] = {}
+    for block, keys in per_block.items():
+        layer = _layer_of(block, layers)
+        if layer is None:
+            continue
+        head = f"layer{layer}/"
+        part = block[len(head) :] if block.startswith(head) else block
+        if "hessian/max" in keys:
+            out[f"hessian/layer{layer}/{part.replace('/', '_')}"] = keys["hessian/max"]
+        value = keys.get("stability/max")
+        if value is not None and not math.isnan(value):
+            stability[layer] = max(value, stability.get(layer, -math.inf))
+    out.update({f"stability/layer{layer}": v for layer, v in sorted(stability.items())})
+    return out
+
+
+def signal_summaries(quantities: Mapping[tuple[str, str], float]) -> dict[str, float]:
+    """Model-wide extremes of what the suite's warning rules watch (:func:`curvwatch.rules.block_quantities`):
+    ``summary/signals/softmax_jac_min`` (the smallest softmax-Jacobian norm of any head: ``attn_saturation``),
+    ``summary/signals/logit_bound_max`` (the largest attention-logit bound: ``growth``) and
+    ``summary/signals/outer_vv_max`` (the largest exact value curvature: ``growth``). The LayerNorm/RMSNorm one
+    is ``summary/ln/var_min_over_eps`` (``summary/rms/ms_min_over_eps``).
+
+    Example:
+        >>> signal_summaries({("layer0/attn", "saturation"): 0.4, ("layer1/attn", "saturation"): 0.2,
+        ...                   ("layer0/attn", "logit"): 30.0, ("layer0/ln_1", "ln_ratio"): 9.0})
+        {'summary/signals/softmax_jac_min': 0.2, 'summary/signals/logit_bound_max': 30.0}
+    """
+    out: dict[str, float] = {}
+    for quantity, key, pick in (
+        ("saturation", "summary/signals/softmax_jac_min", min),
+        ("logit", "summary/signals/logit_bound_max", max),
+        ("outer_VV", "summary/signals/outer_vv_max", max),
+    ):
+        values = [v for (_, q), v in quantities.items() if q == quantity]
+        if values:
+            out[key] = pick(values)
+    return out

@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 __all__ = [
-    "OnError", "PairSet", "Precision", "TermsKeys", "WarningRules",
+    "LogLevel", "OnError", "PairSet", "Precision", "TermsKeys", "WarningRules",
     "check_int", "check_number", "choice", "pairs_option",
 ]  # fmt: skip
 
@@ -54,6 +54,20 @@ class TermsKeys(str, Enum):
 
     WARNINGS = "warnings"  # what the warning rules read (the kinds' signal_kwargs): the cheap default
     ALL = "all"  # every bound term, bound and exact norm
+
+
+class LogLevel(str, Enum):
+    """How many keys reach the loggers (:func:`curvwatch.keys.level_of`); summaries, warnings and heatmaps always
+    read the whole evaluation."""
+
+    SUMMARY = "summary"  # headline summaries, per layer the maxima per sub-block, heatmaps: a readable dashboard
+    BLOCKS = "blocks"  # + every per-block key that is neither per head nor a bound or a term
+    ALL = "all"  # + per-head keys, bounds and terms: everything the closed forms return
+
+    def includes(self, other: LogLevel) -> bool:
+        """Whether a key of level ``other`` is logged at this level (``summary`` < ``blocks`` < ``all``)."""
+        order = list(LogLevel)
+        return order.index(other) <= order.index(self)
 
 
 class PairSet(str, Enum):

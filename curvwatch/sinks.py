@@ -1,10 +1,11 @@
-"""Logger sinks: where the monitor's numbers, images, alerts and set-up table go (CSV, TensorBoard, W&B).
+"""Logger sinks: where the monitor's numbers, images, tables, alerts and set-up table go (CSV, TensorBoard, W&B).
 
 Every function takes Lightning loggers (``trainer.loggers``) and never raises for a logger's extras: a W&B run
 that does not support alerts or metric definitions, or a missing matplotlib, loses the extra, not the numbers.
 The scalars go to every logger through ``log_metrics``; the heatmap image to W&B (``log_image``) and TensorBoard
-(``add_figure``); alerts to W&B (``run.alert``, written to offline runs too and sent when they sync); the table of
-monitored blocks to the W&B run config (``curvwatch/blocks``) and as text to TensorBoard.
+(``add_figure``); the per-block table of a full evaluation to W&B (``log_table``); alerts to W&B (``run.alert``,
+written to offline runs too and sent when they sync); the table of monitored blocks to the W&B run config
+(``curvwatch/blocks``) and as text to TensorBoard.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "log_heatmap",
     "log_metrics",
     "log_quietly",
+    "log_table",
     "wandb_alert",
 ]
 
@@ -61,17 +63,45 @@ def log_quietly(loggers: Sequence[Any], metrics: Mapping[str, float], step: int)
 
 
 def log_entry(loggers: Sequence[Any], entry: Any, specs: Sequence[BlockSpec], prefix: str, heatmaps: bool) -> None:
-    """One evaluation (:class:`curvwatch.logbook.Entry`): its keys, and with ``heatmaps`` its two heatmap images.
+    """One evaluation (:class:`curvwatch.logbook.Entry`): the keys of its log level, its per-block table (W&B) and,
+    with ``heatmaps``, its two heatmap images.
 
     The images are ``{prefix}summary/heatmap`` (``log10`` block norms, full evaluations) and
-    ``{prefix}summary/stability_heatmap`` (edge-of-stability ratios, when the real-loss keys are on).
+    ``{prefix}summary/stability_heatmap`` (edge-of-stability ratios, when the real-loss keys are on); the table
+    ``{prefix}summary/layers``.
     """
     log_metrics(loggers, entry.logged, entry.step)
+    if entry.table:
+        log_table(loggers, f"{prefix}summary/layers", entry.table, entry.step)
     if heatmaps and entry.norms:
         log_heatmap(loggers, f"{prefix}summary/heatmap", specs, entry.norms, entry.step)
     if heatmaps and entry.ratios:
         label = ("log10 sharpness / threshold", "Edge-of-stability ratios")
         log_heatmap(loggers, f"{prefix}summary/stability_heatmap", specs, entry.ratios, entry.step, label)
+
+
+def log_table(loggers: Sequence[Any], key: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+    """``rows`` (dicts with the same keys) as one ``wandb.Table`` per W&B logger (``WandbLogger.log_table``).
+
+    Numbers are rounded to 4 significant digits, missing ones left empty.
+    """
+    targets = _wandb(loggers)
+    if not targets or not rows:
+        return
+    columns = list(rows[0])
+    data = [[_cell(row.get(c)) for c in columns] for row in rows]
+    for logger in targets:
+        try:
+            logger.log_table(key=key, columns=columns, data=data, step=step)
+        except Exception as err:
+            warnings.warn(f"CurvatureMonitor could not log the table {key} to W&B: {err}", CurvatureWarning, 2)
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: floats to 4 significant digits (non-finite ones as text), the rest as it is."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else str(value)
+    return value
 
 
 def define_wandb_metrics(loggers: Sequence[Any], summaries: Mapping[str, str]) -> None:

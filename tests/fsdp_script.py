@@ -277,7 +277,9 @@ def lightning_run(
     ledger.reset()
     L.seed_everything(0, verbose=False)
     # sharpness off in every strategy: FSDP2 has no real-loss keys yet, and the comparison is key by key
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, warn=False, log_heatmap=False, sharpness=False)
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2, max_tokens=16, warn=False, log_heatmap=False, sharpness=False, log_level="all"
+    )
     states = {}
 
     class Record(Callback):  # the monitor's state on this rank once restored

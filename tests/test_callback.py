@@ -100,7 +100,7 @@ def spy_capture(monkeypatch):
 
 
 def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
+    monitor = CurvatureMonitor(log_level="all", max_overhead=None, every_n_train_steps=2, max_tokens=16)
     hooks = HookCheck()
     trainer = make_trainer(tmp_path, monitor, max_steps=5, log_every_n_steps=3, callbacks=[hooks])
     trainer.fit(TinyLM(), loader())
@@ -206,7 +206,7 @@ def test_ln_collapse_warns(tmp_path):
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
     monitor = CurvatureMonitor(
-        warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
+        log_level="all", warning_rules="legacy", max_overhead=None, every_n_train_steps=2, max_tokens=16, cooldown=100
     )
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureWarning) as record:
@@ -522,7 +522,9 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
     logged = {}
     for name, kinds in (("all", ("outer", "functional", "hessian")), ("hessian", ("hessian",))):
         torch.manual_seed(0)
-        monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, kinds=kinds, tol=0.0)
+        monitor = CurvatureMonitor(
+            log_level="all", max_overhead=None, every_n_train_steps=1, max_tokens=16, kinds=kinds, tol=0.0
+        )
         trainer = make_trainer(tmp_path / name, monitor, max_steps=2)
         trainer.fit(TinyLM(), loader())
         logged[name] = curv_rows(read_rows(trainer))[1]
@@ -565,8 +567,8 @@ def test_terms_only_evaluations_between_full_ones(tmp_path, spy_capture, monkeyp
     """``terms_every_n_train_steps``: no Lanczos on those steps, exact numbers equal to ``evaluate``, and
     nothing derived from block norms (which a maximum over the exact pairs alone would fake)."""
     monitor = CurvatureMonitor(
-        max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, terms_keys="all", max_tokens=16,
-        log_heatmap=False,
+        log_level="all", max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, terms_keys="all",
+        max_tokens=16, log_heatmap=False,
     )  # fmt: skip
     lanczos = LanczosSpy(monkeypatch)
     trainer = make_trainer(tmp_path, monitor, max_steps=5, callbacks=[lanczos])
@@ -615,8 +617,9 @@ def test_default_terms_only_evaluations_compute_what_the_rules_read(tmp_path, sp
     """``terms_keys="warnings"`` (default): a terms-only step logs the keys the warning rules read, the same numbers
     as ``terms_keys="all"`` computes (``CapturedBlock.evaluate``), no bound and no FFN block; the rules see them."""
     monitor = CurvatureMonitor(
-        max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, max_tokens=16, log_heatmap=False
-    )
+        log_level="all", max_overhead=None, every_n_train_steps=3, terms_every_n_train_steps=1, max_tokens=16,
+        log_heatmap=False,
+    )  # fmt: skip
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
@@ -693,7 +696,7 @@ def test_default_terms_tier_every_10_steps_within_its_own_budget(tmp_path, monke
     s = monitor.schedule  # the budget held at every decision: spent before the last one fitted 4% of training
     assert s.terms_seconds - s.last_terms_seconds <= 0.04 * s.train_seconds
     # the same run with the budget out of the way: every 10th step is a terms-only evaluation
-    free = CurvatureMonitor(max_tokens=16, log_heatmap=False)
+    free = CurvatureMonitor(log_level="all", max_tokens=16, log_heatmap=False)
     monkeypatch.setattr(free.schedule, "affordable", lambda agree=None: (True, True))
     trainer = make_trainer(tmp_path / "free", free, max_steps=31)
     trainer.fit(TinyLM(), loader(n=64))
@@ -707,7 +710,7 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     relative residual, keeps the per-norm residual keys out of the logs, and warns once, at the first
     warm-started evaluation (step 1; a cold start may need more steps once). At the defaults the same model
     converges: no warning, 0 unconverged."""
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
+    monitor = CurvatureMonitor(log_level="all", max_overhead=None, every_n_train_steps=1, max_tokens=16, max_iter=2)
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureNotice, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
         trainer.fit(TinyLM(), loader())
@@ -724,7 +727,7 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
         assert not any("/residual/" in k for k in step)
     assert "norms stopped at max_iter=2 above tol=0.01" in monitor.summary_text()
 
-    monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=1, max_tokens=16)
+    monitor = CurvatureMonitor(log_level="all", max_overhead=None, every_n_train_steps=1, max_tokens=16)
     trainer = make_trainer(tmp_path / "defaults", monitor, max_steps=2)
     trainer.fit(TinyLM(), loader())  # pytest turns any warning into an error
     for step in curv_rows(read_rows(trainer)).values():

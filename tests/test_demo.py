@@ -48,11 +48,16 @@ def test_quick_run_writes_metrics(tmp_path, capsys):
         ("ffn", "ffn"),
     }
     assert (tmp_path / "plots" / "loss.png").is_file()
-    if any(c.startswith("curv/") and "/hessian/" in c for c in columns):
-        assert (tmp_path / "plots" / "block_norms.png").is_file()
+    # log_level="summary" (the default): the CSV gets the per-layer maxima, not the per-head keys; the plots read
+    # every key of every evaluation all the same
+    assert "curv_hessian/layer1/attn" in columns and not any("/h0" in c or "/term/" in c for c in columns)
+    for plot in ("block_norms.png", "norm_stats.png", "stability.png", "heatmap.png", "stability_heatmap.png"):
+        assert (tmp_path / "plots" / plot).is_file(), plot
+    assert summary["monitor_seconds"] > 0 and summary["overhead_fraction"] > 0
     out = capsys.readouterr().out
     assert "curvwatch demo summary" in out and "exact-match accuracy" in out
     assert str(metrics) in out
+    assert f"x the training time): {summary['evaluations'][0]} full evaluations" in out
 
 
 def _finite_values(rows: list[dict[str, str]], key: str) -> list[float]:
@@ -67,7 +72,8 @@ def _finite_values(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_quick_llama_run_monitors_every_block(tmp_path, capsys):
     """litgpt's LLaMA-style GPT on the same task: rotary GQA attention, RMSNorm and SwiGLU are all monitored."""
     pytest.importorskip("litgpt")
-    assert main(["--quick", "--arch", "llama", "--wandb", "disabled", "--out-dir", tmp_path]) == 0
+    # --log-level all: this test reads the per-head keys from the CSV
+    assert main(["--quick", "--arch", "llama", "--log-level", "all", "--wandb", "disabled", "--out-dir", tmp_path]) == 0
     with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     columns = set(rows[0])
@@ -189,6 +195,17 @@ def test_presets_and_overrides():
     ] == 0
     with pytest.raises(ValueError, match="Invalid --terms-every-n-steps=-1"):
         resolve_settings(parse(["--terms-every-n-steps", "-1"]))
+
+
+def test_help_prints_one_default_per_option():
+    """Every option that takes a value says its default once, in [brackets]; flags say none."""
+    parser = build_parser()
+    text = parser.format_help()
+    assert "(default:" not in text
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0:
+            continue
+        assert action.help and action.help.count("[") == 1 and action.help.rstrip().endswith("]"), action.dest
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -93,7 +93,8 @@ def _trained_row(model: nn.Module, tmp_path) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     ids = torch.randint(0, zoo.VOCAB, (8, 6))
-    trainer = make_trainer(tmp_path, CurvatureMonitor(every_n_train_steps=1, sharpness_samples=2), max_steps=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=2)
+    trainer = make_trainer(tmp_path, monitor, max_steps=2)
     trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4))
     return curv_rows(read_rows(trainer))[1]
 

@@ -437,8 +437,8 @@ class Wrapped(L.LightningModule):
 
 def train_one_step(case: Case, tmp_path) -> tuple[dict[str, float], CurvatureMonitor]:
     monitor = CurvatureMonitor(
-        every_n_train_steps=1, max_overhead=None, dtype="float64", tol=1e-10, max_iter=500, max_basis=None,
-        max_tokens=B * SEQ, pairs=list(case.pairs), log_heatmap=False, on_error="raise",
+        log_level="all", every_n_train_steps=1, max_overhead=None, dtype="float64", tol=1e-10, max_iter=500,
+        max_basis=None, max_tokens=B * SEQ, pairs=list(case.pairs), log_heatmap=False, on_error="raise",
     )  # fmt: skip
     logger = MemoryLogger()
     trainer = L.Trainer(

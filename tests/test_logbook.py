@@ -25,10 +25,12 @@ def test_record_does_not_count_until_commit():
     book = Logbook("curv/", 1e-2)
     entry = book.record(3, _flat(5.0), Evaluation(), BLOCKS, 0.25, 0.01, terms_only=False)
     assert book.evaluations == 0 and book.last_norms == {} and book.peak == {}
-    assert entry.logged["curv/layer0/attn/hessian/QQ/h0"] == 5.0
-    assert entry.logged["curv/layer0/attn/hessian/max"] == 5.0
-    assert entry.logged["curv/summary/max_hessian"] == 5.0
+    assert entry.values["curv/layer0/attn/hessian/QQ/h0"] == 5.0
+    assert entry.values["curv/layer0/attn/hessian/max"] == 5.0
+    assert entry.logged["curv/summary/max_hessian"] == 5.0 and entry.logged["curv_hessian/layer0/attn"] == 5.0
     assert entry.logged["curv/summary/evaluations"] == 1.0 and entry.logged["curv/summary/eval_time_s"] == 0.25
+    assert "curv/layer0/attn/hessian/max" not in entry.logged  # log_level="summary" (default)
+    assert [row["hessian_max"] for row in entry.table] == [5.0, None]
     assert entry.norms == {"layer0/attn": 5.0} and entry.step == 3
     book.commit(entry)
     assert book.evaluations == 1 and book.peak == {"value": 5.0, "block": "layer0/attn", "step": 3}
@@ -65,8 +67,32 @@ def test_nonfinite_blocks_are_flags_not_numbers():
     flat = flatten({"layer0/attn": {"hessian/QQ/h0": math.nan, "hessian/VV/h0": 1.0}, "layer0/ln_1": {"x": math.inf}})
     assert flat == {("layer0/ln_1", "x"): math.inf, ("layer0/attn", NONFINITE): 1.0}
     entry = Logbook("p/").record(0, flat, Evaluation(), BLOCKS, 0.0, 0.0, False)
-    assert entry.logged["p/layer0/attn/skipped_nonfinite"] == 1.0 and entry.summary["summary/nonfinite_blocks"] == 1
-    assert not any(k.startswith("p/layer0/attn/hessian") for k in entry.logged)
+    assert entry.values["p/layer0/attn/skipped_nonfinite"] == 1.0 and entry.summary["summary/nonfinite_blocks"] == 1
+    assert not any(k.startswith("p/layer0/attn/hessian") for k in entry.values)
+    assert entry.logged["p/summary/nonfinite_blocks"] == 1 and "p/layer0/attn/skipped_nonfinite" not in entry.logged
+    blocks = Logbook("p/", log_level="blocks").record(0, flat, Evaluation(), BLOCKS, 0.0, 0.0, False)
+    assert blocks.logged["p/layer0/attn/skipped_nonfinite"] == 1.0 and blocks.logged["p/layer0/ln_1/x"] == math.inf
+
+
+@pytest.mark.parametrize(
+    ("level", "logged"),
+    [
+        ("summary", {"curv_hessian/layer0/attn", "curv/summary/max_hessian"}),
+        ("blocks", {"curv_hessian/layer0/attn", "curv/summary/max_hessian", "curv/layer0/attn/hessian/max",
+                    "curv/layer0/ln_1/ln/var_min"}),
+        ("all", {"curv_hessian/layer0/attn", "curv/summary/max_hessian", "curv/layer0/attn/hessian/max",
+                 "curv/layer0/ln_1/ln/var_min", "curv/layer0/attn/hessian/QQ/h0"}),
+    ],
+)  # fmt: skip
+def test_log_level_filters_what_reaches_the_loggers_not_what_is_computed(level, logged):
+    book = Logbook("curv/", 1e-2, rules=RuleSet(), log_level=level)
+    entry = book.record(0, _flat(5.0, var_min=1e-6), Evaluation(), BLOCKS, 0.0, 0.0, False)
+    assert logged <= set(entry.logged) <= set(entry.values)
+    everything = Logbook("curv/", 1e-2, log_level="all").record(0, _flat(5.0, 1e-6), Evaluation(), BLOCKS, 0, 0, False)
+    assert entry.values == everything.values and entry.summary == everything.summary
+    assert entry.norms == {"layer0/attn": 5.0} and entry.table == everything.table
+    assert entry.summary["summary/ln/var_min_over_eps"] == pytest.approx(0.1)
+    assert [a.kind for a in entry.fired] == ["ln_collapse"] or entry.fired == [] and book.rules is not None
 
 
 @pytest.mark.parametrize(

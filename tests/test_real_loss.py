@@ -104,7 +104,7 @@ class _AdamLM(TinyLM):
 
 def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
     for module, source in ((TinyLM(n_layer=2), "sharpness"), (_AdamLM(n_layer=2), "precond_sharpness")):
-        monitor = CurvatureMonitor(every_n_train_steps=2, sharpness_samples=4)
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=4)
         trainer = make_trainer(tmp_path / source, monitor, max_steps=5)
         with warnings.catch_warnings():
             warnings.simplefilter("error", CurvatureWarning)  # no warning on this healthy run
@@ -146,13 +146,13 @@ class _MSELM(TinyLM):
 
 
 def test_callback_mse_needs_the_loss_named(tmp_path):
-    monitor = CurvatureMonitor(every_n_train_steps=2, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2)
     trainer = make_trainer(tmp_path / "auto", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="not a softmax cross-entropy.*loss='mse'"):
         trainer.fit(_MSELM(), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/summary/max_hessian" in row and not any("sharpness" in k for k in row)
-    monitor = CurvatureMonitor(every_n_train_steps=2, sharpness_samples=2, loss="mse")
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2, loss="mse")
     trainer = make_trainer(tmp_path / "mse", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="squared error: assumed the mean"):
         trainer.fit(_MSELM(), loader())
@@ -165,7 +165,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
     for k in (1, 2):
         torch.manual_seed(0)
         module = TinyLM(n_layer=1, lr=1e-9)
-        monitor = CurvatureMonitor(every_n_train_steps=1, sharpness_samples=8, dtype="float64")
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=8, dtype="float64")
         trainer = make_trainer(tmp_path / str(k), monitor, max_steps=1, accumulate_grad_batches=k)
         batch = next(iter(loader(batch_size=4)))[0]
         same = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([batch, batch])), batch_size=4)
@@ -177,7 +177,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
 def test_reentrant_checkpointing_names_the_blocks_without_real_loss_keys(tmp_path):
     from tests.test_compat import _Model
 
-    monitor = CurvatureMonitor(every_n_train_steps=1, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=2)
     trainer = make_trainer(tmp_path, monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="no real-loss keys for layer0/attn, layer0/ffn.*use_reentrant=False"):
         trainer.fit(_Model(checkpointing="reentrant"), loader())
@@ -199,7 +199,9 @@ class _MathLM(TinyLM):
 def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
     """The in-run check (Hessian-vector products) against torch.func's dense block Hessian of the same batch."""
     module = _MathLM()
-    monitor = CurvatureMonitor(every_n_train_steps=1, sharpness_samples=8, verify_every_n_evals=2, dtype="float64")
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=1, sharpness_samples=8, verify_every_n_evals=2, dtype="float64"
+    )
     batch = next(iter(loader(batch_size=4)))[0].double().long()
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     state = {k: v.clone() for k, v in module.state_dict().items()}

@@ -57,6 +57,7 @@ def monitor_of(**overrides) -> CurvatureMonitor:
     """A monitor evaluating every step, cheaply (few Lanczos steps: the numbers' accuracy is not tested here)."""
     kwargs = {"every_n_train_steps": 1, "max_overhead": None, "max_tokens": 16, "max_iter": 4, "log_heatmap": False}
     kwargs["warning_rules"] = "legacy"  # the reliability of the spike and collapse rules these tests were written on
+    kwargs["log_level"] = "all"  # these tests read per-block and per-head keys from the logger
     kwargs.update(overrides)
     return CurvatureMonitor(**kwargs)
 
@@ -695,7 +696,7 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
     kwargs = dict(
         max_overhead=None, every_n_train_steps=1, max_tokens=14, log_heatmap=False, tol=1e-4, max_iter=200,
-        max_basis=None,
+        max_basis=None, log_level="all",
     )  # fmt: skip
     # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 24 KiB in the estimate
     runs = {}

@@ -233,6 +233,7 @@ def run(cfg: RunConfig, monitor: bool = True, callbacks: Sequence[Callback] = ()
     module = SuiteLM(cfg)
     logger = MemoryLogger()
     curvature = CurvatureMonitor(
+        log_level="all",  # the suite records every key (its replays and plots read them)
         every_n_train_steps=cfg.full_every,
         max_overhead=None,
         terms_every_n_train_steps=cfg.terms_every,
