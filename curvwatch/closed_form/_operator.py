@@ -157,8 +157,9 @@ class _Embedding:
         return torch.cat(pieces, dim=-1)
 
 
-def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tangent rows of each kind: ``(outer rows, functional rows, hessian rows)``.
+def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple:
+    """Tangent rows of each kind: ``(outer rows, functional rows, hessian rows)``, and for operators with
+    ``apply_masked`` (one pass over every row) their row masks ``(outer_mask, func_mask)`` (:func:`_row_masks`).
 
     The tangent batch is ``repeat`` copies (2 for off-diagonal pairs) of one row per kind, each expanded to
     one row per head when the operator couples heads (see :meth:`_Embedding.embed`).
@@ -166,11 +167,45 @@ def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple[torch.Ten
     k = len(kinds)
     f = 1 if emb.op.head_diagonal else emb.H
 
-    def of(kind: str) -> torch.Tensor:
-        idx = [(r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd == kind for h in range(f)]
-        return torch.tensor(idx, dtype=torch.long, device=emb.op.device)
+    def of(kind: str) -> list[int]:
+        return [(r * k + i) * f + h for r in range(repeat) for i, kd in enumerate(kinds) if kd == kind
+                for h in range(f)]  # fmt: skip
 
-    return of("outer"), of("functional"), of("hessian")
+    lists = (of("outer"), of("functional"), of("hessian"))
+    rows = tuple(torch.tensor(idx, dtype=torch.long, device=emb.op.device) for idx in lists)
+    if getattr(emb.op, "apply_masked", None) is None:
+        return rows
+    return (*rows, _row_masks(lists, repeat * k * f, emb.op.dtype, emb.op.device))
+
+
+def _rows_times(t: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """``t`` ``(n, ...)`` with row ``i`` multiplied by ``mask[i]`` (``mask`` ``(n,)``, 0 or 1); an all-ones mask is
+    :data:`ALL_ROWS` (no product)."""
+    if t is None or mask is ALL_ROWS:
+        return t
+    return t * mask.reshape(-1, *(1,) * (t.dim() - 1))
+
+
+#: Stands for an all-ones row mask in :func:`_rows_times` (every row needs that part: nothing to multiply).
+ALL_ROWS = torch.ones(())
+
+
+def _row_masks(rows: tuple[list[int], list[int], list[int]], n: int, dtype, device):
+    """``(outer_mask, func_mask, n)`` of the row sets ``(outer, functional, hessian)`` of :func:`_rows` (host lists):
+    ``None`` where no row needs the part, :data:`ALL_ROWS` where every row does, else a 0/1 ``(n,)`` tensor."""
+    ro, rf, rt = rows
+
+    def mask(idx: list[int]):
+        if not idx:
+            return None
+        if len(idx) == n:
+            return ALL_ROWS
+        m = [0.0] * n
+        for i in idx:
+            m[i] = 1.0
+        return torch.tensor(m, dtype=dtype, device=device)
+
+    return mask(ro + rt), mask(rf + rt), n
 
 
 def select_rows(t: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
@@ -187,8 +222,10 @@ def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     also declare ``supports_total`` compute the hessian rows in one fused pass (both parts share the
     backward matmuls) instead of as outer + functional.
     """
-    ro, rf, rt = rows
+    ro, rf, rt = rows[:3]
     n = next(iter(tangent.values())).shape[0]
+    if len(rows) > 3 and rows[3][2] == n:  # one pass for every row (see _rows); not for a batch of other rows
+        return op.apply_masked(tangent, tuple(outputs), *rows[3][:2])
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     if getattr(op, "supports_total", False):
         o, f, t = op.apply(tangent, outputs=tuple(outputs), outer_rows=ro, func_rows=rf, total_rows=rt)

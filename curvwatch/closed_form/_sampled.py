@@ -123,6 +123,15 @@ class Preconditioned:
         """The wrapped ``apply`` (any of its arguments) with ``D`` on the way in and on every part on the way out."""
         return tuple(self._scaled(part) for part in self.op.apply(self._scaled(tangent), *args, **kwargs))
 
+    @property
+    def apply_masked(self):
+        """The wrapped ``apply_masked`` with ``D`` on the way in and out, or None where the operator has none (a
+        property: ``__getattr__`` would hand out the wrapped method unscaled)."""
+        inner = getattr(self.op, "apply_masked", None)
+        if inner is None:
+            return None
+        return lambda tangent, *args, **kwargs: self._scaled(inner(self._scaled(tangent), *args, **kwargs))
+
 
 def check_output_samples(
     samples: torch.Tensor | None,

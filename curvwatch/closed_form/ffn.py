@@ -22,6 +22,7 @@ from ._operator import (
     BlockOperator,
     ParamInfo,
     _check_kinds,
+    _rows_times,
     dense_blocks,
     run_parts,
     select_rows,
@@ -134,6 +135,21 @@ class FFNOperator(BlockOperator):
             return self._pull(u, select_rows(dZ, idx), select_rows(dHid, idx), select_rows(dW2, idx), True, outputs)
 
         return run_parts(part, outer_rows, func_rows, total_rows)
+
+    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
+        """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
+        <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
+        dW1, dW2 = tangent.get("W1"), tangent.get("W2")
+        dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
+        dHid = None if dZ is None else self.act1 * dZ
+        dS = None if dHid is None else dHid @ self.W_2  # (n, N, m)
+        if dW2 is not None:
+            t = self.Hid @ dW2
+            dS = t if dS is None else dS.add_(t)
+        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dS), outer_mask)
+        if func_mask is None:
+            return self._pull(u, None, None, None, False, outputs)
+        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZ, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dS: torch.Tensor) -> torch.Tensor:
         """``u = C dS`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token (0 on dropped ones) or the

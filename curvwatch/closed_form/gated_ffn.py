@@ -35,6 +35,7 @@ from ._operator import (
     BlockOperator,
     ParamInfo,
     _check_kinds,
+    _rows_times,
     dense_blocks,
     run_parts,
     select_rows,
@@ -165,6 +166,23 @@ class GatedFFNOperator(BlockOperator):
             return self._pull(u, *sel, True, outputs)
 
         return run_parts(part, outer_rows, func_rows, total_rows)
+
+    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
+        """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
+        <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
+        dW1, dW3, dW2 = tangent.get("W1"), tangent.get("W3"), tangent.get("W2")
+        dZg = None if dW1 is None else self.Y @ dW1  # (n, N, f)
+        dZu = None if dW3 is None else self.Y @ dW3  # (n, N, f)
+        dHid = None if dZg is None else self.A1Zu * dZg
+        if dZu is not None:
+            dHid = _acc(dHid, self.A * dZu)
+        dF = None if dHid is None else dHid @ self.W_down  # (n, N, m)
+        if dW2 is not None:
+            dF = _acc(dF, self.Hid @ dW2)
+        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dF), outer_mask)
+        if func_mask is None:
+            return self._pull(u, None, None, None, None, False, outputs)
+        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZg, dZu, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dF: torch.Tensor) -> torch.Tensor:
         """``u = C dF`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token or the sampled curvature."""
