@@ -662,7 +662,8 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
         return original(self, **kwargs)
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
-    # estimates at 28 tokens (max_iter=20): attention 0.25 MiB, FFN 0.17 MiB (bases 0.117 MiB each), LayerNorm 0.03
+    # estimates at 28 tokens (max_iter=20): attention 0.37 MiB (its QQ and KK bases, held at once, 0.234 MiB), FFN
+    # 0.17 MiB (bases 0.117 MiB), LayerNorm 0.03
     budget_mb = 0.2
     monitor = CurvatureMonitor(
         max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False,
@@ -672,12 +673,12 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     messages = fit(trainer, tiny())
     # the attention bases (over half the budget) hold fewer vectors first, then its tokens shrink; one warning each
     assert len(messages) == 2, messages
-    assert messages[0].startswith("CurvatureMonitor holds at most 17 Lanczos vectors per norm of block 'layer0/attn'")
+    assert messages[0].startswith("CurvatureMonitor holds at most 8 Lanczos vectors per norm of block 'layer0/attn'")
     assert "to stay within memory_budget_mb=0.2" in messages[1], messages
     assert all(nbytes <= budget_mb * 2**20 for _, _, nbytes, _ in evaluated), evaluated
     attn = [(tokens, basis) for name, tokens, _, basis in evaluated if name == "layer0/attn"]
-    assert attn and all(t < 28 and b == 17 for t, b in attn)  # shrunk
-    # the FFN (d_ff = d: bases as large as the attention's) holds 17 vectors too and then fits; LayerNorm untouched
+    assert attn and all(t < 28 and b == 8 for t, b in attn)  # shrunk
+    # the FFN (d_ff = d: bases half the attention's) holds 17 vectors and then fits; LayerNorm untouched
     assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(28, 17), (28, 17)]
     assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ln_1"] == [(28, None), (28, None)]
     assert all(math.isfinite(logged(trainer)[s][MAX_KEY]) for s in (0, 1))
@@ -713,8 +714,9 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
     assert free[2] == [] and all(b is None for *_, b in free[1])
     ffn = [(t, b) for n, t, b in limited[1] if n == "layer0/ffn"]
     assert ffn == [(14, 12)], ffn  # 0.3 MiB for the bases: 12 vectors of 24 KiB; the tokens untouched
-    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 6 KiB are over 0.3 MiB too)
-    assert len(limited[2]) == 1 and "holds at most 51 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
+    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 12 KiB, its QQ and KK bases held at
+    # once, are over 0.3 MiB too)
+    assert len(limited[2]) == 1 and "holds at most 25 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
     keys = ("ffn/hessian/W1W1", "ffn/outer/W1W1", "ffn/functional/W1W1", "attn/hessian/QQ/h0", "attn/hessian/KK/h1")
     for key in keys:
         name = f"{P}layer0/{key}"

@@ -79,7 +79,8 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         prepare=_prepare,
         # the per-head (B, H, L, L) tangents of the Lanczos products and the (B, L, d) intermediates
         work_elements=lambda B, L, d, p: 16 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
-        basis_numel=lambda p: p["W_Q"].numel(),
+        # the QQ and KK runs go in lockstep (one host read per stopping test for both): both bases are held at once
+        basis_numel=lambda p: p["W_Q"].numel() + p["W_K"].numel(),
         keys=_KEYS + extra_keys,
         label=name.replace("_", "-"),
         doc=doc,
