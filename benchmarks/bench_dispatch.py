@@ -5,8 +5,9 @@ device, not by arithmetic. Both counts are the same on any device, so they are m
 
 * **operators**: every ATen operator the dispatcher runs below autograd (a ``TorchDispatchMode`` counts them);
 * **host syncs**: reads of a tensor's value by the host: ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``,
-  ``bool(t)``), ``Tensor.tolist()`` and ``Tensor.numpy()`` calls, and explicit device-to-host copies of the solver
-  (:func:`curvwatch.closed_form._lanczos.to_host`). On a CUDA device each one stops the host until the GPU is done.
+  ``bool(t)``), ``Tensor.tolist()`` and ``Tensor.numpy()`` calls (the solver's one device-to-host copy per stopping
+  test, :func:`curvwatch.closed_form._lanczos.to_host`, is one). On a CUDA device each one stops the host until the
+  GPU is done.
 
 A small Lightning run trains the same model three times (same seed and data): without the monitor, with a full
 evaluation every step (``every_n_train_steps=1``, every default key, real-loss keys included) and with a terms-only
@@ -70,12 +71,10 @@ class OpCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def count_host_reads(counter: OpCounter):
-    """Count ``tolist``/``numpy`` calls (they read memory directly, without a dispatched operator) and the solver's
-    explicit host copies into ``counter.host_reads``."""
-    from curvwatch.closed_form import _lanczos
-
+    """Count ``tolist``/``numpy`` calls into ``counter.host_reads``: they read a tensor's memory without a dispatched
+    operator (the solver's one host copy per stopping test, :func:`curvwatch.closed_form._lanczos.to_host`, is one
+    ``numpy()`` call)."""
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-    to_host = getattr(_lanczos, "to_host", None)
 
     def wrap(fn):
         def wrapped(*args, **kwargs):
@@ -87,14 +86,10 @@ def count_host_reads(counter: OpCounter):
     try:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, wrap(fn))
-        if to_host is not None:
-            _lanczos.to_host = wrap(to_host)
         yield counter
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
-        if to_host is not None:
-            _lanczos.to_host = to_host
 
 
 def build_model(arch: str, n_layer: int, vocab: int, L_seq: int) -> torch.nn.Module:

@@ -58,8 +58,8 @@ def test_evaluation_operators_and_host_syncs_stay_under_their_ceilings():
     assert terms.total / N_LAYER <= TERMS_OPS_PER_LAYER, per_layer
 
 
-# Measured when set (issue 23, this 2-layer d 32 GPT): full 8,199 operators and 26.5 syncs per layer, terms-only 352.5
+# Measured when set (issue 23, this 2-layer d 32 GPT): full 8,199 operators and 15 syncs per layer, terms-only 352.5
 # and 0.5 (before issue 23 at GPT-2-small width: full 15,988 and 287, terms-only 386 and 6; docs/performance.md).
-FULL_SYNCS_PER_LAYER = 31
+FULL_SYNCS_PER_LAYER = 18
 FULL_OPS_PER_LAYER = 9_500
 TERMS_OPS_PER_LAYER = 410
