@@ -278,7 +278,7 @@ def sampled_norms(
             raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
         prefixes = [""] + (["precond_"] if X in scale else [])
 
-        def wrap(o: BlockOperator, prefix: str) -> BlockOperator:
+        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
             return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
 
         # run r = i E + e (variant i, estimate e) owns the rows 2r (ggn) and 2r + 1 (sharpness)
@@ -309,7 +309,8 @@ def sampled_norms(
                     out[f"residual/{k}"] = residual[h]
                 if spread is not None and name == "sharpness" and not prefix:
                     for h, k in enumerate(head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))):
-                        out[k] = spread[h]
+                        if bool(torch.isfinite(spread[h])) and bool(value[h] != 0):  # 0/0 is "no data": none
+                            out[k] = spread[h]
     return out
 
 
@@ -337,7 +338,8 @@ def debias(
 
     Example:
         >>> lam, c = 2.0, 8.0  # truth and bias constant: value(k) = lam + c / k
-        >>> est, spread = debias(torch.tensor([lam + c / 16]), torch.tensor([lam + c / 8]), torch.tensor([lam + c / 8]), (16, 8, 8))
+        >>> full, half = torch.tensor([lam + c / 16]), torch.tensor([lam + c / 8])
+        >>> est, spread = debias(full, half, half, (16, 8, 8))
         >>> round(float(est), 6), round(float(spread), 3)
         (2.0, 0.125)
     """
@@ -348,4 +350,4 @@ def debias(
     if psd:
         est = est.clamp_min(0)
     width = (a - b).abs() / 2 + SPREAD_FACTOR * correction.abs()
-    return est, width / est.abs().clamp_min(torch.finfo(est.dtype).tiny)
+    return est, width / est.abs()  # inf or nan where the estimate is 0 (the caller logs none)
