@@ -353,7 +353,7 @@ class CurvatureMonitor(Callback):
         status = self.real_loss.resolve(pl_module, sharded=self._read_params is not None)
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or self.verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
-        if self.verbose or not status.startswith("on"):
+        if self.verbose or not status.startswith("on") or self.real_loss.hooks_note:
             rank_zero_info(f"CurvatureMonitor real-loss sharpness: {status}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
