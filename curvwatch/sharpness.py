@@ -520,20 +520,34 @@ class RealLoss:
         self.status = f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}"
         return self.status
 
-    def sample(self, capture: Any, loss: Tensor, factor: float, step: int) -> int:
-        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`)."""
-        z_device = next((p.device for p in self.module.parameters()), loss.device) if self.module else loss.device
+    def sample(
+        self, capture: Any, loss: Tensor | None, factor: float, step: int, grad_logits: Tensor | None = None
+    ) -> int:
+        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`), from the
+        ``loss`` before its backward or from ``grad_logits``, its gradient at the logits, during it."""
+        fallback = (loss if grad_logits is None else grad_logits).device
+        z_device = next((p.device for p in self.module.parameters()), fallback) if self.module else fallback
         generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
-        return capture.sample_outputs(loss, self.samples, kind=self.loss, factor=factor, generator=generator)
+        return capture.sample_outputs(
+            loss, self.samples, kind=self.loss, factor=factor, generator=generator, grad_logits=grad_logits
+        )
 
     def before_backward(
-        self, capture: Any, loss: Tensor, factor: float, step: int, verify: bool, warn_once: Any
+        self,
+        capture: Any,
+        loss: Tensor | None,
+        factor: float,
+        step: int,
+        verify: bool,
+        warn_once: Any,
+        grad_logits: Tensor | None = None,
     ) -> None:
         """The monitor's ``on_before_backward``: sample (:meth:`sample`), with ``verify`` also the true block sharpness
-        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised."""
+        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised.
+        Called from the backward with ``grad_logits`` (and no ``loss``), it samples from the logits' gradient."""
         self.verified = {}
         try:
-            sampled = self.sample(capture, loss, factor, step)
+            sampled = self.sample(capture, loss, factor, step, grad_logits)
             if capture.sample_note:
                 warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
             if capture.unsampled:
@@ -552,7 +566,7 @@ class RealLoss:
                 f"sampling the output gradients raised {type(err).__name__}: {err}",
             )
             return
-        if not (verify and sampled):
+        if not (verify and sampled) or loss is None:
             return
         from curvwatch.verify import VERIFIED, true_sharpness
 
