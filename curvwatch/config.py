@@ -10,8 +10,8 @@ settings: ``every_n_train_steps``, ``blocks``, ``log_key_prefix``, ``sharpness``
 * :class:`Sharpness`: the real-loss curvature (sampled backward passes from the logits).
 
 The flat kwargs of earlier versions (``max_tokens=256``, ``tol=1e-3``, ``spike_factor=5``...) are still accepted
-and go into their group (:data:`FLAT_KWARGS`); passing one together with its group is an error. They are
-deprecated: prefer the groups, which a later version will require.
+and go into their group (:data:`FLAT_KWARGS`), with a ``DeprecationWarning`` naming the group to use; passing one
+together with its group object is an error.
 
 Example:
     >>> settings = resolve(evaluation=Evaluation(max_tokens=256), sharpness=False)
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,6 +266,13 @@ def resolve(
             )
         group, key = FLAT_KWARGS[name]
         groups[group][key] = value
+    if flat:
+        fixes = ", ".join(_FIX[FLAT_KWARGS[n][0]].format(FLAT_KWARGS[n][1]) for n in flat)
+        warnings.warn(
+            f"The flat kwargs {sorted(flat)} are deprecated; pass them in their group: {fixes}.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     explicit = {name for name, v in (("cadence", cadence), ("evaluation", evaluation), ("sharpness", sharpness))
                 if dataclasses.is_dataclass(v)}  # fmt: skip
     cadence = _group("cadence", cadence, Cadence)
@@ -352,6 +360,15 @@ def resolve(
         kinds=kinds,
     )
 
+
+#: How a flat kwarg of each group is passed now.
+_FIX = {
+    "cadence": "cadence=curvwatch.Cadence({}=...)",
+    "evaluation": "evaluation=curvwatch.Evaluation({}=...)",
+    "warnings": "warning_rules=curvwatch.Warnings({}=...)",
+    "legacy": "warning_rules=curvwatch.Warnings(rules='legacy', legacy=curvwatch.LegacyThresholds({}=...))",
+    "sharpness": "sharpness=curvwatch.Sharpness({}=...)",
+}
 
 #: The top-level kwargs (the signature of :func:`resolve`).
 _TOP = (

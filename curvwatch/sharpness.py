@@ -117,7 +117,8 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
             raise ValueError(
                 f"Invalid logits_module={name!r}: the model has no such module"
                 + (f" (similar names: {close})" if close else "")
-                + ". Pass the dotted name of the module whose output is the logits, as in model.named_modules()."
+                + f". Modules whose output looks like logits: {logits_candidates(model)}. Pass the dotted name of "
+                "the module whose output is the logits, as in model.named_modules()."
             )
         return name, modules[name]
     for candidate in LOGITS_NAMES:
@@ -125,10 +126,27 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
         if hits:
             return hits[0], modules[hits[0]]
     raise ValueError(
-        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Pass "
-        "logits_module='<dotted name>' (see model.named_modules()), or sharpness=False to leave the real-loss "
-        "curvature out."
+        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Modules whose "
+        f"output looks like logits: {logits_candidates(model)}. Pass logits_module='<dotted name>' "
+        "(curvwatch.Sharpness(logits_module=...)), or sharpness=False to leave the real-loss curvature out."
     )
+
+
+def logits_candidates(model: nn.Module, top: int = 3) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose output looks like logits: first those outside the repeated layers
+    (no numbered part in their name, as ``layers.3.mlp``), then the widest, then the last in the model.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 50))
+        >>> logits_candidates(net)
+        ['1', '0']
+    """
+    linears = [
+        (not any(part.isdigit() for part in n.split(".")[:-1]), m.out_features, i, n)
+        for i, (n, m) in enumerate(model.named_modules())
+        if isinstance(m, nn.Linear) and n
+    ]
+    return [t[-1] for t in sorted(linears, reverse=True)[:top]]
 
 
 def _rows(t: Tensor) -> Tensor:
