@@ -261,7 +261,8 @@ def resolve(
         if name not in FLAT_KWARGS:
             close = difflib.get_close_matches(name, [*FLAT_KWARGS, *_TOP], n=3)
             raise ValueError(
-                f"Unknown kwarg {name}={value!r}." + (f" Did you mean {close}?" if close else "")
+                f"Unknown kwarg {name}={value!r}."
+                + (f" Did you mean {close}?" if close else "")
                 + f" The kwargs are {list(_TOP)}; the rest go in curvwatch.Cadence, Evaluation, Warnings, Sharpness."
             )
         group, key = FLAT_KWARGS[name]
@@ -303,7 +304,9 @@ def resolve(
         warns = dataclasses.replace(warns, **groups["warnings"])
     if every_n_train_steps is not None:
         if cadence.every_n_train_steps is not None:
-            raise ValueError("Pass every_n_train_steps once: as a kwarg or in cadence=curvwatch.Cadence(...), not both.")
+            raise ValueError(
+                "Pass every_n_train_steps once: as a kwarg or in cadence=curvwatch.Cadence(...), not both."
+            )
         groups["cadence"]["every_n_train_steps"] = every_n_train_steps
     cadence = dataclasses.replace(cadence, **groups["cadence"])
     evaluation = dataclasses.replace(evaluation, **groups["evaluation"])
@@ -375,4 +378,3 @@ _TOP = (
     "every_n_train_steps", "blocks", "log_key_prefix", "sharpness", "warning_rules", "cadence", "evaluation",
     "on_error", "log_heatmap", "verbose",
 )  # fmt: skip
-

@@ -113,8 +113,10 @@ class Monitor:
         # a signals evaluation's exact pairs (None: every term and bound); the statistics of the norms always
         rules = s.rules
         self._signal_pairs = (rules.exact_pairs if rules else ()) if s.terms_keys is TermsKeys.WARNINGS else None
-        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int) or (
-            accumulate_grad_batches < 1
+        if (
+            isinstance(accumulate_grad_batches, bool)
+            or not isinstance(accumulate_grad_batches, int)
+            or (accumulate_grad_batches < 1)
         ):
             raise ValueError(
                 f"Invalid accumulate_grad_batches={accumulate_grad_batches!r}. Must be an int >= 1: the number the "
@@ -472,4 +474,3 @@ def _eps(module: Any) -> float | None:
     """The module's ``eps`` if it has a numeric one (norms), else ``None``."""
     eps = getattr(module, "eps", None)
     return eps if isinstance(eps, (int, float)) else None
-

@@ -76,14 +76,23 @@ def test_the_legacy_thresholds_are_declared_once():
     ("kwargs", "message"),
     [
         # unknown pair names were accepted silently (no Hessian key logged at all)
-        (dict(evaluation=Evaluation(pairs=["XX"])), "Invalid pairs=['XX']: unknown pair name 'XX'. Known pair names: ['"),
+        (
+            dict(evaluation=Evaluation(pairs=["XX"])),
+            "Invalid pairs=['XX']: unknown pair name 'XX'. Known pair names: ['",
+        ),
         (dict(evaluation=Evaluation(pairs=["VV", "W1W4"])), "unknown pair name 'W1W4'. Known pair names:"),
         (dict(evaluation=Evaluation(pairs=["W1W4"])), "Did you mean ["),
         (dict(evaluation=Evaluation(pairs="some")), "Invalid pairs='some'. Must be 'diagonal', 'all'"),
         (dict(evaluation=Evaluation(kinds=["gn"])), "Invalid kinds=('gn',). Must be a non-empty subset of ('outer',"),
         (dict(evaluation=Evaluation(kinds=())), "Invalid kinds=(). Must be a non-empty subset"),
-        (dict(evaluation=Evaluation(terms_keys="some")), "Invalid terms_keys='some'. Must be one of ['warnings', 'all']"),
-        (dict(evaluation=Evaluation(dtype="float16")), "Invalid dtype='float16'. Must be one of ['float32', 'float64']"),
+        (
+            dict(evaluation=Evaluation(terms_keys="some")),
+            "Invalid terms_keys='some'. Must be one of ['warnings', 'all']",
+        ),
+        (
+            dict(evaluation=Evaluation(dtype="float16")),
+            "Invalid dtype='float16'. Must be one of ['float32', 'float64']",
+        ),
         (dict(evaluation=Evaluation(max_tokens=0)), "Invalid max_tokens=0. Must be an int >= 1."),
         (dict(evaluation=Evaluation(memory_budget_mb=-1)), "Invalid memory_budget_mb=-1. Must be a number > 0 (MiB)"),
         (dict(cadence=Cadence(max_overhead=0)), "Invalid max_overhead=0. Must be a fraction > 0"),
@@ -96,7 +105,10 @@ def test_the_legacy_thresholds_are_declared_once():
         (dict(sharpness=Sharpness(verify_every_n_evals=0)), "Invalid verify_every_n_evals=0. Must be an int >= 1."),
         (dict(warning_rules=3), "Invalid warning_rules=3. Must be 'suite', 'legacy', 'all', a curvwatch.rules.RuleSet"),
         (dict(warning_rules="loud"), "Invalid warning_rules='loud'. Must be one of ['suite', 'legacy', 'all']."),
-        (dict(warning_rules=Warnings(legacy=LegacyThresholds(spike_factor=0.5))), "Invalid spike_factor=0.5. Must be > 1"),
+        (
+            dict(warning_rules=Warnings(legacy=LegacyThresholds(spike_factor=0.5))),
+            "Invalid spike_factor=0.5. Must be > 1",
+        ),
         (dict(warning_rules=Warnings(legacy={"cooldown": 1})), "Invalid legacy={'cooldown': 1}. Must be a curvwatch."),
         (dict(on_error="ignore"), "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
         (dict(blocks="all"), "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec. See"),

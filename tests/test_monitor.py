@@ -196,7 +196,8 @@ def test_hf_trainer_matches_the_plain_loop(tmp_path):
     args = tf.TrainingArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=2,
         save_strategy="no", logging_strategy="no", learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch", seed=0, data_seed=0, disable_tqdm=True,
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch", seed=0, data_seed=0,
+        disable_tqdm=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config)
