@@ -272,6 +272,12 @@ class Monitor:
     def _sample_from_grad(self, grad_logits: Tensor) -> None:
         """The capture's hook on the logits' gradient: sample during the backward itself."""
         if self._capture is not None and not self._capture_terms_only:
+            if self.settings.sharpness.verify_every_n_evals is not None:
+                self.engine.warn_once(
+                    "verify_needs_loss",
+                    "CurvatureMonitor: verify_every_n_evals needs the loss before its backward; call "
+                    "monitor.before_backward(loss) before loss.backward() to get the verify/... keys.",
+                )
             self._sample(None, grad_logits, False)
 
     def _sample(self, loss: Tensor | None, grad_logits: Tensor | None, verify: bool) -> None:

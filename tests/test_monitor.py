@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
 
-from curvwatch import Cadence, CurvatureMonitor, Monitor, Warnings
+from curvwatch import Cadence, CurvatureMonitor, CurvatureWarning, Monitor, Sharpness, Warnings
 from tests.ddp_script import VOCAB, TinyLM, loader
 
 P = "curv/"
@@ -248,3 +248,25 @@ def test_monitor_step_without_model_and_bad_log_say_how_to_fix():
             pass
     with pytest.raises(ValueError, match="Invalid accumulate_grad_batches=0"):
         Monitor(accumulate_grad_batches=0)
+
+
+def test_verify_in_a_plain_loop_needs_the_loss_and_says_so():
+    from curvwatch.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    module = TinyLM()
+    module.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=2, d_model=8, d_ff=16,
+                                 attention="math"))  # double backward: no fused attention  # fmt: skip
+    idx = next(iter(loader()))[0]
+    settings = {**SETTINGS, "sharpness": Sharpness(verify_every_n_evals=1)}
+    rows: dict[int, dict[str, float]] = {}
+    monitor = Monitor(module, log=lambda m, s: rows.setdefault(s, {}).update(m), **settings)
+    with pytest.warns(CurvatureWarning, match=r"call monitor\.before_backward\(loss\)"):
+        with monitor.step(0):
+            tiny_lm_loss(module, idx).backward()
+    assert P + "layer0/attn/sharpness/VV/h0" in rows[0] and not any("verify/" in k for k in rows[0])
+    with monitor.step(1):  # handing the loss over gives the check
+        loss = tiny_lm_loss(module, idx)
+        monitor.before_backward(loss)
+        loss.backward()
+    assert any("/verify/ratio/VV" in k for k in rows[1])
