@@ -133,7 +133,7 @@ def test_plain_loop_accumulation_matches_one_big_micro_batch():
     assert_same(numbers(accumulated), numbers(single), rtol=1e-5)
 
 
-def test_fabric_litgpt_loop_matches_the_plain_loop():
+def test_fabric_litgpt_loop_matches_the_plain_loop(tmp_path):
     """litgpt's pretrain loop shape: fabric.setup, bf16-mixed autocast, no_backward_sync, fabric.backward(loss / k)."""
     litgpt = pytest.importorskip("litgpt")
     from lightning.fabric import Fabric
@@ -178,6 +178,11 @@ def test_fabric_litgpt_loop_matches_the_plain_loop():
     assert sorted(numbers(rows)) == [0, 1]
     assert P + "layer0/attn/sharpness/VV/g0" in rows[0] and P + "summary/stability/max" in rows[1]  # Adam: step 1
     assert_same(numbers(rows), numbers(plain))
+    # litgpt checkpoints its `state` dict with fabric.save: the monitor rides along (state_dict/load_state_dict)
+    fabric.save(tmp_path / "state.pth", {"monitor": monitor, "step_count": step_count})
+    resumed = Monitor(model, optimizer=optimizer, accumulate_grad_batches=k, **SETTINGS)
+    fabric.load(tmp_path / "state.pth", {"monitor": resumed})
+    assert resumed.book.evaluations == 2 and resumed.state_dict()["last_step"] == monitor.state_dict()["last_step"]
 
 
 def test_hf_trainer_matches_the_plain_loop(tmp_path):
@@ -270,3 +275,21 @@ def test_verify_in_a_plain_loop_needs_the_loss_and_says_so():
         monitor.before_backward(loss)
         loss.backward()
     assert any("/verify/ratio/VV" in k for k in rows[1])
+
+
+def test_monitor_logs_to_a_wandb_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run = wandb.init(project="curvwatch-test", dir=str(tmp_path), mode="offline")
+    try:
+        torch.manual_seed(0)
+        module = TinyLM()
+        monitor = Monitor(module, log=run, **{**SETTINGS, "sharpness": False, "log_heatmap": True})
+        with monitor.step(0):
+            tiny_lm_loss(module, next(iter(loader()))[0]).backward()
+        # reached the run, with the run-summary rule the monitor defined (the max over steps)
+        assert math.isfinite(dict(run.summary[P + "summary/max_hessian"])["max"])
+        assert run.config["curvwatch/blocks"][0]["part"] == "attn"  # the set-up table too
+    finally:
+        wandb.finish()
