@@ -535,20 +535,22 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
 
 
 class LanczosSpy(Callback):
-    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``lanczos_max_abs``)."""
+    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``_lanczos.solve``, which every run
+    goes through: ``lanczos_max_abs`` and the kernels' lockstep runs in ``_operator``)."""
 
     def __init__(self, monkeypatch):
-        from curvwatch.closed_form import _operator
+        from curvwatch.closed_form import _lanczos, _operator
 
         self.runs: dict[int, int] = {}
         self.step = -1
-        original = _operator.lanczos_max_abs
+        original = _lanczos.solve
 
-        def spy(*args, **kwargs):
-            self.runs[self.step] = self.runs.get(self.step, 0) + 1
-            return original(*args, **kwargs)
+        def spy(runs):
+            self.runs[self.step] = self.runs.get(self.step, 0) + len(runs)
+            return original(runs)
 
-        monkeypatch.setattr(_operator, "lanczos_max_abs", spy)
+        monkeypatch.setattr(_lanczos, "solve", spy)
+        monkeypatch.setattr(_operator, "solve", spy)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step = trainer.global_step

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
 
-from curvwatch import Cadence, CurvatureMonitor, CurvatureWarning, Monitor, Sharpness, Warnings
+from curvwatch import Cadence, CurvatureMonitor, CurvatureNotice, Monitor, Sharpness, Warnings
 from tests.ddp_script import VOCAB, TinyLM, loader
 
 P = "curv/"
@@ -266,7 +266,7 @@ def test_verify_in_a_plain_loop_needs_the_loss_and_says_so():
     settings = {**SETTINGS, "sharpness": Sharpness(verify_every_n_evals=1)}
     rows: dict[int, dict[str, float]] = {}
     monitor = Monitor(module, log=lambda m, s: rows.setdefault(s, {}).update(m), **settings)
-    with pytest.warns(CurvatureWarning, match=r"call monitor\.before_backward\(loss\)"):
+    with pytest.warns(CurvatureNotice, match=r"call monitor\.before_backward\(loss\)"):
         with monitor.step(0):
             tiny_lm_loss(module, idx).backward()
     assert P + "layer0/attn/sharpness/VV/h0" in rows[0] and not any("verify/" in k for k in rows[0])
