@@ -245,6 +245,28 @@ def test_monitor_logs_to_a_lightning_logger_and_checkpoints():
     assert again.book.evaluations == 1 and again.schedule.last_step == 0
 
 
+def test_a_reused_monitor_after_reset_starts_afresh():
+    """Issue 26's per-fit reset, in the Trainer-free monitor: after ``reset()`` a second run's steps 0 and 2 are
+    evaluated again with counters from 1 (without it, step 0 is below the last run's step 2: nothing is due)."""
+    torch.manual_seed(0)
+    module = TinyLM()
+    recorder = Recorder()
+    monitor = Monitor(module, log=[recorder], **{**SETTINGS, "every_n_train_steps": 2, "sharpness": False})
+    idx = next(iter(loader()))[0]
+
+    def run() -> dict[int, float]:
+        recorder.rows.clear()
+        for step in range(3):
+            with monitor.step(step):
+                tiny_lm_loss(module, idx).backward()
+        return {s: r[P + "summary/evaluations"] for s, r in recorder.rows.items() if P + "summary/evaluations" in r}
+
+    assert run() == {0: 1.0, 2: 2.0}
+    assert run() == {}  # the same record goes on: steps 0-2 are behind it
+    monitor.reset()
+    assert run() == {0: 1.0, 2: 2.0} and monitor.book.evaluations == 2
+
+
 def test_monitor_step_without_model_and_bad_log_say_how_to_fix():
     with pytest.raises(ValueError, match=r"Invalid log=3\. Must be a W&B run"):
         Monitor(log=3)
