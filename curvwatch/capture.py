@@ -442,6 +442,10 @@ class Capture:
         self._logits: Tensor | None = None
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
+        self._sampled = False  # sample_outputs ran on this capture
+        #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
+        #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
+        self.on_logits_grad: Callable[[Tensor], None] | None = None
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -451,6 +455,7 @@ class Capture:
         self._records = [_Record() for _ in self.specs]
         self._logits = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
+        self._sampled = False
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -559,6 +564,13 @@ class Capture:
             out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
             if isinstance(out, Tensor) and out.requires_grad:
                 self._logits = out
+                if self.on_logits_grad is not None:
+                    self._handles.append(out.register_hook(self._on_logits_grad))
+
+    def _on_logits_grad(self, grad: Tensor) -> None:
+        if _SAMPLING[0] or self._sampled or self._logits is None or self.on_logits_grad is None:
+            return  # sampled already (before the backward), or one of the sampled backward passes
+        self.on_logits_grad(grad)
 
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
         if rec.grad is not None or rec.error or _SAMPLING[0]:
@@ -572,12 +584,13 @@ class Capture:
 
     def sample_outputs(
         self,
-        loss: Tensor,
+        loss: Tensor | None,
         samples: int,
         *,
         kind: str | LossKind = "auto",
         factor: float = 1.0,
         generator: torch.Generator | None = None,
+        grad_logits: Tensor | None = None,
     ) -> int:
         """Back-propagate ``samples`` sampled logit gradients to every kept block output (see the module docstring).
 
@@ -590,6 +603,8 @@ class Capture:
             kind: The loss at the logits: ``"auto"``, ``"cross_entropy"`` or ``"mse"``.
             factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
             generator: Random source for the sampled labels.
+            grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
+                instead of before it; ``loss`` is then not used.
 
         Returns:
             The blocks that received samples.
@@ -605,6 +620,7 @@ class Capture:
             if rec.output is not None and rec.error is None and rec.reason is None
         ]
         diverged = counted = False
+        self._sampled = True
         try:
             if z is None:
                 raise RuntimeError(
@@ -615,7 +631,10 @@ class Capture:
             counted = True
             if not live:
                 return 0
-            (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+            if grad_logits is None:
+                (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+            else:  # called from the backward with the logits' gradient (on_logits_grad)
+                gz = grad_logits
             # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
             if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
                 diverged = True

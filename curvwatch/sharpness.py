@@ -130,7 +130,8 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
             raise ValueError(
                 f"Invalid logits_module={name!r}: the model has no such module"
                 + (f" (similar names: {close})" if close else "")
-                + ". Pass the dotted name of the module whose output is the logits, as in model.named_modules()."
+                + f". Modules whose output looks like logits: {logits_candidates(model)}. Pass the dotted name of "
+                "the module whose output is the logits, as in model.named_modules()."
             )
         return name, modules[name]
     for candidate in LOGITS_NAMES:
@@ -138,10 +139,27 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
         if hits:
             return hits[0], modules[hits[0]]
     raise ValueError(
-        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Pass "
-        "logits_module='<dotted name>' (see model.named_modules()), or sharpness=False to leave the real-loss "
-        "curvature out."
+        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Modules whose "
+        f"output looks like logits: {logits_candidates(model)}. Pass logits_module='<dotted name>' "
+        "(curvwatch.Sharpness(logits_module=...)), or sharpness=False to leave the real-loss curvature out."
     )
+
+
+def logits_candidates(model: nn.Module, top: int = 3) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose output looks like logits: first those outside the repeated layers
+    (no numbered part in their name, as ``layers.3.mlp``), then the widest, then the last in the model.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 50))
+        >>> logits_candidates(net)
+        ['1', '0']
+    """
+    linears = [
+        (not any(part.isdigit() for part in n.split(".")[:-1]), m.out_features, i, n)
+        for i, (n, m) in enumerate(model.named_modules())
+        if isinstance(m, nn.Linear) and n
+    ]
+    return [t[-1] for t in sorted(linears, reverse=True)[:top]]
 
 
 def loss_weights(
@@ -655,20 +673,34 @@ class RealLoss:
             self.status += f"; {self.hooks_note}"
         return self.status
 
-    def sample(self, capture: Any, loss: Tensor, factor: float, step: int) -> int:
-        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`)."""
-        z_device = next((p.device for p in self.module.parameters()), loss.device) if self.module else loss.device
+    def sample(
+        self, capture: Any, loss: Tensor | None, factor: float, step: int, grad_logits: Tensor | None = None
+    ) -> int:
+        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`), from the
+        ``loss`` before its backward or from ``grad_logits``, its gradient at the logits, during it."""
+        fallback = (loss if grad_logits is None else grad_logits).device
+        z_device = next((p.device for p in self.module.parameters()), fallback) if self.module else fallback
         generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
-        return capture.sample_outputs(loss, self.samples, kind=self.loss, factor=factor, generator=generator)
+        return capture.sample_outputs(
+            loss, self.samples, kind=self.loss, factor=factor, generator=generator, grad_logits=grad_logits
+        )
 
     def before_backward(
-        self, capture: Any, loss: Tensor, factor: float, step: int, verify: bool, warn_once: Any
+        self,
+        capture: Any,
+        loss: Tensor | None,
+        factor: float,
+        step: int,
+        verify: bool,
+        warn_once: Any,
+        grad_logits: Tensor | None = None,
     ) -> None:
         """The monitor's ``on_before_backward``: sample (:meth:`sample`), with ``verify`` also the true block sharpness
-        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised."""
+        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised.
+        Called from the backward with ``grad_logits`` (and no ``loss``), it samples from the logits' gradient."""
         self.verified = {}
         try:
-            sampled = self.sample(capture, loss, factor, step)
+            sampled = self.sample(capture, loss, factor, step, grad_logits)
             if capture.sample_note:
                 warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
             if capture.unsampled:
@@ -687,7 +719,7 @@ class RealLoss:
                 f"sampling the output gradients raised {type(err).__name__}: {err}",
             )
             return
-        if not (verify and sampled):
+        if not (verify and sampled) or loss is None:
             return
         from curvwatch.verify import VERIFIED, true_sharpness
 
