@@ -299,7 +299,9 @@ def test_a_reused_monitor_starts_each_fit_afresh_and_resumes_from_a_checkpoint(t
     """Issue 26: one instance given to a second Trainer (same model, then a new one) evaluates that fit's steps
     0, 2, 4 with counters of its own and the real-loss stability keys of the new model; given a ckpt_path it
     still resumes the schedule and counters from the checkpoint."""
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2)
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2
+    )
     stability = "curv/layer1/ffn/stability/W1W1"
     model = TinyLM(n_layer=2)
     trainer = make_trainer(tmp_path / "first", monitor, max_steps=3)
