@@ -84,7 +84,12 @@ class CurvatureMonitor(Callback):
       as if finite. A LayerNorm with a finite input still reports its variance statistics (``ln/var_min``...)
       so a collapse that produced the NaN is still seen.
     - With a ``WandbLogger`` (or ``TensorBoardLogger``) and matplotlib: ``{p}summary/heatmap``, an image of
-      ``log10`` block norms, layers x sub-blocks.
+      ``log10`` block norms, layers x sub-blocks; with a ``WandbLogger``, ``{p}summary/layers``, a table of every
+      block's maxima and warning signals per full evaluation.
+    - The warning signals, model-wide: ``{p}summary/signals/softmax_jac_min``, ``{p}summary/signals/logit_bound_max``,
+      ``{p}summary/signals/outer_vv_max``; per layer (``curv_`` is the prefix without its ``/``):
+      ``curv_hessian/layer{i}/{part}`` (the block norm of sub-block ``part``), ``curv_stability/layer{i}``.
+    - ``log_level`` decides which of these reach the loggers (the key tables of ``docs/metrics.md`` give each key's).
 
     The headline summaries are also put in ``trainer.callback_metrics`` (as tensors), so ``EarlyStopping``
     and ``ModelCheckpoint`` can monitor e.g. ``"curv/summary/max_hessian"``.
