@@ -48,7 +48,8 @@ class Recorder(Logger):
         return 0
 
     def log_metrics(self, metrics, step=None) -> None:
-        self.rows.setdefault(step, {}).update({k: float(v) for k, v in metrics.items() if k.startswith(P[:-1])})  # curv/... and curv_...
+        kept = {k: float(v) for k, v in metrics.items() if k.startswith(P[:-1])}  # curv/... and curv_... keys
+        self.rows.setdefault(step, {}).update(kept)
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
