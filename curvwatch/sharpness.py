@@ -647,6 +647,7 @@ class RealLoss:
             ValueError: With ``enabled=True``, if it cannot work (no logits module, sharded parameters).
         """
         self.module = None
+        self.hooks_note = None  # a previous fit's model may have had hooks
         self._maps = {}  # maps of weights to parameters, by block name: a new model (or fit) has its own
         if self.enabled is False:
             self.status = "off (sharpness=False)"

@@ -269,6 +269,24 @@ def test_a_reused_monitor_after_reset_starts_afresh():
     assert run() == {0: 1.0, 2: 2.0} and monitor.book.evaluations == 2
 
 
+def test_plain_loop_log_level_decides_what_reaches_the_sink():
+    """i25d's log_level in the Trainer-free monitor: at "summary" no per-block key reaches the sink, the per-layer
+    block norms and headline summaries do; at "all" the per-block, per-head keys do too."""
+    logged = {}
+    for level in ("summary", "all"):
+        torch.manual_seed(0)
+        module = TinyLM(lr=0.1)
+        batches = [idx for (idx,), _ in zip(loader(), range(1), strict=False)]
+        rows, monitor = plain_loop(module, module.configure_optimizers(), batches, tiny_lm_loss, log_level=level)
+        assert monitor.log_level.value == level
+        logged[level] = set(rows[0])
+    assert P + "summary/max_hessian" in logged["summary"] and "curv_hessian/layer0/attn" in logged["summary"]
+    assert not any(k.startswith(P + "layer0/") for k in logged["summary"]), sorted(logged["summary"])
+    assert P + "layer0/attn/hessian/VV/h0" in logged["all"] and logged["summary"] < logged["all"]
+    with pytest.raises(ValueError, match=r"Invalid log_level='heads'"):
+        Monitor(log_level="heads")
+
+
 def test_monitor_step_without_model_and_bad_log_say_how_to_fix():
     with pytest.raises(ValueError, match=r"Invalid log=3\. Must be a W&B run"):
         Monitor(log=3)
