@@ -11,7 +11,15 @@ weights, mid-run, converged), for a few blocks ``XX`` (attention QQ/KK/VV of hea
   percentile over seeds (each seed draws new labels);
 * the cost: one evaluation with and without sampling (16 samples) on the demo model, side by side.
 
-Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``.
+``--bias`` instead measures the upward bias of the largest eigenvalue of a few-sample estimate on held-out models
+(Hugging Face GPT-2 built from a config, random tokens, all tokens kept, step 0) against the exact value by
+matrix-free ``torch.func`` products in float64 (:func:`curvwatch.reference.real_loss.real_loss_top`): relative error
+of ``sharpness/XX`` median / p90 / worst over seeds, before (the plain Monte-Carlo value,
+``curvwatch.closed_form._sampled.DEBIAS = False``) and after (debiased), and how often ``sharpness_spread`` covers
+the truth.
+
+Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``;
+``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``.
 """
 
 from __future__ import annotations
@@ -200,11 +208,130 @@ def cost_table(repeats: int) -> list[str]:
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
+def held_out_gpt2(width: int, layers: int = 2, heads: int = 4, vocab: int = 256, B: int = 8, L: int = 64):
+    """A Hugging Face GPT-2 built from a config (eager attention, no dropout), float32, and a batch of random tokens
+    and labels ``(B, L)`` (all ``B L`` tokens scored, mean cross-entropy)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=vocab, n_positions=L, n_embd=width, n_layer=layers, n_head=heads, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, vocab, (B, L), generator=g), torch.randint(0, vocab, (B, L), generator=g)
+    return tf.GPT2LMHeadModel(cfg), x, y
+
+
+def _full_ce(x, y):
+    def fn(model):
+        z = _logits(model, x)
+        return F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1)), z
+
+    return fn
+
+
+def bias_rows(width: int, ks, seeds: int, layers: int = 2, max_tokens: int = 512) -> list[dict]:
+    """Per block, ``k``, seed and estimator (before/after): the logged ``sharpness`` and ``sharpness_spread`` and the
+    exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (probes: every layer's FFN
+    ``W2W2``, layer 0's attention ``VV`` of head 0; their own terms are zero)."""
+    import copy
+
+    import curvwatch.closed_form._sampled as sampled
+    from curvwatch.reference.real_loss import real_loss_top
+    from curvwatch.sharpness import find_logits_module
+
+    model, x, y = held_out_gpt2(width, layers)
+    heads = 4
+    probes = [(f"layer{i}/ffn", "W2W2", "W_2", None) for i in range(layers)]
+    probes.append(("layer0/attn", "VV", "W_V", slice(0, width // heads)))
+    m64 = copy.deepcopy(model).double()
+    specs64 = {s.name: s for s in find_blocks(m64)}
+    exact = {}
+    for block, pair, weight, cols in probes:
+        t0 = time.perf_counter()
+        exact[block, pair] = real_loss_top(m64, _full_ce(x, y), specs64[block], weight, cols, own=False)
+        exact[block, pair]["seconds"] = time.perf_counter() - t0
+    specs = find_blocks(model)
+    _, head = find_logits_module(model)
+    wanted = {b for b, *_ in probes}
+    lanczos = Lanczos(tol=1e-6, max_iter=300, max_basis=None, warn=False)
+    rows = []
+    before = sampled.DEBIAS
+    try:
+        for k in ks:
+            for seed in range(seeds):
+                with Capture(specs, max_tokens=max_tokens, logits_module=head) as cap:
+                    loss, _ = _full_ce(x, y)(model)
+                    cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                    loss.backward()
+                model.zero_grad()
+                blocks = [b for b in cap.blocks() if b.spec.name in wanted]
+                for debias in (False, True):
+                    sampled.DEBIAS = debias
+                    t0 = time.perf_counter()
+                    results = Engine(lanczos=lanczos, dtype="float64").evaluate(blocks).results
+                    seconds = time.perf_counter() - t0
+                    for block, pair, _, cols in probes:
+                        suffix = "/h0" if cols is not None else ""
+                        res = results[block]
+                        rows.append(dict(
+                            width=width, block=block, pair=pair, n=exact[block, pair]["n"], k=k, seed=seed,
+                            debias=debias, exact=exact[block, pair]["sharpness"],
+                            logged=float(res[f"sharpness/{pair}{suffix}"]),
+                            spread=float(res.get(f"sharpness_spread/{pair}{suffix}", float("nan"))),
+                            seconds=seconds, exact_seconds=exact[block, pair]["seconds"],
+                        ))  # fmt: skip
+    finally:
+        sampled.DEBIAS = before
+    return rows
+
+
+def bias_table(rows: list[dict]) -> list[str]:
+    """Markdown: relative error median / p90 / worst per block and ``k``, before and after, and the coverage of
+    ``sharpness_spread`` (after)."""
+    lines = [
+        "| block | parameters | exact | k | before: median / p90 / worst | after: median / p90 / worst | "
+        "after: spread covers | mean spread |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    groups = sorted({(r["width"], r["block"], r["pair"], r["k"]) for r in rows})
+    for width, block, pair, k in groups:
+        cells = []
+        sel = [r for r in rows if (r["width"], r["block"], r["pair"], r["k"]) == (width, block, pair, k)]
+        for debias in (False, True):
+            e = sorted(abs(r["logged"] - r["exact"]) / r["exact"] for r in sel if r["debias"] == debias)
+            cells.append(f"{statistics.median(e):.2f} / {e[int(0.9 * (len(e) - 1) + 0.5)]:.2f} / {e[-1]:.2f}")
+        after = [r for r in sel if r["debias"]]
+        covered = sum(abs(r["logged"] - r["exact"]) <= r["spread"] * abs(r["logged"]) for r in after)
+        spread = statistics.mean(r["spread"] for r in after)
+        lines.append(
+            f"| d={width} {block} {pair} | {sel[0]['n']:,} | {sel[0]['exact']:.4g} | {k} | {cells[0]} | {cells[1]} | "
+            f"{covered}/{len(after)} | {spread:.2f} |"
+        )
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one model, two checkpoints, few seeds (smoke test)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--bias", action="store_true", help="the bias table on a held-out GPT-2 (see the docstring)")
+    parser.add_argument("--width", type=int, nargs="+", default=[128], help="--bias: GPT-2 widths (n_embd)")
+    parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
+    parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
+    parser.add_argument("--json", type=Path, default=None, help="--bias: also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.bias:
+        rows = [r for w in args.width for r in bias_rows(w, [int(k) for k in args.ks.split(",")], args.seeds)]
+        if args.json:
+            import json
+
+            args.json.write_text(json.dumps(rows, indent=1))
+        text = "\n".join(bias_table(rows))
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
     if args.quick:
         builds, checkpoints, ks, seeds, n_eval, repeats = [our_gpt], [("init", 0)], (1, 16), 2, 16, 1
     else:

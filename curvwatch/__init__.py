@@ -13,10 +13,18 @@ _LAZY = {
     # closed forms and ground truths
     "closed_form": "curvwatch.closed_form",
     "reference": "curvwatch.reference",
-    # the Lightning callback
+    # the monitor and its shells (Lightning, Hugging Face; a plain or Fabric loop drives Monitor itself)
+    "Monitor": "curvwatch.monitor",
     "CurvatureMonitor": "curvwatch.callback",
+    "CurvatureCallback": "curvwatch.hf_trainer",
     "CurvatureWarning": "curvwatch.alerts",
     "CurvatureNotice": "curvwatch.alerts",
+    # settings
+    "Cadence": "curvwatch.config",
+    "Evaluation": "curvwatch.config",
+    "Warnings": "curvwatch.config",
+    "Sharpness": "curvwatch.config",
+    "LegacyThresholds": "curvwatch.alerts",
     # model discovery
     "BlockSpec": "curvwatch.adapters",
     "find_blocks": "curvwatch.adapters",
@@ -29,10 +37,18 @@ __all__ = [
     # closed forms and ground truths
     "closed_form",
     "reference",
-    # the Lightning callback
+    # the monitor and its shells
+    "Monitor",
     "CurvatureMonitor",
+    "CurvatureCallback",
     "CurvatureWarning",
     "CurvatureNotice",
+    # settings
+    "Cadence",
+    "Evaluation",
+    "Warnings",
+    "Sharpness",
+    "LegacyThresholds",
     # model discovery
     "BlockSpec",
     "find_blocks",

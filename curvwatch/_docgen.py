@@ -24,7 +24,14 @@ _PUBLIC = (
     "curvwatch.kinds:register_kind",
     "curvwatch.engine:Engine",
     "curvwatch.schedule:Schedule",
+    "curvwatch.monitor:Monitor",
+    "curvwatch.config:Cadence",
+    "curvwatch.config:Evaluation",
+    "curvwatch.config:Warnings",
+    "curvwatch.config:Sharpness",
+    "curvwatch.alerts:LegacyThresholds",
     "curvwatch.callback:CurvatureMonitor",
+    "curvwatch.hf_trainer:CurvatureCallback",
 )
 
 

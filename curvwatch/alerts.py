@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Alert", "AlertMonitor", "CurvatureNotice", "CurvatureWarning"]
+__all__ = ["Alert", "AlertMonitor", "CurvatureNotice", "CurvatureWarning", "LegacyThresholds"]
 
 
 class CurvatureWarning(UserWarning):
@@ -99,6 +99,34 @@ def _count(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"Invalid {name}={value!r}. Must be an int >= {minimum}.")
 
 
+@dataclass(frozen=True)
+class LegacyThresholds:
+    """The legacy rules' thresholds, declared once (:class:`AlertMonitor`'s defaults, ``curvwatch.Warnings``).
+
+    Args:
+        collapse_ratio: Fire when ``var_min / eps`` of a LayerNorm input drops below it. ``0`` disables it.
+        inv_var_threshold: Optionally also fire when ``inv_var_max = 1/min(var + eps)`` exceeds it.
+        spike_factor: Fire when a block norm exceeds ``spike_factor`` times its baseline (``> 1``).
+        spike_warmup: Evaluations of a block used only to build its baseline (``>= 1``).
+        patience: Consecutive evaluations a condition must hold before it fires (``>= 1``).
+        cooldown: Evaluations during which a fired (kind, block) stays silent (``>= 0``).
+    """
+
+    collapse_ratio: float = 5.0
+    inv_var_threshold: float | None = None
+    spike_factor: float = 10.0
+    spike_warmup: int = 3
+    patience: int = 1
+    cooldown: int = 10
+
+    def check(self) -> None:
+        """Raise a ValueError naming the first invalid threshold."""
+        AlertMonitor(**asdict(self))
+
+
+_LEGACY = LegacyThresholds()
+
+
 class AlertMonitor:
     """Decides, evaluation by evaluation, when LayerNorm collapse or a curvature spike is worth a warning.
 
@@ -119,13 +147,13 @@ class AlertMonitor:
     def __init__(
         self,
         *,
-        collapse_ratio: float = 5.0,
-        inv_var_threshold: float | None = None,
-        spike_factor: float = 10.0,
-        spike_warmup: int = 3,
+        collapse_ratio: float = _LEGACY.collapse_ratio,
+        inv_var_threshold: float | None = _LEGACY.inv_var_threshold,
+        spike_factor: float = _LEGACY.spike_factor,
+        spike_warmup: int = _LEGACY.spike_warmup,
         spike_decay: float = 0.8,
-        patience: int = 1,
-        cooldown: int = 10,
+        patience: int = _LEGACY.patience,
+        cooldown: int = _LEGACY.cooldown,
         max_history: int = 100,
     ) -> None:
         if (

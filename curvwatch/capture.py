@@ -69,11 +69,16 @@ from torch import Tensor
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import LogitSampler, LossKind, loss_weights
+from curvwatch.sharpness import LogitSampler, LossKind, _chunk_rows, loss_weights
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
 _DTYPES = (torch.float32, torch.float64)
+
+# Sampled backward passes in progress in this process, of any Capture (a list: mutable in place). Every Capture's
+# gradient hooks ignore a gradient that arrives while it is non-zero, so a second monitor never reads the first one's
+# sampled passes. Process-wide, not thread-local: on CUDA the autograd engine runs the hooks in its own threads.
+_SAMPLING = [0]
 
 
 def nonfinite_inputs(blocks: Sequence[CapturedBlock]) -> list[list[str]]:
@@ -356,17 +361,13 @@ def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float
     if LossKind(kind) is LossKind.MSE:
         count = z.numel()
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
-        flat = gz.reshape(-1, V)
-        count = sum(int(flat[i : i + 4096].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], 4096))
-    w, loss_kind, note = loss_weights(z_kept, g_kept, kind, count=count)
+        flat, step = gz.reshape(-1, V), _chunk_rows(V)
+        count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
+    w, loss_kind, note = loss_weights(z_kept, g_kept, kind, count=count)  # a chunk of rows at a time
     total = float(w.sum())
     if not everything:
-        if note is not None:
-            total = 1.0  # a mean's weights sum to 1
-        else:
-            zf, gf = z.detach().reshape(-1, V), gz.reshape(-1, V)
-            total = sum(float(loss_weights(zf[i : i + 4096], gf[i : i + 4096], loss_kind)[0].sum())
-                        for i in range(0, zf.shape[0], 4096))  # fmt: skip
+        # a mean's weights sum to 1; else the whole batch's weights, again a chunk of rows at a time
+        total = 1.0 if note is not None else float(loss_weights(z.detach(), gz, loss_kind)[0].sum())
     kept = float(w.sum()) * positions
     return LogitSampler(z_kept, w * factor, loss_kind), (total / kept if kept > 0 else 1.0), note
 
@@ -439,9 +440,12 @@ class Capture:
         self._handles: list[Any] = []
         self._stance: Any = None  # the compiler stance set while the capture is open
         self._logits: Tensor | None = None
-        self._sampling = False  # inside sample_outputs: the gradient hooks ignore its backward passes
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
+        self._sampled = False  # sample_outputs ran on this capture
+        #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
+        #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
+        self.on_logits_grad: Callable[[Tensor], None] | None = None
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -451,6 +455,7 @@ class Capture:
         self._records = [_Record() for _ in self.specs]
         self._logits = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
+        self._sampled = False
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -559,9 +564,16 @@ class Capture:
             out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
             if isinstance(out, Tensor) and out.requires_grad:
                 self._logits = out
+                if self.on_logits_grad is not None:
+                    self._handles.append(out.register_hook(self._on_logits_grad))
+
+    def _on_logits_grad(self, grad: Tensor) -> None:
+        if _SAMPLING[0] or self._sampled or self._logits is None or self.on_logits_grad is None:
+            return  # sampled already (before the backward), or one of the sampled backward passes
+        self.on_logits_grad(grad)
 
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
-        if rec.grad is not None or rec.error or self._sampling:
+        if rec.grad is not None or rec.error or _SAMPLING[0]:
             return
         try:
             rec.grad = _keep(spec.adapter.to_batch_first(spec, grad), self.max_tokens)
@@ -572,12 +584,13 @@ class Capture:
 
     def sample_outputs(
         self,
-        loss: Tensor,
+        loss: Tensor | None,
         samples: int,
         *,
         kind: str | LossKind = "auto",
         factor: float = 1.0,
         generator: torch.Generator | None = None,
+        grad_logits: Tensor | None = None,
     ) -> int:
         """Back-propagate ``samples`` sampled logit gradients to every kept block output (see the module docstring).
 
@@ -590,6 +603,8 @@ class Capture:
             kind: The loss at the logits: ``"auto"``, ``"cross_entropy"`` or ``"mse"``.
             factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
             generator: Random source for the sampled labels.
+            grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
+                instead of before it; ``loss`` is then not used.
 
         Returns:
             The blocks that received samples.
@@ -604,44 +619,62 @@ class Capture:
             for spec, rec in zip(self.specs, self._records, strict=True)
             if rec.output is not None and rec.error is None and rec.reason is None
         ]
-        diverged = False
+        diverged = counted = False
+        self._sampled = True
         try:
             if z is None:
                 raise RuntimeError(
                     f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
                     "tracking on this step; pass logits_module='<name>' for the module whose output the loss reads"
                 )
-            self._sampling = True
+            _SAMPLING[0] += 1
+            counted = True
             if not live:
                 return 0
-            (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
-            if not bool(torch.isfinite(gz).all()):  # diverged: the blocks are flagged non-finite by the engine
+            if grad_logits is None:
+                (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+            else:  # called from the backward with the logits' gradient (on_logits_grad)
+                gz = grad_logits
+            # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
+            if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
                 diverged = True
                 return 0
             B, L = live[0][1].shape
             k, l = token_slice(B, L, self.max_tokens)
             rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
             sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
+            del gz  # a logits-sized tensor: not held through the sampled passes
+            if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
+                raise ValueError(
+                    f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
+                    "positions) carry no loss weight (ignored or padded sequences, a zero loss weight), so this step "
+                    "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
+                    "max_tokens"
+                )
             for _, rec in live:
                 rec.sample_scale = scale
             outputs = [rec.output for _, rec in live]
             cotangent = torch.zeros_like(z)
+            unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
             for _ in range(samples):
-                r = sampler.draw(generator)
-                unit = r.abs().amax().clamp_min(1e-30)  # unit-sized cotangents: no underflow in low precision
-                cotangent[rows] = (r / unit).to(z.dtype)
+                sampler.draw_into(cotangent[rows], generator)
                 grads = torch.autograd.grad(z, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True)
                 for (spec, rec), s in zip(live, grads, strict=True):
                     if s is not None:  # None: the block output does not reach the logits
                         rec.samples.append(_keep(spec.adapter.to_batch_first(spec, s), self.max_tokens).float() * unit)
         finally:
             sampled = {id(rec) for _, rec in live if len(rec.samples) == samples}
-            self.unsampled = [] if diverged else [
-                spec.name
-                for spec, rec in zip(self.specs, self._records, strict=True)
-                if KINDS[spec.kind].sampled and rec.reason is None and id(rec) not in sampled
-            ]
-            self._sampling = False
+            self.unsampled = (
+                []
+                if diverged
+                else [
+                    spec.name
+                    for spec, rec in zip(self.specs, self._records, strict=True)
+                    if KINDS[spec.kind].sampled and rec.reason is None and id(rec) not in sampled
+                ]
+            )
+            if counted:
+                _SAMPLING[0] -= 1
             self._release()
         return len(sampled)
 

@@ -91,7 +91,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "ggn/{XY}[/{head}]",
         "`λ_max(J_Xᵀ C J_X)` of a diagonal pair: its Gauss-Newton block with the Monte-Carlo output curvature "
-        "`C = Σ_b (1/k) Σ_j s_jb s_jbᵀ` of `k` sampled output gradients `s_j` (kernels' `output_samples`)",
+        "`C = Σ_b (1/k) Σ_j s_jb s_jbᵀ` of `k` sampled output gradients `s_j` (kernels' `output_samples`), "
+        "debiased over the two halves of the samples (`k ≥ 2`)",
     ),
     KeySpec(
         "sharpness/{XY}[/{head}]",
@@ -105,8 +106,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec("precond_sharpness/{XY}[/{head}]", "`sharpness/XY` of `P^{-1/2} (·) P^{-1/2}`"),
     KeySpec(
         "sharpness_spread/{XY}[/{head}]",
-        "Monte-Carlo standard error of `sharpness/XY` relative to it, at its top direction (`k ≥ 2` samples; not "
-        "for grouped-query attention)",
+        "uncertainty of `sharpness/XY` relative to it: the half-sample estimates' half-difference plus half the "
+        "debiasing correction (`k ≥ 2` samples; none for a zero sharpness; docs/sharpness.md)",
     ),
     KeySpec("residual/ggn/{XY}[/{head}]", "relative Lanczos residual of `ggn/XY`", "max", logged=False),
     KeySpec("residual/sharpness/{XY}[/{head}]", "the same for `sharpness/XY`", "max", logged=False),

@@ -322,14 +322,18 @@ def summarize(
         if layer is not None:
             out["summary/max_hessian_layer"] = float(layer)
         out["summary/max_hessian_block"] = float(names.index(top))
-        out["summary/heterogeneity/model"] = log10_spread(norms.values())
+        spread = log10_spread(norms.values())  # nan when no norm is positive: "no data", not logged
+        if math.isfinite(spread):
+            out["summary/heterogeneity/model"] = spread
         by_layer: dict[int, list[float]] = {}
         for name, norm in norms.items():
             layer = _layer_of(name, layers)
             if layer is not None:
                 by_layer.setdefault(layer, []).append(norm)
         for layer in sorted(by_layer):
-            out[f"summary/heterogeneity/layer{layer}"] = log10_spread(by_layer[layer])
+            spread = log10_spread(by_layer[layer])
+            if math.isfinite(spread):
+                out[f"summary/heterogeneity/layer{layer}"] = spread
     ratios = _finite(v for result in results.values() for v in vv_qq_ratios(result).values())
     if ratios:
         out["summary/vv_qq_ratio/median"] = statistics.median(ratios)

@@ -79,8 +79,21 @@ NO_STATE_YET = "the optimizer has no second-moment state yet (before its first s
 # A cross-entropy gradient row g = w (p - t) sums to zero; rows summing to more than this fraction of their
 # absolute sum are not cross-entropy ones (float32 round-off is ~1e-7; bfloat16 logits ~1e-3).
 _CE_ROW_SUM = 1e-2
-# Elements per chunk of rows when the sampler builds its tables.
-_CHUNK = 2**22
+# Elements per chunk of rows of the (rows, vocabulary) float64 temporaries of loss_weights and LogitSampler: 2^19
+# (4 MiB each; a chunk holds about six at once, ~24 MiB, whatever the batch, the kept tokens or the vocabulary).
+_CHUNK = 2**19
+
+
+def _row_chunks(n: int, width: int) -> range:
+    """Starts of the chunks of rows of an ``(n, width)`` table, ``_CHUNK`` elements (at least one row) each."""
+    return range(0, n, _chunk_rows(width))
+
+
+def _chunk_rows(width: int) -> int:
+    """Rows per chunk of a table ``width`` wide (:data:`_CHUNK` elements, at least one row)."""
+    return max(1, _CHUNK // max(1, width))
+
+
 # Hard-label fit: per-row weights are used when the gradient equals w_n (p_n - e_y) to this relative residual.
 _HARD_FIT = 1e-2
 
@@ -117,7 +130,8 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
             raise ValueError(
                 f"Invalid logits_module={name!r}: the model has no such module"
                 + (f" (similar names: {close})" if close else "")
-                + ". Pass the dotted name of the module whose output is the logits, as in model.named_modules()."
+                + f". Modules whose output looks like logits: {logits_candidates(model)}. Pass the dotted name of "
+                "the module whose output is the logits, as in model.named_modules()."
             )
         return name, modules[name]
     for candidate in LOGITS_NAMES:
@@ -125,15 +139,27 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
         if hits:
             return hits[0], modules[hits[0]]
     raise ValueError(
-        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Pass "
-        "logits_module='<dotted name>' (see model.named_modules()), or sharpness=False to leave the real-loss "
-        "curvature out."
+        f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Modules whose "
+        f"output looks like logits: {logits_candidates(model)}. Pass logits_module='<dotted name>' "
+        "(curvwatch.Sharpness(logits_module=...)), or sharpness=False to leave the real-loss curvature out."
     )
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``(N, V)`` float32 view of a ``(..., V)`` tensor."""
-    return t.detach().reshape(-1, t.shape[-1]).float()
+def logits_candidates(model: nn.Module, top: int = 3) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose output looks like logits: first those outside the repeated layers
+    (no numbered part in their name, as ``layers.3.mlp``), then the widest, then the last in the model.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 50))
+        >>> logits_candidates(net)
+        ['1', '0']
+    """
+    linears = [
+        (not any(part.isdigit() for part in n.split(".")[:-1]), m.out_features, i, n)
+        for i, (n, m) in enumerate(model.named_modules())
+        if isinstance(m, nn.Linear) and n
+    ]
+    return [t[-1] for t in sorted(linears, reverse=True)[:top]]
 
 
 def loss_weights(
@@ -168,34 +194,60 @@ def loss_weights(
     kind = LossKind(kind) if not isinstance(kind, LossKind) else kind
     if tuple(logits.shape) != tuple(grad.shape):
         raise ValueError(f"logits {tuple(logits.shape)} and their gradient {tuple(grad.shape)} differ in shape.")
-    z, g = _rows(logits), _rows(grad)
-    N, V = z.shape
+    V = logits.shape[-1]
+    z_all, g_all = logits.detach().reshape(-1, V), grad.detach().reshape(-1, V)  # views where contiguous
+    N = z_all.shape[0]
     if kind is LossKind.MSE:
         n = N * V if count is None else count
-        return torch.full((N,), 1.0 / n, device=z.device), kind, "squared error: assumed the mean over every element"
-    absum = g.abs().sum(-1)
-    active = absum > 0
-    p = torch.softmax(z.double(), -1)  # float64: 1 - p_y of confident rows
-    y = g.argmin(-1)  # the label of a hard target (its entry is the only negative one)
-    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)  # 1 - p_y
-    # rows with enough mass off the label decide whether the rows sum to zero; in a confident row the autograd
-    # gradient rounds p_y - 1 (to 0 when p_y rounds to 1) and its sum says nothing
-    decisive = active & (rest > 1e-3)
-    if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
-        raise ValueError(
-            "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
-            + (", and the logits have one column" if V < 2 else "")
-            + "). Pass loss='mse' for a squared error, logits_module='<name>' if the module found is not the one "
-            "the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
-            "sharpness=False."
+        return (
+            torch.full((N,), 1.0 / n, device=z_all.device),
+            kind,
+            "squared error: assumed the mean over every element",
         )
-    # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate even where p_y rounds
-    off = g.double().sum(-1) - g.double().gather(1, y[:, None])[:, 0]
-    w = torch.where(active & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off)).float()
-    fit = w[:, None].double() * (p - torch.nn.functional.one_hot(y, V).double())
-    resid = (g.double() - fit)[decisive].norm()
-    if resid <= _HARD_FIT * g.double()[decisive].norm() or not bool(decisive.any()):
+    w = torch.zeros(N, device=z_all.device)
+    active = torch.zeros(N, dtype=torch.bool, device=z_all.device)
+    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=z_all.device)
+    decisive_any = torch.zeros((), dtype=torch.bool, device=z_all.device)
+    slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
+    for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
+        z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
+        absum = g.abs().sum(-1)
+        act = absum > 0
+        p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
+        y = g.argmin(-1)  # the label of a hard target (its entry is the only negative one)
+        rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)  # 1 - p_y
+        # rows with enough mass off the label decide whether the rows sum to zero; in a confident row the autograd
+        # gradient rounds p_y - 1 (to 0 when p_y rounds to 1) and its sum says nothing
+        decisive = act & (rest > 1e-3)
+        if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
+            raise ValueError(
+                "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
+                + (", and the logits have one column" if V < 2 else "")
+                + "). Pass loss='mse' for a squared error, logits_module='<name>' if the module found is not the "
+                "one the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
+                "sharpness=False."
+            )
+        # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
+        off = g.sum(-1) - g.gather(1, y[:, None])[:, 0]
+        wc = torch.where(act & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off))
+        r = g - wc[:, None] * p  # the residual of the hard-label fit w (p - e_y) ...
+        r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
+        resid2 = resid2 + r[decisive].square().sum()
+        norm2 = norm2 + g[decisive].square().sum()
+        if slope is None:
+            slope = _logit_scale(z[decisive], g[decisive], y[decisive])
+        decisive_any = decisive_any | decisive.any()
+        w[i : i + _chunk_rows(V)] = wc.float()
+        active[i : i + _chunk_rows(V)] = act
+    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
         return w, LossKind.CROSS_ENTROPY, None
+    if slope is not None and abs(slope - 1) > 10 * _HARD_FIT:
+        raise ValueError(
+            f"The loss's gradient at the logits is a hard-label cross-entropy's, but of softmax({slope:.3g} z), not "
+            "of softmax(z) of the module found: the logits are scaled after it (a temperature, z / T, a soft-capping), "
+            "which changes the loss's curvature. Pass logits_module='<name>' of the module whose output the loss "
+            "reads as it is (apply the scaling inside it), or sharpness=False; loss= cannot describe it."
+        )
     n_active = int(active.sum()) if count is None else count
     w = active.float() / max(n_active, 1)
     return (
@@ -203,6 +255,34 @@ def loss_weights(
         LossKind.CROSS_ENTROPY,
         (f"soft targets (label smoothing, mixup?): assumed a mean over the {n_active} rows with a gradient"),
     )
+
+
+def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:
+    """The scale ``s`` with ``g_c ∝ softmax(s z)_c`` off the label ``y`` in every row (a hard-label cross-entropy of
+    logits scaled by ``s`` after ``z``), or ``None`` when the rows are not of that form (soft targets: some entry off
+    the label is not positive, or ``log g_c`` is not linear in ``z_c`` to 1e-3) or there are none.
+
+    Example:
+        >>> z = torch.tensor([[2.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
+        >>> g = torch.softmax(z / 4, -1) - torch.nn.functional.one_hot(torch.tensor([1]), 4)
+        >>> round(_logit_scale(z, g, torch.tensor([1])), 6)
+        0.25
+    """
+    if z.shape[0] == 0 or z.shape[-1] < 3:
+        return None
+    off = torch.ones_like(z, dtype=torch.bool).scatter_(1, y[:, None], False)
+    gz = g[off].reshape(z.shape[0], -1)
+    if not bool((gz > 0).all()):
+        return None
+    x, t = z[off].reshape(z.shape[0], -1), gz.log()
+    x, t = x - x.mean(-1, keepdim=True), t - t.mean(-1, keepdim=True)
+    var = x.square().sum()
+    if float(var) == 0:
+        return None
+    slope = float((x * t).sum() / var)
+    if float((t - slope * x).norm()) > 1e-3 * max(float(t.norm()), 1e-300):
+        return None
+    return slope
 
 
 class LogitSampler:
@@ -235,31 +315,63 @@ class LogitSampler:
     def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind) -> None:
         self.shape, self.kind = logits.shape, kind
         self.root = weights.clamp_min(0).sqrt()[:, None].float()  # (N, 1)
+        # no (N, V) table is kept: each draw recomputes a chunk of rows at a time from the logits (a view of the
+        # live ones), so the extra memory is that of one chunk (_CHUNK) whatever the rows and the vocabulary
+        self.z = logits.detach().reshape(-1, logits.shape[-1])
+        self._one: tuple[Tensor, ...] | None = None  # the tables, kept when they are one chunk (no more memory)
         if kind is LossKind.CROSS_ENTROPY:
-            z = logits.detach().reshape(-1, logits.shape[-1])
-            self.p, self.q, self.coef = (torch.empty(z.shape, device=z.device) for _ in range(3))  # (N, V) float32
-            step = max(1, _CHUNK // z.shape[-1])  # rows per chunk: the float64 temporaries stay ~32 MB each
-            for i in range(0, z.shape[0], step):
-                p = torch.softmax(z[i : i + step].double(), -1)
-                # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
-                sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
-                a2 = p * sq  # ||a_c||^2
-                total = a2.sum(-1, keepdim=True)  # tr H_n
-                self.q[i : i + step] = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
-                self.coef[i : i + step] = (total / sq.clamp_min(1e-300)).sqrt()  # sqrt(p_c / q_c)
-                self.p[i : i + step] = p
+            chunks = [self._tables(i) for i in _row_chunks(*self.z.shape)]
+            self._one = chunks[0] if len(chunks) == 1 else None
+            self.norm = torch.cat([c[3] for c in chunks]).float()  # (N,) sqrt(tr H)
+            del chunks
+        else:
+            self.norm = torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device)
+        self.norm = self.norm * self.root[:, 0]  # ||r_n|| of every draw
+        self.unit = float(self.norm.max()) if self.norm.numel() else 0.0  # every entry of a draw is at most this
+
+    def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
+        p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
+        # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
+        sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+        a2 = p * sq  # ||a_c||^2
+        total = a2.sum(-1, keepdim=True)  # tr H_n
+        q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
+        return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
 
     def draw(self, generator: torch.Generator | None = None) -> Tensor:
-        """One sample ``r``, float32, shaped like the logits."""
-        n = self.root.shape[0]
-        columns = self.shape[-1] if self.kind is LossKind.MSE else 1  # one sign per element, or per row
-        sign = torch.randint(0, 2, (n, columns), generator=generator, device=self.root.device).float().mul_(2).sub_(1)
+        """One sample ``r``, float32, shaped like the logits (``unit``: the largest row norm of a draw, so every entry
+        of a draw is at most it in magnitude)."""
+        out = torch.empty(self.z.shape, device=self.z.device)
+        return self.draw_into(out, generator).mul_(self.unit).reshape(self.shape)
+
+    def draw_into(self, out: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One sample ``r / unit`` (:attr:`unit`: entries of magnitude at most 1, so low-precision logits do not
+        underflow) written into ``out`` (``(N, V)`` or any view of that shape, in its own dtype), a chunk of rows at a
+        time; returns ``out``. The random numbers are drawn for all rows at once (one sign and one uniform per row),
+        so a draw does not depend on the chunking."""
+        n, V = self.z.shape
+        if not out.is_contiguous():  # e.g. the kept sequences of (L, B, V) logits: through a buffer
+            out.copy_(
+                self.draw_into(torch.empty((n, V), dtype=out.dtype, device=out.device), generator).view(out.shape)
+            )
+            return out
+        flat = out.view(n, V)
+        scale = self.root / max(self.unit, 1e-30)  # (N, 1)
+        columns = V if self.kind is LossKind.MSE else 1  # one sign per element, or per row
+        sign = torch.randint(0, 2, (n, columns), generator=generator, device=self.z.device).float().mul_(2).sub_(1)
         if self.kind is LossKind.MSE:
-            return (math.sqrt(2.0) * self.root * sign).reshape(self.shape)
-        c = torch.multinomial(self.q, 1, generator=generator)  # (N, 1)
-        r = -self.p
-        r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
-        return (r * (self.root * sign * self.coef.gather(1, c))).reshape(self.shape)
+            flat.copy_(math.sqrt(2.0) * scale * sign)
+            return out
+        u = torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64)
+        for i in _row_chunks(n, V):
+            rows = slice(i, i + _chunk_rows(V))
+            p, cdf, coef, _ = self._one if self._one is not None else self._tables(i)
+            c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, 1): c ~ q
+            r = -p
+            r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
+            flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
+        return out
 
 
 # -- optimizers --------------------------------------------------------------------------------------
@@ -449,6 +561,39 @@ def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, 
     }
 
 
+def backward_hooks_note(model: nn.Module) -> str | None:
+    """What to tell the user at set-up when ``model`` has backward hooks of its own (module full backward hooks,
+    backward pre-hooks, global module backward hooks), else ``None``.
+
+    The sampled backward passes (:meth:`curvwatch.capture.Capture.sample_outputs`) run from the logits to the block
+    outputs, through every hook on that path: no PyTorch API runs a backward pass without them. Every
+    :class:`~curvwatch.capture.Capture` (a second monitor's too) ignores these passes; a user's hooks cannot, and
+    tensor hooks (``Tensor.register_hook``) cannot be seen at set-up at all.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> backward_hooks_note(net) is None
+        True
+        >>> _ = net.register_full_backward_hook(lambda m, gi, go: None)
+        >>> backward_hooks_note(net)[:60]
+        "the model has backward hooks (on ''): the sampled backward p"
+    """
+    from torch.nn.modules import module as nn_module
+
+    hooked = [n for n, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    if nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        hooked.insert(0, "<global module hooks>")
+    if not hooked:
+        return None
+    return (
+        f"the model has backward hooks (on {', '.join(repr(n) for n in hooked[:3])}"
+        + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
+        + "): the sampled backward passes (sharpness_samples per evaluation) run through them too, as they do "
+        "through tensor hooks on the path; pass sharpness=False if your hooks must see only the training's own "
+        "backward"
+    )
+
+
 # -- the monitor's real-loss settings -------------------------------------------------------------------
 
 
@@ -490,6 +635,7 @@ class RealLoss:
             raise ValueError(f"Invalid logits_module={logits_module!r}. Must be a module name such as 'lm_head'.")
         self.enabled, self.samples, self.logits_name, self.seed = enabled, samples, logits_module, int(seed)
         self.module: nn.Module | None = None  # set by resolve when on
+        self.hooks_note: str | None = None  # set by resolve: backward hooks the sampled passes run through
         self.status = "off"
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
         self.verified: dict[str, dict[str, float]] = {}  # the last before_backward's true block sharpness
@@ -501,6 +647,7 @@ class RealLoss:
             ValueError: With ``enabled=True``, if it cannot work (no logits module, sharded parameters).
         """
         self.module = None
+        self.hooks_note = None  # a previous fit's model may have had hooks
         self._maps = {}  # maps of weights to parameters, by block name: a new model (or fit) has its own
         if self.enabled is False:
             self.status = "off (sharpness=False)"
@@ -518,23 +665,43 @@ class RealLoss:
                 raise
             self.status = f"off: {err}"
             return self.status
-        self.status = f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}"
+        self.status = (
+            f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}; stability/... under "
+            "Adam/AdamW from the optimizer's first step on (none at step 0: no second moments yet)"
+        )
+        self.hooks_note = backward_hooks_note(model)
+        if self.hooks_note:
+            self.status += f"; {self.hooks_note}"
         return self.status
 
-    def sample(self, capture: Any, loss: Tensor, factor: float, step: int) -> int:
-        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`)."""
-        z_device = next((p.device for p in self.module.parameters()), loss.device) if self.module else loss.device
+    def sample(
+        self, capture: Any, loss: Tensor | None, factor: float, step: int, grad_logits: Tensor | None = None
+    ) -> int:
+        """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`), from the
+        ``loss`` before its backward or from ``grad_logits``, its gradient at the logits, during it."""
+        fallback = (loss if grad_logits is None else grad_logits).device
+        z_device = next((p.device for p in self.module.parameters()), fallback) if self.module else fallback
         generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
-        return capture.sample_outputs(loss, self.samples, kind=self.loss, factor=factor, generator=generator)
+        return capture.sample_outputs(
+            loss, self.samples, kind=self.loss, factor=factor, generator=generator, grad_logits=grad_logits
+        )
 
     def before_backward(
-        self, capture: Any, loss: Tensor, factor: float, step: int, verify: bool, warn_once: Any
+        self,
+        capture: Any,
+        loss: Tensor | None,
+        factor: float,
+        step: int,
+        verify: bool,
+        warn_once: Any,
+        grad_logits: Tensor | None = None,
     ) -> None:
         """The monitor's ``on_before_backward``: sample (:meth:`sample`), with ``verify`` also the true block sharpness
-        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised."""
+        (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised.
+        Called from the backward with ``grad_logits`` (and no ``loss``), it samples from the logits' gradient."""
         self.verified = {}
         try:
-            sampled = self.sample(capture, loss, factor, step)
+            sampled = self.sample(capture, loss, factor, step, grad_logits)
             if capture.sample_note:
                 warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
             if capture.unsampled:
@@ -553,7 +720,7 @@ class RealLoss:
                 f"sampling the output gradients raised {type(err).__name__}: {err}",
             )
             return
-        if not (verify and sampled):
+        if not (verify and sampled) or loss is None:
             return
         from curvwatch.verify import VERIFIED, true_sharpness
 

@@ -21,6 +21,7 @@ from curvwatch.adapters import BlockSpec
 from curvwatch.alerts import CurvatureNotice
 
 __all__ = [
+    "as_loggers",
     "define_wandb_metrics",
     "heatmap_figure",
     "log_config",
@@ -42,9 +43,44 @@ def _wandb(loggers: Sequence[Any]) -> list[Any]:
 
 
 def _tensorboard(loggers: Sequence[Any]) -> list[Any]:
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.fabric.loggers import TensorBoardLogger  # Lightning's TensorBoardLogger subclasses Fabric's
 
     return [logger for logger in loggers if isinstance(logger, TensorBoardLogger)]
+
+
+class CallableLogger:
+    """A logger over a callable ``fn(metrics: dict, step: int)`` (numbers only: no images, alerts or config)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.fn(dict(metrics), step)
+
+
+def as_loggers(log: Any) -> list[Any]:
+    """The loggers ``log`` names: ``None``, a W&B run, a Lightning/Fabric logger (``log_metrics``), a callable
+    ``fn(metrics, step)``, or a list of these (``fabric.loggers``).
+
+    Raises:
+        ValueError: If ``log`` is none of these.
+    """
+    if log is None:
+        return []
+    if isinstance(log, (list, tuple)):
+        return [logger for item in log for logger in as_loggers(item)]
+    if hasattr(log, "log_metrics"):
+        return [log]
+    if type(log).__module__.startswith("wandb") and hasattr(log, "log"):  # a W&B run: its Lightning logger
+        from lightning.pytorch.loggers import WandbLogger
+
+        return [WandbLogger(experiment=log)]
+    if callable(log):
+        return [CallableLogger(log)]
+    raise ValueError(
+        f"Invalid log={log!r}. Must be a W&B run (wandb.init()), a Lightning/Fabric logger (log_metrics), a "
+        "callable fn(metrics: dict, step: int), a list of these, or None."
+    )
 
 
 def log_metrics(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-import curvwatch.callback as callback_module
+import curvwatch.monitor as monitor_module
 from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.closed_form.settings import Lanczos
@@ -95,7 +95,7 @@ def count_hooks(module):
 @pytest.fixture
 def spy_capture(monkeypatch):
     SpyCapture.instances = []
-    monkeypatch.setattr(callback_module, "Capture", SpyCapture)
+    monkeypatch.setattr(monitor_module, "Capture", SpyCapture)
     return SpyCapture
 
 
@@ -168,7 +168,7 @@ def test_gradient_accumulation_captures_last_micro_batch_and_rescales(tmp_path, 
             self.batches = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if monitor._capture_step is not None:
+            if monitor.monitor._capture_step is not None:
                 self.batches.append((batch_idx, trainer.global_step))
 
     monitor = CurvatureMonitor(max_overhead=None, every_n_train_steps=2, max_tokens=16)
@@ -197,7 +197,7 @@ def test_hooks_removed_after_exception_in_training(tmp_path):
     with pytest.raises(RuntimeError, match="boom in training_step"):
         trainer.fit(model, loader())
     assert count_hooks(model) == 0
-    assert monitor._capture_step is None
+    assert monitor.monitor._capture_step is None
 
 
 def test_ln_collapse_warns(tmp_path):
@@ -299,7 +299,9 @@ def test_a_reused_monitor_starts_each_fit_afresh_and_resumes_from_a_checkpoint(t
     """Issue 26: one instance given to a second Trainer (same model, then a new one) evaluates that fit's steps
     0, 2, 4 with counters of its own and the real-loss stability keys of the new model; given a ckpt_path it
     still resumes the schedule and counters from the checkpoint."""
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2)
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=2, max_overhead=None, max_tokens=16, sharpness_samples=2
+    )
     stability = "curv/layer1/ffn/stability/W1W1"
     model = TinyLM(n_layer=2)
     trainer = make_trainer(tmp_path / "first", monitor, max_steps=3)
@@ -537,20 +539,22 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
 
 
 class LanczosSpy(Callback):
-    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``lanczos_max_abs``)."""
+    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``_lanczos.solve``, which every run
+    goes through: ``lanczos_max_abs`` and the kernels' lockstep runs in ``_operator``)."""
 
     def __init__(self, monkeypatch):
-        from curvwatch.closed_form import _operator
+        from curvwatch.closed_form import _lanczos, _operator
 
         self.runs: dict[int, int] = {}
         self.step = -1
-        original = _operator.lanczos_max_abs
+        original = _lanczos.solve
 
-        def spy(*args, **kwargs):
-            self.runs[self.step] = self.runs.get(self.step, 0) + 1
-            return original(*args, **kwargs)
+        def spy(runs):
+            self.runs[self.step] = self.runs.get(self.step, 0) + len(runs)
+            return original(runs)
 
-        monkeypatch.setattr(_operator, "lanczos_max_abs", spy)
+        monkeypatch.setattr(_lanczos, "solve", spy)
+        monkeypatch.setattr(_operator, "solve", spy)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step = trainer.global_step

@@ -167,7 +167,9 @@ def _logged_steps(tmp_path, model: TinyLM, every: int | None, steps: int) -> dic
     """``{step: curv/ numbers}`` of a run at cadence ``every`` (``None``: the default schedule, no budget)."""
     torch.manual_seed(0)
     budget = {"max_overhead": None} if every is not None else {}  # default: step 0, and the terms tier's step 10
-    monitor = CurvatureMonitor(every_n_train_steps=every, log_heatmap=False, sharpness_samples=2, **budget)
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=every, log_heatmap=False, sharpness_samples=2, **budget
+    )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp_path, name="csv", version=0), callbacks=[monitor],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,

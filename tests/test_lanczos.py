@@ -528,3 +528,26 @@ def test_kernels_with_max_basis_give_the_same_norms():
         for key, value in full.items():
             if not key.startswith("residual/"):
                 assert_close_report(limited[key], value, 1e-6, name=f"{name} {key}", atol=1e-12)
+
+
+@pytest.mark.parametrize("algebraic", [False, True])
+def test_breakdown_between_stopping_tests_on_a_tiny_operator_gives_a_zero_vector(algebraic):
+    """A rank-2 float32 operator of norm 2e-16 next to a full-rank one: its Krylov space is exhausted at the second
+    step, between two stopping tests (every CHECK_EVERY steps), and the round-off left in w is so small that its norm
+    underflows to 0. Dividing w by that (clamped) norm gave a huge vector, Ritz values of ~1e7 and inf in T (numpy:
+    'invalid value encountered in multiply'; with a collapsed LayerNorm 'Eigenvalues did not converge'). The next
+    vector is now zero at a breakdown, as for a stopped member: both members get their eigenvalue."""
+    gen = torch.Generator().manual_seed(0)
+    n = 32
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    low = torch.zeros(n, dtype=torch.float64)
+    low[:2] = torch.tensor([2e-16, -1e-16], dtype=torch.float64)
+    M = torch.randn(n, n, generator=gen, dtype=torch.float64)
+    S = torch.stack([(Q * low) @ Q.T, M + M.T])
+    eig = torch.linalg.eigvalsh(S)
+    expected = eig[:, -1] if algebraic else eig.abs().amax(-1)
+    S32 = S.float()
+    val, vec = lanczos_max_abs(lambda v: (S32 @ v.unsqueeze(-1)).squeeze(-1), (2,), n, dtype=torch.float32,
+                               device=torch.device("cpu"), tol=1e-7, algebraic=algebraic)  # fmt: skip
+    assert torch.isfinite(vec).all()
+    assert_close_report(val.double(), expected, 1e-5)

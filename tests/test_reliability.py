@@ -22,9 +22,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import curvwatch.callback as callback_module
 import curvwatch.closed_form as closed_form
 import curvwatch.metrics as metrics_module
+import curvwatch.monitor as monitor_module
 from benchmarks.common import PeakMemory
 from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
 from curvwatch.adapters import Adapter, find_blocks
@@ -144,7 +144,7 @@ class SpyCapture(Capture):
 def spy(monkeypatch):
     SpyCapture.instances = []
     SpyCapture.edit = None
-    monkeypatch.setattr(callback_module, "Capture", SpyCapture)
+    monkeypatch.setattr(monitor_module, "Capture", SpyCapture)
     yield SpyCapture
     SpyCapture.edit = None
 
@@ -217,7 +217,7 @@ def test_fault_skips_evaluation_and_training_goes_on(tmp_path, monkeypatch, phas
     rows = logged(trainer)
     assert {s: v[SKIP_KEY] for s, v in rows.items()} == {0: 1.0, 1: 2.0}
     assert not any(MAX_KEY in v for v in rows.values())
-    assert count_hooks(model) == 0 and monitor._capture_step is None
+    assert count_hooks(model) == 0 and monitor.monitor._capture_step is None
 
 
 def test_kernel_fault_leaves_the_block_out_alone(tmp_path, monkeypatch):
@@ -259,7 +259,7 @@ def test_logger_fault_skips_evaluation(tmp_path):
     ]
     # a failed log is not an evaluation: counters and alert state are as if it never happened
     assert monitor.book.evaluations == 0 and monitor.book.skipped == 2
-    assert monitor._alerts.state_dict()["baselines"] == {}
+    assert monitor.monitor.alert_monitor.state_dict()["baselines"] == {}
     assert count_hooks(model) == 0
 
 
@@ -764,19 +764,19 @@ def test_callback_state_bounded_over_many_evaluations():
     monitor = CurvatureMonitor(
         warning_rules="legacy", max_overhead=None, every_n_train_steps=1, spike_warmup=1, cooldown=0
     )
-    monitor._specs = find_blocks(GPT(GPTConfig(vocab_size=VOCAB, block_size=4, n_layer=1, d_model=16, n_head=2)))
-    monitor._block_info = {s.name: (s.kind, s.layer, None) for s in monitor._specs}
-    trainer = SimpleNamespace(is_global_zero=True, loggers=[], callback_metrics={})
+    core = monitor.monitor  # the Trainer-free monitor the callback drives
+    core.attach(GPT(GPTConfig(vocab_size=VOCAB, block_size=4, n_layer=1, d_model=16, n_head=2)))
     flat = {("layer0/attn", "hessian/VV/h0"): 1.0, ("layer0/ln_1", "ln/var_min_over_eps"): 1.0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CurvatureWarning)
         warnings.simplefilter("ignore", CurvatureNotice)
         for step in range(2000):  # every evaluation fires a collapse alert; every other one also a skip
             flat[("layer0/attn", "hessian/VV/h0")] = 100.0 ** (step % 2)
-            monitor._log(trainer, step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
-            monitor._skip(trainer, step, RuntimeError("induced"))
+            core._log(step, flat, Evaluation(excluded={"layer0/ffn": "induced: left out"}), 0.0)
+            core._skip(step, RuntimeError("induced"))
     state = monitor.state_dict()
-    assert monitor.book.evaluations == 2000 and monitor.book.skipped == 2000 and monitor._alerts.fired >= 2000
+    assert monitor.book.evaluations == 2000 and monitor.book.skipped == 2000
+    assert monitor.monitor.alert_monitor.fired >= 2000
     assert len(state["errors"]) == 20 and len(state["alerts"]["history"]) == 100
     assert len(state["alerts"]["streaks"]) == 2 and len(state["warned"]) == 1
 

@@ -19,6 +19,7 @@ import torch
 from torch.func import hessian, jacrev
 
 from curvwatch.closed_form import EXACT, Lanczos, WarmStart, ffn, gated_ffn, multi_head_attention, self_attention
+from curvwatch.closed_form._sampled import debias
 from curvwatch.closed_form.ffn import activation_derivatives
 from curvwatch.reference._core import (
     _attention_blocked,
@@ -264,28 +265,44 @@ def _ids(param):
 
 def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
-    ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight; plus ``H_f`` itself."""
+    ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each debiased as the kernels do
+    (:func:`~curvwatch.closed_form._sampled.debias` of the values with all samples and with each half; ``raw``: the
+    plain ones); plus ``H_f`` itself and the dense GGN of all samples."""
     G = prob.G if G is None else G
     F0 = block.forward(block.W0)
     B, L, m = F0.shape
     n = block.W0.numel()
     J = jacrev(block.forward)(block.W0).reshape(B * L * m, n)
     S = prob.S * prob.keep[None, :, :, None].to(DT)  # masked rows zeroed
-    k = S.shape[0]
-    C = torch.block_diag(*(S[:, b].reshape(k, -1).T @ S[:, b].reshape(k, -1) / k for b in range(B)))  # (B L m,)^2
-    ggn = J.T @ C @ J
     Gk = G * prob.keep[..., None].to(DT)
     H_f = hessian(lambda W: (Gk * block.forward(W)).sum())(block.W0).reshape(n, n)
 
     def top(M):
         return torch.linalg.eigvalsh(M)[-1]
 
-    out = {"ggn": top(ggn), "sharpness": top(ggn + H_f)}
-    if block.arg in prob.precondition:
-        D = prob.precondition[block.arg][:, prob.cols[block.key]].reshape(-1).rsqrt()  # vec_r order, as W0
-        out["precond_ggn"] = top(D[:, None] * ggn * D)
-        out["precond_sharpness"] = top(D[:, None] * (ggn + H_f) * D)
-    return {**out, "H_f": H_f, "ggn_dense": ggn}
+    def values(S):
+        k = S.shape[0]
+        C = torch.block_diag(*(S[:, b].reshape(k, -1).T @ S[:, b].reshape(k, -1) / k for b in range(B)))  # (B L m,)^2
+        ggn = J.T @ C @ J
+        out = {"ggn": top(ggn), "sharpness": top(ggn + H_f)}
+        if block.arg in prob.precondition:
+            D = prob.precondition[block.arg][:, prob.cols[block.key]].reshape(-1).rsqrt()  # vec_r order, as W0
+            out["precond_ggn"] = top(D[:, None] * ggn * D)
+            out["precond_sharpness"] = top(D[:, None] * (ggn + H_f) * D)
+        return out, ggn
+
+    k = S.shape[0]
+    raw, ggn = values(S)
+    out = dict(raw)
+    if k >= 2:
+        a, b = values(S[: k // 2])[0], values(S[k // 2 :])[0]
+        for name in raw:
+            out[name], spread = debias(raw[name][None], a[name][None], b[name][None], (k, k // 2, k - k // 2),
+                                       psd=name.endswith("ggn"))  # fmt: skip
+            out[name] = out[name][0]
+            if name == "sharpness":
+                out["sharpness_spread"] = spread[0]
+    return {**out, "raw": raw, "H_f": H_f, "ggn_dense": ggn}
 
 
 @pytest.mark.parametrize("kernel, case", CASES, ids=_ids)
@@ -306,6 +323,9 @@ def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(ker
             expected |= {key, f"residual/{key}"}
             assert_close_report(out[key], ref[name], RTOL, name=key)
             assert float(out[f"residual/{key}"]) <= EXACT_RESIDUAL, key
+        key = f"sharpness_spread/{block.key}"
+        expected.add(key)
+        assert_close_report(out[key], ref["sharpness_spread"], RTOL, name=key)
     assert set(out) - set(plain) == expected
 
 
@@ -336,7 +356,7 @@ def test_pairs_select_the_sampled_keys():
     prob = _ffn_problem(CASES[0][1])
     out = prob.call(pairs=("W2W2",), output_samples=prob.samples, lanczos=EXACT)
     assert sorted(k for k in out if "ggn" in k or "sharpness" in k) == [
-        "ggn/W2W2", "residual/ggn/W2W2", "residual/sharpness/W2W2", "sharpness/W2W2"
+        "ggn/W2W2", "residual/ggn/W2W2", "residual/sharpness/W2W2", "sharpness/W2W2", "sharpness_spread/W2W2"
     ]  # fmt: skip
     assert_close_report(out["sharpness/W2W2"], out["ggn/W2W2"], RTOL)  # H_f(W2W2) = 0
     out = prob.call(pairs=("W1W2",), output_samples=prob.samples)  # no diagonal pair: no sampled key

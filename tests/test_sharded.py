@@ -406,7 +406,7 @@ def test_setup_picks_the_reader_by_strategy():
     from tests.ddp_script import TinyLM
 
     monitor.setup(SimpleNamespace(strategy=strategy), TinyLM(), "fit")
-    assert monitor._read_params is sharding.full_params
+    assert monitor.monitor._read_params is sharding.full_params
     # layers built in configure_model do not exist yet at setup: the message says where to build them
     with pytest.raises(ValueError, match="(?s)no known Transformer layer.*build the layers in __init__"):
         monitor.setup(SimpleNamespace(strategy=strategy), torch.nn.Sequential(torch.nn.Linear(2, 2)), "fit")

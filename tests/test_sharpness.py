@@ -268,12 +268,152 @@ def test_loss_weights_of_a_confident_model_in_float32():
     torch.testing.assert_close(w.double(), torch.full((6,), 1 / 6, dtype=torch.float64), rtol=1e-4, atol=0)
 
 
-def test_sampler_tables_built_in_chunks_are_the_same(monkeypatch):
+def test_sampler_and_loss_weights_in_chunks_are_the_same(monkeypatch):
+    """The tables are built a chunk of rows at a time (memory bounded by _CHUNK elements, whatever the rows): the
+    weights and the draws do not depend on the chunking."""
     import curvwatch.sharpness as sharpness
 
     z = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
-    whole = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY)
+    y = torch.randint(0, 5, (7,), generator=torch.Generator().manual_seed(4))
+    (g,) = torch.autograd.grad(F.cross_entropy(z.requires_grad_(True), y, reduction="sum"), z)
+    z = z.detach()
+    w_whole = loss_weights(z, g)[0]
+    whole = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY).draw(torch.Generator().manual_seed(0))
     monkeypatch.setattr(sharpness, "_CHUNK", 10)  # two rows per chunk
-    chunked = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY)
-    for name in ("p", "q", "coef"):
-        torch.testing.assert_close(getattr(chunked, name), getattr(whole, name), rtol=0, atol=0)
+    assert sharpness._chunk_rows(5) == 2 and sharpness._chunk_rows(50_257) == 1
+    torch.testing.assert_close(loss_weights(z, g)[0], w_whole, rtol=0, atol=0)
+    torch.testing.assert_close(w_whole, torch.ones(7), rtol=1e-5, atol=0)
+    chunked = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY).draw(torch.Generator().manual_seed(0))
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+
+
+def test_real_loss_temporaries_are_bounded_at_a_50k_vocabulary():
+    """Vocabulary 50,257, 256 rows: the largest (rows, vocabulary) temporary of the loss weights and of a draw is one
+    chunk (2^19 elements: 4 MiB in float64), not the rows' 100 MiB (the previous version's tables: 4,096 rows of the
+    whole batch at once, 1.6 GB), by torch's profiler."""
+    import curvwatch.sharpness as sharpness
+
+    V, N = 50_257, 256
+    z = torch.randn(N, V, generator=torch.Generator().manual_seed(0))
+    g = (torch.softmax(z, -1) - F.one_hot(torch.arange(N) % V, V)) / N
+    assert sharpness._chunk_rows(V) * V * 8 <= 4 * 2**20
+    out = torch.empty(128, V)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        w, _, _ = loss_weights(z, g)
+        LogitSampler(z[:128], w[:128], LossKind.CROSS_ENTROPY).draw_into(out, torch.Generator().manual_seed(0))
+    largest = max(e.cpu_memory_usage for e in prof.events())  # the largest allocation of one op call
+    assert 2**20 < largest <= 8 * 2**20, largest
+    torch.testing.assert_close(w, torch.full((N,), 1 / N), rtol=1e-4, atol=0)
+
+
+def test_two_captures_do_not_read_each_others_sampled_passes():
+    """Two monitors' captures on one step, each sampling: each keeps the real backward's gradient, bit for bit."""
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    specs = find_blocks(model)
+    with Capture(specs, max_tokens=12) as plain:
+        F.cross_entropy(model(idx).reshape(-1, 13), idx.reshape(-1)).backward()
+    with Capture(specs, max_tokens=12, logits_module=model.head) as first:
+        with Capture(specs, max_tokens=12, logits_module=model.head) as second:
+            loss = F.cross_entropy(model(idx).reshape(-1, 13), idx.reshape(-1))
+            first.sample_outputs(loss, 3, generator=torch.Generator().manual_seed(0))
+            second.sample_outputs(loss, 2, generator=torch.Generator().manual_seed(1))
+            loss.backward()
+    for cap in (first, second):
+        blocks = {b.spec.name: b for b in cap.blocks()}
+        for b in plain.blocks():
+            torch.testing.assert_close(blocks[b.spec.name].inputs["grad_output"], b.inputs["grad_output"], rtol=0,
+                                       atol=0)  # fmt: skip
+    assert first.blocks()[0].inputs["output_samples"].shape[0] == 3
+    assert second.blocks()[0].inputs["output_samples"].shape[0] == 2
+
+
+def test_user_backward_hooks_are_named_at_set_up_and_sharpness_false_leaves_them_alone():
+    """The sampled passes run through the user's hooks (no PyTorch API can skip them): the set-up says so once,
+    naming the hooked module and the kwarg; with sharpness=False a full backward hook and a tensor hook on a block
+    output fire exactly as often as without the monitor."""
+    import lightning as L
+
+    from curvwatch import CurvatureMonitor
+    from tests.ddp_script import TinyLM, loader
+
+    def run(monitor):
+        L.seed_everything(0)
+        model = TinyLM()
+        counts = {"module": 0, "tensor": 0}
+        block = model.model.blocks[0].mlp
+        block.register_full_backward_hook(lambda m, gi, go: counts.__setitem__("module", counts["module"] + 1))
+
+        def on_output(m, a, out):
+            if out.requires_grad:
+                out.register_hook(lambda g: counts.__setitem__("tensor", counts["tensor"] + 1))
+
+        block.register_forward_hook(on_output)
+        callbacks = [] if monitor is None else [monitor]
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(model, loader())
+        return counts
+
+    note = RealLoss().resolve(TinyLM(), sharded=False)
+    assert "backward hooks" not in note
+    hooked = TinyLM()
+    hooked.model.blocks[0].mlp.register_full_backward_hook(lambda m, gi, go: None)
+    note = RealLoss().resolve(hooked, sharded=False)
+    assert "backward hooks (on 'model.blocks.0.mlp')" in note and "sharpness=False" in note
+    without = run(None)
+    assert without["module"] == 3 and without["tensor"] == 3
+    assert run(CurvatureMonitor(every_n_train_steps=1, sharpness=False, verbose=False)) == without
+
+
+def test_kept_tokens_without_loss_weight_give_no_value_and_say_why():
+    """The kept sequence is an ignored one (every label ignore_index): no samples (a sharpness of 0 would read "far
+    from the edge"), and the error says why and what to change."""
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    labels = idx.clone()
+    labels[0] = -100  # the first sequence, the only one kept with max_tokens=6, is not scored
+    with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
+        loss = F.cross_entropy(model(idx).reshape(-1, 13), labels.reshape(-1), ignore_index=-100)
+        with pytest.raises(ValueError, match=r"kept tokens .* carry no loss weight .* raise max_tokens"):
+            cap.sample_outputs(loss, 2)
+        loss.backward()
+    assert all("output_samples" not in b.inputs for b in cap.blocks())
+
+
+def test_logits_scaled_after_the_logits_module_are_refused_by_name():
+    """z / 4 after the head, then cross-entropy: the gradient is a hard-label one of softmax(z / 4), not soft targets;
+    the error names the scale, logits_module= and loss=. Label smoothing keeps its note."""
+    z = torch.randn(6, 13, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    y = torch.randint(0, 13, (6,), generator=torch.Generator().manual_seed(1))
+    (g,) = torch.autograd.grad(F.cross_entropy(z / 4, y), z)
+    with pytest.raises(ValueError, match=r"softmax\(0.25 z\).*logits_module=.*loss="):
+        loss_weights(z.detach(), g)
+    (g,) = torch.autograd.grad(F.cross_entropy(z, y, label_smoothing=0.1), z)
+    assert "soft targets" in loss_weights(z.detach(), g)[2]
+
+
+def test_no_spread_or_heterogeneity_from_no_data():
+    """A zero sharpness (no samples' weight, no gradient) logs no sharpness_spread (0/0), and all-zero norms no
+    heterogeneity (log10 of 0): a number there would mean something."""
+    from curvwatch.closed_form import ffn
+    from curvwatch.metrics import summarize
+
+    gen = torch.Generator().manual_seed(0)
+    Y, W_1, W_2 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 4), (4, 5), (5, 4)))
+    zero = torch.zeros(2, 3, 4, dtype=torch.float64)
+    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
+              pairs=("W2W2",))  # fmt: skip
+    assert float(out["sharpness/W2W2"]) == 0 and "sharpness_spread/W2W2" not in out
+    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64),
+              pairs=("W2W2",))  # fmt: skip
+    assert float(out["sharpness_spread/W2W2"]) > 0
+    summary = summarize({"layer0/attn": {"hessian/QQ": 0.0}, "layer1/attn": {"hessian/QQ": 0.0}})
+    assert not [k for k in summary if "heterogeneity" in k]

@@ -139,21 +139,18 @@ def register_adapter(module_type: type, adapter: Adapter) -> None:
 
 
 def _no_layer_message(model: nn.Module) -> str:
-    def _qualified(t: type | str) -> str:  # "module:QualName": litgpt, nanoGPT and curvwatch all have a `Block`
-        return t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}"
-
-    counts = Counter(_qualified(type(m)) for m in model.modules())
-    found = ", ".join(f"{name} ({n})" for name, n in counts.most_common(8))
-    known = sorted(_qualified(k) for k in ADAPTERS)
+    """Short: the model, its likeliest layer type, and the one call that makes it known (``describe_layer``)."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    counts = Counter(
+        type(m) for m in model.modules() if m is not model and not isinstance(m, containers) and any(m.children())
+    )
+    layer = counts.most_common(1)[0][0].__name__ if counts else "MyLayer"
     return (
-        f"find_blocks found no known Transformer layer in {type(model).__name__}. Module types found (most "
-        f"frequent first): {found}. Known layer types: {', '.join(known)}; also recognised by structure: "
-        "nanoGPT-style layers (ln_1, attn.c_attn/c_proj, ln_2, mlp.c_fc/c_proj).\n"
-        "Fix: if your layer has the structure of a known one, register it before building the monitor:\n"
-        "    curvwatch.register_adapter(MyLayer, curvwatch.adapters.ADAPTERS[nn.TransformerEncoderLayer])\n"
-        "or subclass curvwatch.adapters.Adapter and pass explicit specs:\n"
-        "    blocks=[curvwatch.BlockSpec(name='layer0/attn', layer=0, kind='attention', "
-        "module=model.layers[0].attn, adapter=MyAdapter(), layer_module=model.layers[0])]"
+        f"find_blocks found no known Transformer layer in {type(model).__name__} (its most repeated module with "
+        f"submodules: {layer}). Fix: describe that layer type once, before training, e.g.\n"
+        f"    curvwatch.describe_layer({layer}, curvwatch.LayerDescription(q='attn.q', k='attn.k', v='attn.v', "
+        "o='attn.o', n_heads=8, norms=('ln_1', 'ln_2'), up='mlp.fc', down='mlp.proj'))\n"
+        "with the dotted names of its submodules (help(curvwatch.LayerDescription)), or pass blocks=[BlockSpec...]."
     )
 
 
@@ -181,7 +178,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[BlockSpec] = "auto") ->
         >>> find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
         Traceback (most recent call last):
         ...
-        ValueError: find_blocks found no known Transformer layer in Sequential. Module types found ...
+        ValueError: find_blocks found no known Transformer layer in Sequential ...
     """
     if isinstance(blocks, str):
         if blocks != "auto":

@@ -27,13 +27,16 @@ operator.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from ._operator import BlockOperator, _lanczos_norms, _pair_blocks, head_keys, pair_matvec
 from .settings import Lanczos
+
+#: Debias the sampled keys with ``k >= 2`` samples (:func:`debias`); ``False`` reports the plain Monte-Carlo values
+#: (the benchmark's "before").
+DEBIAS = True
 
 #: The new keys per diagonal pair: ``{prefix}{name}/{XX}[/{head}]`` for prefix ``""`` and ``"precond_"``.
 SAMPLED_NAMES = ("ggn", "sharpness")
@@ -68,6 +71,11 @@ class SampledCurvature:
         k, B = samples.shape[:2]
         sigma = samples.unsqueeze(2) if W_O is None else torch.einsum("kblm,hvm->kbhlv", samples, W_O)
         return cls(sigma.reshape(k, B, sigma.shape[2], -1))
+
+    def halves(self) -> tuple[SampledCurvature, SampledCurvature]:
+        """The curvatures of the first ``k // 2`` samples and of the others (independent estimates of ``C``)."""
+        h = self.k // 2
+        return SampledCurvature(self.sigma[:h]), SampledCurvature(self.sigma[h:])
 
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
         """``u = C dF`` for tangents ``dF`` ``(n, B, H, ...)`` (or ``(n, B L, m)`` with ``H = 1``), same shape.
@@ -247,7 +255,13 @@ def sampled_norms(
     The GGN is the outer part and the sharpness the total of ``op`` (whose output curvature is sampled); the
     preconditioned ones those of :class:`Preconditioned` ``(op, {X: D})``. All kinds of one pair run in one batched
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``; for the PSD GGN it is also
-    the norm), warm-started under the key ``("sharpness", XX, prefixes)``.
+    the norm), warm-started under the key ``("sharpness", XX, prefixes, estimates)``.
+
+    With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
+    (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
+    (:func:`debias`): the same Lanczos also runs on the two independent halves of the samples, and the bias is
+    extrapolated away from the full and the half-sample values (Richardson); ``sharpness_spread/XX[/h{i}]`` is the
+    uncertainty of ``sharpness/XX``, relative.
 
     Args:
         op: the base operator with sampled curvature (:func:`with_sampled`).
@@ -259,64 +273,90 @@ def sampled_norms(
     """
     scale = {} if scale is None else scale
     view = (lambda o: o) if view is None else view
+    curvature = getattr(op, "sampled", None)
+    split = DEBIAS and curvature is not None and curvature.k >= 2
+    # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
+    ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
+    counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
+    E = len(ops)
     out: dict[str, torch.Tensor] = {}
     for pair_name in pairs:
         plain = view(op)
         X, Y = _pair_blocks(pair_name, list(plain.params))
         if X != Y:
             raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
-        variants = [("", plain)]
-        if X in scale:
-            variants.append(("precond_", view(Preconditioned(op, {X: scale[X]}))))
-        runs = [pair_matvec(v, (X, X), ("outer", "hessian")) for _, v in variants]
+        prefixes = [""] + (["precond_"] if X in scale else [])
+
+        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
+            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+
+        # run r = i E + e (variant i, estimate e) owns the rows 2r (ggn) and 2r + 1 (sharpness)
+        runs = [pair_matvec(wrap(o, prefix), (X, X), ("outer", "hessian")) for prefix in prefixes for o in ops]
         emb = runs[0][0]
 
         def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs) -> torch.Tensor:
             parts = []
-            for i, (_, f) in enumerate(runs):  # two members (ggn, sharpness) per variant, each its own operator
+            for i, (_, f) in enumerate(runs):  # two members (ggn, sharpness) per run, each its own operator
                 rows = slice(2 * i, 2 * i + 2)
                 parts.append(f(u[rows], None if live is None else live[rows]))
             return torch.cat(parts)
 
-        kinds = ("outer", "hessian") * len(variants)
-        key = ("sharpness", pair_name, tuple(p for p, _ in variants))
+        kinds = ("outer", "hessian") * len(runs)
+        key = ("sharpness", pair_name, tuple(prefixes), E)
         vals, rel = _lanczos_norms(plain, emb, mv, kinds, key, True, lanczos, algebraic=True)
-        out.update(_spread(op, plain, runs[0][1], lanczos, key, vals[1], pair_name, X))
-        for i, (prefix, v) in enumerate(variants):
+        for i, prefix in enumerate(prefixes):
+            heads = None
             for j, name in enumerate(SAMPLED_NAMES):
-                for h, k in enumerate(head_keys(v, f"{prefix}{name}/{pair_name}", (X,))):
-                    out[k] = vals[2 * i + j, h]
-                    out[f"residual/{k}"] = rel[2 * i + j, h]
+                rows = [2 * (i * E + e) + j for e in range(E)]
+                value, spread = vals[rows[0]], None
+                if split:
+                    value, spread = debias(vals[rows[0]], vals[rows[1]], vals[rows[2]], counts, psd=name == "ggn")
+                heads = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
+                residual = rel[rows].amax(0)
+                for h, k in enumerate(heads):
+                    out[k] = value[h]
+                    out[f"residual/{k}"] = residual[h]
+                if spread is not None and name == "sharpness" and not prefix:
+                    for h, k in enumerate(head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))):
+                        if bool(torch.isfinite(spread[h])) and bool(value[h] != 0):  # 0/0 is "no data": none
+                            out[k] = spread[h]
     return out
 
 
-def _spread(op, plain, matvec, lanczos: Lanczos, key, sharpness: torch.Tensor, pair: str, X: str) -> dict:
-    """``sharpness_spread/XX[/h{i}]``: the Monte-Carlo standard error of ``sharpness/XX``, relative to it.
+#: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
+SPREAD_FACTOR = 0.5
 
-    At the top Ritz vector ``v`` of the sharpness, the Gauss-Newton part of its Rayleigh quotient is the mean over the
-    ``k`` samples of ``c_j = sum_b <s_{j,b}, J_X v>^2``; ``std(c_j) / sqrt(k) / |sharpness|`` is the spread of the
-    estimate from the sampling at that direction (the direction's own sampling error is not counted). Needs the Ritz
-    vectors (``lanczos.warm_start``), ``k >= 2`` and a head-diagonal operator (not the grouped-query views): else none.
+
+def debias(
+    full: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts: tuple[int, int, int], psd: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate, relative uncertainty)`` of a largest eigenvalue from its Monte-Carlo values on ``k`` samples
+    (``full``) and on the two halves (``a``, ``b``), with their sample counts ``counts = (k, k_a, k_b)``.
+
+    The largest eigenvalue of a ``k``-sample estimate of a matrix is biased upward, for a well-separated top
+    eigenvalue by ``c / k + O(k^-2)``. Richardson extrapolation removes the ``c / k`` term: with ``h`` the mean of
+    ``1/k_a`` and ``1/k_b``, ``c = (mean(a, b) - full) / (h - 1/k)`` and the estimate is ``full - c / k``
+    (``2 full - mean(a, b)`` for equal halves). The uncertainty is the half-difference of the halves (their noise,
+    carried into the estimate) plus ``SPREAD_FACTOR`` times the correction ``c / k`` (the bias left when it is not
+    exactly ``c / k``), relative to ``|estimate|``.
+
+    Args:
+        full, a, b: ``(H,)`` the values per head.
+        counts: ``(k, k_a, k_b)``.
+        psd: The matrix is positive semi-definite (the Gauss-Newton block): the estimate is at least 0.
+
+    Example:
+        >>> lam, c = 2.0, 8.0  # truth and bias constant: value(k) = lam + c / k
+        >>> full, half = torch.tensor([lam + c / 16]), torch.tensor([lam + c / 8])
+        >>> est, spread = debias(full, half, half, (16, 8, 8))
+        >>> round(float(est), 6), round(float(spread), 3)
+        (2.0, 0.125)
     """
-    curvature = getattr(op, "sampled", None)
-    warm = lanczos.warm_start
-    if curvature is None or curvature.k < 2 or warm is None or not getattr(plain, "head_diagonal", False):
-        return {}
-    if plain is not op:  # a grouped-query view
-        return {}
-    emb = pair_matvec(plain, (X, X), ("hessian",))[0]
-    ritz = warm.get(key, (4 if len(key[2]) > 1 else 2, emb.H, emb.n), plain.dtype, plain.device)
-    if ritz is None:
-        return {}
-    curvature.record = []
-    try:
-        matvec(ritz[1:2], None)  # the sharpness member's Ritz vectors, (1, H, n)
-        coef = curvature.record[0] if curvature.record else None
-    finally:
-        curvature.record = None
-    if coef is None or coef.shape[0] != 1:
-        return {}
-    c = coef[0].square().sum(1)  # (k, H): each sample's share of the Rayleigh quotient, per head
-    err = c.std(0) / math.sqrt(curvature.k) / sharpness.abs().clamp_min(torch.finfo(c.dtype).tiny)  # (H,)
-    keys = head_keys(plain, f"sharpness_spread/{pair}", (X,))
-    return dict(zip(keys, err.unbind(), strict=True)) if len(keys) == err.shape[0] else {}
+    k, ka, kb = counts
+    h = (1 / ka + 1 / kb) / 2
+    correction = ((a + b) / 2 - full) / (h - 1 / k) / k
+    est = full - correction
+    if psd:
+        est = est.clamp_min(0)
+    width = (a - b).abs() / 2 + SPREAD_FACTOR * correction.abs()
+    return est, width / est.abs()  # inf or nan where the estimate is 0 (the caller logs none)

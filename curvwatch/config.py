@@ -1,0 +1,385 @@
+"""The monitor's settings: a few top-level kwargs and four groups, validated once, in one place.
+
+:class:`~curvwatch.CurvatureMonitor`, :class:`~curvwatch.Monitor` and the Hugging Face callback take the same
+settings: ``every_n_train_steps``, ``blocks``, ``log_key_prefix``, ``sharpness``, ``warning_rules``, ``on_error``,
+``log_heatmap``, ``verbose``, ``log_level``, plus the groups
+
+* :class:`Cadence`: when to evaluate and how much of the training time it may take;
+* :class:`Evaluation`: what an evaluation computes and with which accuracy and memory;
+* :class:`Warnings`: which warning rules run, and the legacy rules' thresholds (:class:`LegacyThresholds`);
+* :class:`Sharpness`: the real-loss curvature (sampled backward passes from the logits).
+
+The flat kwargs of earlier versions (``max_tokens=256``, ``tol=1e-3``, ``spike_factor=5``...) are still accepted
+and go into their group (:data:`FLAT_KWARGS`), with a ``DeprecationWarning`` naming the group to use; passing one
+together with its group object is an error.
+
+Example:
+    >>> settings = resolve(evaluation=Evaluation(max_tokens=256), sharpness=False)
+    >>> settings.evaluation.max_tokens, settings.sharpness.enabled
+    (256, False)
+    >>> resolve(evaluation=Evaluation(pairs=["XX"]))
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid pairs=['XX']: unknown pair name 'XX'. Known pair names: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from curvwatch.alerts import LegacyThresholds
+from curvwatch.options import LogLevel, OnError, TermsKeys, WarningRules, check_int, check_number, choice, pairs_option
+from curvwatch.rules import RuleSet
+
+__all__ = [
+    "FLAT_KWARGS", "PARTS", "Cadence", "Evaluation", "LegacyThresholds", "Settings", "Sharpness", "Warnings",
+    "known_pairs", "resolve",
+]  # fmt: skip
+
+#: The iterative norms an evaluation may compute.
+PARTS = ("outer", "functional", "hessian")
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the monitor evaluates and how much of the training time it may take.
+
+    Args:
+        every_n_train_steps: Evaluate on optimizer steps ``0, n, 2n, ...``. ``None`` (default): every 200 steps within
+            the overhead budget (``max_overhead``). A chosen cadence is honoured as it is; when its evaluations take
+            over 10% of the training time the monitor says so once, with what each costs. One evaluation costs a fixed
+            amount of work (capped by ``max_tokens``), about 15 training steps of the tiny demo model (32-40 with the
+            real-loss keys of ``sharpness``, ``docs/sharpness.md``) and fewer on larger ones (``docs/performance.md``
+            section 3).
+        terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a full
+            evaluation, numbers that need no Lanczos over Hessian products (``terms_keys`` says which): by default what
+            the warning rules read. ``"auto"`` (default): every 10 steps within a budget of its own, 4% of the training
+            time (a due terms-only step is skipped while the terms-only seconds so far plus one more would exceed it;
+            the full tier's budget then counts full evaluations only); an int: that cadence, under ``max_overhead`` like
+            the full tier; ``None``: off. A terms-only evaluation costs a fraction of a full one
+            (``docs/performance.md`` section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and the heatmap
+            come from full evaluations only; ``patience`` and ``cooldown`` of the collapse warning count both kinds.
+            Under the overhead budget a full evaluation it cannot afford falls back to terms only on steps due for both.
+        max_overhead: Largest fraction of the training wall time the evaluations may take. ``"auto"`` (default): 0.01
+            with the default cadence, none with a chosen one; ``None``: a fixed schedule; a number: that budget (with
+            any cadence). A due step is evaluated only if the evaluations so far plus this one (priced as the last one)
+            stay within this fraction of the time trained so far, so the effective period may grow beyond
+            ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction spent). Step 0 is always
+            evaluated. With DDP the ranks agree through one all-reduce per due step.
+    """
+
+    every_n_train_steps: int | None = None
+    terms_every_n_train_steps: int | str | None = "auto"
+    max_overhead: float | str | None = "auto"
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one evaluation computes, how accurately, and within which memory.
+
+    Args:
+        tol: Relative residual at which a Lanczos spectral norm counts as converged (default ``1e-2``: the norms of the
+            demo and of a 6-layer d = 384 GPT were within 3e-4 and 1.7e-3 of tightly converged values,
+            ``docs/performance.md``). A norm that hits ``max_iter`` first is counted in ``summary/lanczos/unconverged``
+            and warned about once.
+        max_iter: Most Lanczos steps per norm.
+        max_basis: Most Lanczos vectors held per norm (``>= 4``; ``None``: ``max_iter``). A norm that needs more steps
+            restarts (thick restart: same accuracy, a few more products), so the memory of its basis is bounded whatever
+            ``max_iter``.
+        dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
+        pairs: Block pairs kept: ``"diagonal"`` (``VV``, ``QQ``, ``KK``, ``W1W1``, ``W2W2``, ...), ``"all"`` or a list
+            of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
+        kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default all three).
+            ``("hessian",)`` alone made an evaluation 2.2x (demo) to 2.9x (mid-size model) cheaper.
+        max_tokens: Token positions kept per block (first whole sequences; see :class:`~curvwatch.capture.Capture`).
+        memory_budget_mb: Most extra memory, in MiB, one block's closed form may take (estimated by
+            :meth:`~curvwatch.capture.CapturedBlock.evaluation_bytes`): a block over it holds fewer Lanczos vectors per
+            norm, then is evaluated on fewer tokens; one warning each. ``None``: no budget.
+        terms_keys: What a terms-only evaluation computes. ``"warnings"`` (default): what the warning rules read, no
+            more (attention: ``term/x_norm``, ``term/x_norm6``, ``term/wq_norm``, ``term/wk_norm``,
+            ``term/softmax_jac_norm`` and the exact ``outer/VV``; LayerNorm/RMSNorm: the row statistics; FFN blocks only
+            when a rule reads their ``W2W2``): the same numbers, 3.3-3.9x cheaper than ``"all"`` on the instability
+            suite's models, 3.5-3.8x on the demo and a d = 384 GPT (``docs/performance.md``). ``"all"``: every bound
+            term and bound (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``),
+            the norms of the LayerNorm/RMSNorm blocks, the FFN activity fractions.
+    """
+
+    tol: float = 1e-2
+    max_iter: int = 40
+    max_basis: int | None = 16
+    dtype: str = "float32"
+    pairs: str | Sequence[str] = "diagonal"
+    kinds: Sequence[str] = PARTS
+    max_tokens: int = 512
+    memory_budget_mb: float | None = None
+    terms_keys: str = "warnings"
+
+
+@dataclass(frozen=True)
+class Warnings:
+    """Which warnings the monitor gives.
+
+    Args:
+        rules: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`), ``"legacy"`` (spike and collapse, with
+            ``legacy``'s thresholds), ``"all"``, or a configured :class:`~curvwatch.rules.RuleSet`.
+        warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a rule fires. The monitor's notices
+            about itself (unconverged norms, costs, blocks left out, skipped evaluations) are
+            :class:`~curvwatch.CurvatureNotice`, a separate category, whatever ``warn``.
+        legacy: The legacy rules' thresholds.
+    """
+
+    rules: str | RuleSet = "suite"
+    warn: bool = True
+    legacy: LegacyThresholds = field(default_factory=LegacyThresholds)
+
+
+@dataclass(frozen=True)
+class Sharpness:
+    """The curvature of the real training loss (:mod:`curvwatch.sharpness`).
+
+    Args:
+        enabled: The curvature of the real training loss (:mod:`curvwatch.sharpness`): on full evaluations,
+            ``sharpness_samples`` extra backward passes from the logits (labels sampled from the model's own
+            predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the kernels add the
+            block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns it into an
+            edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a logits module
+            is found (set-up table row ``sharpness``); ``True``: required (error in ``setup`` otherwise); ``False``:
+            off.
+        samples: Sampled output gradients per evaluation (each one backward pass from the logits).
+        loss: The loss at the logits: ``"auto"`` (softmax cross-entropy, recognised from its gradient; anything else is
+            an error naming the options), ``"cross_entropy"`` or ``"mse"`` (mean over every element).
+        logits_module: Dotted name of the module whose output the loss reads (``None``: the first of ``lm_head``,
+            ``head``, ``classifier``, ``output``, ``score``, ``fc_out``, ``decoder`` found).
+        verify_every_n_evals: Every this many full evaluations (``None``, default: never), also compute the true block
+            Hessian's largest eigenvalue by Hessian-vector products of the loss (everything downstream included; head 0
+            of attention) and log it with its ratio to the sharpness (``verify/hessian/XX``, ``verify/ratio/XX``): how
+            far the closed-form view is from the truth on your model. Costs a backward with ``create_graph`` and ~30
+            double-backward products per pair; needs double backward (no fused attention kernels).
+    """
+
+    enabled: bool | str = "auto"
+    samples: int = 16
+    loss: str = "auto"
+    logits_module: str | None = None
+    verify_every_n_evals: int | None = None
+
+
+#: Flat kwargs of earlier versions and the group field each one sets.
+FLAT_KWARGS: dict[str, tuple[str, str]] = {
+    "max_overhead": ("cadence", "max_overhead"),
+    "terms_every_n_train_steps": ("cadence", "terms_every_n_train_steps"),
+    **{name: ("evaluation", name) for name in (f.name for f in dataclasses.fields(Evaluation))},
+    "warn": ("warnings", "warn"),
+    **{name: ("legacy", name) for name in (f.name for f in dataclasses.fields(LegacyThresholds))},
+    "sharpness_samples": ("sharpness", "samples"),
+    "loss": ("sharpness", "loss"),
+    "logits_module": ("sharpness", "logits_module"),
+    "verify_every_n_evals": ("sharpness", "verify_every_n_evals"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of a monitor, validated (:func:`resolve`)."""
+
+    every_n_train_steps: int | None
+    blocks: Any
+    log_key_prefix: str
+    cadence: Cadence
+    evaluation: Evaluation
+    warnings: Warnings
+    sharpness: Sharpness
+    on_error: OnError
+    log_heatmap: bool
+    verbose: bool
+    log_level: LogLevel
+    rules: RuleSet | None  # the suite's rules (None: not run)
+    legacy: bool  # the legacy rules run
+    terms_keys: TermsKeys
+    pairs: str | tuple[str, ...]
+    kinds: tuple[str, ...]
+
+
+def known_pairs() -> tuple[str, ...]:
+    """Every block pair name some block kind computes (``VV``, ``QQ``, ``VQ``, ``W1W1``...)."""
+    from curvwatch.kinds import KINDS
+
+    return tuple(dict.fromkeys(p for kind in KINDS.values() for p in kind.pairs))
+
+
+def _group(name: str, value: Any, cls: type) -> Any:
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ValueError(
+            f"Invalid {name}={value!r}. Must be a curvwatch.{cls.__name__}(...) or None (the defaults), e.g. "
+            f"{name}=curvwatch.{cls.__name__}({dataclasses.fields(cls)[0].name}=...)."
+        )
+    return value
+
+
+def _check_pairs(pairs: Any) -> str | tuple[str, ...]:
+    checked = pairs_option(pairs)
+    if isinstance(checked, str):
+        return checked
+    known = known_pairs()
+    for name in checked:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" Did you mean {close}?" if close else ""
+            raise ValueError(
+                f"Invalid pairs={list(checked)!r}: unknown pair name {name!r}. Known pair names: {list(known)}.{hint} "
+                "Or pass 'diagonal' (the default) or 'all'."
+            )
+    return checked
+
+
+def resolve(
+    every_n_train_steps: int | None = None,
+    blocks: Any = "auto",
+    log_key_prefix: str = "curv/",
+    sharpness: bool | str | Sharpness = "auto",
+    warning_rules: str | RuleSet | Warnings = "suite",
+    cadence: Cadence | None = None,
+    evaluation: Evaluation | None = None,
+    on_error: str | OnError = "warn",
+    log_heatmap: bool = True,
+    verbose: bool = False,
+    log_level: str | LogLevel = "summary",
+    **flat: Any,
+) -> Settings:
+    """Validate the monitor's kwargs (see the module docstring) into :class:`Settings`.
+
+    Raises:
+        ValueError: For an invalid or unknown kwarg, naming it, the value, what is allowed and the fix.
+    """
+    from curvwatch.adapters import BlockSpec
+
+    groups: dict[str, dict[str, Any]] = {g: {} for g in ("cadence", "evaluation", "warnings", "legacy", "sharpness")}
+    for name, value in flat.items():
+        if name not in FLAT_KWARGS:
+            close = difflib.get_close_matches(name, [*FLAT_KWARGS, *_TOP], n=3)
+            raise ValueError(
+                f"Unknown kwarg {name}={value!r}."
+                + (f" Did you mean {close}?" if close else "")
+                + f" The kwargs are {list(_TOP)}; the rest go in curvwatch.Cadence, Evaluation, Warnings, Sharpness."
+            )
+        group, key = FLAT_KWARGS[name]
+        groups[group][key] = value
+    if flat:
+        fixes = ", ".join(_FIX[FLAT_KWARGS[n][0]].format(FLAT_KWARGS[n][1]) for n in flat)
+        warnings.warn(
+            f"The flat kwargs {sorted(flat)} are deprecated; pass them in their group: {fixes}.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    explicit = {name for name, v in (("cadence", cadence), ("evaluation", evaluation), ("sharpness", sharpness))
+                if dataclasses.is_dataclass(v)}  # fmt: skip
+    cadence = _group("cadence", cadence, Cadence)
+    evaluation = _group("evaluation", evaluation, Evaluation)
+    if isinstance(warning_rules, Warnings):
+        warns = warning_rules
+    elif isinstance(warning_rules, (str, RuleSet)):
+        warns = Warnings(rules=warning_rules)
+    else:
+        raise ValueError(
+            f"Invalid warning_rules={warning_rules!r}. Must be 'suite', 'legacy', 'all', a curvwatch.rules.RuleSet "
+            "or a curvwatch.Warnings(...)."
+        )
+    if isinstance(sharpness, Sharpness):
+        sharp = sharpness
+    elif sharpness in (True, False, "auto"):
+        sharp = Sharpness(enabled=sharpness)
+    else:
+        raise ValueError(f"Invalid sharpness={sharpness!r}. Must be True, False, 'auto' or a curvwatch.Sharpness(...).")
+    for name, group in (("cadence", cadence), ("evaluation", evaluation), ("sharpness", sharp)):
+        if groups[name] and name in explicit:
+            raise ValueError(
+                f"Pass {sorted(groups[name])} inside {name}=curvwatch.{type(group).__name__}(...), not next to it."
+            )
+    if groups["legacy"]:
+        warns = dataclasses.replace(warns, legacy=dataclasses.replace(warns.legacy, **groups["legacy"]))
+    if groups["warnings"]:
+        warns = dataclasses.replace(warns, **groups["warnings"])
+    if every_n_train_steps is not None:
+        if cadence.every_n_train_steps is not None:
+            raise ValueError(
+                "Pass every_n_train_steps once: as a kwarg or in cadence=curvwatch.Cadence(...), not both."
+            )
+        groups["cadence"]["every_n_train_steps"] = every_n_train_steps
+    cadence = dataclasses.replace(cadence, **groups["cadence"])
+    evaluation = dataclasses.replace(evaluation, **groups["evaluation"])
+    sharp = dataclasses.replace(sharp, **groups["sharpness"])
+
+    # -- each value ----------------------------------------------------------------------------------
+    if not (blocks == "auto" or (not isinstance(blocks, str) and isinstance(blocks, Sequence)
+                                 and all(isinstance(b, BlockSpec) for b in blocks))):  # fmt: skip
+        raise ValueError(
+            f"Invalid blocks={blocks!r}. Must be 'auto' or a list of curvwatch.BlockSpec. See curvwatch.find_blocks "
+            "and, for a layer curvwatch does not know, curvwatch.describe_layer."
+        )
+    if not isinstance(log_key_prefix, str):
+        raise ValueError(f"Invalid log_key_prefix={log_key_prefix!r}. Must be a str such as 'curv/'.")
+    check_int("max_tokens", evaluation.max_tokens, 1)
+    check_int("max_iter", evaluation.max_iter, 1)
+    kinds = (evaluation.kinds,) if isinstance(evaluation.kinds, str) else tuple(evaluation.kinds)
+    if not kinds or any(k not in PARTS for k in kinds):
+        raise ValueError(
+            f"Invalid kinds={kinds!r}. Must be a non-empty subset of {PARTS}. For example kinds=('hessian',)."
+        )
+    check_number(
+        "memory_budget_mb", evaluation.memory_budget_mb, low=0, allow_none=True,
+        hint="> 0 (MiB), or None for no budget",
+    )  # fmt: skip
+    pairs = _check_pairs(evaluation.pairs)
+    terms_keys = choice("terms_keys", evaluation.terms_keys, TermsKeys)
+    if isinstance(warns.rules, RuleSet):
+        rules: RuleSet | None = warns.rules
+        legacy = False
+    else:
+        which = choice("warning_rules", warns.rules, WarningRules)
+        rules = RuleSet() if which in (WarningRules.SUITE, WarningRules.ALL) else None
+        legacy = which in (WarningRules.LEGACY, WarningRules.ALL)
+    if not isinstance(warns.legacy, LegacyThresholds):
+        raise ValueError(f"Invalid legacy={warns.legacy!r}. Must be a curvwatch.LegacyThresholds(...).")
+    warns.legacy.check()
+    check_int("verify_every_n_evals", sharp.verify_every_n_evals, 1, allow_none=True)
+    return Settings(
+        every_n_train_steps=cadence.every_n_train_steps,
+        blocks=blocks,
+        log_key_prefix=log_key_prefix,
+        cadence=cadence,
+        evaluation=evaluation,
+        warnings=warns,
+        sharpness=sharp,
+        on_error=choice("on_error", on_error, OnError),
+        log_heatmap=bool(log_heatmap),
+        verbose=bool(verbose),
+        log_level=choice("log_level", log_level, LogLevel),
+        rules=rules,
+        legacy=legacy,
+        terms_keys=terms_keys,
+        pairs=pairs,
+        kinds=kinds,
+    )
+
+
+#: How a flat kwarg of each group is passed now.
+_FIX = {
+    "cadence": "cadence=curvwatch.Cadence({}=...)",
+    "evaluation": "evaluation=curvwatch.Evaluation({}=...)",
+    "warnings": "warning_rules=curvwatch.Warnings({}=...)",
+    "legacy": "warning_rules=curvwatch.Warnings(rules='legacy', legacy=curvwatch.LegacyThresholds({}=...))",
+    "sharpness": "sharpness=curvwatch.Sharpness({}=...)",
+}
+
+#: The top-level kwargs (the signature of :func:`resolve`).
+_TOP = (
+    "every_n_train_steps", "blocks", "log_key_prefix", "sharpness", "warning_rules", "cadence", "evaluation",
+    "on_error", "log_heatmap", "verbose", "log_level",
+)  # fmt: skip

@@ -1,0 +1,337 @@
+"""One monitor, three shells: the numbers a step logs are the same whichever loop drives :class:`curvwatch.Monitor`.
+
+(a) the Lightning Trainer (``CurvatureMonitor``) against (b) a plain PyTorch loop on the same model and data;
+(c) a Fabric loop written the way litgpt's ``pretrain.py`` writes it (bf16-mixed, gradient accumulation 2 with
+``fabric.no_backward_sync``) and (d) Hugging Face's ``Trainer`` on a tiny Llama, each against the plain loop driving
+the same model. Every test asserts on what reached a logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
+
+from curvwatch import Cadence, CurvatureMonitor, CurvatureNotice, Monitor, Sharpness, Warnings
+from tests.ddp_script import VOCAB, TinyLM, loader
+
+P = "curv/"
+#: wall-clock keys: the only ones that differ between two runs of the same step
+TIMING = ("eval_time_s", "overhead_fraction")
+SETTINGS = dict(
+    every_n_train_steps=1,
+    cadence=Cadence(max_overhead=None, terms_every_n_train_steps=None),
+    log_heatmap=False,
+    warning_rules=Warnings(warn=False),
+    log_level="all",  # every key reaches the sinks (the default "summary" keeps the headline ones)
+)
+
+
+class Recorder(Logger):
+    """A Lightning logger that keeps what it is given: ``rows[step][key]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        kept = {k: float(v) for k, v in metrics.items() if k.startswith(P[:-1])}  # curv/... and curv_... keys
+        self.rows.setdefault(step, {}).update(kept)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def numbers(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The logged numbers without the wall-clock keys."""
+    return {s: {k: v for k, v in r.items() if not k.endswith(TIMING)} for s, r in rows.items() if r}
+
+
+def assert_same(actual: dict, expected: dict, rtol: float = 0.0) -> None:
+    assert sorted(actual) == sorted(expected), "different steps logged"
+    for step in expected:
+        assert sorted(actual[step]) == sorted(expected[step]), f"step {step}: different keys"
+        for key, value in expected[step].items():
+            got = actual[step][key]
+            ok = (math.isnan(got) and math.isnan(value)) or abs(got - value) <= rtol * abs(value)
+            assert ok, f"step {step} {key}: {got} vs {value} (rtol {rtol})"
+
+
+def tiny_lm_loss(module: TinyLM, idx: torch.Tensor) -> torch.Tensor:
+    """``TinyLM.training_step``'s loss, without ``self.log`` (no Trainer here)."""
+    logits = module(idx[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def plain_loop(model, optimizer, batches, loss_fn, *, accumulate=1, autocast=None, **settings):
+    """The plain PyTorch loop with the monitor's two lines; returns what reached the callable sink."""
+    rows: dict[int, dict[str, float]] = {}
+    monitor = Monitor(
+        model, optimizer=optimizer, log=lambda m, s: rows.setdefault(s, {}).update(m),
+        accumulate_grad_batches=accumulate, **{**SETTINGS, **settings},
+    )  # fmt: skip
+    for i, batch in enumerate(batches):
+        step, accumulating = i // accumulate, (i + 1) % accumulate != 0
+        with monitor.step(step, accumulating=accumulating):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = loss_fn(model, batch)
+            (loss / accumulate).backward()
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.stop()
+    return rows, monitor
+
+
+def test_lightning_and_plain_loop_log_the_same_numbers(tmp_path):
+    torch.manual_seed(0)
+    module = TinyLM(lr=0.1)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=recorder, callbacks=[CurvatureMonitor(**SETTINGS)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, loader())
+    lightning = numbers(recorder.rows)
+
+    torch.manual_seed(0)
+    module = TinyLM(lr=0.1)
+    batches = [idx for (idx,), _ in zip(loader(), range(2), strict=False)]
+    rows, monitor = plain_loop(module, module.configure_optimizers(), batches, tiny_lm_loss)
+    plain = numbers(rows)
+
+    assert sorted(lightning) == [0, 1]
+    # every feature reached the sink: block norms, summaries, the real-loss and edge-of-stability keys
+    for key in ("summary/max_hessian", "layer0/attn/hessian/VV/h0", "layer0/attn/sharpness/VV/h0",
+                "layer0/ffn/stability/max", "summary/stability/max", "summary/overhead_fraction"):  # fmt: skip
+        assert P + key in rows[1], key
+    assert_same(plain, lightning)  # exactly: the real-loss samples from the backward equal those before it
+    assert monitor.book.evaluations == 2 and monitor.state_dict()["evaluations"] == 2
+
+
+def test_plain_loop_accumulation_matches_one_big_micro_batch():
+    """With accumulation the last micro-batch is captured and its gradients multiplied by k: the numbers equal
+    those of the same micro-batch trained without accumulation (step 0: the weights have not moved yet)."""
+    batches = [idx for (idx,), _ in zip(loader(), range(2), strict=False)]
+    torch.manual_seed(0)
+    module = TinyLM()
+    accumulated, _ = plain_loop(module, module.configure_optimizers(), batches, tiny_lm_loss, accumulate=2)
+    torch.manual_seed(0)
+    module = TinyLM()
+    single, _ = plain_loop(module, module.configure_optimizers(), batches[1:], tiny_lm_loss)
+    assert_same(numbers(accumulated), numbers(single), rtol=1e-5)
+
+
+def test_fabric_litgpt_loop_matches_the_plain_loop(tmp_path):
+    """litgpt's pretrain loop shape: fabric.setup, bf16-mixed autocast, no_backward_sync, fabric.backward(loss / k)."""
+    litgpt = pytest.importorskip("litgpt")
+    from lightning.fabric import Fabric
+
+    config = litgpt.Config.from_name(
+        "Llama-3.2-1B", n_layer=1, n_embd=16, n_head=2, n_query_groups=1, intermediate_size=24, block_size=8,
+        vocab_size=VOCAB, padded_vocab_size=VOCAB,
+    )  # fmt: skip
+    data = torch.randint(0, VOCAB, (4, 2, 9), generator=torch.Generator().manual_seed(0))  # 2 steps x 2 micro-batches
+    k = 2
+
+    def loss_fn(model, batch):
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    torch.manual_seed(0)
+    model = litgpt.GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    rows: dict[int, dict[str, float]] = {}
+    monitor = Monitor(model, optimizer=optimizer, log=lambda m, s: rows.setdefault(s, {}).update(m),
+                      accumulate_grad_batches=k, **SETTINGS)  # fmt: skip
+    step_count = 0
+    for iter_num, input_ids in enumerate(data, start=1):
+        is_accumulating = iter_num % k != 0
+        with monitor.step(step_count, accumulating=is_accumulating):  # the one line litgpt's loop gains
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                logits = model(input_ids[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
+                fabric.backward(loss / k)
+        if not is_accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+            step_count += 1
+    monitor.stop()
+
+    torch.manual_seed(0)
+    model = litgpt.GPT(config)
+    plain, _ = plain_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-3), list(data), loss_fn,
+                          accumulate=k, autocast=torch.bfloat16)  # fmt: skip
+    assert sorted(numbers(rows)) == [0, 1]
+    assert P + "layer0/attn/sharpness/VV/g0" in rows[0] and P + "summary/stability/max" in rows[1]  # Adam: step 1
+    assert_same(numbers(rows), numbers(plain))
+    # litgpt checkpoints its `state` dict with fabric.save: the monitor rides along (state_dict/load_state_dict)
+    fabric.save(tmp_path / "state.pth", {"monitor": monitor, "step_count": step_count})
+    resumed = Monitor(model, optimizer=optimizer, accumulate_grad_batches=k, **SETTINGS)
+    fabric.load(tmp_path / "state.pth", {"monitor": resumed})
+    assert resumed.book.evaluations == 2 and resumed.state_dict()["last_step"] == monitor.state_dict()["last_step"]
+
+
+def test_hf_trainer_matches_the_plain_loop(tmp_path):
+    pytest.importorskip("accelerate")  # transformers' Trainer needs it (the hf extra installs it)
+    tf = pytest.importorskip("transformers")
+    from curvwatch.hf_trainer import CurvatureCallback
+
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, use_cache=False, attn_implementation="eager",
+    )  # fmt: skip
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    rows: dict[int, dict[str, float]] = {}
+    callback = CurvatureCallback(log=lambda m, s: rows.setdefault(s, {}).update(m), **SETTINGS)
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        save_strategy="no", logging_strategy="no", learning_rate=1e-3, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch", seed=0, data_seed=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = tf.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
+    order = []  # the batches in the Trainer's order
+    original = model.forward
+
+    @functools.wraps(original)  # the Trainer keeps the dataset columns the forward's signature names
+    def forward(*args, **kwargs):
+        order.append(kwargs["input_ids"].clone())
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    trainer.train()
+    model.forward = original
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    plain, _ = plain_loop(model, optimizer, order, lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    assert sorted(numbers(rows)) == [0, 1]
+    assert P + "layer0/attn/sharpness/VV/g0" in rows[0] and P + "summary/stability/max" in rows[1]
+    assert_same(numbers(rows), numbers(plain))
+
+
+def test_monitor_logs_to_a_lightning_logger_and_checkpoints():
+    torch.manual_seed(0)
+    module = TinyLM()
+    recorder = Recorder()
+    monitor = Monitor(module, log=[recorder], **{**SETTINGS, "sharpness": False})
+    idx = next(iter(loader()))[0]
+    with monitor.step(0):
+        tiny_lm_loss(module, idx).backward()
+    assert P + "summary/max_hessian" in recorder.rows[0]
+    state = monitor.state_dict()
+    again = Monitor(module, **{**SETTINGS, "sharpness": False})
+    again.load_state_dict(state)
+    assert again.book.evaluations == 1 and again.schedule.last_step == 0
+
+
+def test_a_reused_monitor_after_reset_starts_afresh():
+    """Issue 26's per-fit reset, in the Trainer-free monitor: after ``reset()`` a second run's steps 0 and 2 are
+    evaluated again with counters from 1 (without it, step 0 is below the last run's step 2: nothing is due)."""
+    torch.manual_seed(0)
+    module = TinyLM()
+    recorder = Recorder()
+    monitor = Monitor(module, log=[recorder], **{**SETTINGS, "every_n_train_steps": 2, "sharpness": False})
+    idx = next(iter(loader()))[0]
+
+    def run() -> dict[int, float]:
+        recorder.rows.clear()
+        for step in range(3):
+            with monitor.step(step):
+                tiny_lm_loss(module, idx).backward()
+        return {s: r[P + "summary/evaluations"] for s, r in recorder.rows.items() if P + "summary/evaluations" in r}
+
+    assert run() == {0: 1.0, 2: 2.0}
+    assert run() == {}  # the same record goes on: steps 0-2 are behind it
+    monitor.reset()
+    assert run() == {0: 1.0, 2: 2.0} and monitor.book.evaluations == 2
+
+
+def test_plain_loop_log_level_decides_what_reaches_the_sink():
+    """i25d's log_level in the Trainer-free monitor: at "summary" no per-block key reaches the sink, the per-layer
+    block norms and headline summaries do; at "all" the per-block, per-head keys do too."""
+    logged = {}
+    for level in ("summary", "all"):
+        torch.manual_seed(0)
+        module = TinyLM(lr=0.1)
+        batches = [idx for (idx,), _ in zip(loader(), range(1), strict=False)]
+        rows, monitor = plain_loop(module, module.configure_optimizers(), batches, tiny_lm_loss, log_level=level)
+        assert monitor.log_level.value == level
+        logged[level] = set(rows[0])
+    assert P + "summary/max_hessian" in logged["summary"] and "curv_hessian/layer0/attn" in logged["summary"]
+    assert not any(k.startswith(P + "layer0/") for k in logged["summary"]), sorted(logged["summary"])
+    assert P + "layer0/attn/hessian/VV/h0" in logged["all"] and logged["summary"] < logged["all"]
+    with pytest.raises(ValueError, match=r"Invalid log_level='heads'"):
+        Monitor(log_level="heads")
+
+
+def test_monitor_step_without_model_and_bad_log_say_how_to_fix():
+    with pytest.raises(ValueError, match=r"Invalid log=3\. Must be a W&B run"):
+        Monitor(log=3)
+    with pytest.raises(RuntimeError, match=r"pass it to Monitor\(model, \.\.\.\) or call attach\(model\)"):
+        with Monitor().step(0):
+            pass
+    with pytest.raises(ValueError, match="Invalid accumulate_grad_batches=0"):
+        Monitor(accumulate_grad_batches=0)
+
+
+def test_verify_in_a_plain_loop_needs_the_loss_and_says_so():
+    from curvwatch.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    module = TinyLM()
+    module.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=2, d_model=8, d_ff=16,
+                                 attention="math"))  # double backward: no fused attention  # fmt: skip
+    idx = next(iter(loader()))[0]
+    settings = {**SETTINGS, "sharpness": Sharpness(verify_every_n_evals=1)}
+    rows: dict[int, dict[str, float]] = {}
+    monitor = Monitor(module, log=lambda m, s: rows.setdefault(s, {}).update(m), **settings)
+    with pytest.warns(CurvatureNotice, match=r"call monitor\.before_backward\(loss\)"):
+        with monitor.step(0):
+            tiny_lm_loss(module, idx).backward()
+    assert P + "layer0/attn/sharpness/VV/h0" in rows[0] and not any("verify/" in k for k in rows[0])
+    with monitor.step(1):  # handing the loss over gives the check
+        loss = tiny_lm_loss(module, idx)
+        monitor.before_backward(loss)
+        loss.backward()
+    assert any("/verify/ratio/VV" in k for k in rows[1])
+
+
+def test_monitor_logs_to_a_wandb_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run = wandb.init(project="curvwatch-test", dir=str(tmp_path), mode="offline")
+    try:
+        torch.manual_seed(0)
+        module = TinyLM()
+        monitor = Monitor(module, log=run, **{**SETTINGS, "sharpness": False, "log_heatmap": True})
+        with monitor.step(0):
+            tiny_lm_loss(module, next(iter(loader()))[0]).backward()
+        # reached the run, with the run-summary rule the monitor defined (the max over steps)
+        assert math.isfinite(dict(run.summary[P + "summary/max_hessian"])["max"])
+        assert run.config["curvwatch/blocks"][0]["part"] == "attn"  # the set-up table too
+    finally:
+        wandb.finish()
