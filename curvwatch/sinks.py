@@ -130,7 +130,7 @@ def log_table(loggers: Sequence[Any], key: str, rows: Sequence[Mapping[str, Any]
         try:
             logger.log_table(key=key, columns=columns, data=data, step=step)
         except Exception as err:
-            warnings.warn(f"CurvatureMonitor could not log the table {key} to W&B: {err}", CurvatureWarning, 2)
+            warnings.warn(f"CurvatureMonitor could not log the table {key} to W&B: {err}", CurvatureNotice, 2)
 
 
 def _cell(value: Any) -> Any:

@@ -212,3 +212,27 @@ def test_listeners_get_every_key_whatever_the_level(tmp_path):
 def test_invalid_log_level_names_the_choices():
     with pytest.raises(ValueError, match=r"Invalid log_level='heads'. Must be one of \['summary', 'blocks', 'all'\]"):
         CurvatureMonitor(log_level="heads")
+
+
+def test_a_logger_that_refuses_the_table_gets_a_notice_not_a_crash():
+    """A W&B logger whose ``log_table`` raises: the table is skipped with a :class:`CurvatureNotice` (a notice about
+    the monitor itself, not an instability warning), and training goes on."""
+    import warnings as _warnings
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from curvwatch import CurvatureNotice
+    from curvwatch.sinks import log_table
+
+    class Refusing(WandbLogger):
+        def __init__(self) -> None:  # no W&B run: only log_table is called
+            pass
+
+        def log_table(self, **kwargs):
+            raise RuntimeError("table refused")
+
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        log_table([Refusing()], "curv/summary/layers", [{"block": "layer0/attn", "hessian": 1.0}], step=0)
+    assert [w.category for w in record] == [CurvatureNotice], [str(w.message) for w in record]
+    assert "table refused" in str(record[0].message)

@@ -120,13 +120,7 @@ class FFNOperator(BlockOperator):
         those rows, in that order. With ``total_rows`` a third dict holds ``H v = (H_o + H_f) v`` for those
         rows, computed in one fused pass.
         """
-        dW1, dW2 = tangent.get("W1"), tangent.get("W2")
-        dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
-        dHid = None if dZ is None else self.act1 * dZ
-        dS = None if dHid is None else dHid @ self.W_2  # (n, N, m)
-        if dW2 is not None:
-            t = self.Hid @ dW2
-            dS = t if dS is None else dS.add_(t)
+        dZ, dHid, dW2, dS = self._tangents(tangent)
 
         def part(idx, outer: bool, second_order: bool) -> dict:
             u = self._outer_cotangent(select_rows(dS, idx)) if outer else None
@@ -136,9 +130,9 @@ class FFNOperator(BlockOperator):
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
-    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
-        """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
-        <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
+    def _tangents(self, tangent):
+        """``(dZ, dHid, dW2, dS)``: the tangents of the pre-activation ``(n, N, f)``, the hidden activation, the
+        ``W2`` perturbation itself and the output ``(n, N, m)`` (None where nothing moves them)."""
         dW1, dW2 = tangent.get("W1"), tangent.get("W2")
         dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
         dHid = None if dZ is None else self.act1 * dZ
@@ -146,6 +140,12 @@ class FFNOperator(BlockOperator):
         if dW2 is not None:
             t = self.Hid @ dW2
             dS = t if dS is None else dS.add_(t)
+        return dZ, dHid, dW2, dS
+
+    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
+        """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
+        <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
+        dZ, dHid, dW2, dS = self._tangents(tangent)
         u = None if outer_mask is None else _rows_times(self._outer_cotangent(dS), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, False, outputs)
