@@ -244,13 +244,13 @@ class Engine:
         grad_factor: float,
         terms_only: bool,
         out: Evaluation,
-        rule: StabilityRule | None = None,
-        signals: tuple[str, ...] | None = None,
-        bad: list[str] | None = None,
+        rule: StabilityRule | None,
+        signals: tuple[str, ...] | None,
+        bad: list[str],
     ) -> None:
         """Evaluate one block into ``out``: left out, non-finite, failed or its numbers (``signals``: the exact
         pairs of a signals evaluation; ``bad``: its captured tensors holding NaN or Inf, as
-        :func:`~curvwatch.capture.nonfinite_inputs` found them, ``None`` to check here)."""
+        :func:`~curvwatch.capture.nonfinite_inputs` found them for every block at once)."""
         name = block.spec.name
         if block.reason is None and isinstance(read_error, UnsupportedBlockError):
             block = dataclasses.replace(block, reason=str(read_error))
@@ -263,7 +263,6 @@ class Engine:
             out.failed[name] = read_error
             return
         kind = KINDS[block.spec.kind]
-        bad = block.nonfinite() if bad is None else bad
         if bad:
             out.nonfinite.append(name)
             self.warn_once(

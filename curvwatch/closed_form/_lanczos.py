@@ -376,7 +376,7 @@ class LanczosRun:
         self.done = True
         theta = _to_device(self.theta, self.dtype, self.device)
         self.rel_residual = _to_device(self.rel, self.dtype, self.device)
-        self.norm = theta if self.algebraic else theta.abs()  # (a device operator, as the old in-loop version)
+        self.norm = theta if self.algebraic else theta.abs()
         self.buf = self.basis = self.v = self.w = self.alphas = self.betas = self.arrow = None
 
 
