@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -197,56 +198,68 @@ class LanczosRun:
         both = False if algebraic else both_ends
         both = both.detach().to("cpu").numpy() if isinstance(both, torch.Tensor) else np.asarray(both)
         self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape)
-        # The basis grows one vector per step into a buffer: basis = buf[..., :size, :]. On CPU the buffer has room
-        # for all its vectors from the start: torch.empty does not touch its pages, so only the vectors written cost
-        # memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at n = 590k, batch 3). On
-        # other devices an allocation is memory at once, so the capacity doubles instead.
+        # Inside, the batch is flat: vectors are (b, 1, n) rows and the basis (b, size, n), so that every product of the
+        # step is one torch.bmm/baddbmm (a matmul over several batch dimensions dispatches ~6 operators: expands,
+        # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size]. On
+        # CPU the buffer has room for all its vectors from the start: torch.empty does not touch its pages, so only the
+        # vectors written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
+        # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
+        self.b = math.prod(self.batch_shape)
         cpu = _on_cpu(device)
-        self.buf = torch.empty((*batch_shape, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
-        self.buf[..., 0, :] = v
-        self.basis = self.buf[..., :1, :]
-        self.v = self.basis[..., 0, :]
-        # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (*b, k) of the k kept Ritz
-        # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail)
+        self.buf = torch.empty((self.b, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
+        self.buf[:, 0] = v.reshape(self.b, n)
+        self.size = 1
+        self.basis = self.buf.narrow(1, 0, 1)
+        self.v = self.basis  # the current vector, (b, 1, n): the basis's last
+        # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (b, 1, k) of the k kept Ritz
+        # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail); each alpha and
+        # beta a (b, 1, 1) tensor
         self.alphas: list[torch.Tensor] = []
         self.betas: list[torch.Tensor] = []
         self.arrow: torch.Tensor | None = None
         self.restarted = False
         self.live = np.ones(self.batch_shape, dtype=bool)  # host mask of the members still iterating
-        self.active = torch.ones(self.batch_shape, dtype=torch.bool, device=device)  # its device copy
+        self.active = self.stopped = None  # (b, 1, 1) device masks of live and stopped members, once one stopped
         self.theta = np.zeros(self.batch_shape)
         self.rel = np.zeros(self.batch_shape)
         self.ritz = v
         self.j = 0
         self.w = self.beta = None
-        self.scale = torch.zeros(self.batch_shape, dtype=dtype, device=device)  # max |alpha|, beta so far
+        self.scale = torch.zeros((self.b, 1, 1), dtype=dtype, device=device)  # max |alpha|, beta so far
+        self.breakdown = 10 * torch.finfo(dtype).eps  # beta below this times scale: the Krylov space is exhausted
+        self.inf = torch.full((), torch.inf, dtype=dtype, device=device)
 
     # -- one step on the device ------------------------------------------------------------------------------------
 
     def step(self) -> None:
         """One product and its full re-orthogonalisation (two classical Gram-Schmidt passes, "twice is enough");
-        sets :attr:`due` when the stopping test must run before the next step."""
-        size = self.basis.shape[-2]  # vectors in the basis, the current one (v) last
-        w = self.matvec(self.v, self.live) if self.pass_live else self.matvec(self.v)
-        self.alphas.append(torch.linalg.vecdot(w, self.v))
+        sets :attr:`due` when the stopping test must run before the next step. About 20 dispatched operators besides
+        the product's own, none reading a device value."""
+        v = self.v.view(*self.batch_shape, self.n)
+        w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
+        w = w.reshape(self.b, 1, self.n)
         # Two passes always: the second is needed where the first cancelled most of w (its rounding errors,
         # ~eps ||w_before||, are then large next to what is left), and deciding that is a read of a device value.
-        w = _project_out(_project_out(w, self.basis), self.basis)
-        self.w, self.beta = w, torch.linalg.vector_norm(w, dim=-1)
-        self.scale = torch.maximum(self.scale, torch.maximum(self.alphas[-1].abs(), self.beta))
+        # The first pass's coefficient on v (the basis's last vector) is alpha = w.v.
+        w, coeff = _project_out(w, self.basis)
+        alpha = coeff.narrow(2, self.size - 1, 1)
+        self.alphas.append(alpha)
+        w, _ = _project_out(w, self.basis)
+        self.w, self.beta = w, torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+        self.scale = torch.maximum(self.scale, torch.maximum(alpha.abs(), self.beta))
         last = self.j + 1 == self.k_max
-        self.full = size == self.cap and not last  # no room for the next vector: restart (after the test)
+        self.full = self.size == self.cap and not last  # no room for the next vector: restart (after the test)
         self.due = last or self.full or (self.j + 1) % CHECK_EVERY == 0
         if not self.due:
             self._next()
 
     def host_parts(self) -> torch.Tensor:
-        """``(*batch_shape, m)``: the alphas, the betas kept so far, the current beta (and the restart couplings),
-        what the stopping test reads."""
+        """``(b, 1, m)``: the alphas, the betas kept so far, the current beta (and the restart couplings), what the
+        stopping test reads (in the order of :attr:`host_shape`: ``(*batch_shape, m)``)."""
         parts = [*self.alphas, *self.betas, self.beta]
         if self.arrow is not None:
-            parts += list(self.arrow.unbind(-1))
-        return torch.stack(parts, -1)
+            parts.append(self.arrow)
+        return torch.cat(parts, -1)
 
     @property
     def host_shape(self) -> tuple[int, ...]:
@@ -306,15 +319,17 @@ class LanczosRun:
         take = (live if done else live & ~self.live) if algebraic else None
         if done or (take is not None and take.any()):
             # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
-            y = np.take_along_axis(evecs, idx[..., None, :], -1)[..., 0]  # (*b, size)
-            new = (_to_device(y, dtype, device).unsqueeze(-2) @ self.basis).squeeze(-2)
+            y = np.take_along_axis(evecs, idx[..., None, :], -1)[..., 0]  # (*batch_shape, size)
+            y = _to_device(y.reshape(self.b, 1, size), dtype, device)
+            new = torch.bmm(y, self.basis).view(*self.batch_shape, self.n)
             self.ritz = new if take is None else torch.where(_to_device(take[..., None], None, device), new,
                                                              self.ritz)  # fmt: skip
         if done:
             self._finish()
             return
         if not np.array_equal(self.live, live):
-            self.active = _to_device(self.live, None, device)
+            mask = self.live.reshape(self.b, 1, 1)
+            self.active, self.stopped = _to_device(mask, None, device), _to_device(~mask, None, device)
         if self.full:
             self._restart(evals, evecs, beta_h)
         self._next()
@@ -324,21 +339,22 @@ class LanczosRun:
         members' theta among them) and continue from the residual direction. With H V = V T + w e^T,
         H y_i = theta_i y_i + (beta s_i) w / beta: the kept vectors couple to the next one only, through
         arrow_i = beta s_i (s_i the last entry of eigenvector i)."""
-        size, dtype, device = len(self.alphas), self.dtype, self.device
+        size, dtype, device, b = len(self.alphas), self.dtype, self.device, self.b
         k_lo = max(1, self.cap // 4)
         keep = np.concatenate([np.arange(k_lo), np.arange(size - k_lo, size)])
-        Y = evecs[..., keep]  # (*b, size, 2 k_lo), host
-        kept = _to_device(Y, dtype, device).mT @ self.basis  # (*b, 2 k_lo, n), a temporary
+        Y = evecs[..., keep].reshape(b, size, 2 * k_lo)  # host
+        kept = torch.bmm(_to_device(Y, dtype, device).mT, self.basis)  # (b, 2 k_lo, n), a temporary
         k = kept.shape[-2]
-        self.buf[..., :k, :] = kept
+        self.buf[:, :k] = kept
         del kept
-        self.basis = self.buf[..., :k, :]
-        arrow = beta_h[..., None] * Y[..., -1, :] * self.live[..., None]  # (*b, k); 0 for stopped members
-        self.arrow = _to_device(arrow, dtype, device)
-        self.alphas = list(_to_device(evals[..., keep], dtype, device).unbind(-1))
+        self.size = k
+        self.basis = self.buf.narrow(1, 0, k)
+        arrow = beta_h.reshape(b, 1) * Y[:, -1, :] * self.live.reshape(b, 1)  # (b, k); 0 for stopped members
+        self.arrow = _to_device(arrow.reshape(b, 1, k), dtype, device)
+        self.alphas = list(_to_device(evals[..., keep].reshape(b, 1, k), dtype, device).split(1, -1))
         # zero couplings between the kept vectors, and between the last of them and the next vector (that one, like
         # all of the kept vectors' couplings to it, is in arrow)
-        self.betas = [torch.zeros_like(self.beta) for _ in range(k)]
+        self.betas = list(torch.zeros((b, 1, k), dtype=dtype, device=device).split(1, -1))
         self.restarted = True
 
     def _next(self) -> None:
@@ -346,29 +362,30 @@ class LanczosRun:
         beta = self.beta
         if self.restarted:
             self.restarted = False
-        elif self.live.all():  # a host array: no sync
+        elif self.stopped is None:
             self.betas.append(beta)
         else:
             self.betas.append(beta * self.active)
-        size = self.basis.shape[-2]
-        if size + 1 > self.buf.shape[-2]:
-            grown = torch.empty((*self.batch_shape, min(self.cap, 2 * self.buf.shape[-2]), self.n), dtype=self.dtype,
+        size = self.size
+        if size + 1 > self.buf.shape[1]:
+            grown = torch.empty((self.b, min(self.cap, 2 * self.buf.shape[1]), self.n), dtype=self.dtype,
                                 device=self.device)  # fmt: skip
-            grown[..., :size, :] = self.basis
+            grown[:, :size] = self.basis
             self.buf = grown
-        v = self.buf[..., size, :]
+        v = self.buf.narrow(1, size, 1)
         # A breakdown (beta at round-off level of the operator's scale: the Krylov space is exhausted) gives a zero
         # vector (w / inf), as for a stopped member, not w / beta: w is round-off then, and on a tiny operator its norm
         # underflows (a collapsed LayerNorm's attention block in float32: beta = 0 for w != 0, and w / tiny gave
         # Ritz values of 4e7 for an operator of norm 2e-9, then inf and NaN in T between two stopping tests).
         # The stopping test then sees beta = 0: exhausted. (In place: torch.where with a broadcast condition and a
         # scalar was 10x slower on CPU at n = 590k; the where here is on the batch-shaped betas only.)
-        denom = torch.where(beta > 10 * torch.finfo(self.dtype).eps * self.scale, beta, torch.inf)
-        torch.div(self.w, denom.unsqueeze(-1), out=v)
-        if not self.live.all():
-            v.masked_fill_(~self.active.unsqueeze(-1), 0.0)
+        denom = torch.where(beta > self.scale * self.breakdown, beta, self.inf)
+        torch.div(self.w, denom, out=v)
+        if self.stopped is not None:
+            v.masked_fill_(self.stopped, 0.0)
         self.v = v
-        self.basis = self.buf[..., : size + 1, :]
+        self.size = size + 1
+        self.basis = self.buf.narrow(1, 0, size + 1)
         self.w = None
         self.j += 1
 
@@ -386,11 +403,12 @@ def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
-def _project_out(w: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """One classical Gram-Schmidt pass: ``w - (w B^T) B`` for ``w`` ``(*b, n)`` and a basis ``B`` ``(*b, j, n)``."""
-    # w^T B^T, not B w: as a row-vector product this is 7-10x faster on CPU (measured, batched n=32768)
-    coeff = w.unsqueeze(-2) @ basis.mT  # (*b, 1, j)
-    return w - (coeff @ basis).squeeze(-2)
+def _project_out(w: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One classical Gram-Schmidt pass: ``(w - c B, c)`` with ``c = w B^T``, for ``w`` ``(b, 1, n)`` and a basis
+    ``B`` ``(b, j, n)``; two dispatched operators (and a transposed view)."""
+    # w B^T as a row-vector product, not B w: 7-10x faster on CPU (measured, batched n=32768)
+    coeff = torch.bmm(w, basis.mT)  # (b, 1, j)
+    return torch.baddbmm(w, coeff, basis, alpha=-1), coeff
 
 
 def _on_cpu(device: torch.device | str) -> bool:

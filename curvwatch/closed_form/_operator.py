@@ -116,7 +116,7 @@ class _Embedding:
         """Tangent holding the parts of ``u`` (shape ``(k, H, n)``) that belong to blocks ``which``."""
         op, H = self.op, self.H
         k = u.shape[0]
-        parts = torch.split(u, self.sizes, dim=-1)
+        parts = torch.split(u, self.sizes, dim=-1) if len(self.names) > 1 else (u,)
         tangent: dict[str, torch.Tensor] = {}
         for nm, part in zip(self.names, parts, strict=True):
             if nm not in which:
@@ -154,7 +154,7 @@ class _Embedding:
             else:
                 piece = o.reshape(k, H, size)
             pieces.append(piece)
-        return torch.cat(pieces, dim=-1)
+        return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
 
 
 def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple:
@@ -253,9 +253,9 @@ def apply_kinds(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     return out
 
 
-def _skip_dead_kinds(kinds: Sequence[str], make):
+def _skip_dead_kinds(kinds: Sequence, make):
     """``mv(u, live=None)`` over the batch ``(len(kinds), H, n)`` from ``make(sub_kinds)``, a plain ``mv`` for a
-    subset of the kinds.
+    subset of the kinds (row labels: kind names, or any labels ``make`` understands).
 
     With ``live`` (the host mask of :func:`lanczos_max_abs` with ``pass_live``), a kind none of whose members
     is live (all converged: zero vectors) is left out of the product and gets zero rows, which is exactly
@@ -323,6 +323,61 @@ def pair_matvec(op: BlockOperator, pair: tuple[str, str], kinds: Sequence[str]):
     return emb, _skip_dead_kinds(kinds, make_pair)
 
 
+def stacked_matvec(op: BlockOperator, names: Sequence[str], kinds: Sequence[str]):
+    """One symmetric matvec for the diagonal blocks ``XX``, ``YY``, ... of same-shaped parameters ``names``, batched
+    ``(len(names) * len(kinds), H, n)``: rows ``i * len(kinds) + j`` apply kind ``j`` of block ``names[i]``.
+
+    One operator product serves every block (the rows of block ``X`` perturb ``X`` alone and read ``X``): the
+    dispatched operators of one product instead of one per block, for the arithmetic of all of them (the tangent's
+    zero parts cost their share of the first and last matmuls). For head-diagonal operators with ``apply_masked``
+    (see :func:`stackable`). Returns ``(emb, mv)`` as :func:`pair_matvec`.
+    """
+    emb = _Embedding(op, [names[0]])
+    shape = op.params[names[0]].shape
+    labels = [(nm, kind) for nm in names for kind in kinds]
+
+    def make(rows_of: Sequence[tuple[str, str]]):
+        present = list(dict.fromkeys(nm for nm, _ in rows_of))
+        rows = _rows([kind for _, kind in rows_of], 1, emb)
+        m = len(rows_of)
+        if len(present) == 1:
+            (nm,) = present
+
+            def single(u: torch.Tensor) -> torch.Tensor:
+                out = apply_kinds(op, {nm: u.reshape(m, emb.H, *shape)}, [nm], rows)
+                return out[nm].reshape(m, emb.H, emb.n)
+
+            return single
+        # (m, 1, 1, 1) 0/1 masks of each block's rows, made once per run and row subset
+        masks = {nm: torch.tensor([float(r == nm) for r, _ in rows_of], dtype=op.dtype, device=op.device)
+                 .reshape(m, 1, *(1,) * len(shape)) for nm in present}  # fmt: skip
+
+        def mv(u: torch.Tensor) -> torch.Tensor:
+            t = u.reshape(m, emb.H, *shape)
+            out = apply_kinds(op, {nm: t * masks[nm] for nm in present}, present, rows)
+            total = out[present[0]] * masks[present[0]]
+            for nm in present[1:]:
+                total = total.addcmul_(out[nm], masks[nm])
+            return total.reshape(m, emb.H, emb.n)
+
+        return mv
+
+    return emb, _skip_dead_kinds(labels, make)
+
+
+def stackable(op: BlockOperator, pair_names: Sequence[str]) -> bool:
+    """Whether the diagonal pairs ``pair_names`` (e.g. ``QQ``, ``KK``) can share one product (:func:`stacked_matvec`):
+    a head-diagonal operator with one-pass products, blocks of one shape and headedness."""
+    if len(pair_names) < 2 or not op.head_diagonal or getattr(op, "apply_masked", None) is None:
+        return False
+    names = list(op.params)
+    blocks = [_pair_blocks(p, names) for p in pair_names]
+    if any(x != y for x, y in blocks):
+        return False
+    infos = [op.params[x] for x, _ in blocks]
+    return all(i.shape == infos[0].shape and i.headed == infos[0].headed for i in infos)
+
+
 def head_keys(op: BlockOperator, base: str, names: Sequence[str]) -> list[str]:
     """Metric keys for a block pair (or the joint Hessian of several blocks, e.g. ``("Q", "K", "V")``): ``base``
     alone, or ``base/h{i}`` when one of the ``names`` is a headed param."""
@@ -356,22 +411,36 @@ def spectral_norms(
         converged, larger when ``max_iter`` stopped it).
     """
     names = list(op.params)
-    jobs = []
+    todo: dict[tuple[str, ...], list[str]] = {}  # the kinds to compute -> the pairs that need them
     for pair_name in pairs:
-        pair = _pair_blocks(pair_name, names)
-        ks = [k for k in kinds if (k, pair_name) not in skip]
+        ks = tuple(k for k in kinds if (k, pair_name) not in skip)
         if ks:
+            todo.setdefault(ks, []).append(pair_name)
+    jobs = []  # (pair names, kinds, run): one run per pair, or one for diagonal pairs that share their products
+    for ks, group in todo.items():
+        diag = [p for p in group if len(set(_pair_blocks(p, names))) == 1]
+        stack = diag if stackable(op, diag) else []
+        if stack:
+            emb, mv = stacked_matvec(op, [_pair_blocks(p, names)[0] for p in stack], ks)
+            key = (tuple(stack), ks)
+            jobs.append((stack, ks, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
+        for pair_name in group:
+            if pair_name in stack:
+                continue
+            pair = _pair_blocks(pair_name, names)
             emb, mv = pair_matvec(op, pair, ks)
-            jobs.append((pair_name, pair, ks, _norm_run(op, emb, mv, ks, (pair_name, tuple(ks)), pair[0] == pair[1],
-                                                        lanczos)))  # fmt: skip
+            jobs.append(([pair_name], ks, _norm_run(op, emb, mv, ks, (pair_name, ks), pair[0] == pair[1], lanczos)))
     solve([job[-1] for job in jobs])  # every pair in lockstep: one host read per stopping test for all of them
     out: dict[str, torch.Tensor] = {}
-    for pair_name, pair, ks, run in jobs:
-        vals, rel = _norm_results(run, (pair_name, tuple(ks)), lanczos)
-        for i, kind in enumerate(ks):
-            for h, key in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
-                out[key] = vals[i, h]
-                out[f"residual/{key}"] = rel[i, h]
+    for group, ks, run in jobs:
+        key = (tuple(group), ks) if len(group) > 1 else (group[0], ks)
+        vals, rel = _norm_results(run, key, lanczos)
+        for g, pair_name in enumerate(group):
+            pair = _pair_blocks(pair_name, names)
+            for i, kind in enumerate(ks):
+                for h, hkey in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
+                    out[hkey] = vals[g * len(ks) + i, h]
+                    out[f"residual/{hkey}"] = rel[g * len(ks) + i, h]
     return out
 
 
