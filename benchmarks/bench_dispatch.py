@@ -20,7 +20,8 @@ L 128, as the issue that set the ceilings measured it.
 evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of each (GPT-2-small shape by default on
 CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
 
-Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--out PATH]``.
+Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--engine-only]
+[--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured blocks, no Trainer and no real-loss keys).
 """
 
 from __future__ import annotations
@@ -209,6 +210,42 @@ def count(args) -> dict[str, Any]:
     return out
 
 
+def engine_only(args) -> dict[str, Any]:
+    """Operators and host syncs of one warm :meth:`Engine.evaluate` (no Trainer, no real-loss sampling) per layer:
+    a full evaluation and a signals (terms-only) one, each after one warm-up evaluation of the same kind."""
+    from curvwatch.adapters import find_blocks
+    from curvwatch.capture import Capture
+    from curvwatch.engine import Engine
+    from curvwatch.rules import RuleSet
+
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.n_layer, args.vocab, args.seq)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
+    engine, specs = Engine(), find_blocks(model)
+
+    def captured():
+        with Capture(specs, engine.token_limit) as capture:
+            logits = model(idx[:, :-1])
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)).backward()
+        model.zero_grad()
+        return capture.blocks()
+
+    out: dict[str, Any] = {}
+    tiers = {"full": {}, "terms": {"terms_only": True, "signal_pairs": RuleSet().exact_pairs}}
+    for tier, kwargs in tiers.items():
+        engine.evaluate(captured(), **kwargs)  # warm starts in place, as at every evaluation after the first
+        blocks = captured()
+        counter = OpCounter()
+        start = time.perf_counter()
+        with counter, count_host_reads(counter):
+            engine.evaluate(blocks, **kwargs)
+        out[tier] = {"ops": counter.total, "syncs": counter.syncs, "seconds": time.perf_counter() - start,
+                     "top": counter.ops.most_common(12)}  # fmt: skip
+        out[f"{tier}_per_layer"] = {"ops": counter.total / args.n_layer, "syncs": counter.syncs / args.n_layer}
+        print(f"engine {tier}: {out[f'{tier}_per_layer']} per layer", file=sys.stderr)
+    return out
+
+
 def timings(args) -> dict[str, Any]:
     """Median step times (and peak memory) side by side on CUDA: plain, full evaluation, terms-only evaluation."""
     device = torch.device("cuda")
@@ -250,13 +287,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=8, help="CUDA: timed steps per run")
     p.add_argument("--full-repeats", type=int, default=3, help="CUDA: timed steps of the full-evaluation run")
     p.add_argument("--rounds", type=int, default=1, help="CUDA: rounds (each runs the three variants in turn)")
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="count one warm Engine.evaluate of captured blocks "
+        "(no Trainer, no real-loss keys) instead of the whole monitor in a Lightning run",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.n_layer = args.n_layer or (12 if cuda else 2)
     args.batch = args.batch or (8 if cuda else 2)
     args.seq = args.seq or (1024 if cuda else 128)
-    result = {"args": vars(args), **(timings(args) if cuda else count(args))}
+    result = {"args": vars(args), **(timings(args) if cuda else engine_only(args) if args.engine_only else count(args))}
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         with open(args.out, "w") as f:

@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import traceback
 import warnings
@@ -38,11 +40,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import CapturedBlock, nonfinite_inputs, vectors_held
 from curvwatch.closed_form._common import inputs_checked
+from curvwatch.closed_form._lockstep import Lockstep
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
@@ -54,6 +58,10 @@ __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation"]
 #: The monitor's Lanczos settings: every norm of the demo and of a 6-layer d = 384 GPT converged within them, to
 #: true errors <= 1.7e-3 (docs/performance.md).
 MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=40, max_basis=16, warn=False)
+
+#: Blocks evaluated together (their Lanczos stopping tests sharing one host read, see ``Engine._windows``) hold at
+#: most this many times the memory of the largest block's evaluation.
+LOCKSTEP_MEMORY = 2.0
 
 #: Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
 NONFINITE = "skipped_nonfinite"
@@ -107,6 +115,9 @@ class Engine:
         raise_errors: Re-raise a block's closed-form error (as :class:`BlockError`) instead of leaving the block
             out.
         key_prefix: The logged keys' prefix, for messages.
+        lockstep: Evaluate consecutive blocks together, their Lanczos stopping tests sharing one host read (a sync
+            on a GPU), within :data:`LOCKSTEP_MEMORY` times the largest block's memory; ``False``: one block at a
+            time (the same numbers).
 
     Raises:
         ValueError: If an argument is invalid.
@@ -123,6 +134,7 @@ class Engine:
         memory_budget_mb: float | None = None,
         raise_errors: bool = False,
         key_prefix: str = "",
+        lockstep: bool = True,
     ) -> None:
         self.lanczos = (MONITOR_LANCZOS if lanczos is None else lanczos).replace(warm_start=None, warn=False)
         self.dtype = choice("dtype", dtype, Precision).value  # the one check of the option set (options.py)
@@ -141,6 +153,7 @@ class Engine:
         self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self.raise_errors = raise_errors
         self.key_prefix = key_prefix
+        self.lockstep = lockstep
         self.token_limit = max_tokens  # halved after an out-of-memory error
         self.basis_limit: int | None = self.lanczos.max_basis  # halved after an out-of-memory error the bases dominate
         self.warm: dict[str, WarmStart] = {}
@@ -207,25 +220,34 @@ class Engine:
         # NaN/Inf in the captured tensors of every block, in one host read (the kernels then skip their own check)
         bad_inputs = dict(zip((b.spec.name for b in captured), nonfinite_inputs(captured), strict=True))
         with torch.no_grad(), inputs_checked():
-            for captured_block in captured:
+            for window in self._windows(captured, dtype, terms_only):
                 # Under sharding reading the weights is a collective: every rank reads every block, in order,
                 # before any local decision about it (left out, NaN, failed), so no rank waits on another.
-                read_error: Exception | None = None
-                try:
-                    block = captured_block.with_params()
-                except Exception as err:
-                    block, read_error = captured_block, err
-                if pending is None:
+                blocks: list[tuple[CapturedBlock, Exception | None]] = []
+                for captured_block in window:
                     try:
-                        rule = None if rules is None else rules.get(block.spec.name)
-                        plan = plans.get(block.spec.name)
-                        self._evaluate_block(block, read_error, dtype, grad_factor, terms_only, out, rule, plan,
-                                             bad_inputs[block.spec.name])  # fmt: skip
+                        blocks.append((captured_block.with_params(), None))
                     except Exception as err:
-                        pending = err
-                # the errors kept must not hold this block's weights through their frames' locals
-                _clear_frames(read_error, out.failed.get(block.spec.name), pending)
-                del block  # the block's full weights (sharding) go before the next block's are read
+                        blocks.append((captured_block, err))
+                calls = []
+                if pending is None:
+                    calls = [
+                        functools.partial(
+                            self._evaluate_block, block, read_error, dtype, grad_factor, terms_only, Evaluation(),
+                            None if rules is None else rules.get(block.spec.name), plans.get(block.spec.name),
+                            bad_inputs[block.spec.name],
+                        )
+                        for block, read_error in blocks
+                    ]  # fmt: skip
+                    for part, error in _run_together(calls, blocks[0][0]):
+                        if part is not None:
+                            _merge(out, part)
+                        if pending is None and error is not None:
+                            pending = error
+                # the errors kept must not hold the blocks' weights through their frames' locals
+                for block, read_error in blocks:
+                    _clear_frames(read_error, out.failed.get(block.spec.name), pending)
+                del blocks, calls  # the blocks' full weights (sharding) go before the next ones are read
         if pending is not None:
             raise pending
         if not out.results and out.failed:  # every block that could be evaluated raised: say why, first block
@@ -235,6 +257,36 @@ class Engine:
             reasons = "; ".join(f"{n}: {r}" for n, r in out.excluded.items())
             raise RuntimeError(f"no block could be evaluated ({reasons})")
         return out
+
+    def _windows(self, captured: Sequence[CapturedBlock], dtype: torch.dtype, terms_only: bool):
+        """The blocks in consecutive groups evaluated together (:class:`~curvwatch.closed_form._lockstep.Lockstep`:
+        their Lanczos stopping tests share one host read).
+
+        A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
+        (:meth:`CapturedBlock.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated one after
+        the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no
+        Lanczos products, so all its blocks form one group. Sharded blocks (weights read as full tensors when
+        evaluated) and ``lockstep=False``: one block at a time.
+        """
+        if not self.lockstep or any(b.params_fn is not None for b in captured):
+            return [[b] for b in captured]
+        if terms_only:
+            return [list(captured)] if captured else []
+        sizes = [b.truncate(self.token_limit).evaluation_bytes(dtype, self.lanczos.max_iter, self.basis_limit)
+                 if b.reason is None else 0 for b in captured]  # fmt: skip
+        limit = LOCKSTEP_MEMORY * max(sizes, default=0)
+        if self.memory_budget_mb is not None:
+            limit = min(limit, self.memory_budget_mb * 2**20)
+        windows: list[list[CapturedBlock]] = []
+        total = 0
+        for block, size in zip(captured, sizes, strict=True):
+            if windows and total + size <= limit:
+                windows[-1].append(block)
+                total += size
+            else:
+                windows.append([block])
+                total = size
+        return windows
 
     def _evaluate_block(
         self,
@@ -247,21 +299,21 @@ class Engine:
         rule: StabilityRule | None,
         signals: tuple[str, ...] | None,
         bad: list[str],
-    ) -> None:
-        """Evaluate one block into ``out``: left out, non-finite, failed or its numbers (``signals``: the exact
-        pairs of a signals evaluation; ``bad``: its captured tensors holding NaN or Inf, as
+    ) -> Evaluation:
+        """Evaluate one block into ``out`` and return it: left out, non-finite, failed or its numbers (``signals``:
+        the exact pairs of a signals evaluation; ``bad``: its captured tensors holding NaN or Inf, as
         :func:`~curvwatch.capture.nonfinite_inputs` found them for every block at once)."""
         name = block.spec.name
         if block.reason is None and isinstance(read_error, UnsupportedBlockError):
             block = dataclasses.replace(block, reason=str(read_error))
         if block.reason is not None:
             out.excluded[name] = block.reason
-            return
+            return out
         if read_error is not None:  # reading the weights failed: the block is left out alone, as a closed form
             if self.raise_errors:
                 raise BlockError(name, read_error) from read_error
             out.failed[name] = read_error
-            return
+            return out
         kind = KINDS[block.spec.kind]
         if bad:
             out.nonfinite.append(name)
@@ -274,7 +326,7 @@ class Engine:
             )
             if not kind.input_only_keys or "X" in bad:
                 out.results[name] = {NONFINITE: 1.0}
-                return
+                return out
             # statistics of X alone (LayerNorm variances): a collapse that caused the NaN is still seen
             block = dataclasses.replace(block, inputs={k: v for k, v in block.inputs.items() if k != "grad_output"})
         elif grad_factor != 1.0:
@@ -289,7 +341,7 @@ class Engine:
             if self.raise_errors:
                 raise BlockError(name, err) from err
             out.failed[name] = err
-            return
+            return out
         result = {k: v for k, v in result.items() if not k.startswith("dense/")}
         if block.sample_scale != 1.0:  # the kept tokens' real-loss curvature, scaled to the whole batch's
             result = {k: v * block.sample_scale if k.startswith(_SAMPLED) else v for k, v in result.items()}
@@ -298,6 +350,7 @@ class Engine:
         out.results[name] = select_pairs(kind.qualify(result), self.pairs)
         if bad:
             out.results[name][NONFINITE] = 1.0
+        return out
 
     def _fit_budget(self, block: CapturedBlock, dtype: torch.dtype) -> tuple[CapturedBlock, int | None]:
         """``(block on at most token_limit tokens, max_basis)``, both smaller where the block's estimate exceeds
@@ -394,6 +447,45 @@ class Engine:
             stacklevel=3,
         )
         return block.evaluate(**kwargs)
+
+
+def _run_together(calls: Sequence, first: CapturedBlock) -> list[tuple[Any, Exception | None]]:
+    """``[(result, exception or None)]`` of ``calls`` (block evaluations): one alone is called here, several run in a
+    :class:`~curvwatch.closed_form._lockstep.Lockstep` (on ``first``'s device and, on CUDA, the caller's stream)."""
+    if len(calls) == 1:
+        try:
+            return [(calls[0](), None)]
+        except Exception as err:
+            return [(None, err)]
+    X = first.inputs.get("X")
+    device = X.device if isinstance(X, Tensor) else torch.device("cpu")
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    modes = _get_current_dispatch_mode_stack()  # the caller's (a FLOP or operator counter): per thread too
+
+    def setup() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())  # grad mode is per thread
+        for mode in modes:
+            stack.enter_context(mode)
+        if stream is not None:
+            stack.enter_context(torch.cuda.device(device))
+            stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    results = Lockstep(setup).run(calls)
+    for _, error in results:  # not an Exception (KeyboardInterrupt, SystemExit): not the block's, the caller's
+        if error is not None and not isinstance(error, Exception):
+            raise error
+    return results  # type: ignore[return-value]
+
+
+def _merge(out: Evaluation, part: Evaluation) -> None:
+    """Add one block's :class:`Evaluation` to ``out`` (in block order, as a one-at-a-time evaluation fills it)."""
+    out.results.update(part.results)
+    out.excluded.update(part.excluded)
+    out.failed.update(part.failed)
+    out.nonfinite.extend(part.nonfinite)
+    out.cold.update(part.cold)
 
 
 def _signal_plan(block: CapturedBlock, signal_pairs: Collection[str]) -> tuple[str, ...] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,27 +124,92 @@ def lanczos_max_abs(
     return run.norm, run.ritz
 
 
+#: Inside a :class:`~curvwatch.closed_form._lockstep.Lockstep` evaluation: the function :func:`solve` hands its runs
+#: to, to be solved together with the other evaluations' runs.
+LOCKSTEP: ContextVar[Callable[[Sequence[LanczosRun]], None] | None] = ContextVar("curvwatch_lockstep", default=None)
+
+
 def solve(runs: Sequence[LanczosRun]) -> None:
     """Advance several independent Lanczos runs in lockstep until each has stopped.
 
     Every run takes one product per round; the runs whose stopping test is due read their small projected matrices
     in **one** device-to-host copy (:func:`to_host`) for all of them, so the host waits on the device once per test
     round, however many runs (pairs, kinds, blocks) there are. The runs then hold their results
-    (:attr:`LanczosRun.norm`, :attr:`~LanczosRun.ritz`, :attr:`~LanczosRun.rel_residual`).
+    (:attr:`LanczosRun.norm`, :attr:`~LanczosRun.ritz`, :attr:`~LanczosRun.rel_residual`). Inside a
+    :class:`~curvwatch.closed_form._lockstep.Lockstep` evaluation the runs are solved together with the other
+    evaluations' runs.
     """
-    live = [r for r in runs if not r.done]
-    while live:
-        for r in live:
-            r.step()
-        due = [r for r in live if r.due]
+    meet = LOCKSTEP.get()
+    if meet is not None:
+        meet(runs)
+        return
+    (error,) = solve_groups([runs])
+    if error is not None:
+        raise error
+
+
+def solve_groups(groups: Sequence[Sequence[LanczosRun]]) -> list[Exception | None]:
+    """:func:`solve` for the runs of every group at once; an exception raised by a run (its product, say out of
+    memory) stops that run's group alone and is returned in its place (``None`` for the groups that finished)."""
+    rounds = Rounds()
+    for g, runs in enumerate(groups):
+        rounds.add(g, runs)
+    errors: list[Exception | None] = [None] * len(groups)
+    while rounds.groups:
+        for g, error in rounds.round():
+            errors[g] = error
+    return errors
+
+
+class Rounds:
+    """Groups of Lanczos runs advanced together, one product per run per round, that may join at any round.
+
+    The stopping tests of every run fall on the same rounds (every :data:`CHECK_EVERY` of the clock, whenever the run
+    joined), so that they share one host read; a run that joins between two of them has its first test after fewer
+    steps (a test on the host is cheap, a read is a sync).
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[Any, list] = {}  # key -> [runs, error]
+        self.clock = 0
+
+    def add(self, key: Any, runs: Sequence[LanczosRun]) -> None:
+        """A group of runs joins at the next round."""
+        for r in runs:
+            if not r.done and r.j == 0:
+                r.phase = self.clock % CHECK_EVERY
+        self.groups[key] = [list(runs), None]
+
+    def round(self) -> list[tuple[Any, Exception | None]]:
+        """One product of every live run, the due stopping tests in one host read; returns the groups that ended
+        (every run done, or one raised: ``(key, exception or None)``), which leave."""
+        owned = [(key, r) for key, (runs, _) in self.groups.items() for r in runs if not r.done]
+
+        def attempt(key: Any, fn, *args) -> None:
+            group = self.groups[key]
+            if group[1] is None:
+                try:
+                    fn(*args)
+                except Exception as err:
+                    group[1] = err
+
+        for key, r in owned:
+            attempt(key, r.step)
+        due = [(key, r) for key, r in owned if self.groups[key][1] is None and r.due]
         if due:
-            parts = [r.host_parts() for r in due]
+            parts = [r.host_parts() for _, r in due]
             flat = [p.reshape(-1) for p in parts]
             host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
             ends = np.cumsum([p.numel() for p in parts])[:-1]
-            for r, part in zip(due, np.split(host, ends), strict=True):
-                r.check(part.reshape(r.host_shape))
-        live = [r for r in live if not r.done]
+            for (key, r), part in zip(due, np.split(host, ends), strict=True):
+                attempt(key, r.check, part.reshape(r.host_shape))
+        if owned:
+            self.clock += 1
+        ended = [(key, error) for key, (runs, error) in self.groups.items()
+                 if error is not None or all(r.done for r in runs)]  # fmt: skip
+        for key, _ in ended:
+            del self.groups[key]
+        return ended
 
 
 class LanczosRun:
@@ -224,6 +291,7 @@ class LanczosRun:
         self.rel = np.zeros(self.batch_shape)
         self.ritz = v
         self.j = 0
+        self.phase = 0  # steps before this run's first: stopping tests fall on the rounds of a Rounds clock
         self.w = self.beta = None
         self.scale = torch.zeros((self.b, 1, 1), dtype=dtype, device=device)  # max |alpha|, beta so far
         self.breakdown = 10 * torch.finfo(dtype).eps  # beta below this times scale: the Krylov space is exhausted
@@ -249,7 +317,7 @@ class LanczosRun:
         self.scale = torch.maximum(self.scale, torch.maximum(alpha.abs(), self.beta))
         last = self.j + 1 == self.k_max
         self.full = self.size == self.cap and not last  # no room for the next vector: restart (after the test)
-        self.due = last or self.full or (self.j + 1) % CHECK_EVERY == 0
+        self.due = last or self.full or (self.j + 1 + self.phase) % CHECK_EVERY == 0
         if not self.due:
             self._next()
 
