@@ -2,7 +2,7 @@
 
 Two models are trained with and without the monitor, same seed, data order and settings:
 
-* ``demo``: :mod:`curvwatch.demo`'s default run (GPT, 2 layers, d_model 64, 4 heads, 3-digit addition, batch 64,
+* ``demo``: :mod:`examples.demo`'s default run (GPT, 2 layers, d_model 64, 4 heads, 3-digit addition, batch 64,
   AdamW with the demo's schedule and gradient clipping);
 * ``mid``: a mid-size GPT (6 layers, d_model 384, 6 heads, L = 256, vocabulary 65 as nanoGPT's
   shakespeare-char) on random tokens (no download), small batch (``--mid-batch``, default 8).
@@ -54,15 +54,15 @@ from curvwatch import CurvatureMonitor, find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset, sequence_length
-from curvwatch.demo import GPTLitModule, build_parser, resolve_settings
 from curvwatch.models.gpt import GPTConfig
+from examples.demo import GPTLitModule, build_parser, resolve_settings
 
 NAME = "bench_overhead"
 CPU = torch.device("cpu")
 CADENCES = (1, 10, 50, 200)
 DERIVE_FROM = 10  # the cadence whose measured cost per evaluation gives the derived cells
 GOAL_OVERHEAD, GOAL_COST = 0.01, 1.0  # at the monitor's defaults; per evaluation at every step
-DEMO = resolve_settings(build_parser().parse_args([]))  # curvwatch.demo's default run
+DEMO = resolve_settings(build_parser().parse_args([]))  # examples.demo's default run
 # The monitor's kwargs in the fixed-cadence runs (its defaults, but a fixed schedule: no overhead budget).
 MONITOR_KWARGS: dict[str, Any] = {
     "max_tokens": 512,
@@ -116,7 +116,7 @@ def demo_model(rounds: int) -> Model:
     return Model(
         "demo", cfg, DEMO["batch_size"], "addition", n, warmup=10,
         windows={1: 30, 10: 200, 50: 400, 200: 400}, rounds=rounds, default_steps=DEMO["steps"],
-        notes="curvwatch.demo defaults: 3-digit addition, batch 64, L = 11",
+        notes="examples.demo defaults: 3-digit addition, batch 64, L = 11",
     )  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Tests of curvwatch.demo: the quick run end to end with real loggers, and its pieces."""
+"""Tests of examples.demo: the quick run end to end with real loggers, and its pieces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from curvwatch.demo import (
+from curvwatch.models import GPTConfig
+from examples.demo import (
     GPTLitModule,
     build_model,
     build_parser,
@@ -23,7 +24,6 @@ from curvwatch.demo import (
     read_metrics,
     resolve_settings,
 )
-from curvwatch.models import GPTConfig
 
 
 @pytest.mark.slow
@@ -190,9 +190,10 @@ def test_presets_and_overrides():
     assert quick["steps"] == 7 and quick["every_n_steps"] == 3 and quick["val_every"] == 7
     with pytest.raises(ValueError, match="Invalid --every-n-steps=0"):
         resolve_settings(parse(["--every-n-steps", "0"]))
-    assert default["terms_every_n_steps"] == 10 and resolve_settings(parse(["--terms-every-n-steps", "0"]))[
-        "terms_every_n_steps"
-    ] == 0
+    assert (
+        default["terms_every_n_steps"] == 10
+        and resolve_settings(parse(["--terms-every-n-steps", "0"]))["terms_every_n_steps"] == 0
+    )
     with pytest.raises(ValueError, match="Invalid --terms-every-n-steps=-1"):
         resolve_settings(parse(["--terms-every-n-steps", "-1"]))
 
@@ -209,9 +210,7 @@ def test_help_prints_one_default_per_option():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    module = GPTLitModule(
-        GPTConfig(vocab_size=12, block_size=8, d_model=16), lr=1.0, warmup_steps=10, max_steps=110
-    )
+    module = GPTLitModule(GPTConfig(vocab_size=12, block_size=8, d_model=16), lr=1.0, warmup_steps=10, max_steps=110)
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
     factor = scheduler.lr_lambdas[0]
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
@@ -274,7 +273,7 @@ def test_training_step_loss_ignores_prompt():
 @pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureWarning")
 @pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureNotice")
 def test_unstable_preset_warns_before_the_loss_blows_up(tmp_path):
-    from curvwatch.demo import run
+    from examples.demo import run
 
     result = run(["--unstable", "--steps", "12", "--wandb", "disabled", "--out-dir", str(tmp_path)])
     assert result.first_warning_step is not None and result.loss_blowup_step is not None
@@ -285,7 +284,7 @@ def test_unstable_preset_warns_before_the_loss_blows_up(tmp_path):
 @pytest.mark.timeout(300)
 def test_stable_recipe_fires_no_warning(tmp_path):
     """The stable default (pre-LN, warmup, clipping) over its first 400 steps: no CurvatureWarning at all."""
-    from curvwatch.demo import run
+    from examples.demo import run
 
     result = run(["--steps", "400", "--every-n-steps", "25", "--wandb", "disabled", "--out-dir", str(tmp_path)])
     assert result.first_warning_step is None  # pytest turns any CurvatureWarning into an error as well

@@ -1,8 +1,8 @@
 """End-to-end demo: train a small GPT on n-digit addition with a CurvatureMonitor, then summarise and plot.
 
-Run ``python -m curvwatch.demo`` (or ``curvwatch-demo``). It takes about two to three minutes on two CPU
-cores (either ``--arch``), needs no download and no W&B account (the W&B run is offline unless ``WANDB_API_KEY``
-is set), and writes everything under ``--out-dir``::
+Run ``python -m examples.demo`` from the repository root (or ``make demo``; the demo is not part of the installed
+package). It takes about two to three minutes on two CPU cores (either ``--arch``), needs no download and no W&B
+account (the W&B run is offline unless ``WANDB_API_KEY`` is set), and writes everything under ``--out-dir``::
 
     <out-dir>/csv/metrics.csv          every logged metric, one row per logging step
     <out-dir>/csv/hparams.yaml
@@ -266,9 +266,7 @@ class GPTLitModule(L.LightningModule):
         return self.model(idx)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         input_ids, targets = batch
@@ -369,7 +367,7 @@ _UNSTABLE: dict[str, Any] = {
     "steps": 300,
     "every_n_steps": 1,
     "spike_warmup": 1,
-    # this recipe's training loss blows up at step 2 (python -m curvwatch.demo --unstable --steps 20): no rule built
+    # this recipe's training loss blows up at step 2 (python -m examples.demo --unstable --steps 20): no rule built
     # to lead a divergence can (the suite's growth rule, even on a 5-step window without warmup, fired at step 8);
     # the legacy spike rule runs beside the suite's and fires at step 1, on the jump itself
     "warning_rules": "all",
@@ -399,7 +397,7 @@ _LLAMA_SHAPE: dict[str, Any] = {"norm": "pre", "n_head": 4, "n_query_groups": 2}
 def build_parser() -> argparse.ArgumentParser:
     """The demo's argument parser (flags left at ``None`` take the preset's value)."""
     p = argparse.ArgumentParser(
-        prog="python -m curvwatch.demo",
+        prog="python -m examples.demo",
         description="Train a small GPT (ours, or a LLaMA-style one built with litgpt) on n-digit addition while "
         "curvwatch logs per-block Hessian norms.",
         epilog="Each option's default is in [brackets]; options left out take the preset's value.",
@@ -410,15 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"post-LN, lr {_UNSTABLE['lr']}, no warmup, no clipping: the loss blows up during the run",
     )
-    preset.add_argument(
-        "--quick", action="store_true", help="a tiny run of a few seconds (used by the tests)"
-    )
+    preset.add_argument("--quick", action="store_true", help="a tiny run of a few seconds (used by the tests)")
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=None, help=f"optimizer steps [{_DEFAULTS['steps']}]")
     run.add_argument("--seed", type=int, default=0, help="[0]")
-    run.add_argument(
-        "--out-dir", type=Path, default=None, help="output folder [./curvwatch_runs/<timestamp>]"
-    )
+    run.add_argument("--out-dir", type=Path, default=None, help="output folder [./curvwatch_runs/<timestamp>]")
     run.add_argument(
         "--threads",
         type=int,
@@ -435,9 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mon = p.add_argument_group("curvature monitor")
     mon.add_argument("--no-monitor", action="store_true", help="train without the CurvatureMonitor")
-    mon.add_argument(
-        "--every-n-steps", type=int, default=None, help=f"monitor period [{_DEFAULTS['every_n_steps']}]"
-    )
+    mon.add_argument("--every-n-steps", type=int, default=None, help=f"monitor period [{_DEFAULTS['every_n_steps']}]")
     mon.add_argument(
         "--terms-every-n-steps",
         type=int,
@@ -445,9 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log the quantities that need no Lanczos (bound terms, LayerNorm statistics, exact norms) "
         f"every N steps; 0 disables [{_DEFAULTS['terms_every_n_steps']}]",
     )
-    mon.add_argument(
-        "--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]"
-    )
+    mon.add_argument("--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]")
     mon.add_argument(
         "--warning-rules",
         choices=["suite", "legacy", "all"],
@@ -491,9 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt.add_argument("--warmup-steps", type=int, default=None, help=f"[{_DEFAULTS['warmup_steps']}]")
     opt.add_argument("--grad-clip", type=float, default=None, help=f"0 disables [{_DEFAULTS['grad_clip']}]")
-    opt.add_argument(
-        "--val-every", type=int, default=None, help=f"validate every N steps [{_DEFAULTS['val_every']}]"
-    )
+    opt.add_argument("--val-every", type=int, default=None, help=f"validate every N steps [{_DEFAULTS['val_every']}]")
     return p
 
 
@@ -887,9 +875,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
             )
             loggers.append(wandb_logger)
         except ModuleNotFoundError as err:  # wandb is an optional extra
-            print(
-                f"[curvwatch demo] W&B logging skipped ({err}); install with `pip install curvwatch[wandb]`."
-            )
+            print(f"[curvwatch demo] W&B logging skipped ({err}); install with `pip install curvwatch[wandb]`.")
 
     callbacks: list[L.Callback] = []
     monitor = None
@@ -1067,17 +1053,14 @@ def cost_line(result: DemoResult) -> str:
     )
 
 
-def _print_summary(
-    result: DemoResult, model: nn.Module, data: AdditionDataModule, n_digits: int, desc: str
-) -> None:
+def _print_summary(result: DemoResult, model: nn.Module, data: AdditionDataModule, n_digits: int, desc: str) -> None:
     lines = ["", "=" * 78, "curvwatch demo summary", "=" * 78, f"run:        {desc}"]
     lines.append(
         f"training:   {result.steps} steps in {result.train_seconds:.1f} s "
         f"({result.steps / max(result.train_seconds, 1e-9):.1f} steps/s)"
     )
     lines.append(
-        f"final val:  loss {result.final_val_loss:.4f}, "
-        f"exact-match accuracy {100 * result.final_val_acc:.1f}%"
+        f"final val:  loss {result.final_val_loss:.4f}, exact-match accuracy {100 * result.final_val_acc:.1f}%"
     )
     assert data.val_set is not None  # set up by trainer.fit
     operands = data.val_set.dataset.operands  # type: ignore[attr-defined]
@@ -1122,7 +1105,10 @@ def _print_summary(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``curvwatch-demo``); ``argv`` defaults to ``sys.argv[1:]``. Returns 0."""
+    """Command-line entry point (``python -m examples.demo``, ``make demo``).
+
+    ``argv`` defaults to ``sys.argv[1:]``. Returns 0.
+    """
     run(argv)
     return 0
 
