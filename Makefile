@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m curvwatch.demo $(ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m examples.demo $(ARGS)
 
 test: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(PY) -m pytest -q $(ARGS)

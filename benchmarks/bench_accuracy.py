@@ -31,7 +31,7 @@ from curvwatch import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX
-from curvwatch.demo import GPTLitModule
+from examples.demo import GPTLitModule
 
 NAME = "bench_accuracy"
 # (tol, max_iter, max_basis); (1e-2, 40, 16) is the monitor's default, None holds every vector (no restarts)

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from curvwatch import CurvatureMonitor
+from curvwatch import Cadence, CurvatureMonitor
 
 NAME = "bench_dispatch"
 _SYNC_OPS = ("aten._local_scalar_dense.default",)
@@ -187,8 +187,12 @@ def variants() -> dict[str, Any]:
     """The monitors compared: none, a full evaluation every step, a terms-only evaluation every step."""
     return {
         "off": lambda: None,
-        "full": lambda: CurvatureMonitor(every_n_train_steps=1, max_overhead=None, terms_every_n_train_steps=None),
-        "terms": lambda: CurvatureMonitor(every_n_train_steps=10**9, max_overhead=None, terms_every_n_train_steps=1),
+        "full": lambda: CurvatureMonitor(
+            every_n_train_steps=1, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=None)
+        ),
+        "terms": lambda: CurvatureMonitor(
+            every_n_train_steps=10**9, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1)
+        ),
     }
 
 

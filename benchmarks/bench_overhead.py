@@ -2,7 +2,7 @@
 
 Two models are trained with and without the monitor, same seed, data order and settings:
 
-* ``demo``: :mod:`curvwatch.demo`'s default run (GPT, 2 layers, d_model 64, 4 heads, 3-digit addition, batch 64,
+* ``demo``: :mod:`examples.demo`'s default run (GPT, 2 layers, d_model 64, 4 heads, 3-digit addition, batch 64,
   AdamW with the demo's schedule and gradient clipping);
 * ``mid``: a mid-size GPT (6 layers, d_model 384, 6 heads, L = 256, vocabulary 65 as nanoGPT's
   shakespeare-char) on random tokens (no download), small batch (``--mid-batch``, default 8).
@@ -21,10 +21,11 @@ median over rounds is reported.
   the monitored run's own steps without evaluation, immune to the machine's load changing between runs;
 * **derived** cells (mid-size model at cadences 50 and 200, whose windows would need hundreds of slow steps)
   are ``cost_per_eval / N`` from the cadence-10 cost, not measured;
-* **terms only, every step**: ``CurvatureMonitor(terms_every_n_train_steps=1, terms_keys="all")`` (every bound term)
-  with full evaluations out of the window (``every_n_train_steps`` beyond the run: only step 0, in the warm-up),
-  measured like cadence 1 on the cadence-1 window, in the same rounds; **warnings only, every step** the same with
-  ``terms_keys="warnings"`` (the default: what the warning rules read).
+* **terms only, every step**: ``CurvatureMonitor(cadence=Cadence(terms_every_n_train_steps=1),
+  evaluation=Evaluation(terms_keys="all"))`` (every bound term) with full evaluations out of the window
+  (``every_n_train_steps`` beyond the run: only step 0, in the warm-up), measured like cadence 1 on the cadence-1
+  window, in the same rounds; **warnings only, every step** the same with ``terms_keys="warnings"`` (the default:
+  what the warning rules read).
 
 Run ``python -m benchmarks.bench_overhead [--quick] [--out PATH]``.
 """
@@ -32,6 +33,7 @@ Run ``python -m benchmarks.bench_overhead [--quick] [--out PATH]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
@@ -50,20 +52,21 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from benchmarks.common import environment, markdown_table, select_device, synchronize, time_interleaved, write_json
-from curvwatch import CurvatureMonitor, find_blocks
+from curvwatch import Cadence, CurvatureMonitor, Evaluation, find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset, sequence_length
-from curvwatch.demo import GPTLitModule, build_parser, resolve_settings
 from curvwatch.models.gpt import GPTConfig
+from examples.demo import GPTLitModule, build_parser, resolve_settings
 
 NAME = "bench_overhead"
 CPU = torch.device("cpu")
 CADENCES = (1, 10, 50, 200)
 DERIVE_FROM = 10  # the cadence whose measured cost per evaluation gives the derived cells
 GOAL_OVERHEAD, GOAL_COST = 0.01, 1.0  # at the monitor's defaults; per evaluation at every step
-DEMO = resolve_settings(build_parser().parse_args([]))  # curvwatch.demo's default run
-# The monitor's kwargs in the fixed-cadence runs (its defaults, but a fixed schedule: no overhead budget).
+DEMO = resolve_settings(build_parser().parse_args([]))  # examples.demo's default run
+# The monitor's settings in the fixed-cadence runs (its defaults, but a fixed schedule: no overhead budget), put in
+# their groups (Evaluation, Cadence) by run_training; the JSON records them flat.
 MONITOR_KWARGS: dict[str, Any] = {
     "max_tokens": 512,
     "tol": 1e-2,
@@ -116,7 +119,7 @@ def demo_model(rounds: int) -> Model:
     return Model(
         "demo", cfg, DEMO["batch_size"], "addition", n, warmup=10,
         windows={1: 30, 10: 200, 50: 400, 200: 400}, rounds=rounds, default_steps=DEMO["steps"],
-        notes="curvwatch.demo defaults: 3-digit addition, batch 64, L = 11",
+        notes="examples.demo defaults: 3-digit addition, batch 64, L = 11",
     )  # fmt: skip
 
 
@@ -187,14 +190,21 @@ def train_once(
     timer = StepTimer(device)
     callbacks: list[Callback] = [timer]
     monitor = None
-    if cadence == "default":
-        monitor = CurvatureMonitor(max_tokens=m.max_tokens)  # every 200 steps, max_overhead=0.01
+    k = MONITOR_KWARGS
+    evaluation = Evaluation(max_tokens=m.max_tokens, tol=k["tol"], max_iter=k["max_iter"], pairs=k["pairs"])
+    if cadence == "default":  # every 200 steps, max_overhead=0.01
+        monitor = CurvatureMonitor(evaluation=Evaluation(max_tokens=m.max_tokens))
     elif cadence in ("terms", "warnings"):  # full evaluation at step 0 only (in the warm-up), terms only later
-        kwargs = {**MONITOR_KWARGS, "max_tokens": m.max_tokens, "terms_keys": "all" if cadence == "terms" else cadence}
-        monitor = CurvatureMonitor(every_n_train_steps=steps + 1, terms_every_n_train_steps=1, **kwargs)
+        evaluation = dataclasses.replace(evaluation, terms_keys="all" if cadence == "terms" else cadence)
+        monitor = CurvatureMonitor(
+            every_n_train_steps=steps + 1,
+            cadence=Cadence(terms_every_n_train_steps=1, max_overhead=k["max_overhead"]),
+            evaluation=evaluation,
+        )
     elif cadence is not None:
-        kwargs = {**MONITOR_KWARGS, "max_tokens": m.max_tokens}
-        monitor = CurvatureMonitor(every_n_train_steps=cadence, **kwargs)
+        monitor = CurvatureMonitor(
+            every_n_train_steps=cadence, cadence=Cadence(max_overhead=k["max_overhead"]), evaluation=evaluation
+        )
     if monitor is not None:
         callbacks.append(monitor)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
 
-from curvwatch import CurvatureMonitor
+from curvwatch import Cadence, CurvatureMonitor, Evaluation
 from curvwatch.models.gpt import GPT, GPTConfig
 
 VOCAB, SEQ = 11, 8
@@ -69,8 +69,8 @@ def count(level: str, pairs: str = "diagonal") -> list[str]:
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (32, SEQ)))
     logger = KeyLogger()
     monitor = CurvatureMonitor(
-        every_n_train_steps=2, terms_every_n_train_steps=1, max_overhead=None, log_heatmap=False, pairs=pairs,
-        log_level=level,
+        every_n_train_steps=2, cadence=Cadence(terms_every_n_train_steps=1, max_overhead=None),
+        evaluation=Evaluation(pairs=pairs), log_heatmap=False, log_level=level,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

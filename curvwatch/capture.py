@@ -625,7 +625,8 @@ class Capture:
             if z is None:
                 raise RuntimeError(
                     f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
-                    "tracking on this step; pass logits_module='<name>' for the module whose output the loss reads"
+                    "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the module "
+                    "whose output the loss reads"
                 )
             _SAMPLING[0] += 1
             counted = True

@@ -195,7 +195,8 @@ def evaluation_notices(
             f"Lanczos norms stopped at max_iter={max_iter} before reaching tol={tol:g} (worst relative "
             f"residual {worst[block]:.2g}, in '{block}'); such a norm may read low by up to about that fraction "
             f"(usually far less). {prefix}summary/lanczos/unconverged and {prefix}<block>/lanczos/rel_residual_max "
-            "track it. Raise max_iter for tighter norms (each step costs about one more product), or a larger tol.",
+            "track it. Raise it (evaluation=curvwatch.Evaluation(max_iter=...)) for tighter norms (each step "
+            "costs about one more product), or take a larger tol.",
         ))  # fmt: skip
     return out
 

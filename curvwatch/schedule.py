@@ -212,10 +212,10 @@ class Schedule:
         full, terms = self._tiers()
         if full_due or self.terms_overhead is None:
             (spent, budget), name = full, "max_overhead"
-            fix = "pass every_n_train_steps=... (or max_overhead=None) for a fixed schedule"
+            fix = "pass every_n_train_steps=... (or cadence=curvwatch.Cadence(max_overhead=None)) for a fixed schedule"
         else:
             (spent, budget), name = terms, "the terms-only budget"
-            fix = "pass terms_every_n_train_steps=... for a fixed terms-only cadence"
+            fix = "pass cadence=curvwatch.Cadence(terms_every_n_train_steps=...) for a fixed terms-only cadence"
         return (
             f"CurvatureMonitor: skipping due step {step} and later ones while the evaluations so far ({spent:.3g} s) "
             f"plus one more exceed {name}={budget:g} of the training time ({self.train_seconds:.3g} s); {fix}."
@@ -239,8 +239,9 @@ class Schedule:
             f"CurvatureMonitor: every_n_train_steps={self.every_n_train_steps} is expensive here: one evaluation takes "
             f"{self.last_eval_seconds:.3g} s, about {self.last_eval_seconds / max(per_step, 1e-12):.1f} training steps "
             f"({per_step:.3g} s each), so the monitor adds about {100 * fraction:.0f}% to the training time. The "
-            f"cadence is honoured as chosen; pass max_overhead=0.01 to cap the cost at 1% (due steps are then skipped "
-            "while over budget), a larger every_n_train_steps, or terms_every_n_train_steps for the cheap tier."
+            "cadence is honoured as chosen; pass cadence=curvwatch.Cadence(max_overhead=0.01) to cap the cost at 1% "
+            "(due steps are then skipped while over budget), a larger every_n_train_steps, or "
+            "Cadence(terms_every_n_train_steps=...) for the cheap tier."
         )
 
     # -- checkpoints ----------------------------------------------------------------------------------

@@ -140,8 +140,9 @@ def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, 
             return hits[0], modules[hits[0]]
     raise ValueError(
         f"Cannot find the module whose output is the logits (tried the names {list(LOGITS_NAMES)}). Modules whose "
-        f"output looks like logits: {logits_candidates(model)}. Pass logits_module='<dotted name>' "
-        "(curvwatch.Sharpness(logits_module=...)), or sharpness=False to leave the real-loss curvature out."
+        f"output looks like logits: {logits_candidates(model)}. Pass "
+        "sharpness=curvwatch.Sharpness(logits_module='<dotted name>'), or sharpness=False to leave the real-loss "
+        "curvature out."
     )
 
 
@@ -223,8 +224,9 @@ def loss_weights(
             raise ValueError(
                 "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
                 + (", and the logits have one column" if V < 2 else "")
-                + "). Pass loss='mse' for a squared error, logits_module='<name>' if the module found is not the "
-                "one the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
+                + "). Pass sharpness=curvwatch.Sharpness(loss='mse') for a squared error, "
+                "Sharpness(logits_module='<name>') if the module found is not the one the loss reads (a final "
+                "soft-capping or scaling after it changes the loss's curvature), or "
                 "sharpness=False."
             )
         # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
@@ -245,8 +247,9 @@ def loss_weights(
         raise ValueError(
             f"The loss's gradient at the logits is a hard-label cross-entropy's, but of softmax({slope:.3g} z), not "
             "of softmax(z) of the module found: the logits are scaled after it (a temperature, z / T, a soft-capping), "
-            "which changes the loss's curvature. Pass logits_module='<name>' of the module whose output the loss "
-            "reads as it is (apply the scaling inside it), or sharpness=False; loss= cannot describe it."
+            "which changes the loss's curvature. Pass sharpness=curvwatch.Sharpness(logits_module='<name>') of the "
+            "module whose output the loss reads as it is (apply the scaling inside it), or sharpness=False; loss= "
+            "cannot describe it."
         )
     n_active = int(active.sum()) if count is None else count
     w = active.float() / max(n_active, 1)

@@ -463,7 +463,7 @@ def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog)
         skips = [r for r in caplog.records if "CurvatureMonitor: skipping due step" in r.getMessage()]
         assert len(skips) == (1 if name == "tight" else 0)  # said once, with the way out
         caplog.clear()
-    assert "(or max_overhead=None) for a fixed schedule" in skips[0].getMessage()
+    assert "(or cadence=curvwatch.Cadence(max_overhead=None)) for a fixed schedule" in skips[0].getMessage()
     assert sorted(logged["loose"]) == [0, 1, 2, 3]
     assert sorted(logged["tight"]) == [0]  # step 0 always; afterwards the budget is spent
     fractions = [row[f"{PREFIX}summary/overhead_fraction"] for row in logged["loose"].values()]

@@ -1,4 +1,4 @@
-"""Tests of curvwatch.demo: the quick run end to end with real loggers, and its pieces."""
+"""Tests of examples.demo: the quick run end to end with real loggers, and its pieces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from curvwatch.demo import (
+from curvwatch.models import GPTConfig
+from examples.demo import (
     GPTLitModule,
     build_model,
     build_parser,
@@ -23,7 +24,6 @@ from curvwatch.demo import (
     read_metrics,
     resolve_settings,
 )
-from curvwatch.models import GPTConfig
 
 
 @pytest.mark.slow
@@ -122,7 +122,7 @@ def test_llama_settings():
     quick = resolve_settings(parse(["--quick", "--arch", "llama"]))
     assert (quick["n_head"], quick["n_query_groups"], quick["d_model"], quick["lr"]) == (4, 2, 32, llama["lr"])
     unstable = resolve_settings(parse(["--unstable", "--arch", "llama"]))
-    assert unstable["norm"] == "pre" and unstable["lr"] == resolve_settings(parse(["--unstable"]))["lr"]
+    assert unstable["norm"] == "pre" and unstable["lr_knots"] == resolve_settings(parse(["--unstable"]))["lr_knots"]
     assert resolve_settings(parse(["--arch", "llama", "--lr", "1e-3"]))["lr"] == 1e-3
     assert resolve_settings(parse(["--arch", "llama", "--n-query-groups", "4"]))["n_query_groups"] == 4
     with pytest.raises(ValueError, match="--norm=post for --arch llama"):
@@ -184,15 +184,20 @@ def test_presets_and_overrides():
     default = resolve_settings(parse([]))
     assert default["norm"] == "pre" and default["warmup_steps"] > 0 and default["grad_clip"] > 0
     unstable = resolve_settings(parse(["--unstable"]))
-    assert unstable["norm"] == "post" and unstable["lr"] >= 3e-2
-    assert unstable["warmup_steps"] == 0 and unstable["grad_clip"] == 0
+    knots = unstable["lr_knots"]  # the default model, a healthy start, then a re-warm past the rules' warm-up
+    assert unstable["norm"] == "pre" and unstable["grad_clip"] == 0 and unstable["warning_rules"] == "suite"
+    assert knots[0][1] < knots[1][1] == knots[2][1] == default["lr"] and knots[2][0] >= 100 and knots[-1][1] > 0.1
+    assert resolve_settings(parse(["--lr-knots", "0:1e-3,50:2e-3"]))["lr_knots"] == [(0, 1e-3), (50, 2e-3)]
+    with pytest.raises(SystemExit):
+        parse(["--lr-knots", "0:1e-3,fast"])
     quick = resolve_settings(parse(["--quick", "--steps", "7", "--every-n-steps", "3"]))
     assert quick["steps"] == 7 and quick["every_n_steps"] == 3 and quick["val_every"] == 7
     with pytest.raises(ValueError, match="Invalid --every-n-steps=0"):
         resolve_settings(parse(["--every-n-steps", "0"]))
-    assert default["terms_every_n_steps"] == 10 and resolve_settings(parse(["--terms-every-n-steps", "0"]))[
-        "terms_every_n_steps"
-    ] == 0
+    assert (
+        default["terms_every_n_steps"] == 10
+        and resolve_settings(parse(["--terms-every-n-steps", "0"]))["terms_every_n_steps"] == 0
+    )
     with pytest.raises(ValueError, match="Invalid --terms-every-n-steps=-1"):
         resolve_settings(parse(["--terms-every-n-steps", "-1"]))
 
@@ -209,14 +214,21 @@ def test_help_prints_one_default_per_option():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    module = GPTLitModule(
-        GPTConfig(vocab_size=12, block_size=8, d_model=16), lr=1.0, warmup_steps=10, max_steps=110
-    )
+    module = GPTLitModule(GPTConfig(vocab_size=12, block_size=8, d_model=16), lr=1.0, warmup_steps=10, max_steps=110)
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
     factor = scheduler.lr_lambdas[0]
     assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
     assert factor(10) == pytest.approx(1.0) and factor(110) == pytest.approx(0.1)
     assert factor(60) == pytest.approx(0.55)
+
+
+def test_lr_knots_schedule_and_its_validation():
+    config = GPTConfig(vocab_size=12, block_size=8, d_model=16)
+    module = GPTLitModule(config, lr=0.5, lr_knots=[(0, 0.1), (10, 0.2), (20, 0.5)])
+    factor = module.configure_optimizers()["lr_scheduler"]["scheduler"].lr_lambdas[0]
+    assert [0.5 * factor(s) for s in (0, 5, 10, 15, 20, 99)] == pytest.approx([0.1, 0.15, 0.2, 0.35, 0.5, 0.5])
+    with pytest.raises(ValueError, match=r"Invalid lr_knots=\[\(10, 0.1\), \(5, 0.2\)\]. Must be \(step, lr\) pairs"):
+        GPTLitModule(config, lr_knots=[(10, 0.1), (5, 0.2)])
 
 
 def test_block_norm_plot_reads_curv_columns(tmp_path):
@@ -270,22 +282,31 @@ def test_training_step_loss_ignores_prompt():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300)  # about 20 s on two busy CPU cores
 @pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureWarning")
 @pytest.mark.filterwarnings("ignore::curvwatch.alerts.CurvatureNotice")
 def test_unstable_preset_warns_before_the_loss_blows_up(tmp_path):
-    from curvwatch.demo import run
+    """--unstable's schedule (a healthy start, then the re-warm) on the --quick model, full evaluations only at step 0
+    (the rules read what the terms-only ones log): a default rule (warning_rules="suite", not the legacy spike) fires
+    after the growth rules' 100-step warm-up and well before the loss blows up. Measured: growth in layer0/attn at
+    step 165, blow-up at step 319. The full-size preset (python -m examples.demo --unstable, 360 steps, about two
+    minutes): growth at 180, blow-up at 309 (README)."""
+    from examples.demo import run
 
-    result = run(["--unstable", "--steps", "12", "--wandb", "disabled", "--out-dir", str(tmp_path)])
+    result = run(["--unstable", "--quick", "--every-n-steps", "1000", "--wandb", "disabled", "--out-dir", tmp_path])
     assert result.first_warning_step is not None and result.loss_blowup_step is not None
-    assert result.first_warning_step < result.loss_blowup_step
+    assert result.first_warning.split()[0] in ("growth", "attn_saturation", "ln_collapse", "ln_variance_drop")
+    assert 100 < result.first_warning_step < result.loss_blowup_step - 50  # the healthy start, then a lead
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss") and int(r["step"]) < 100]
+    assert losses[-1] < losses[0] - 0.3  # healthy first: the loss falls before the re-warm
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stable_recipe_fires_no_warning(tmp_path):
     """The stable default (pre-LN, warmup, clipping) over its first 400 steps: no CurvatureWarning at all."""
-    from curvwatch.demo import run
+    from examples.demo import run
 
     result = run(["--steps", "400", "--every-n-steps", "25", "--wandb", "disabled", "--out-dir", str(tmp_path)])
     assert result.first_warning_step is None  # pytest turns any CurvatureWarning into an error as well

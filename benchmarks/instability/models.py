@@ -153,8 +153,8 @@ def build_llama(spec: ModelSpec) -> nn.Module:
     """litgpt's ``GPT`` as a LLaMA-style model: RMSNorm before each sub-block and the head, SwiGLU MLP (the demo's
     width), rotary positions on whole heads, grouped-query attention (``n_head // 2`` key/value groups), no biases;
     initialised like the demo's ``--arch llama`` (normal std 0.02, ``0.02 / sqrt(2 n_layer)`` into the residual)."""
-    from curvwatch.demo import build_model as build_demo_model
-    from curvwatch.demo import llama_ffn_width
+    from examples.demo import build_model as build_demo_model
+    from examples.demo import llama_ffn_width
 
     config = {
         "name": "suite-llama", "block_size": spec.seq_len, "vocab_size": VOCAB_SIZE, "padded_vocab_size": VOCAB_SIZE,

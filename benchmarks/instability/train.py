@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from benchmarks.instability.analysis import onset_step
 from benchmarks.instability.corpus import VOCAB_SIZE, WindowBatches, load_corpus
 from benchmarks.instability.models import MaxLogitProbe, ModelSpec, build_model
-from curvwatch import CurvatureMonitor
+from curvwatch import Cadence, CurvatureMonitor, Evaluation, Warnings
 
 PREFIX = "curv/"
 # keys the traces leave out: one per norm and per head of every bound family, never read by a rule or a plot
@@ -235,13 +235,11 @@ def run(cfg: RunConfig, monitor: bool = True, callbacks: Sequence[Callback] = ()
     curvature = CurvatureMonitor(
         log_level="all",  # the suite records every key (its replays and plots read them)
         every_n_train_steps=cfg.full_every,
-        max_overhead=None,
-        terms_every_n_train_steps=cfg.terms_every,
-        terms_keys=cfg.terms_keys,
-        max_tokens=cfg.max_tokens,
+        cadence=Cadence(max_overhead=None, terms_every_n_train_steps=cfg.terms_every),
+        evaluation=Evaluation(terms_keys=cfg.terms_keys, max_tokens=cfg.max_tokens),
         log_key_prefix=PREFIX,
-        warn=False,
-        warning_rules="legacy",  # today's rules run live (replayed offline to check the replay); RuleSet offline
+        # today's rules run live, silently (replayed offline to check the replay); RuleSet offline
+        warning_rules=Warnings(rules="legacy", warn=False),
         log_heatmap=False,
     )
     pl_log = logging.getLogger("lightning.pytorch")

@@ -1,8 +1,8 @@
 """End-to-end demo: train a small GPT on n-digit addition with a CurvatureMonitor, then summarise and plot.
 
-Run ``python -m curvwatch.demo`` (or ``curvwatch-demo``). It takes about two to three minutes on two CPU
-cores (either ``--arch``), needs no download and no W&B account (the W&B run is offline unless ``WANDB_API_KEY``
-is set), and writes everything under ``--out-dir``::
+Run ``python -m examples.demo`` from the repository root (or ``make demo``; the demo is not part of the installed
+package). It takes about two to three minutes on two CPU cores (either ``--arch``), needs no download and no W&B
+account (the W&B run is offline unless ``WANDB_API_KEY`` is set), and writes everything under ``--out-dir``::
 
     <out-dir>/csv/metrics.csv          every logged metric, one row per logging step
     <out-dir>/csv/hparams.yaml
@@ -22,11 +22,12 @@ The plots read every key of every evaluation (a :class:`curvwatch.logbook.Logboo
 download; needs ``pip install litgpt``): rotary positions, grouped-query attention, RMSNorm before each sub-block
 and a SwiGLU MLP. The monitor reads it through its litgpt adapter; the plots and ``summary.json`` name the arch.
 
-``--unstable`` trains a post-LN model at a high learning rate without warmup or clipping, a recipe that
-makes the loss spike and the model collapse within the run, so the curvature can be watched as it happens
-(with ``--arch llama`` only its optimization settings apply: litgpt's LLaMA blocks are always pre-norm). Its loss
-blows up at step 2, too early for the default rules (built to lead slower divergences: their growth rules skip the
-first 100 steps), so it runs them beside the legacy spike rule (``warning_rules="all"``), which fires at step 1.
+``--unstable`` trains the default model healthily for 100 steps (warmup to lr 5e-3; the loss falls to its plateau),
+then re-warms the learning rate without clipping (5e-3 -> 0.6 by step 400, the instability suite's recipe) until the
+loss blows up, watched by the default warning rules (``warning_rules="suite"``). Measured (360 steps, 2.6 minutes on
+two busy CPU cores, 28 s of CPU time): the growth rule fires at step 180 in both attention blocks, attention
+saturation at step 200, the training loss blows up at step 309 (22 nats by step 349); the summary's ``timeline:``
+line prints the rule, its step and the lead. (``--arch llama`` takes the same schedule; measured on the GPT only.)
 ``--quick`` is a seconds-long smoke run used by the tests.
 """
 
@@ -227,6 +228,8 @@ class GPTLitModule(L.LightningModule):
         warmup_steps: Linear warmup from ``lr / warmup_steps`` to ``lr``; 0 starts at the peak.
         max_steps: Length of the schedule; the cosine decays to ``min_lr_ratio * lr`` at this step.
         min_lr_ratio: Final learning rate as a fraction of the peak.
+        lr_knots: A piecewise-linear schedule instead of warmup + cosine: ``((step, lr), ...)``, steps increasing,
+            linear in between, constant after the last knot (``lr`` is then only the optimizer's base value).
         arch: ``"gpt"`` or ``"llama"`` (see :func:`build_model`).
 
     Example:
@@ -245,6 +248,7 @@ class GPTLitModule(L.LightningModule):
         max_steps: int = 1000,
         min_lr_ratio: float = 0.1,
         arch: str = "gpt",
+        lr_knots: Sequence[Sequence[float]] | None = None,
     ) -> None:
         super().__init__()
         if arch not in ARCHS:
@@ -259,6 +263,14 @@ class GPTLitModule(L.LightningModule):
                 f"Invalid warmup_steps={warmup_steps}, max_steps={max_steps}. "
                 "Need warmup_steps >= 0 and max_steps >= 1."
             )
+        if lr_knots is not None:
+            lr_knots = [(int(step), float(value)) for step, value in lr_knots]
+            steps = [step for step, _ in lr_knots]
+            if not lr_knots or steps != sorted(set(steps)) or min(v for _, v in lr_knots) <= 0:
+                raise ValueError(
+                    f"Invalid lr_knots={lr_knots}. Must be (step, lr) pairs with increasing steps and lr > 0, "
+                    "e.g. [(0, 1e-3), (100, 5e-3), (300, 0.1)]."
+                )
         self.save_hyperparameters()
         self.model = build_model(arch, config)
 
@@ -266,9 +278,7 @@ class GPTLitModule(L.LightningModule):
         return self.model(idx)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         input_ids, targets = batch
@@ -295,6 +305,8 @@ class GPTLitModule(L.LightningModule):
         )
 
         def lr_factor(step: int) -> float:
+            if hp.lr_knots is not None:
+                return piecewise_lr(hp.lr_knots, step) / hp.lr
             if step < hp.warmup_steps:
                 return (step + 1) / hp.warmup_steps
             progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
@@ -302,6 +314,37 @@ class GPTLitModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def piecewise_lr(knots: Sequence[Sequence[float]], step: int) -> float:
+    """The learning rate at ``step`` of a schedule given by knots ``((step, lr), ...)``: linear in between, constant
+    before the first and after the last (what the instability suite's runs use).
+
+    Example:
+        >>> [piecewise_lr([(0, 1.0), (10, 2.0)], s) for s in (0, 5, 10, 20)]
+        [1.0, 1.5, 2.0, 2.0]
+    """
+    if step <= knots[0][0]:
+        return float(knots[0][1])
+    for (s0, v0), (s1, v1) in zip(knots, knots[1:], strict=False):
+        if step <= s1:
+            return float(v0 + (v1 - v0) * (step - s0) / (s1 - s0))
+    return float(knots[-1][1])
+
+
+def parse_lr_knots(text: str) -> list[tuple[int, float]]:
+    """``"0:1e-3,100:5e-3"`` -> ``[(0, 0.001), (100, 0.005)]`` (the ``--lr-knots`` flag).
+
+    Example:
+        >>> parse_lr_knots("0:1e-3, 100:5e-3")
+        [(0, 0.001), (100, 0.005)]
+    """
+    try:
+        return [(int(step), float(lr)) for step, lr in (item.split(":") for item in text.split(",") if item.strip())]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"Invalid --lr-knots={text!r} ({err}). Must be comma-separated step:lr pairs, e.g. 0:1e-3,100:5e-3"
+        ) from None
 
 
 @torch.no_grad()
@@ -347,32 +390,27 @@ _DEFAULTS: dict[str, Any] = {
     "steps": 2000,
     "lr": 5e-3,
     "warmup_steps": 100,
+    "lr_knots": None,  # a piecewise-linear schedule instead of warmup + cosine
     "weight_decay": 0.1,
     "grad_clip": 1.0,
     "every_n_steps": 50,
     # the exact quantities (bound terms, LayerNorm statistics, exact norms) in between: no Lanczos, cheap
     "terms_every_n_steps": 10,
-    "spike_warmup": 3,
     "max_tokens": None,  # the monitor's default
     "val_every": 250,
     "threads": 1,
     "warning_rules": "suite",
     "log_level": "summary",
 }
-# The unstable recipe blows up within the first few steps, so it is watched at every step, and the spike
-# detector takes its baseline from the first evaluation alone (spike_warmup=1).
+# The unstable recipe: healthy training first (the default model and warmup to lr 5e-3; the loss falls from 2.1 to
+# its 1.73-nat plateau by step 70), then from step 100 a learning-rate re-warm without clipping (5e-3 -> 0.6 by step
+# 400, the instability suite's recipe) that grows the attention logits until the loss blows up. It runs the default
+# warning rules (the growth rules skip the first 100 steps); measured (README, "Cadence, cost and accuracy"): growth
+# fires at step 165, attention saturation at 195, the loss blows up at step 309.
 _UNSTABLE: dict[str, Any] = {
-    "norm": "post",
-    "lr": 5e-2,
-    "warmup_steps": 0,
+    "lr_knots": ((0, 5e-4), (50, 5e-3), (100, 5e-3), (400, 0.6)),
     "grad_clip": 0.0,
-    "steps": 300,
-    "every_n_steps": 1,
-    "spike_warmup": 1,
-    # this recipe's training loss blows up at step 2 (python -m curvwatch.demo --unstable --steps 20): no rule built
-    # to lead a divergence can (the suite's growth rule, even on a 5-step window without warmup, fired at step 8);
-    # the legacy spike rule runs beside the suite's and fires at step 1, on the jump itself
-    "warning_rules": "all",
+    "steps": 360,
 }
 _QUICK: dict[str, Any] = {
     "n_digits": 2,
@@ -399,7 +437,7 @@ _LLAMA_SHAPE: dict[str, Any] = {"norm": "pre", "n_head": 4, "n_query_groups": 2}
 def build_parser() -> argparse.ArgumentParser:
     """The demo's argument parser (flags left at ``None`` take the preset's value)."""
     p = argparse.ArgumentParser(
-        prog="python -m curvwatch.demo",
+        prog="python -m examples.demo",
         description="Train a small GPT (ours, or a LLaMA-style one built with litgpt) on n-digit addition while "
         "curvwatch logs per-block Hessian norms.",
         epilog="Each option's default is in [brackets]; options left out take the preset's value.",
@@ -408,17 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument(
         "--unstable",
         action="store_true",
-        help=f"post-LN, lr {_UNSTABLE['lr']}, no warmup, no clipping: the loss blows up during the run",
+        help="healthy training, then from step 100 a learning-rate re-warm to 0.6 without clipping: the default "
+        "warning rules fire before the loss blows up",
     )
-    preset.add_argument(
-        "--quick", action="store_true", help="a tiny run of a few seconds (used by the tests)"
-    )
+    preset.add_argument("--quick", action="store_true", help="a tiny run of a few seconds (used by the tests)")
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=None, help=f"optimizer steps [{_DEFAULTS['steps']}]")
     run.add_argument("--seed", type=int, default=0, help="[0]")
-    run.add_argument(
-        "--out-dir", type=Path, default=None, help="output folder [./curvwatch_runs/<timestamp>]"
-    )
+    run.add_argument("--out-dir", type=Path, default=None, help="output folder [./curvwatch_runs/<timestamp>]")
     run.add_argument(
         "--threads",
         type=int,
@@ -435,9 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mon = p.add_argument_group("curvature monitor")
     mon.add_argument("--no-monitor", action="store_true", help="train without the CurvatureMonitor")
-    mon.add_argument(
-        "--every-n-steps", type=int, default=None, help=f"monitor period [{_DEFAULTS['every_n_steps']}]"
-    )
+    mon.add_argument("--every-n-steps", type=int, default=None, help=f"monitor period [{_DEFAULTS['every_n_steps']}]")
     mon.add_argument(
         "--terms-every-n-steps",
         type=int,
@@ -445,9 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log the quantities that need no Lanczos (bound terms, LayerNorm statistics, exact norms) "
         f"every N steps; 0 disables [{_DEFAULTS['terms_every_n_steps']}]",
     )
-    mon.add_argument(
-        "--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]"
-    )
+    mon.add_argument("--max-tokens", type=int, default=None, help="tokens per monitored step [the monitor's default]")
     mon.add_argument(
         "--warning-rules",
         choices=["suite", "legacy", "all"],
@@ -490,10 +521,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=float, default=None, help=f"peak learning rate [{_DEFAULTS['lr']}; llama {_LLAMA['lr']}]"
     )
     opt.add_argument("--warmup-steps", type=int, default=None, help=f"[{_DEFAULTS['warmup_steps']}]")
-    opt.add_argument("--grad-clip", type=float, default=None, help=f"0 disables [{_DEFAULTS['grad_clip']}]")
     opt.add_argument(
-        "--val-every", type=int, default=None, help=f"validate every N steps [{_DEFAULTS['val_every']}]"
+        "--lr-knots",
+        type=parse_lr_knots,
+        default=None,
+        help="a piecewise-linear learning rate instead of --lr, --warmup-steps and the cosine: step:lr pairs, "
+        "e.g. 0:1e-3,100:5e-3 [warmup + cosine; --unstable: "
+        + ",".join(f"{step}:{lr:g}" for step, lr in _UNSTABLE["lr_knots"])
+        + "]",
     )
+    opt.add_argument("--grad-clip", type=float, default=None, help=f"0 disables [{_DEFAULTS['grad_clip']}]")
+    opt.add_argument("--val-every", type=int, default=None, help=f"validate every N steps [{_DEFAULTS['val_every']}]")
     return p
 
 
@@ -819,6 +857,7 @@ class DemoResult:
     plots: list[Path] = field(default_factory=list)
     wandb_dir: Path | None = None
     first_warning_step: int | None = None
+    first_warning: str = ""  # its rule and block ("growth in layer0/attn")
     loss_blowup_step: int | None = None
     arch: str = "gpt"
     model: str = ""  # describe_model's line
@@ -869,6 +908,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         warmup_steps=s["warmup_steps"],
         max_steps=s["steps"],
         arch=arch,
+        lr_knots=s["lr_knots"],
     )
     n_params = num_parameters(module.model)
     model_desc = describe_model(arch, config, n_params)
@@ -887,29 +927,26 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
             )
             loggers.append(wandb_logger)
         except ModuleNotFoundError as err:  # wandb is an optional extra
-            print(
-                f"[curvwatch demo] W&B logging skipped ({err}); install with `pip install curvwatch[wandb]`."
-            )
+            print(f"[curvwatch demo] W&B logging skipped ({err}); install with `pip install curvwatch[wandb]`.")
 
     callbacks: list[L.Callback] = []
     monitor = None
     record = FullRecord()
     if not args.no_monitor:
         try:
-            from curvwatch import CurvatureMonitor
+            from curvwatch import Cadence, CurvatureMonitor, Evaluation
         except ImportError as err:
             print(f"[curvwatch demo] CurvatureMonitor unavailable ({err}); training without it.")
         else:
-            kwargs = {} if s["max_tokens"] is None else {"max_tokens": s["max_tokens"]}
+            tokens = {} if s["max_tokens"] is None else {"max_tokens": s["max_tokens"]}
             monitor = CurvatureMonitor(
                 every_n_train_steps=s["every_n_steps"],
-                terms_every_n_train_steps=s["terms_every_n_steps"] or None,
-                terms_keys="all",  # the demo shows every bound term on its terms-only steps, not only the rules' keys
-                max_overhead=None,  # a fixed schedule: the demo favours dense plots over a 1% budget
-                spike_warmup=s["spike_warmup"],
+                # a fixed schedule: the demo favours dense plots over a 1% budget
+                cadence=Cadence(terms_every_n_train_steps=s["terms_every_n_steps"] or None, max_overhead=None),
+                # the demo shows every bound term on its terms-only steps, not only the rules' keys
+                evaluation=Evaluation(terms_keys="all", **tokens),
                 warning_rules=s["warning_rules"],
                 log_level=s["log_level"],
-                **kwargs,
             )
             monitor.book.listeners.append(record.add)  # the plots read every key, whatever reaches the loggers
             callbacks.append(monitor)
@@ -932,9 +969,10 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         default_root_dir=out_dir,
     )
 
-    desc = (
-        f"{s['n_digits']}-digit addition | {model_desc} | {s['steps']} steps, "
-        f"batch {s['batch_size']}, lr {s['lr']:g}, warmup {s['warmup_steps']}"
+    desc = f"{s['n_digits']}-digit addition | {model_desc} | {s['steps']} steps, batch {s['batch_size']}, " + (
+        f"lr {s['lr']:g}, warmup {s['warmup_steps']}"
+        if s["lr_knots"] is None
+        else "lr " + " -> ".join(f"{lr:g} (step {step})" for step, lr in s["lr_knots"])
     )
     print(f"[curvwatch demo] {desc}")
     print(f"[curvwatch demo] outputs -> {out_dir}")
@@ -968,7 +1006,9 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
     if monitor is not None and callable(getattr(monitor, "summary_text", None)):
         result.monitor_summary = monitor.summary_text()
     if monitor is not None and getattr(monitor, "alerts", None):
-        result.first_warning_step = min(a.step for a in monitor.alerts)
+        first = min(monitor.alerts, key=lambda a: a.step)
+        result.first_warning_step = first.step
+        result.first_warning = f"{first.kind} in {first.block}"
         result.warnings = len(monitor.alerts)
     if monitor is not None:
         result.coverage = monitor.coverage
@@ -1067,17 +1107,14 @@ def cost_line(result: DemoResult) -> str:
     )
 
 
-def _print_summary(
-    result: DemoResult, model: nn.Module, data: AdditionDataModule, n_digits: int, desc: str
-) -> None:
+def _print_summary(result: DemoResult, model: nn.Module, data: AdditionDataModule, n_digits: int, desc: str) -> None:
     lines = ["", "=" * 78, "curvwatch demo summary", "=" * 78, f"run:        {desc}"]
     lines.append(
         f"training:   {result.steps} steps in {result.train_seconds:.1f} s "
         f"({result.steps / max(result.train_seconds, 1e-9):.1f} steps/s)"
     )
     lines.append(
-        f"final val:  loss {result.final_val_loss:.4f}, "
-        f"exact-match accuracy {100 * result.final_val_acc:.1f}%"
+        f"final val:  loss {result.final_val_loss:.4f}, exact-match accuracy {100 * result.final_val_acc:.1f}%"
     )
     assert data.val_set is not None  # set up by trainer.fit
     operands = data.val_set.dataset.operands  # type: ignore[attr-defined]
@@ -1098,6 +1135,8 @@ def _print_summary(
     if result.monitor_attached:
         lines.append(cost_line(result))
         warn = "none" if result.first_warning_step is None else f"step {result.first_warning_step}"
+        if result.first_warning:
+            warn += f" ({result.first_warning})"
         blow = "none" if result.loss_blowup_step is None else f"step {result.loss_blowup_step}"
         line = (
             f"timeline:   first curvature warning: {warn}; "
@@ -1122,7 +1161,10 @@ def _print_summary(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``curvwatch-demo``); ``argv`` defaults to ``sys.argv[1:]``. Returns 0."""
+    """Command-line entry point (``python -m examples.demo``, ``make demo``).
+
+    ``argv`` defaults to ``sys.argv[1:]``. Returns 0.
+    """
     run(argv)
     return 0
 
