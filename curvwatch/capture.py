@@ -69,7 +69,7 @@ from torch import Tensor
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import LogitSampler, LossKind, _chunk_rows, loss_weights
+from curvwatch.sharpness import SOFT, LogitSampler, LossKind, _chunk_rows, loss_weights, soft_divisor
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -357,9 +357,11 @@ def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float
     V = z.shape[-1]
     z_kept, g_kept = z.detach()[rows], gz[rows]
     everything = z_kept.numel() == z.numel()
-    count = None  # what an assumed mean (soft targets, squared error) runs over: the whole batch
+    count = None  # what an assumed mean (label smoothing, squared error) runs over: the whole batch
     if LossKind(kind) is LossKind.MSE:
         count = z.numel()
+    elif LossKind(kind) in SOFT:  # the reduction named by the user: the whole batch's divisor
+        count = soft_divisor(LossKind(kind), tuple(z.shape))
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
         count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
@@ -600,7 +602,9 @@ class Capture:
             loss: The loss tensor about to be back-propagated (its gradient at the logits gives the loss weights,
                 :func:`curvwatch.sharpness.loss_weights`).
             samples: ``k``, the samples per block (one backward pass from the logits each).
-            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"`` or ``"mse"``.
+            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"``, ``"mse"``, or soft targets with their
+                reduction, ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``
+                (:func:`~curvwatch.sharpness.loss_weights`).
             factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
             generator: Random source for the sampled labels.
             grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
