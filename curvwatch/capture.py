@@ -57,9 +57,10 @@ raises it as a :class:`CaptureError`, so the caller decides whether to skip the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,17 @@ _DTYPES = (torch.float32, torch.float64)
 # gradient hooks ignore a gradient that arrives while it is non-zero, so a second monitor never reads the first one's
 # sampled passes. Process-wide, not thread-local: on CUDA the autograd engine runs the hooks in its own threads.
 _SAMPLING = [0]
+
+
+@contextlib.contextmanager
+def monitor_passes() -> Iterator[None]:
+    """Backward passes of the monitor's own (the in-run check's Hessian-vector products) run inside this: every
+    Capture ignores them, as it does the sampled passes (no gradient recorded, no backward pass counted)."""
+    _SAMPLING[0] += 1
+    try:
+        yield
+    finally:
+        _SAMPLING[0] -= 1
 
 
 def nonfinite_inputs(blocks: Sequence[CapturedBlock]) -> list[list[str]]:
@@ -445,9 +457,18 @@ class Capture:
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
+        self._n_sampled = 0  # the blocks it sampled
+        #: Backward passes through the logits while the capture was open, the sampled ones not counted (more than one:
+        #: micro-batches under manual optimization; the first one is the one captured and sampled).
+        self.backwards = 0
         #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
         #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
         self.on_logits_grad: Callable[[Tensor], None] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        """Whether :meth:`sample_outputs` ran on this capture (once per step: later calls keep its samples)."""
+        return self._sampled
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -457,7 +478,7 @@ class Capture:
         self._records = [_Record() for _ in self.specs]
         self._logits = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
-        self._sampled = False
+        self._sampled, self._n_sampled, self.backwards = False, 0, 0
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -562,16 +583,23 @@ class Capture:
         return type(output)(copy if item is out else item for item in output)
 
     def _on_logits(self, module, args, output) -> None:
-        if self._logits is None and torch.is_grad_enabled():
-            out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
-            if isinstance(out, Tensor) and out.requires_grad:
-                self._logits = out
-                if self.on_logits_grad is not None:
-                    self._handles.append(out.register_hook(self._on_logits_grad))
+        if not torch.is_grad_enabled():
+            return
+        out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
+        if not (isinstance(out, Tensor) and out.requires_grad):
+            return
+        # every forward's logits count their backward pass; only the first is kept (a later micro-batch's are not
+        # sampled: its block inputs and gradients are not the captured ones)
+        self._handles.append(out.register_hook(self._on_logits_grad))
+        if self._logits is None and not self._sampled:
+            self._logits = out
 
     def _on_logits_grad(self, grad: Tensor) -> None:
-        if _SAMPLING[0] or self._sampled or self._logits is None or self.on_logits_grad is None:
-            return  # sampled already (before the backward), or one of the sampled backward passes
+        if _SAMPLING[0]:
+            return  # one of the sampled backward passes (or the gradient read before the backward)
+        self.backwards += 1
+        if self._sampled or self._logits is None or self.on_logits_grad is None:
+            return  # sampled already (before the backward, or in an earlier backward of this step)
         self.on_logits_grad(grad)
 
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
@@ -617,6 +645,9 @@ class Capture:
             RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking).
             ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
         """
+        if self._sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
+            self._release()
+            return self._n_sampled
         z = self._logits
         live = [
             (spec, rec)
@@ -680,6 +711,7 @@ class Capture:
             if counted:
                 _SAMPLING[0] -= 1
             self._release()
+            self._n_sampled = len(sampled)
         return len(sampled)
 
     # -- results ----------------------------------------------------------------------------------

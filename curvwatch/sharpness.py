@@ -481,7 +481,9 @@ def stability_rule(
     """The rule of the optimizer for one block, or ``(None, why not)``.
 
     Args:
-        optimizer: The optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Lightning's ``LightningOptimizer``).
+        optimizer: The optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Lightning's ``LightningOptimizer``), or a
+            list of them (several optimizers, manual optimization): the one whose parameter groups hold the block's
+            weights.
         params: ``{kernel weight name: (module parameters, index)}`` from :func:`param_index_map`: ``index`` is
             the weight's elements as positions in the concatenation of the flattened parameters.
 
@@ -489,12 +491,16 @@ def stability_rule(
     without ``amsgrad`` (after their first step, when ``exp_avg_sq`` exists). For the others no ratio is logged
     (a wrong one would be worse than none); the reason says which.
     """
-    opt = getattr(optimizer, "optimizer", optimizer)
-    groups = _param_groups(opt)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     plist = list(dict.fromkeys(id(p) for ps, _ in params.values() for p in ps))
-    used = [groups.get(i) for i in plist]
-    if not plist or any(g is None for g in used):
-        return None, "some of its weights are not in the optimizer's parameter groups"
+    found = [(o, _param_groups(o)) for o in (getattr(o, "optimizer", o) for o in optimizers)]
+    opt, groups = next(((o, g) for o, g in found if plist and all(i in g for i in plist)), (None, {}))
+    if opt is None:
+        if sum(any(i in g for i in plist) for _, g in found) > 1:
+            return None, "its weights are split between optimizers"
+        where = "the optimizer's" if len(found) == 1 else f"any of the {len(found)} optimizers'"
+        return None, f"some of its weights are not in {where} parameter groups"
+    used = [groups[i] for i in plist]
     keys = ("lr", "momentum", "betas", "dampening", "nesterov", "amsgrad")
     first = {k: used[0].get(k) for k in keys}
     if any({k: g.get(k) for k in keys} != first for g in used[1:]):
@@ -794,6 +800,7 @@ class RealLoss:
             return
         if not (verify and sampled) or loss is None:
             return
+        from curvwatch.capture import monitor_passes
         from curvwatch.verify import VERIFIED, true_sharpness
 
         maps = {}
@@ -802,7 +809,8 @@ class RealLoss:
             if spec.kind in VERIFIED and not isinstance(found, str):
                 maps[spec.name] = (spec, found)
         try:
-            self.verified = true_sharpness(loss, maps, factor)
+            with monitor_passes():  # no capture reads them (gradients, backward passes)
+                self.verified = true_sharpness(loss, maps, factor)
         except RuntimeError as err:
             warn_once(
                 "verify_failed",
