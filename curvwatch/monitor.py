@@ -185,6 +185,7 @@ class Monitor:
         self._coverage = report.coverage_rows(self._specs, model)
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         status = self.real_loss.resolve(model, sharded=read_params is not None)
+        self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))

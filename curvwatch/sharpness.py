@@ -744,8 +744,8 @@ class RealLoss:
             self.status = f"off: {err}"
             return self.status
         self.status = (
-            f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}; stability/... under "
-            "Adam/AdamW from the optimizer's first step on (none at step 0: no second moments yet)"
+            f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}; stability/... and "
+            "stability/max under Adam/AdamW from the optimizer's first step on (none at step 0: no second moments yet)"
         )
         self.hooks_note = backward_hooks_note(model)
         if self.hooks_note:
