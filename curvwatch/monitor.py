@@ -298,7 +298,9 @@ class Monitor:
         )  # fmt: skip
         self.close()
         self.schedule.last_step = step
-        if capture is not None and capture.backwards > 1:
+        # more backward passes than the accumulation the factor undoes (a Hugging Face Trainer captures the first of
+        # its gradient_accumulation_steps and scales it): micro-batches the monitor cannot scale for
+        if capture is not None and capture.backwards > max(1, self.accumulate_grad_batches):
             self.engine.warn_once(
                 "backward_passes",
                 f"CurvatureMonitor: step {step} ran {capture.backwards} backward passes before its optimizer step "
