@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -366,3 +367,30 @@ def test_setup_table_says_stability_starts_after_step_0_under_adam(tmp_path, mon
         assert P + "layer0/ffn/stability/max" not in rows[0] and P + "layer0/ffn/stability/max" in rows[1]
     finally:
         wandb.finish()
+
+
+def test_hf_trainer_accumulation_is_scaled_and_not_noticed(tmp_path):
+    """gradient_accumulation_steps=2: the Trainer's first micro-batch is captured and scaled by 2, so the two backward
+    passes of a step are no manual micro-batches: the real-loss keys are there and no notice says otherwise."""
+    pytest.importorskip("accelerate")
+    tf = pytest.importorskip("transformers")
+    from curvwatch.hf_trainer import CurvatureCallback
+
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, use_cache=False, attn_implementation="eager",
+    )  # fmt: skip
+    data = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(0))
+    rows: dict[int, dict[str, float]] = {}
+    callback = CurvatureCallback(log=lambda m, s: rows.setdefault(s, {}).update(m), **SETTINGS)
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    trainer = tf.Trainer(model=tf.LlamaForCausalLM(config), args=args, train_dataset=dataset, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CurvatureNotice)
+        trainer.train()
+    assert sorted(rows) == [0, 1] and all(any("/sharpness/" in k for k in r) for r in rows.values())
