@@ -470,3 +470,38 @@ def test_kl_batchmean_over_tokens_is_refused_unless_named_then_exact():
     got = float(engine.evaluate(cap.blocks()).results["layer1/ffn"]["sharpness/W2W2"])
     exact = real_loss_top(model, loss_fn, spec, "W_2", loss="soft_batchmean")["sharpness"]
     assert got == pytest.approx(exact, rel=0.2), (got, exact)
+
+
+def test_no_data_and_scaled_logits_reach_the_logger_as_no_value(tmp_path):
+    """What reaches the CSV logger: a kept sequence without loss weight, and logits scaled after the head, give no
+    sharpness/stability key at all (never a 0), the rest of the evaluation, and one notice naming the fix."""
+    import warnings
+
+    from curvwatch import CurvatureMonitor, CurvatureNotice, Evaluation
+    from tests.ddp_script import VOCAB, TinyLM, loader
+    from tests.test_callback import curv_rows, make_trainer, read_rows
+
+    class Ignored(TinyLM):  # the first sequence (the only one kept at max_tokens=7) is not scored
+        def training_step(self, batch, batch_idx):
+            (idx,) = batch
+            labels = idx[:, 1:].clone()
+            labels[0] = -100
+            return F.cross_entropy(self(idx[:, :-1]).reshape(-1, VOCAB), labels.reshape(-1))
+
+    class Scaled(TinyLM):  # a temperature after the head
+        def training_step(self, batch, batch_idx):
+            (idx,) = batch
+            return F.cross_entropy((self(idx[:, :-1]) / 4).reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+    for module, why in ((Ignored(), "carry no loss weight"), (Scaled(), "logits_module=")):
+        monitor = CurvatureMonitor(every_n_train_steps=1, log_level="all", sharpness_samples=2,
+                                   evaluation=Evaluation(max_tokens=7))  # fmt: skip
+        trainer = make_trainer(tmp_path / why[:5], monitor, max_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CurvatureNotice)
+            trainer.fit(module, loader())
+        rows = curv_rows(read_rows(trainer))
+        assert sorted(rows) == [0] and "curv/layer0/attn/hessian/QQ/h0" in rows[0]
+        assert not [k for r in rows.values() for k in r if any(s in k for s in ("sharpness", "stability", "ggn/"))]
+        notices = [str(w.message) for w in caught if issubclass(w.category, CurvatureNotice)]
+        assert len([n for n in notices if "leaves the real-loss keys" in n and why in n]) == 1, notices
