@@ -270,10 +270,17 @@ def loss_weights(
         norm2 = norm2 + g[decisive].square().sum()
         if slope is None:
             slope = _logit_scale(z[decisive], g[decisive], y[decisive])
-        r = _affine_residual(p[decisive], g[decisive], y[decisive])  # label smoothing: g_c = w (p_c - eps/V)
-        smooth2 = smooth2 + r.square().sum()
-        off2 = off2 + g[decisive].square().sum() - g[decisive].gather(1, y[decisive, None]).square().sum()
-        del r
+        # label smoothing, g = w (p - (1 - eps) e_y - eps/V): the label is the most negative entry, or, in a row
+        # predicting it with p_y > 1 - eps (where g_y > 0), the most probable class; the better fit of the two
+        pd, gd = p[decisive], g[decisive]
+        fits = []
+        for label in (y[decisive], pd.argmax(-1)):
+            r2 = _affine_residual(pd, gd, label).square().sum(-1)
+            fits.append((r2, gd.square().sum(-1) - gd.gather(1, label[:, None])[:, 0].square()))
+        better = fits[1][0] < fits[0][0]
+        smooth2 = smooth2 + torch.where(better, fits[1][0], fits[0][0]).sum()
+        off2 = off2 + torch.where(better, fits[1][1], fits[0][1]).sum()
+        del pd, gd, fits
         decisive_any = decisive_any | decisive.any()
         w[i : i + _chunk_rows(V)] = wc.float()
         active[i : i + _chunk_rows(V)] = act

@@ -505,3 +505,18 @@ def test_no_data_and_scaled_logits_reach_the_logger_as_no_value(tmp_path):
         assert not [k for r in rows.values() for k in r if any(s in k for s in ("sharpness", "stability", "ggn/"))]
         notices = [str(w.message) for w in caught if issubclass(w.category, CurvatureNotice)]
         assert len([n for n in notices if "leaves the real-loss keys" in n and why in n]) == 1, notices
+
+
+def test_label_smoothing_of_a_confident_model_keeps_its_note():
+    """Label smoothing where the model predicts the label with p_y > 1 - eps (its gradient entry is then positive, so
+    the label is not the most negative one): still recognised (the most probable class is tried as the label), the
+    mean assumed with the note; not refused as other soft targets are."""
+    z = 5 * torch.randn(32, 13, generator=torch.Generator().manual_seed(0))
+    y = z.argmax(-1)  # confident and right
+    assert float(torch.softmax(z, -1).max(-1).values.min()) < 0.9 < float(torch.softmax(z, -1).max(-1).values.max())
+    for logits in (z, z.bfloat16()):
+        zz = logits.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(F.cross_entropy(zz.float(), y, label_smoothing=0.1), zz)
+        w, _, note = loss_weights(zz.detach(), g)
+        assert "label-smoothing form" in note
+        torch.testing.assert_close(w.double(), torch.full((32,), 1 / 32, dtype=torch.float64))
