@@ -239,7 +239,8 @@ class CurvatureMonitor(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.monitor._capture_step is None:
             return
-        self.monitor.before_optimizer_step(optimizer)
+        # every optimizer (manual optimization may have several): each block's weights are found in theirs
+        self.monitor.before_optimizer_step(trainer.optimizers if len(trainer.optimizers) > 1 else optimizer)
         for key, value in self.monitor.latest.items():
             trainer.callback_metrics[self.log_key_prefix + key] = torch.tensor(value, dtype=torch.float32)
 

@@ -57,9 +57,10 @@ raises it as a :class:`CaptureError`, so the caller decides whether to skip the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,7 @@ from torch import Tensor
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import LogitSampler, LossKind, _chunk_rows, loss_weights
+from curvwatch.sharpness import SOFT, LogitSampler, LossKind, _chunk_rows, loss_weights, soft_divisor
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -79,6 +80,17 @@ _DTYPES = (torch.float32, torch.float64)
 # gradient hooks ignore a gradient that arrives while it is non-zero, so a second monitor never reads the first one's
 # sampled passes. Process-wide, not thread-local: on CUDA the autograd engine runs the hooks in its own threads.
 _SAMPLING = [0]
+
+
+@contextlib.contextmanager
+def monitor_passes() -> Iterator[None]:
+    """Backward passes of the monitor's own (the in-run check's Hessian-vector products) run inside this: every
+    Capture ignores them, as it does the sampled passes (no gradient recorded, no backward pass counted)."""
+    _SAMPLING[0] += 1
+    try:
+        yield
+    finally:
+        _SAMPLING[0] -= 1
 
 
 def nonfinite_inputs(blocks: Sequence[CapturedBlock]) -> list[list[str]]:
@@ -357,9 +369,11 @@ def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float
     V = z.shape[-1]
     z_kept, g_kept = z.detach()[rows], gz[rows]
     everything = z_kept.numel() == z.numel()
-    count = None  # what an assumed mean (soft targets, squared error) runs over: the whole batch
+    count = None  # what an assumed mean (label smoothing, squared error) runs over: the whole batch
     if LossKind(kind) is LossKind.MSE:
         count = z.numel()
+    elif LossKind(kind) in SOFT:  # the reduction named by the user: the whole batch's divisor
+        count = soft_divisor(LossKind(kind), tuple(z.shape))
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
         count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
@@ -443,9 +457,18 @@ class Capture:
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
+        self._n_sampled = 0  # the blocks it sampled
+        #: Backward passes through the logits while the capture was open, the sampled ones not counted (more than one:
+        #: micro-batches under manual optimization; the first one is the one captured and sampled).
+        self.backwards = 0
         #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
         #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
         self.on_logits_grad: Callable[[Tensor], None] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        """Whether :meth:`sample_outputs` ran on this capture (once per step: later calls keep its samples)."""
+        return self._sampled
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -455,7 +478,7 @@ class Capture:
         self._records = [_Record() for _ in self.specs]
         self._logits = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
-        self._sampled = False
+        self._sampled, self._n_sampled, self.backwards = False, 0, 0
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -560,16 +583,23 @@ class Capture:
         return type(output)(copy if item is out else item for item in output)
 
     def _on_logits(self, module, args, output) -> None:
-        if self._logits is None and torch.is_grad_enabled():
-            out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
-            if isinstance(out, Tensor) and out.requires_grad:
-                self._logits = out
-                if self.on_logits_grad is not None:
-                    self._handles.append(out.register_hook(self._on_logits_grad))
+        if not torch.is_grad_enabled():
+            return
+        out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
+        if not (isinstance(out, Tensor) and out.requires_grad):
+            return
+        # every forward's logits count their backward pass; only the first is kept (a later micro-batch's are not
+        # sampled: its block inputs and gradients are not the captured ones)
+        self._handles.append(out.register_hook(self._on_logits_grad))
+        if self._logits is None and not self._sampled:
+            self._logits = out
 
     def _on_logits_grad(self, grad: Tensor) -> None:
-        if _SAMPLING[0] or self._sampled or self._logits is None or self.on_logits_grad is None:
-            return  # sampled already (before the backward), or one of the sampled backward passes
+        if _SAMPLING[0]:
+            return  # one of the sampled backward passes (or the gradient read before the backward)
+        self.backwards += 1
+        if self._sampled or self._logits is None or self.on_logits_grad is None:
+            return  # sampled already (before the backward, or in an earlier backward of this step)
         self.on_logits_grad(grad)
 
     def _on_grad(self, spec: BlockSpec, rec: _Record, grad: Tensor) -> None:
@@ -600,7 +630,9 @@ class Capture:
             loss: The loss tensor about to be back-propagated (its gradient at the logits gives the loss weights,
                 :func:`curvwatch.sharpness.loss_weights`).
             samples: ``k``, the samples per block (one backward pass from the logits each).
-            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"`` or ``"mse"``.
+            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"``, ``"mse"``, or soft targets with their
+                reduction, ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``
+                (:func:`~curvwatch.sharpness.loss_weights`).
             factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
             generator: Random source for the sampled labels.
             grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
@@ -613,6 +645,9 @@ class Capture:
             RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking).
             ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
         """
+        if self._sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
+            self._release()
+            return self._n_sampled
         z = self._logits
         live = [
             (spec, rec)
@@ -677,6 +712,7 @@ class Capture:
             if counted:
                 _SAMPLING[0] -= 1
             self._release()
+            self._n_sampled = len(sampled)
         return len(sampled)
 
     # -- results ----------------------------------------------------------------------------------

@@ -152,7 +152,9 @@ class Sharpness:
             off.
         samples: Sampled output gradients per evaluation (each one backward pass from the logits).
         loss: The loss at the logits: ``"auto"`` (softmax cross-entropy, recognised from its gradient; anything else is
-            an error naming the options), ``"cross_entropy"`` or ``"mse"`` (mean over every element).
+            an error naming the options), ``"cross_entropy"``, ``"mse"`` (mean over every element), or soft targets
+            (distillation KL, mixup) with their reduction: ``"soft_batchmean"`` (divided by the logits' first
+            dimension: ``kl_div(..., reduction="batchmean")``), ``"soft_mean"`` (by the logits' rows) or ``"soft_sum"``.
         logits_module: Dotted name of the module whose output the loss reads (``None``: the first of ``lm_head``,
             ``head``, ``classifier``, ``output``, ``score``, ``fc_out``, ``decoder`` found).
         verify_every_n_evals: Every this many full evaluations (``None``, default: never), also compute the true block

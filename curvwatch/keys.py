@@ -133,8 +133,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "stability/{XY}[/{head}]",
         "real-loss sharpness / the stability threshold of the block's optimizer (SGD: `(2 + 2β)/lr` on "
-        "`sharpness/XY`; Adam: `(2 + 2β₁)/((1 − β₁) lr)` on `precond_sharpness/XY`): `≥ 1` is past the edge of "
-        "stability",
+        "`sharpness/XY`; Adam: `(2 + 2β₁)/((1 − β₁) lr)` on `precond_sharpness/XY`, from the optimizer's first step "
+        "on: none at step 0): `≥ 1` is past the edge of stability",
     ),
     KeySpec("sharpness/max", "largest `sharpness/...` of the block", "derived"),
     KeySpec(
@@ -143,7 +143,11 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "loss, head 0), the truth `sharpness/XY` approximates",
     ),
     KeySpec("verify/ratio/{XY}[/{head}]", "`verify/hessian/XY / sharpness/XY` (1: the closed-form view is exact)"),
-    KeySpec("stability/max", "largest `stability/...` of the block", "derived"),
+    KeySpec(
+        "stability/max",
+        "largest `stability/...` of the block (under Adam/AdamW none at step 0: no optimizer state)",
+        "derived",
+    ),
     KeySpec(
         "skipped_nonfinite",
         "1 on evaluations where the block's captured `X`/`grad_output` (or its result) held NaN or Inf: its "
@@ -177,7 +181,8 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "summary/stability/max",
         "largest `stability/...` over the blocks (headline): `≥ 1` means some block is past the edge of stability "
-        "for its optimizer and learning rate",
+        "for its optimizer and learning rate; under Adam/AdamW none at step 0 (no second moments before the first "
+        "step; the set-up table's `sharpness` row says so)",
         "derived",
     ),
     KeySpec("summary/stability/max_layer", "layer index of that block", "derived"),

@@ -68,7 +68,8 @@ class Monitor:
 
     Args:
         model: The model (``None``: call :meth:`attach` later, as the Lightning shell does in ``setup``).
-        optimizer: The optimizer, for the edge-of-stability ratios (``stability/...``); ``None``: no ratios.
+        optimizer: The optimizer, for the edge-of-stability ratios (``stability/...``), or a list of them (each
+            block's ratio from the one holding its weights); ``None``: no ratios.
         log: Where the numbers go: a W&B run, a Lightning/Fabric logger (anything with ``log_metrics``), a
             callable ``fn(metrics: dict, step: int)``, a list of these, or ``None``.
         accumulate_grad_batches: The loss back-propagated is divided by this (gradient accumulation).
@@ -184,6 +185,7 @@ class Monitor:
         self._coverage = report.coverage_rows(self._specs, model)
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         status = self.real_loss.resolve(model, sharded=read_params is not None)
+        self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or verbose:
             rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
@@ -261,8 +263,8 @@ class Monitor:
         """Sample the real-loss output gradients from ``loss``, the tensor about to be back-propagated (optional:
         without it they are sampled during the backward; needed for ``verify_every_n_evals``)."""
         capture = self._capture
-        if capture is None or capture.logits_module is None or self._capture_terms_only:
-            return
+        if capture is None or capture.logits_module is None or self._capture_terms_only or capture.sampled:
+            return  # sampled: a later backward of the step (micro-batches): the first one's samples are kept
         every = self.settings.sharpness.verify_every_n_evals
         verify = every is not None and self.book.evaluations % every == 0
         self._sample(loss, None, verify)
@@ -274,7 +276,8 @@ class Monitor:
                 self.engine.warn_once(
                     "verify_needs_loss",
                     "CurvatureMonitor: verify_every_n_evals needs the loss before its backward; call "
-                    "monitor.before_backward(loss) before loss.backward() to get the verify/... keys.",
+                    "monitor.before_backward(loss) before loss.backward() (Lightning with manual optimization: "
+                    "self.manual_backward(loss) instead of loss.backward()) to get the verify/... keys.",
                 )
             self._sample(None, grad_logits, False)
 
@@ -295,6 +298,18 @@ class Monitor:
         )  # fmt: skip
         self.close()
         self.schedule.last_step = step
+        # more backward passes than the accumulation the factor undoes (a Hugging Face Trainer captures the first of
+        # its gradient_accumulation_steps and scales it): micro-batches the monitor cannot scale for
+        if capture is not None and capture.backwards > max(1, self.accumulate_grad_batches):
+            self.engine.warn_once(
+                "backward_passes",
+                f"CurvatureMonitor: step {step} ran {capture.backwards} backward passes before its optimizer step "
+                "(micro-batches under manual optimization?). The monitor reads the first one: every key of the "
+                "evaluation is that of its loss as back-propagated, not of their sum; with k micro-batches whose "
+                "losses are divided by k, the values and the stability ratios read about 1/k of the step's "
+                "curvature (automatic optimization's accumulate_grad_batches is scaled back, manual micro-batches "
+                "cannot be).",
+            )
         self._evaluate_and_log(step, capture, open_error, terms_only, optimizer or self.optimizer)
 
     def close(self) -> None:

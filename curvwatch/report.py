@@ -138,6 +138,17 @@ def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = No
     return rows
 
 
+def sharpness_row(status: str) -> dict[str, str]:
+    """The set-up table's row of the real-loss keys (``sharpness/...``, ``stability/...``): on or off and why
+    (:meth:`curvwatch.sharpness.RealLoss.resolve`'s status, which says when ``stability/...`` starts).
+
+    Example:
+        >>> sharpness_row("off (sharpness=False)")
+        {'layer': '-', 'part': 'sharpness', 'kind': 'real loss', 'status': 'off (sharpness=False)'}
+    """
+    return {"layer": "-", "part": "sharpness", "kind": "real loss", "status": status}
+
+
 def coverage_text(rows: Sequence[Mapping[str, str]]) -> str:
     """The rows of :func:`coverage_rows` as an aligned text table.
 

@@ -49,6 +49,7 @@ __all__ = [
     "loss_weights",
     "param_index_map",
     "param_positions",
+    "soft_divisor",
     "stability_keys",
     "stability_rule",
 ]
@@ -104,6 +105,29 @@ class LossKind(str, Enum):
     AUTO = "auto"  # cross-entropy when the gradient rows sum to zero, else an error naming the options
     CROSS_ENTROPY = "cross_entropy"
     MSE = "mse"  # mean squared error over every element of the output
+    # softmax cross-entropy (or KL divergence) with soft targets of any form (distillation, mixup), whose per-row
+    # weight the gradient cannot tell: the user names the reduction
+    SOFT_MEAN = "soft_mean"  # divided by the rows of the logits (cross_entropy with probabilities, mean)
+    SOFT_BATCHMEAN = "soft_batchmean"  # divided by the logits' first dimension (kl_div(..., "batchmean"))
+    SOFT_SUM = "soft_sum"  # summed over the rows
+
+
+#: The soft-target kinds: cross-entropy's curvature with a per-row weight named by the user.
+SOFT = (LossKind.SOFT_MEAN, LossKind.SOFT_BATCHMEAN, LossKind.SOFT_SUM)
+
+
+def soft_divisor(kind: LossKind, shape: tuple[int, ...]) -> int:
+    """What a soft-target loss of ``kind`` over logits of ``shape`` ``(..., V)`` is divided by (1: a sum).
+
+    Example:
+        >>> [soft_divisor(k, (4, 128, 50)) for k in SOFT]
+        [512, 4, 1]
+    """
+    if kind is LossKind.SOFT_MEAN:
+        return max(1, math.prod(shape[:-1]))
+    if kind is LossKind.SOFT_BATCHMEAN:
+        return max(1, shape[0]) if len(shape) > 1 else 1
+    return 1
 
 
 def find_logits_module(model: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
@@ -170,19 +194,24 @@ def loss_weights(
 
     Cross-entropy: ``grad_n = w_n (p_n - t_n)`` with ``t_n`` the target distribution. With hard targets
     (``t_n = e_y``, found as the most negative entry) ``w_n = -grad_{n,y} / (1 - p_{n,y})`` exactly, for any
-    reduction, ignored rows (``w_n = 0``) and per-token weights. With soft targets (label smoothing, mixup) the
-    target is unknown: the weight of a mean over the rows with a non-zero gradient is used (PyTorch's ``mean``
-    reduction), and ``note`` says so. Squared error: ``grad = 2 w (z - y)`` cannot tell ``w`` from the residual,
-    so the mean over every element is assumed (``w_n = 1/numel``).
+    reduction, ignored rows (``w_n = 0``) and per-token weights. Label smoothing (``t_n = (1 - eps) e_y + eps/V``,
+    recognised as ``grad_{n,c}`` affine in ``p_{n,c}`` off the label): the weight of a mean over the rows with a
+    non-zero gradient is used (PyTorch's ``mean`` reduction), and ``note`` says so. Other soft targets (a
+    distillation KL divergence, mixup) cannot be told apart from a different weight (``kl_div(..., "batchmean")`` of
+    ``(B, L, V)`` logits divides by ``B``, not by the ``B L`` tokens): an error, unless ``kind`` names the reduction
+    (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``: ``w_n`` = 1 over :func:`soft_divisor`). Squared error:
+    ``grad = 2 w (z - y)`` cannot tell ``w`` from the residual, so the mean over every element is assumed
+    (``w_n = 1/numel``).
 
     Args:
         logits: ``(..., V)`` the loss's input; rows are all leading dimensions.
         grad: ``(..., V)`` the gradient of the loss (as back-propagated: Lightning's accumulation and AMP factors
             included; the caller multiplies the weights by its factor).
-        kind: ``"auto"`` (cross-entropy if every gradient row sums to zero, else an error), ``"cross_entropy"`` or
-            ``"mse"``.
+        kind: ``"auto"`` (cross-entropy if every gradient row sums to zero, else an error), ``"cross_entropy"``,
+            ``"mse"``, or a soft-target reduction: ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``.
         count: What an assumed mean runs over when these rows are part of a larger batch: the rows with a gradient
-            (soft targets) or the elements (squared error) of the whole batch; ``None``: those of ``logits``.
+            (label smoothing) or the elements (squared error) of the whole batch, or the whole batch's
+            :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``.
 
     Returns:
         ``(w, kind, note)``: ``w`` ``(N,)`` float32 (``N`` = rows), the loss kind used, and a note for the user
@@ -190,7 +219,8 @@ def loss_weights(
 
     Raises:
         ValueError: If ``kind`` is invalid, shapes differ, or ``"auto"``/``"cross_entropy"`` meets a gradient
-            that is not a softmax cross-entropy's (the message names the fix).
+            that is not a softmax cross-entropy's, or one with soft targets other than label smoothing (the message
+            names the fix).
     """
     kind = LossKind(kind) if not isinstance(kind, LossKind) else kind
     if tuple(logits.shape) != tuple(grad.shape):
@@ -205,9 +235,13 @@ def loss_weights(
             kind,
             "squared error: assumed the mean over every element",
         )
+    if kind in SOFT:
+        n = soft_divisor(kind, tuple(logits.shape)) if count is None else count
+        return torch.full((N,), 1.0 / n, device=z_all.device), kind, None
     w = torch.zeros(N, device=z_all.device)
     active = torch.zeros(N, dtype=torch.bool, device=z_all.device)
     resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=z_all.device)
+    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=z_all.device)  # the label-smoothing fit's
     decisive_any = torch.zeros((), dtype=torch.bool, device=z_all.device)
     slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
@@ -238,6 +272,17 @@ def loss_weights(
         norm2 = norm2 + g[decisive].square().sum()
         if slope is None:
             slope = _logit_scale(z[decisive], g[decisive], y[decisive])
+        # label smoothing, g = w (p - (1 - eps) e_y - eps/V): the label is the most negative entry, or, in a row
+        # predicting it with p_y > 1 - eps (where g_y > 0), the most probable class; the better fit of the two
+        pd, gd = p[decisive], g[decisive]
+        fits = []
+        for label in (y[decisive], pd.argmax(-1)):
+            r2 = _affine_residual(pd, gd, label).square().sum(-1)
+            fits.append((r2, gd.square().sum(-1) - gd.gather(1, label[:, None])[:, 0].square()))
+        better = fits[1][0] < fits[0][0]
+        smooth2 = smooth2 + torch.where(better, fits[1][0], fits[0][0]).sum()
+        off2 = off2 + torch.where(better, fits[1][1], fits[0][1]).sum()
+        del pd, gd, fits
         decisive_any = decisive_any | decisive.any()
         w[i : i + _chunk_rows(V)] = wc.float()
         active[i : i + _chunk_rows(V)] = act
@@ -251,13 +296,45 @@ def loss_weights(
             "module whose output the loss reads as it is (apply the scaling inside it), or sharpness=False; loss= "
             "cannot describe it."
         )
+    if bool(smooth2.sqrt() > _HARD_FIT * off2.sqrt()):
+        raise ValueError(
+            "The loss's gradient at the logits is a softmax cross-entropy's (or KL divergence's) with soft targets "
+            "(distillation, mixup), whose weight per token it cannot tell: kl_div(..., reduction='batchmean') of "
+            "(B, L, V) logits divides by B, a mean by the B L tokens. Name the reduction: loss='soft_batchmean' "
+            "(divided by the logits' first dimension: kl_div 'batchmean' of the logits as the module outputs them), "
+            "loss='soft_mean' (divided by the rows of the logits: cross_entropy with probability targets, or "
+            "kl_div 'batchmean' of (tokens, V) logits) or loss='soft_sum'; or sharpness=False."
+        )
     n_active = int(active.sum()) if count is None else count
     w = active.float() / max(n_active, 1)
     return (
         w,
         LossKind.CROSS_ENTROPY,
-        (f"soft targets (label smoothing, mixup?): assumed a mean over the {n_active} rows with a gradient"),
+        (
+            f"soft targets of the label-smoothing form: assumed a mean over the {n_active} rows with a gradient "
+            "(PyTorch's 'mean'; pass loss='soft_sum' for a sum, loss='soft_batchmean' for a division by the "
+            "logits' first dimension)"
+        ),
     )
+
+
+def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
+    """The residual, off the label ``y``, of the per-row least-squares fit ``g_c = a p_c + b`` (label smoothing:
+    ``g = w (p - (1 - eps) e_y - eps/V)``, so ``a = w``, ``b = -w eps/V``; a hard label has ``b = 0``). ``(rows, V)``,
+    zero at the label.
+
+    Example:
+        >>> p = torch.softmax(torch.tensor([[2.0, 0.0, -1.0, 0.5]], dtype=torch.float64), -1)
+        >>> t = 0.9 * torch.nn.functional.one_hot(torch.tensor([1]), 4) + 0.1 / 4
+        >>> float(_affine_residual(p, 0.5 * (p - t), torch.tensor([1])).abs().max()) < 1e-15
+        True
+    """
+    off = torch.ones_like(p, dtype=torch.bool).scatter_(1, y[:, None], False)
+    n = max(p.shape[-1] - 1, 1)
+    x = torch.where(off, p - (p * off).sum(-1, keepdim=True) / n, 0)
+    t = torch.where(off, g - (g * off).sum(-1, keepdim=True) / n, 0)
+    a = (x * t).sum(-1, keepdim=True) / x.square().sum(-1, keepdim=True).clamp_min(1e-300)
+    return t - a * x
 
 
 def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:
@@ -305,7 +382,7 @@ class LogitSampler:
     Args:
         logits: ``(..., V)`` the rows to sample (the kept sequences' logits).
         weights: ``(N,)`` their loss weights (:func:`loss_weights`, times the caller's factor).
-        kind: ``LossKind.CROSS_ENTROPY`` or ``LossKind.MSE``.
+        kind: ``LossKind.MSE``, or any other (cross-entropy's curvature: hard labels or soft targets).
 
     Example:
         >>> z, w = torch.tensor([[4.0, 0.0, 0.0]]), torch.ones(1)
@@ -316,7 +393,9 @@ class LogitSampler:
     """
 
     def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind) -> None:
-        self.shape, self.kind = logits.shape, kind
+        # soft targets have cross-entropy's curvature at the logits (their weights come from loss_weights)
+        self.shape, self.kind = logits.shape, (LossKind.MSE if kind is LossKind.MSE else LossKind.CROSS_ENTROPY)
+        kind = self.kind
         self.root = weights.clamp_min(0).sqrt()[:, None].float()  # (N, 1)
         # no (N, V) table is kept: each draw recomputes a chunk of rows at a time from the logits (a view of the
         # live ones), so the extra memory is that of one chunk (_CHUNK) whatever the rows and the vocabulary
@@ -412,7 +491,9 @@ def stability_rule(
     """The rule of the optimizer for one block, or ``(None, why not)``.
 
     Args:
-        optimizer: The optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Lightning's ``LightningOptimizer``).
+        optimizer: The optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Lightning's ``LightningOptimizer``), or a
+            list of them (several optimizers, manual optimization): the one whose parameter groups hold the block's
+            weights.
         params: ``{kernel weight name: (module parameters, index)}`` from :func:`param_index_map`: ``index`` is
             the weight's elements as positions in the concatenation of the flattened parameters.
 
@@ -420,12 +501,16 @@ def stability_rule(
     without ``amsgrad`` (after their first step, when ``exp_avg_sq`` exists). For the others no ratio is logged
     (a wrong one would be worse than none); the reason says which.
     """
-    opt = getattr(optimizer, "optimizer", optimizer)
-    groups = _param_groups(opt)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     plist = list(dict.fromkeys(id(p) for ps, _ in params.values() for p in ps))
-    used = [groups.get(i) for i in plist]
-    if not plist or any(g is None for g in used):
-        return None, "some of its weights are not in the optimizer's parameter groups"
+    found = [(o, _param_groups(o)) for o in (getattr(o, "optimizer", o) for o in optimizers)]
+    opt, groups = next(((o, g) for o, g in found if plist and all(i in g for i in plist)), (None, {}))
+    if opt is None:
+        if sum(any(i in g for i in plist) for _, g in found) > 1:
+            return None, "its weights are split between optimizers"
+        where = "the optimizer's" if len(found) == 1 else f"any of the {len(found)} optimizers'"
+        return None, f"some of its weights are not in {where} parameter groups"
+    used = [groups[i] for i in plist]
     keys = ("lr", "momentum", "betas", "dampening", "nesterov", "amsgrad")
     first = {k: used[0].get(k) for k in keys}
     if any({k: g.get(k) for k in keys} != first for g in used[1:]):
@@ -669,8 +754,8 @@ class RealLoss:
             self.status = f"off: {err}"
             return self.status
         self.status = (
-            f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}; stability/... under "
-            "Adam/AdamW from the optimizer's first step on (none at step 0: no second moments yet)"
+            f"on: logits from '{name}', {self.samples} samples, loss {self.loss.value}; stability/... and "
+            "stability/max under Adam/AdamW from the optimizer's first step on (none at step 0: no second moments yet)"
         )
         self.hooks_note = backward_hooks_note(model)
         if self.hooks_note:
@@ -725,6 +810,7 @@ class RealLoss:
             return
         if not (verify and sampled) or loss is None:
             return
+        from curvwatch.capture import monitor_passes
         from curvwatch.verify import VERIFIED, true_sharpness
 
         maps = {}
@@ -733,7 +819,8 @@ class RealLoss:
             if spec.kind in VERIFIED and not isinstance(found, str):
                 maps[spec.name] = (spec, found)
         try:
-            self.verified = true_sharpness(loss, maps, factor)
+            with monitor_passes():  # no capture reads them (gradients, backward passes)
+                self.verified = true_sharpness(loss, maps, factor)
         except RuntimeError as err:
             warn_once(
                 "verify_failed",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -335,3 +336,61 @@ def test_monitor_logs_to_a_wandb_run(tmp_path, monkeypatch):
         assert run.config["curvwatch/blocks"][0]["part"] == "attn"  # the set-up table too
     finally:
         wandb.finish()
+
+
+def test_setup_table_says_stability_starts_after_step_0_under_adam(tmp_path, monkeypatch):
+    """The set-up table that reaches the W&B run config has a ``sharpness`` row; under AdamW it says that
+    ``stability/max`` starts at the optimizer's first step, and indeed step 0 logs none and step 1 does."""
+    from curvwatch.report import coverage_text
+
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run = wandb.init(project="curvwatch-test", dir=str(tmp_path), mode="offline")
+    try:
+        torch.manual_seed(0)
+        module = TinyLM()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        rows: dict[int, dict[str, float]] = {}
+        log = [run, lambda m, s: rows.setdefault(s, {}).update(m)]
+        monitor = Monitor(module, optimizer=optimizer, log=log, **{**SETTINGS, "sharpness": Sharpness(samples=2)})
+        for step in range(2):
+            with monitor.step(step):
+                tiny_lm_loss(module, next(iter(loader()))[0]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        (row,) = [r for r in run.config["curvwatch/blocks"] if r["part"] == "sharpness"]
+        assert row["status"].startswith("on: logits from 'model.head'") and "none at step 0" in row["status"]
+        assert "stability/max under Adam/AdamW from the optimizer's first step on" in row["status"]
+        assert "none at step 0" in coverage_text(monitor.coverage)
+        assert P + "summary/stability/max" not in rows[0] and P + "summary/stability/max" in rows[1]
+        assert P + "layer0/ffn/stability/max" not in rows[0] and P + "layer0/ffn/stability/max" in rows[1]
+    finally:
+        wandb.finish()
+
+
+def test_hf_trainer_accumulation_is_scaled_and_not_noticed(tmp_path):
+    """gradient_accumulation_steps=2: the Trainer's first micro-batch is captured and scaled by 2, so the two backward
+    passes of a step are no manual micro-batches: the real-loss keys are there and no notice says otherwise."""
+    pytest.importorskip("accelerate")
+    tf = pytest.importorskip("transformers")
+    from curvwatch.hf_trainer import CurvatureCallback
+
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, use_cache=False, attn_implementation="eager",
+    )  # fmt: skip
+    data = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(0))
+    rows: dict[int, dict[str, float]] = {}
+    callback = CurvatureCallback(log=lambda m, s: rows.setdefault(s, {}).update(m), **SETTINGS)
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    trainer = tf.Trainer(model=tf.LlamaForCausalLM(config), args=args, train_dataset=dataset, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CurvatureNotice)
+        trainer.train()
+    assert sorted(rows) == [0, 1] and all(any("/sharpness/" in k for k in r) for r in rows.values())

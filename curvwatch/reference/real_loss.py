@@ -57,8 +57,9 @@ def real_loss_blocks(
         spec: The monitored sub-block the weight belongs to (:func:`curvwatch.find_blocks`).
         weight: The weight as its adapter reads it: ``"W_Q"``, ``"W_1"``, ...
         columns: Columns of that ``(d_in, d_out)`` weight (one head: ``slice(h d_K, (h + 1) d_K)``); ``None``: all.
-        loss: ``"cross_entropy"`` (weights ``w_n`` read from the gradient at the logits, hard labels) or ``"mse"``
-            (the mean over every element).
+        loss: ``"cross_entropy"`` (weights ``w_n`` read from the gradient at the logits, hard labels), ``"mse"``
+            (the mean over every element), or a soft-target reduction (``"soft_mean"``, ``"soft_batchmean"``,
+            ``"soft_sum"``: :func:`curvwatch.sharpness.loss_weights`).
 
     Returns:
         ``{"hessian", "ggn", "own"}``, each ``(n, n)`` in the row-major order of ``W[:, columns]``.
@@ -106,7 +107,7 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
     if loss == "mse":
         H_z = torch.eye(zr.numel(), dtype=zr.dtype) * 2.0 / zr.numel()
     else:
-        w, _, _ = loss_weights(z.detach(), gz, LossKind.CROSS_ENTROPY)
+        w, _, _ = loss_weights(z.detach(), gz, LossKind(loss))
         p = torch.softmax(zr, -1)
         blocks = [wi * (torch.diag(pi) - torch.outer(pi, pi)) for wi, pi in zip(w.double(), p, strict=True)]
         H_z = torch.block_diag(*blocks)
@@ -131,6 +132,7 @@ def real_loss_top(
     columns: slice | None = None,
     own: bool = True,
     tol: float = 1e-8,
+    loss: str = "cross_entropy",
 ) -> dict[str, float]:
     """Largest eigenvalues of the Gauss-Newton block and of Gauss-Newton + own term, matrix-free.
 
@@ -146,6 +148,8 @@ def real_loss_top(
         own: Add the own term (``False``: a block whose output is linear in the weight, where it is zero:
             ``W_2``, ``W_V``; saves its Hessian-vector products).
         tol: ARPACK's relative tolerance.
+        loss: ``"cross_entropy"`` (weights read from the gradient at the logits) or a soft-target reduction
+            (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``), as for :func:`curvwatch.sharpness.loss_weights`.
 
     Returns:
         ``{"ggn": lambda_max(ggn), "sharpness": lambda_max(ggn + own), "n": weights}``.
@@ -153,10 +157,10 @@ def real_loss_top(
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        return _top(model, loss_fn, spec, weight, columns, own, tol)
+        return _top(model, loss_fn, spec, weight, columns, own, tol, loss)
 
 
-def _top(model, loss_fn, spec, weight, columns, own, tol) -> dict[str, float]:
+def _top(model, loss_fn, spec, weight, columns, own, tol, loss) -> dict[str, float]:
     import numpy as np
     from scipy.sparse.linalg import LinearOperator, eigsh
 
@@ -190,7 +194,7 @@ def _top(model, loss_fn, spec, weight, columns, own, tol) -> dict[str, float]:
     with torch.enable_grad():
         loss0, z = run(zero.clone().requires_grad_(True), keep)
         gz, g_F = torch.autograd.grad(loss0, (z, keep["F"]))
-    w, _, _ = loss_weights(z.detach(), gz, LossKind.CROSS_ENTROPY)
+    w, _, _ = loss_weights(z.detach(), gz, LossKind(loss))
     w = w.double()[:, None]
     p = torch.softmax(z.detach().reshape(-1, z.shape[-1]), -1)
     g_F = g_F.detach()
