@@ -249,11 +249,11 @@ def test_stability_keys_and_real_loss_options():
         with pytest.raises(ValueError, match=f"Invalid {match}="):
             RealLoss(**bad)
     real = RealLoss()
-    assert real.resolve(_gpt(), sharded=False).startswith("on: logits from 'head'")
-    assert real.resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False).startswith("off:")
-    assert "sharded" in real.resolve(_gpt(), sharded=True)
+    assert real.resolve(_gpt()).startswith("on: logits from 'head'")
+    assert real.resolve(torch.nn.Sequential(torch.nn.Linear(2, 2))).startswith("off:")
+    assert real.resolve(_gpt(), "FSDPStrategy (FSDP1): why") == "off: FSDPStrategy (FSDP1): why"
     with pytest.raises(ValueError, match="Cannot find the module"):
-        RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False)
+        RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def test_loss_weights_of_a_confident_model_in_float32():
@@ -362,11 +362,11 @@ def test_user_backward_hooks_are_named_at_set_up_and_sharpness_false_leaves_them
         trainer.fit(model, loader())
         return counts
 
-    note = RealLoss().resolve(TinyLM(), sharded=False)
+    note = RealLoss().resolve(TinyLM())
     assert "backward hooks" not in note
     hooked = TinyLM()
     hooked.model.blocks[0].mlp.register_full_backward_hook(lambda m, gi, go: None)
-    note = RealLoss().resolve(hooked, sharded=False)
+    note = RealLoss().resolve(hooked)
     assert "backward hooks (on 'model.blocks.0.mlp')" in note and "sharpness=False" in note
     without = run(None)
     assert without["module"] == 3 and without["tensor"] == 3
