@@ -219,8 +219,9 @@ def test_fsdp2_logs_the_ddp_real_loss_keys_under_adamw(tmp_path):
     """Issue 24: under FSDP2 the real-loss keys (ggn/, sharpness/, sharpness_spread/; with AdamW's second moments,
     all-gathered from their shards, precond_ggn/, precond_sharpness/ and stability/ from step 2) are the DDP run's,
     equal to float32 round-off (the sampled labels come from the same seed on every rank and in every strategy), and
-    every rank holds the same agreed numbers. A rank whose kept tokens carry no loss weight cannot sample: no rank
-    runs the sampled passes (they all-gather weights under FSDP2), the step logs every other key, nothing hangs."""
+    every rank holds the same agreed numbers; so does a plain loop sampling during the backward. A rank whose kept
+    tokens carry no loss weight cannot sample: no rank runs the sampled passes (they all-gather weights under FSDP2;
+    without the agreement this run hung), the step logs every other key."""
     _run(tmp_path, "real-loss")
     (ddp, _), (fsdp2, fsdp2_rank1) = (
         [json.loads((tmp_path / run / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -239,6 +240,13 @@ def test_fsdp2_logs_the_ddp_real_loss_keys_under_adamw(tmp_path):
         _assert_same_numbers(numbers, {k: ddp["logged"][step][k] for k in numbers}, f"FSDP2 vs DDP at step {step}")
     # the numbers each rank holds after the ranks agreed: the same on both, real-loss keys at every evaluation
     assert fsdp2["agreed"] == fsdp2_rank1["agreed"] and all(fsdp2["agreed"])
+    # a plain loop (Monitor, no Lightning) samples from the logits' gradient during the backward: the same keys
+    plain = json.loads((tmp_path / "plain_fsdp2" / "rank0.json").read_text())
+    assert plain["param_types"] == ["DTensor"] and sorted(plain["logged"], key=int) == ["0", "2", "4"]
+    for step in ("0", "2", "4"):
+        numbers = {k: v for k, v in plain["logged"][step].items() if _real_loss(k)}
+        expected = {k: v for k, v in ddp["logged"][step].items() if _real_loss(k)}
+        _assert_same_numbers(numbers, expected, f"plain-loop FSDP2 vs DDP at step {step}")
     # rank 1's kept tokens unscored at step 0: no real-loss key on any rank then, the rest as usual
     unscored = [json.loads((tmp_path / "unscored" / f"rank{r}.json").read_text()) for r in (0, 1)]
     sgd = {step: sorted(numbers) for step, numbers in unscored[0]["logged"].items()}

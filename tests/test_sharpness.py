@@ -388,6 +388,33 @@ def test_kept_tokens_without_loss_weight_give_no_value_and_say_why():
     assert all("output_samples" not in b.inputs for b in cap.blocks())
 
 
+def test_ranks_agree_before_the_sampled_passes():
+    """Several ranks (``agree``): asked once on every path, whether this rank can sample; when another rank cannot,
+    no pass runs here either (under FSDP2 each pass all-gathers weights) and the error says so."""
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    labels = idx.clone()
+    labels[0] = -100  # the only kept sequence at max_tokens=6 is not scored: this rank cannot sample
+    cases = [(idx, True, 4, None), (idx, False, 0, "another rank cannot sample"), (labels, True, 0, "no loss weight")]
+    for target, others, sampled, error in cases:
+        asked = []
+
+        def agree(ready, others=others, asked=asked):
+            asked.append(ready)
+            return ready and others
+
+        with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, 13), target.reshape(-1), ignore_index=-100)
+            if error is None:
+                assert cap.sample_outputs(loss, 2, agree=agree) == sampled
+            else:
+                with pytest.raises((RuntimeError, ValueError), match=error):
+                    cap.sample_outputs(loss, 2, agree=agree)
+            loss.backward()
+        assert asked == [target is idx]  # asked exactly once, with this rank's readiness
+        assert sum("output_samples" in b.inputs for b in cap.blocks()) == sampled
+
+
 def test_logits_scaled_after_the_logits_module_are_refused_by_name():
     """z / 4 after the head, then cross-entropy: the gradient is a hard-label one of softmax(z / 4), not soft targets;
     the error names the scale, logits_module= and loss=. Label smoothing keeps its note."""
