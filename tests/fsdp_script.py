@@ -533,10 +533,11 @@ def compare(out_dir: str) -> int:
         # sharpness_spread/...: a fraction of the sharpness, its round-off absolute (tests/test_sharded.py)
         bad = [k for k, d in diffs.items() if d > TOL["float32"] * (1 if "/sharpness_spread/" in k else abs(base[k]))
                + 1e-7]  # fmt: skip
-        worst = max(diffs, key=lambda k: diffs[k] / max(abs(base[k]), 1e-30), default=None)
+        relative = {k: d / (1 if "/sharpness_spread/" in k else max(abs(base[k]), 1e-30)) for k, d in diffs.items()}
+        worst = max(relative, key=relative.get, default=None)
         ok = same and bool(diffs) and not bad
         status |= not ok
-        rel = diffs[worst] / max(abs(base[worst]), 1e-30) if worst else float("nan")
+        rel = relative[worst] if worst else float("nan")
         blocks = sum(result["block_bytes"].values())
         real = sum(_real_loss(k) for k in numbers)
         print(
@@ -545,7 +546,8 @@ def compare(out_dir: str) -> int:
             f"{len(bad)} numbers off; worst relative difference at step 0 {rel:.2e} ({worst}); most read weights "
             f"alive {result['peak_bytes']} B of {blocks} B in all blocks; snapshots {result['snapshot_bytes']} B"
         )
-    for reference, run in (("ddp", "fsdp2"), ("adamw_ddp", "adamw_fsdp2")):  # the real-loss keys at every step
+    pairs = (("ddp", "fsdp2"), ("adamw_ddp", "adamw_fsdp2"), ("adamw_ddp", "plain_fsdp2"))
+    for reference, run in pairs:  # the real-loss keys at every step
         a, b = load(reference), load(run)
         for step in sorted(a["logged"], key=int) if a and b else ():
             x, y = a["logged"][step], b["logged"].get(step, {})
