@@ -3,7 +3,9 @@ engine's order of weight reads, in-process.
 
 The 2-process runs (``tests/fsdp_script.py``) start together in one module fixture: DDP; FSDP2 (saving a checkpoint),
 then resumed from it, then with activation checkpointing and a block failing on rank 1 at step 2, three fits in the
-same two processes; FSDP1 outside Lightning.
+same two processes; FSDP1 outside Lightning. The other 2-process runs start in their tests (``_run``): FSDP2 per
+sub-module, Lightning's FSDPStrategy, and the real-loss keys under AdamW (issue 24). Every Lightning run has the
+real-loss keys on (``sharpness="auto"``): DDP and FSDP2 log them, FSDP1 does not (the set-up line says why).
 """
 
 from __future__ import annotations
