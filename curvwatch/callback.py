@@ -45,8 +45,10 @@ class CurvatureMonitor(Callback):
     **Sharded training.** Under FSDP2 (``ModelParallelStrategy(tensor_parallel_size=1)`` with ``fully_shard`` in
     ``configure_model``) the capture keeps no weights; each block's are gathered as full tensors only while it is
     evaluated, on every rank in the same order, then freed (:mod:`curvwatch.sharding`; ``docs/strategies.md`` says
-    which strategies work). Under ``FSDPStrategy`` (FSDP1) the same, through ``summon_full_params`` of the FSDP units
-    around one layer at a time. Tensor parallelism and DeepSpeed are refused in ``setup``.
+    which strategies work); the real-loss keys' sampled backward passes run through FSDP2's hooks as any backward,
+    on every rank or none. Under ``FSDPStrategy`` (FSDP1) the same, through ``summon_full_params`` of the FSDP units
+    around one layer at a time, without the real-loss keys. Tensor parallelism and DeepSpeed are refused in
+    ``setup``.
 
     **Faults.** A block whose closed form raises is left out of that evaluation alone (warned once,
     ``summary/skipped_blocks``); NaN or Inf in a block's captured tensors marks it ``skipped_nonfinite``; any other

@@ -621,6 +621,7 @@ class Capture:
         factor: float = 1.0,
         generator: torch.Generator | None = None,
         grad_logits: Tensor | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> int:
         """Back-propagate ``samples`` sampled logit gradients to every kept block output (see the module docstring).
 
@@ -637,12 +638,17 @@ class Capture:
             generator: Random source for the sampled labels.
             grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
                 instead of before it; ``loss`` is then not used.
+            agree: Several ranks: called once on every rank, whatever happens locally, just before the sampled
+                passes, with whether this rank can run them; returns whether every rank can. Under FSDP2 each pass
+                all-gathers the weights of the layers it runs through (a collective), so either every rank runs
+                the ``samples`` passes or none does (the others then raise a ``RuntimeError`` saying so).
 
         Returns:
             The blocks that received samples.
 
         Raises:
-            RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking).
+            RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking), or
+                (with ``agree``) another rank cannot sample.
             ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
         """
         if self._sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
@@ -657,38 +663,32 @@ class Capture:
         diverged = counted = False
         self._sampled = True
         try:
-            if z is None:
+            ready: tuple[tuple[slice, ...], LogitSampler] | None = None
+            error: Exception | None = None
+            try:
+                if z is None:
+                    raise RuntimeError(
+                        f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
+                        "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the "
+                        "module whose output the loss reads"
+                    )
+                _SAMPLING[0] += 1
+                counted = True
+                if live:
+                    ready = self._prepare_sampling(z, live, loss, kind, factor, grad_logits)
+                    diverged = ready is None
+            except Exception as err:
+                ready, error = None, err
+            if agree is not None and not agree(ready is not None) and ready is not None:
                 raise RuntimeError(
-                    f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
-                    "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the module "
-                    "whose output the loss reads"
+                    "another rank cannot sample its output gradients at this step (its own message says why); every "
+                    "rank skips the sampled backward passes, which run collectives under sharded training"
                 )
-            _SAMPLING[0] += 1
-            counted = True
-            if not live:
+            if error is not None:
+                raise error
+            if ready is None:  # no block output to sample, or a diverged loss (the engine flags the blocks)
                 return 0
-            if grad_logits is None:
-                (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
-            else:  # called from the backward with the logits' gradient (on_logits_grad)
-                gz = grad_logits
-            # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
-            if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
-                diverged = True
-                return 0
-            B, L = live[0][1].shape
-            k, l = token_slice(B, L, self.max_tokens)
-            rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
-            sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
-            del gz  # a logits-sized tensor: not held through the sampled passes
-            if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
-                raise ValueError(
-                    f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
-                    "positions) carry no loss weight (ignored or padded sequences, a zero loss weight), so this step "
-                    "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
-                    "max_tokens"
-                )
-            for _, rec in live:
-                rec.sample_scale = scale
+            rows, sampler = ready
             outputs = [rec.output for _, rec in live]
             cotangent = torch.zeros_like(z)
             unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
@@ -714,6 +714,32 @@ class Capture:
             self._release()
             self._n_sampled = len(sampled)
         return len(sampled)
+
+    def _prepare_sampling(self, z: Tensor, live, loss, kind, factor: float, grad_logits: Tensor | None):
+        """``(kept rows of the logits, LogitSampler)`` of :meth:`sample_outputs` (the blocks' ``sample_scale`` set),
+        or ``None`` when the loss's gradient at the logits is not finite (a diverged step)."""
+        if grad_logits is None:
+            (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+        else:  # called from the backward with the logits' gradient (on_logits_grad)
+            gz = grad_logits
+        # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
+        if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
+            return None
+        B, L = live[0][1].shape
+        k, l = token_slice(B, L, self.max_tokens)
+        rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
+        sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
+        del gz  # a logits-sized tensor: not held through the sampled passes
+        if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
+            raise ValueError(
+                f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
+                "positions) carry no loss weight (ignored or padded sequences, a zero loss weight), so this step "
+                "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
+                "max_tokens"
+            )
+        for _, rec in live:
+            rec.sample_scale = scale
+        return rows, sampler
 
     # -- results ----------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from curvwatch import report, sinks
+from curvwatch import report, sharding, sinks
 from curvwatch import sharpness as sharp
 from curvwatch.adapters import BlockSpec, find_blocks
 from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarning
@@ -184,7 +184,7 @@ class Monitor:
         self._specs = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
         self._coverage = report.coverage_rows(self._specs, model)
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
-        status = self.real_loss.resolve(model, sharded=read_params is not None)
+        status = self.real_loss.resolve(model, sharding.real_loss_support(read_params))
         self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or verbose:
@@ -267,6 +267,14 @@ class Monitor:
             return  # sampled: a later backward of the step (micro-batches): the first one's samples are kept
         every = self.settings.sharpness.verify_every_n_evals
         verify = every is not None and self.book.evaluations % every == 0
+        if verify and self._read_params is not None:
+            self.engine.warn_once(
+                "verify_sharded",
+                "CurvatureMonitor: verify_every_n_evals is not supported under sharded training (its Hessian-vector "
+                "products differentiate the loss by the parameters, which are sharded there): no verify/... keys. "
+                "Check on one device or under DDP.",
+            )
+            verify = False
         self._sample(loss, None, verify)
 
     def _sample_from_grad(self, grad_logits: Tensor) -> None:
@@ -283,11 +291,17 @@ class Monitor:
 
     def _sample(self, loss: Tensor | None, grad_logits: Tensor | None, verify: bool) -> None:
         start = time.perf_counter()  # charged with the evaluation (summary/eval_time_s, the overhead budget)
+        ranks = self._ranks()
         self.real_loss.before_backward(
             self._capture, loss, self.grad_factor(), self._capture_step, verify, self.engine.warn_once,
-            grad_logits=grad_logits,
+            grad_logits=grad_logits, agree=self._agree if ranks.active else None,
         )  # fmt: skip
         self._sample_seconds += time.perf_counter() - start
+
+    def _agree(self, ready: bool) -> bool:
+        """Whether every rank is ``ready`` (one all-reduce): the sampled passes run on all ranks or none, so the
+        ranks log the same keys and, under FSDP2, join the same all-gathers."""
+        return not bool(self._ranks().max(torch.tensor([0.0 if ready else 1.0], dtype=torch.float64))[0] > 0)
 
     def before_optimizer_step(self, optimizer: Any = None) -> None:
         """Close the capture, then evaluate, agree across ranks and log (call after the backward of a due step)."""

@@ -7,6 +7,10 @@ batch's). So the capture keeps no weights there, and the engine reads each block
 while it evaluates that block (:attr:`curvwatch.capture.CapturedBlock.params_fn`), then frees them: the extra
 memory is about one block's weights plus its evaluation.
 
+The real-loss keys (:mod:`curvwatch.sharpness`) run extra backward passes from the logits: under FSDP2 they run as
+any backward does (FSDP2's hooks gather each layer's weights for its backward); under FSDP1 they cannot
+(:func:`real_loss_support`).
+
 Reading full weights is a collective (an all-gather over the ranks that hold the shards), so every rank reads
 every block, in the same order, whatever happens to it locally; the engine does so (:meth:`curvwatch.engine.Engine
 .evaluate`). The readers assume that an adapter's ``read_params`` runs the same tensor operations on every rank
@@ -26,7 +30,7 @@ from torch import Tensor, nn
 
 from curvwatch.adapters import BlockSpec
 
-__all__ = ["STRATEGIES", "ParamReader", "full_params", "param_reader", "summoned_params"]
+__all__ = ["STRATEGIES", "ParamReader", "full_params", "param_reader", "real_loss_support", "summoned_params"]
 
 #: Reads one block's closed-form keyword arguments (``adapter.read_params``) with full, detached weights.
 ParamReader = Callable[[BlockSpec], dict[str, Any]]
@@ -77,6 +81,15 @@ def full_params(spec: BlockSpec) -> dict[str, Any]:
     return _materialize(spec.adapter.read_params(spec), copy=False)
 
 
+#: Why the real-loss keys are off under FSDP1 (:func:`real_loss_support`).
+FSDP1_REAL_LOSS = (
+    "FSDPStrategy (FSDP1): it unshards each unit for one backward per forward and reshards it when a backward "
+    "ends, so after the first sampled backward pass the training's own backward finds the weights freed (it fails "
+    "with 'setStorage: ... out of bounds for storage of size 0'); use FSDP2 (ModelParallelStrategy with "
+    "fully_shard) for the real-loss keys under sharding"
+)
+
+
 def summoned_params(root: Callable[[], nn.Module]) -> ParamReader:
     """A reader of one block's weights under FSDP1 (``FullyShardedDataParallel``), through ``summon_full_params``.
 
@@ -104,7 +117,26 @@ def summoned_params(root: Callable[[], nn.Module]) -> ParamReader:
                 stack.enter_context(FSDP.summon_full_params(unit, recurse=recurse, writeback=False))
             return _materialize(spec.adapter.read_params(spec), copy=True)  # the unsharded views go on exit
 
+    read.real_loss_off = FSDP1_REAL_LOSS  # type: ignore[attr-defined]  # read by real_loss_support
     return read
+
+
+def real_loss_support(read_params: ParamReader | None) -> str | None:
+    """Why the sampled backward passes of the real-loss keys (:mod:`curvwatch.sharpness`) cannot run with this
+    reader of the weights, or ``None`` when they can.
+
+    Under FSDP2 (:func:`full_params`) they can: each pass runs FSDP2's backward hooks as any backward does (each
+    layer's weights all-gathered for its backward, resharded after), without touching a parameter gradient, so
+    every rank must run the same passes (:meth:`curvwatch.capture.Capture.sample_outputs` agrees on that first).
+    Under FSDP1 (:func:`summoned_params`) they cannot (:data:`FSDP1_REAL_LOSS`).
+
+    Example:
+        >>> real_loss_support(None) is None and real_loss_support(full_params) is None
+        True
+        >>> real_loss_support(summoned_params(lambda: None))[:20]
+        'FSDPStrategy (FSDP1)'
+    """
+    return getattr(read_params, "real_loss_off", None)
 
 
 def _units_around(root: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, bool]]:

@@ -485,6 +485,14 @@ def _param_groups(optimizer: Any) -> dict[int, dict]:
     return {id(p): group for group in getattr(opt, "param_groups", []) for p in group["params"]}
 
 
+def _full(t: Tensor) -> Tensor:
+    """``t`` as a full tensor: a ``DTensor`` (FSDP2's optimizer state, sharded as its parameter) all-gathered (a
+    collective: every rank asks for the same states in the same order), any other tensor as it is."""
+    if type(t).__name__ == "DTensor":
+        return t.full_tensor()
+    return t
+
+
 def stability_rule(
     optimizer: Any, params: Mapping[str, tuple[list[Tensor], Tensor]]
 ) -> tuple[StabilityRule | None, str | None]:
@@ -499,7 +507,9 @@ def stability_rule(
 
     Supported: ``SGD`` without Nesterov and without dampening (plain or heavy-ball), ``Adam`` and ``AdamW``
     without ``amsgrad`` (after their first step, when ``exp_avg_sq`` exists). For the others no ratio is logged
-    (a wrong one would be worse than none); the reason says which.
+    (a wrong one would be worse than none); the reason says which. Under FSDP2 the parameters and ``exp_avg_sq``
+    are sharded ``DTensor`` s: the map holds their full shapes, and the second moments the block reads are
+    all-gathered here (every rank calls this for the same blocks in the same order).
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     plist = list(dict.fromkeys(id(p) for ps, _ in params.values() for p in ps))
@@ -535,7 +545,7 @@ def stability_rule(
             step = float(states[0].get("step", 0)) if states else 0.0
             if any("exp_avg_sq" not in s for s in states) or step < 1:
                 return None, NO_STATE_YET
-            flat = torch.cat([s["exp_avg_sq"].detach().reshape(-1).float() for s in states])
+            flat = torch.cat([_full(s["exp_avg_sq"]).detach().reshape(-1).float() for s in states])
             v_hat = flat[index.to(flat.device)] / (1 - beta2**step)
             P = v_hat.sqrt() + eps
             if bool((P <= 0).any()):  # eps = 0 and a coordinate that never had a gradient: its smallest positive P
@@ -693,7 +703,8 @@ class RealLoss:
 
     Args:
         enabled: ``True`` (an error in :meth:`resolve` if it cannot work), ``False``, or ``"auto"`` (on when a
-            logits module is found and the parameters are not sharded; the set-up table says which).
+            logits module is found and the strategy can run the sampled passes: not FSDP1; the set-up table says
+            which).
         samples: Sampled output gradients per evaluation (one backward pass from the logits each).
         loss: ``"auto"``, ``"cross_entropy"`` or ``"mse"`` (see :func:`loss_weights`).
         logits_module: Dotted name of the module whose output is the logits, or ``None`` (:data:`LOGITS_NAMES`).
@@ -728,11 +739,16 @@ class RealLoss:
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
         self.verified: dict[str, dict[str, float]] = {}  # the last before_backward's true block sharpness
 
-    def resolve(self, model: nn.Module, sharded: bool) -> str:
+    def resolve(self, model: nn.Module, unsupported: str | None = None) -> str:
         """Find the logits module; returns the status line of the set-up table (``"on: ..."`` / ``"off: ..."``).
 
+        Args:
+            model: The model.
+            unsupported: Why the training's set-up cannot run the sampled backward passes (FSDP1:
+                :func:`curvwatch.sharding.real_loss_support`), else ``None`` (single device, DDP, FSDP2).
+
         Raises:
-            ValueError: With ``enabled=True``, if it cannot work (no logits module, sharded parameters).
+            ValueError: With ``enabled=True``, if it cannot work (no logits module, ``unsupported``).
         """
         self.module = None
         self.hooks_note = None  # a previous fit's model may have had hooks
@@ -740,11 +756,10 @@ class RealLoss:
         if self.enabled is False:
             self.status = "off (sharpness=False)"
             return self.status
-        if sharded:
-            why = "sharded parameters (FSDP2): the sampled backward passes are not supported there yet"
+        if unsupported:
             if self.enabled is True:
-                raise ValueError(f"sharpness=True is not supported with {why}. Pass sharpness=False.")
-            self.status = f"off: {why}"
+                raise ValueError(f"sharpness=True is not supported under {unsupported}. Pass sharpness=False.")
+            self.status = f"off: {unsupported}"
             return self.status
         try:
             name, self.module = find_logits_module(model, self.logits_name)
@@ -763,15 +778,25 @@ class RealLoss:
         return self.status
 
     def sample(
-        self, capture: Any, loss: Tensor | None, factor: float, step: int, grad_logits: Tensor | None = None
+        self,
+        capture: Any,
+        loss: Tensor | None,
+        factor: float,
+        step: int,
+        grad_logits: Tensor | None = None,
+        agree: Any = None,
     ) -> int:
         """Sampled output gradients into ``capture`` (:meth:`curvwatch.capture.Capture.sample_outputs`), from the
-        ``loss`` before its backward or from ``grad_logits``, its gradient at the logits, during it."""
+        ``loss`` before its backward or from ``grad_logits``, its gradient at the logits, during it; ``agree``:
+        the ranks' agreement to run the passes (several ranks).
+
+        The labels are drawn from a generator seeded with ``seed + step``: every rank, and every strategy (DDP,
+        FSDP2), draws the same random numbers at a step."""
         fallback = (loss if grad_logits is None else grad_logits).device
         z_device = next((p.device for p in self.module.parameters()), fallback) if self.module else fallback
         generator = torch.Generator(device=z_device).manual_seed(self.seed + int(step))
         return capture.sample_outputs(
-            loss, self.samples, kind=self.loss, factor=factor, generator=generator, grad_logits=grad_logits
+            loss, self.samples, kind=self.loss, factor=factor, generator=generator, grad_logits=grad_logits, agree=agree
         )
 
     def before_backward(
@@ -783,13 +808,15 @@ class RealLoss:
         verify: bool,
         warn_once: Any,
         grad_logits: Tensor | None = None,
+        agree: Any = None,
     ) -> None:
         """The monitor's ``on_before_backward``: sample (:meth:`sample`), with ``verify`` also the true block sharpness
         (:func:`true_sharpness`, kept for :meth:`add_verified`); what it cannot do is warned once, never raised.
-        Called from the backward with ``grad_logits`` (and no ``loss``), it samples from the logits' gradient."""
+        Called from the backward with ``grad_logits`` (and no ``loss``), it samples from the logits' gradient.
+        ``agree`` (several ranks): see :meth:`curvwatch.capture.Capture.sample_outputs`."""
         self.verified = {}
         try:
-            sampled = self.sample(capture, loss, factor, step, grad_logits)
+            sampled = self.sample(capture, loss, factor, step, grad_logits, agree)
             if capture.sample_note:
                 warn_once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {capture.sample_note}.")
             if capture.unsampled:

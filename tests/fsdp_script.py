@@ -1,6 +1,8 @@
 """Sharded runs of the tiny GPT on 2 CPU processes (gloo), for ``tests/test_sharded.py``.
 
-    python tests/fsdp_script.py OUT_DIR {ddp,fsdp2,encoder,fsdp1,lightning-fsdp1,compare} [--accelerator A --devices N]
+    python tests/fsdp_script.py OUT_DIR SCENARIO [--accelerator A --devices N]
+
+``SCENARIO``: ``ddp``, ``fsdp2``, ``encoder``, ``real-loss``, ``fsdp1``, ``lightning-fsdp1`` or ``compare``.
 
 ``ddp`` and ``fsdp2`` train a 2-layer GPT with SGD under Lightning, with a CSVLogger and a CurvatureMonitor
 evaluating on steps 0, 2, 4, ...: ``ddp`` for 5 steps (``OUT_DIR/ddp``); ``fsdp2`` under
@@ -13,6 +15,12 @@ the closed form of ``layer0/attn`` raising on rank 1 only, at its second evaluat
 ``encoder`` trains a 2-layer ``nn.TransformerEncoderLayer`` LM (:func:`encoder_lm`) for 5 steps under DDP
 (``OUT_DIR/encoder_ddp``), then under FSDP2 with ``fully_shard`` on each layer's attention and MLP Linears, the layer
 and the root (``OUT_DIR/encoder_fsdp2``), in the same two processes.
+
+``real-loss`` trains the 2-layer GPT with AdamW for 5 steps under DDP (``OUT_DIR/adamw_ddp``) and under FSDP2
+(``OUT_DIR/adamw_fsdp2``), then under FSDP2 with SGD where rank 1's kept tokens carry no loss weight at step 0
+(``OUT_DIR/unscored``), then AdamW under FSDP2 in a plain loop without Lightning, the real-loss keys sampled during
+the backward (``OUT_DIR/plain_fsdp2``, :func:`plain_loop_fsdp2`), in the same two processes. Every Lightning run
+has the real-loss keys on (``sharpness`` ``"auto"``: on under DDP and FSDP2, off under FSDP1).
 
 ``fsdp1`` runs FSDP1 outside Lightning (``torch.distributed.fsdp.FullyShardedDataParallel`` on CPU, which
 Lightning's ``FSDPStrategy`` does not allow), comparing the monitor's numbers through
@@ -32,12 +40,14 @@ Each rank writes ``rank{r}.json`` into each run's folder: the blocks whose weigh
 order (``reads``); the most bytes of read weights alive at once (``peak_bytes``) and those still alive after each
 evaluation (``alive_after``); the bytes of each block's weights (``block_bytes``); the bytes of weight snapshots the
 capture held (``snapshot_bytes``, per evaluation); the monitor's state on this rank at the start and the end of the
-fit (``states``); on rank zero the ``curv/`` numbers that reached the logger, by step (``logged``).
+fit (``states``); the real-loss numbers this rank holds after the ranks agreed, per evaluation (``agreed``); on rank
+zero the ``curv/`` numbers that reached the logger, by step (``logged``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import weakref
@@ -49,6 +59,10 @@ if __package__ in (None, ""):  # run as a script: make `curvwatch` and `tests` i
 
 from curvwatch import sharding  # noqa: E402
 from curvwatch.engine import Engine  # noqa: E402
+from curvwatch.ranks import Ranks  # noqa: E402
+
+#: The first parts of the real-loss keys (``curv/layer0/attn/sharpness/QQ/h0``...): the sampled passes' numbers.
+REAL_LOSS = ("sharpness", "sharpness_spread", "ggn", "precond_sharpness", "precond_ggn", "stability")
 
 
 class Ledger:
@@ -61,10 +75,12 @@ class Ledger:
         self.alive_after: list[int] = []
         self.block_bytes: dict[str, int] = {}
         self.snapshot_bytes: list[int] = []
+        self.agreed: list[dict[str, float]] = []
 
     def reset(self) -> None:
         """Start the record of a new fit (read weights still alive stay counted)."""
         self.reads, self.peak, self.alive_after, self.block_bytes, self.snapshot_bytes = [], self.alive, [], {}, []
+        self.agreed = []
 
     def _release(self, n: int) -> None:
         self.alive -= n
@@ -99,8 +115,14 @@ class Ledger:
             finally:
                 self.alive_after.append(self.alive)
 
+        def sync(ranks, flat, failed):
+            out = sync_numbers(ranks, flat, failed)
+            self.agreed.append({f"{b}/{k}": v for (b, k), v in out[0].items() if _real_loss(k)})
+            return out
+
         sharding.full_params = reader
         Engine.evaluate = instrumented
+        sync_numbers, Ranks.sync = Ranks.sync, sync
 
     def dump(self, path: str, **extra) -> None:
         with open(path, "w") as f:
@@ -111,10 +133,16 @@ class Ledger:
                     "alive_after": self.alive_after,
                     "block_bytes": self.block_bytes,
                     "snapshot_bytes": self.snapshot_bytes,
+                    "agreed": self.agreed,
                     **extra,
                 },
                 f,
             )
+
+
+def _real_loss(key: str) -> bool:
+    """Whether ``key`` is one of the real-loss keys (the sampled backward passes' numbers)."""
+    return any(part in key.split("/") for part in REAL_LOSS)
 
 
 def _tensors(params: dict):
@@ -141,15 +169,33 @@ def _fail(rank: int, block: str, at: int | None = None) -> None:
     CapturedBlock.evaluate = evaluate
 
 
-def sharded_lm(activation_checkpointing: bool = False):
+def sharded_lm(activation_checkpointing: bool = False, adamw: bool = False, unscored: tuple[int, int] | None = None):
     """The 2-layer tiny GPT of ``tests/ddp_script.py``, sharded with FSDP2 per layer and at the root in
-    ``configure_model`` when the strategy has a device mesh (imported here: the FSDP1 run needs no Lightning)."""
-    from tests.ddp_script import TinyLM
+    ``configure_model`` when the strategy has a device mesh (imported here: the FSDP1 run needs no Lightning).
+
+    ``adamw``: AdamW instead of SGD. ``unscored=(rank, step)``: on that rank at that step the first two sequences
+    (the tokens the monitor keeps at ``max_tokens=16``) carry no loss weight (``ignore_index``)."""
+    import torch.nn.functional as F
+
+    from tests.ddp_script import VOCAB, TinyLM
 
     class ShardedLM(TinyLM):
         def __init__(self, activation_checkpointing: bool = False) -> None:
             super().__init__(n_layer=2)
             self.activation_checkpointing = activation_checkpointing
+
+        def training_step(self, batch, batch_idx):
+            if unscored != (self.global_rank, self.global_step):
+                return super().training_step(batch, batch_idx)
+            (idx,) = batch
+            labels = idx[:, 1:].clone()
+            labels[:2] = -100  # the kept sequences: no loss weight
+            return F.cross_entropy(self(idx[:, :-1]).reshape(-1, VOCAB), labels.reshape(-1))
+
+        def configure_optimizers(self):
+            if adamw:
+                return torch.optim.AdamW(self.parameters(), lr=self.lr)
+            return super().configure_optimizers()
 
         def configure_model(self) -> None:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -259,9 +305,10 @@ def lightning_run(
     accelerator: str = "cpu",
     devices: int = 2,
     lm=None,
+    **model_options,
 ) -> None:
     """One fit under ``strategy`` (``"ddp"``, ``"fsdp2"``, ``"fsdp1"`` or ``"fsdp1_orig"``: FSDP1 with
-    ``use_orig_params``), recorded into ``out_dir/rank{r}.json``."""
+    ``use_orig_params``), recorded into ``out_dir/rank{r}.json``; ``model_options`` go to :func:`sharded_lm`."""
     import csv
 
     import lightning as L
@@ -276,10 +323,8 @@ def lightning_run(
     os.makedirs(out_dir, exist_ok=True)
     ledger.reset()
     L.seed_everything(0, verbose=False)
-    # sharpness off in every strategy: FSDP2 has no real-loss keys yet, and the comparison is key by key
-    monitor = CurvatureMonitor(
-        every_n_train_steps=2, max_tokens=16, warn=False, log_heatmap=False, sharpness=False, log_level="all"
-    )
+    # real-loss keys (sharpness="auto"): on under DDP and FSDP2, off under FSDP1 (the set-up line says why)
+    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, warn=False, log_heatmap=False, log_level="all")
     states = {}
 
     class Record(Callback):  # the monitor's state on this rank once restored
@@ -305,7 +350,8 @@ def lightning_run(
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    model = sharded_lm(activation_checkpointing) if lm is None else lm()
+    torch.manual_seed(0)  # the initial weights: the same in every run (the plain loop's too)
+    model = sharded_lm(activation_checkpointing, **model_options) if lm is None else lm()
     trainer.fit(model, loader(n=40), ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
@@ -324,6 +370,57 @@ def lightning_run(
         logged=logged,
         param_types=sorted({type(p).__name__ for p in model.parameters()}),
     )
+
+
+def plain_loop_fsdp2(out_dir: str, steps: int = 5) -> None:
+    """The ``real-loss`` scenario's AdamW run without Lightning: :class:`curvwatch.Monitor` in a plain loop over the
+    batches each rank gets under Lightning (its ``DistributedSampler``: shuffled, seed 0), the model sharded with
+    FSDP2 as in :func:`sharded_lm`, the real-loss keys sampled from the logits' gradient during the backward (the loop
+    does not hand the loss over); rank zero writes what it logged (``OUT_DIR/plain_fsdp2``). Needs the process group
+    of an earlier Lightning run."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DistributedSampler
+
+    from curvwatch.adapters import find_blocks
+    from curvwatch.monitor import Monitor
+    from tests.ddp_script import VOCAB, loader
+
+    os.makedirs(out_dir, exist_ok=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = sharded_lm().model  # the same initial weights as the Lightning runs'
+    specs = find_blocks(model)  # before sharding, as the callback's setup
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.blocks:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logged: dict[str, dict[str, float]] = {}
+    monitor = Monitor(
+        optimizer=optimizer,
+        log=lambda metrics, step: logged.setdefault(str(step), {}).update(metrics),
+        every_n_train_steps=2,
+        max_tokens=16,
+        warn=False,
+        log_heatmap=False,
+        log_level="all",
+    )
+    monitor.attach(model, specs=specs, read_params=sharding.full_params)
+    dataset = loader(n=40).dataset
+    order = list(DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0))  # Lightning's
+    for step in range(steps):
+        (idx,) = dataset[order[4 * step : 4 * step + 4]]
+        with monitor.step(step):
+            logits = model(idx[:, :-1])
+            F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == 0:
+        with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+            json.dump({"logged": logged, "param_types": sorted({type(p).__name__ for p in model.parameters()})}, f)
 
 
 def fsdp1_worker(rank: int, out_dir: str) -> None:
@@ -416,27 +513,53 @@ def compare(out_dir: str) -> int:
     if ddp is None:
         print(f"no ddp run under {out_dir}")
         return 1
-    base = {k: v for k, v in ddp["logged"]["0"].items() if "time" not in k and "overhead" not in k}  # clock aside
     for run in ("ddp", "fsdp2", "fsdp1", "fsdp1_orig"):
         result = load(run)
         if result is None:
             print(f"{run:11s} missing")
             status = 1
             continue
+        # FSDP1 has no real-loss keys (sharding.real_loss_support); the Lanczos diagnostics count the sampled keys'
+        fsdp1 = run.startswith("fsdp1")
+        expected = {k for k in ddp["logged"]["0"] if not (fsdp1 and _real_loss(k))}
+        base = {  # clock readings aside
+            k: v
+            for k, v in ddp["logged"]["0"].items()
+            if k in expected and not any(c in k for c in ("time", "overhead")) and not (fsdp1 and "/lanczos/" in k)
+        }
         steps, numbers = sorted(result["logged"], key=int), result["logged"].get("0", {})
-        same = steps == sorted(ddp["logged"], key=int) and sorted(numbers) == sorted(ddp["logged"]["0"])
+        same = steps == sorted(ddp["logged"], key=int) and sorted(numbers) == sorted(expected)
         diffs = {k: abs(numbers[k] - v) for k, v in base.items() if k in numbers}
-        bad = [k for k, d in diffs.items() if d > TOL["float32"] * abs(base[k]) + 1e-7]
-        worst = max(diffs, key=lambda k: diffs[k] / max(abs(base[k]), 1e-30), default=None)
+        # sharpness_spread/...: a fraction of the sharpness, its round-off absolute (tests/test_sharded.py)
+        bad = [k for k, d in diffs.items() if d > TOL["float32"] * (1 if "/sharpness_spread/" in k else abs(base[k]))
+               + 1e-7]  # fmt: skip
+        relative = {k: d / (1 if "/sharpness_spread/" in k else max(abs(base[k]), 1e-30)) for k, d in diffs.items()}
+        worst = max(relative, key=relative.get, default=None)
         ok = same and bool(diffs) and not bad
         status |= not ok
-        rel = diffs[worst] / max(abs(base[worst]), 1e-30) if worst else float("nan")
+        rel = relative[worst] if worst else float("nan")
         blocks = sum(result["block_bytes"].values())
+        real = sum(_real_loss(k) for k in numbers)
         print(
-            f"{run:11s} {'ok ' if ok else 'BAD'} steps {steps}, keys {len(numbers)}/{len(ddp['logged']['0'])}, "
+            f"{run:11s} {'ok ' if ok else 'BAD'} steps {steps}, keys {len(numbers)}/{len(expected)} "
+            f"({real} real-loss), "
             f"{len(bad)} numbers off; worst relative difference at step 0 {rel:.2e} ({worst}); most read weights "
             f"alive {result['peak_bytes']} B of {blocks} B in all blocks; snapshots {result['snapshot_bytes']} B"
         )
+    pairs = (("ddp", "fsdp2"), ("adamw_ddp", "adamw_fsdp2"), ("adamw_ddp", "plain_fsdp2"))
+    for reference, run in pairs:  # the real-loss keys at every step
+        a, b = load(reference), load(run)
+        for step in sorted(a["logged"], key=int) if a and b else ():
+            x, y = a["logged"][step], b["logged"].get(step, {})
+            keys = [k for k in x if _real_loss(k)]
+            # relative differences; sharpness_spread/... (a fraction of the sharpness) absolute
+            diffs = {k: abs(x[k] - y[k]) / (1 if "/sharpness_spread/" in k else max(abs(x[k]), 1e-30))
+                     for k in keys if k in y}  # fmt: skip
+            worst = max(diffs, key=diffs.get, default=None)
+            print(
+                f"{run} vs {reference}, step {step}: {len(diffs)} of {len(keys)} real-loss keys, "
+                f"{sum(_real_loss(k) for k in y)} in {run}; worst difference {diffs.get(worst, math.nan):.1e} ({worst})"
+            )
     return status
 
 
@@ -471,12 +594,18 @@ def main(out_dir: str, scenario: str, *options: str) -> None:
     elif scenario == "encoder":  # nn.TransformerEncoderLayer blocks: DDP, then FSDP2 on each sub-module
         for strategy in ("ddp", "fsdp2"):
             lightning_run(os.path.join(out_dir, f"encoder_{strategy}"), ledger, strategy, lm=encoder_lm, **hardware)
+    elif scenario == "real-loss":  # AdamW under DDP and FSDP2; FSDP2 with rank 1's kept tokens unscored at step 0
+        for strategy in ("ddp", "fsdp2"):
+            lightning_run(os.path.join(out_dir, f"adamw_{strategy}"), ledger, strategy, adamw=True, **hardware)
+        lightning_run(os.path.join(out_dir, "unscored"), ledger, "fsdp2", unscored=(1, 0), **hardware)
+        if hardware["accelerator"] == "cpu":
+            plain_loop_fsdp2(os.path.join(out_dir, "plain_fsdp2"))
     elif scenario == "lightning-fsdp1":  # FSDPStrategy (on CPU: cpu_fsdp_strategy)
         for strategy in ("fsdp1", "fsdp1_orig"):
             lightning_run(os.path.join(out_dir, strategy), ledger, strategy, **hardware)
     else:
         raise SystemExit(
-            f"Invalid scenario {scenario!r}. Must be ddp, fsdp2, encoder, fsdp1, lightning-fsdp1 or compare."
+            f"Invalid scenario {scenario!r}. Must be ddp, fsdp2, encoder, real-loss, fsdp1, lightning-fsdp1 or compare."
         )
 
 

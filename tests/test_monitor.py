@@ -320,6 +320,25 @@ def test_verify_in_a_plain_loop_needs_the_loss_and_says_so():
     assert any("/verify/ratio/VV" in k for k in rows[1])
 
 
+def test_verify_under_sharded_training_is_off_and_says_so():
+    """With a reader of sharded weights (FSDP2's) the true-Hessian check cannot differentiate by the parameters: one
+    notice, no verify/... keys, the real-loss keys as usual."""
+    from curvwatch import sharding
+
+    torch.manual_seed(0)
+    module = TinyLM()
+    settings = {**SETTINGS, "sharpness": Sharpness(verify_every_n_evals=1)}
+    rows: dict[int, dict[str, float]] = {}
+    monitor = Monitor(log=lambda m, s: rows.setdefault(s, {}).update(m), **settings)
+    monitor.attach(module, read_params=sharding.full_params)  # plain tensors here: read as they are
+    with pytest.warns(CurvatureNotice, match="verify_every_n_evals is not supported under sharded training"):
+        with monitor.step(0):
+            loss = tiny_lm_loss(module, next(iter(loader()))[0])
+            monitor.before_backward(loss)
+            loss.backward()
+    assert P + "layer0/attn/sharpness/VV/h0" in rows[0] and not any("verify/" in k for k in rows[0])
+
+
 def test_monitor_logs_to_a_wandb_run(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -3,7 +3,9 @@ engine's order of weight reads, in-process.
 
 The 2-process runs (``tests/fsdp_script.py``) start together in one module fixture: DDP; FSDP2 (saving a checkpoint),
 then resumed from it, then with activation checkpointing and a block failing on rank 1 at step 2, three fits in the
-same two processes; FSDP1 outside Lightning.
+same two processes; FSDP1 outside Lightning. The other 2-process runs start in their tests (``_run``): FSDP2 per
+sub-module, Lightning's FSDPStrategy, and the real-loss keys under AdamW (issue 24). Every Lightning run has the
+real-loss keys on (``sharpness="auto"``): DDP and FSDP2 log them, FSDP1 does not (the set-up line says why).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import Capture, CapturedBlock
 from curvwatch.engine import NONFINITE, BlockError, Engine
 from curvwatch.models.gpt import GPT, GPTConfig
+from tests.fsdp_script import REAL_LOSS
 from tests.utils import TOL
 
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
@@ -109,12 +112,25 @@ def runs(tmp_path_factory):
     return {**results, "ckpt": out / "fsdp2.ckpt"}
 
 
+def _real_loss(key: str) -> bool:
+    """Whether ``key`` is a real-loss key (``sharpness/``, ``stability/``, ``ggn/``, ``precond_...``)."""
+    return any(part in key.split("/") for part in REAL_LOSS)
+
+
 def _assert_same_numbers(actual: dict[str, float], expected: dict[str, float], where: str) -> None:
-    """The same keys, and every number within float32 round-off of the expected one (clock readings aside)."""
+    """The same keys, and every number within float32 round-off of the expected one (clock readings aside).
+
+    Round-off: relative ``TOL["float32"]`` (2e-4) plus 1e-7 absolute; ``sharpness_spread/...`` (a fraction of the
+    sharpness, from the difference of two estimates of it) within 2e-4 absolute, the same round-off relative to the
+    sharpness."""
     assert sorted(actual) == sorted(expected), f"{where}: keys differ: {sorted(set(actual) ^ set(expected))}"
     rtol, atol = TOL["float32"], 1e-7
     errors = {k: abs(actual[k] - v) for k, v in expected.items() if not any(c in k for c in _CLOCK)}
-    bad = {k: e for k, e in errors.items() if not e <= rtol * abs(expected[k]) + atol}
+    bad = {
+        k: e
+        for k, e in errors.items()
+        if not e <= (rtol if "/sharpness_spread/" in k else rtol * abs(expected[k]) + atol)
+    }
     if bad:
         k = max(bad, key=lambda k: bad[k] / max(abs(expected[k]), 1e-300))
         raise AssertionError(
@@ -135,8 +151,14 @@ def test_fsdp2_logs_the_ddp_numbers(runs):
     for step in ("0", "2", "4"):  # the same keys at the same steps
         assert sorted(fsdp2["logged"][step]) == sorted(ddp["logged"][step])
     assert len(ddp["logged"]["0"]) > 100 and "curv/layer1/attn/hessian/QQ/h0" in ddp["logged"]["0"]
+    # the real-loss keys (issue 24): on under FSDP2 as under DDP (SGD: stability/... from step 0)
+    real = sorted(k for k in ddp["logged"]["0"] if _real_loss(k))
+    assert len(real) == 76 and "curv/layer1/ffn/stability/W2W2" in real and "curv/summary/stability/max" in real
     # step 0: identical weights, the same batches on each rank: the same numbers up to float32 round-off
     _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "FSDP2 vs DDP at step 0")
+    for step in ("2", "4"):  # the sampled passes left FSDP2's training as DDP's: the same real-loss numbers later
+        numbers = {k: v for k, v in fsdp2["logged"][step].items() if _real_loss(k)}
+        _assert_same_numbers(numbers, {k: ddp["logged"][step][k] for k in numbers}, f"FSDP2 vs DDP at step {step}")
 
 
 def test_fsdp2_holds_one_block_of_weights_at_a_time(runs):
@@ -195,6 +217,49 @@ def test_fsdp2_per_submodule_sharding_logs_the_ddp_numbers(tmp_path):
     _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "per-sub-module FSDP2 vs DDP at step 0")
 
 
+def test_fsdp2_logs_the_ddp_real_loss_keys_under_adamw(tmp_path):
+    """Issue 24: under FSDP2 the real-loss keys (ggn/, sharpness/, sharpness_spread/; with AdamW's second moments,
+    all-gathered from their shards, precond_ggn/, precond_sharpness/ and stability/ from step 2) are the DDP run's,
+    equal to float32 round-off (the sampled labels come from the same seed on every rank and in every strategy), and
+    every rank holds the same agreed numbers; so does a plain loop sampling during the backward. A rank whose kept
+    tokens carry no loss weight cannot sample: no rank runs the sampled passes (they all-gather weights under FSDP2;
+    without the agreement this run hung), the step logs every other key."""
+    _run(tmp_path, "real-loss")
+    (ddp, _), (fsdp2, fsdp2_rank1) = (
+        [json.loads((tmp_path / run / f"rank{r}.json").read_text()) for r in (0, 1)]
+        for run in ("adamw_ddp", "adamw_fsdp2")
+    )
+    assert fsdp2["param_types"] == ["DTensor"] and ddp["param_types"] == ["Parameter"]  # really sharded
+    assert sorted(fsdp2["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"]
+    counts = {s: sum(_real_loss(k) for k in n) for s, n in ddp["logged"].items()}
+    assert counts == {"0": 53, "2": 108, "4": 108}  # the keys FSDP2 lacked before (53 at step 0, 108 after)
+    assert "curv/layer0/attn/precond_sharpness/QQ/h0" in ddp["logged"]["2"]
+    assert "curv/layer1/ffn/stability/W2W2" in ddp["logged"]["2"]
+    _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "FSDP2 vs DDP (AdamW) at step 0")
+    for step in ("2", "4"):
+        assert sorted(fsdp2["logged"][step]) == sorted(ddp["logged"][step])
+        numbers = {k: v for k, v in fsdp2["logged"][step].items() if _real_loss(k)}
+        _assert_same_numbers(numbers, {k: ddp["logged"][step][k] for k in numbers}, f"FSDP2 vs DDP at step {step}")
+    # the numbers each rank holds after the ranks agreed: the same on both, real-loss keys at every evaluation
+    assert fsdp2["agreed"] == fsdp2_rank1["agreed"] and all(fsdp2["agreed"])
+    # a plain loop (Monitor, no Lightning) samples from the logits' gradient during the backward: the same keys
+    plain = json.loads((tmp_path / "plain_fsdp2" / "rank0.json").read_text())
+    assert plain["param_types"] == ["DTensor"] and sorted(plain["logged"], key=int) == ["0", "2", "4"]
+    for step in ("0", "2", "4"):
+        numbers = {k: v for k, v in plain["logged"][step].items() if _real_loss(k)}
+        expected = {k: v for k, v in ddp["logged"][step].items() if _real_loss(k)}
+        _assert_same_numbers(numbers, expected, f"plain-loop FSDP2 vs DDP at step {step}")
+    # rank 1's kept tokens unscored at step 0: no real-loss key on any rank then, the rest as usual
+    unscored = [json.loads((tmp_path / "unscored" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    sgd = {step: sorted(numbers) for step, numbers in unscored[0]["logged"].items()}
+    assert sorted(sgd, key=int) == ["0", "2", "4"]
+    assert not any(_real_loss(k) for k in sgd["0"]) and "curv/layer1/attn/hessian/QQ/h0" in sgd["0"]
+    assert sum(_real_loss(k) for k in sgd["2"]) == sum(_real_loss(k) for k in sgd["4"]) == 76
+    for result in unscored:
+        assert result["states"]["end"] == {"evaluations": 3, "skipped": 0, "last_step": 4}
+        assert [bool(numbers) for numbers in result["agreed"]] == [False, True, True]
+
+
 # -- FSDP1 (torch FullyShardedDataParallel on CPU; Lightning's FSDPStrategy) ---------------------------------------
 
 
@@ -203,15 +268,20 @@ def test_lightning_fsdp_strategy_logs_the_ddp_numbers(runs, tmp_path):
     processes (a subclass that passes device_id=cpu: Lightning runs the class itself on CUDA only): the DDP run's
     keys at steps 0, 2, 4 and its step-0 numbers."""
     _run(tmp_path, "lightning-fsdp1")
-    ddp = runs["ddp"][0]
+    # the DDP run's keys but the real-loss ones: FSDP1 cannot run the sampled backward passes (the set-up says why)
+    ddp = {s: {k: v for k, v in n.items() if not _real_loss(k)} for s, n in runs["ddp"][0]["logged"].items()}
+    assert "real-loss sharpness: off: FSDPStrategy (FSDP1)" in (tmp_path / "lightning-fsdp1.rank0.log").read_text()
     for run in ("fsdp1", "fsdp1_orig"):
         result = json.loads((tmp_path / run / "rank0.json").read_text())
         assert result["world_size"] == 2
-        assert sorted(result["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"], run
+        assert sorted(result["logged"], key=int) == sorted(ddp, key=int) == ["0", "2", "4"], run
         for step in ("0", "2", "4"):
-            assert sorted(result["logged"][step]) == sorted(ddp["logged"][step]), (run, step)
+            assert sorted(result["logged"][step]) == sorted(ddp[step]), (run, step)
         assert result["states"]["end"] == {"evaluations": 3, "skipped": 0, "last_step": 4}
-        _assert_same_numbers(result["logged"]["0"], ddp["logged"]["0"], f"FSDPStrategy ({run}) vs DDP at step 0")
+        # the Lanczos diagnostics (lanczos/...: residuals, number of norms) count the DDP run's sampled keys too
+        numbers = {k: v for k, v in result["logged"]["0"].items() if "/lanczos/" not in k}
+        expected = {k: v for k, v in ddp["0"].items() if "/lanczos/" not in k}
+        _assert_same_numbers(numbers, expected, f"FSDPStrategy ({run}) vs DDP at step 0")
 
 
 def test_fsdp1_summon_full_params_reads_the_unsharded_numbers(runs):
@@ -407,6 +477,10 @@ def test_setup_picks_the_reader_by_strategy():
 
     monitor.setup(SimpleNamespace(strategy=strategy), TinyLM(), "fit")
     assert monitor.monitor._read_params is sharding.full_params
+    assert monitor.real_loss.status.startswith("on: logits from 'model.head'")  # FSDP2: real-loss keys on
+    assert sharding.real_loss_support(fsdp1).startswith("FSDPStrategy (FSDP1)")  # FSDP1: off, with the reason
+    with pytest.raises(ValueError, match=r"sharpness=True is not supported under FSDPStrategy \(FSDP1\).*sharpness="):
+        CurvatureMonitor(sharpness=True).monitor.attach(TinyLM(), read_params=fsdp1)
     # layers built in configure_model do not exist yet at setup: the message says where to build them
     with pytest.raises(ValueError, match="(?s)no known Transformer layer.*build the layers in __init__"):
         monitor.setup(SimpleNamespace(strategy=strategy), torch.nn.Sequential(torch.nn.Linear(2, 2)), "fit")

@@ -249,11 +249,11 @@ def test_stability_keys_and_real_loss_options():
         with pytest.raises(ValueError, match=f"Invalid {match}="):
             RealLoss(**bad)
     real = RealLoss()
-    assert real.resolve(_gpt(), sharded=False).startswith("on: logits from 'head'")
-    assert real.resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False).startswith("off:")
-    assert "sharded" in real.resolve(_gpt(), sharded=True)
+    assert real.resolve(_gpt()).startswith("on: logits from 'head'")
+    assert real.resolve(torch.nn.Sequential(torch.nn.Linear(2, 2))).startswith("off:")
+    assert real.resolve(_gpt(), "FSDPStrategy (FSDP1): why") == "off: FSDPStrategy (FSDP1): why"
     with pytest.raises(ValueError, match="Cannot find the module"):
-        RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)), sharded=False)
+        RealLoss(enabled=True).resolve(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def test_loss_weights_of_a_confident_model_in_float32():
@@ -362,11 +362,11 @@ def test_user_backward_hooks_are_named_at_set_up_and_sharpness_false_leaves_them
         trainer.fit(model, loader())
         return counts
 
-    note = RealLoss().resolve(TinyLM(), sharded=False)
+    note = RealLoss().resolve(TinyLM())
     assert "backward hooks" not in note
     hooked = TinyLM()
     hooked.model.blocks[0].mlp.register_full_backward_hook(lambda m, gi, go: None)
-    note = RealLoss().resolve(hooked, sharded=False)
+    note = RealLoss().resolve(hooked)
     assert "backward hooks (on 'model.blocks.0.mlp')" in note and "sharpness=False" in note
     without = run(None)
     assert without["module"] == 3 and without["tensor"] == 3
@@ -386,6 +386,33 @@ def test_kept_tokens_without_loss_weight_give_no_value_and_say_why():
             cap.sample_outputs(loss, 2)
         loss.backward()
     assert all("output_samples" not in b.inputs for b in cap.blocks())
+
+
+def test_ranks_agree_before_the_sampled_passes():
+    """Several ranks (``agree``): asked once on every path, whether this rank can sample; when another rank cannot,
+    no pass runs here either (under FSDP2 each pass all-gathers weights) and the error says so."""
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    labels = idx.clone()
+    labels[0] = -100  # the only kept sequence at max_tokens=6 is not scored: this rank cannot sample
+    cases = [(idx, True, 4, None), (idx, False, 0, "another rank cannot sample"), (labels, True, 0, "no loss weight")]
+    for target, others, sampled, error in cases:
+        asked = []
+
+        def agree(ready, others=others, asked=asked):
+            asked.append(ready)
+            return ready and others
+
+        with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, 13), target.reshape(-1), ignore_index=-100)
+            if error is None:
+                assert cap.sample_outputs(loss, 2, agree=agree) == sampled
+            else:
+                with pytest.raises((RuntimeError, ValueError), match=error):
+                    cap.sample_outputs(loss, 2, agree=agree)
+            loss.backward()
+        assert asked == [target is idx]  # asked exactly once, with this rank's readiness
+        assert sum("output_samples" in b.inputs for b in cap.blocks()) == sampled
 
 
 def test_logits_scaled_after_the_logits_module_are_refused_by_name():
