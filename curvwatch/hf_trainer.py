@@ -67,7 +67,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         self._micro_batches = 0  # forwards of the model since the step began
         self._batch: dict[str, Any] = {}  # the loss kwargs of the captured micro-batch
         self._shifts_labels = False
-        self._token_scale = 1.0  # the Trainer multiplies the loss by this (average_tokens_across_devices)
+        self._loss_multiplier = 1.0  # the Trainer multiplies the loss by this (average_tokens_across_devices)
         self._scaler_unseen = False
 
     # -- checkpoints (ExportableState) ----------------------------------------------------------------------
@@ -102,7 +102,8 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         monitor.optimizer = optimizer
         self._shifts_labels = _loss_shifts_labels(model)
-        self._token_scale = float(args.world_size) if args.average_tokens_across_devices else 1.0
+        # average_tokens_across_devices: num_items_in_batch counts every rank's tokens, the loss is x world size
+        self._loss_multiplier = float(args.world_size) if args.average_tokens_across_devices else 1.0
         self._scaler_unseen = (
             bool(args.fp16)
             and getattr(optimizer, "scaler", None) is None
@@ -179,12 +180,13 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         if labels is None:
             self.monitor.engine.warn_once(
                 "hf_items",
-                "CurvatureCallback: the model got num_items_in_batch but no labels; the curvature is that of the "
-                "micro-batch's share of the accumulated loss.",
+                "CurvatureCallback: the model got num_items_in_batch but no labels (label smoothing or a "
+                "compute_loss_func computes the loss outside the model): the curvature logged is that of the "
+                "micro-batch's share of the accumulated loss (about 1/gradient_accumulation_steps of its own).",
             )
             return 1.0
         tokens = int(labels.ne(_IGNORE).sum())
-        return float(total) * self._token_scale / max(tokens, 1)
+        return float(total) / (self._loss_multiplier * max(tokens, 1))
 
     @staticmethod
     def _wandb_loggers(run: Any) -> list[Any]:

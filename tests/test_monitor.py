@@ -222,7 +222,7 @@ def hf_train(tmp_path, data, labels=None, *, k=1, max_steps=2, callbacks=(), bef
 
     @functools.wraps(original)  # the Trainer keeps the dataset columns the forward's signature names
     def forward(*args, **kwargs):
-        order.append((kwargs["input_ids"].clone(), kwargs["labels"].clone()))
+        order.append((kwargs["input_ids"].clone(), kwargs.get("labels")))
         return original(*args, **kwargs)
 
     model.forward = forward
@@ -286,6 +286,15 @@ def test_hf_trainer_accumulation_with_padding_counts_tokens(tmp_path):
     rest = lambda rows: {s: {k: v for k, v in r.items() if "spread" not in k} for s, r in rows.items()}  # noqa: E731
     assert_same(rest(numbers(rows)), rest(plain), rtol=1e-5)
     assert_same(spread(numbers(rows)), spread(plain), rtol=1e-3)
+
+
+def test_hf_trainer_loss_outside_the_model_is_warned(tmp_path):
+    """Label smoothing computes the loss outside the model (its labels popped): the token count is unknown; one
+    warning says what the numbers are then."""
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(CurvatureNotice, match=r"no labels \(label smoothing.*share of the accumulated loss"):
+        rows, *_ = hf_train(tmp_path, data, k=2, max_steps=1, label_smoothing_factor=0.1)
+    assert sorted(numbers(rows)) == [0]
 
 
 def test_hf_trainer_fp16_loss_scale_is_divided_out(tmp_path):
