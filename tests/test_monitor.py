@@ -188,7 +188,12 @@ def test_fabric_litgpt_loop_matches_the_plain_loop(tmp_path):
     assert resumed.book.evaluations == 2 and resumed.state_dict()["last_step"] == monitor.state_dict()["last_step"]
 
 
-def test_hf_trainer_matches_the_plain_loop(tmp_path):
+def hf_train(tmp_path, data, labels=None, *, k=1, max_steps=2, callbacks=(), before_train=None, resume=None, **args):  # noqa: E501
+    """Train a tiny ``LlamaForCausalLM`` (from a config) with ``transformers.Trainer`` and the callback.
+
+    Returns what reached the callable sink, the micro-batches in the Trainer's order (``(input_ids, labels)``), the
+    initial weights and the callback.
+    """
     pytest.importorskip("accelerate")  # transformers' Trainer needs it (the hf extra installs it)
     tf = pytest.importorskip("transformers")
     from curvwatch.hf_trainer import CurvatureCallback
@@ -197,40 +202,185 @@ def test_hf_trainer_matches_the_plain_loop(tmp_path):
         vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=16, use_cache=False, attn_implementation="eager",
     )  # fmt: skip
-    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
-    dataset = [{"input_ids": row, "labels": row} for row in data]
+    labels = data if labels is None else labels
+    dataset = [{"input_ids": row, "labels": target} for row, target in zip(data, labels, strict=True)]
     rows: dict[int, dict[str, float]] = {}
     callback = CurvatureCallback(log=lambda m, s: rows.setdefault(s, {}).update(m), **SETTINGS)
-    args = tf.TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, per_device_train_batch_size=2,
-        save_strategy="no", logging_strategy="no", learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch", seed=0, data_seed=0,
-        disable_tqdm=True,
+    settings = dict(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=max_steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=k, save_strategy="no", logging_strategy="no", learning_rate=1e-3,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch",
+        seed=0, data_seed=0, disable_tqdm=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = tf.Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
-    order = []  # the batches in the Trainer's order
+    trainer = tf.Trainer(model=model, args=tf.TrainingArguments(**{**settings, **args}), train_dataset=dataset,
+                         callbacks=[*callbacks, callback])  # fmt: skip
+    order = []  # the micro-batches in the Trainer's order
     original = model.forward
 
     @functools.wraps(original)  # the Trainer keeps the dataset columns the forward's signature names
     def forward(*args, **kwargs):
-        order.append(kwargs["input_ids"].clone())
+        order.append((kwargs["input_ids"].clone(), kwargs.get("labels")))
         return original(*args, **kwargs)
 
     model.forward = forward
-    trainer.train()
+    if before_train is not None:
+        before_train(trainer, callback)
+    trainer.train(resume_from_checkpoint=resume)
     model.forward = original
+    return rows, order, initial, callback, config
 
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config)
+
+def hf_plain_loop(tf_config, initial, order, accumulate=1):
+    """The plain loop on the same Llama, weights and micro-batches (the model's own mean loss per micro-batch)."""
+    tf = pytest.importorskip("transformers")
+    model = tf.LlamaForCausalLM(tf_config)
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    plain, _ = plain_loop(model, optimizer, order, lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    loss_fn = lambda m, batch: m(input_ids=batch[0], labels=batch[1]).loss  # noqa: E731
+    rows, _ = plain_loop(model, optimizer, order, loss_fn, accumulate=accumulate)
+    return numbers(rows)
+
+
+def test_hf_trainer_matches_the_plain_loop(tmp_path):
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    rows, order, initial, _, config = hf_train(tmp_path, data)
+    plain = hf_plain_loop(config, initial, order)
     assert sorted(numbers(rows)) == [0, 1]
     assert P + "layer0/attn/sharpness/VV/g0" in rows[0] and P + "summary/stability/max" in rows[1]
-    assert_same(numbers(rows), numbers(plain))
+    assert_same(numbers(rows), plain)
+
+
+def test_hf_trainer_accumulation_matches_the_plain_loop(tmp_path):
+    """gradient_accumulation_steps=2: the last micro-batch is captured and its gradients scaled to its own mean
+    loss, as the plain loop (and Lightning) with accumulate_grad_batches=2. The Trainer divides a Llama's summed
+    loss by the tokens of both micro-batches (num_items_in_batch), the plain loop the mean loss by 2: with equal
+    token counts the factors are both 2, and the numbers identical."""
+    data = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(0))  # 2 steps x 2 micro-batches
+    rows, order, initial, _, config = hf_train(tmp_path, data, k=2)
+    assert len(order) == 4
+    plain = hf_plain_loop(config, initial, order, accumulate=2)
+    assert sorted(numbers(rows)) == [0, 1]
+    assert P + "layer0/attn/sharpness/VV/g0" in rows[0] and P + "summary/stability/max" in rows[1]
+    assert_same(numbers(rows), plain)
+    # the captured micro-batch is the last of the step: against the first, the step-0 numbers differ
+    first = hf_plain_loop(config, initial, order[:1])
+    assert numbers(rows)[0][P + "summary/max_hessian"] != pytest.approx(first[0][P + "summary/max_hessian"])
+
+
+def test_hf_trainer_accumulation_with_padding_counts_tokens(tmp_path):
+    """With labels masked (-100) in the captured micro-batch the Trainer's num_items_in_batch is not k times its
+    tokens: the factor num_items / its tokens gives the curvature of its own mean loss (step 0, same weights)."""
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels = data.clone()
+    labels[2:, 5:] = -100  # the second micro-batch (the captured one) has 8 of 14 targets
+    rows, order, initial, _, config = hf_train(tmp_path, data, labels, k=2, max_steps=1)
+    assert int(order[1][1][:, 1:].ne(-100).sum()) == 8 and int(order[0][1][:, 1:].ne(-100).sum()) == 14
+    plain = hf_plain_loop(config, initial, order, accumulate=2)
+    assert sorted(numbers(rows)) == [0]
+    # the factors differ in rounding (the sum over 8 targets / 22 * 22/8 against their mean): 1e-5, except the
+    # sample spreads, differences of close numbers (measured: 2.7e-4 at most); the factor k = 2 would be 27% off
+    spread = lambda rows: {s: {k: v for k, v in r.items() if "spread" in k} for s, r in rows.items()}  # noqa: E731
+    rest = lambda rows: {s: {k: v for k, v in r.items() if "spread" not in k} for s, r in rows.items()}  # noqa: E731
+    assert_same(rest(numbers(rows)), rest(plain), rtol=1e-5)
+    assert_same(spread(numbers(rows)), spread(plain), rtol=1e-3)
+
+
+def test_hf_trainer_loss_outside_the_model_is_warned(tmp_path):
+    """Label smoothing computes the loss outside the model (its labels popped): the token count is unknown; one
+    warning says what the numbers are then."""
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(CurvatureNotice, match=r"no labels \(label smoothing.*share of the accumulated loss"):
+        rows, *_ = hf_train(tmp_path, data, k=2, max_steps=1, label_smoothing_factor=0.1)
+    assert sorted(numbers(rows)) == [0]
+
+
+def test_hf_trainer_fp16_loss_scale_is_divided_out(tmp_path):
+    """fp16 on a GPU: accelerate's GradScaler multiplies the loss; the callback reads it from the optimizer
+    (AcceleratedOptimizer.scaler, the accelerator's) and divides it out. On CPU accelerate makes no scaler, so a
+    real torch.amp.GradScaler('cpu') stands in, put where accelerate puts it (the scaled backward and the unscaled
+    optimizer step are accelerate's own code)."""
+    scale = 2.0**12
+    seen = []
+
+    def stand_in(trainer, _):  # accelerate's prepare() hands the accelerator's scaler to the AcceleratedOptimizer
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10**6)
+
+    class Spy(pytest.importorskip("transformers").TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            seen.append((optimizer.scaler.get_scale(), max(float(p.grad.abs().max()) for p in model.parameters())))
+
+    data = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    rows, order, initial, _, config = hf_train(tmp_path, data, callbacks=[Spy()], before_train=stand_in)
+    plain = hf_plain_loop(config, initial, order)
+    assert [s for s, _ in seen] == [scale, scale] and min(g for _, g in seen) > 100  # the gradients were scaled
+    assert sorted(numbers(rows)) == [0, 1]
+    assert_same(numbers(rows), plain)  # exactly: the scale is a power of two
+
+
+def test_hf_fp16_scale_it_cannot_see_is_warned(tmp_path):
+    """fp16 with no GradScaler on the optimizer (DeepSpeed scales inside its engine): one clear warning."""
+    from types import SimpleNamespace
+
+    tf = pytest.importorskip("transformers")
+    from curvwatch.hf_trainer import CurvatureCallback
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16,
+    ))  # fmt: skip
+    callback = CurvatureCallback(**SETTINGS)
+    args = SimpleNamespace(fp16=True, deepspeed="ds_config.json", world_size=1, average_tokens_across_devices=True,
+                           report_to=[])  # fmt: skip
+    state = SimpleNamespace(global_step=0, stateful_callbacks={})
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.warns(CurvatureNotice, match=r"loss scale is not visible.*bf16=True"):
+        callback.on_train_begin(args, state, None, model=model, optimizer=optimizer)
+    callback.on_train_end(args, state, None)
+    args.deepspeed = None  # fp16 on CPU: accelerate scales nothing, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CurvatureCallback(**SETTINGS).on_train_begin(args, state, None, model=model, optimizer=optimizer)
+
+
+def test_hf_trainer_checkpoint_restores_the_monitor_state(tmp_path):
+    """The monitor's state rides in the checkpoint's trainer_state.json (stateful_callbacks) and comes back on
+    resume_from_checkpoint in a new Trainer with a new callback: counters, schedule, rule windows."""
+    import json
+
+    data = torch.randint(0, VOCAB, (6, 8), generator=torch.Generator().manual_seed(0))
+    _, _, _, first, _ = hf_train(tmp_path, data, max_steps=2, save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "checkpoint-2"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["CurvatureCallback"]
+    saved = saved["attributes"]["monitor_state"]
+    assert saved["evaluations"] == 2 and saved["last_step"] == 1 and saved["rules"]["points"]
+    clockless = lambda state: {k: v for k, v in state.items() if "seconds" not in k}  # noqa: E731 (wall-clock)
+    assert clockless(saved) == clockless(json.loads(json.dumps(first.monitor.state_dict())))
+
+    restored = []
+
+    class Spy(pytest.importorskip("transformers").TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # after every on_train_begin
+            if not restored:
+                restored.append(json.loads(json.dumps(self.callback.monitor.state_dict())))
+
+    spy = Spy()
+    rows, _, _, callback, _ = hf_train(tmp_path, data, max_steps=3, callbacks=[spy], resume=str(checkpoint),
+                                       before_train=lambda _, callback: setattr(spy, "callback", callback))  # fmt: skip
+    assert restored[0]["evaluations"] == 2 and restored[0]["rules"] == saved["rules"]
+    assert clockless(restored[0]) == clockless(saved)
+    assert restored[0]["train_seconds"] >= saved["train_seconds"]  # the restored clock runs on from the saved
+    assert sorted(numbers(rows)) == [2] and callback.monitor.book.evaluations == 3
+    assert rows[2][P + "summary/evaluations"] == 3.0
+    # restore_callback_states_from_checkpoint=True: transformers swaps in CurvatureCallback() built from the JSON
+    # (default settings, no log=); the stand-in warns and still restores the state
+    with pytest.warns(CurvatureNotice, match=r"rebuilt by transformers.*Leave that argument False"):
+        hf_train(tmp_path, data, max_steps=3, resume=str(checkpoint), restore_callback_states_from_checkpoint=True,
+                 before_train=lambda trainer, _: restored.append(trainer))  # fmt: skip
+    rebuilt = [c for c in restored[-1].callback_handler.callbacks if type(c).__name__ == "CurvatureCallback"]
+    assert len(rebuilt) == 1 and rebuilt[0].monitor.book.evaluations == 2  # restored; step 2 not due by default
 
 
 def test_monitor_logs_to_a_lightning_logger_and_checkpoints():
