@@ -8,6 +8,7 @@ only at its stopping tests; a Lightning run of a model on the GPU logs finite nu
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import warnings
@@ -134,3 +135,29 @@ def test_monitor_on_a_cuda_model_evaluates_on_the_gpu(tmp_path, monkeypatch):
     values = [float(v) for r in rows for k, v in r.items() if k.startswith("curv/") and v != ""]
     assert values and all(math.isfinite(v) for v in values)
     assert float(rows[-1]["curv/summary/lanczos/unconverged"]) == 0.0
+
+
+def test_blocks_evaluated_together_on_cuda_equal_one_at_a_time_and_run_on_the_callers_stream():
+    """The Lockstep threads of the engine (issue 23) evaluate on the caller's device and stream: the numbers equal the
+    blocks evaluated one at a time (tolerance 0: the same products), also when the caller runs on a side stream."""
+    from curvwatch.engine import Engine
+    from tests.test_engine import _captured
+
+    blocks = [b for b in _captured(n_layer=2)]
+    blocks = [
+        dataclasses.replace(b, inputs={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.inputs.items()},
+                            params={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.params.items()})
+        if b.reason is None else b
+        for b in blocks
+    ]  # fmt: skip
+    alone = Engine(lockstep=False).evaluate(blocks)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        together = Engine().evaluate(blocks)
+    torch.cuda.synchronize()
+    assert list(together.results) == list(alone.results) and not together.failed
+    for name, res in alone.results.items():
+        for key, value in res.items():
+            got = torch.as_tensor(together.results[name][key])
+            assert got.device.type == torch.as_tensor(value).device.type
+            assert torch.equal(got.cpu(), torch.as_tensor(value).cpu()), (name, key)
