@@ -262,7 +262,7 @@ class AttentionOperator(BlockOperator):
         """
         self.c = c
         self._g = g
-        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn"):
+        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn", "c_rows"):
             self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
 
     @cached_property
@@ -309,6 +309,16 @@ class AttentionOperator(BlockOperator):
         return m if self.rotary is None else self.rotary(m, transpose=True)
 
     @cached_property
+    def KsT(self) -> torch.Tensor:
+        """``s K^T`` per query head, ``(B, H, d_K, L_kv)``: ``dT = dP (s K^T)`` in :meth:`jvp`."""
+        return (self.Kk * self.scale).mT
+
+    @cached_property
+    def Ps(self) -> torch.Tensor:
+        """``s P``, ``(B, H, L, d_K)``: ``dT = (s P) dK^T`` in :meth:`jvp`."""
+        return self.P * self.scale
+
+    @cached_property
     def Mo(self) -> torch.Tensor | None:
         """Per-head output metric ``W_O^h W_O^h^T``, ``(H, d_V, d_V)`` (None without projection)."""
         return None if self.W_O is None else self.W_O @ self.W_O.mT
@@ -337,9 +347,9 @@ class AttentionOperator(BlockOperator):
         dP, dK = self._fwd(dQ0, "q", dnq), self._rep(self._fwd(dK0, "k", dnk))
         dT = None  # (n, B, H, L, L_kv), already scaled by s
         if dP is not None:
-            dT = (dP * self.scale) @ self.Kk.mT
+            dT = _right(dP, self.KsT)
         if dK is not None:
-            t = self.P @ (dK * self.scale).mT
+            t = _left(self.Ps, dK.mT)
             dT = t if dT is None else dT.add_(t)
         r = dA = None
         if dT is not None:
@@ -347,9 +357,9 @@ class AttentionOperator(BlockOperator):
             dA = (dT - r).mul_(A)  # softmax JVP
         dF = None
         if dA is not None:
-            dF = dA @ self.Vv
+            dF = _right(dA, self.Vv)
         if dV is not None:
-            dF = self.A @ dV if dF is None else dF.add_(self.A @ dV)
+            dF = _left(self.A, dV) if dF is None else dF.add_(_left(self.A, dV))
         if self.q_rows is None:  # the pre-norm tangents serve only the QK-norm's second derivative
             dQ0 = dK0 = None
         return dF, (dP, dK, dV, dT, r, dA, dQ0, dK0)
@@ -377,18 +387,18 @@ class AttentionOperator(BlockOperator):
         ref = u if u is not None else next((t for t in inter if t is not None), None)
         out = {}
         if "V" in outputs:
-            mV = None if u is None else self.A.mT @ u
+            mV = None if u is None else _left(self.A.mT, u)
             if dA is not None:
-                mV = dA.mT @ g_h if mV is None else mV.add_(dA.mT @ g_h)
+                mV = _right(dA.mT, g_h) if mV is None else mV.add_(_right(dA.mT, g_h))
             out["V"] = self._zero_out(ref.shape[0], "V") if mV is None else _xtm(self.Xkv, self._grp(mV))
         if any(nm in outputs for nm in ("Q", "K", "N1", "N2")):
             # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
             hA = None
             if dT is not None:
                 hA = (self.GmR1 * dT).addcmul_(self.G_A1, r, value=-1.0)
-            for a, b in ((u, self.Vv), (g_h, dV)):
-                if a is not None and b is not None:
-                    hA = a @ b.mT if hA is None else _add_matmul_(hA, a, b.mT)
+            for t in (None if u is None else _right(u, self.Vv.mT), None if dV is None else _left(g_h, dV.mT)):
+                if t is not None:
+                    hA = t if hA is None else hA.add_(t)
             G2 = None
             if hA is not None:  # softmax VJP, in place on the temporary hA
                 G2 = hA.sub_(torch.linalg.vecdot(A, hA).unsqueeze(-1)).mul_(A)
@@ -396,9 +406,9 @@ class AttentionOperator(BlockOperator):
             for name, norm, left, right, Gam in sides:
                 if name not in outputs and norm not in outputs:
                     continue
-                m = None if left is None else left @ right
+                m = None if left is None else _right(left, right)
                 if Gam is not None:  # the bilinear term of T in (P, K)
-                    t = (self.Gamma if name == "Q" else self.Gamma.mT) @ Gam
+                    t = _left(self.Gamma if name == "Q" else self.Gamma.mT, Gam)
                     m = t if m is None else m.add_(t)
                 side = "q" if name == "Q" else "k"
                 if name == "K":
@@ -435,12 +445,17 @@ class AttentionOperator(BlockOperator):
             Y = torch.einsum("nbhlv,hvm->nblm", dF, self.W_O)  # the layer's output tangent
             u = torch.einsum("nblm,hvm->nbhlv", Y, self.W_O)
         elif self.G == 1 or not mix or self.W_O is None:
-            u = dF if self.Mo is None else dF @ self.Mo
+            u = dF if self.Mo is None else _per_head(dF, self.Mo)
         else:
             W_O = self.W_O.unflatten(0, (self.H_kv, self.G))  # (H_kv, G, d_V, m)
             Y = torch.einsum("nbgslv,gsvm->nbglm", dF.unflatten(2, (self.H_kv, self.G)), W_O)  # group output tangent
             u = torch.einsum("nbglm,gsvm->nbgslv", Y, W_O).flatten(2, 3)  # (n, B, H, L, d_V)
-        return u * (self.c[:, None, None, None] * self.row_keep[:, None, :, None])
+        return u * self.c_rows
+
+    @cached_property
+    def c_rows(self) -> torch.Tensor:
+        """``c_b`` on the kept rows, 0 on the others, ``(B, 1, L, 1)``: the output curvature of :meth:`_outer_cotangent`."""
+        return self.c[:, None, None, None] * self.row_keep[:, None, :, None]
 
     def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None, mix=True):
         """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs`` (and ``H v`` with ``total_rows``).
@@ -633,34 +648,54 @@ def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
     return out
 
 
-def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc += a @ b`` in place (``baddbmm_``, no temporary of ``acc``'s size); ``b`` may lack ``a``'s lead dim."""
-    if acc.is_contiguous():
-        *lead, p, q = acc.shape
-        k = a.shape[-1]
-        a3 = a.expand(*lead, p, k).reshape(-1, p, k)
-        b3 = b.expand(*lead, k, q).reshape(-1, k, q)
-        acc.view(-1, p, q).baddbmm_(a3, b3)
-        return acc
-    return acc.add_(a @ b)
+def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """``S @ T`` for a shared ``S`` ``(B, H, p, q)`` and tangent rows ``T`` ``(n, B, H, q, r)`` -> ``(n, B, H, p, r)``.
+
+    One ``bmm`` over ``B H`` with the rows beside ``r`` (``(B H, q, n r)``: a copy of ``T`` at most, never of ``S``):
+    a matmul broadcasting ``S`` over ``n`` dispatches ~8 operators and copies ``S`` ``n`` times. The result is a
+    permuted view whose memory is ``(B, H, p, n, r)``.
+    """
+    n, B, H, q, r = T.shape
+    p = S.shape[-2]
+    out = torch.bmm(S.reshape(B * H, p, q), T.permute(1, 2, 3, 0, 4).reshape(B * H, q, n * r))
+    return out.view(B, H, p, n, r).permute(3, 0, 1, 2, 4)
+
+
+def _right(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``T @ S`` for tangent rows ``T`` ``(n, B, H, p, q)`` and a shared ``S`` ``(B, H, q, r)`` -> ``(n, B, H, p, r)``.
+
+    One ``bmm`` over ``B H`` with the rows stacked (``(B H, n p, q)``; no copy when ``T``'s memory is already
+    ``(B, H, n, p, q)``, as :func:`_right`'s results are). The result is a permuted view of ``(B, H, n, p, r)``.
+    """
+    n, B, H, p, q = T.shape
+    r = S.shape[-1]
+    out = torch.bmm(T.permute(1, 2, 0, 3, 4).reshape(B * H, n * p, q), S.reshape(B * H, q, r))
+    return out.view(B, H, n, p, r).permute(2, 0, 1, 3, 4)
+
+
+def _per_head(T: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``T @ M_h`` for tangent rows ``T`` ``(n, B, H, p, q)`` and per-head ``M`` ``(H, q, r)`` -> ``(n, B, H, p, r)``."""
+    n, B, H, p, q = T.shape
+    out = torch.bmm(T.permute(2, 0, 1, 3, 4).reshape(H, n * B * p, q), M)
+    return out.view(H, n, B, p, -1).permute(1, 2, 0, 3, 4)
 
 
 def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """``X W`` for a batch of per-head weights: X ``(B, L, d)``, W ``(n, H, d, k)`` -> ``(n, B, H, L, k)``.
 
-    One ``(B L, d) @ (d, H k)`` matmul per tangent (a strided view is returned), not ``n B H`` small ones.
+    One ``(B L, d) @ (d, n H k)`` matmul for every tangent and head (a permuted view is returned): no copy of ``X``.
     """
     n, H, d, k = W.shape
     B, L, _ = X.shape
-    Y = X.reshape(B * L, d) @ W.permute(0, 2, 1, 3).reshape(n, d, H * k)  # (n, B L, H k)
-    return Y.reshape(n, B, L, H, k).permute(0, 1, 3, 2, 4)
+    Y = torch.mm(X.reshape(B * L, d), W.permute(2, 0, 1, 3).reshape(d, n * H * k))  # (B L, n H k)
+    return Y.view(B, L, n, H, k).permute(2, 0, 3, 1, 4)
 
 
 def _xtm(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """``sum_b X_b^T M_b``: X ``(B, L, d)``, M ``(n, B, H, L, k)`` -> ``(n, H, d, k)`` in one matmul over B*L."""
     n, B, H, L, k = M.shape
-    Mr = M.permute(0, 2, 1, 3, 4).reshape(n, H, B * L, k)
-    return torch.matmul(X.reshape(B * L, -1).mT, Mr)
+    Mr = M.permute(1, 3, 0, 2, 4).reshape(B * L, n * H * k)
+    return torch.mm(X.reshape(B * L, -1).mT, Mr).view(-1, n, H, k).permute(1, 2, 0, 3)
 
 
 def _attention(
