@@ -454,7 +454,7 @@ class AttentionOperator(BlockOperator):
 
     @cached_property
     def c_rows(self) -> torch.Tensor:
-        """``c_b`` on the kept rows, 0 on the others, ``(B, 1, L, 1)``: the output curvature of :meth:`_outer_cotangent`."""
+        """``c_b`` on the kept rows, 0 on the others, ``(B, 1, L, 1)``: the curvature of :meth:`_outer_cotangent`."""
         return self.c[:, None, None, None] * self.row_keep[:, None, :, None]
 
     def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None, mix=True):
@@ -674,7 +674,7 @@ def _right(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
 
 
 def _per_head(T: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """``T @ M_h`` for tangent rows ``T`` ``(n, B, H, p, q)`` and per-head ``M`` ``(H, q, r)`` -> ``(n, B, H, p, r)``."""
+    """``T @ M_h`` for tangent rows ``T`` ``(n, B, H, p, q)``, per-head ``M`` ``(H, q, r)`` -> ``(n, B, H, p, r)``."""
     n, B, H, p, q = T.shape
     out = torch.bmm(T.permute(2, 0, 1, 3, 4).reshape(H, n * B * p, q), M)
     return out.view(H, n, B, p, -1).permute(1, 2, 0, 3, 4)
