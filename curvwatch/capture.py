@@ -65,11 +65,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import LogitSampler, LossKind, _chunk_rows, loss_weights
+from curvwatch.sharpness import LinearLogits, LogitSampler, LossKind, _chunk_rows, loss_weights
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -350,26 +351,44 @@ def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ..
     return (slice(None),)
 
 
-def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float, positions: float):
+def _sampler(
+    kept: Tensor | LinearLogits, whole: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
+    factor: float, positions: float,
+):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed."""
-    V = z.shape[-1]
-    z_kept, g_kept = z.detach()[rows], gz[rows]
-    everything = z_kept.numel() == z.numel()
+    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``whole``: the logits of the kept rows ``gz[rows]`` and
+    of the whole batch (tensors, or rows recomputed on demand)."""
+    V = gz.shape[-1]
+    kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
+    everything = g_kept.shape[0] * V == gz.numel()
     count = None  # what an assumed mean (soft targets, squared error) runs over: the whole batch
     if LossKind(kind) is LossKind.MSE:
-        count = z.numel()
+        count = gz.numel()
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
         count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
-    w, loss_kind, note = loss_weights(z_kept, g_kept, kind, count=count)  # a chunk of rows at a time
+    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count)  # a chunk of rows at a time
     total = float(w.sum())
     if not everything:
         # a mean's weights sum to 1; else the whole batch's weights, again a chunk of rows at a time
-        total = 1.0 if note is not None else float(loss_weights(z.detach(), gz, loss_kind)[0].sum())
-    kept = float(w.sum()) * positions
-    return LogitSampler(z_kept, w * factor, loss_kind), (total / kept if kept > 0 else 1.0), note
+        total = 1.0 if note is not None else float(loss_weights(whole, gz.reshape(-1, V), loss_kind)[0].sum())
+    kept_weight = float(w.sum()) * positions
+    return LogitSampler(kept, w * factor, loss_kind), (total / kept_weight if kept_weight > 0 else 1.0), note
+
+
+def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
+    """Whether the logits ``z`` are ``module``'s linear map of ``h`` (checked on the first row, which every cut keeps,
+    to 1%: a subclass or another forward hook that changes them, e.g. a scaling, keeps the logits themselves)."""
+    if h.shape[:-1] != z.shape[:-1] or h.shape[-1] != module.in_features or z.shape[-1] != module.out_features:
+        return False
+    h_row, z_row = h.detach().reshape(-1, h.shape[-1])[:1], z.detach().reshape(-1, z.shape[-1])[:1]
+    if h_row.shape[0] == 0:
+        return False
+    with torch.autocast(h.device.type, enabled=False):
+        bias = None if module.bias is None else module.bias.detach().float()
+        again = torch.nn.functional.linear(h_row.float(), module.weight.detach().float(), bias)
+    return bool((again - z_row.float()).norm() <= 1e-2 * z_row.float().norm() + 1e-30)
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -440,6 +459,10 @@ class Capture:
         self._handles: list[Any] = []
         self._stance: Any = None  # the compiler stance set while the capture is open
         self._logits: Tensor | None = None
+        # a linear logits module's input and the logits' gradient edge, instead of the logits (sampling only)
+        self._logits_input: Tensor | None = None
+        self._logits_edge: Any = None
+        self._logits_shape: tuple[int, ...] = ()
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
@@ -453,7 +476,7 @@ class Capture:
         if self._handles:
             raise RuntimeError("This Capture is already active; use a new Capture per step.")
         self._records = [_Record() for _ in self.specs]
-        self._logits = None
+        self._logits = self._logits_input = self._logits_edge = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
         self._sampled = False
         try:
@@ -480,8 +503,8 @@ class Capture:
         self._release()
 
     def _release(self) -> None:
-        """Drop the references to live graph tensors (block outputs, logits)."""
-        self._logits = None
+        """Drop the references to live graph tensors (block outputs, logits and their module's input)."""
+        self._logits = self._logits_input = self._logits_edge = None
         for rec in self._records:
             rec.output = None
 
@@ -559,16 +582,28 @@ class Capture:
             return copy
         return type(output)(copy if item is out else item for item in output)
 
+    def _has_logits(self) -> bool:
+        return self._logits is not None or self._logits_input is not None
+
     def _on_logits(self, module, args, output) -> None:
-        if self._logits is None and torch.is_grad_enabled():
+        if not self._has_logits() and torch.is_grad_enabled():
             out = output if isinstance(output, Tensor) else getattr(output, "logits", None)
             if isinstance(out, Tensor) and out.requires_grad:
-                self._logits = out
+                h = args[0] if isinstance(module, torch.nn.Linear) and len(args) == 1 else None
+                try:
+                    linear = isinstance(h, Tensor) and h.requires_grad and _is_linear_of(module, h, out)
+                except Exception:  # never into the user's forward: the logits path below works for any module
+                    linear = False
+                if linear:  # keep its input (saved by the module anyway) and the logits' place in the graph only
+                    self._logits_input, self._logits_edge = h, get_gradient_edge(out)
+                    self._logits_shape = tuple(out.shape)
+                else:  # any other module: keep the logits themselves (a logits-sized tensor)
+                    self._logits = out
                 if self.on_logits_grad is not None:
                     self._handles.append(out.register_hook(self._on_logits_grad))
 
     def _on_logits_grad(self, grad: Tensor) -> None:
-        if _SAMPLING[0] or self._sampled or self._logits is None or self.on_logits_grad is None:
+        if _SAMPLING[0] or self._sampled or not self._has_logits() or self.on_logits_grad is None:
             return  # sampled already (before the backward), or one of the sampled backward passes
         self.on_logits_grad(grad)
 
@@ -613,7 +648,7 @@ class Capture:
             RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking).
             ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
         """
-        z = self._logits
+        z, h = self._logits, self._logits_input
         live = [
             (spec, rec)
             for spec, rec in zip(self.specs, self._records, strict=True)
@@ -622,7 +657,7 @@ class Capture:
         diverged = counted = False
         self._sampled = True
         try:
-            if z is None:
+            if z is None and h is None:
                 raise RuntimeError(
                     f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
                     "tracking on this step; pass logits_module='<name>' for the module whose output the loss reads"
@@ -631,8 +666,8 @@ class Capture:
             counted = True
             if not live:
                 return 0
-            if grad_logits is None:
-                (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+            if grad_logits is None:  # at the logits' edge: the logits of a linear module are not held
+                (gz,) = torch.autograd.grad(loss, z if z is not None else self._logits_edge, retain_graph=True)
             else:  # called from the backward with the logits' gradient (on_logits_grad)
                 gz = grad_logits
             # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
@@ -641,8 +676,13 @@ class Capture:
                 return 0
             B, L = live[0][1].shape
             k, l = token_slice(B, L, self.max_tokens)
-            rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
-            sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
+            rows = _kept_rows(tuple(gz.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
+            if z is not None:
+                kept, whole = z.detach()[rows], z.detach()
+            else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
+                kept, whole = self._linear_logits(h.detach()[rows]), self._linear_logits(h)
+            sampler, scale, self.sample_note = _sampler(kept, whole, gz, rows, kind, factor, l / L)
+            del kept, whole
             del gz  # a logits-sized tensor: not held through the sampled passes
             if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
                 raise ValueError(
@@ -654,11 +694,11 @@ class Capture:
             for _, rec in live:
                 rec.sample_scale = scale
             outputs = [rec.output for _, rec in live]
-            cotangent = torch.zeros_like(z)
             unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
-            for _ in range(samples):
-                sampler.draw_into(cotangent[rows], generator)
-                grads = torch.autograd.grad(z, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True)
+            for start, cotangent in self._cotangents(z, rows, sampler, samples, generator):
+                grads = torch.autograd.grad(
+                    start, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True
+                )
                 for (spec, rec), s in zip(live, grads, strict=True):
                     if s is not None:  # None: the block output does not reach the logits
                         rec.samples.append(_keep(spec.adapter.to_batch_first(spec, s), self.max_tokens).float() * unit)
@@ -677,6 +717,27 @@ class Capture:
                 _SAMPLING[0] -= 1
             self._release()
         return len(sampled)
+
+    def _linear_logits(self, h: Tensor) -> LinearLogits:
+        """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
+        return LinearLogits(h.detach().reshape(-1, h.shape[-1]), self.logits_module.weight, self.logits_module.bias)
+
+    def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator):
+        """``(start, cotangent)`` of each sampled backward pass: at the input ``h`` of a linear logits module, the
+        draws carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
+        tensor, so the extra memory does not grow with the batch); else at the logits, a logits-sized cotangent."""
+        h = self._logits_input
+        if z is None:
+            cotangent = torch.zeros_like(h)
+            kept = cotangent[rows]  # a view: the other rows stay zero
+            for draw in sampler.input_draws(self.logits_module.weight.detach(), samples, generator):
+                kept.copy_(draw.view(kept.shape))
+                yield h, cotangent
+            return
+        cotangent = torch.zeros_like(z)
+        for _ in range(samples):
+            sampler.draw_into(cotangent[rows], generator)
+            yield z, cotangent
 
     # -- results ----------------------------------------------------------------------------------
 

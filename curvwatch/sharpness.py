@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -96,6 +96,43 @@ def _chunk_rows(width: int) -> int:
 
 # Hard-label fit: per-row weights are used when the gradient equals w_n (p_n - e_y) to this relative residual.
 _HARD_FIT = 1e-2
+
+
+class LinearLogits:
+    """The logits ``z = h W^T + b`` of a linear logits module as ``(N, V)`` rows computed on demand: no ``(N, V)``
+    tensor is held, each chunk of rows is recomputed from ``h`` when read. :func:`loss_weights` and
+    :class:`LogitSampler` take it where they take logits (they read ``shape``, ``device``, ``detach()``,
+    ``reshape(-1, V)`` and row slices only).
+
+    Args:
+        h: ``(N, d)`` the module's input rows (detached).
+        weight: ``(V, d)``; bias: ``(V,)`` or ``None``.
+
+    Example:
+        >>> lin = nn.Linear(3, 5)
+        >>> h = torch.randn(4, 3)
+        >>> z = LinearLogits(h, lin.weight, lin.bias)
+        >>> tuple(z.shape), torch.allclose(z[1:3], lin(h)[1:3])
+        ((4, 5), True)
+    """
+
+    def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+        self.h, self.weight = h.detach(), weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.shape = torch.Size((h.shape[0], weight.shape[0]))
+        self.device = h.device
+
+    def detach(self) -> LinearLogits:
+        return self
+
+    def reshape(self, *shape: int) -> LinearLogits:
+        if tuple(shape) not in ((-1, self.shape[1]), tuple(self.shape)):
+            raise ValueError(f"LinearLogits are (N, V) rows: reshape(-1, V) only, not {shape}")
+        return self
+
+    def __getitem__(self, rows: slice) -> Tensor:
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            return torch.nn.functional.linear(self.h[rows], self.weight, self.bias)
 
 
 class LossKind(str, Enum):
@@ -175,7 +212,7 @@ def loss_weights(
     so the mean over every element is assumed (``w_n = 1/numel``).
 
     Args:
-        logits: ``(..., V)`` the loss's input; rows are all leading dimensions.
+        logits: ``(..., V)`` the loss's input; rows are all leading dimensions (or :class:`LinearLogits`).
         grad: ``(..., V)`` the gradient of the loss (as back-propagated: Lightning's accumulation and AMP factors
             included; the caller multiplies the weights by its factor).
         kind: ``"auto"`` (cross-entropy if every gradient row sums to zero, else an error), ``"cross_entropy"`` or
@@ -200,14 +237,14 @@ def loss_weights(
     if kind is LossKind.MSE:
         n = N * V if count is None else count
         return (
-            torch.full((N,), 1.0 / n, device=z_all.device),
+            torch.full((N,), 1.0 / n, device=g_all.device),
             kind,
             "squared error: assumed the mean over every element",
         )
-    w = torch.zeros(N, device=z_all.device)
-    active = torch.zeros(N, dtype=torch.bool, device=z_all.device)
-    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=z_all.device)
-    decisive_any = torch.zeros((), dtype=torch.bool, device=z_all.device)
+    w = torch.zeros(N, device=g_all.device)
+    active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
+    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
+    decisive_any = torch.zeros((), dtype=torch.bool, device=g_all.device)
     slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
         z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
@@ -300,7 +337,7 @@ class LogitSampler:
     (``E[sigma sigma^T] = I``).
 
     Args:
-        logits: ``(..., V)`` the rows to sample (the kept sequences' logits).
+        logits: ``(..., V)`` the rows to sample (the kept sequences' logits), or :class:`LinearLogits`.
         weights: ``(N,)`` their loss weights (:func:`loss_weights`, times the caller's factor).
         kind: ``LossKind.CROSS_ENTROPY`` or ``LossKind.MSE``.
 
@@ -320,10 +357,12 @@ class LogitSampler:
         self.z = logits.detach().reshape(-1, logits.shape[-1])
         self._one: tuple[Tensor, ...] | None = None  # the tables, kept when they are one chunk (no more memory)
         if kind is LossKind.CROSS_ENTROPY:
-            chunks = [self._tables(i) for i in _row_chunks(*self.z.shape)]
-            self._one = chunks[0] if len(chunks) == 1 else None
-            self.norm = torch.cat([c[3] for c in chunks]).float()  # (N,) sqrt(tr H)
-            del chunks
+            starts = _row_chunks(*self.z.shape)
+            if len(starts) == 1:
+                self._one = self._tables(0)
+                self.norm = self._one[3].float()  # (N,) sqrt(tr H)
+            else:  # only the norms: holding every chunk's tables would be (N, V) float64 three times over
+                self.norm = torch.cat([self._tables(i)[3] for i in starts]).float()
         else:
             self.norm = torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device)
         self.norm = self.norm * self.root[:, 0]  # ||r_n|| of every draw
@@ -372,6 +411,48 @@ class LogitSampler:
             r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
             flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
         return out
+
+    def input_draws(self, weight: Tensor, samples: int, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+        """The draws of :meth:`draw_into` carried back through a linear logits module ``z = h W^T + b``: one
+        ``(r / unit) W`` per sample, ``(N, d)`` in ``weight``'s dtype, the cotangents at its input ``h`` (kept rows).
+
+        The same random numbers in the same order as ``samples`` calls of :meth:`draw_into`, so the same draws; but no
+        ``(N, V)`` draw exists: a cross-entropy draw of row ``n`` is ``f (e_c - p_n)``, whose product with ``W`` is
+        ``f (W_c - p_n W)``. The tables are built once per chunk of rows for all samples (not once per draw), and
+        ``p W`` once: the extra memory is one chunk of tables and ``(N, d)`` tensors, whatever the vocabulary's rows.
+        Squared error draws each ``(N, V)`` sign table and multiplies it by ``W``.
+
+        Args:
+            weight: ``(V, d)`` the logits module's weight.
+            samples: Draws.
+            generator: Random source (as for :meth:`draw_into`).
+        """
+        n, V = self.z.shape
+        if self.kind is LossKind.MSE:
+            buf = torch.empty((n, V), dtype=weight.dtype, device=weight.device)
+            for _ in range(samples):
+                yield self.draw_into(buf, generator) @ weight
+            return
+        signs, uniforms = [], []
+        for _ in range(samples):  # the order of draw_into's numbers: a sign, then a uniform, per draw
+            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=self.z.device))
+            uniforms.append(torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64))
+        sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
+        u = torch.cat(uniforms, 1)
+        scale = self.root / max(self.unit, 1e-30)  # (N, 1)
+        classes = torch.empty((n, samples), dtype=torch.long, device=self.z.device)
+        factor = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
+        pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # p_n W
+        for i in _row_chunks(n, V):
+            rows = slice(i, i + _chunk_rows(V))
+            p, cdf, coef, _ = self._one if self._one is not None else self._tables(i)
+            c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, samples): c ~ q
+            classes[rows] = c
+            factor[rows] = scale[rows] * sign[rows] * coef.gather(1, c)
+            pw[rows] = p.to(weight.dtype) @ weight
+            del p, cdf, coef
+        for j in range(samples):
+            yield (weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype))
 
 
 # -- optimizers --------------------------------------------------------------------------------------
