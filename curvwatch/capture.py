@@ -70,7 +70,7 @@ from torch.autograd.graph import get_gradient_edge
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import LinearLogits, LogitSampler, LossKind, _chunk_rows, loss_weights
+from curvwatch.sharpness import LinearLogits, LogitSampler, LossKind, _chunk_rows, loss_weights, total_weight
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -372,7 +372,7 @@ def _sampler(
     total = float(w.sum())
     if not everything:
         # a mean's weights sum to 1; else the whole batch's weights, again a chunk of rows at a time
-        total = 1.0 if note is not None else float(loss_weights(whole, gz.reshape(-1, V), loss_kind)[0].sum())
+        total = 1.0 if note is not None else total_weight(whole, gz)
     kept_weight = float(w.sum()) * positions
     return LogitSampler(kept, w * factor, loss_kind), (total / kept_weight if kept_weight > 0 else 1.0), note
 

@@ -39,9 +39,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 __all__ = [
     "LOGITS_NAMES",
+    "LinearLogits",
     "LogitSampler",
     "LossKind",
     "StabilityRule",
@@ -51,6 +53,7 @@ __all__ = [
     "param_positions",
     "stability_keys",
     "stability_rule",
+    "total_weight",
 ]
 
 #: Module names tried, in this order, for the module whose output is the logits (``logits_module=None``).
@@ -294,6 +297,32 @@ def loss_weights(
     )
 
 
+def total_weight(logits: Tensor, grad: Tensor) -> float:
+    """``sum_n w_n`` of a hard-label cross-entropy's rows (:func:`loss_weights` found hard labels on some of them),
+    cheaper than summing its weights: ``w_n = sum_{c != y} g_c / sum_{c != y} p_c`` with the denominator in the log
+    domain (``logsumexp`` of the other logits minus that of all), in the logits' precision, a chunk of rows at a time;
+    rows without a gradient weigh 0.
+
+    Example:
+        >>> z = torch.randn(6, 5)
+        >>> g, = torch.autograd.grad(F.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum"), z)
+        >>> round(total_weight(z.detach(), g), 4)
+        6.0
+    """
+    V = grad.shape[-1]
+    z_all, g_all = logits.detach().reshape(-1, V), grad.detach().reshape(-1, V)
+    total = torch.zeros((), dtype=torch.float64, device=g_all.device)
+    step = _chunk_rows(V)
+    for i in range(0, g_all.shape[0], step):
+        z, g = z_all[i : i + step].float(), g_all[i : i + step].float()
+        y = g.argmin(-1, keepdim=True)  # the label: the only negative entry
+        lse = z.logsumexp(-1)
+        others = z.scatter(-1, y, -math.inf).logsumexp(-1)  # log sum_{c != y} e^{z_c}
+        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # sum_{c != y} g_c (every entry off the label is >= 0)
+        total = total + (off / (others - lse).double().exp().clamp_min(1e-300)).sum()
+    return float(total)
+
+
 def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:
     """The scale ``s`` with ``g_c ∝ softmax(s z)_c`` off the label ``y`` in every row (a hard-label cross-entropy of
     logits scaled by ``s`` after ``z``), or ``None`` when the rows are not of that form (soft targets: some entry off
@@ -361,12 +390,17 @@ class LogitSampler:
             if len(starts) == 1:
                 self._one = self._tables(0)
                 self.norm = self._one[3].float()  # (N,) sqrt(tr H)
-            else:  # only the norms: holding every chunk's tables would be (N, V) float64 three times over
-                self.norm = torch.cat([self._tables(i)[3] for i in starts]).float()
+            else:  # only the norms (tr H_n = 1 - ||p_n||^2 = sum_c p_c (1 - p_c)), not every chunk's tables
+                self.norm = torch.cat([self._trace(i) for i in starts]).sqrt().float()
         else:
             self.norm = torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device)
         self.norm = self.norm * self.root[:, 0]  # ||r_n|| of every draw
         self.unit = float(self.norm.max()) if self.norm.numel() else 0.0  # every entry of a draw is at most this
+
+    def _trace(self, i: int) -> Tensor:
+        """``tr H_n`` of the rows of the chunk starting at ``i``, float64 (the sum of :meth:`_tables`' ``||a_c||^2``)."""
+        p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
+        return p.mul_(1 - p).sum(-1)
 
     def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
