@@ -351,14 +351,20 @@ def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ..
     return (slice(None),)
 
 
+def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The index of the logits rows :func:`_kept_rows` leaves out (empty when it keeps every row)."""
+    *lead, last = rows
+    return (*lead, slice(last.stop, None)) if last.stop is not None else (slice(0, 0),)
+
+
 def _sampler(
-    kept: Tensor | LinearLogits, whole: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
+    kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
     factor: float, positions: float,
 ):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``whole``: the logits of the kept rows ``gz[rows]`` and
-    of the whole batch (tensors, or rows recomputed on demand)."""
+    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
+    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand)."""
     V = gz.shape[-1]
     kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
     everything = g_kept.shape[0] * V == gz.numel()
@@ -370,9 +376,10 @@ def _sampler(
         count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
     w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count)  # a chunk of rows at a time
     total = float(w.sum())
-    if not everything:
-        # a mean's weights sum to 1; else the whole batch's weights, again a chunk of rows at a time
-        total = 1.0 if note is not None else total_weight(whole, gz)
+    if not everything and note is None:  # a mean's weights sum to 1; else add the other rows' weights
+        total += total_weight(others, gz[_other_rows(rows)])
+    elif not everything:
+        total = 1.0
     kept_weight = float(w.sum()) * positions
     return LogitSampler(kept, w * factor, loss_kind), (total / kept_weight if kept_weight > 0 else 1.0), note
 
@@ -678,11 +685,12 @@ class Capture:
             k, l = token_slice(B, L, self.max_tokens)
             rows = _kept_rows(tuple(gz.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
             if z is not None:
-                kept, whole = z.detach()[rows], z.detach()
+                kept, others = z.detach()[rows], z.detach()[_other_rows(rows)]
             else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
-                kept, whole = self._linear_logits(h.detach()[rows]), self._linear_logits(h)
-            sampler, scale, self.sample_note = _sampler(kept, whole, gz, rows, kind, factor, l / L)
-            del kept, whole
+                kept = self._linear_logits(h.detach()[rows])
+                others = self._linear_logits(h.detach()[_other_rows(rows)])
+            sampler, scale, self.sample_note = _sampler(kept, others, gz, rows, kind, factor, l / L)
+            del kept, others
             del gz  # a logits-sized tensor: not held through the sampled passes
             if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
                 raise ValueError(

@@ -65,6 +65,22 @@ def test_loss_weights_ignored_and_weighted_rows():
     torch.testing.assert_close(w.double(), per_row, rtol=1e-5, atol=0)
 
 
+def test_total_weight_is_the_sum_of_the_loss_weights():
+    """The whole batch's weight (kept tokens scaled up to it) by the cheap log-domain formula: ignored rows, per-row
+    weights and a confident row (p_y = 1 - 1e-6 in float32) as loss_weights, whose sum it replaces."""
+    from curvwatch.sharpness import total_weight
+
+    z = Z.float().reshape(-1, 7).clone()
+    z[5] = torch.tensor([20.0, 0, 0, 0, 0, 0, 0]) - 1.0  # confident in class 0
+    labels = Y.reshape(-1).clone()
+    labels[5], labels[:3] = 0, -100
+    per_row = torch.linspace(0.5, 2.0, 15)
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    expected = float(loss_weights(z, g)[0].double().sum())
+    assert abs(total_weight(z, g) - expected) <= 1e-5 * expected
+    assert abs(expected - float(per_row[3:].sum())) <= 1e-4 * expected
+
+
 def test_loss_weights_soft_targets_and_mse_and_errors():
     w, kind, note = loss_weights(
         Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
@@ -285,6 +301,13 @@ def test_sampler_and_loss_weights_in_chunks_are_the_same(monkeypatch):
     torch.testing.assert_close(w_whole, torch.ones(7), rtol=1e-5, atol=0)
     chunked = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY).draw(torch.Generator().manual_seed(0))
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    # the draws carried through a linear logits module (no (rows, V) draw): r W, the same random numbers
+    W = torch.randn(5, 3, generator=torch.Generator().manual_seed(5))
+    sampler = LogitSampler(z, torch.ones(7), LossKind.CROSS_ENTROPY)
+    gen = torch.Generator().manual_seed(0)
+    through = [d * sampler.unit for d in sampler.input_draws(W, 2, torch.Generator().manual_seed(0))]
+    for d in through:
+        torch.testing.assert_close(d, sampler.draw(gen) @ W, rtol=1e-5, atol=1e-6)
 
 
 def test_real_loss_temporaries_are_bounded_at_a_50k_vocabulary():
@@ -300,10 +323,48 @@ def test_real_loss_temporaries_are_bounded_at_a_50k_vocabulary():
     out = torch.empty(128, V)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         w, _, _ = loss_weights(z, g)
-        LogitSampler(z[:128], w[:128], LossKind.CROSS_ENTROPY).draw_into(out, torch.Generator().manual_seed(0))
+        sampler = LogitSampler(z[:128], w[:128], LossKind.CROSS_ENTROPY)
+        sampler.draw_into(out, torch.Generator().manual_seed(0))
+        list(sampler.input_draws(torch.randn(V, 16), 4, torch.Generator().manual_seed(0)))
     largest = max(e.cpu_memory_usage for e in prof.events())  # the largest allocation of one op call
     assert 2**20 < largest <= 8 * 2**20, largest
     torch.testing.assert_close(w, torch.full((N,), 1 / N), rtol=1e-4, atol=0)
+
+
+def _sampling_peaks(B: int, max_tokens: int = 64, L: int = 32, V: int = 50_257) -> tuple[float, float]:
+    """MiB: the peak of live CPU memory while ``sample_outputs`` runs (16 samples) and while the plain backward of the
+    same step runs, from torch's profiler's allocation events (every allocation and free, in time order)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=1, n_head=2, d_model=16, d_ff=32, dropout=0.0))
+    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with Capture(find_blocks(model), max_tokens=max_tokens, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))  # the logits are not held here
+            with torch.profiler.record_function("sampling"):
+                assert cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0)) == 2
+            with torch.profiler.record_function("backward"):
+                loss.backward()
+    events = prof.profiler.kineto_results.events()
+    live, timeline = 0, []
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        timeline.append((e.start_ns(), live))
+    spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in ("sampling", "backward")}
+    return tuple(max(b for t, b in timeline if spans[n][0] <= t <= spans[n][1]) / 2**20 for n in ("sampling", "backward"))
+
+
+def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary():
+    """Vocabulary 50,257, 64 kept tokens: the sampling's peak exceeds the plain backward's peak of the same step (the
+    step's peak without sampling) by at most 32 MiB (the goal: 64 MiB; measured 30 MiB at batch 2, its chunked tables),
+    and not more at batch 8 (4x the logits; measured 0: under the backward's own peak). The previous version: +84 MiB
+    at both (every chunk's sampler tables at once: 24 bytes per kept token and vocabulary entry, 617 MB at the default
+    512 tokens), and a logits-sized cotangent through the sampled passes."""
+    extra = {}
+    for B in (2, 8):
+        sampling, backward = _sampling_peaks(B)
+        extra[B] = max(0.0, sampling - backward)
+        assert backward > B * 32 * 50_257 * 4 / 2**20  # the backward itself holds logits-sized tensors
+    assert extra[2] <= 32 and extra[8] <= extra[2] + 4, extra
 
 
 def test_two_captures_do_not_read_each_others_sampled_passes():
