@@ -210,7 +210,7 @@ def cost_table(repeats: int) -> list[str]:
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
-def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 2) -> list[str]:
+def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
     """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
     without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
     AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of ``repeats``),
@@ -243,7 +243,9 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
             loss.backward()
         t3 = clock()
         blocks = cap.blocks()
-        rules = real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode != "plain" else None
+        rules = (
+            real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode != "plain" else None
+        )
         with eval_ops:
             engine.evaluate(blocks, rules=rules)
         model.zero_grad()
@@ -269,7 +271,8 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
         f"| training step (forward + backward, captured) | {med['plain']['step']:.2f} | - |",
         f"| full evaluation without real-loss keys | {off:.2f} | {ops_off} |",
         f"| full evaluation with real-loss keys | {on:.2f} | {ops_on} |",
-        f"| real-loss part (difference) | **{part:.2f} ({part / on:.0%})** | **{ops_part} ({ops_part / ops_on:.0%})** |",
+        f"| real-loss part (difference) | **{part:.2f} ({part / on:.0%})** | "
+        f"**{ops_part} ({ops_part / ops_on:.0%})** |",
         f"| of which the sampling (`sample_outputs`) | {med['real']['sampling']:.2f} | {ops['real'][0].total} |",
         f"| of which the sampled keys in the kernels | {med['real']['evaluate'] - med['plain']['evaluate']:.2f} | "
         f"{ops['real'][1].total - ops['plain'][1].total} |",

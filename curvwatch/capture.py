@@ -469,7 +469,6 @@ class Capture:
         # a linear logits module's input and the logits' gradient edge, instead of the logits (sampling only)
         self._logits_input: Tensor | None = None
         self._logits_edge: Any = None
-        self._logits_shape: tuple[int, ...] = ()
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
@@ -603,7 +602,6 @@ class Capture:
                     linear = False
                 if linear:  # keep its input (saved by the module anyway) and the logits' place in the graph only
                     self._logits_input, self._logits_edge = h, get_gradient_edge(out)
-                    self._logits_shape = tuple(out.shape)
                 else:  # any other module: keep the logits themselves (a logits-sized tensor)
                     self._logits = out
                 if self.on_logits_grad is not None:

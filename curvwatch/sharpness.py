@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 __all__ = [
     "LOGITS_NAMES",
@@ -305,7 +304,8 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
 
     Example:
         >>> z = torch.randn(6, 5)
-        >>> g, = torch.autograd.grad(F.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum"), z)
+        >>> loss = nn.functional.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum")
+        >>> g, = torch.autograd.grad(loss, z)
         >>> round(total_weight(z.detach(), g), 4)
         6.0
     """
@@ -398,7 +398,7 @@ class LogitSampler:
         self.unit = float(self.norm.max()) if self.norm.numel() else 0.0  # every entry of a draw is at most this
 
     def _trace(self, i: int) -> Tensor:
-        """``tr H_n`` of the rows of the chunk starting at ``i``, float64 (the sum of :meth:`_tables`' ``||a_c||^2``)."""
+        """``tr H_n`` of the rows of the chunk starting at ``i``, float64 (:meth:`_tables`' sum of ``||a_c||^2``)."""
         p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
         return p.mul_(1 - p).sum(-1)
 

@@ -349,8 +349,12 @@ def _sampling_peaks(B: int, max_tokens: int = 64, L: int = 32, V: int = 50_257) 
     for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
         live += e.nbytes()
         timeline.append((e.start_ns(), live))
-    spans = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in ("sampling", "backward")}
-    return tuple(max(b for t, b in timeline if spans[n][0] <= t <= spans[n][1]) / 2**20 for n in ("sampling", "backward"))
+    spans = {
+        e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in ("sampling", "backward")
+    }
+    return tuple(
+        max(b for t, b in timeline if spans[n][0] <= t <= spans[n][1]) / 2**20 for n in ("sampling", "backward")
+    )
 
 
 def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary():
