@@ -124,19 +124,28 @@ def _gpt(**kw):
     return GPT(cfg).double()
 
 
-def test_capture_samples_are_the_backpropagated_logit_samples():
-    """s_j at a block output is the VJP of the j-th sampled logit gradient, and the real capture is untouched."""
+@pytest.mark.parametrize("head", ["linear", "scaled by a forward hook"])
+def test_capture_samples_are_the_backpropagated_logit_samples(head, monkeypatch):
+    """s_j at a block output is the VJP of the j-th sampled logit gradient, and the real capture is untouched: from a
+    linear logits module's input (the draws carried through it on the kept rows), or, when the logits are not its
+    linear map (a forward hook scales them), from the logits themselves."""
     model = _gpt()
+    if head != "linear":
+        model.head.register_forward_hook(lambda m, a, o: o * 0.5)
     idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
     specs = find_blocks(model)
     outputs = {}
     attn = model.blocks[1].attn.out_proj
     handle = attn.register_forward_hook(lambda m, a, o: outputs.__setitem__("y", o))
+    through = []  # calls of the linear path
+    input_draws = LogitSampler.input_draws
+    monkeypatch.setattr(LogitSampler, "input_draws", lambda *a: through.append(1) or input_draws(*a))
     with Capture(specs, max_tokens=12, logits_module=model.head) as cap:
         logits = model(idx)
         loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
         n = cap.sample_outputs(loss, 3, generator=torch.Generator().manual_seed(5))
         loss.backward()
+    assert len(through) == (head == "linear")
     # reproduce the samples on a second forward (outside the capture): same generator, same loss weights,
     # autograd's VJP from the logits to the block output
     logits = model(idx)
