@@ -359,7 +359,7 @@ def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
 
 def _sampler(
     kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
-    factor: float, positions: float,
+    factor: float, positions: float, norms: bool = True,
 ):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
@@ -381,7 +381,8 @@ def _sampler(
     elif not everything:
         total = 1.0
     kept_weight = float(w.sum()) * positions
-    return LogitSampler(kept, w * factor, loss_kind), (total / kept_weight if kept_weight > 0 else 1.0), note
+    sampler = LogitSampler(kept, w * factor, loss_kind, norms=norms)
+    return sampler, (total / kept_weight if kept_weight > 0 else 1.0), note
 
 
 def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
@@ -687,9 +688,15 @@ class Capture:
             else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
                 kept = self._linear_logits(h.detach()[rows])
                 others = self._linear_logits(h.detach()[_other_rows(rows)])
-            sampler, scale, self.sample_note = _sampler(kept, others, gz, rows, kind, factor, l / L)
+            sampler, scale, self.sample_note = _sampler(
+                kept, others, gz, rows, kind, factor, l / L, norms=z is not None
+            )
             del kept, others
             del gz  # a logits-sized tensor: not held through the sampled passes
+            # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also the norms)
+            draws = (
+                None if z is not None else sampler.input_draws(self.logits_module.weight.detach(), samples, generator)
+            )
             if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
                 raise ValueError(
                     f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
@@ -701,7 +708,7 @@ class Capture:
                 rec.sample_scale = scale
             outputs = [rec.output for _, rec in live]
             unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
-            for start, cotangent in self._cotangents(z, rows, sampler, samples, generator):
+            for start, cotangent in self._cotangents(z, rows, sampler, samples, generator, draws):
                 grads = torch.autograd.grad(
                     start, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True
                 )
@@ -728,15 +735,16 @@ class Capture:
         """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
         return LinearLogits(h.detach().reshape(-1, h.shape[-1]), self.logits_module.weight, self.logits_module.bias)
 
-    def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator):
+    def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator,
+                    draws):  # fmt: skip
         """``(start, cotangent)`` of each sampled backward pass: at the input ``h`` of a linear logits module, the
-        draws carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
+        ``draws`` carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
         tensor, so the extra memory does not grow with the batch); else at the logits, a logits-sized cotangent."""
         h = self._logits_input
         if z is None:
             cotangent = torch.zeros_like(h)
             kept = cotangent[rows]  # a view: the other rows stay zero
-            for draw in sampler.input_draws(self.logits_module.weight.detach(), samples, generator):
+            for draw in draws:
                 kept.copy_(draw.view(kept.shape))
                 yield h, cotangent
             return

@@ -378,23 +378,28 @@ class LogitSampler:
         True
     """
 
-    def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind) -> None:
+    def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind, norms: bool = True) -> None:
         self.shape, self.kind = logits.shape, kind
         self.root = weights.clamp_min(0).sqrt()[:, None].float()  # (N, 1)
         # no (N, V) table is kept: each draw recomputes a chunk of rows at a time from the logits (a view of the
         # live ones), so the extra memory is that of one chunk (_CHUNK) whatever the rows and the vocabulary
         self.z = logits.detach().reshape(-1, logits.shape[-1])
         self._one: tuple[Tensor, ...] | None = None  # the tables, kept when they are one chunk (no more memory)
+        self.norm: Tensor | None = None
+        self.unit: float | None = None
         if kind is LossKind.CROSS_ENTROPY:
             starts = _row_chunks(*self.z.shape)
             if len(starts) == 1:
                 self._one = self._tables(0)
-                self.norm = self._one[3].float()  # (N,) sqrt(tr H)
-            else:  # only the norms (tr H_n = 1 - ||p_n||^2 = sum_c p_c (1 - p_c)), not every chunk's tables
-                self.norm = torch.cat([self._trace(i) for i in starts]).sqrt().float()
+                self._set_norms(self._one[3].float())  # (N,) sqrt(tr H)
+            elif norms:  # only the norms (tr H_n = 1 - ||p_n||^2 = sum_c p_c (1 - p_c)), not every chunk's tables
+                self._set_norms(torch.cat([self._trace(i) for i in starts]).sqrt().float())
+            # else: input_draws reads them in its one pass over the tables
         else:
-            self.norm = torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device)
-        self.norm = self.norm * self.root[:, 0]  # ||r_n|| of every draw
+            self._set_norms(torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device))
+
+    def _set_norms(self, root_trace: Tensor) -> None:
+        self.norm = root_trace * self.root[:, 0]  # ||r_n|| of every draw
         self.unit = float(self.norm.max()) if self.norm.numel() else 0.0  # every entry of a draw is at most this
 
     def _trace(self, i: int) -> Tensor:
@@ -453,7 +458,8 @@ class LogitSampler:
         The same random numbers in the same order as ``samples`` calls of :meth:`draw_into`, so the same draws; but no
         ``(N, V)`` draw exists: a cross-entropy draw of row ``n`` is ``f (e_c - p_n)``, whose product with ``W`` is
         ``f (W_c - p_n W)``. The tables are built once per chunk of rows for all samples (not once per draw), and
-        ``p W`` once: the extra memory is one chunk of tables and ``(N, d)`` tensors, whatever the vocabulary's rows.
+        ``p W`` once, in one pass made before this returns (it also sets :attr:`unit` of a sampler built with
+        ``norms=False``); the extra memory is one chunk of tables and ``(N, d)`` tensors, whatever the vocabulary.
         Squared error draws each ``(N, V)`` sign table and multiplies it by ``W``.
 
         Args:
@@ -464,29 +470,29 @@ class LogitSampler:
         n, V = self.z.shape
         if self.kind is LossKind.MSE:
             buf = torch.empty((n, V), dtype=weight.dtype, device=weight.device)
-            for _ in range(samples):
-                yield self.draw_into(buf, generator) @ weight
-            return
+            return (self.draw_into(buf, generator) @ weight for _ in range(samples))
         signs, uniforms = [], []
         for _ in range(samples):  # the order of draw_into's numbers: a sign, then a uniform, per draw
             signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=self.z.device))
             uniforms.append(torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64))
         sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
         u = torch.cat(uniforms, 1)
-        scale = self.root / max(self.unit, 1e-30)  # (N, 1)
         classes = torch.empty((n, samples), dtype=torch.long, device=self.z.device)
-        factor = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
+        coefs = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
         pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # p_n W
+        traces = []
         for i in _row_chunks(n, V):
             rows = slice(i, i + _chunk_rows(V))
-            p, cdf, coef, _ = self._one if self._one is not None else self._tables(i)
+            p, cdf, coef, root_trace = self._one if self._one is not None else self._tables(i)
             c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, samples): c ~ q
-            classes[rows] = c
-            factor[rows] = scale[rows] * sign[rows] * coef.gather(1, c)
+            classes[rows], coefs[rows] = c, coef.gather(1, c)
             pw[rows] = p.to(weight.dtype) @ weight
+            traces.append(root_trace)
             del p, cdf, coef
-        for j in range(samples):
-            yield (weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype))
+        if self.unit is None:
+            self._set_norms(torch.cat(traces).float())
+        factor = (self.root / max(self.unit, 1e-30)) * sign * coefs  # as draw_into's (scale * sign * coef)
+        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(samples))
 
 
 # -- optimizers --------------------------------------------------------------------------------------
