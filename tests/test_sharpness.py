@@ -380,6 +380,28 @@ def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary()
     assert extra[2] <= 32 and extra[8] <= extra[2] + 4, extra
 
 
+def test_sampling_dispatch_ceiling():
+    """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 7 chunks of rows): 16
+    samples cost 2,240 operators and 31 syncs, each sample 80 operators more (its backward pass through the body) than
+    one (1,040); the previous version drew every sample at the logits, chunk by chunk: 7,228 operators, 50 syncs."""
+    from benchmarks.bench_dispatch import OpCounter
+
+    V, L = 50_257, 32
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=2, n_head=2, d_model=16, d_ff=32, dropout=0.0))
+    idx = torch.randint(0, V, (4, L), generator=torch.Generator().manual_seed(1))
+    counts = {}
+    for k in (1, 16):
+        with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
+            with OpCounter() as counter:
+                assert cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(0)) == 4
+            loss.backward()
+        counts[k] = (counter.total, counter.syncs)
+    assert counts[16][0] <= 2_600 and counts[16][1] <= 36, counts
+    assert counts[16][0] - counts[1][0] <= 15 * 100, counts
+
+
 def test_two_captures_do_not_read_each_others_sampled_passes():
     """Two monitors' captures on one step, each sampling: each keeps the real backward's gradient, bit for bit."""
     model = _gpt()
