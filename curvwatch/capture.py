@@ -470,6 +470,7 @@ class Capture:
         # a linear logits module's input and the logits' gradient edge, instead of the logits (sampling only)
         self._logits_input: Tensor | None = None
         self._logits_edge: Any = None
+        self._logits_dtype: torch.dtype | None = None
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
@@ -603,6 +604,7 @@ class Capture:
                     linear = False
                 if linear:  # keep its input (saved by the module anyway) and the logits' place in the graph only
                     self._logits_input, self._logits_edge = h, get_gradient_edge(out)
+                    self._logits_dtype = out.dtype
                 else:  # any other module: keep the logits themselves (a logits-sized tensor)
                     self._logits = out
                 if self.on_logits_grad is not None:
@@ -733,7 +735,8 @@ class Capture:
 
     def _linear_logits(self, h: Tensor) -> LinearLogits:
         """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
-        return LinearLogits(h.detach().reshape(-1, h.shape[-1]), self.logits_module.weight, self.logits_module.bias)
+        module = self.logits_module
+        return LinearLogits(h.detach().reshape(-1, h.shape[-1]), module.weight, module.bias, self._logits_dtype)
 
     def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator,
                     draws):  # fmt: skip

@@ -109,6 +109,8 @@ class LinearLogits:
     Args:
         h: ``(N, d)`` the module's input rows (detached).
         weight: ``(V, d)``; bias: ``(V,)`` or ``None``.
+        dtype: Compute in it (the logits' dtype: under autocast the module ran in bfloat16 or float16, and the loss
+            read those logits); ``None``: ``h``'s.
 
     Example:
         >>> lin = nn.Linear(3, 5)
@@ -118,9 +120,10 @@ class LinearLogits:
         ((4, 5), True)
     """
 
-    def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-        self.h, self.weight = h.detach(), weight.detach()
-        self.bias = None if bias is None else bias.detach()
+    def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or h.dtype
+        self.h, self.weight = h.detach().to(dtype), weight.detach().to(dtype)
+        self.bias = None if bias is None else bias.detach().to(dtype)
         self.shape = torch.Size((h.shape[0], weight.shape[0]))
         self.device = h.device
 
