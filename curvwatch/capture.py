@@ -390,9 +390,10 @@ def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
     to 1%: a subclass or another forward hook that changes them, e.g. a scaling, keeps the logits themselves)."""
     if h.shape[:-1] != z.shape[:-1] or h.shape[-1] != module.in_features or z.shape[-1] != module.out_features:
         return False
-    h_row, z_row = h.detach().reshape(-1, h.shape[-1])[:1], z.detach().reshape(-1, z.shape[-1])[:1]
-    if h_row.shape[0] == 0:
+    if h.numel() == 0 or z.numel() == 0:
         return False
+    first = (0,) * (z.dim() - 1)  # the first row, without reshaping (a copy of non-contiguous logits)
+    h_row, z_row = h.detach()[first][None], z.detach()[first][None]
     with torch.autocast(h.device.type, enabled=False):
         bias = None if module.bias is None else module.bias.detach().float()
         again = torch.nn.functional.linear(h_row.float(), module.weight.detach().float(), bias)
