@@ -19,12 +19,14 @@ of ``sharpness/XX`` median / p90 / worst over seeds, before (the plain Monte-Car
 the truth.
 
 Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``;
-``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``.
+``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``;
+``python -m benchmarks.bench_sharpness --cost --width 64`` (the real-loss share of a full evaluation, vocab 50,257).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -208,6 +210,75 @@ def cost_table(repeats: int) -> list[str]:
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
+def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
+    """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
+    without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
+    AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of ``repeats``),
+    float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its share is
+    ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens."""
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.sharpness import RealLoss, find_logits_module
+
+    model, x, y = held_out_gpt2(width, vocab=vocab, B=B, L=L)
+    specs = find_blocks(model)
+    _, head = find_logits_module(model)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss, _ = _full_ce(x, y)(model)
+    loss.backward()
+    adam.step()  # second moments exist
+    model.zero_grad()
+    real, engine = RealLoss(), Engine()
+
+    def one(mode: str, counters: tuple[OpCounter, OpCounter] | None = None) -> dict[str, float]:
+        clock = time.process_time  # CPU time of this (single-threaded) process: the shared machine's load aside
+        sample_ops, eval_ops = counters or (contextlib.nullcontext(), contextlib.nullcontext())
+        t0 = clock()
+        with Capture(specs, max_tokens=512, logits_module=None if mode == "plain" else head) as cap:
+            loss, _ = _full_ce(x, y)(model)
+            t1 = clock()
+            if mode != "plain":
+                with sample_ops:
+                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+            t2 = clock()
+            loss.backward()
+        t3 = clock()
+        blocks = cap.blocks()
+        rules = (
+            real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode != "plain" else None
+        )
+        with eval_ops:
+            engine.evaluate(blocks, rules=rules)
+        model.zero_grad()
+        return {"step": t3 - t0 - (t2 - t1), "sampling": t2 - t1, "evaluate": clock() - t3}
+
+    one("plain"), one("real")  # warm-up (and the engine's warm starts)
+    times = {m: [] for m in ("plain", "real")}
+    for _ in range(repeats):
+        for m in times:
+            times[m].append(one(m))
+    ops = {m: (OpCounter(), OpCounter()) for m in ("plain", "real")}
+    for m, c in ops.items():
+        one(m, c)
+    med = {m: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for m, ts in times.items()}
+    off, on = (med[m]["sampling"] + med[m]["evaluate"] for m in ("plain", "real"))
+    ops_off, ops_on = (sum(c.total for c in ops[m]) for m in ("plain", "real"))
+    part, ops_part = on - off, ops_on - ops_off
+    return [
+        f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}, max_tokens 512, 16 samples, AdamW rules; CPU time "
+        f"of one thread, median of {repeats}",
+        "| | CPU time (s) | operators |",
+        "| --- | --- | --- |",
+        f"| training step (forward + backward, captured) | {med['plain']['step']:.2f} | - |",
+        f"| full evaluation without real-loss keys | {off:.2f} | {ops_off} |",
+        f"| full evaluation with real-loss keys | {on:.2f} | {ops_on} |",
+        f"| real-loss part (difference) | **{part:.2f} ({part / on:.0%})** | "
+        f"**{ops_part} ({ops_part / ops_on:.0%})** |",
+        f"| of which the sampling (`sample_outputs`) | {med['real']['sampling']:.2f} | {ops['real'][0].total} |",
+        f"| of which the sampled keys in the kernels | {med['real']['evaluate'] - med['plain']['evaluate']:.2f} | "
+        f"{ops['real'][1].total - ops['plain'][1].total} |",
+    ]
+
+
 def held_out_gpt2(width: int, layers: int = 2, heads: int = 4, vocab: int = 256, B: int = 8, L: int = 64):
     """A Hugging Face GPT-2 built from a config (eager attention, no dropout), float32, and a batch of random tokens
     and labels ``(B, L)`` (all ``B L`` tokens scored, mean cross-entropy)."""
@@ -316,6 +387,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one model, two checkpoints, few seeds (smoke test)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--bias", action="store_true", help="the bias table on a held-out GPT-2 (see the docstring)")
+    parser.add_argument("--cost", action="store_true", help="the real-loss share of a full evaluation, vocab 50,257")
     parser.add_argument("--width", type=int, nargs="+", default=[128], help="--bias: GPT-2 widths (n_embd)")
     parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
@@ -328,6 +400,12 @@ def main(argv=None) -> int:
 
             args.json.write_text(json.dumps(rows, indent=1))
         text = "\n".join(bias_table(rows))
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
+    if args.cost:
+        text = "\n".join(cost_share(args.width[0]))
         print(text)
         if args.out:
             args.out.write_text(text + "\n")

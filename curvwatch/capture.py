@@ -66,11 +66,21 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import SOFT, LogitSampler, LossKind, _chunk_rows, loss_weights, soft_divisor
+from curvwatch.sharpness import (
+    SOFT,
+    LinearLogits,
+    LogitSampler,
+    LossKind,
+    _chunk_rows,
+    loss_weights,
+    soft_divisor,
+    total_weight,
+)
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock"]
 
@@ -362,28 +372,57 @@ def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ..
     return (slice(None),)
 
 
-def _sampler(z: Tensor, gz: Tensor, rows: tuple[slice, ...], kind, factor: float, positions: float):
+def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The index of the logits rows :func:`_kept_rows` leaves out (empty when it keeps every row)."""
+    *lead, last = rows
+    return (*lead, slice(last.stop, None)) if last.stop is not None else (slice(0, 0),)
+
+
+def _sampler(
+    kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
+    factor: float, positions: float, norms: bool = True,
+):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed."""
-    V = z.shape[-1]
-    z_kept, g_kept = z.detach()[rows], gz[rows]
-    everything = z_kept.numel() == z.numel()
+    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
+    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand)."""
+    V = gz.shape[-1]
+    kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
+    everything = g_kept.shape[0] * V == gz.numel()
     count = None  # what an assumed mean (label smoothing, squared error) runs over: the whole batch
     if LossKind(kind) is LossKind.MSE:
-        count = z.numel()
+        count = gz.numel()
     elif LossKind(kind) in SOFT:  # the reduction named by the user: the whole batch's divisor
-        count = soft_divisor(LossKind(kind), tuple(z.shape))
+        count = soft_divisor(LossKind(kind), tuple(gz.shape))
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
         count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
-    w, loss_kind, note = loss_weights(z_kept, g_kept, kind, count=count)  # a chunk of rows at a time
+    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count)  # a chunk of rows at a time
     total = float(w.sum())
-    if not everything:
-        # a mean's weights sum to 1; else the whole batch's weights, again a chunk of rows at a time
-        total = 1.0 if note is not None else float(loss_weights(z.detach(), gz, loss_kind)[0].sum())
-    kept = float(w.sum()) * positions
-    return LogitSampler(z_kept, w * factor, loss_kind), (total / kept if kept > 0 else 1.0), note
+    if not everything and note is not None:  # an assumed mean's weights sum to 1
+        total = 1.0
+    elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
+        total = float(loss_weights(gz, gz, loss_kind)[0].sum())
+    elif not everything:  # hard labels: add the other rows' weights, a chunk of rows at a time
+        total += total_weight(others, gz[_other_rows(rows)])
+    kept_weight = float(w.sum()) * positions
+    sampler = LogitSampler(kept, w * factor, loss_kind, norms=norms)
+    return sampler, (total / kept_weight if kept_weight > 0 else 1.0), note
+
+
+def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
+    """Whether the logits ``z`` are ``module``'s linear map of ``h`` (checked on the first row, which every cut keeps,
+    to 1%: a subclass or another forward hook that changes them, e.g. a scaling, keeps the logits themselves)."""
+    if h.shape[:-1] != z.shape[:-1] or h.shape[-1] != module.in_features or z.shape[-1] != module.out_features:
+        return False
+    if h.numel() == 0 or z.numel() == 0:
+        return False
+    first = (0,) * (z.dim() - 1)  # the first row, without reshaping (a copy of non-contiguous logits)
+    h_row, z_row = h.detach()[first][None], z.detach()[first][None]
+    with torch.autocast(h.device.type, enabled=False):
+        bias = None if module.bias is None else module.bias.detach().float()
+        again = torch.nn.functional.linear(h_row.float(), module.weight.detach().float(), bias)
+    return bool((again - z_row.float()).norm() <= 1e-2 * z_row.float().norm() + 1e-30)
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -454,6 +493,10 @@ class Capture:
         self._handles: list[Any] = []
         self._stance: Any = None  # the compiler stance set while the capture is open
         self._logits: Tensor | None = None
+        # a linear logits module's input and the logits' gradient edge, instead of the logits (sampling only)
+        self._logits_input: Tensor | None = None
+        self._logits_edge: Any = None
+        self._logits_dtype: torch.dtype | None = None
         self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
         self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
         self._sampled = False  # sample_outputs ran on this capture
@@ -476,7 +519,7 @@ class Capture:
         if self._handles:
             raise RuntimeError("This Capture is already active; use a new Capture per step.")
         self._records = [_Record() for _ in self.specs]
-        self._logits = None
+        self._logits = self._logits_input = self._logits_edge = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
         self._sampled, self._n_sampled, self.backwards = False, 0, 0
         try:
@@ -503,8 +546,8 @@ class Capture:
         self._release()
 
     def _release(self) -> None:
-        """Drop the references to live graph tensors (block outputs, logits)."""
-        self._logits = None
+        """Drop the references to live graph tensors (block outputs, logits and their module's input)."""
+        self._logits = self._logits_input = self._logits_edge = None
         for rec in self._records:
             rec.output = None
 
@@ -582,6 +625,9 @@ class Capture:
             return copy
         return type(output)(copy if item is out else item for item in output)
 
+    def _has_logits(self) -> bool:
+        return self._logits is not None or self._logits_input is not None
+
     def _on_logits(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
             return
@@ -591,14 +637,24 @@ class Capture:
         # every forward's logits count their backward pass; only the first is kept (a later micro-batch's are not
         # sampled: its block inputs and gradients are not the captured ones)
         self._handles.append(out.register_hook(self._on_logits_grad))
-        if self._logits is None and not self._sampled:
+        if self._has_logits() or self._sampled:
+            return
+        h = args[0] if isinstance(module, torch.nn.Linear) and len(args) == 1 else None
+        try:
+            linear = isinstance(h, Tensor) and h.requires_grad and _is_linear_of(module, h, out)
+        except Exception:  # never into the user's forward: the logits path below works for any module
+            linear = False
+        if linear:  # keep its input (saved by the module anyway) and the logits' place in the graph only
+            self._logits_input, self._logits_edge = h, get_gradient_edge(out)
+            self._logits_dtype = out.dtype
+        else:  # any other module: keep the logits themselves (a logits-sized tensor)
             self._logits = out
 
     def _on_logits_grad(self, grad: Tensor) -> None:
         if _SAMPLING[0]:
             return  # one of the sampled backward passes (or the gradient read before the backward)
         self.backwards += 1
-        if self._sampled or self._logits is None or self.on_logits_grad is None:
+        if self._sampled or not self._has_logits() or self.on_logits_grad is None:
             return  # sampled already (before the backward, or in an earlier backward of this step)
         self.on_logits_grad(grad)
 
@@ -654,7 +710,7 @@ class Capture:
         if self._sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
             self._release()
             return self._n_sampled
-        z = self._logits
+        z, h = self._logits, self._logits_input
         live = [
             (spec, rec)
             for spec, rec in zip(self.specs, self._records, strict=True)
@@ -663,10 +719,10 @@ class Capture:
         diverged = counted = False
         self._sampled = True
         try:
-            ready: tuple[tuple[slice, ...], LogitSampler] | None = None
+            ready: tuple[tuple[slice, ...], LogitSampler, Any] | None = None
             error: Exception | None = None
             try:
-                if z is None:
+                if z is None and h is None:
                     raise RuntimeError(
                         f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
                         "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the "
@@ -675,7 +731,7 @@ class Capture:
                 _SAMPLING[0] += 1
                 counted = True
                 if live:
-                    ready = self._prepare_sampling(z, live, loss, kind, factor, grad_logits)
+                    ready = self._prepare_sampling(z, h, live, loss, kind, factor, grad_logits, samples, generator)
                     diverged = ready is None
             except Exception as err:
                 ready, error = None, err
@@ -688,13 +744,13 @@ class Capture:
                 raise error
             if ready is None:  # no block output to sample, or a diverged loss (the engine flags the blocks)
                 return 0
-            rows, sampler = ready
+            rows, sampler, draws = ready
             outputs = [rec.output for _, rec in live]
-            cotangent = torch.zeros_like(z)
             unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
-            for _ in range(samples):
-                sampler.draw_into(cotangent[rows], generator)
-                grads = torch.autograd.grad(z, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True)
+            for start, cotangent in self._cotangents(z, rows, sampler, samples, generator, draws):
+                grads = torch.autograd.grad(
+                    start, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True
+                )
                 for (spec, rec), s in zip(live, grads, strict=True):
                     if s is not None:  # None: the block output does not reach the logits
                         rec.samples.append(_keep(spec.adapter.to_batch_first(spec, s), self.max_tokens).float() * unit)
@@ -715,11 +771,13 @@ class Capture:
             self._n_sampled = len(sampled)
         return len(sampled)
 
-    def _prepare_sampling(self, z: Tensor, live, loss, kind, factor: float, grad_logits: Tensor | None):
-        """``(kept rows of the logits, LogitSampler)`` of :meth:`sample_outputs` (the blocks' ``sample_scale`` set),
-        or ``None`` when the loss's gradient at the logits is not finite (a diverged step)."""
-        if grad_logits is None:
-            (gz,) = torch.autograd.grad(loss, z, retain_graph=True)
+    def _prepare_sampling(self, z: Tensor | None, h: Tensor | None, live, loss, kind, factor: float,
+                          grad_logits: Tensor | None, samples: int, generator):  # fmt: skip
+        """``(kept rows of the logits, LogitSampler, draws)`` of :meth:`sample_outputs` (the blocks' ``sample_scale``
+        set; ``draws``: the samples at a linear logits module's input, else ``None``), or ``None`` when the loss's
+        gradient at the logits is not finite (a diverged step)."""
+        if grad_logits is None:  # at the logits' edge: the logits of a linear module are not held
+            (gz,) = torch.autograd.grad(loss, z if z is not None else self._logits_edge, retain_graph=True)
         else:  # called from the backward with the logits' gradient (on_logits_grad)
             gz = grad_logits
         # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
@@ -727,9 +785,14 @@ class Capture:
             return None
         B, L = live[0][1].shape
         k, l = token_slice(B, L, self.max_tokens)
-        rows = _kept_rows(tuple(z.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
-        sampler, scale, self.sample_note = _sampler(z, gz, rows, kind, factor, l / L)
-        del gz  # a logits-sized tensor: not held through the sampled passes
+        rows = _kept_rows(tuple(gz.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
+        if z is not None:
+            kept, others = z.detach()[rows], z.detach()[_other_rows(rows)]
+        else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
+            kept = self._linear_logits(h.detach()[rows])
+            others = self._linear_logits(h.detach()[_other_rows(rows)])
+        sampler, scale, self.sample_note = _sampler(kept, others, gz, rows, kind, factor, l / L, norms=z is not None)
+        del kept, others, gz  # a logits-sized gradient: not held through the sampled passes
         if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
             raise ValueError(
                 f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
@@ -737,9 +800,34 @@ class Capture:
                 "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
                 "max_tokens"
             )
+        # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also the norms)
+        draws = None if z is not None else sampler.input_draws(self.logits_module.weight.detach(), samples, generator)
         for _, rec in live:
             rec.sample_scale = scale
-        return rows, sampler
+        return rows, sampler, draws
+
+    def _linear_logits(self, h: Tensor) -> LinearLogits:
+        """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
+        module = self.logits_module
+        return LinearLogits(h.detach().reshape(-1, h.shape[-1]), module.weight, module.bias, self._logits_dtype)
+
+    def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator,
+                    draws):  # fmt: skip
+        """``(start, cotangent)`` of each sampled backward pass: at the input ``h`` of a linear logits module, the
+        ``draws`` carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
+        tensor, so the extra memory does not grow with the batch); else at the logits, a logits-sized cotangent."""
+        h = self._logits_input
+        if z is None:
+            cotangent = torch.zeros_like(h)
+            kept = cotangent[rows]  # a view: the other rows stay zero
+            for draw in draws:
+                kept.copy_(draw.view(kept.shape))
+                yield h, cotangent
+            return
+        cotangent = torch.zeros_like(z)
+        for _ in range(samples):
+            sampler.draw_into(cotangent[rows], generator)
+            yield z, cotangent
 
     # -- results ----------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LOGITS_NAMES",
+    "LinearLogits",
     "LogitSampler",
     "LossKind",
     "StabilityRule",
@@ -52,6 +53,7 @@ __all__ = [
     "soft_divisor",
     "stability_keys",
     "stability_rule",
+    "total_weight",
 ]
 
 #: Module names tried, in this order, for the module whose output is the logits (``logits_module=None``).
@@ -97,6 +99,46 @@ def _chunk_rows(width: int) -> int:
 
 # Hard-label fit: per-row weights are used when the gradient equals w_n (p_n - e_y) to this relative residual.
 _HARD_FIT = 1e-2
+
+
+class LinearLogits:
+    """The logits ``z = h W^T + b`` of a linear logits module as ``(N, V)`` rows computed on demand: no ``(N, V)``
+    tensor is held, each chunk of rows is recomputed from ``h`` when read. :func:`loss_weights` and
+    :class:`LogitSampler` take it where they take logits (they read ``shape``, ``device``, ``detach()``,
+    ``reshape(-1, V)`` and row slices only).
+
+    Args:
+        h: ``(N, d)`` the module's input rows (detached).
+        weight: ``(V, d)``; bias: ``(V,)`` or ``None``.
+        dtype: Compute in it (the logits' dtype: under autocast the module ran in bfloat16 or float16, and the loss
+            read those logits); ``None``: ``h``'s.
+
+    Example:
+        >>> lin = nn.Linear(3, 5)
+        >>> h = torch.randn(4, 3)
+        >>> z = LinearLogits(h, lin.weight, lin.bias)
+        >>> tuple(z.shape), torch.allclose(z[1:3], lin(h)[1:3])
+        ((4, 5), True)
+    """
+
+    def __init__(self, h: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None = None) -> None:
+        dtype = dtype or h.dtype
+        self.h, self.weight = h.detach().to(dtype), weight.detach().to(dtype)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.shape = torch.Size((h.shape[0], weight.shape[0]))
+        self.device = h.device
+
+    def detach(self) -> LinearLogits:
+        return self
+
+    def reshape(self, *shape: int) -> LinearLogits:
+        if tuple(shape) not in ((-1, self.shape[1]), tuple(self.shape)):
+            raise ValueError(f"LinearLogits are (N, V) rows: reshape(-1, V) only, not {shape}")
+        return self
+
+    def __getitem__(self, rows: slice) -> Tensor:
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            return torch.nn.functional.linear(self.h[rows], self.weight, self.bias)
 
 
 class LossKind(str, Enum):
@@ -204,7 +246,7 @@ def loss_weights(
     (``w_n = 1/numel``).
 
     Args:
-        logits: ``(..., V)`` the loss's input; rows are all leading dimensions.
+        logits: ``(..., V)`` the loss's input; rows are all leading dimensions (or :class:`LinearLogits`).
         grad: ``(..., V)`` the gradient of the loss (as back-propagated: Lightning's accumulation and AMP factors
             included; the caller multiplies the weights by its factor).
         kind: ``"auto"`` (cross-entropy if every gradient row sums to zero, else an error), ``"cross_entropy"``,
@@ -231,18 +273,18 @@ def loss_weights(
     if kind is LossKind.MSE:
         n = N * V if count is None else count
         return (
-            torch.full((N,), 1.0 / n, device=z_all.device),
+            torch.full((N,), 1.0 / n, device=g_all.device),
             kind,
             "squared error: assumed the mean over every element",
         )
     if kind in SOFT:
         n = soft_divisor(kind, tuple(logits.shape)) if count is None else count
-        return torch.full((N,), 1.0 / n, device=z_all.device), kind, None
-    w = torch.zeros(N, device=z_all.device)
-    active = torch.zeros(N, dtype=torch.bool, device=z_all.device)
-    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=z_all.device)
-    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=z_all.device)  # the label-smoothing fit's
-    decisive_any = torch.zeros((), dtype=torch.bool, device=z_all.device)
+        return torch.full((N,), 1.0 / n, device=g_all.device), kind, None
+    w = torch.zeros(N, device=g_all.device)
+    active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
+    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
+    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
+    decisive_any = torch.zeros((), dtype=torch.bool, device=g_all.device)
     slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
         z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
@@ -337,6 +379,33 @@ def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
     return t - a * x
 
 
+def total_weight(logits: Tensor, grad: Tensor) -> float:
+    """``sum_n w_n`` of a hard-label cross-entropy's rows (:func:`loss_weights` found hard labels on some of them),
+    cheaper than summing its weights: ``w_n = sum_{c != y} g_c / sum_{c != y} p_c`` with the denominator in the log
+    domain (``logsumexp`` of the other logits minus that of all), in the logits' precision, a chunk of rows at a time;
+    rows without a gradient weigh 0.
+
+    Example:
+        >>> z = torch.randn(6, 5)
+        >>> loss = nn.functional.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum")
+        >>> g, = torch.autograd.grad(loss, z)
+        >>> round(total_weight(z.detach(), g), 4)
+        6.0
+    """
+    V = grad.shape[-1]
+    z_all, g_all = logits.detach().reshape(-1, V), grad.detach().reshape(-1, V)
+    total = torch.zeros((), dtype=torch.float64, device=g_all.device)
+    step = _chunk_rows(V)
+    for i in range(0, g_all.shape[0], step):
+        z, g = z_all[i : i + step].float(), g_all[i : i + step].float()
+        y = g.argmin(-1, keepdim=True)  # the label: the only negative entry
+        lse = z.logsumexp(-1)
+        others = z.scatter(-1, y, -math.inf).logsumexp(-1)  # log sum_{c != y} e^{z_c}
+        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # sum_{c != y} g_c (every entry off the label is >= 0)
+        total = total + (off / (others - lse).double().exp().clamp_min(1e-300)).sum()
+    return float(total)
+
+
 def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:
     """The scale ``s`` with ``g_c ∝ softmax(s z)_c`` off the label ``y`` in every row (a hard-label cross-entropy of
     logits scaled by ``s`` after ``z``), or ``None`` when the rows are not of that form (soft targets: some entry off
@@ -380,7 +449,7 @@ class LogitSampler:
     (``E[sigma sigma^T] = I``).
 
     Args:
-        logits: ``(..., V)`` the rows to sample (the kept sequences' logits).
+        logits: ``(..., V)`` the rows to sample (the kept sequences' logits), or :class:`LinearLogits`.
         weights: ``(N,)`` their loss weights (:func:`loss_weights`, times the caller's factor).
         kind: ``LossKind.MSE``, or any other (cross-entropy's curvature: hard labels or soft targets).
 
@@ -392,7 +461,7 @@ class LogitSampler:
         True
     """
 
-    def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind) -> None:
+    def __init__(self, logits: Tensor, weights: Tensor, kind: LossKind, norms: bool = True) -> None:
         # soft targets have cross-entropy's curvature at the logits (their weights come from loss_weights)
         self.shape, self.kind = logits.shape, (LossKind.MSE if kind is LossKind.MSE else LossKind.CROSS_ENTROPY)
         kind = self.kind
@@ -401,15 +470,27 @@ class LogitSampler:
         # live ones), so the extra memory is that of one chunk (_CHUNK) whatever the rows and the vocabulary
         self.z = logits.detach().reshape(-1, logits.shape[-1])
         self._one: tuple[Tensor, ...] | None = None  # the tables, kept when they are one chunk (no more memory)
+        self.norm: Tensor | None = None
+        self.unit: float | None = None
         if kind is LossKind.CROSS_ENTROPY:
-            chunks = [self._tables(i) for i in _row_chunks(*self.z.shape)]
-            self._one = chunks[0] if len(chunks) == 1 else None
-            self.norm = torch.cat([c[3] for c in chunks]).float()  # (N,) sqrt(tr H)
-            del chunks
+            starts = _row_chunks(*self.z.shape)
+            if len(starts) == 1:
+                self._one = self._tables(0)
+                self._set_norms(self._one[3].float())  # (N,) sqrt(tr H)
+            elif norms:  # only the norms (tr H_n = 1 - ||p_n||^2 = sum_c p_c (1 - p_c)), not every chunk's tables
+                self._set_norms(torch.cat([self._trace(i) for i in starts]).sqrt().float())
+            # else: input_draws reads them in its one pass over the tables
         else:
-            self.norm = torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device)
-        self.norm = self.norm * self.root[:, 0]  # ||r_n|| of every draw
+            self._set_norms(torch.full((self.z.shape[0],), math.sqrt(2.0 * self.z.shape[-1]), device=self.z.device))
+
+    def _set_norms(self, root_trace: Tensor) -> None:
+        self.norm = root_trace * self.root[:, 0]  # ||r_n|| of every draw
         self.unit = float(self.norm.max()) if self.norm.numel() else 0.0  # every entry of a draw is at most this
+
+    def _trace(self, i: int) -> Tensor:
+        """``tr H_n`` of the rows of the chunk starting at ``i``, float64 (:meth:`_tables`' sum of ``||a_c||^2``)."""
+        p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
+        return p.mul_(1 - p).sum(-1)
 
     def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
@@ -454,6 +535,49 @@ class LogitSampler:
             r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
             flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
         return out
+
+    def input_draws(self, weight: Tensor, samples: int, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+        """The draws of :meth:`draw_into` carried back through a linear logits module ``z = h W^T + b``: one
+        ``(r / unit) W`` per sample, ``(N, d)`` in ``weight``'s dtype, the cotangents at its input ``h`` (kept rows).
+
+        The same random numbers in the same order as ``samples`` calls of :meth:`draw_into`, so the same draws; but no
+        ``(N, V)`` draw exists: a cross-entropy draw of row ``n`` is ``f (e_c - p_n)``, whose product with ``W`` is
+        ``f (W_c - p_n W)``. The tables are built once per chunk of rows for all samples (not once per draw), and
+        ``p W`` once, in one pass made before this returns (it also sets :attr:`unit` of a sampler built with
+        ``norms=False``); the extra memory is one chunk of tables and ``(N, d)`` tensors, whatever the vocabulary.
+        Squared error draws each ``(N, V)`` sign table and multiplies it by ``W``.
+
+        Args:
+            weight: ``(V, d)`` the logits module's weight.
+            samples: Draws.
+            generator: Random source (as for :meth:`draw_into`).
+        """
+        n, V = self.z.shape
+        if self.kind is LossKind.MSE:
+            buf = torch.empty((n, V), dtype=weight.dtype, device=weight.device)
+            return (self.draw_into(buf, generator) @ weight for _ in range(samples))
+        signs, uniforms = [], []
+        for _ in range(samples):  # the order of draw_into's numbers: a sign, then a uniform, per draw
+            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=self.z.device))
+            uniforms.append(torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64))
+        sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
+        u = torch.cat(uniforms, 1)
+        classes = torch.empty((n, samples), dtype=torch.long, device=self.z.device)
+        coefs = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
+        pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # p_n W
+        traces = []
+        for i in _row_chunks(n, V):
+            rows = slice(i, i + _chunk_rows(V))
+            p, cdf, coef, root_trace = self._one if self._one is not None else self._tables(i)
+            c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, samples): c ~ q
+            classes[rows], coefs[rows] = c, coef.gather(1, c)
+            pw[rows] = p.to(weight.dtype) @ weight
+            traces.append(root_trace)
+            del p, cdf, coef
+        if self.unit is None:
+            self._set_norms(torch.cat(traces).float())
+        factor = (self.root / max(self.unit, 1e-30)) * sign * coefs  # as draw_into's (scale * sign * coef)
+        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(samples))
 
 
 # -- optimizers --------------------------------------------------------------------------------------
