@@ -267,7 +267,8 @@ def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> di
     """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
     ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each estimated as the kernels do
     (:func:`~curvwatch.closed_form._sampled.estimate`: the top eigenvector of the matrix with the token-diagonal
-    ``C_td``, the Rayleigh quotients there of the matrices with all of ``C`` and with each half's; ``raw``: the plain
+    ``C_td``, the Rayleigh quotients there of the matrices with all of ``C`` and with each half's, and the inner
+    product of the halves' residuals; ``raw``: the plain
     largest eigenvalues); plus ``H_f`` itself and the dense GGN of all samples."""
     G = prob.G if G is None else G
     F0 = block.forward(block.W0)
@@ -300,7 +301,11 @@ def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> di
         raw[name] = torch.linalg.eigvalsh(M)[-1]
         w, V = torch.linalg.eigh(td[name])
         v = V[:, -1]
-        parts = None if halves is None else tuple((v @ h[name] @ v)[None] for h in halves)
+        parts = None
+        if halves is not None:
+            q_a, q_b = (v @ h[name] @ v for h in halves)
+            r_a, r_b = (h[name] @ v - q * v for h, q in zip(halves, (q_a, q_b), strict=True))
+            parts = (q_a[None], q_b[None], (r_a @ r_b)[None])
         value, spread = estimate(w[-1:], (v @ M @ v)[None], parts, psd=name.endswith("ggn"))
         out[name] = value[0]
         if name == "sharpness" and spread is not None:

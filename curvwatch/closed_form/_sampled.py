@@ -329,18 +329,21 @@ def sampled_norms(
         quotients = None
         if tokens:
             v = run.ritz  # (rows, H, n)
-            quotients = [
-                torch.cat([_rayleigh(pair_matvec(wrap(o, p), (X, X), ("outer", "hessian"))[1], v[2 * i : 2 * i + 2])
-                           for i, p in enumerate(prefixes)])
-                for o in checks
-            ]  # fmt: skip
+            quotients = []  # per operator of `checks`: (q (rows, H), r (rows, H, n))
+            for o in checks:
+                parts = [_rayleigh(pair_matvec(wrap(o, p), (X, X), ("outer", "hessian"))[1], v[2 * i : 2 * i + 2])
+                         for i, p in enumerate(prefixes)]  # fmt: skip
+                quotients.append((torch.cat([q for q, _ in parts]), torch.cat([r for _, r in parts])))
         for i, prefix in enumerate(prefixes):
             for j, name in enumerate(SAMPLED_NAMES):
                 row = 2 * i + j
                 value, spread = vals[row], None
                 if tokens:
-                    halves = (quotients[1][row], quotients[2][row]) if split else None
-                    value, spread = estimate(vals[row], quotients[0][row], halves, psd=name == "ggn")
+                    halves = None
+                    if split:  # the halves' quotients and <r_a, r_b> of their residuals
+                        halves = (quotients[1][0][row], quotients[2][0][row],
+                                  (quotients[1][1][row] * quotients[2][1][row]).sum(-1))  # fmt: skip
+                    value, spread = estimate(vals[row], quotients[0][0][row], halves, psd=name == "ggn")
                 heads = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
                 for h, k in enumerate(heads):
                     out[k] = value[h]
@@ -352,24 +355,32 @@ def sampled_norms(
     return out
 
 
-def _rayleigh(matvec, v: torch.Tensor) -> torch.Tensor:
-    """``<v, M v> / <v, v>`` per row and head of ``v`` ``(rows, H, n)`` (0 where ``v`` is 0)."""
+def _rayleigh(matvec, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, r)``: the Rayleigh quotient ``q = <v, M v> / <v, v>`` ``(rows, H)`` per row and head of ``v``
+    ``(rows, H, n)`` (0 where ``v`` is 0) and the residual ``r = (M v - q v) / |v|`` ``(rows, H, n)``."""
     Mv = matvec(v, None)
     vv = (v * v).sum(-1)
-    return torch.where(vv > 0, (v * Mv).sum(-1) / vv.clamp_min(torch.finfo(v.dtype).tiny), 0.0)
+    q = torch.where(vv > 0, (v * Mv).sum(-1) / vv.clamp_min(torch.finfo(v.dtype).tiny), 0.0)
+    return q, (Mv - q[..., None] * v) / vv.clamp_min(torch.finfo(v.dtype).tiny).sqrt()[..., None]
 
 
 def estimate(
-    search: torch.Tensor, quotient: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor] | None, psd: bool = False
+    search: torch.Tensor,
+    quotient: torch.Tensor,
+    halves: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    psd: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(estimate, relative uncertainty)`` of a largest eigenvalue from the token-diagonal matrix's largest
-    eigenvalue ``search``, the Rayleigh quotient ``quotient`` of the matrix with all of ``C`` at its Ritz vector, and
-    the quotients with each half of the samples ``halves`` (None: fewer than 2 samples, no uncertainty).
+    eigenvalue ``search``, the Rayleigh quotient ``quotient`` of the matrix with all of ``C`` at its Ritz vector
+    ``v``, and ``halves = (q_a, q_b, <r_a, r_b>)``: the quotients at ``v`` with each half of the samples and the inner
+    product of their residuals ``r = M v - q v`` (None: fewer than 2 samples, no uncertainty).
 
-    The estimate is ``quotient``. Its uncertainty adds the half-difference of the halves' quotients (the sampling
-    noise of the between-token part, carried into the mean) and ``|quotient - search|``: the between-token part is
-    added to first order only (at the token-diagonal Ritz vector, which it also turns), so the error left is taken
-    to be as large as that part itself. Relative to ``|estimate|``.
+    The estimate is ``quotient``. Its uncertainty adds three parts, relative to ``|estimate|``: the half-difference
+    of the halves' quotients (the sampling noise of the mean); ``|quotient - search|``, the between-token part,
+    which is added to first order only (at the token-diagonal Ritz vector, which that part also turns); and
+    ``sqrt(max(<r_a, r_b>, 0))``, the residual of the *expected* matrix at ``v`` (the halves' noises are
+    independent, so ``<r_a, r_b>`` estimates ``|(E M - q) v|^2`` without their noise): how far ``v`` is from an
+    eigenvector, which bounds how far ``quotient`` can be from an eigenvalue.
 
     Args:
         search, quotient: ``(H,)`` the values per head.
@@ -377,12 +388,14 @@ def estimate(
         psd: The matrix is positive semi-definite (the Gauss-Newton block): the estimate is at least 0.
 
     Example:
-        >>> est, spread = estimate(torch.tensor([1.0]), torch.tensor([1.2]), (torch.tensor([1.1]), torch.tensor([1.3])))
+        >>> one = torch.tensor([1.0])
+        >>> est, spread = estimate(one, 1.2 * one, (1.1 * one, 1.3 * one, 0.0025 * one))
         >>> round(float(est), 6), round(float(spread), 3)
-        (1.2, 0.25)
+        (1.2, 0.292)
     """
     est = quotient.clamp_min(0) if psd else quotient
     if halves is None:
         return est, None
-    width = (halves[0] - halves[1]).abs() / 2 + (quotient - search).abs()
+    q_a, q_b, rr = halves
+    width = (q_a - q_b).abs() / 2 + (quotient - search).abs() + rr.clamp_min(0).sqrt()
     return est, width / est.abs()  # inf or nan where the estimate is 0 (the caller logs none)
