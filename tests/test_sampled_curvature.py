@@ -19,7 +19,7 @@ import torch
 from torch.func import hessian, jacrev
 
 from curvwatch.closed_form import EXACT, Lanczos, WarmStart, ffn, gated_ffn, multi_head_attention, self_attention
-from curvwatch.closed_form._sampled import estimate
+from curvwatch.closed_form._sampled import debias
 from curvwatch.closed_form.ffn import activation_derivatives
 from curvwatch.reference._core import (
     _attention_blocked,
@@ -265,11 +265,9 @@ def _ids(param):
 
 def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
-    ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each estimated as the kernels do
-    (:func:`~curvwatch.closed_form._sampled.estimate`: the top eigenvector of the matrix with the token-diagonal
-    ``C_td``, the Rayleigh quotients there of the matrices with all of ``C`` and with each half's, and the inner
-    product of the halves' residuals; ``raw``: the plain
-    largest eigenvalues); plus ``H_f`` itself and the dense GGN of all samples."""
+    ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each debiased as the kernels do
+    (:func:`~curvwatch.closed_form._sampled.debias` of the values with all samples and with each half; ``raw``: the
+    plain ones); plus ``H_f`` itself and the dense GGN of all samples."""
     G = prob.G if G is None else G
     F0 = block.forward(block.W0)
     B, L, m = F0.shape
@@ -279,38 +277,32 @@ def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> di
     Gk = G * prob.keep[..., None].to(DT)
     H_f = hessian(lambda W: (Gk * block.forward(W)).sum())(block.W0).reshape(n, n)
 
-    def matrices(S, tokens: bool = False):
+    def top(M):
+        return torch.linalg.eigvalsh(M)[-1]
+
+    def values(S):
         k = S.shape[0]
-        if tokens:  # (m, m) blocks per sequence and token
-            C = torch.block_diag(*(S[:, b, t].T @ S[:, b, t] / k for b in range(B) for t in range(L)))
-        else:  # (L m, L m) blocks per sequence
-            C = torch.block_diag(*(S[:, b].reshape(k, -1).T @ S[:, b].reshape(k, -1) / k for b in range(B)))
+        C = torch.block_diag(*(S[:, b].reshape(k, -1).T @ S[:, b].reshape(k, -1) / k for b in range(B)))  # (B L m,)^2
         ggn = J.T @ C @ J
-        out = {"ggn": ggn, "sharpness": ggn + H_f}
+        out = {"ggn": top(ggn), "sharpness": top(ggn + H_f)}
         if block.arg in prob.precondition:
             D = prob.precondition[block.arg][:, prob.cols[block.key]].reshape(-1).rsqrt()  # vec_r order, as W0
-            out["precond_ggn"] = D[:, None] * ggn * D
-            out["precond_sharpness"] = D[:, None] * (ggn + H_f) * D
-        return out
+            out["precond_ggn"] = top(D[:, None] * ggn * D)
+            out["precond_sharpness"] = top(D[:, None] * (ggn + H_f) * D)
+        return out, ggn
 
     k = S.shape[0]
-    full, td = matrices(S), matrices(S, tokens=True)
-    halves = (matrices(S[: k // 2]), matrices(S[k // 2 :])) if k >= 2 else None
-    out, raw = {}, {}
-    for name, M in full.items():
-        raw[name] = torch.linalg.eigvalsh(M)[-1]
-        w, V = torch.linalg.eigh(td[name])
-        v = V[:, -1]
-        parts = None
-        if halves is not None:
-            q_a, q_b = (v @ h[name] @ v for h in halves)
-            r_a, r_b = (h[name] @ v - q * v for h, q in zip(halves, (q_a, q_b), strict=True))
-            parts = (q_a[None], q_b[None], (r_a @ r_b)[None])
-        value, spread = estimate(w[-1:], (v @ M @ v)[None], parts, psd=name.endswith("ggn"))
-        out[name] = value[0]
-        if name == "sharpness" and spread is not None:
-            out["sharpness_spread"] = spread[0]
-    return {**out, "raw": raw, "H_f": H_f, "ggn_dense": full["ggn"]}
+    raw, ggn = values(S)
+    out = dict(raw)
+    if k >= 2:
+        a, b = values(S[: k // 2])[0], values(S[k // 2 :])[0]
+        for name in raw:
+            out[name], spread = debias(raw[name][None], a[name][None], b[name][None], (k, k // 2, k - k // 2),
+                                       psd=name.endswith("ggn"))  # fmt: skip
+            out[name] = out[name][0]
+            if name == "sharpness":
+                out["sharpness_spread"] = spread[0]
+    return {**out, "raw": raw, "H_f": H_f, "ggn_dense": ggn}
 
 
 @pytest.mark.parametrize("kernel, case", CASES, ids=_ids)

@@ -31,12 +31,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ._lanczos import solve
-from ._operator import BlockOperator, _norm_results, _norm_run, _pair_blocks, head_keys, pair_matvec
+from ._operator import BlockOperator, _lanczos_norms, _pair_blocks, head_keys, pair_matvec
 from .settings import Lanczos
 
-#: Estimate the sampled keys through the token-diagonal curvature (:func:`estimate`, see :func:`sampled_norms`);
-#: ``False`` reports the plain Monte-Carlo values (the benchmark's "before").
+#: Debias the sampled keys with ``k >= 2`` samples (:func:`debias`); ``False`` reports the plain Monte-Carlo values
+#: (the benchmark's "before").
 DEBIAS = True
 
 #: The new keys per diagonal pair: ``{prefix}{name}/{XX}[/{head}]`` for prefix ``""`` and ``"precond_"``.
@@ -54,36 +53,29 @@ class SampledCurvature:
             (see :meth:`of_tokens`, :meth:`of_heads`).
     """
 
-    def __init__(self, sigma: torch.Tensor, L: int = 1, tokens: bool = False):
+    def __init__(self, sigma: torch.Tensor):
         self.sigma = sigma
         self.k = sigma.shape[0]
-        self.L, self.tokens = L, tokens
         self.record: list[torch.Tensor] | None = None  # a list: each call appends its coefficients <sigma_j, dF>
 
     @classmethod
     def of_tokens(cls, samples: torch.Tensor) -> SampledCurvature:
         """From samples ``(k, B, L, m)`` of a token-wise block whose tangents are ``(n, B L, m)``."""
-        k, B, L = samples.shape[:3]
-        return cls(samples.reshape(k, B, 1, -1), L)
+        k, B = samples.shape[:2]
+        return cls(samples.reshape(k, B, 1, -1))
 
     @classmethod
     def of_heads(cls, samples: torch.Tensor, W_O: torch.Tensor | None) -> SampledCurvature:
         """From samples ``(k, B, L, m)`` of attention with per-head output projection ``W_O`` ``(H, d_V, m)`` (None:
         one head, ``F = F_0``): ``sigma_{j,h} = s_j W_O^h^T`` ``(k, B, H, L d_V)``."""
-        k, B, L = samples.shape[:3]
+        k, B = samples.shape[:2]
         sigma = samples.unsqueeze(2) if W_O is None else torch.einsum("kblm,hvm->kbhlv", samples, W_O)
-        return cls(sigma.reshape(k, B, sigma.shape[2], -1), L)
+        return cls(sigma.reshape(k, B, sigma.shape[2], -1))
 
     def halves(self) -> tuple[SampledCurvature, SampledCurvature]:
         """The curvatures of the first ``k // 2`` samples and of the others (independent estimates of ``C``)."""
         h = self.k // 2
-        return (SampledCurvature(self.sigma[:h], self.L, self.tokens),
-                SampledCurvature(self.sigma[h:], self.L, self.tokens))  # fmt: skip
-
-    def token_diagonal(self) -> SampledCurvature:
-        """The same samples with ``C``'s blocks between different tokens dropped:
-        ``C_td = sum_{b, t} (1/k) sum_j s_{j,b,t} s_{j,b,t}^T`` (``k B L`` rank-one terms instead of ``k B``)."""
-        return SampledCurvature(self.sigma, self.L, tokens=True)
+        return SampledCurvature(self.sigma[:h]), SampledCurvature(self.sigma[h:])
 
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
         """``u = C dF`` for tangents ``dF`` ``(n, B, H, ...)`` (or ``(n, B L, m)`` with ``H = 1``), same shape.
@@ -94,21 +86,12 @@ class SampledCurvature:
         """
         k, B, H, _ = self.sigma.shape
         n = dF.shape[0]
-        if self.tokens:  # one coefficient per sample, sequence, unit and token
-            sigma = self.sigma.unflatten(-1, (self.L, -1))  # (k, B, H, L, x)
-            a = torch.einsum("nbhtx,kbhtx->nkbht", dF.reshape(n, B, H, self.L, -1), sigma) / k
-        else:
-            a = torch.einsum("nbhx,kbhx->nkbh", dF.reshape(n, B, H, -1), self.sigma) / k  # (n, k, B, H)
+        a = torch.einsum("nbhx,kbhx->nkbh", dF.reshape(n, B, H, -1), self.sigma) / k  # (n, k, B, H)
         if self.record is not None:
             self.record.append(a * k)
         if group > 1:
-            a = a.movedim(3, -1) if self.tokens else a
-            shape = a.shape
-            a = a.unflatten(-1, (H // group, group)).sum(-1, keepdim=True).expand(*shape[:-1], H // group, group)
+            a = a.unflatten(-1, (H // group, group)).sum(-1, keepdim=True).expand(n, k, B, H // group, group)
             a = a.flatten(-2)
-            a = a.movedim(-1, 3) if self.tokens else a
-        if self.tokens:
-            return torch.einsum("nkbht,kbhtx->nbhtx", a, sigma).reshape(dF.shape)
         return torch.einsum("nkbh,kbhx->nbhx", a, self.sigma).reshape(dF.shape)
 
 
@@ -272,16 +255,13 @@ def sampled_norms(
     The GGN is the outer part and the sharpness the total of ``op`` (whose output curvature is sampled); the
     preconditioned ones those of :class:`Preconditioned` ``(op, {X: D})``. All kinds of one pair run in one batched
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``; for the PSD GGN it is also
-    the norm), warm-started under the key ``("sharpness", XX, prefixes, estimator)``.
+    the norm), warm-started under the key ``("sharpness", XX, prefixes, estimates)``.
 
-    The largest eigenvalue of the Monte-Carlo matrix with all of ``C`` is biased upward, badly at large blocks: its
-    ``k B`` rank-one terms (``k`` samples, ``B`` sequences) see ``C``'s blocks between different tokens, which are
-    mostly sampling noise (the labels of different tokens are drawn independently; only attention downstream of the
-    block correlates them). With ``DEBIAS`` (the default) each key is :func:`estimate`: the Lanczos runs on the
-    *token-diagonal* ``C`` (:meth:`SampledCurvature.token_diagonal`, ``k B L`` terms, little bias), and the key is
-    the Rayleigh quotient of the matrix with all of ``C`` at its top Ritz vector (which adds back the between-token
-    part that downstream attention makes real, to first order); ``sharpness_spread/XX[/h{i}]`` is its uncertainty,
-    relative. Cost: one Lanczos member per key (as the plain value) plus three products at the Ritz vector.
+    With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
+    (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
+    (:func:`debias`): the same Lanczos also runs on the two independent halves of the samples, and the bias is
+    extrapolated away from the full and the half-sample values (Richardson); ``sharpness_spread/XX[/h{i}]`` is the
+    uncertainty of ``sharpness/XX``, relative.
 
     Args:
         op: the base operator with sampled curvature (:func:`with_sampled`).
@@ -294,11 +274,11 @@ def sampled_norms(
     scale = {} if scale is None else scale
     view = (lambda o: o) if view is None else view
     curvature = getattr(op, "sampled", None)
-    tokens = DEBIAS and curvature is not None
-    search = with_sampled(op, curvature.token_diagonal()) if tokens else op  # the operator Lanczos runs on
-    # the operators the Rayleigh quotients read: all samples, and with k >= 2 each half (for the spread)
-    split = tokens and curvature.k >= 2
-    checks = ([op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]) if tokens else []
+    split = DEBIAS and curvature is not None and curvature.k >= 2
+    # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
+    ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
+    counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
+    E = len(ops)
     out: dict[str, torch.Tensor] = {}
     for pair_name in pairs:
         plain = view(op)
@@ -310,8 +290,8 @@ def sampled_norms(
         def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
             return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
 
-        # run i (variant i) owns the rows 2i (ggn) and 2i + 1 (sharpness)
-        runs = [pair_matvec(wrap(search, prefix), (X, X), ("outer", "hessian")) for prefix in prefixes]
+        # run r = i E + e (variant i, estimate e) owns the rows 2r (ggn) and 2r + 1 (sharpness)
+        runs = [pair_matvec(wrap(o, prefix), (X, X), ("outer", "hessian")) for prefix in prefixes for o in ops]
         emb = runs[0][0]
 
         def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs) -> torch.Tensor:
@@ -322,32 +302,20 @@ def sampled_norms(
             return torch.cat(parts)
 
         kinds = ("outer", "hessian") * len(runs)
-        key = ("sharpness", pair_name, tuple(prefixes), "tokens" if tokens else "plain")
-        run = _norm_run(plain, emb, mv, kinds, key, True, lanczos, algebraic=True)
-        solve([run])
-        vals, rel = _norm_results(run, key, lanczos)
-        quotients = None
-        if tokens:
-            v = run.ritz  # (rows, H, n)
-            quotients = []  # per operator of `checks`: (q (rows, H), r (rows, H, n))
-            for o in checks:
-                parts = [_rayleigh(pair_matvec(wrap(o, p), (X, X), ("outer", "hessian"))[1], v[2 * i : 2 * i + 2])
-                         for i, p in enumerate(prefixes)]  # fmt: skip
-                quotients.append((torch.cat([q for q, _ in parts]), torch.cat([r for _, r in parts])))
+        key = ("sharpness", pair_name, tuple(prefixes), E)
+        vals, rel = _lanczos_norms(plain, emb, mv, kinds, key, True, lanczos, algebraic=True)
         for i, prefix in enumerate(prefixes):
+            heads = None
             for j, name in enumerate(SAMPLED_NAMES):
-                row = 2 * i + j
-                value, spread = vals[row], None
-                if tokens:
-                    halves = None
-                    if split:  # the halves' quotients and <r_a, r_b> of their residuals
-                        halves = (quotients[1][0][row], quotients[2][0][row],
-                                  (quotients[1][1][row] * quotients[2][1][row]).sum(-1))  # fmt: skip
-                    value, spread = estimate(vals[row], quotients[0][0][row], halves, psd=name == "ggn")
+                rows = [2 * (i * E + e) + j for e in range(E)]
+                value, spread = vals[rows[0]], None
+                if split:
+                    value, spread = debias(vals[rows[0]], vals[rows[1]], vals[rows[2]], counts, psd=name == "ggn")
                 heads = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
+                residual = rel[rows].amax(0)
                 for h, k in enumerate(heads):
                     out[k] = value[h]
-                    out[f"residual/{k}"] = rel[row][h]
+                    out[f"residual/{k}"] = residual[h]
                 if spread is not None and name == "sharpness" and not prefix:
                     for h, k in enumerate(head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))):
                         if bool(torch.isfinite(spread[h])) and bool(value[h] != 0):  # 0/0 is "no data": none
@@ -355,47 +323,40 @@ def sampled_norms(
     return out
 
 
-def _rayleigh(matvec, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, r)``: the Rayleigh quotient ``q = <v, M v> / <v, v>`` ``(rows, H)`` per row and head of ``v``
-    ``(rows, H, n)`` (0 where ``v`` is 0) and the residual ``r = (M v - q v) / |v|`` ``(rows, H, n)``."""
-    Mv = matvec(v, None)
-    vv = (v * v).sum(-1)
-    q = torch.where(vv > 0, (v * Mv).sum(-1) / vv.clamp_min(torch.finfo(v.dtype).tiny), 0.0)
-    return q, (Mv - q[..., None] * v) / vv.clamp_min(torch.finfo(v.dtype).tiny).sqrt()[..., None]
+#: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
+SPREAD_FACTOR = 0.5
 
 
-def estimate(
-    search: torch.Tensor,
-    quotient: torch.Tensor,
-    halves: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    psd: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(estimate, relative uncertainty)`` of a largest eigenvalue from the token-diagonal matrix's largest
-    eigenvalue ``search``, the Rayleigh quotient ``quotient`` of the matrix with all of ``C`` at its Ritz vector
-    ``v``, and ``halves = (q_a, q_b, <r_a, r_b>)``: the quotients at ``v`` with each half of the samples and the inner
-    product of their residuals ``r = M v - q v`` (None: fewer than 2 samples, no uncertainty).
+def debias(
+    full: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts: tuple[int, int, int], psd: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate, relative uncertainty)`` of a largest eigenvalue from its Monte-Carlo values on ``k`` samples
+    (``full``) and on the two halves (``a``, ``b``), with their sample counts ``counts = (k, k_a, k_b)``.
 
-    The estimate is ``quotient``. Its uncertainty adds three parts, relative to ``|estimate|``: the half-difference
-    of the halves' quotients (the sampling noise of the mean); ``|quotient - search|``, the between-token part,
-    which is added to first order only (at the token-diagonal Ritz vector, which that part also turns); and
-    ``sqrt(max(<r_a, r_b>, 0))``, the residual of the *expected* matrix at ``v`` (the halves' noises are
-    independent, so ``<r_a, r_b>`` estimates ``|(E M - q) v|^2`` without their noise): how far ``v`` is from an
-    eigenvector, which bounds how far ``quotient`` can be from an eigenvalue.
+    The largest eigenvalue of a ``k``-sample estimate of a matrix is biased upward, for a well-separated top
+    eigenvalue by ``c / k + O(k^-2)``. Richardson extrapolation removes the ``c / k`` term: with ``h`` the mean of
+    ``1/k_a`` and ``1/k_b``, ``c = (mean(a, b) - full) / (h - 1/k)`` and the estimate is ``full - c / k``
+    (``2 full - mean(a, b)`` for equal halves). The uncertainty is the half-difference of the halves (their noise,
+    carried into the estimate) plus ``SPREAD_FACTOR`` times the correction ``c / k`` (the bias left when it is not
+    exactly ``c / k``), relative to ``|estimate|``.
 
     Args:
-        search, quotient: ``(H,)`` the values per head.
-        halves: ``(H,)`` each, or None.
+        full, a, b: ``(H,)`` the values per head.
+        counts: ``(k, k_a, k_b)``.
         psd: The matrix is positive semi-definite (the Gauss-Newton block): the estimate is at least 0.
 
     Example:
-        >>> one = torch.tensor([1.0])
-        >>> est, spread = estimate(one, 1.2 * one, (1.1 * one, 1.3 * one, 0.0025 * one))
+        >>> lam, c = 2.0, 8.0  # truth and bias constant: value(k) = lam + c / k
+        >>> full, half = torch.tensor([lam + c / 16]), torch.tensor([lam + c / 8])
+        >>> est, spread = debias(full, half, half, (16, 8, 8))
         >>> round(float(est), 6), round(float(spread), 3)
-        (1.2, 0.292)
+        (2.0, 0.125)
     """
-    est = quotient.clamp_min(0) if psd else quotient
-    if halves is None:
-        return est, None
-    q_a, q_b, rr = halves
-    width = (q_a - q_b).abs() / 2 + (quotient - search).abs() + rr.clamp_min(0).sqrt()
+    k, ka, kb = counts
+    h = (1 / ka + 1 / kb) / 2
+    correction = ((a + b) / 2 - full) / (h - 1 / k) / k
+    est = full - correction
+    if psd:
+        est = est.clamp_min(0)
+    width = (a - b).abs() / 2 + SPREAD_FACTOR * correction.abs()
     return est, width / est.abs()  # inf or nan where the estimate is 0 (the caller logs none)
