@@ -306,7 +306,7 @@ def bias_rows(
 def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> list[dict]:
     """Alternative estimators of ``lambda_max(ggn)`` of every FFN ``W2W2`` of :func:`held_out_gpt2`, from the same
     samples as the monitor, against the exact value: the ``N = k B`` per-sample, per-sequence gradients
-    ``g = H_b^T s_{j,b}`` (``H`` the FFN's hidden activations; their Gram matrix ``K = G^T G / k`` has the nonzero
+    ``g = H_b^T s_{j,b}`` (``H`` the FFN's hidden activations; their Gram matrix ``K = g g^T / k`` has the nonzero
     eigenvalues of the Monte-Carlo block) are formed explicitly, so each estimator is exact linear algebra on ``K``:
 
     * ``plain``: ``lambda_max(K)`` (the monitor's plain key); ``richardson``: ``2 plain - mean(halves)`` (the
@@ -315,7 +315,8 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
       diagonal's mean bias);
     * ``spike``: the spiked-covariance inversion ``plain = l + (1/N) sum_p (m_p - l^p) / l^(p-1)``, ``p <= 4``, with
       unbiased moments ``m_p ~ tr(GGN^p)`` from distinct-index products of ``K``;
-    * ``m4/m3``: a lower bound from those moments; ``crossfit``: top vector of one half, Rayleigh quotient on the
+    * ``m4/m3``: a lower bound from those moments (``tr``, ``tr2``: the first two, over the exact value's powers);
+      ``crossfit``: top vector of one half, Rayleigh quotient on the
       other (a lower bound in expectation), averaged over both directions; ``crossfit16``: the same with the
       top-16 subspace of one half.
     """
@@ -398,21 +399,26 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
                               hollow=top(Kh), trace=lam - m[0] / N, spike=hi, m4_m3=m[3] / m[2], crossfit=cross,
                               crossfit16=cross16)  # fmt: skip
                 rows.append(dict(width=width, block=f"layer{i}/ffn", n=g.shape[1], k=k, seed=seed, exact=exact[i],
+                                 tr=m[0] / exact[i], tr2=m[1] / exact[i] ** 2,
                                  **{name: v / exact[i] for name, v in values.items()}))  # fmt: skip
                 print(rows[-1], flush=True)
     return rows
 
 
 ESTIMATORS = ("plain", "richardson", "richardson2", "hollow", "trace", "spike", "m4_m3", "crossfit", "crossfit16")
+#: Also tabulated: the unbiased moment estimates tr(GGN) / lambda_max and tr(GGN^2) / lambda_max^2.
+MOMENTS = ("tr", "tr2")
 
 
 def estimator_table(rows: list[dict]) -> list[str]:
-    """Markdown: per W2 block and ``k``, each estimator's ratio to the exact value, median (min-max over seeds)."""
-    lines = ["| block | parameters | k | " + " | ".join(ESTIMATORS) + " |", "|" + " --- |" * (3 + len(ESTIMATORS))]
+    """Markdown: per W2 block and ``k``, each estimator's ratio to the exact value, median (min-max over seeds), and
+    the moment estimates ``tr`` (``tr(GGN) / lambda_max``) and ``tr2`` (``tr(GGN^2) / lambda_max^2``)."""
+    names = ESTIMATORS + MOMENTS
+    lines = ["| block | parameters | k | " + " | ".join(names) + " |", "|" + " --- |" * (3 + len(names))]
     for key in sorted({(r["width"], r["block"], r["k"]) for r in rows}):
         sel = [r for r in rows if (r["width"], r["block"], r["k"]) == key]
         cells = []
-        for name in ESTIMATORS:
+        for name in names:
             v = sorted(r[name] for r in sel)
             cells.append(f"{statistics.median(v):.2f} ({v[0]:.2f}-{v[-1]:.2f})")
         lines.append(f"| d={key[0]} {key[1]} W2W2 | {sel[0]['n']:,} | {key[2]} | " + " | ".join(cells) + " |")
