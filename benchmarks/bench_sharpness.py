@@ -301,31 +301,48 @@ def _full_ce(x, y):
     return fn
 
 
-def bias_rows(width: int, ks, seeds: int, layers: int = 2, max_tokens: int = 512) -> list[dict]:
+def bias_rows(
+    width: int,
+    ks,
+    seeds: int,
+    layers: int = 2,
+    max_tokens: int = 512,
+    L: int = 64,
+    tol: float = 1e-6,
+    own: bool = False,
+) -> list[dict]:
     """Per block, ``k``, seed and estimator (before/after): the logged ``sharpness`` and ``sharpness_spread`` and the
-    exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (probes: every layer's FFN
-    ``W2W2``, layer 0's attention ``VV`` of head 0; their own terms are zero)."""
+    exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
+    // 64)`` heads, ``L`` tokens per sequence; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV`` of head
+    0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe is
+    evaluated alone (``block.evaluate(pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held; the
+    exact value by ARPACK at the same ``tol``."""
     import copy
 
     import curvwatch.closed_form._sampled as sampled
     from curvwatch.reference.real_loss import real_loss_top
     from curvwatch.sharpness import find_logits_module
 
-    model, x, y = held_out_gpt2(width, layers)
-    heads = 4
+    heads = max(4, width // 64)
+    model, x, y = held_out_gpt2(width, layers, heads=heads, L=L)
     probes = [(f"layer{i}/ffn", "W2W2", "W_2", None) for i in range(layers)]
     probes.append(("layer0/attn", "VV", "W_V", slice(0, width // heads)))
+    if own:
+        probes.append(("layer0/ffn", "W1W1", "W_1", None))
     m64 = copy.deepcopy(model).double()
     specs64 = {s.name: s for s in find_blocks(m64)}
     exact = {}
     for block, pair, weight, cols in probes:
         t0 = time.perf_counter()
-        exact[block, pair] = real_loss_top(m64, _full_ce(x, y), specs64[block], weight, cols, own=False)
+        exact[block, pair] = real_loss_top(
+            m64, _full_ce(x, y), specs64[block], weight, cols, own=weight == "W_1", tol=tol
+        )
         exact[block, pair]["seconds"] = time.perf_counter() - t0
+        print(f"exact {block} {pair}: {exact[block, pair]}", flush=True)
+    del m64
     specs = find_blocks(model)
     _, head = find_logits_module(model)
-    wanted = {b for b, *_ in probes}
-    lanczos = Lanczos(tol=1e-6, max_iter=300, max_basis=None, warn=False)
+    lanczos = Lanczos(tol=tol, max_iter=300, max_basis=32, warn=False)
     rows = []
     before = sampled.DEBIAS
     try:
@@ -336,48 +353,176 @@ def bias_rows(width: int, ks, seeds: int, layers: int = 2, max_tokens: int = 512
                     cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
                     loss.backward()
                 model.zero_grad()
-                blocks = [b for b in cap.blocks() if b.spec.name in wanted]
+                blocks = {b.spec.name: b for b in cap.blocks()}
                 for debias in (False, True):
                     sampled.DEBIAS = debias
-                    t0 = time.perf_counter()
-                    results = Engine(lanczos=lanczos, dtype="float64").evaluate(blocks).results
-                    seconds = time.perf_counter() - t0
                     for block, pair, _, cols in probes:
+                        t0 = time.perf_counter()
+                        res = blocks[block].evaluate(lanczos=lanczos, pairs=(pair,), kinds=("outer",))
+                        seconds = time.perf_counter() - t0
                         suffix = "/h0" if cols is not None else ""
-                        res = results[block]
                         rows.append(dict(
-                            width=width, block=block, pair=pair, n=exact[block, pair]["n"], k=k, seed=seed,
-                            debias=debias, exact=exact[block, pair]["sharpness"],
+                            width=width, layers=layers, L=L, block=block, pair=pair, n=exact[block, pair]["n"], k=k,
+                            seed=seed, debias=debias, exact=exact[block, pair]["sharpness"],
                             logged=float(res[f"sharpness/{pair}{suffix}"]),
                             spread=float(res.get(f"sharpness_spread/{pair}{suffix}", float("nan"))),
                             seconds=seconds, exact_seconds=exact[block, pair]["seconds"],
                         ))  # fmt: skip
+                        print(rows[-1], flush=True)
     finally:
         sampled.DEBIAS = before
     return rows
 
 
-def bias_table(rows: list[dict]) -> list[str]:
-    """Markdown: relative error median / p90 / worst per block and ``k``, before and after, and the coverage of
-    ``sharpness_spread`` (after)."""
-    lines = [
-        "| block | parameters | exact | k | before: median / p90 / worst | after: median / p90 / worst | "
-        "after: spread covers | mean spread |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    groups = sorted({(r["width"], r["block"], r["pair"], r["k"]) for r in rows})
-    for width, block, pair, k in groups:
+def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> list[dict]:
+    """Alternative estimators of ``lambda_max(ggn)`` of every FFN ``W2W2`` of :func:`held_out_gpt2`, from the same
+    samples as the monitor, against the exact value: the ``N = k B`` per-sample, per-sequence gradients
+    ``g = H_b^T s_{j,b}`` (``H`` the FFN's hidden activations; their Gram matrix ``K = g g^T / k`` has the nonzero
+    eigenvalues of the Monte-Carlo block) are formed explicitly, so each estimator is exact linear algebra on ``K``:
+
+    * ``plain``: ``lambda_max(K)`` (the monitor's plain key); ``richardson``: ``2 plain - mean(halves)`` (the
+      monitor's debiased key); ``richardson2``: second order with quarters too;
+    * ``hollow``: ``lambda_max(K - diag K)`` (the U-statistic part); ``trace``: ``plain - tr(K) / N`` (the
+      diagonal's mean bias);
+    * ``spike``: the spiked-covariance inversion ``plain = l + (1/N) sum_p (m_p - l^p) / l^(p-1)``, ``p <= 4``, with
+      unbiased moments ``m_p ~ tr(GGN^p)`` from distinct-index products of ``K``;
+    * ``m4/m3``: a lower bound from those moments (``tr``, ``tr2``: the first two, over the exact value's powers);
+      ``crossfit``: top vector of one half, Rayleigh quotient on the
+      other (a lower bound in expectation), averaged over both directions; ``crossfit16``: the same with the
+      top-16 subspace of one half.
+    """
+    import copy
+
+    from curvwatch.reference.real_loss import real_loss_top
+    from curvwatch.sharpness import find_logits_module
+
+    model, x, y = held_out_gpt2(width, layers, heads=max(4, width // 64), L=L)
+    m64 = copy.deepcopy(model).double()
+    specs64 = {s.name: s for s in find_blocks(m64)}
+    exact = {
+        i: real_loss_top(m64, _full_ce(x, y), specs64[f"layer{i}/ffn"], "W_2", own=False, tol=1e-8)["ggn"]
+        for i in range(layers)
+    }
+    specs = find_blocks(model)
+    _, head = find_logits_module(model)
+
+    def top(K: torch.Tensor) -> float:
+        return float(torch.linalg.eigvalsh(K)[-1])
+
+    def subspace_crossfit(ga, ka, gb, kb, s: int) -> float:
+        _, V = torch.linalg.eigh(ga @ ga.T / ka)
+        P, _ = torch.linalg.qr(ga.T @ V[:, -s:])
+        Y = gb @ P
+        return top(Y.T @ Y / kb)
+
+    rows = []
+    for k in ks:
+        for seed in range(seeds):
+            with Capture(specs, max_tokens=10**6, logits_module=head) as cap:
+                loss, _ = _full_ce(x, y)(model)
+                cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                loss.backward()
+            model.zero_grad()
+            blocks = {b.spec.name: b for b in cap.blocks()}
+            for i in range(layers):
+                b, mlp = blocks[f"layer{i}/ffn"], m64.transformer.h[i].mlp
+                with torch.no_grad():
+                    H = mlp.act(mlp.c_fc(b.inputs["X"].double()))  # (B, L, f)
+                    S = b.inputs["output_samples"].double()  # (k, B, L, m)
+                    g = torch.einsum("blf,kblm->kbfm", H, S).reshape(k * S.shape[1], -1)  # (N, f m), row j B + b
+                N, B = g.shape[0], S.shape[1]
+                K = g @ g.T / k
+                d = K.diagonal()
+                lam = top(K)
+                sample = torch.arange(N) // B
+                half = sample < k // 2
+
+                def part(mask, kk, g=g):
+                    return top(g[mask] @ g[mask].T / kk)
+
+                halves = (part(half, k // 2) + part(~half, k - k // 2)) / 2
+                quarters = sum(part(sample % 4 == r, k // 4) for r in range(4)) / 4
+                Kh = K - torch.diag(d)
+                r2 = (Kh**2).sum(1)
+                m = [float(d.sum()), float((Kh**2).sum()), float(torch.trace(Kh @ Kh @ Kh)),
+                     float(torch.trace(Kh @ Kh @ Kh @ Kh) - 2 * (r2**2).sum() + (Kh**4).sum())]  # fmt: skip
+
+                def spike(lv: float, m=m, N=N, lam=lam) -> float:
+                    return lv + sum((m[p - 1] - lv**p) / lv ** (p - 1) for p in range(1, 5)) / N - lam
+
+                lo, hi = 1e-12 * lam, lam
+                if spike(hi) < 0:
+                    hi = float("nan")
+                else:
+                    for _ in range(200):
+                        mid = (lo + hi) / 2
+                        lo, hi = (lo, mid) if spike(mid) > 0 else (mid, hi)
+                _, Va = torch.linalg.eigh(g[half] @ g[half].T)
+                _, Vb = torch.linalg.eigh(g[~half] @ g[~half].T)
+                va, vb = g[half].T @ Va[:, -1], g[~half].T @ Vb[:, -1]
+                va, vb = va / va.norm(), vb / vb.norm()
+                cross = (
+                    float(((g[~half] @ va) ** 2).sum()) / (k - k // 2) + float(((g[half] @ vb) ** 2).sum()) / (k // 2)
+                ) / 2
+                cross16 = (subspace_crossfit(g[half], k // 2, g[~half], k - k // 2, 16)
+                           + subspace_crossfit(g[~half], k - k // 2, g[half], k // 2, 16)) / 2  # fmt: skip
+                values = dict(plain=lam, richardson=2 * lam - halves, richardson2=(8 * lam - 6 * halves + quarters) / 3,
+                              hollow=top(Kh), trace=lam - m[0] / N, spike=hi, m4_m3=m[3] / m[2], crossfit=cross,
+                              crossfit16=cross16)  # fmt: skip
+                rows.append(dict(width=width, block=f"layer{i}/ffn", n=g.shape[1], k=k, seed=seed, exact=exact[i],
+                                 tr=m[0] / exact[i], tr2=m[1] / exact[i] ** 2,
+                                 **{name: v / exact[i] for name, v in values.items()}))  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
+
+
+ESTIMATORS = ("plain", "richardson", "richardson2", "hollow", "trace", "spike", "m4_m3", "crossfit", "crossfit16")
+#: Also tabulated: the unbiased moment estimates tr(GGN) / lambda_max and tr(GGN^2) / lambda_max^2.
+MOMENTS = ("tr", "tr2")
+
+
+def estimator_table(rows: list[dict]) -> list[str]:
+    """Markdown: per W2 block and ``k``, each estimator's ratio to the exact value, median (min-max over seeds), and
+    the moment estimates ``tr`` (``tr(GGN) / lambda_max``) and ``tr2`` (``tr(GGN^2) / lambda_max^2``)."""
+    names = ESTIMATORS + MOMENTS
+    lines = ["| block | parameters | k | " + " | ".join(names) + " |", "|" + " --- |" * (3 + len(names))]
+    for key in sorted({(r["width"], r["block"], r["k"]) for r in rows}):
+        sel = [r for r in rows if (r["width"], r["block"], r["k"]) == key]
         cells = []
-        sel = [r for r in rows if (r["width"], r["block"], r["pair"], r["k"]) == (width, block, pair, k)]
+        for name in names:
+            v = sorted(r[name] for r in sel)
+            cells.append(f"{statistics.median(v):.2f} ({v[0]:.2f}-{v[-1]:.2f})")
+        lines.append(f"| d={key[0]} {key[1]} W2W2 | {sel[0]['n']:,} | {key[2]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bias_table(rows: list[dict]) -> list[str]:
+    """Markdown: relative error median / p90 / worst per block and ``k``, before and after, the coverage of
+    ``sharpness_spread`` (after) and the seconds of one probe's evaluation (before / after) and of the exact value."""
+    lines = [
+        "| model | block | parameters | exact | k | before: median / p90 / worst | after: median / p90 / worst | "
+        "after: spread covers | mean spread | seconds: before / after / exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def group(r):
+        return (r["width"], r.get("layers", 2), r.get("L", 64), r["block"], r["pair"], r["k"])
+
+    for key in sorted({group(r) for r in rows}):
+        width, layers, L, block, pair, k = key
+        sel = [r for r in rows if group(r) == key]
+        cells, secs = [], []
         for debias in (False, True):
             e = sorted(abs(r["logged"] - r["exact"]) / r["exact"] for r in sel if r["debias"] == debias)
             cells.append(f"{statistics.median(e):.2f} / {e[int(0.9 * (len(e) - 1) + 0.5)]:.2f} / {e[-1]:.2f}")
+            secs.append(statistics.median(r["seconds"] for r in sel if r["debias"] == debias))
         after = [r for r in sel if r["debias"]]
         covered = sum(abs(r["logged"] - r["exact"]) <= r["spread"] * abs(r["logged"]) for r in after)
         spread = statistics.mean(r["spread"] for r in after)
         lines.append(
-            f"| d={width} {block} {pair} | {sel[0]['n']:,} | {sel[0]['exact']:.4g} | {k} | {cells[0]} | {cells[1]} | "
-            f"{covered}/{len(after)} | {spread:.2f} |"
+            f"| d={width}, {layers} layers, L={L} | {block} {pair} | {sel[0]['n']:,} | {sel[0]['exact']:.4g} | {k} | "
+            f"{cells[0]} | {cells[1]} | {covered}/{len(after)} | {spread:.2f} | "
+            f"{secs[0]:.1f} / {secs[1]:.1f} / {sel[0]['exact_seconds']:.1f} |"
         )
     return lines
 
@@ -391,10 +536,28 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, nargs="+", default=[128], help="--bias: GPT-2 widths (n_embd)")
     parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
+    parser.add_argument("--layers", type=int, default=2, help="--bias: GPT-2 layers")
+    parser.add_argument("--seq", type=int, default=64, help="--bias: tokens per sequence (8 sequences)")
+    parser.add_argument("--tol", type=float, default=1e-6, help="--bias: Lanczos / ARPACK relative tolerance")
+    parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
+    parser.add_argument("--own", action="store_true", help="--bias: also layer 0's FFN W1W1 (with its own term)")
     parser.add_argument("--json", type=Path, default=None, help="--bias: also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.estimators:
+        ks = [int(k) for k in args.ks.split(",")]
+        rows = [r for w in args.width for r in estimator_rows(w, ks, args.seeds, args.layers, L=args.seq)]
+        text = "\n".join(estimator_table(rows))
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
     if args.bias:
-        rows = [r for w in args.width for r in bias_rows(w, [int(k) for k in args.ks.split(",")], args.seeds)]
+        ks = [int(k) for k in args.ks.split(",")]
+        rows = [
+            r
+            for w in args.width
+            for r in bias_rows(w, ks, args.seeds, args.layers, L=args.seq, tol=args.tol, own=args.own)
+        ]
         if args.json:
             import json
 

@@ -351,3 +351,40 @@ def test_debiased_sharpness_of_a_held_out_gpt2_block_against_the_exact_value():
     assert abs(got - exact) <= 1.0 * exact, (got, exact)
     assert abs(got - exact) <= 0.35 * (raw - exact), (got, raw, exact)  # measured 0.29
     assert abs(got - exact) <= spread * got, (got, spread, exact)
+
+
+@pytest.mark.slow
+def test_debiased_sharpness_of_a_16k_weight_held_out_block_against_the_exact_value():
+    """Hugging Face GPT-2 (d 64, vocab 256, B 8, L 64), its last FFN's W2 (16,384 weights), 16 samples drawn with
+    seed 0, against the exact lambda_max(GGN) (matrix-free, float64): the plain value reads 5.5x the exact one, the
+    debiased key 1.21x (measured by ``benchmarks.bench_sharpness --bias --width 64``; issue 24's 15% goal is not met at
+    16 samples), and sharpness_spread (1.8) covers the truth."""
+    import curvwatch.closed_form._sampled as sampled
+    from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
+    from curvwatch.reference.real_loss import real_loss_top
+    from curvwatch.sharpness import find_logits_module
+
+    pytest.importorskip("transformers")
+    model, x, y = held_out_gpt2(64)
+    specs = find_blocks(model)
+    spec = next(s for s in specs if s.name == "layer1/ffn")
+    exact = real_loss_top(model.double(), _full_ce(x, y), spec, "W_2", own=False, tol=1e-6)["sharpness"]
+    model.float()
+    with Capture(specs, max_tokens=512, logits_module=find_logits_module(model)[1]) as cap:
+        loss, _ = _full_ce(x, y)(model)
+        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    block = next(b for b in cap.blocks() if b.spec.name == "layer1/ffn")
+    lanczos = Lanczos(tol=1e-6, max_iter=300)
+    after = block.evaluate(lanczos=lanczos, pairs=("W2W2",), kinds=("outer",))
+    try:
+        sampled.DEBIAS = False
+        before = block.evaluate(lanczos=lanczos, pairs=("W2W2",), kinds=("outer",))
+    finally:
+        sampled.DEBIAS = True
+    raw, got, spread = (float(v) for v in (before["sharpness/W2W2"], after["sharpness/W2W2"],
+                                           after["sharpness_spread/W2W2"]))  # fmt: skip
+    assert raw > 4 * exact, (raw, exact)  # the plain estimate's upward bias grows with the block
+    assert abs(got - exact) <= 0.35 * exact, (got, exact)  # measured 0.21
+    assert abs(got - exact) <= 0.1 * (raw - exact), (got, raw, exact)  # measured 0.05
+    assert abs(got - exact) <= spread * got, (got, spread, exact)
