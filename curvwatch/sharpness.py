@@ -672,7 +672,7 @@ def stability_rule(
             flat = torch.cat([_full(s["exp_avg_sq"]).detach().reshape(-1).float() for s in states])
             v_hat = flat[index.to(flat.device)] / (1 - beta2**step)
             P = v_hat.sqrt() + eps
-            if bool((P <= 0).any()):  # eps = 0 and a coordinate that never had a gradient: its smallest positive P
+            if eps <= 0 and bool((P <= 0).any()):  # a coordinate that never had a gradient: its smallest positive P
                 positive = P[P > 0]
                 P = P.clamp_min(float(positive.min()) if positive.numel() else 1.0)
             precondition[weight] = P

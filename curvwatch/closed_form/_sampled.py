@@ -54,7 +54,10 @@ class SampledCurvature:
     """
 
     def __init__(self, sigma: torch.Tensor):
-        self.sigma = sigma
+        # held as (B, H, k, n) in memory (a permuted view keeps the (k, B, H, n) indexing): each sequence and unit's
+        # samples are then one matrix of the products' bmm, with no copy per product
+        memory = sigma.permute(1, 2, 0, 3)
+        self.sigma = (memory if memory.is_contiguous() else memory.contiguous()).permute(2, 0, 1, 3)
         self.k = sigma.shape[0]
         self.record: list[torch.Tensor] | None = None  # a list: each call appends its coefficients <sigma_j, dF>
 
@@ -84,15 +87,17 @@ class SampledCurvature:
         the coefficient of ``h`` is summed over its group of ``group`` consecutive units (heads sharing a kv head,
         whose outputs a perturbation of the shared weights moves together), like the stand-in's ``mix``.
         """
-        k, B, H, _ = self.sigma.shape
+        k, B, H, X = self.sigma.shape
         n = dF.shape[0]
-        a = torch.einsum("nbhx,kbhx->nkbh", dF.reshape(n, B, H, -1), self.sigma) / k  # (n, k, B, H)
+        s = self.sigma.permute(1, 2, 0, 3).reshape(B * H, k, X)  # a view (see __init__)
+        a = torch.bmm(dF.reshape(n, B, H, X).permute(1, 2, 0, 3).reshape(B * H, n, X), s.mT)  # (B H, n, k)
         if self.record is not None:
-            self.record.append(a * k)
+            self.record.append(a.view(B, H, n, k).permute(2, 3, 0, 1))  # (n, k, B, H)
         if group > 1:
-            a = a.unflatten(-1, (H // group, group)).sum(-1, keepdim=True).expand(n, k, B, H // group, group)
-            a = a.flatten(-2)
-        return torch.einsum("nkbh,kbhx->nbhx", a, self.sigma).reshape(dF.shape)
+            a = a.view(B, H // group, group, n, k).sum(2, keepdim=True).expand(B, H // group, group, n, k)
+            a = a.reshape(B * H, n, k)
+        u = torch.bmm(a / k, s)  # (B H, n, X)
+        return u.view(B, H, n, X).permute(2, 0, 1, 3).reshape(dF.shape)
 
 
 def with_sampled(op: BlockOperator, curvature: SampledCurvature) -> BlockOperator:
@@ -231,14 +236,16 @@ def check_precondition(
                 f"Invalid precondition[{name!r}] shape {got}. Must be {tuple(shape)}, the shape {name} was passed "
                 "with (same layout: one entry of P per weight entry)."
             )
-        p = p.to(dtype=ref.dtype, device=ref.device)
-        if not bool((torch.isfinite(p) & (p > 0)).all()):
+        out[name] = p.to(dtype=ref.dtype, device=ref.device)
+    # every weight's entries finite and > 0, in one host read for all of them
+    valid = torch.stack([(torch.isfinite(p) & (p > 0)).all() for p in out.values()]).tolist() if out else []
+    for (name, p), ok in zip(out.items(), valid, strict=True):
+        if not ok:
             raise ValueError(
                 f"Invalid precondition[{name!r}]: every entry must be finite and > 0 (the diagonal of a positive "
                 f"preconditioner, e.g. Adam's sqrt(v_hat) + eps); smallest entry {float(p.min()):.3g}."
             )
-        out[name] = p.rsqrt()
-    return out
+    return {name: p.rsqrt() for name, p in out.items()}
 
 
 def sampled_norms(
@@ -317,8 +324,10 @@ def sampled_norms(
                     out[k] = value[h]
                     out[f"residual/{k}"] = residual[h]
                 if spread is not None and name == "sharpness" and not prefix:
+                    # 0/0 is "no data": no key; one host read for every head
+                    keep = (torch.isfinite(spread) & (value != 0)).reshape(-1).tolist()
                     for h, k in enumerate(head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))):
-                        if bool(torch.isfinite(spread[h])) and bool(value[h] != 0):  # 0/0 is "no data": none
+                        if keep[h]:
                             out[k] = spread[h]
     return out
 
