@@ -234,7 +234,7 @@ class CapturedBlock:
 
         With ``n_W`` the elements of one Lanczos vector of the block (its kind's ``basis_numel``: ``W_Q`` per
         head group for attention, ``W_1`` for an FFN), the element size of ``dtype`` and ``k = min(max_iter,
-        max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``16 B H L^2 +
+        max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``32 B H L^2 +
         64 B L d``, the per-head ``(B, H, L, L)`` tangents of the Lanczos products; FFN ``32 B L d_ff``; LayerNorm
         ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`). The factors bound the peaks
         measured on CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
@@ -639,7 +639,10 @@ class Capture:
         self._handles.append(out.register_hook(self._on_logits_grad))
         if self._has_logits() or self._sampled:
             return
-        h = args[0] if isinstance(module, torch.nn.Linear) and len(args) == 1 else None
+        # (not under sharding: the module's weight is a shard outside its forward, so the draws at its input, made
+        # after the forward, could not use it; the logits themselves are kept there)
+        linear_ok = isinstance(module, torch.nn.Linear) and len(args) == 1 and self.read_params is None
+        h = args[0] if linear_ok else None
         try:
             linear = isinstance(h, Tensor) and h.requires_grad and _is_linear_of(module, h, out)
         except Exception:  # never into the user's forward: the logits path below works for any module

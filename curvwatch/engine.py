@@ -239,14 +239,13 @@ class Engine:
                         )
                         for block, read_error in blocks
                     ]  # fmt: skip
-                    for part, error in _run_together(calls, blocks[0][0]):
+                    for part, error in _run_together(calls, _device(blocks[0][0])):
                         if part is not None:
                             _merge(out, part)
                         if pending is None and error is not None:
                             pending = error
                 # the errors kept must not hold the blocks' weights through their frames' locals
-                for block, read_error in blocks:
-                    _clear_frames(read_error, out.failed.get(block.spec.name), pending)
+                _clear_block_frames(blocks, out, pending)
                 del blocks, calls  # the blocks' full weights (sharding) go before the next ones are read
         if pending is not None:
             raise pending
@@ -449,16 +448,23 @@ class Engine:
         return block.evaluate(**kwargs)
 
 
-def _run_together(calls: Sequence, first: CapturedBlock) -> list[tuple[Any, Exception | None]]:
+def _run_together(calls: list, device: torch.device) -> list[tuple[Any, Exception | None]]:
     """``[(result, exception or None)]`` of ``calls`` (block evaluations): one alone is called here, several run in a
-    :class:`~curvwatch.closed_form._lockstep.Lockstep` (on ``first``'s device and, on CUDA, the caller's stream)."""
+    :class:`~curvwatch.closed_form._lockstep.Lockstep` (on ``device`` and, on CUDA, the caller's stream).
+
+    ``calls`` is emptied: a kept error's traceback reaches this frame (the evaluation's caller), which must not hold
+    the blocks' weights then (sharded training frees each block's before the next one's are read).
+    """
     if len(calls) == 1:
+        call = calls.pop()
         try:
-            return [(calls[0](), None)]
+            return [(call(), None)]
         except Exception as err:
             return [(None, err)]
-    X = first.inputs.get("X")
-    device = X.device if isinstance(X, Tensor) else torch.device("cpu")
+        finally:
+            del call
+    fns = list(calls)
+    calls.clear()
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     modes = _get_current_dispatch_mode_stack()  # the caller's (a FLOP or operator counter): per thread too
 
@@ -472,11 +478,26 @@ def _run_together(calls: Sequence, first: CapturedBlock) -> list[tuple[Any, Exce
             stack.enter_context(torch.cuda.stream(stream))
         return stack
 
-    results = Lockstep(setup).run(calls)
+    results = Lockstep(setup).run(fns)
+    fns.clear()
     for _, error in results:  # not an Exception (KeyboardInterrupt, SystemExit): not the block's, the caller's
         if error is not None and not isinstance(error, Exception):
             raise error
     return results  # type: ignore[return-value]
+
+
+def _device(block: CapturedBlock) -> torch.device:
+    """The device of ``block``'s captured input (CPU when it has none)."""
+    X = block.inputs.get("X")
+    return X.device if isinstance(X, Tensor) else torch.device("cpu")
+
+
+def _clear_block_frames(blocks: Sequence[tuple[CapturedBlock, Exception | None]], out: Evaluation,
+                        pending: Exception | None) -> None:  # fmt: skip
+    """:func:`_clear_frames` of the errors of ``blocks`` (``(block, read error)``) and of ``pending`` (a function: no
+    loop variable outlives it holding a block's weights)."""
+    for block, read_error in blocks:
+        _clear_frames(read_error, out.failed.get(block.spec.name), pending)
 
 
 def _merge(out: Evaluation, part: Evaluation) -> None:

@@ -110,10 +110,13 @@ def test_converged_kinds_are_not_computed(case, monkeypatch):
             fewer += live_kinds < kinds0
     assert fewer > 0, f"{name}: no product with a converged kind left out; the test does not exercise it"
 
-    # without the skipping (every product over all kinds) the norms are the same, bit for bit
+    # without the skipping (every product over all kinds) the norms are the same to float64 round-off: the products
+    # stack the tangent rows into one matrix of a bmm (attention.py's _left/_right), and a BLAS matmul's rounding may
+    # depend on the number of rows it gets (measured: 4.3e-13 attention, 1.5e-12 block, 0 FFN, Lanczos included)
     monkeypatch.setattr(_operator, "LanczosRun", lambda *a, pass_live=False, **k: LanczosRun(*a, **k))
     full = call(**kw)
-    assert all(torch.equal(full[k], reference[k]) for k in reference), name
+    worst = max(float(((full[k] - reference[k]).abs() / reference[k].abs().clamp_min(1e-300)).max()) for k in reference)
+    assert worst <= 1e-10, (name, worst)
 
 
 def test_block_kind_subsets_of_an_off_diagonal_pair():

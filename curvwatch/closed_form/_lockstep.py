@@ -68,6 +68,7 @@ class _Worker:
         except BaseException as err:  # handed to the caller, who decides
             self.error = err
         finally:
+            self.fn = None  # a kept error's traceback reaches this frame: it must not hold the evaluation's inputs
             self.done = True
             self._parked.release()
 

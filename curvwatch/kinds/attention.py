@@ -77,8 +77,9 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         has_norms=True,
         call_inputs=_call_inputs,
         prepare=_prepare,
-        # the per-head (B, H, L, L) tangents of the Lanczos products and the (B, L, d) intermediates
-        work_elements=lambda B, L, d, p: 16 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
+        # the per-head (B, H, L, L) tangents of the Lanczos products (QQ and KK share one product: twice the rows of
+        # one pair's) and the (B, L, d) intermediates
+        work_elements=lambda B, L, d, p: 32 * B * int(p.get("n_heads", 1)) * L * L + 64 * B * L * d,
         # the QQ and KK runs go in lockstep (one host read per stopping test for both): both bases are held at once
         basis_numel=lambda p: p["W_Q"].numel() + p["W_K"].numel(),
         keys=_KEYS + extra_keys,
