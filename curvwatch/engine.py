@@ -62,6 +62,8 @@ MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=40, max_basis=16, warn=False)
 #: Blocks evaluated together (their Lanczos stopping tests sharing one host read, see ``Engine._windows``) hold at
 #: most this many times the memory of the largest block's evaluation.
 LOCKSTEP_MEMORY = 2.0
+#: At most this many blocks evaluated together (a terms-only evaluation's, whose memory is small): one thread each.
+LOCKSTEP_BLOCKS = 64
 
 #: Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
 NONFINITE = "skipped_nonfinite"
@@ -263,14 +265,14 @@ class Engine:
 
         A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
         (:meth:`CapturedBlock.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated one after
-        the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no
-        Lanczos products, so all its blocks form one group. Sharded blocks (weights read as full tensors when
-        evaluated) and ``lockstep=False``: one block at a time.
+        the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no large
+        products, so its blocks form groups of :data:`LOCKSTEP_BLOCKS` (one parked thread each). Sharded blocks
+        (weights read as full tensors when evaluated) and ``lockstep=False``: one block at a time.
         """
         if not self.lockstep or any(b.params_fn is not None for b in captured):
             return [[b] for b in captured]
-        if terms_only:
-            return [list(captured)] if captured else []
+        if terms_only:  # (at most LOCKSTEP_BLOCKS at a time: one parked thread each)
+            return [list(captured[i : i + LOCKSTEP_BLOCKS]) for i in range(0, len(captured), LOCKSTEP_BLOCKS)]
         sizes = [b.truncate(self.token_limit).evaluation_bytes(dtype, self.lanczos.max_iter, self.basis_limit)
                  if b.reason is None else 0 for b in captured]  # fmt: skip
         limit = LOCKSTEP_MEMORY * max(sizes, default=0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
+from curvwatch import engine as engine_module
 from curvwatch.closed_form import _lanczos
 from curvwatch.closed_form._lockstep import Lockstep
 from curvwatch.closed_form.ffn import FFNOperator
@@ -69,12 +70,14 @@ def test_a_block_failing_inside_the_shared_solve_is_left_out_alone(monkeypatch):
         }
 
 
-def test_windows_hold_at_most_the_memory_factor_and_sharded_blocks_go_alone():
+def test_windows_hold_at_most_the_memory_factor_and_sharded_blocks_go_alone(monkeypatch):
     blocks = _captured()
     engine = Engine()
     windows = engine._windows(blocks, torch.float32, terms_only=False)
     assert [b for w in windows for b in w] == list(blocks) and len(windows) < len(blocks)
     assert len(engine._windows(blocks, torch.float32, terms_only=True)) == 1
+    monkeypatch.setattr(engine_module, "LOCKSTEP_BLOCKS", 3)  # at most that many threads at once
+    assert [len(w) for w in engine._windows(blocks, torch.float32, terms_only=True)] == [3, 3, 2]
     assert all(len(w) == 1 for w in Engine(lockstep=False)._windows(blocks, torch.float32, False))
     tiny = Engine(memory_budget_mb=1e-6)  # no two blocks fit together
     assert all(len(w) == 1 for w in tiny._windows(blocks, torch.float32, False))
