@@ -19,34 +19,12 @@ import warnings
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 
+from benchmarks.common import MemoryLogger
 from curvwatch import Cadence, CurvatureMonitor, Evaluation
 from curvwatch.models.gpt import GPT, GPTConfig
 
 VOCAB, SEQ = 11, 8
-
-
-class KeyLogger(Logger):
-    """Keeps the names ``log_metrics`` received."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: set[str] = set()
-
-    @property
-    def name(self) -> str:
-        return "keys"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.keys |= set(metrics)
 
 
 class Model(L.LightningModule):
@@ -67,7 +45,7 @@ def count(level: str, pairs: str = "diagonal") -> list[str]:
     """The sorted monitor keys one 3-step run logged at ``level``."""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (32, SEQ)))
-    logger = KeyLogger()
+    logger = MemoryLogger()
     monitor = CurvatureMonitor(
         every_n_train_steps=2, cadence=Cadence(terms_every_n_train_steps=1, max_overhead=None),
         evaluation=Evaluation(pairs=pairs), log_heatmap=False, log_level=level,
@@ -78,7 +56,7 @@ def count(level: str, pairs: str = "diagonal") -> list[str]:
             accelerator="cpu", max_steps=3, logger=logger, callbacks=[monitor], enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False,
         ).fit(Model(), torch.utils.data.DataLoader(data, batch_size=4))  # fmt: skip
-    return sorted(k for k in logger.keys if k.startswith("curv"))
+    return sorted(logger.keys("curv"))
 
 
 def main(argv: list[str] | None = None) -> None:

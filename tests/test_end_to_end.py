@@ -78,11 +78,11 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacfwd, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.common import MemoryLogger
 from curvwatch import CurvatureMonitor
 from tests import zoo
 from tests.utils import TOL, WORST, rel_err
@@ -401,28 +401,6 @@ CASES: dict[str, Callable[[], Case]] = {
 # --------------------------------------------------------------------------------------------------
 
 
-class MemoryLogger(Logger):
-    """Keeps what ``log_metrics`` received."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.append((step, dict(metrics)))
-
-
 class Wrapped(L.LightningModule):
     def __init__(self, model: nn.Module, loss: Callable) -> None:
         super().__init__()
@@ -447,7 +425,7 @@ def train_one_step(case: Case, tmp_path) -> tuple[dict[str, float], CurvatureMon
     )  # fmt: skip
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*case.batch), batch_size=B)
     trainer.fit(Wrapped(case.model, case.loss), data)
-    logged = {k: v for step, m in logger.records if step == 0 for k, v in m.items() if k.startswith("curv/")}
+    logged = {k: v for step, m in logger.calls if step == 0 for k, v in m.items() if k.startswith("curv/")}
     return logged, monitor
 
 

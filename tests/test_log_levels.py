@@ -13,8 +13,8 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 
+from benchmarks.common import MemoryLogger
 from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.keys import SUMMARY_LEVEL, block_level, summary_level
 from curvwatch.models.gpt import GPT, GPTConfig
@@ -31,31 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class MemoryLogger(Logger):
-    """Keeps every key ``log_metrics`` received, by step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[int, dict[str, float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.records.setdefault(step, {}).update(metrics)
-
-    def keys(self) -> set[str]:
-        return {k for m in self.records.values() for k in m if k.startswith("curv")}
 
 
 class Wide(L.LightningModule):
@@ -164,7 +139,7 @@ def test_default_level_is_at_most_60_keys_with_the_wandb_media(tmp_path, monkeyp
     assert step == 0 and not later  # full evaluations only (step 1 was terms-only)
     table = {row[columns.index("block")]: dict(zip(columns, row, strict=True)) for row in rows}
     assert len(table) == 4 * N_LAYER
-    logged = memory.records[0]
+    logged = memory.by_step()[0]
     for i in range(N_LAYER):
         for part in ("attn", "ffn"):
             value = logged[f"curv_hessian/layer{i}/{part}"]
@@ -173,8 +148,8 @@ def test_default_level_is_at_most_60_keys_with_the_wandb_media(tmp_path, monkeyp
         assert math.isclose(logged[f"curv_stability/layer{i}"], stab, rel_tol=1e-3)
         assert table[f"layer{i}/ln_1"]["norm_ratio"] > 0 and table[f"layer{i}/attn"]["softmax_jac_min"] > 0
     # the headline and the signals on the terms-only step too
-    assert "curv/summary/signals/softmax_jac_min" in memory.records[1]
-    assert "curv/summary/ln/var_min_over_eps" in memory.records[1]
+    assert "curv/summary/signals/softmax_jac_min" in memory.by_step()[1]
+    assert "curv/summary/ln/var_min_over_eps" in memory.by_step()[1]
 
 
 def test_warnings_fire_at_the_default_level_from_keys_it_does_not_log(tmp_path):
@@ -190,8 +165,8 @@ def test_warnings_fire_at_the_default_level_from_keys_it_does_not_log(tmp_path):
         _fit(tmp_path, monitor, model, [logger], max_steps=4)
     keys = logger.keys()
     assert not any("/ln_1/" in k for k in keys)
-    assert logger.records[3]["curv/summary/ln/var_min_over_eps"] < 1
-    assert logger.records[3]["curv/summary/warnings"] >= 1
+    assert logger.by_step()[3]["curv/summary/ln/var_min_over_eps"] < 1
+    assert logger.by_step()[3]["curv/summary/warnings"] >= 1
     assert monitor.alerts and monitor.alerts[0].block == "layer0/ln_1"
 
 
@@ -204,7 +179,7 @@ def test_listeners_get_every_key_whatever_the_level(tmp_path):
     _fit(tmp_path, monitor, TinyLM(), [logger], max_steps=2)
     assert [e.step for e in seen] == [0, 1]
     assert "curv/layer0/attn/hessian/QQ/h0" in seen[0].values and "curv/layer0/attn/hessian/QQ/h0" not in logger.keys()
-    assert set(seen[0].logged) <= set(seen[0].values) and set(seen[0].logged) == set(logger.records[0]) & set(
+    assert set(seen[0].logged) <= set(seen[0].values) and set(seen[0].logged) == set(logger.by_step()[0]) & set(
         seen[0].logged
     )
 

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,10 +28,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
+from benchmarks.common import MemoryLogger
 from benchmarks.instability.analysis import onset_step
 from benchmarks.instability.corpus import VOCAB_SIZE, WindowBatches, load_corpus
 from benchmarks.instability.models import MaxLogitProbe, ModelSpec, build_model
@@ -40,37 +39,6 @@ from curvwatch import Cadence, CurvatureMonitor, Evaluation, Warnings
 PREFIX = "curv/"
 # keys the traces leave out: one per norm and per head of every bound family, never read by a rule or a plot
 _DROPPED = ("bound/outer/", "bound/functional/", "residual/", "lanczos/")
-
-
-class MemoryLogger(Logger):
-    """A Lightning logger that keeps every ``log_metrics`` call in memory: ``calls = [(step, {key: value})]``.
-
-    Example:
-        >>> logger = MemoryLogger()
-        >>> logger.log_metrics({"a": 1.0}, step=3)
-        >>> logger.calls
-        [(3, {'a': 1.0})]
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self.calls.append((-1 if step is None else int(step), {k: float(v) for k, v in metrics.items()}))
 
 
 @dataclass(frozen=True)

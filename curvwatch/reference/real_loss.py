@@ -70,9 +70,10 @@ def real_loss_blocks(
         return _blocks(model, loss_fn, spec, weight, columns, loss)
 
 
-def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
-    from curvwatch.sharpness import LossKind, loss_weights
-
+def _perturbed(model, loss_fn, spec, weight, columns) -> tuple[Callable, Tensor]:
+    """``(run, zero)`` of :func:`_blocks` and :func:`_top`: ``run(delta, keep=None) -> (loss, logits)`` evaluates the
+    model with ``delta`` ``(n,)`` added to the block's weight entries ``W[:, columns]`` (row-major), and stores the
+    block's output under ``keep["F"]`` when ``keep`` is given; ``zero`` is the ``(n,)`` zero perturbation."""
     params, index = param_index_map(spec, (weight,))[weight]
     index = index if columns is None else index[:, columns]
     parts = param_positions(params, index)
@@ -96,7 +97,25 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
             if handle is not None:
                 handle.remove()
 
-    zero = torch.zeros(index.numel(), dtype=next(iter(base.values())).dtype)
+    return run, torch.zeros(index.numel(), dtype=next(iter(base.values())).dtype)
+
+
+def _own_term(run: Callable, g_F: Tensor) -> Callable[[Tensor], Tensor]:
+    """``d -> <F(d), g_F>``: the block output contracted with its fixed gradient, whose Hessian in ``d`` is the
+    block's own (second-order) term."""
+
+    def own_term(d: Tensor) -> Tensor:
+        kept: dict = {}
+        run(d, kept)
+        return (kept["F"] * g_F).sum()
+
+    return own_term
+
+
+def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
+    from curvwatch.sharpness import LossKind, loss_weights
+
+    run, zero = _perturbed(model, loss_fn, spec, weight, columns)
     hessian = torch.func.hessian(lambda d: run(d)[0])(zero)
     # the loss's Hessian at the logits
     keep: dict = {}
@@ -115,10 +134,7 @@ def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
     ggn = J.T @ H_z @ J
     g_F = g_F.detach()
 
-    def own_term(d: Tensor) -> Tensor:
-        kept: dict = {}
-        run(d, kept)
-        return (kept["F"] * g_F).sum()
+    own_term = _own_term(run, g_F)
 
     own = torch.func.hessian(own_term)(zero)
     return {"hessian": hessian, "ggn": ggn, "own": own}
@@ -166,30 +182,7 @@ def _top(model, loss_fn, spec, weight, columns, own, tol, loss) -> dict[str, flo
 
     from curvwatch.sharpness import LossKind, loss_weights
 
-    params, index = param_index_map(spec, (weight,))[weight]
-    index = index if columns is None else index[:, columns]
-    parts = param_positions(params, index)
-    names = {id(p): n for n, p in model.named_parameters()}
-    base = {n: p.detach() for n, p in model.named_parameters()}
-    call = _Call(model, loss_fn)
-    out_module = spec.adapter.capture_modules(spec)[1]
-
-    def run(delta: Tensor, keep: dict | None = None) -> tuple[Tensor, Tensor]:
-        new = dict(base)
-        for p, elements, pos in parts:
-            new[names[id(p)]] = base[names[id(p)]].reshape(-1).index_add(0, pos, delta[elements]).reshape(p.shape)
-        handle = None
-        if keep is not None:
-            handle = out_module.register_forward_hook(
-                lambda m, a, o: keep.setdefault("F", spec.adapter.read_output(spec, o))
-            )
-        try:
-            return torch.func.functional_call(call, {f"model.{n}": t for n, t in new.items()}, ())
-        finally:
-            if handle is not None:
-                handle.remove()
-
-    zero = torch.zeros(index.numel(), dtype=next(iter(base.values())).dtype)
+    run, zero = _perturbed(model, loss_fn, spec, weight, columns)
     keep: dict = {}
     with torch.enable_grad():
         loss0, z = run(zero.clone().requires_grad_(True), keep)
@@ -206,10 +199,7 @@ def _top(model, loss_fn, spec, weight, columns, own, tol, loss) -> dict[str, flo
         hu = w * (p * u - p * (p * u).sum(-1, keepdim=True))
         return vjp(hu.reshape(z.shape).to(zero.dtype))[0]
 
-    def own_term(d: Tensor) -> Tensor:
-        kept: dict = {}
-        run(d, kept)
-        return (kept["F"] * g_F).sum()
+    own_term = _own_term(run, g_F)
 
     def own_mv(v: Tensor) -> Tensor:
         return torch.func.jvp(torch.func.grad(own_term), (zero,), (v,))[1]
