@@ -16,8 +16,8 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 
+from benchmarks.common import MemoryLogger
 from curvwatch import Cadence, CurvatureMonitor, CurvatureNotice, Monitor, Sharpness, Warnings
 from tests.ddp_script import VOCAB, TinyLM, loader
 
@@ -33,27 +33,13 @@ SETTINGS = dict(
 )
 
 
-class Recorder(Logger):
-    """A Lightning logger that keeps what it is given: ``rows[step][key]``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: dict[int, dict[str, float]] = {}
+class Recorder(MemoryLogger):
+    """A Lightning logger that keeps what it is given: ``rows[step][key]``, the monitor's keys (``curv/...``,
+    ``curv_...``)."""
 
     @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics, step=None) -> None:
-        kept = {k: float(v) for k, v in metrics.items() if k.startswith(P[:-1])}  # curv/... and curv_... keys
-        self.rows.setdefault(step, {}).update(kept)
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
+    def rows(self) -> dict[int, dict[str, float]]:
+        return {s: {k: v for k, v in m.items() if k.startswith(P[:-1])} for s, m in self.by_step().items()}
 
 
 def numbers(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
@@ -408,7 +394,7 @@ def test_a_reused_monitor_after_reset_starts_afresh():
     idx = next(iter(loader()))[0]
 
     def run() -> dict[int, float]:
-        recorder.rows.clear()
+        recorder.calls.clear()
         for step in range(3):
             with monitor.step(step):
                 tiny_lm_loss(module, idx).backward()
