@@ -119,7 +119,8 @@ class Engine:
         key_prefix: The logged keys' prefix, for messages.
         lockstep: Evaluate consecutive blocks together, their Lanczos stopping tests sharing one host read (a sync
             on a GPU), within :data:`LOCKSTEP_MEMORY` times the largest block's memory; ``False``: one block at a
-            time (the same numbers).
+            time (the same numbers where every run starts with the others; a run that joins later has its stopping
+            tests on other steps, so it may stop a few products apart, within its tolerance).
 
     Raises:
         ValueError: If an argument is invalid.

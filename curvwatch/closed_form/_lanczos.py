@@ -16,14 +16,6 @@ import torch
 # FFN Hessians tried, K = 10 cost no extra products at L = d = 512 and ~4% more on small blocks.
 OVERTAKE_K = 10.0
 
-# Re-orthogonalise a second time when the first Gram-Schmidt pass left less than this fraction of w: Kahan and
-# Parlett's 1/sqrt(2) ("twice is enough", Giraud et al. 2005). After one pass w is orthogonal to the basis only up
-# to ~eps ||w_before|| / ||w_after||, and that error compounds from step to step. The earlier threshold 0.1 let it
-# compound: a 60 x 60 operator with eigenvalues in [0.1, 3] run past convergence (tol=0, 200 steps) returned 21.7 to
-# 25.7 instead of 3, and 46 to 90 with max_basis=16, tol=1e-12 (3 seeds); with 1/sqrt(2) all six give 3.0. At the
-# monitor's tolerances (1e-3, 1e-2) the runs stop before it shows; the second pass costs one more (k, n) matmul.
-REORTH_KAPPA = 0.7071
-
 # Norm of the noise mixed into a warm start, relative to the start vector's norm. A warm start is the last
 # evaluation's Ritz vector: near an eigenvector of the operator as it was. With little noise (1e-3, until issue 23) the
 # Krylov space stayed near the few directions that vector drifted into, and an indefinite norm whose other end had
@@ -306,8 +298,11 @@ class LanczosRun:
         v = self.v.view(*self.batch_shape, self.n)
         w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
         w = w.reshape(self.b, 1, self.n)
-        # Two passes always: the second is needed where the first cancelled most of w (its rounding errors,
-        # ~eps ||w_before||, are then large next to what is left), and deciding that is a read of a device value.
+        # Two passes always ("twice is enough", Giraud et al. 2005): the second is needed where the first cancelled
+        # most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a second pass only
+        # below 0.1 ||w_before|| let them compound: a 60 x 60 operator with eigenvalues in [0.1, 3] run past
+        # convergence returned 21.7-25.7 (46-90 with max_basis=16) instead of 3), and deciding that is a read of a
+        # device value.
         # The first pass's coefficient on v (the basis's last vector) is alpha = w.v.
         w, coeff = _project_out(w, self.basis)
         alpha = coeff.narrow(2, self.size - 1, 1)
@@ -361,7 +356,7 @@ class LanczosRun:
         # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
         opp = np.where(idx == size - 1, 0, size - 1)
         scale = np.maximum(np.abs(a).max(-1), torch.finfo(dtype).tiny)
-        exhausted = beta_h <= 10 * torch.finfo(dtype).eps * scale
+        exhausted = beta_h <= self.breakdown * scale
         # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end is either
         # accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and -0.95, the
         # isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of 40 trials)

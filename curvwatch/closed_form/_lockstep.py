@@ -102,23 +102,23 @@ class Lockstep:
     def run(self, fns: Sequence[Callable[[], Any]]) -> list[tuple[Any, BaseException | None]]:
         """Call every function of ``fns``, their solves in lockstep; ``[(result, exception or None)]`` in order."""
         workers = [_Worker(fn, self.setup) for fn in fns]
+        rounds = Rounds()
+
+        def go_on(i: int) -> None:  # evaluation i runs until it parks (its runs join the next round) or ends
+            workers[i].resume()
+            if workers[i].runs is not None:
+                rounds.add(i, workers[i].runs)
+
         try:
-            for w in workers:
-                w.thread.start()
-                w.resume()
-            rounds = Rounds()
             for i, w in enumerate(workers):
-                if w.runs is not None:
-                    rounds.add(i, w.runs)
+                w.thread.start()
+                go_on(i)
             # every round: one product per live run, the due stopping tests in one read; an evaluation whose runs
-            # ended goes on at once (to its next solve, whose runs join the next round, or to its end)
+            # ended goes on at once
             while rounds.groups:
                 for i, error in rounds.round():
-                    w = workers[i]
-                    w.runs, w.reply = None, error
-                    w.resume()
-                    if w.runs is not None:
-                        rounds.add(i, w.runs)
+                    workers[i].runs, workers[i].reply = None, error
+                    go_on(i)
             self.rounds = rounds.clock
         finally:  # after an error of the caller's own (KeyboardInterrupt) too: unwind every parked evaluation
             for w in workers:

@@ -416,24 +416,24 @@ def spectral_norms(
         ks = tuple(k for k in kinds if (k, pair_name) not in skip)
         if ks:
             todo.setdefault(ks, []).append(pair_name)
-    jobs = []  # (pair names, kinds, run): one run per pair, or one for diagonal pairs that share their products
+    jobs = []  # (pair names, kinds, warm-start key, run): one run per pair, or one for diagonal pairs sharing products
     for ks, group in todo.items():
         diag = [p for p in group if len(set(_pair_blocks(p, names))) == 1]
         stack = diag if stackable(op, diag) else []
         if stack:
             emb, mv = stacked_matvec(op, [_pair_blocks(p, names)[0] for p in stack], ks)
             key = (tuple(stack), ks)
-            jobs.append((stack, ks, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
+            jobs.append((stack, ks, key, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
         for pair_name in group:
             if pair_name in stack:
                 continue
             pair = _pair_blocks(pair_name, names)
             emb, mv = pair_matvec(op, pair, ks)
-            jobs.append(([pair_name], ks, _norm_run(op, emb, mv, ks, (pair_name, ks), pair[0] == pair[1], lanczos)))
+            key = (pair_name, ks)
+            jobs.append(([pair_name], ks, key, _norm_run(op, emb, mv, ks, key, pair[0] == pair[1], lanczos)))
     solve([job[-1] for job in jobs])  # every pair in lockstep: one host read per stopping test for all of them
     out: dict[str, torch.Tensor] = {}
-    for group, ks, run in jobs:
-        key = (tuple(group), ks) if len(group) > 1 else (group[0], ks)
+    for group, ks, key, run in jobs:
         vals, rel = _norm_results(run, key, lanczos)
         for g, pair_name in enumerate(group):
             pair = _pair_blocks(pair_name, names)
