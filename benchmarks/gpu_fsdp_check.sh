@@ -16,17 +16,10 @@
 # It uses the machine's own python3 (its PyTorch and Lightning); curvwatch is imported from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results/gpu_fsdp}"
-mkdir -p "$out"
-log="$out/gpu_fsdp_check.log"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONWARNINGS=ignore
+. benchmarks/_gpu_step.sh  # gpu_setup NAME DIR; step LIMIT_S NAME CMD...
+gpu_setup gpu_fsdp_check benchmarks/results/gpu_fsdp
+export PYTHONWARNINGS=ignore
 unset LOCAL_RANK  # Lightning starts the ranks itself
-py=python3
-status=0
-
-. benchmarks/_gpu_step.sh  # step LIMIT_S NAME CMD...
-
-: >"$log"
 step 60 env $py -c "import torch, lightning as L; print(torch.__version__, L.__version__, torch.cuda.device_count())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
 gpus=$($py -c "import torch; print(min(2, torch.cuda.device_count()))")

@@ -13,16 +13,8 @@
 # It uses the machine's own python3 (its PyTorch, Lightning, transformers); curvwatch comes from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results/gpu}"
-mkdir -p "$out"
-log="$out/gpu_scale.log"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled
-py=python3
-status=0
-
-. benchmarks/_gpu_step.sh  # step LIMIT_S NAME CMD...
-
-: >"$log"
+. benchmarks/_gpu_step.sh  # gpu_setup NAME DIR; step LIMIT_S NAME CMD...
+gpu_setup gpu_scale benchmarks/results/gpu
 step 30 env $py -c "import torch, lightning; print(torch.__version__, lightning.__version__, torch.cuda.get_device_name())"
 step 150 tests $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     "tests/test_reliability.py::test_mixed_precision_computed_in_float32"
