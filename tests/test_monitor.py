@@ -475,53 +475,54 @@ def test_verify_under_sharded_training_is_off_and_says_so():
     assert P + "layer0/attn/sharpness/VV/h0" in rows[0] and not any("verify/" in k for k in rows[0])
 
 
-def test_monitor_logs_to_a_wandb_run(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_run(tmp_path, monkeypatch):
+    """An offline W&B run in ``tmp_path``, finished afterwards."""
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     run = wandb.init(project="curvwatch-test", dir=str(tmp_path), mode="offline")
     try:
-        torch.manual_seed(0)
-        module = TinyLM()
-        monitor = Monitor(module, log=run, **{**SETTINGS, "sharpness": False, "log_heatmap": True})
-        with monitor.step(0):
-            tiny_lm_loss(module, next(iter(loader()))[0]).backward()
-        # reached the run, with the run-summary rule the monitor defined (the max over steps)
-        assert math.isfinite(dict(run.summary[P + "summary/max_hessian"])["max"])
-        assert run.config["curvwatch/blocks"][0]["part"] == "attn"  # the set-up table too
+        yield run
     finally:
         wandb.finish()
 
 
-def test_setup_table_says_stability_starts_after_step_0_under_adam(tmp_path, monkeypatch):
+def test_monitor_logs_to_a_wandb_run(wandb_run):
+    run = wandb_run
+    torch.manual_seed(0)
+    module = TinyLM()
+    monitor = Monitor(module, log=run, **{**SETTINGS, "sharpness": False, "log_heatmap": True})
+    with monitor.step(0):
+        tiny_lm_loss(module, next(iter(loader()))[0]).backward()
+    # reached the run, with the run-summary rule the monitor defined (the max over steps)
+    assert math.isfinite(dict(run.summary[P + "summary/max_hessian"])["max"])
+    assert run.config["curvwatch/blocks"][0]["part"] == "attn"  # the set-up table too
+
+
+def test_setup_table_says_stability_starts_after_step_0_under_adam(wandb_run):
     """The set-up table that reaches the W&B run config has a ``sharpness`` row; under AdamW it says that
     ``stability/max`` starts at the optimizer's first step, and indeed step 0 logs none and step 1 does."""
     from curvwatch.report import coverage_text
 
-    wandb = pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    run = wandb.init(project="curvwatch-test", dir=str(tmp_path), mode="offline")
-    try:
-        torch.manual_seed(0)
-        module = TinyLM()
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
-        rows: dict[int, dict[str, float]] = {}
-        log = [run, lambda m, s: rows.setdefault(s, {}).update(m)]
-        monitor = Monitor(module, optimizer=optimizer, log=log, **{**SETTINGS, "sharpness": Sharpness(samples=2)})
-        for step in range(2):
-            with monitor.step(step):
-                tiny_lm_loss(module, next(iter(loader()))[0]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        (row,) = [r for r in run.config["curvwatch/blocks"] if r["part"] == "sharpness"]
-        assert row["status"].startswith("on: logits from 'model.head'") and "none at step 0" in row["status"]
-        assert "stability/max under Adam/AdamW from the optimizer's first step on" in row["status"]
-        assert "none at step 0" in coverage_text(monitor.coverage)
-        assert P + "summary/stability/max" not in rows[0] and P + "summary/stability/max" in rows[1]
-        assert P + "layer0/ffn/stability/max" not in rows[0] and P + "layer0/ffn/stability/max" in rows[1]
-    finally:
-        wandb.finish()
+    run = wandb_run
+    torch.manual_seed(0)
+    module = TinyLM()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    rows: dict[int, dict[str, float]] = {}
+    log = [run, lambda m, s: rows.setdefault(s, {}).update(m)]
+    monitor = Monitor(module, optimizer=optimizer, log=log, **{**SETTINGS, "sharpness": Sharpness(samples=2)})
+    for step in range(2):
+        with monitor.step(step):
+            tiny_lm_loss(module, next(iter(loader()))[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    (row,) = [r for r in run.config["curvwatch/blocks"] if r["part"] == "sharpness"]
+    assert row["status"].startswith("on: logits from 'model.head'") and "none at step 0" in row["status"]
+    assert "stability/max under Adam/AdamW from the optimizer's first step on" in row["status"]
+    assert "none at step 0" in coverage_text(monitor.coverage)
+    assert P + "summary/stability/max" not in rows[0] and P + "summary/stability/max" in rows[1]
+    assert P + "layer0/ffn/stability/max" not in rows[0] and P + "layer0/ffn/stability/max" in rows[1]
 
 
 def test_hf_trainer_accumulation_is_scaled_and_not_noticed(tmp_path):
