@@ -55,9 +55,14 @@ class SampledCurvature:
 
     def __init__(self, sigma: torch.Tensor):
         # held as (B, H, k, n) in memory (a permuted view keeps the (k, B, H, n) indexing): each sequence and unit's
-        # samples are then one matrix of the products' bmm, with no copy per product
+        # samples are then one matrix of the products' bmm, with no copy per product. Copied once when they are not
+        # (a slice of k, as halves() takes, is already: no second copy)
         memory = sigma.permute(1, 2, 0, 3)
-        self.sigma = (memory if memory.is_contiguous() else memory.contiguous()).permute(2, 0, 1, 3)
+        try:
+            memory.view(-1, *memory.shape[2:])  # (B H, k, n) as a view
+        except RuntimeError:
+            memory = memory.contiguous()
+        self.sigma = memory.permute(2, 0, 1, 3)
         self.k = sigma.shape[0]
         self.record: list[torch.Tensor] | None = None  # a list: each call appends its coefficients <sigma_j, dF>
 
