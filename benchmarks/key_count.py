@@ -20,7 +20,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import MemoryLogger
+from benchmarks.loggers import MemoryLogger
 from curvwatch import Cadence, CurvatureMonitor, Evaluation
 from curvwatch.models.gpt import GPT, GPTConfig
 

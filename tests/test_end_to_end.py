@@ -82,7 +82,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacfwd, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import MemoryLogger
+from benchmarks.loggers import MemoryLogger
 from curvwatch import CurvatureMonitor
 from tests import zoo
 from tests.utils import TOL, WORST, rel_err

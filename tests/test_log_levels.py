@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import MemoryLogger
+from benchmarks.loggers import MemoryLogger
 from curvwatch import CurvatureMonitor, CurvatureWarning
 from curvwatch.keys import SUMMARY_LEVEL, block_level, summary_level
 from curvwatch.models.gpt import GPT, GPTConfig

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import MemoryLogger
+from benchmarks.loggers import MemoryLogger
 from curvwatch import Cadence, CurvatureMonitor, CurvatureNotice, Monitor, Sharpness, Warnings
 from tests.ddp_script import VOCAB, TinyLM, loader
 

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from benchmarks.common import MemoryLogger
 from benchmarks.instability.analysis import onset_step
 from benchmarks.instability.corpus import VOCAB_SIZE, WindowBatches, load_corpus
 from benchmarks.instability.models import MaxLogitProbe, ModelSpec, build_model
+from benchmarks.loggers import MemoryLogger
 from curvwatch import Cadence, CurvatureMonitor, Evaluation, Warnings
 
 PREFIX = "curv/"
