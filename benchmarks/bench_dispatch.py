@@ -20,8 +20,10 @@ L 128, as the issue that set the ceilings measured it.
 evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of each (GPT-2-small shape by default on
 CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
 
-Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--engine-only]
-[--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured blocks, no Trainer and no real-loss keys).
+Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda]
+[--engine-only [--tiers full,terms]] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured
+blocks, no Trainer and no real-loss keys; ``--n-layer 12 --tiers terms``: the terms-only evaluation at GPT-2-small's
+depth, whose blocks meet in gathered calls).
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ def engine_only(args) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tiers = {"full": {}, "terms": {"terms_only": True, "signal_pairs": RuleSet().exact_pairs}}
     for tier, kwargs in tiers.items():
+        if tier not in args.tiers.split(","):
+            continue
         engine.evaluate(captured(), **kwargs)  # warm starts in place, as at every evaluation after the first
         blocks = captured()
         counter = OpCounter()
@@ -297,6 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="count one warm Engine.evaluate of captured blocks "
         "(no Trainer, no real-loss keys) instead of the whole monitor in a Lightning run",
     )
+    p.add_argument("--tiers", default="full,terms", help="--engine-only: the evaluations counted (full, terms)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"

@@ -13,16 +13,18 @@ import torch
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
+from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.rules import RuleSet
 
 N_LAYER = 2
 
 
-def _evaluations():
-    """A warm full and a warm terms-only (signals) evaluation of a 2-layer GPT: ``{tier: OpCounter}``."""
+def _evaluations(n_layer: int = N_LAYER, tiers=("full", "terms"), signal_pairs=()):
+    """A warm full and a warm terms-only (signals) evaluation of a GPT: ``{tier: OpCounter}``."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=N_LAYER, n_head=4, d_model=32))
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=4, d_model=32))
     idx = torch.randint(0, 32, (2, 17))
     engine = Engine()
     specs = find_blocks(model)
@@ -35,7 +37,9 @@ def _evaluations():
         return capture.blocks()
 
     counts = {}
-    for tier, kwargs in (("full", {}), ("terms", {"terms_only": True, "signal_pairs": ()})):
+    for tier, kwargs in (("full", {}), ("terms", {"terms_only": True, "signal_pairs": signal_pairs})):
+        if tier not in tiers:
+            continue
         engine.evaluate(captured(), **kwargs)  # warm starts in place, as at every evaluation after the first
         blocks = captured()
         counter = OpCounter()
@@ -58,6 +62,17 @@ def test_evaluation_operators_and_host_syncs_stay_under_their_ceilings():
     assert terms.total / N_LAYER <= TERMS_OPS_PER_LAYER, per_layer
 
 
+def test_terms_only_evaluation_of_a_deep_model_meets_in_gathered_calls(monkeypatch):
+    """GPT-2-small's depth (12 layers), the monitor's signals (the rules' exact pairs, ``outer/VV`` by Lanczos as at
+    d > 256): the blocks' exact pieces are gathered calls for all layers at once (one Lanczos run for every layer's
+    ``VV``, one softmax norm, one Gram call, one LayerNorm statistics call), so the operators per layer are about a
+    fixed share plus what each block's own forward pass costs, and the host reads a handful of values in all."""
+    monkeypatch.setattr(AttentionOperator, "vv_exact", staticmethod(lambda d, max_iter: False))
+    terms = _evaluations(DEEP, tiers=("terms",), signal_pairs=RuleSet().exact_pairs)["terms"]
+    assert terms.syncs <= DEEP_TERMS_SYNCS, terms.syncs
+    assert terms.total / DEEP <= DEEP_TERMS_OPS_PER_LAYER, terms.total / DEEP
+
+
 # Measured when set (issue 23, this 2-layer d 32 GPT): full 5,562 operators and 9.5 syncs per layer, terms-only 352.5
 # and 0.5 (first ceilings: full 8,199 and 15; before issue 23 at GPT-2-small width: full 15,988 and 287, terms-only 386
 # and 6; docs/performance.md section 5). The full evaluation's syncs: one NaN/Inf read, then one read per round of
@@ -65,3 +80,8 @@ def test_evaluation_operators_and_host_syncs_stay_under_their_ceilings():
 FULL_SYNCS_PER_LAYER = 11
 FULL_OPS_PER_LAYER = 6_400
 TERMS_OPS_PER_LAYER = 410
+# The deep terms-only evaluation (12 layers, d 32): measured 130.1 operators per layer and 3 host reads in all when set
+# (session 13: the NaN/Inf read and the VV run's two stopping tests); the issue's goal is 150 and 2 per layer.
+DEEP = 12
+DEEP_TERMS_SYNCS = 4
+DEEP_TERMS_OPS_PER_LAYER = 150

@@ -8,7 +8,7 @@ import torch
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
 from curvwatch.closed_form._masks import keep_masks
-from curvwatch.closed_form.attention import AttentionOperator
+from curvwatch.closed_form.attention import AttentionOperator, _vv_gram_run
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form.settings import EXACT
 from tests.utils import TOL, assert_close_report
@@ -59,7 +59,13 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     M = op.vv_factor()  # (H, B L, d)
     v = _rand(gen, H, d)
     expected = torch.einsum("hnd,hn->hd", M, torch.einsum("hnd,hd->hn", M, v))
-    assert_close_report(op._vv_matvec()(v), expected, TOL["float64"], name="M^T M v")
+    # the product of the run, for two blocks stacked
+    two = [torch.stack([t, t]) for t in (op.A, op.c, op.row_keep, op.Xkv)]
+    two[1][1] *= 4  # c of the second block 4 times the first's: the rows sqrt(c) twice, M^T M 4 times
+    run = _vv_gram_run(*two, tol=0.0, max_iter=None, max_basis=None)
+    got = run.matvec(torch.stack([v, v]))
+    assert_close_report(got[0], expected, TOL["float64"], name="M^T M v")
+    assert_close_report(got[1], 4 * expected, TOL["float64"], name="M^T M v, second block")
     exact = op.outer_vv_norm(EXACT)
     op.vv_exact = lambda d, max_iter: False  # take the Lanczos path at this small d
     assert_close_report(op.outer_vv_norm(EXACT.replace(max_iter=d)), exact, TOL["lanczos"], name="outer/VV by Lanczos")

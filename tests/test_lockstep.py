@@ -8,10 +8,13 @@ import torch
 
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch import engine as engine_module
-from curvwatch.closed_form import _lanczos
-from curvwatch.closed_form._lockstep import Lockstep
+from curvwatch.closed_form import _lanczos, _lockstep
+from curvwatch.closed_form._lockstep import Lockstep, gathered
+from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
+from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import Engine
+from curvwatch.rules import RuleSet
 from tests.test_engine import _captured as captured_gpt
 
 DT = torch.float64
@@ -42,8 +45,78 @@ def test_blocks_evaluated_together_give_the_same_numbers_with_fewer_host_reads(t
             assert torch.equal(torch.as_tensor(together.results[name][key]), torch.as_tensor(value)), (name, key)
     if not terms_only:  # (at d = 16 a terms-only evaluation has no Lanczos run: its VV norm is exact)
         assert c_together.syncs < c_alone.syncs, (c_together.syncs, c_alone.syncs)
-    # the operators of the kernels' own threads are counted too (the caller's dispatch modes follow them)
-    assert abs(c_together.total - c_alone.total) <= 0.02 * c_alone.total, (c_together.total, c_alone.total)
+    # the operators of the kernels' own threads are counted too (the caller's dispatch modes follow them). Terms-only:
+    # one window, the exact pieces of the two attention blocks are one gathered call each (their gram norms, the
+    # signals' softmax norms), so fewer operators; a full evaluation's windows hold one layer each
+    if terms_only:
+        assert 0.5 * c_alone.total < c_together.total < 0.95 * c_alone.total, (c_together.total, c_alone.total)
+    else:
+        assert abs(c_together.total - c_alone.total) <= 0.02 * c_alone.total, (c_together.total, c_alone.total)
+
+
+def test_gathered_vv_lanczos_is_one_run_for_every_layer(monkeypatch):
+    """The signals' ``outer/VV`` by Lanczos (d > 256 in the monitor; forced here at d = 8): one run for both layers'
+    heads, so the host reads its stopping tests once for both; the norms those of the layers' own runs."""
+    monkeypatch.setattr(AttentionOperator, "vv_exact", staticmethod(lambda d, max_iter: False))
+    blocks = _captured()
+    tight = Lanczos(tol=1e-10, max_iter=None, max_basis=None, warn=False)
+    runs = []
+    original = _lanczos.LanczosRun.__init__
+
+    def count(self, *args, **kwargs):
+        runs.append(args[1])  # batch shape
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_lanczos.LanczosRun, "__init__", count)
+    kwargs = {"terms_only": True, "signal_pairs": RuleSet().exact_pairs}
+    counters = {}
+    for lockstep in (False, True):
+        counter = OpCounter()
+        with counter, count_host_reads(counter):
+            counters[lockstep] = (Engine(lockstep=lockstep, lanczos=tight).evaluate(blocks, **kwargs), counter)
+    assert runs == [(1, 2), (1, 2), (2, 2)]  # one per layer alone, then one for both: (layers, heads)
+    (alone, c_alone), (together, c_together) = counters[False], counters[True]
+    assert c_together.syncs < c_alone.syncs and c_together.total < c_alone.total
+    for layer in ("layer0/attn", "layer1/attn"):
+        a, b = alone.results[layer], together.results[layer]
+        assert "outer/VV/h0" in a and set(a) == set(b)
+        for key in a:
+            assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-6, abs=1e-12), (layer, key)
+
+
+def _row_sums(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    CALLS.append(tuple(x.shape))
+    if bool((x < 0).any()):
+        raise ValueError("negative input")
+    return x.sum(-1) * scale
+
+
+CALLS: list[tuple[int, ...]] = []
+
+
+def test_gathered_calls_meet_in_stacked_calls_and_an_error_stays_with_its_evaluation(monkeypatch):
+    """Requests with the same function, settings and input shapes meet in one stacked call (at most GATHER_BYTES of
+    inputs at a time); a stacked call that raises is answered one request at a time, so only the evaluation whose
+    own input raises gets the error; outside a Lockstep the function is called as it is."""
+    a, b, c = torch.ones(2, 3), 2 * torch.ones(2, 3), torch.ones(4)
+    bad = -torch.ones(2, 3)
+    assert torch.equal(gathered(_row_sums, a, scale=2.0), a.sum(-1) * 2)
+    CALLS.clear()
+    fns = [lambda: gathered(_row_sums, a, scale=2.0), lambda: gathered(_row_sums, b, scale=2.0),
+           lambda: gathered(_row_sums, a, scale=3.0), lambda: gathered(_row_sums, c, scale=2.0)]  # fmt: skip
+    results = Lockstep().run(fns)
+    assert CALLS == [(2, 2, 3), (2, 3), (4,)]  # a and b stacked; the other settings and shape alone, as they are
+    expected = [a.sum(-1) * 2, b.sum(-1) * 2, a.sum(-1) * 3, c.sum(-1) * 2]
+    assert all(torch.equal(r, e) and err is None for (r, err), e in zip(results, expected, strict=True))
+    CALLS.clear()
+    results = Lockstep().run([fns[0], lambda: gathered(_row_sums, bad, scale=2.0), fns[1]])
+    assert CALLS == [(3, 2, 3), (2, 3), (2, 3), (2, 3)]  # stacked, raised, then one at a time
+    assert torch.equal(results[0][0], expected[0]) and torch.equal(results[2][0], expected[1])
+    assert results[1][0] is None and isinstance(results[1][1], ValueError)
+    CALLS.clear()
+    monkeypatch.setattr(_lockstep, "GATHER_BYTES", 2 * a.numel() * a.element_size())  # two requests per call
+    results = Lockstep().run([fns[0], fns[1], fns[0]])
+    assert CALLS == [(2, 2, 3), (2, 3)] and torch.equal(results[2][0], expected[0])
 
 
 def test_a_block_failing_inside_the_shared_solve_is_left_out_alone(monkeypatch):

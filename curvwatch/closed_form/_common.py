@@ -182,3 +182,34 @@ def gram_lambda_max(*Ms: torch.Tensor) -> list[torch.Tensor]:
         for i, t in zip(idx, top.split([grams[i].shape[0] for i in idx]), strict=True):
             lam[i] = t.reshape(Ms[i].shape[:-2])
     return lam
+
+
+def row_statistics(X: torch.Tensor, keep: torch.Tensor | None = None, *, eps: float, centered: bool) -> torch.Tensor:
+    """The row statistics of a LayerNorm (``centered``) or RMSNorm input, what the collapse warnings read:
+    ``(..., 6)`` for ``X`` ``(..., B, L, n)``.
+
+    With ``v`` the row variance (biased; ``centered``) or mean square: ``v_min``, ``v_mean`` over the kept rows,
+    ``1/sqrt(v_min + eps)`` (``= 1/min sqrt(v + eps)``: the square root is monotone), ``1/(v_min + eps)``,
+    ``v_min / eps`` (``inf`` when ``eps = 0``) and the fraction of collapsed rows (``v <= 10 eps``; with ``eps = 0``,
+    ``v = 0``): the LayerNorm's ``var_min`` ... ``collapsed_fraction``, the RMSNorm's ``ms_min`` ....
+
+    Args:
+        X: ``(..., B, L, n)``; any leading dimensions (the blocks of a gathered call, see
+            :func:`~curvwatch.closed_form._lockstep.gathered`).
+        keep: ``(..., B, L)`` bool, the rows counted (at least one), or ``None``: all.
+        eps: the norm's epsilon.
+        centered: LayerNorm (the variance) or RMSNorm (the mean square).
+    """
+    Xc = X - X.mean(-1, keepdim=True) if centered else X
+    var = (Xc * Xc).mean(-1).flatten(-2)  # (..., B L)
+    collapsed = var <= 10 * eps if eps > 0 else var == 0
+    if keep is None:
+        var_min, var_mean, frac = var.amin(-1), var.mean(-1), collapsed.to(X.dtype).mean(-1)
+    else:
+        k = keep.flatten(-2)
+        count = k.sum(-1).to(X.dtype)
+        var_min = var.masked_fill(~k, torch.inf).amin(-1)
+        var_mean, frac = (var * k).sum(-1) / count, (collapsed & k).sum(-1).to(X.dtype) / count
+    low = var_min + eps
+    over_eps = var_min / eps if eps > 0 else torch.full_like(var_min, torch.inf)
+    return torch.stack([var_min, var_mean, low.sqrt().reciprocal(), low.reciprocal(), over_eps, frac], -1)

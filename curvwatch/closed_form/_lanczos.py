@@ -174,28 +174,35 @@ class Rounds:
 
     def round(self) -> list[tuple[Any, Exception | None]]:
         """One product of every live run, the due stopping tests in one host read; returns the groups that ended
-        (every run done, or one raised: ``(key, exception or None)``), which leave."""
-        owned = [(key, r) for key, (runs, _) in self.groups.items() for r in runs if not r.done]
+        (every run done, or one raised: ``(key, exception or None)``), which leave. A run that several groups hold
+        (one run for the requests of several evaluations, see :func:`~curvwatch.closed_form._lockstep.gathered`)
+        advances once per round; an error it raises ends every group that holds it."""
+        owners: dict[int, tuple[LanczosRun, list]] = {}  # id(run) -> (run, keys of the groups holding it)
+        for key, (runs, _) in self.groups.items():
+            for r in runs:
+                if not r.done:
+                    owners.setdefault(id(r), (r, []))[1].append(key)
 
-        def attempt(key: Any, fn, *args) -> None:
-            group = self.groups[key]
-            if group[1] is None:
+        def attempt(keys: list, fn, *args) -> bool:  # whether it ran: some group holding the run has no error yet
+            live = [key for key in keys if self.groups[key][1] is None]
+            if live:
                 try:
                     fn(*args)
                 except Exception as err:
-                    group[1] = err
+                    for key in live:
+                        self.groups[key][1] = err
+            return bool(live)
 
-        for key, r in owned:
-            attempt(key, r.step)
-        due = [(key, r) for key, r in owned if self.groups[key][1] is None and r.due]
+        stepped = [(keys, r) for r, keys in owners.values() if attempt(keys, r.step)]
+        due = [(keys, r) for keys, r in stepped if r.due and any(self.groups[k][1] is None for k in keys)]
         if due:
             parts = [r.host_parts() for _, r in due]
             flat = [p.reshape(-1) for p in parts]
             host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
             ends = np.cumsum([p.numel() for p in parts])[:-1]
-            for (key, r), part in zip(due, np.split(host, ends), strict=True):
-                attempt(key, r.check, part.reshape(r.host_shape))
-        if owned:
+            for (keys, r), part in zip(due, np.split(host, ends), strict=True):
+                attempt(keys, r.check, part.reshape(r.host_shape))
+        if owners:
             self.clock += 1
         ended = [(key, error) for key, (runs, error) in self.groups.items()
                  if error is not None or all(r.done for r in runs)]  # fmt: skip

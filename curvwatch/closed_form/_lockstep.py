@@ -34,12 +34,96 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextvars import ContextVar
 from typing import Any
+
+import torch
 
 from ._lanczos import LOCKSTEP, Rounds
 
-__all__ = ["Lockstep"]
+__all__ = ["GATHER_BYTES", "Lockstep", "gathered"]
+
+#: A gathered call (:func:`gathered`) stacks the inputs of at most this many bytes (or one request's, if larger): the
+#: evaluations of a window hold their captured tensors anyway, the stacked copy and the function's temporaries come on
+#: top.
+GATHER_BYTES = 256 * 2**20
+
+#: Inside a :class:`Lockstep` evaluation: the function :func:`gathered` hands its request to.
+GATHER: ContextVar[Callable[..., Any] | None] = ContextVar("curvwatch_gather", default=None)
+
+
+def gathered(fn: Callable[..., Any], *tensors: torch.Tensor, take: Callable[[Any, int], Any] | None = None,
+             **settings: Hashable) -> Any:  # fmt: skip
+    """``fn(*tensors, **settings)``; inside a :class:`Lockstep` evaluation, one call for the parked evaluations' asks.
+
+    The blocks of a model repeat: every layer's evaluation calls the same functions on tensors of the same shapes, and
+    on a GPU each call of a small function costs its dispatched operators, whatever the tensors' sizes. Inside a
+    :class:`Lockstep`, the requests of all evaluations with the same ``fn``, ``settings`` and input shapes, dtypes and
+    devices are answered by one call of ``fn`` on the inputs stacked along a new leading dimension (at most
+    :data:`GATHER_BYTES` of them at a time), and each evaluation gets its part.
+
+    Args:
+        fn: A function of tensors that accepts any leading batch dimensions: ``fn(*stacked)`` with every input
+            ``(m, *shape)`` returns the ``m`` answers stacked along dimension 0 (a tensor, or a tuple or list of them).
+            A module-level function (requests meet by its identity).
+        tensors: Its inputs.
+        settings: ``fn``'s other arguments (hashable: requests meet only with equal settings).
+        take: ``take(result, i)`` is request ``i``'s part of a stacked call's ``result``. Default: index ``i`` of every
+            tensor, and a lone request is ``fn(*tensors)`` (``fn`` handles inputs with or without the leading
+            dimension). With ``take``, ``fn`` always gets the leading dimension (a lone request's inputs get one of
+            size 1) and every request's answer is ``take(result, i)``: e.g. one object for all, such as a Lanczos run
+            of every request's operators, and the request's index in it.
+
+    Returns:
+        ``fn(*tensors, **settings)`` (``take(fn(*stacked, **settings), i)`` for request ``i`` of a stacked call, the
+        same values up to round-off).
+    """
+    meet = GATHER.get()
+    if meet is None:
+        return _alone(fn, tensors, settings, take)
+    return meet(fn, tensors, settings, take)
+
+
+def _alone(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], settings: dict, take) -> Any:
+    """The answer of one request called by itself (see :func:`gathered`'s ``take``)."""
+    if take is None:
+        return fn(*tensors, **settings)
+    return take(fn(*(t.unsqueeze(0) for t in tensors), **settings), 0)
+
+
+def _take(result: Any, i: int) -> Any:
+    """Request ``i``'s part of a stacked result: index ``i`` of every tensor in it."""
+    if isinstance(result, (tuple, list)):
+        return type(result)(_take(r, i) for r in result)
+    return result[i]
+
+
+def _answer_requests(requests: list) -> list[tuple[Any, BaseException | None]]:
+    """``[(answer, error or None)]`` of gathered requests ``(fn, tensors, settings, take)`` that meet: one stacked call
+    per chunk of at most :data:`GATHER_BYTES` of inputs. A stacked call that raises (out of memory, say) is retried one
+    request at a time, so that an error reaches only the evaluations whose own call raises it."""
+    fn, _, settings, take = requests[0]
+    size = sum(t.numel() * t.element_size() for t in requests[0][1])
+    per = max(1, GATHER_BYTES // max(size, 1))
+    out: list[tuple[Any, BaseException | None]] = []
+    for start in range(0, len(requests), per):
+        chunk = requests[start : start + per]
+        if len(chunk) > 1:
+            try:
+                stacked = [torch.stack(ts) for ts in zip(*(r[1] for r in chunk), strict=True)]
+                result = fn(*stacked, **settings)
+                del stacked
+                out += [((take or _take)(result, i), None) for i in range(len(chunk))]
+                continue
+            except Exception:  # one at a time below: the error is the evaluation's own, if it is anybody's
+                pass
+        for r in chunk:
+            try:
+                out.append((_alone(fn, r[1], settings, r[3]), None))
+            except Exception as err:
+                out.append((None, err))
+    return out
 
 
 class _Abandoned(Exception):
@@ -54,6 +138,8 @@ class _Worker:
         self.result: Any = None
         self.error: BaseException | None = None
         self.runs: list | None = None  # the runs it parked on, until they are solved
+        self.request: tuple | None = None  # the gathered call it parked on, until it is answered
+        self.answer: Any = None  # returned by that call
         self.reply: BaseException | None = None  # raised in the evaluation when it goes on
         self.done = False
         self._go, self._parked = threading.Semaphore(0), threading.Semaphore(0)
@@ -62,6 +148,7 @@ class _Worker:
     def _main(self) -> None:
         self._go.acquire()
         LOCKSTEP.set(self.meet)  # in this thread's own copy of the context
+        GATHER.set(self.gather)
         try:
             with self.setup():
                 self.result = self.fn()
@@ -80,6 +167,16 @@ class _Worker:
         error, self.reply = self.reply, None
         if error is not None:
             raise error
+
+    def gather(self, fn, tensors, settings, take) -> Any:
+        """In the evaluation's thread: park until the gathered call of ``fn`` was answered (:func:`gathered`)."""
+        self.request = (fn, tensors, settings, take)
+        self._parked.release()
+        self._go.acquire()
+        error, answer, self.reply, self.answer = self.reply, self.answer, None, None
+        if error is not None:
+            raise error
+        return answer
 
     def resume(self) -> None:
         """In the caller's thread: let the evaluation run until it parks on a solve or ends."""
@@ -103,29 +200,53 @@ class Lockstep:
         """Call every function of ``fns``, their solves in lockstep; ``[(result, exception or None)]`` in order."""
         workers = [_Worker(fn, self.setup) for fn in fns]
         rounds = Rounds()
+        asking: list[int] = []  # evaluations parked on a gathered call
 
         def go_on(i: int) -> None:  # evaluation i runs until it parks (its runs join the next round) or ends
             workers[i].resume()
             if workers[i].runs is not None:
                 rounds.add(i, workers[i].runs)
+            elif workers[i].request is not None:
+                asking.append(i)
 
         try:
             for i, w in enumerate(workers):
                 w.thread.start()
                 go_on(i)
-            # every round: one product per live run, the due stopping tests in one read; an evaluation whose runs
-            # ended goes on at once
-            while rounds.groups:
+            # gathered calls first (every evaluation that will make the same request has parked on it: they run the
+            # same code), then rounds: one product per live run, the due stopping tests in one read; an evaluation
+            # whose runs ended goes on at once
+            while rounds.groups or asking:
+                if asking:
+                    self._answer([workers[i] for i in asking])
+                    waiting, asking[:] = list(asking), []
+                    for i in waiting:
+                        go_on(i)
+                    continue
                 for i, error in rounds.round():
                     workers[i].runs, workers[i].reply = None, error
                     go_on(i)
             self.rounds = rounds.clock
         finally:  # after an error of the caller's own (KeyboardInterrupt) too: unwind every parked evaluation
             for w in workers:
-                if w.thread.is_alive() and w.runs is not None:
-                    w.runs, w.reply = None, _Abandoned("the caller of Lockstep.run stopped")
+                if w.thread.is_alive() and (w.runs is not None or w.request is not None):
+                    w.runs = w.request = None
+                    w.reply = _Abandoned("the caller of Lockstep.run stopped")
                     w.resume()
             for w in workers:
                 if w.thread.ident is not None:
                     w.thread.join()
         return [(w.result, w.error) for w in workers]
+
+    @staticmethod
+    def _answer(workers: list[_Worker]) -> None:
+        """Answer the gathered calls of parked ``workers``: requests that meet (same function, settings, input shapes,
+        dtypes and devices) in stacked calls (:func:`_answer_requests`)."""
+        groups: dict[tuple, list[_Worker]] = {}
+        for w in workers:
+            fn, tensors, settings, _ = w.request
+            sig = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+            groups.setdefault((fn, tuple(sorted(settings.items())), sig), []).append(w)
+        for group in groups.values():
+            for w, (answer, error) in zip(group, _answer_requests([w.request for w in group]), strict=True):
+                w.request, w.answer, w.reply = None, answer, error

@@ -50,7 +50,8 @@ from functools import cached_property
 import torch
 
 from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
-from ._lanczos import lanczos_max_abs
+from ._lanczos import LanczosRun, solve
+from ._lockstep import gathered
 from ._masks import attention_masks, split_heads
 from ._operator import (
     KINDS,
@@ -496,34 +497,13 @@ class AttentionOperator(BlockOperator):
     # ---- exact pieces (G = 1) ----------------------------------------------------------------
     def _vv_rows(self) -> torch.Tensor:
         """``A`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (0 on padded rows), ``(B, H, L, L_kv)``."""
-        return self.A * (self.c.sqrt()[:, None] * self.row_keep)[:, None, :, None]
+        return _vv_rows(self.A, self.c, self.row_keep)
 
     def vv_factor(self) -> torch.Tensor:
         """``M``, ``M^T M = sum_b c_b (A X_kv)_b^T (A X_kv)_b`` per head (padded rows dropped), ``(H, B L, d_kv)``."""
         B, H, L, L_kv = self.A.shape
         M1 = self._vv_rows().reshape(B, H * L, L_kv) @ self.Xkv  # one matmul per sequence for all heads, (B, H L, d_kv)
         return M1.reshape(B, H, L, -1).transpose(0, 1).reshape(H, B * L, -1)  # (B, H, L, d_kv) -> (H, B L, d_kv)
-
-    def _vv_matvec(self):
-        """``v -> M^T M v`` per head for ``v`` ``(H, d_kv)``, without forming :meth:`vv_factor`.
-
-        ``M v = Aw (X_kv v)`` costs ``O(B H L (L_kv + d_kv))`` per product; forming ``M`` costs ``O(B H L L_kv d_kv)``,
-        more than the few products Lanczos needs.
-        """
-        Aw, X = self._vv_rows(), self.Xkv  # (B, H, L, L_kv), (B, L_kv, d_kv)
-        B, L_kv, d = X.shape
-        H, L = Aw.shape[1], Aw.shape[2]
-        # 3-D views made once: every product below is one mm/bmm (matmuls over 4-D tensors dispatch ~6 operators)
-        Xf, A3 = X.reshape(B * L_kv, d), Aw.reshape(B * H, L, L_kv)
-        A3T = A3.mT
-
-        def mv(v: torch.Tensor) -> torch.Tensor:
-            t = torch.mm(Xf, v.mT).view(B, L_kv, H).permute(0, 2, 1).reshape(B * H, 1, L_kv)  # X_b v_h as rows
-            # s^T = (Aw^T Aw t)^T as row-vector products (a batched (L, L) @ (L, 1) was 10x slower on CPU)
-            s = torch.bmm(torch.bmm(t, A3T), A3)  # (B H, 1, L_kv)
-            return torch.mm(s.view(B, H, L_kv).permute(1, 0, 2).reshape(H, B * L_kv), Xf)  # sum_b X_b^T s_bh
-
-        return mv
 
     @staticmethod
     def vv_exact(d: int, max_iter: int | None) -> bool:
@@ -548,18 +528,13 @@ class AttentionOperator(BlockOperator):
             d = self.Xkv.shape[-1]
             if self.vv_exact(d, lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
-            else:
-                gram, _ = lanczos_max_abs(
-                    self._vv_matvec(),
-                    (self.H,),
-                    d,
-                    dtype=self.dtype,
-                    device=self.device,
-                    tol=lanczos.tol,
-                    max_iter=lanczos.max_iter,
-                    max_basis=lanczos.max_basis,
-                    info=info,
-                )
+            else:  # one run for the blocks of a Lockstep that meet here (every layer's, in a terms-only evaluation)
+                run, i = gathered(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, take=_member, tol=lanczos.tol,
+                                  max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+                solve([run])
+                gram = run.norm[i]
+                if info is not None:
+                    info["rel_residual"] = run.rel_residual[i]
         gram = gram.clamp_min(0)
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
@@ -650,6 +625,64 @@ def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
         if not key.startswith("residual/"):
             out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
     return out
+
+
+def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
+    """``A`` ``(..., B, H, L, L_kv)`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (``c`` ``(..., B)``) and
+    by ``row_keep`` ``(..., B, L)`` (0 on padded rows)."""
+    return A * (c.sqrt().unsqueeze(-1) * row_keep).unsqueeze(-2).unsqueeze(-1)
+
+
+def _exact_norms(*Ms: torch.Tensor, batch_dims: tuple[int, ...]) -> torch.Tensor:
+    """``||M||_2^2`` of each matrix of every batch ``Ms[i]`` ``(..., *batch_i, p_i, q_i)`` (:func:`gram_lambda_max`),
+    then ``||M||_2``, flat along the last dimension: ``(..., 2 sum_i n_i)`` with ``n_i = prod(batch_i)``, for leading
+    dimensions ``...`` (the blocks of a gathered call); ``batch_dims[i] = len(batch_i)``."""
+    lead = Ms[0].dim() - 2 - batch_dims[0]
+    sq = [t.flatten(lead) if t.dim() > lead else t.unsqueeze(-1) for t in gram_lambda_max(*Ms)]
+    flat = torch.cat(sq, -1)
+    return torch.cat([flat, flat.clamp_min(0).sqrt()], -1)
+
+
+def _head_softmax_norm(A: torch.Tensor) -> torch.Tensor:
+    """:func:`softmax_jacobian_norm` of ``A`` ``(..., B, H, L, L_kv)``, max over the sequences: ``(..., H)``."""
+    return softmax_jacobian_norm(A).amax(-2)
+
+
+def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, *, tol: float,
+                 max_iter: int | None, max_basis: int | None) -> LanczosRun:  # fmt: skip
+    """The Lanczos run of ``lambda_max(M^T M)`` per head of ``m`` attention blocks (:meth:`AttentionOperator.vv_factor`
+    ``M``), driven by :func:`solve`; its batch is ``(m, H)``.
+
+    The product ``v -> M^T M v = X^T Aw^T Aw X v`` costs ``O(B H L (L_kv + d_kv))``; forming ``M`` would cost
+    ``O(B H L L_kv d_kv)``, more than the few products Lanczos needs.
+
+    Args:
+        A: ``(m, B, H, L, L_kv)``, each block's attention.
+        c: ``(m, B)``, each block's output curvature per sequence.
+        row_keep: ``(m, B, L)``, each block's kept rows (1) and padded ones (0).
+        X: ``(m, B, L_kv, d_kv)``, each block's key/value input.
+        tol, max_iter, max_basis: the Lanczos settings.
+    """
+    Aw = _vv_rows(A, c, row_keep)
+    m, B, H, L, L_kv = Aw.shape
+    d = X.shape[-1]
+    # 3-D views made once: every product below is one bmm (matmuls over 4-D tensors dispatch ~6 operators)
+    Xf, A3 = X.reshape(m, B * L_kv, d), Aw.reshape(m * B * H, L, L_kv)
+    A3T = A3.mT
+
+    def mv(v: torch.Tensor) -> torch.Tensor:  # (m, H, d) -> (m, H, d)
+        t = torch.bmm(Xf, v.mT).view(m, B, L_kv, H).permute(0, 1, 3, 2).reshape(m * B * H, 1, L_kv)  # X_b v_h, rows
+        # s^T = (Aw^T Aw t)^T as row-vector products (a batched (L, L) @ (L, 1) was 10x slower on CPU)
+        s = torch.bmm(torch.bmm(t, A3T), A3)  # (m B H, 1, L_kv)
+        return torch.bmm(s.view(m, B, H, L_kv).permute(0, 2, 1, 3).reshape(m, H, B * L_kv), Xf)  # sum_b X_b^T s_bh
+
+    return LanczosRun(mv, (m, H), d, dtype=Aw.dtype, device=Aw.device, tol=tol, max_iter=max_iter,
+                      max_basis=max_basis)  # fmt: skip
+
+
+def _member(run: LanczosRun, i: int) -> tuple[LanczosRun, int]:
+    """Request ``i``'s part of a gathered :func:`_vv_gram_run`: the shared run and its index in the run's batch."""
+    return run, i
 
 
 def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
@@ -796,7 +829,15 @@ def _attention(
         mats.update(P=op.P, K=op.K_kv, V=op.V_kv, wv=W_V)
         if cross:
             mats["mem"] = memory * kv_keep.unsqueeze(-1).to(X3.dtype)
-    sq = dict(zip(mats, gram_lambda_max(*mats.values()), strict=True))  # squared norms
+    # the squared norms (and their square roots) of every block of a Lockstep that meets here in one call: one
+    # (sum of sizes,) tensor per block, split into its 1-D pieces
+    shapes = [M.shape[:-2] for M in mats.values()]
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = () if not mats else gathered(_exact_norms, *mats.values(), batch_dims=tuple(map(len, shapes)))
+    flat = () if not mats else flat.split(sizes + sizes)
+    flat = [t if len(shape) == 1 else t.view(shape) for t, shape in zip(flat, shapes + shapes, strict=True)]
+    sq = dict(zip(mats, flat[: len(mats)], strict=True))
+    norms = {k: v for k, v in zip(mats, flat[len(mats) :], strict=True) if k != "vv"}  # spectral norms
 
     out: dict[str, torch.Tensor] = {}
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
@@ -806,12 +847,13 @@ def _attention(
             info: dict = {}
             vv = op.outer_vv_norm(lanczos, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
             zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
+            rel = info["rel_residual"].unbind() if "rel_residual" in info else None  # found by Lanczos (d > 256)
             for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
                 out[f"outer/{key}"] = v
                 out[f"functional/{key}"] = zero
                 out[f"hessian/{key}"] = v
-                if "rel_residual" in info:  # found by Lanczos (d > 256), not exactly
-                    out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = info["rel_residual"][h]
+                if rel is not None:
+                    out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = rel[h]
         if iterative:
             out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lanczos))
         if full:
@@ -839,7 +881,6 @@ def _attention(
             out.update(_group_keys(sampled_norms(sop, g_diag, lanczos=lanczos, scale=precondition, view=_GroupView)))
 
     if terms:
-        norms = {k: v.clamp_min(0).sqrt() for k, v in sq.items() if k != "vv"}  # spectral norms
         if terms == "signals":
             out.update(_signal_terms(op, norms, hk, gk))
         else:
@@ -867,7 +908,7 @@ def _signal_terms(op, norms, hk, gk) -> dict[str, torch.Tensor]:
     ``wk`` ``(H_kv,)``."""
     x_max = norms["x"].max()
     out = {"term/x_norm": x_max, "term/x_norm6": x_max**6}
-    per_head = torch.stack([softmax_jacobian_norm(op.A).amax(0), norms["wq"]])  # (2, H)
+    per_head = torch.stack([gathered(_head_softmax_norm, op.A), norms["wq"]])  # (2, H)
     out.update(zip([f"term/{k}" for name in ("softmax_jac_norm", "wq_norm") for k in hk(name)],
                    per_head.flatten().unbind(), strict=True))  # fmt: skip
     wk = hk("wk_norm") if op.G == 1 else gk("wk_norm")
@@ -889,7 +930,7 @@ def _terms_and_bounds(
     B, H, L = A.shape[:3]
     G = op.G
     x_b = norms["x"]  # (B,)
-    alpha, beta = softmax_bound_factors(A)  # ||dA/dT||_2 and the softmax second derivative's bound, (B, H)
+    alpha, beta = gathered(softmax_bound_factors, A)  # ||dA/dT||_2 and the softmax second derivative's bound, (B, H)
     ent = -torch.special.xlogy(A, A).sum(-1)  # (B, H, L); 0 log 0 = 0
     rk = row_keep.to(A.dtype).unsqueeze(1)  # (B, 1, L)
     entropy = (ent * rk).sum((0, 2)) / rk.sum((0, 2)).clamp_min(1)  # (H,)

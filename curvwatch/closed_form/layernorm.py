@@ -25,7 +25,11 @@ from functools import cached_property
 
 import torch
 
-from ._common import as_batched, check_like, check_row_mask
+from ._common import as_batched, check_like, check_row_mask, row_statistics
+from ._lockstep import gathered
+
+#: The LayerNorm's row statistics (:func:`~curvwatch.closed_form._common.row_statistics`), in their order.
+STATISTICS = ("var_min", "var_mean", "inv_std_max", "inv_var_max", "var_min_over_eps", "collapsed_fraction")
 
 
 class LayerNormRows:
@@ -174,24 +178,18 @@ def layernorm(
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
-    ln = LayerNormRows(X3, eps, weight)
-    var = rows(ln.var).squeeze(-1)  # (N,)
-    s = rows(ln.s).squeeze(-1)
-    inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)
     with torch.no_grad():
-        s_min = s.min()
-        var_min = var.min()
-        inv_std_max = 1.0 / s_min  # inf when a row has zero variance and eps = 0
-        out = {
-            "var_min": var_min,
-            "var_mean": var.mean(),
-            "inv_std_max": inv_std_max,
-            "inv_var_max": 1.0 / (var + eps).min(),
-            "var_min_over_eps": var_min / eps if eps > 0 else inf,
-            "collapsed_fraction": (var <= 10 * eps).to(X3.dtype).mean() if eps > 0 else (var == 0).to(X3.dtype).mean(),
-        }
+        # one call for the LayerNorms of a Lockstep that meet here (every block's, in a terms-only evaluation)
+        inputs = (X3,) if keep is None else (X3, keep)
+        stats = gathered(row_statistics, *inputs, eps=eps, centered=True)
+        out = dict(zip(STATISTICS, stats.unbind(-1), strict=True))
         if stats_only:
             return out
+    ln = LayerNormRows(X3, eps, weight)
+    s = rows(ln.s).squeeze(-1)
+    inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)
+    inv_std_max = out["inv_std_max"]  # inf when a row has zero variance and eps = 0
+    with torch.no_grad():
         yhat = rows(ln.yhat)  # (N, n)
         rho2 = (yhat * yhat).sum(-1)
         s_safe = s.clamp_min(torch.finfo(X3.dtype).tiny)

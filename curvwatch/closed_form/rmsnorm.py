@@ -42,7 +42,11 @@ import math
 
 import torch
 
-from ._common import as_batched, check_row_mask
+from ._common import as_batched, check_row_mask, row_statistics
+from ._lockstep import gathered
+
+#: The RMSNorm's row statistics (:func:`~curvwatch.closed_form._common.row_statistics`), in their order.
+STATISTICS = ("ms_min", "ms_mean", "inv_rms_max", "inv_ms_max", "ms_min_over_eps", "collapsed_fraction")
 
 __all__ = ["RMSNormRows", "rmsnorm"]
 
@@ -215,6 +219,12 @@ def rmsnorm(
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
     with torch.no_grad():
+        # one call for the RMSNorms of a Lockstep that meet here (every block's, in a terms-only evaluation)
+        inputs = (X3,) if keep is None else (X3, keep)
+        stats = gathered(row_statistics, *inputs, eps=eps, centered=False)
+        out = dict(zip(STATISTICS, stats.unbind(-1), strict=True))
+        if stats_only:
+            return out
         rn = RMSNormRows(X3, eps, weight, weight_offset)
         scale = rn.scale
         ms = rows(rn.ms).squeeze(-1)  # (N,)
@@ -228,17 +238,7 @@ def rmsnorm(
         rho2 = n * ms / r2_safe
         inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)
         zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
-        ms_min, r_min = ms.min(), r.min()
-        out = {
-            "ms_min": ms_min,
-            "ms_mean": ms.mean(),
-            "inv_rms_max": 1.0 / r_min,  # inf when a zero row meets eps = 0
-            "inv_ms_max": 1.0 / r2.min(),
-            "ms_min_over_eps": ms_min / eps if eps > 0 else inf,
-            "collapsed_fraction": ((ms <= 10 * eps) if eps > 0 else (ms == 0)).to(X3.dtype).mean(),
-        }
-        if stats_only:
-            return out
+        # (inv_rms_max is inf when a zero row meets eps = 0)
         if n >= 2:  # ||J_i|| = 1/r_i, so the max is 1/min r (exactly: the reciprocal is monotone)
             out["jacobian_norm"] = out["inv_rms_max"]
         else:  # ||J_i|| = eps / r_i^3
