@@ -7,6 +7,8 @@ import contextvars
 
 import torch
 
+from ._lockstep import gathered
+
 # Set while a caller that has already checked every input for NaN/Inf (the monitor's engine, in one host read for all
 # blocks) runs the kernels: as_batched then skips its own check, a device sync per call.
 _INPUTS_CHECKED = contextvars.ContextVar("curvwatch_inputs_checked", default=False)
@@ -213,3 +215,13 @@ def row_statistics(X: torch.Tensor, keep: torch.Tensor | None = None, *, eps: fl
     low = var_min + eps
     over_eps = var_min / eps if eps > 0 else torch.full_like(var_min, torch.inf)
     return torch.stack([var_min, var_mean, low.sqrt().reciprocal(), low.reciprocal(), over_eps, frac], -1)
+
+
+def norm_statistics(X: torch.Tensor, keep: torch.Tensor | None, eps: float, names: tuple[str, ...]) -> dict:
+    """``{name: 0-d tensor}`` of :func:`row_statistics` for a LayerNorm (``names[0]`` starts with ``"var"``) or an
+    RMSNorm input ``X`` ``(B, L, n)``, one gathered call for the norms of a Lockstep that meet here (every norm
+    block's, in a terms-only evaluation; :func:`~curvwatch.closed_form._lockstep.gathered`)."""
+    with torch.no_grad():
+        inputs = (X,) if keep is None else (X, keep)
+        stats = gathered(row_statistics, *inputs, eps=eps, centered=names[0].startswith("var"))
+        return dict(zip(names, stats.unbind(-1), strict=True))

@@ -25,8 +25,7 @@ from functools import cached_property
 
 import torch
 
-from ._common import as_batched, check_like, check_row_mask, row_statistics
-from ._lockstep import gathered
+from ._common import as_batched, check_like, check_row_mask, norm_statistics
 
 #: The LayerNorm's row statistics (:func:`~curvwatch.closed_form._common.row_statistics`), in their order.
 STATISTICS = ("var_min", "var_mean", "inv_std_max", "inv_var_max", "var_min_over_eps", "collapsed_fraction")
@@ -178,13 +177,9 @@ def layernorm(
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
-    with torch.no_grad():
-        # one call for the LayerNorms of a Lockstep that meet here (every block's, in a terms-only evaluation)
-        inputs = (X3,) if keep is None else (X3, keep)
-        stats = gathered(row_statistics, *inputs, eps=eps, centered=True)
-        out = dict(zip(STATISTICS, stats.unbind(-1), strict=True))
-        if stats_only:
-            return out
+    out = norm_statistics(X3, keep, eps, STATISTICS)
+    if stats_only:
+        return out
     ln = LayerNormRows(X3, eps, weight)
     s = rows(ln.s).squeeze(-1)
     inf = torch.tensor(float("inf"), dtype=X3.dtype, device=X3.device)

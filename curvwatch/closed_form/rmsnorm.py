@@ -42,8 +42,7 @@ import math
 
 import torch
 
-from ._common import as_batched, check_row_mask, row_statistics
-from ._lockstep import gathered
+from ._common import as_batched, check_row_mask, norm_statistics
 
 #: The RMSNorm's row statistics (:func:`~curvwatch.closed_form._common.row_statistics`), in their order.
 STATISTICS = ("ms_min", "ms_mean", "inv_rms_max", "inv_ms_max", "ms_min_over_eps", "collapsed_fraction")
@@ -218,13 +217,10 @@ def rmsnorm(
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
+    out = norm_statistics(X3, keep, eps, STATISTICS)
+    if stats_only:
+        return out
     with torch.no_grad():
-        # one call for the RMSNorms of a Lockstep that meet here (every block's, in a terms-only evaluation)
-        inputs = (X3,) if keep is None else (X3, keep)
-        stats = gathered(row_statistics, *inputs, eps=eps, centered=False)
-        out = dict(zip(STATISTICS, stats.unbind(-1), strict=True))
-        if stats_only:
-            return out
         rn = RMSNormRows(X3, eps, weight, weight_offset)
         scale = rn.scale
         ms = rows(rn.ms).squeeze(-1)  # (N,)
