@@ -161,7 +161,8 @@ class CaptureError(RuntimeError):
 def _keep(t: Tensor, max_tokens: int) -> Tensor:
     """Detached copy of the first tokens of a ``(B, L, ...)`` tensor."""
     k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
-    return t.detach()[:k, :l].clone()
+    with torch.no_grad():  # (a clone without autograd history; no slicing views when every token is kept)
+        return (t if (k, l) == tuple(t.shape[:2]) else t[:k, :l]).clone()
 
 
 @dataclass
@@ -430,10 +431,11 @@ def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
     """Detached copies of the tensors in ``params`` (nested dicts too: a QK-norm's weights)."""
-    return {
-        k: v.detach().clone() if isinstance(v, Tensor) else _snapshot(v) if isinstance(v, dict) else v
-        for k, v in params.items()
-    }
+    with torch.no_grad():  # a clone without autograd history: one operator (a detach and a clone were two)
+        return {
+            k: v.clone() if isinstance(v, Tensor) else _snapshot(v) if isinstance(v, dict) else v
+            for k, v in params.items()
+        }
 
 
 def _cast(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

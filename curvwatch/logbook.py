@@ -354,7 +354,10 @@ def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[s
         else:
             values[i] = float(v)
     for idx in groups.values():
-        stacked = torch.stack([raw[i].detach().reshape(()) for i in idx]).to("cpu", torch.float64).tolist()
+        # (0-d values without autograd history, the engine's, go in as they are: a detach and a view per key were
+        # two dispatched operators each, hundreds per layer)
+        parts = [raw[i] if raw[i].dim() == 0 and not raw[i].requires_grad else raw[i].detach().reshape(()) for i in idx]
+        stacked = torch.stack(parts).to("cpu", torch.float64).tolist()
         for i, v in zip(idx, stacked, strict=True):
             values[i] = v
     flat = dict(zip(keys, values, strict=True))
