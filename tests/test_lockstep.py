@@ -9,7 +9,7 @@ import torch
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch import engine as engine_module
 from curvwatch.closed_form import _lanczos, _lockstep
-from curvwatch.closed_form._lockstep import Lockstep, gathered
+from curvwatch.closed_form._lockstep import Lockstep, gathered, solved_together
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
@@ -170,3 +170,43 @@ def test_lockstep_hands_each_evaluation_its_own_error_and_result():
     assert (round(a, 9), round(c, 9)) == (5.0, 15.0) and ea is None and ec is None
     assert b is None and isinstance(eb, ZeroDivisionError)
     assert lock.rounds >= 1
+
+
+def _shared_run(scales: torch.Tensor) -> _lanczos.LanczosRun:
+    """One run for every request: member ``i`` is ``diag(3, -5, 1) * scales[i]``; a negative scale raises in the
+    product."""
+    M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
+
+    def mv(v: torch.Tensor) -> torch.Tensor:
+        if bool((scales < 0).any()):
+            raise FloatingPointError("induced")
+        return (v @ M) * scales[:, None]
+
+    return _lanczos.LanczosRun(mv, (len(scales),), 3, dtype=DT, device=M.device)
+
+
+def test_a_shared_run_steps_once_per_round_and_an_error_reaches_only_its_own_evaluation():
+    """A run that several evaluations hold (:func:`solved_together`) advances once per round for all of them; when its
+    product raises, each evaluation solves its own part again alone, so the error reaches only the evaluation whose
+    own product raises it (as evaluated one at a time)."""
+
+    def norm(scale: float) -> float:
+        run, i = solved_together(_shared_run, torch.tensor(scale, dtype=DT))
+        return float(run.norm[i])
+
+    steps = []
+    original = _lanczos.LanczosRun.step
+
+    def count(self):
+        steps.append(id(self))
+        original(self)
+
+    lock = Lockstep()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_lanczos.LanczosRun, "step", count)
+        (a, ea), (b, eb) = lock.run([lambda: norm(1.0), lambda: norm(2.0)])
+    assert (round(a, 9), round(b, 9), ea, eb) == (5.0, 10.0, None, None)
+    assert len(set(steps)) == 1 and len(steps) == lock.rounds  # one run, one step per round
+    (a, ea), (b, eb), (c, ec) = Lockstep().run([lambda: norm(1.0), lambda: norm(-1.0), lambda: norm(3.0)])
+    assert round(a, 9) == 5.0 and round(c, 9) == 15.0 and ea is None and ec is None
+    assert b is None and isinstance(eb, FloatingPointError)  # its own error, not the shared run's

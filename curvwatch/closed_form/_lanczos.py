@@ -153,6 +153,20 @@ def solve_groups(groups: Sequence[Sequence[LanczosRun]]) -> list[Exception | Non
     return errors
 
 
+class SharedRunError(RuntimeError):
+    """Raised by :func:`solve` in every evaluation holding a run that several hold (one run for the requests of
+    several evaluations, :func:`~curvwatch.closed_form._lockstep.gathered`) when that run's product raised (the
+    error is its ``__cause__``). The run is dead; each evaluation may solve its own part again alone
+    (:func:`~curvwatch.closed_form._lockstep.solved_together`), so that an error reaches only the evaluation whose
+    own product raises it."""
+
+
+def _shared_error(err: Exception) -> SharedRunError:
+    shared = SharedRunError(f"a Lanczos run shared by several evaluations raised {type(err).__name__}: {err}")
+    shared.__cause__ = err
+    return shared
+
+
 class Rounds:
     """Groups of Lanczos runs advanced together, one product per run per round, that may join at any round.
 
@@ -176,7 +190,7 @@ class Rounds:
         """One product of every live run, the due stopping tests in one host read; returns the groups that ended
         (every run done, or one raised: ``(key, exception or None)``), which leave. A run that several groups hold
         (one run for the requests of several evaluations, see :func:`~curvwatch.closed_form._lockstep.gathered`)
-        advances once per round; an error it raises ends every group that holds it."""
+        advances once per round; an error it raises ends every group that holds it, as a :class:`SharedRunError`."""
         owners: dict[int, tuple[LanczosRun, list]] = {}  # id(run) -> (run, keys of the groups holding it)
         for key, (runs, _) in self.groups.items():
             for r in runs:
@@ -189,8 +203,8 @@ class Rounds:
                 try:
                     fn(*args)
                 except Exception as err:
-                    for key in live:
-                        self.groups[key][1] = err
+                    for key in live:  # several holders: each may solve its own part again (SharedRunError)
+                        self.groups[key][1] = err if len(keys) == 1 else _shared_error(err)
             return bool(live)
 
         stepped = [(keys, r) for r, keys in owners.values() if attempt(keys, r.step)]

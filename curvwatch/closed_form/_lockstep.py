@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from ._lanczos import LOCKSTEP, Rounds
+from ._lanczos import LOCKSTEP, LanczosRun, Rounds, SharedRunError, solve
 
-__all__ = ["GATHER_BYTES", "Lockstep", "gathered"]
+__all__ = ["GATHER_BYTES", "Lockstep", "gathered", "solved_together"]
 
 #: A gathered call (:func:`gathered`) stacks the inputs of at most this many bytes (or one request's, if larger): the
 #: evaluations of a window hold their captured tensors anyway, the stacked copy and the function's temporaries come on
@@ -83,6 +83,29 @@ def gathered(fn: Callable[..., Any], *tensors: torch.Tensor, take: Callable[[Any
     if meet is None:
         return _alone(fn, tensors, settings, take)
     return meet(fn, tensors, settings, take)
+
+
+def solved_together(
+    fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **settings: Hashable
+) -> tuple[LanczosRun, int]:
+    """``(run, i)``: the Lanczos run ``fn(*stacked, **settings)`` of every request that meets (:func:`gathered` with a
+    leading dimension, one run whose batch starts with it), solved, and this request's index in it.
+
+    If the shared run's product raises (:class:`~curvwatch.closed_form._lanczos.SharedRunError`), this request's part
+    is solved again alone: an error then reaches only the evaluation whose own product raises it (as one at a time).
+    """
+    run, i = gathered(fn, *tensors, take=_member, **settings)
+    try:
+        solve([run])
+    except SharedRunError:
+        run, i = _alone(fn, tensors, settings, _member)
+        solve([run])
+    return run, i
+
+
+def _member(run: Any, i: int) -> tuple[Any, int]:
+    """Request ``i``'s part of a stacked call whose result serves every request (a shared run): the result and ``i``."""
+    return run, i
 
 
 def _alone(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], settings: dict, take) -> Any:

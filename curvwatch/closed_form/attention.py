@@ -50,8 +50,8 @@ from functools import cached_property
 import torch
 
 from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
-from ._lanczos import LanczosRun, solve
-from ._lockstep import gathered
+from ._lanczos import LanczosRun
+from ._lockstep import gathered, solved_together
 from ._masks import attention_masks, split_heads
 from ._operator import (
     KINDS,
@@ -529,9 +529,8 @@ class AttentionOperator(BlockOperator):
             if self.vv_exact(d, lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
             else:  # one run for the blocks of a Lockstep that meet here (every layer's, in a terms-only evaluation)
-                run, i = gathered(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, take=_member, tol=lanczos.tol,
-                                  max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
-                solve([run])
+                run, i = solved_together(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, tol=lanczos.tol,
+                                         max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
                 gram = run.norm[i]
                 if info is not None:
                     info["rel_residual"] = run.rel_residual[i]
@@ -678,11 +677,6 @@ def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: to
 
     return LanczosRun(mv, (m, H), d, dtype=Aw.dtype, device=Aw.device, tol=tol, max_iter=max_iter,
                       max_basis=max_basis)  # fmt: skip
-
-
-def _member(run: LanczosRun, i: int) -> tuple[LanczosRun, int]:
-    """Request ``i``'s part of a gathered :func:`_vv_gram_run`: the shared run and its index in the run's batch."""
-    return run, i
 
 
 def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
