@@ -153,6 +153,7 @@ class AttentionOperator(BlockOperator):
         rotary=None,
         scale=None,
         qk_norm=None,
+        probs_only=False,
     ):
         self.X = X
         self.Xkv = X if memory is None else memory
@@ -172,6 +173,19 @@ class AttentionOperator(BlockOperator):
         self.scale = 1.0 / math.sqrt(self.d_K) if scale is None else float(scale)
         self.rotary = rotary
         self.W_Q, self.W_K, self.W_V, self.W_O = W_Q, W_K, W_V, W_O
+        self.row_keep = row_keep.to(X.dtype)  # (B, L)
+        self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
+        self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (see _qk_norm_blocks)
+        if probs_only and memory is None and rotary is None and qk_norm is None:
+            # the attention alone (what the warnings' terms read; no products): one gathered call for the blocks of
+            # a Lockstep that meet here
+            given = [t for t in (b_Q, b_K, keep) if t is not None]
+            self.A = gathered(_attention_probs, X, W_Q, W_K, *given, scale=self.scale, bias_q=b_Q is not None,
+                              bias_k=b_K is not None, masked=keep is not None)  # fmt: skip
+            self.P = self.K_kv = self.V_kv = self.Kk = self.Vv = None
+            if g is not None:
+                self.set_cotangent(g, c)
+            return
         # queries, keys and values in one matmul per source: X (B L, d) @ [W_Q | W_K | W_V] (d, H d_K + H_kv (d_K +
         # d_V)), then contiguous (B, heads, L, k) copies (the Gram matrices and products then need no copy of their own)
         B, L = X.shape[:2]
@@ -192,8 +206,6 @@ class AttentionOperator(BlockOperator):
         for t, b in ((P, b_Q), (Kk, b_K), (Vv, b_V)):
             if b is not None:
                 t.add_(b[None, :, None, :])
-        self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
-        self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (see _qk_norm_blocks)
         if qk_norm is not None:
             self.q_rows, P = qk_norm.rows(P, "q")
             self.k_rows, Kk = qk_norm.rows(Kk, "k")
@@ -208,7 +220,6 @@ class AttentionOperator(BlockOperator):
         A = torch.softmax(T, dim=-1)
         self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
         self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L_kv), see set_cotangent
-        self.row_keep = row_keep.to(X.dtype)  # (B, L)
         if g is not None:
             self.set_cotangent(g, c)
 
@@ -626,6 +637,41 @@ def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
     return out
 
 
+def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *given: torch.Tensor, scale: float,
+                     bias_q: bool, bias_k: bool, masked: bool) -> torch.Tensor:  # fmt: skip
+    """The attention ``A = softmax(s (X W_Q + b_Q)(X W_K + b_K)^T)`` of self-attention, ``(..., B, H, L, L)``, as the
+    operator's forward computes it (masked rows all zero), for any leading dimensions ``...`` (the blocks of a
+    gathered call).
+
+    Args:
+        X: ``(..., B, L, d)``. W_Q: ``(..., H, d, d_K)``; W_K: ``(..., H_kv, d, d_K)`` (a kv head serves ``H / H_kv``
+            query heads).
+        given: ``b_Q`` ``(..., H, d_K)`` if ``bias_q``, ``b_K`` ``(..., H_kv, d_K)`` if ``bias_k``, then ``keep``
+            ``(..., B, L, L)`` bool (True where query ``i`` may attend key ``j``) if ``masked``.
+        scale: the softmax scale ``s``.
+    """
+    rest = iter(given)
+    b_Q, b_K = next(rest) if bias_q else None, next(rest) if bias_k else None
+    keep = next(rest) if masked else None
+    H, H_kv = W_Q.shape[-3], W_K.shape[-3]
+
+    # queries and keys in one (b)mm: X (..., B L, d) @ [W_Q | W_K] (..., d, (H + H_kv) d_K), as the operator's forward
+    W_all = torch.cat([W.transpose(-3, -2).flatten(-2) for W in (W_Q, W_K)], -1)
+    ys = torch.matmul(X.flatten(-3, -2), W_all).split([H * W_Q.shape[-1], H_kv * W_K.shape[-1]], -1)
+
+    def heads(Y: torch.Tensor, h: int, b: torch.Tensor | None) -> torch.Tensor:  # per head, (..., B, h, L, d_K)
+        Y = Y.unflatten(-2, X.shape[-3:-1]).unflatten(-1, (h, -1)).transpose(-3, -2).contiguous()
+        return Y if b is None else Y + b.unsqueeze(-2).unsqueeze(-4)
+
+    P, K = heads(ys[0], H, b_Q), heads(ys[1], H_kv, b_K)
+    if H != H_kv:
+        K = K.repeat_interleave(H // H_kv, dim=-3)
+    T = P @ K.mT * scale  # (..., B, H, L, L)
+    if keep is not None:
+        T = T.masked_fill(~keep.unsqueeze(-3), float("-inf"))
+    return torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)  # rows with every key masked carry no weight
+
+
 def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
     """``A`` ``(..., B, H, L, L_kv)`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (``c`` ``(..., B)``) and
     by ``row_keep`` ``(..., B, L)`` (0 on padded rows)."""
@@ -778,6 +824,9 @@ def _attention(
     op = AttentionOperator(
         X3, W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, keep, row_keep, None, None, suffix_heads=not single,
         memory=memory, rotary=rotary, scale=scale, qk_norm=qk_norm,
+        # the warnings' terms alone (and the exact VV): the attention is all the forward must give
+        probs_only=terms == "signals" and target is None and output_samples is None and not dense
+        and pairs is not None and set(pairs) <= ({"VV"} if G == 1 else set()),
     )  # fmt: skip
     if target is not None:
         F = op.output(b_O)
