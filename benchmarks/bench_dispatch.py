@@ -21,9 +21,9 @@ evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of 
 CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
 
 Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda]
-[--engine-only [--tiers full,terms]] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured
-blocks, no Trainer and no real-loss keys; ``--n-layer 12 --tiers terms``: the terms-only evaluation at GPT-2-small's
-depth, whose blocks meet in gathered calls).
+[--engine-only] [--tiers full,terms] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured
+blocks, no Trainer and no real-loss keys; ``--tiers``: the evaluations counted on CPU, e.g. ``--n-layer 12 --tiers
+terms``: the terms-only evaluation at GPT-2-small's depth, whose blocks meet in gathered calls).
 """
 
 from __future__ import annotations
@@ -204,11 +204,13 @@ def count(args) -> dict[str, Any]:
     model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq)
     out: dict[str, Any] = {}
     for name, make in variants().items():
+        if name != "off" and name not in args.tiers.split(","):
+            continue
         probe = run(model_fn, make(), 3, 2, args.batch, args.seq, args.vocab, device, "32-true")
         out[name] = {"ops": probe.counter.total, "syncs": probe.counter.syncs,
                      "top": probe.counter.ops.most_common(12)}  # fmt: skip
         print(f"{name}: {out[name]['ops']} operators, {out[name]['syncs']} host syncs", file=sys.stderr)
-    for name in ("full", "terms"):
+    for name in [n for n in ("full", "terms") if n in out]:
         out[f"{name}_per_layer"] = {
             "ops": (out[name]["ops"] - out["off"]["ops"]) / args.n_layer,
             "syncs": (out[name]["syncs"] - out["off"]["syncs"]) / args.n_layer,
@@ -301,13 +303,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="count one warm Engine.evaluate of captured blocks "
         "(no Trainer, no real-loss keys) instead of the whole monitor in a Lightning run",
     )
-    p.add_argument("--tiers", default="full,terms", help="--engine-only: the evaluations counted (full, terms)")
+    p.add_argument("--tiers", default="full,terms", help="CPU counts: the evaluations counted (full, terms)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.n_layer = args.n_layer or (12 if cuda else 2)
     args.batch = args.batch or (8 if cuda else 2)
     args.seq = args.seq or (1024 if cuda else 128)
+    if args.arch == "llama":  # the LLaMA-style model's own vocabulary (build_model), whatever --vocab says
+        args.vocab = 32000
     result = {"args": vars(args), **(timings(args) if cuda else engine_only(args) if args.engine_only else count(args))}
     text = json.dumps(result, indent=1, default=str)
     if args.out:

@@ -526,6 +526,10 @@ def test_bad_modern_options_say_how_to_fix():
         call(scale=-1.0)
     with pytest.raises(ValueError, match="repeat its frequencies"):
         call(rotary=(torch.randn(L, 4, dtype=DT), torch.randn(L, 4, dtype=DT)))
+    with pytest.raises(ValueError, match="sin must repeat its frequencies"):
+        call(rotary=(c, torch.randn(L, 4, dtype=DT)))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        call(rotary=(c, s.clone().fill_(float("nan"))))
     with pytest.raises(ValueError, match="even"):
         call(rotary=(c[:, :3], s[:, :3]))
     with pytest.raises(ValueError, match="d_K = 4"):

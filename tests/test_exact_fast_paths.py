@@ -8,7 +8,8 @@ import torch
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
 from curvwatch.closed_form._masks import keep_masks
-from curvwatch.closed_form.attention import AttentionOperator, _vv_gram_run
+from curvwatch.closed_form._operator import spectral_norms
+from curvwatch.closed_form.attention import AttentionOperator, _group_keys, _grouped_vv, _GroupView, _vv_gram_run
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form.settings import EXACT
 from tests.utils import TOL, assert_close_report
@@ -60,7 +61,7 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     v = _rand(gen, H, d)
     expected = torch.einsum("hnd,hn->hd", M, torch.einsum("hnd,hd->hn", M, v))
     # the product of the run, for two blocks stacked
-    two = [torch.stack([t, t]) for t in (op.A, op.c, op.row_keep, op.Xkv)]
+    two = [torch.stack([t, t]) for t in (op.A, op.c, op.row_keep, op.Xkv, torch.zeros(H, d, dtype=DT))]
     two[1][1] *= 4  # c of the second block 4 times the first's: the rows sqrt(c) twice, M^T M 4 times
     run = _vv_gram_run(*two, tol=0.0, max_iter=None, max_basis=None)
     got = run.matvec(torch.stack([v, v]))
@@ -69,6 +70,29 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     exact = op.outer_vv_norm(EXACT)
     op.vv_exact = lambda d, max_iter: False  # take the Lanczos path at this small d
     assert_close_report(op.outer_vv_norm(EXACT.replace(max_iter=d)), exact, TOL["lanczos"], name="outer/VV by Lanczos")
+
+
+def test_grouped_vv_run_equals_the_group_views_lanczos():
+    """Grouped-query attention (``G = 3``): ``outer/VV/g*`` from the stacked run of :func:`_grouped_vv_run` (one
+    product for every layer's groups in a terms-only evaluation) equals the norms of the group view's own operator
+    products, and both equal the dense block's largest eigenvalue."""
+    gen = torch.Generator().manual_seed(4)
+    B, L, d, H, H_kv, k, m = 2, 5, 6, 6, 2, 3, 4
+    X = _rand(gen, B, L, d)
+    W_Q, W_K, W_V, W_O = _rand(gen, H, d, k), _rand(gen, H_kv, d, k), _rand(gen, H_kv, d, k), _rand(gen, H, k, m)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[1, -1] = True
+    keep, row_keep = keep_masks(B, L, True, kpm, X.device)
+    op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, m), None)
+    op.set_cotangent(_rand(gen, B, L, m), torch.rand(B, generator=gen, dtype=DT) + 0.1)
+    tight = EXACT.replace(tol=1e-10, max_iter=None, max_basis=None)
+    new = _grouped_vv(_GroupView(op), tight)
+    old = _group_keys(spectral_norms(_GroupView(op), ["VV"], kinds=("outer",), lanczos=tight))
+    for j in range(H_kv):
+        key = f"outer/VV/g{j}"
+        assert_close_report(new[key], old[key], TOL["lanczos"], name=key)
+        assert new[f"hessian/VV/g{j}"] is new[key] and float(new[f"functional/VV/g{j}"]) == 0.0
+        assert float(new[f"residual/{key}"]) <= 1e-10
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])

@@ -61,6 +61,7 @@ from ._operator import (
     _rows_times,
     dense_blocks,
     full_norms,
+    head_keys,
     run_parts,
     select_rows,
     spectral_norms,
@@ -82,7 +83,7 @@ from .bounds import (
     softmax_bound_factors,
     softmax_jacobian_norm,
 )
-from .rotary import check_rotary
+from .rotary import apply_rotary, check_rotary
 from .settings import Lanczos
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
@@ -176,12 +177,14 @@ class AttentionOperator(BlockOperator):
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
         self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
         self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (see _qk_norm_blocks)
-        if probs_only and memory is None and rotary is None and qk_norm is None:
+        if probs_only and memory is None and qk_norm is None:
             # the attention alone (what the warnings' terms read; no products): one gathered call for the blocks of
             # a Lockstep that meet here
-            given = [t for t in (b_Q, b_K, keep) if t is not None]
+            tables = () if rotary is None else (rotary.cos, rotary.sin)
+            given = [t for t in (b_Q, b_K, keep, *tables) if t is not None]
             self.A = gathered(_attention_probs, X, W_Q, W_K, *given, scale=self.scale, bias_q=b_Q is not None,
-                              bias_k=b_K is not None, masked=keep is not None)  # fmt: skip
+                              bias_k=b_K is not None, masked=keep is not None, rotary=rotary is not None,
+                              interleaved=rotary is not None and rotary.interleaved)  # fmt: skip
             self.P = self.K_kv = self.V_kv = self.Kk = self.Vv = None
             if g is not None:
                 self.set_cotangent(g, c)
@@ -540,8 +543,11 @@ class AttentionOperator(BlockOperator):
             if self.vv_exact(d, lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
             else:  # one run for the blocks of a Lockstep that meet here (every layer's, in a terms-only evaluation)
-                run, i = solved_together(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, tol=lanczos.tol,
-                                         max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+                start = _warm_start(lanczos, ("VV", "gram"), (self.H, d), self)
+                run, i = solved_together(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, start,
+                                         tol=lanczos.tol, max_iter=lanczos.max_iter,
+                                         max_basis=lanczos.max_basis)  # fmt: skip
+                _keep_start(lanczos, ("VV", "gram"), run.ritz[i])
                 gram = run.norm[i]
                 if info is not None:
                     info["rel_residual"] = run.rel_residual[i]
@@ -628,9 +634,21 @@ def _group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
     """``VV/g{j}`` for ``G > 1``: the outer part by Lanczos (a sum of Kronecker products, no closed-form norm),
-    ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the total is the outer part."""
+    ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the total is the outer part. With an output projection, one run
+    for the blocks of a Lockstep that meet here (:func:`_grouped_vv_run`; every layer's, in a terms-only evaluation)."""
+    op = gv.op
+    if op.W_O is None:
+        norms = spectral_norms(gv, ["VV"], kinds=("outer",), lanczos=lanczos)
+    else:
+        start = _warm_start(lanczos, ("VV", "grouped"), (op.H_kv, op.Xkv.shape[-1] * op.d_V), op)
+        run, i = solved_together(_grouped_vv_run, op.A, op.c, op.row_keep, op.Xkv, op.W_O, start, groups=op.G,
+                                 tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+        _keep_start(lanczos, ("VV", "grouped"), run.ritz[i])
+        keys = head_keys(gv, "outer/VV", ("V",))
+        norms = dict(zip(keys, run.norm[i].unbind(), strict=True))
+        norms.update(zip([f"residual/{k}" for k in keys], run.rel_residual[i].unbind(), strict=True))
     out = {}
-    for key, v in _group_keys(spectral_norms(gv, ["VV"], kinds=("outer",), lanczos=lanczos)).items():
+    for key, v in _group_keys(norms).items():
         out[key] = out[key.replace("outer/", "hessian/", 1)] = v
         if not key.startswith("residual/"):
             out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
@@ -638,7 +656,8 @@ def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
 
 
 def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *given: torch.Tensor, scale: float,
-                     bias_q: bool, bias_k: bool, masked: bool) -> torch.Tensor:  # fmt: skip
+                     bias_q: bool, bias_k: bool, masked: bool, rotary: bool,
+                     interleaved: bool) -> torch.Tensor:  # fmt: skip
     """The attention ``A = softmax(s (X W_Q + b_Q)(X W_K + b_K)^T)`` of self-attention, ``(..., B, H, L, L)``, as the
     operator's forward computes it (masked rows all zero), for any leading dimensions ``...`` (the blocks of a
     gathered call).
@@ -647,12 +666,15 @@ def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *giv
         X: ``(..., B, L, d)``. W_Q: ``(..., H, d, d_K)``; W_K: ``(..., H_kv, d, d_K)`` (a kv head serves ``H / H_kv``
             query heads).
         given: ``b_Q`` ``(..., H, d_K)`` if ``bias_q``, ``b_K`` ``(..., H_kv, d_K)`` if ``bias_k``, then ``keep``
-            ``(..., B, L, L)`` bool (True where query ``i`` may attend key ``j``) if ``masked``.
+            ``(..., B, L, L)`` bool (True where query ``i`` may attend key ``j``) if ``masked``, then the rotary tables
+            ``cos``, ``sin`` ``(..., B or 1, 1, L, r)`` (:class:`~.rotary.Rotary`'s) if ``rotary``.
         scale: the softmax scale ``s``.
+        interleaved: the rotary tables' GPT-J layout (:func:`~.rotary.apply_rotary`).
     """
     rest = iter(given)
     b_Q, b_K = next(rest) if bias_q else None, next(rest) if bias_k else None
     keep = next(rest) if masked else None
+    cos, sin = (next(rest), next(rest)) if rotary else (None, None)
     H, H_kv = W_Q.shape[-3], W_K.shape[-3]
 
     # queries and keys in one (b)mm: X (..., B L, d) @ [W_Q | W_K] (..., d, (H + H_kv) d_K), as the operator's forward
@@ -664,12 +686,62 @@ def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *giv
         return Y if b is None else Y + b.unsqueeze(-2).unsqueeze(-4)
 
     P, K = heads(ys[0], H, b_Q), heads(ys[1], H_kv, b_K)
+    if rotary:
+        P, K = apply_rotary(P, cos, sin, interleaved), apply_rotary(K, cos, sin, interleaved)
     if H != H_kv:
         K = K.repeat_interleave(H // H_kv, dim=-3)
     T = P @ K.mT * scale  # (..., B, H, L, L)
     if keep is not None:
         T = T.masked_fill(~keep.unsqueeze(-3), float("-inf"))
     return torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)  # rows with every key masked carry no weight
+
+
+def _warm_start(lanczos: Lanczos, key: tuple, shape: tuple[int, int], op: AttentionOperator) -> torch.Tensor:
+    """The start vectors ``shape`` of a gathered run's request: the Ritz vectors kept under ``key`` in the block's
+    ``lanczos.warm_start``, or zeros (a cold start, :class:`LanczosRun`'s ``v0``)."""
+    warm = None if lanczos.warm_start is None else lanczos.warm_start.get(key, shape, op.dtype, op.device)
+    return torch.zeros(shape, dtype=op.dtype, device=op.device) if warm is None else warm
+
+
+def _keep_start(lanczos: Lanczos, key: tuple, ritz: torch.Tensor) -> None:
+    """Keep a gathered run's Ritz vectors of this block for its next evaluation (:func:`_warm_start`)."""
+    if lanczos.warm_start is not None:
+        lanczos.warm_start.put(key, ritz)
+
+
+def _grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, W_O: torch.Tensor,
+                    start: torch.Tensor, *, groups: int, tol: float, max_iter: int | None,
+                    max_basis: int | None) -> LanczosRun:  # fmt: skip
+    """The Lanczos run of ``||H_o(VV)||`` per kv group of ``m`` grouped-query attention blocks (``G = H / H_kv`` query
+    heads per group), driven by :func:`solve`; its batch is ``(m, H_kv)``, its vectors ``(d_kv, d_V)`` flat.
+
+    The group's value weights reach the output through every head of the group, ``dF = sum_h A_h X dW W_O^h``, so the
+    Gauss-Newton product is ``dW -> sum_b X_b^T sum_h A_h^T c_b (dF W_O^h^T)`` (padded rows dropped): a sum of
+    Kronecker products, no closed-form norm. PSD: the top end alone decides.
+
+    Args:
+        A: ``(m, B, H, L, L_kv)``; c: ``(m, B)``; row_keep: ``(m, B, L)``; X: ``(m, B, L_kv, d_kv)``;
+            W_O: ``(m, H, d_V, d_out)``; start: ``(m, H_kv, d_kv d_V)``, the start vectors (zero rows: cold).
+        groups: ``G``, the query heads per kv group.
+        tol, max_iter, max_basis: the Lanczos settings.
+    """
+    m, B, H, L, L_kv = A.shape
+    d, d_V = X.shape[-1], W_O.shape[-2]
+    G = groups
+    H_kv = H // G
+    Ag = A.unflatten(2, (H_kv, G))  # (m, B, H_kv, G, L, L_kv)
+    Wg = W_O.unflatten(1, (H_kv, G))  # (m, H_kv, G, d_V, d_out)
+    rows = (c.unsqueeze(-1) * row_keep)[:, :, None, :, None]  # (m, B, 1, L, 1): c_b on the kept rows
+
+    def mv(v: torch.Tensor) -> torch.Tensor:  # (m, H_kv, d d_V) -> (m, H_kv, d d_V)
+        XdW = torch.einsum("mbkd,mgdv->mbgkv", X, v.unflatten(-1, (d, d_V)))  # X dW per group, (m, B, H_kv, L_kv, d_V)
+        Y = torch.einsum("mbgslk,mbgkv,mgsvo->mbglo", Ag, XdW, Wg)  # the group's output tangent, (m, B, H_kv, L, d_out)
+        U = Y * rows
+        S = torch.einsum("mbgslk,mbglo,mgsvo->mbgkv", Ag, U, Wg)  # sum_h A_h^T U W_O^h^T, (m, B, H_kv, L_kv, d_V)
+        return torch.einsum("mbkd,mbgkv->mgdv", X, S).flatten(-2)
+
+    return LanczosRun(mv, (m, H_kv), d * d_V, dtype=A.dtype, device=A.device, tol=tol, max_iter=max_iter,
+                      max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
 
 
 def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
@@ -693,8 +765,8 @@ def _head_softmax_norm(A: torch.Tensor) -> torch.Tensor:
     return softmax_jacobian_norm(A).amax(-2)
 
 
-def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, *, tol: float,
-                 max_iter: int | None, max_basis: int | None) -> LanczosRun:  # fmt: skip
+def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, start: torch.Tensor, *,
+                 tol: float, max_iter: int | None, max_basis: int | None) -> LanczosRun:  # fmt: skip
     """The Lanczos run of ``lambda_max(M^T M)`` per head of ``m`` attention blocks (:meth:`AttentionOperator.vv_factor`
     ``M``), driven by :func:`solve`; its batch is ``(m, H)``.
 
@@ -706,6 +778,7 @@ def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: to
         c: ``(m, B)``, each block's output curvature per sequence.
         row_keep: ``(m, B, L)``, each block's kept rows (1) and padded ones (0).
         X: ``(m, B, L_kv, d_kv)``, each block's key/value input.
+        start: ``(m, H, d_kv)``, the start vectors (zero rows: a cold start).
         tol, max_iter, max_basis: the Lanczos settings.
     """
     Aw = _vv_rows(A, c, row_keep)
@@ -722,7 +795,7 @@ def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: to
         return torch.bmm(s.view(m, B, H, L_kv).permute(0, 2, 1, 3).reshape(m, H, B * L_kv), Xf)  # sum_b X_b^T s_bh
 
     return LanczosRun(mv, (m, H), d, dtype=Aw.dtype, device=Aw.device, tol=tol, max_iter=max_iter,
-                      max_basis=max_basis)  # fmt: skip
+                      max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
 
 
 def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
@@ -826,7 +899,7 @@ def _attention(
         memory=memory, rotary=rotary, scale=scale, qk_norm=qk_norm,
         # the warnings' terms alone (and the exact VV): the attention is all the forward must give
         probs_only=terms == "signals" and target is None and output_samples is None and not dense
-        and pairs is not None and set(pairs) <= ({"VV"} if G == 1 else set()),
+        and pairs is not None and set(pairs) <= {"VV"} and (G == 1 or W_O is not None),
     )  # fmt: skip
     if target is not None:
         F = op.output(b_O)

@@ -104,11 +104,15 @@ def check_rotary(rotary, interleaved, B: int, L: int, d_K: int, ref: torch.Tenso
             f"Invalid rotary width r={r}. Must be even with 2 <= r <= d_K = {d_K} (the first r dims of a head rotate)."
         )
     cos, sin = cos.to(dtype=ref.dtype, device=ref.device), sin.to(dtype=ref.dtype, device=ref.device)
-    if not bool(torch.isfinite(cos).all() and torch.isfinite(sin).all()):
-        raise ValueError("rotary tables hold NaN or Inf values.")
     h = r // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not torch.equal(t[..., :h], t[..., h:]):
+    # every check in one host read (a device sync each, per block and evaluation, were four)
+    finite, halves_cos, halves_sin = torch.stack(
+        [torch.isfinite(torch.stack([cos, sin])).all()] + [(t[..., :h] == t[..., h:]).all() for t in (cos, sin)]
+    ).tolist()
+    if not finite:
+        raise ValueError("rotary tables hold NaN or Inf values.")
+    for name, same in (("cos", halves_cos), ("sin", halves_sin)):
+        if not same:
             raise ValueError(
                 f"rotary {name} must repeat its frequencies' halves, {name}[..., i] == {name}[..., i + r/2] (the "
                 "layout Hugging Face's rotary embeddings and litgpt's build_rope_cache return, for either "
