@@ -9,6 +9,12 @@ calls ``solve``, then parks with its runs. The runs of all parked evaluations ad
 one read); an evaluation whose runs ended goes on at once, until it parks again (its new runs join the next round) or
 ends.
 
+The evaluations meet in their exact pieces too: a kernel that calls :func:`gathered` parks with its request, and when
+every evaluation has parked, the requests of the same function and shapes (every layer's, in a model whose blocks
+repeat) are answered by **one** call on their inputs stacked along a new leading dimension: the dispatched operators
+of one call for all of them. A Lanczos run built by such a call (:func:`solved_together`) serves every request that
+met: one product and one step per round for all layers' operators.
+
 Exactly one thread runs at any time (the others wait on semaphores), so nothing here is concurrent: the kernels need
 no locks, and an exception raised by a run's product (out of memory, say) is raised in the evaluation that owns the
 run, where its own handlers see it. The numbers are those of the evaluations run one after the other (the same
