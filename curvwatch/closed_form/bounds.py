@@ -86,24 +86,27 @@ def _jacobian_norm(a1: torch.Tensor, i1: torch.Tensor, others: torch.Tensor, ite
     """:func:`softmax_jacobian_norm` from :func:`_split_top`."""
     if others.shape[-1] == 1:  # a single key: the softmax is constant
         return torch.zeros(others.shape[:-2], dtype=others.dtype, device=others.device)
-    a2 = others.amax(-1)  # the second largest entry (= a_1 on ties)
+    # per row quantities keep a trailing 1 (..., L, 1): every step's tensors broadcast against (..., L, L) as they are
+    a1 = a1.unsqueeze(-1)
+    a2 = others.amax(-1, keepdim=True)  # the second largest entry (= a_1 on ties)
     sq = others * others
-    a1_rest = a1 * others.sum(-1)  # a_1 (1 - a_1), 1 - a_1 as the sum of the others (no cancellation)
+    a1_rest = a1 * others.sum(-1, keepdim=True)  # a_1 (1 - a_1), 1 - a_1 as the sum of the others (no cancellation)
     lam = torch.maximum(a1_rest, 0.5 * (a1 + a2) - 0.5 * (a1 - a2) ** 2)  # Rayleigh quotients <= lambda
     tiny = torch.finfo(others.dtype).tiny
     D, R = torch.empty_like(others), torch.empty_like(others)  # (..., L, L) buffers, reused by every step
     for _ in range(iters):
-        torch.sub(lam.unsqueeze(-1), others, out=D).clamp_min_(tiny)
+        torch.sub(lam, others, out=D).clamp_min_(tiny)
         torch.div(sq, D, out=R)
-        psi = R.sum(-1)
+        psi = R.sum(-1, keepdim=True)
         gap = a1 - lam
         # h = (a_1 - lambda)(1 + psi) - a_1^2 expanded as a_1 (1 - a_1) - lambda + (a_1 - lambda) psi: on a
         # near-one-hot row every term is ~lambda, while the product form cancels against 1 (0.71x at 1e-20)
         h = torch.addcmul(a1_rest - lam, gap, psi)
-        dh = torch.addcmul(psi + 1.0, gap, R.div_(D).sum(-1)).neg_()  # h' = -(1 + psi) - (a_1 - lambda) psi'
-        lam = torch.minimum(lam - torch.where(dh < 0, h / dh, 0.0), a1)
+        # -h' = 1 + psi + (a_1 - lambda) psi' >= 1; the Newton step h / -h' (0 where it is NaN: inf / inf)
+        den = torch.addcmul(psi.add_(1.0), gap, R.div_(D).sum(-1, keepdim=True))
+        lam = torch.minimum(lam + h.div_(den).nan_to_num_(nan=0.0, posinf=torch.inf, neginf=-torch.inf), a1)
     lam = torch.where(a1 - a2 <= 0, a1, lam)  # ties: e_1 - e_2 is an eigenvector with eigenvalue a_1
-    return lam.amax(-1)
+    return lam.squeeze(-1).amax(-1)
 
 
 def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
