@@ -726,19 +726,31 @@ def _grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X:
         tol, max_iter, max_basis: the Lanczos settings.
     """
     m, B, H, L, L_kv = A.shape
-    d, d_V = X.shape[-1], W_O.shape[-2]
+    d, d_V, d_out = X.shape[-1], W_O.shape[-2], W_O.shape[-1]
     G = groups
     H_kv = H // G
-    Ag = A.unflatten(2, (H_kv, G))  # (m, B, H_kv, G, L, L_kv)
-    Wg = W_O.unflatten(1, (H_kv, G))  # (m, H_kv, G, d_V, d_out)
-    rows = (c.unsqueeze(-1) * row_keep)[:, :, None, :, None]  # (m, B, 1, L, 1): c_b on the kept rows
+    # 3-D views made once, so that every product below is one bmm (einsums over these shapes dispatched ~90 operators
+    # per product): the group's heads stacked on the rows, (m B H_kv, G L, L_kv); W_O per group, (m H_kv, G d_V, d_out)
+    A3 = A.reshape(m * B * H_kv, G * L, L_kv)
+    A3T = A3.mT
+    W3 = W_O.reshape(m * H_kv, G * d_V, d_out)
+    W3T = W3.mT
+    Xf = X.reshape(m, B * L_kv, d)
+    XfT = Xf.mT
+    rows = (c.unsqueeze(-1) * row_keep).reshape(m, 1, B * L, 1)  # c_b on the kept rows, 0 on the padded ones
 
     def mv(v: torch.Tensor) -> torch.Tensor:  # (m, H_kv, d d_V) -> (m, H_kv, d d_V)
-        XdW = torch.einsum("mbkd,mgdv->mbgkv", X, v.unflatten(-1, (d, d_V)))  # X dW per group, (m, B, H_kv, L_kv, d_V)
-        Y = torch.einsum("mbgslk,mbgkv,mgsvo->mbglo", Ag, XdW, Wg)  # the group's output tangent, (m, B, H_kv, L, d_out)
-        U = Y * rows
-        S = torch.einsum("mbgslk,mbglo,mgsvo->mbgkv", Ag, U, Wg)  # sum_h A_h^T U W_O^h^T, (m, B, H_kv, L_kv, d_V)
-        return torch.einsum("mbkd,mbgkv->mgdv", X, S).flatten(-2)
+        dW = v.view(m, H_kv, d, d_V).permute(0, 2, 1, 3).reshape(m, d, H_kv * d_V)
+        XdW = torch.bmm(Xf, dW).view(m, B, L_kv, H_kv, d_V).permute(0, 1, 3, 2, 4).reshape(m * B * H_kv, L_kv, d_V)
+        Yh = torch.bmm(A3, XdW).view(m, B, H_kv, G, L, d_V)  # every head's output tangent A_h X dW
+        Yh = Yh.permute(0, 2, 1, 4, 3, 5).reshape(m * H_kv, B * L, G * d_V)
+        U = torch.bmm(Yh, W3).view(m, H_kv, B * L, d_out).mul_(rows)  # c (sum_h A_h X dW W_O^h), per group
+        S = torch.bmm(U.view(m * H_kv, B * L, d_out), W3T).view(m, H_kv, B, L, G, d_V)  # U W_O^h^T per head
+        S = S.permute(0, 2, 1, 4, 3, 5).reshape(m * B * H_kv, G * L, d_V)
+        T = torch.bmm(A3T, S).view(m, B, H_kv, L_kv, d_V)  # sum_h A_h^T (U W_O^h^T), per group
+        T = T.permute(0, 1, 3, 2, 4).reshape(m, B * L_kv, H_kv * d_V)
+        out = torch.bmm(XfT, T).view(m, d, H_kv, d_V)  # sum_b X_b^T T_b
+        return out.permute(0, 2, 1, 3).reshape(m, H_kv, d * d_V)
 
     return LanczosRun(mv, (m, H_kv), d * d_V, dtype=A.dtype, device=A.device, tol=tol, max_iter=max_iter,
                       max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
