@@ -143,13 +143,7 @@ def test_blocks_evaluated_together_on_cuda_equal_one_at_a_time_and_run_on_the_ca
     from curvwatch.engine import Engine
     from tests.test_engine import _captured
 
-    blocks = [b for b in _captured(n_layer=2)]
-    blocks = [
-        dataclasses.replace(b, inputs={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.inputs.items()},
-                            params={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.params.items()})
-        if b.reason is None else b
-        for b in blocks
-    ]  # fmt: skip
+    blocks = _on_cuda(_captured(n_layer=2))
     alone = Engine(lockstep=False).evaluate(blocks)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -161,3 +155,42 @@ def test_blocks_evaluated_together_on_cuda_equal_one_at_a_time_and_run_on_the_ca
             got = torch.as_tensor(together.results[name][key])
             assert got.device.type == torch.as_tensor(value).device.type
             assert torch.equal(got.cpu(), torch.as_tensor(value).cpu()), (name, key)
+
+
+def _on_cuda(blocks: list[CapturedBlock]) -> list[CapturedBlock]:
+    """The captured blocks with their tensors on the GPU."""
+    return [
+        dataclasses.replace(b, inputs={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.inputs.items()},
+                            params={k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.params.items()})
+        if b.reason is None else b
+        for b in blocks
+    ]  # fmt: skip
+
+
+def test_gathered_terms_only_evaluation_on_cuda_equals_the_cpu_one(monkeypatch):
+    """A terms-only (signals) evaluation whose blocks meet in gathered calls (issue 23: one attention forward, one
+    Gram call and one ``outer/VV`` Lanczos run for both layers, forced here at d = 8) runs on the caller's GPU and
+    stream and gives the CPU's numbers (float64, Lanczos to 1e-10: within RTOL)."""
+    from curvwatch.closed_form.attention import AttentionOperator
+    from curvwatch.engine import Engine
+    from curvwatch.rules import RuleSet
+    from tests.test_engine import _captured
+
+    monkeypatch.setattr(AttentionOperator, "vv_exact", staticmethod(lambda d, max_iter: False))
+    blocks = _captured(n_layer=2)
+    kwargs = {"terms_only": True, "signal_pairs": RuleSet().exact_pairs}
+    tight = Lanczos(tol=1e-10, max_iter=None, max_basis=None, warn=False)
+    cpu = Engine(lanczos=tight, dtype="float64").evaluate(blocks, **kwargs)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        gpu = Engine(lanczos=tight, dtype="float64").evaluate(_on_cuda(blocks), **kwargs)
+    torch.cuda.synchronize()
+    assert list(gpu.results) == list(cpu.results) and not gpu.failed
+    assert any("outer/VV/h0" in k for res in cpu.results.values() for k in res)
+    for name, res in cpu.results.items():
+        for key, value in res.items():
+            if key.startswith("residual/"):
+                continue
+            got = torch.as_tensor(gpu.results[name][key])
+            assert got.device.type == ("cuda" if isinstance(value, torch.Tensor) else "cpu"), (name, key)
+            assert_close_report(got.cpu(), torch.as_tensor(value), RTOL, name=f"{name}/{key}")
