@@ -140,6 +140,13 @@ class LinearLogits:
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             return torch.nn.functional.linear(self.h[rows], self.weight, self.bias)
 
+    def entries(self, start: int, stop: int, cols: Tensor) -> Tensor:
+        """``z[n, cols[n, j]]`` of the rows ``start:stop`` (``cols`` ``(rows, j)``): ``(rows, j)`` dot products of the
+        input rows with the weight's rows ``cols`` (and the bias), no ``(rows, V)`` logits."""
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            out = torch.einsum("nd,njd->nj", self.h[start:stop], self.weight[cols])
+            return out if self.bias is None else out + self.bias[cols]
+
 
 class LossKind(str, Enum):
     """The training loss at the logits, for the Monte-Carlo Gauss-Newton matrix."""
@@ -283,19 +290,10 @@ def loss_weights(
     w = torch.zeros(N, device=g_all.device)
     active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
     resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
-    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
     decisive_any = torch.zeros((), dtype=torch.bool, device=g_all.device)
-    slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
         z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
-        absum = g.abs().sum(-1)
-        act = absum > 0
-        p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
-        y = g.argmin(-1)  # the label of a hard target (its entry is the only negative one)
-        rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)  # 1 - p_y
-        # rows with enough mass off the label decide whether the rows sum to zero; in a confident row the autograd
-        # gradient rounds p_y - 1 (to 0 when p_y rounds to 1) and its sum says nothing
-        decisive = act & (rest > 1e-3)
+        p, y, rest, act, decisive, absum = _ce_rows(z, g)
         if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
             raise ValueError(
                 "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
@@ -312,6 +310,19 @@ def loss_weights(
         r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
         resid2 = resid2 + r[decisive].square().sum()
         norm2 = norm2 + g[decisive].square().sum()
+        decisive_any = decisive_any | decisive.any()
+        w[i : i + _chunk_rows(V)] = wc.float()
+        active[i : i + _chunk_rows(V)] = act
+        del z, g, p, r
+    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
+        return w, LossKind.CROSS_ENTROPY, None
+    # not hard labels: a second pass over the rows tells a scaling of the logits from soft targets (only here: the
+    # hard-label case, the usual one, does not pay for these fits)
+    slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
+    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
+    for i in _row_chunks(N, V):
+        z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
+        p, y, _, _, decisive, _ = _ce_rows(z, g)
         if slope is None:
             slope = _logit_scale(z[decisive], g[decisive], y[decisive])
         # label smoothing, g = w (p - (1 - eps) e_y - eps/V): the label is the most negative entry, or, in a row
@@ -324,12 +335,7 @@ def loss_weights(
         better = fits[1][0] < fits[0][0]
         smooth2 = smooth2 + torch.where(better, fits[1][0], fits[0][0]).sum()
         off2 = off2 + torch.where(better, fits[1][1], fits[0][1]).sum()
-        del pd, gd, fits
-        decisive_any = decisive_any | decisive.any()
-        w[i : i + _chunk_rows(V)] = wc.float()
-        active[i : i + _chunk_rows(V)] = act
-    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
-        return w, LossKind.CROSS_ENTROPY, None
+        del z, g, p, pd, gd, fits
     if slope is not None and abs(slope - 1) > 10 * _HARD_FIT:
         raise ValueError(
             f"The loss's gradient at the logits is a hard-label cross-entropy's, but of softmax({slope:.3g} z), not "
@@ -360,6 +366,20 @@ def loss_weights(
     )
 
 
+def _ce_rows(z: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(p, y, 1 - p_y, active, decisive, |g| row sums)`` of a chunk of float64 logits and gradient rows
+    (:func:`loss_weights`): the softmax, the hard label (the only negative entry), the rows with a gradient, and those
+    with enough mass off the
+    label (``1 - p_y > 1e-3``) to decide whether the rows sum to zero (in a confident row the autograd gradient rounds
+    ``p_y - 1``, to 0 when ``p_y`` rounds to 1, and its sum says nothing)."""
+    absum = g.abs().sum(-1)
+    act = absum > 0
+    p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
+    y = g.argmin(-1)
+    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)
+    return p, y, rest, act, act & (rest > 1e-3), absum
+
+
 def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
     """The residual, off the label ``y``, of the per-row least-squares fit ``g_c = a p_c + b`` (label smoothing:
     ``g = w (p - (1 - eps) e_y - eps/V)``, so ``a = w``, ``b = -w eps/V``; a hard label has ``b = 0``). ``(rows, V)``,
@@ -381,9 +401,11 @@ def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
 
 def total_weight(logits: Tensor, grad: Tensor) -> float:
     """``sum_n w_n`` of a hard-label cross-entropy's rows (:func:`loss_weights` found hard labels on some of them),
-    cheaper than summing its weights: ``w_n = sum_{c != y} g_c / sum_{c != y} p_c`` with the denominator in the log
-    domain (``logsumexp`` of the other logits minus that of all), in the logits' precision, a chunk of rows at a time;
-    rows without a gradient weigh 0.
+    from the gradient and **two logits per row**, not the whole rows: with ``y`` the label (the only negative entry of
+    ``g_n``), ``S = sum_{c != y} g_c = w (1 - p_y)`` and ``c`` the largest entry off the label (``g_c = w p_c``),
+    ``p_y / p_c = exp(z_y - z_c)`` gives ``w = S + g_c exp(z_y - z_c)`` (both terms non-negative: no cancellation).
+    A linear logits module's two logits are two dot products of its input (:class:`LinearLogits`), so this costs
+    ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
 
     Example:
         >>> z = torch.randn(6, 5)
@@ -393,17 +415,28 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
         6.0
     """
     V = grad.shape[-1]
-    z_all, g_all = logits.detach().reshape(-1, V), grad.detach().reshape(-1, V)
+    g_all = grad.detach().reshape(-1, V)
+    z_all = logits.detach().reshape(-1, V)
     total = torch.zeros((), dtype=torch.float64, device=g_all.device)
     step = _chunk_rows(V)
     for i in range(0, g_all.shape[0], step):
-        z, g = z_all[i : i + step].float(), g_all[i : i + step].float()
-        y = g.argmin(-1, keepdim=True)  # the label: the only negative entry
-        lse = z.logsumexp(-1)
-        others = z.scatter(-1, y, -math.inf).logsumexp(-1)  # log sum_{c != y} e^{z_c}
-        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # sum_{c != y} g_c (every entry off the label is >= 0)
-        total = total + (off / (others - lse).double().exp().clamp_min(1e-300)).sum()
+        g = g_all[i : i + step]
+        y, c = g.argmin(-1, keepdim=True), g.argmax(-1, keepdim=True)  # the label; the largest entry off it
+        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # S = sum_{c != y} g_c (every entry off the label is >= 0)
+        gc = g.gather(-1, c)[:, 0].double()
+        zy, zc = _entries(z_all, i, i + step, torch.cat([y, c], -1)).double().unbind(-1)
+        odds = torch.where(gc > 0, gc * (zy - zc).exp(), torch.zeros_like(gc))  # w p_y (0 when g has no mass off y)
+        total = total + (off + odds).sum()
     return float(total)
+
+
+def _entries(z: Tensor | LinearLogits, start: int, stop: int, cols: Tensor) -> Tensor:
+    """``z[n, cols[n, j]]`` for the rows ``start:stop`` of ``(N, V)`` logits, ``(rows, j)`` in the logits' dtype: a
+    gather, or for :class:`LinearLogits` the dot products of those rows of its input with the weight's rows ``cols``
+    (``O(rows j d)``: no ``(rows, V)`` logits)."""
+    if isinstance(z, LinearLogits):
+        return z.entries(start, stop, cols)
+    return z[start:stop].gather(-1, cols)
 
 
 def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:

@@ -81,6 +81,29 @@ def test_total_weight_is_the_sum_of_the_loss_weights():
     assert abs(expected - float(per_row[3:].sum())) <= 1e-4 * expected
 
 
+def test_total_weight_of_a_linear_logits_module_reads_two_logits_per_row():
+    """Through a linear logits module (rows recomputed from its input): the same sum to float32 round-off, with the
+    bias, confident and ignored rows, and the O(rows d) dot products only: no (rows, V) product (torch's profiler: no
+    ``linear``/``mm``/``addmm`` call, which recomputing the logits is)."""
+    from curvwatch.sharpness import LinearLogits, total_weight
+
+    g0 = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 1000)
+    h = torch.randn(40, 16, generator=g0)
+    h[7] = lin.weight[3].detach() * 40  # a confident row (p_3 ~ 1)
+    labels = torch.randint(0, 1000, (40,), generator=g0)
+    labels[7], labels[:2] = 3, -100
+    per_row = torch.linspace(0.5, 2.0, 40)
+    z = lin(h).detach()
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    expected = float(per_row[2:].double().sum())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = total_weight(LinearLogits(h, lin.weight, lin.bias), g)
+    assert abs(got - expected) <= 1e-5 * expected
+    assert abs(total_weight(z, g) - expected) <= 1e-5 * expected
+    assert not {e.name for e in prof.events()} & {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+
+
 def test_loss_weights_soft_targets_and_mse_and_errors():
     w, kind, note = loss_weights(
         Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
