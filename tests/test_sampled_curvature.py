@@ -309,10 +309,10 @@ def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> di
 @pytest.mark.parametrize("gram", [True, False], ids=["gram", "lanczos"])
 @pytest.mark.parametrize("kernel, case", CASES, ids=_ids)
 def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(kernel, case, gram, monkeypatch):
-    """Both ways to the Gauss-Newton keys (the samples' Gram matrix, used up to ``GRAM_COLUMNS`` columns, and the
-    Lanczos runs above it) against the dense reference."""
+    """Both ways to the Gauss-Newton keys (the samples' Gram matrix, used up to ``GRAM_STEPS`` columns per Lanczos
+    member it replaces, and the Lanczos runs above it) against the dense reference."""
     if not gram:
-        monkeypatch.setattr(sampled, "GRAM_COLUMNS", 0)
+        monkeypatch.setattr(sampled, "GRAM_STEPS", 0)
     prob = PROBLEMS[kernel](case)
     plain = prob.call(lanczos=EXACT)
     out = prob.call(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
@@ -382,7 +382,7 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
             assert float(value) == 0, key
     for pair in linear:
         assert torch.equal(out[f"sharpness/{pair}"], out[f"ggn/{pair}"]), pair
-    monkeypatch.setattr(sampled, "GRAM_COLUMNS", 0)
+    monkeypatch.setattr(sampled, "GRAM_STEPS", 0)
     runs.clear()
     slow = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
     assert all(set(kinds) == {"outer", "hessian"} for kinds in runs), runs

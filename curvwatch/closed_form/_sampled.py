@@ -253,10 +253,14 @@ def check_precondition(
     return {name: p.rsqrt() for name, p in out.items()}
 
 
-#: The Gauss-Newton keys of a sample set with at most this many columns ``k B`` (samples times kept sequences) are
-#: read from its Gram matrix (:func:`_gram_ggn`: exact, one operator product per column) instead of by Lanczos; above
-#: it the Gram's columns would hold more memory and products than the Lanczos runs they replace.
-GRAM_COLUMNS = 128
+#: The Gauss-Newton keys come from the samples' Gram matrix (:func:`_gram_ggn`: exact, one operator product per
+#: column) instead of Lanczos members where its ``k B`` columns (samples times kept sequences) are at most this many
+#: times the Lanczos members they replace (every member of a block whose own functional term is zero, else the GGN
+#: ones). A warm-started member takes about 6 products (HF GPT-2 d 64, 16 samples: 12 members, 72 products per pair),
+#: and a Gram column costs a full product (its tangent is zero, the operator still runs it): measured on the CPU, the
+#: two paths took the same time at 16 columns (one kept sequence) and the Gram path ~10% more at 64 (4 kept sequences,
+#: the Lanczos-replaced members 12 x 6 products), hence 4: the Gram path where it replaces clearly more products.
+GRAM_STEPS = 4
 
 #: Columns of the Gram matrix per operator product (as many as the Lanczos runs batch at once: its memory).
 GRAM_CHUNK = 16
@@ -278,10 +282,11 @@ def sampled_norms(
     preconditioned ones those of :class:`Preconditioned` ``(op, {X: D})``. The sharpness keys run in one batched
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
-    small (:func:`_gram_ggn`, ``k B <= GRAM_COLUMNS``, no ``view``: exact eigenvalues, ``residual/...`` 0), else they
-    join the same Lanczos run (two members per estimate, ``("sharpness", XX, prefixes, estimates)``). For the pairs
-    in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness
-    *is* the GGN, and no Lanczos runs for them where the Gram is used.
+    small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` times the Lanczos members it replaces, no ``view``;
+    exact eigenvalues, ``residual/...`` 0), else they join the same Lanczos run (two members per estimate, warm-start
+    key ``("sharpness", XX, prefixes, estimates)``). For the pairs in ``linear`` (``F`` linear in ``X``: the block's
+    own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the
+    Gram is used.
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
@@ -307,12 +312,8 @@ def sampled_norms(
     ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
     counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
     E = len(ops)
-    gram_ok = (
-        plain_view
-        and isinstance(curvature, SampledCurvature)
-        and curvature.k * curvature.sigma.shape[1] <= GRAM_COLUMNS
-        and getattr(op, "head_diagonal", False)
-    )
+    columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
+    gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
     out: dict[str, torch.Tensor] = {}
     for pair_name in pairs:
         plain = view(op)
@@ -326,7 +327,8 @@ def sampled_norms(
 
         # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        gram = gram_ok
+        replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
+        gram = gram_ok and columns <= GRAM_STEPS * replaced
         if gram:
             ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split)
             for prefix, vals in zip(prefixes, ggn, strict=True):
