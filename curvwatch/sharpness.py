@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LOGITS_NAMES",
+    "InputDraws",
     "LinearLogits",
     "LogitSampler",
     "LossKind",
@@ -237,7 +238,11 @@ def logits_candidates(model: nn.Module, top: int = 3) -> list[str]:
 
 
 def loss_weights(
-    logits: Tensor, grad: Tensor, kind: str | LossKind = "auto", count: int | None = None
+    logits: Tensor,
+    grad: Tensor,
+    kind: str | LossKind = "auto",
+    count: int | None = None,
+    on_chunk: Callable[[int, Tensor], None] | None = None,
 ) -> tuple[Tensor, LossKind, str | None]:
     """Per-row weights ``w_n`` of the loss ``l = sum_n w_n ell(z_n)``, read from its gradient at the logits.
 
@@ -261,6 +266,9 @@ def loss_weights(
         count: What an assumed mean runs over when these rows are part of a larger batch: the rows with a gradient
             (label smoothing) or the elements (squared error) of the whole batch, or the whole batch's
             :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``.
+        on_chunk: Called as ``on_chunk(start, p)`` with the float64 softmax of each chunk of rows (cross-entropy
+            kinds, where the weights are read from the rows; not for ``"mse"`` and the soft kinds), e.g.
+            :meth:`InputDraws.chunk`: one pass over the logits for both.
 
     Returns:
         ``(w, kind, note)``: ``w`` ``(N,)`` float32 (``N`` = rows), the loss kind used, and a note for the user
@@ -303,6 +311,8 @@ def loss_weights(
                 "soft-capping or scaling after it changes the loss's curvature), or "
                 "sharpness=False."
             )
+        if on_chunk is not None:
+            on_chunk(i, p)
         # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
         off = g.sum(-1) - g.gather(1, y[:, None])[:, 0]
         wc = torch.where(act & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off))
@@ -527,13 +537,11 @@ class LogitSampler:
 
     def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
-        p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
-        # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
-        sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
-        a2 = p * sq  # ||a_c||^2
-        total = a2.sum(-1, keepdim=True)  # tr H_n
-        q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
-        return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
+        return _tables_of(self._softmax(i))
+
+    def _softmax(self, i: int) -> Tensor:
+        """``p``, float64, of the rows of the chunk starting at ``i`` (as :func:`loss_weights` computes it)."""
+        return torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
 
     def draw(self, generator: torch.Generator | None = None) -> Tensor:
         """One sample ``r``, float32, shaped like the logits (``unit``: the largest row norm of a draw, so every entry
@@ -569,7 +577,9 @@ class LogitSampler:
             flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
         return out
 
-    def input_draws(self, weight: Tensor, samples: int, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    def input_draws(
+        self, weight: Tensor, samples: int, generator: torch.Generator | None = None, plan: InputDraws | None = None
+    ) -> Iterator[Tensor]:
         """The draws of :meth:`draw_into` carried back through a linear logits module ``z = h W^T + b``: one
         ``(r / unit) W`` per sample, ``(N, d)`` in ``weight``'s dtype, the cotangents at its input ``h`` (kept rows).
 
@@ -584,33 +594,77 @@ class LogitSampler:
             weight: ``(V, d)`` the logits module's weight.
             samples: Draws.
             generator: Random source (as for :meth:`draw_into`).
+            plan: Its random numbers and the chunks already read (:class:`InputDraws`, made with the same ``weight``,
+                ``samples`` and ``generator`` before any other use of it; handed to :func:`loss_weights` as
+                ``on_chunk``); ``generator`` is then not used.
         """
         n, V = self.z.shape
         if self.kind is LossKind.MSE:
             buf = torch.empty((n, V), dtype=weight.dtype, device=weight.device)
             return (self.draw_into(buf, generator) @ weight for _ in range(samples))
+        if plan is None:
+            plan = InputDraws(n, V, weight, samples, generator)
+        for i in _row_chunks(n, V):  # the chunks the plan was not handed (all of them, unless by loss_weights)
+            if i not in plan.traces:
+                plan.chunk(i, self._one[0] if self._one is not None else self._softmax(i))
+        if self.unit is None:
+            self._set_norms(torch.cat([plan.traces[i] for i in _row_chunks(n, V)]).float())
+        return plan.draws(self.root / max(self.unit, 1e-30))
+
+
+class InputDraws:
+    """The random numbers and per-chunk tables of :meth:`LogitSampler.input_draws` (cross-entropy), apart from the
+    sampler: its random numbers are drawn at once, in :meth:`LogitSampler.draw_into`'s order (a sign, then a uniform,
+    per draw), and each chunk of rows is read once, from its softmax :meth:`chunk`, which :func:`loss_weights` can
+    hand over from its own pass over the same rows (``on_chunk``): then the logits of the kept rows are computed once
+    for the weights and the draws, not twice. The tables do not depend on the loss weights, which scale the draws
+    only at the end (:meth:`draws`).
+
+    Args:
+        n, V: the rows and the vocabulary.
+        weight: ``(V, d)`` the linear logits module's weight.
+        samples: Draws.
+        generator: Random source.
+    """
+
+    def __init__(self, n: int, V: int, weight: Tensor, samples: int, generator: torch.Generator | None) -> None:
+        device = weight.device
         signs, uniforms = [], []
         for _ in range(samples):  # the order of draw_into's numbers: a sign, then a uniform, per draw
-            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=self.z.device))
-            uniforms.append(torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64))
-        sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
-        u = torch.cat(uniforms, 1)
-        classes = torch.empty((n, samples), dtype=torch.long, device=self.z.device)
-        coefs = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
-        pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # p_n W
-        traces = []
-        for i in _row_chunks(n, V):
-            rows = slice(i, i + _chunk_rows(V))
-            p, cdf, coef, root_trace = self._one if self._one is not None else self._tables(i)
-            c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, samples): c ~ q
-            classes[rows], coefs[rows] = c, coef.gather(1, c)
-            pw[rows] = p.to(weight.dtype) @ weight
-            traces.append(root_trace)
-            del p, cdf, coef
-        if self.unit is None:
-            self._set_norms(torch.cat(traces).float())
-        factor = (self.root / max(self.unit, 1e-30)) * sign * coefs  # as draw_into's (scale * sign * coef)
-        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(samples))
+            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=device))
+            uniforms.append(torch.rand((n, 1), generator=generator, device=device, dtype=torch.float64))
+        self.sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
+        self.u = torch.cat(uniforms, 1)
+        self.classes = torch.empty((n, samples), dtype=torch.long, device=device)
+        self.coefs = torch.empty((n, samples), dtype=torch.float64, device=device)
+        self.pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)  # p_n W
+        self.traces: dict[int, Tensor] = {}  # chunk start -> sqrt(tr H_n) of its rows
+        self.weight, self.V, self.samples = weight, V, samples
+
+    def chunk(self, i: int, p: Tensor) -> None:
+        """Read the chunk of rows starting at ``i`` from its softmax ``p`` (float64)."""
+        p, cdf, coef, root_trace = _tables_of(p)
+        rows = slice(i, i + p.shape[0])
+        c = torch.searchsorted(cdf, self.u[rows] * cdf[:, -1:]).clamp_max(self.V - 1)  # (rows, samples): c ~ q
+        self.classes[rows], self.coefs[rows] = c, coef.gather(1, c)
+        self.pw[rows] = p.to(self.weight.dtype) @ self.weight
+        self.traces[i] = root_trace
+
+    def draws(self, scale: Tensor) -> Iterator[Tensor]:
+        """``(r / unit) W`` per sample, with ``scale`` ``(N, 1)`` = ``sqrt(w) / unit`` (as draw_into's)."""
+        factor = scale * self.sign * self.coefs
+        weight, classes, pw = self.weight, self.classes, self.pw
+        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(self.samples))
+
+
+def _tables_of(p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(p, cumsum(q), coef, sqrt(tr H))`` of rows of float64 probabilities ``p`` (:class:`LogitSampler`)."""
+    # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
+    sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+    a2 = p * sq  # ||a_c||^2
+    total = a2.sum(-1, keepdim=True)  # tr H_n
+    q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
+    return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
 
 
 # -- optimizers --------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def test_capture_samples_are_the_backpropagated_logit_samples(head, monkeypatch)
     handle = attn.register_forward_hook(lambda m, a, o: outputs.__setitem__("y", o))
     through = []  # calls of the linear path
     input_draws = LogitSampler.input_draws
-    monkeypatch.setattr(LogitSampler, "input_draws", lambda *a: through.append(1) or input_draws(*a))
+    monkeypatch.setattr(LogitSampler, "input_draws", lambda *a, **kw: through.append(1) or input_draws(*a, **kw))
     with Capture(specs, max_tokens=12, logits_module=model.head) as cap:
         logits = model(idx)
         loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
@@ -471,6 +471,36 @@ def test_sampling_dispatch_ceiling():
     assert counts[16][0] - counts[1][0] <= 15 * 100, counts
 
 
+def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
+    """A linear logits module at a 50K vocabulary: the kept rows' logits are recomputed from its input once per chunk
+    of rows, for the loss weights and the draws together (:class:`~curvwatch.sharpness.InputDraws` handed to
+    ``loss_weights``), and the other rows' not at all (``total_weight`` reads two logits per row); before, twice and
+    once. The samples are those of the sampler's own pass (``plan`` not handed over), bit for bit."""
+    from curvwatch.sharpness import LinearLogits, _chunk_rows
+
+    V, L = 50_257, 32
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=1, n_head=2, d_model=16, d_ff=32, dropout=0.0))
+    idx = torch.randint(0, V, (4, L), generator=torch.Generator().manual_seed(1))
+    reads = []
+    getitem = LinearLogits.__getitem__
+    monkeypatch.setattr(LinearLogits, "__getitem__", lambda self, rows: reads.append(rows) or getitem(self, rows))
+    samples = {}
+    for fused in (True, False):
+        if not fused:  # the unfused path: the draws read every chunk themselves
+            monkeypatch.setattr("curvwatch.capture.InputDraws", lambda *a, **kw: None)
+        reads.clear()
+        with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
+            assert cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0)) == 2
+            loss.backward()
+        chunks = -(-64 // _chunk_rows(V))  # the kept rows' chunks
+        assert len(reads) == (chunks if fused else 2 * chunks), (fused, len(reads), chunks)
+        samples[fused] = [b.inputs["output_samples"] for b in cap.blocks() if "output_samples" in b.inputs]
+    for a, b in zip(samples[True], samples[False], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_two_captures_do_not_read_each_others_sampled_passes():
     """Two monitors' captures on one step, each sampling: each keeps the real backward's gradient, bit for bit."""
     model = _gpt()
@@ -538,15 +568,19 @@ def test_user_backward_hooks_are_named_at_set_up_and_sharpness_false_leaves_them
     assert run(CurvatureMonitor(every_n_train_steps=1, sharpness=False, verbose=False)) == without
 
 
-def test_kept_tokens_without_loss_weight_give_no_value_and_say_why():
+@pytest.mark.parametrize("V", [13, 50_257], ids=["one-chunk", "several-chunks"])
+def test_kept_tokens_without_loss_weight_give_no_value_and_say_why(V):
     """The kept sequence is an ignored one (every label ignore_index): no samples (a sharpness of 0 would read "far
-    from the edge"), and the error says why and what to change."""
-    model = _gpt()
-    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    from the edge"), and the error says why and what to change; also where the kept rows' tables span several chunks
+    (a 50K vocabulary: their norms are known only after the draws' pass over them)."""
+    L = 6 if V == 13 else 24
+    model = _gpt() if V == 13 else GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=1, n_head=2, d_model=8, d_ff=16,
+                                                 dropout=0.0))  # fmt: skip
+    idx = torch.randint(0, V, (3, L), generator=torch.Generator().manual_seed(2))
     labels = idx.clone()
-    labels[0] = -100  # the first sequence, the only one kept with max_tokens=6, is not scored
-    with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
-        loss = F.cross_entropy(model(idx).reshape(-1, 13), labels.reshape(-1), ignore_index=-100)
+    labels[0] = -100  # the first sequence, the only one kept with max_tokens=L, is not scored
+    with Capture(find_blocks(model), max_tokens=L, logits_module=model.head) as cap:
+        loss = F.cross_entropy(model(idx).reshape(-1, V), labels.reshape(-1), ignore_index=-100)
         with pytest.raises(ValueError, match=r"kept tokens .* carry no loss weight .* raise max_tokens"):
             cap.sample_outputs(loss, 2)
         loss.backward()
