@@ -398,7 +398,10 @@ def _sampler(
         count = soft_divisor(LossKind(kind), tuple(gz.shape))
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
-        count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
+
+        def count() -> int:  # only where loss_weights assumes a mean (label smoothing): hard labels need no count
+            return sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
+
     w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
     total = float(w.sum())
     if not everything and note is not None:  # an assumed mean's weights sum to 1

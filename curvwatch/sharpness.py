@@ -241,7 +241,7 @@ def loss_weights(
     logits: Tensor,
     grad: Tensor,
     kind: str | LossKind = "auto",
-    count: int | None = None,
+    count: int | Callable[[], int] | None = None,
     on_chunk: Callable[[int, Tensor], None] | None = None,
 ) -> tuple[Tensor, LossKind, str | None]:
     """Per-row weights ``w_n`` of the loss ``l = sum_n w_n ell(z_n)``, read from its gradient at the logits.
@@ -265,7 +265,8 @@ def loss_weights(
             ``"mse"``, or a soft-target reduction: ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``.
         count: What an assumed mean runs over when these rows are part of a larger batch: the rows with a gradient
             (label smoothing) or the elements (squared error) of the whole batch, or the whole batch's
-            :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``.
+            :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``. A callable (label smoothing: counted only
+            when needed) is called once, where the mean is assumed.
         on_chunk: Called as ``on_chunk(start, p)`` with the float64 softmax of each chunk of rows (cross-entropy
             kinds, where the weights are read from the rows; not for ``"mse"`` and the soft kinds), e.g.
             :meth:`InputDraws.chunk`: one pass over the logits for both.
@@ -363,7 +364,7 @@ def loss_weights(
             "loss='soft_mean' (divided by the rows of the logits: cross_entropy with probability targets, or "
             "kl_div 'batchmean' of (tokens, V) logits) or loss='soft_sum'; or sharpness=False."
         )
-    n_active = int(active.sum()) if count is None else count
+    n_active = int(active.sum()) if count is None else count() if callable(count) else count
     w = active.float() / max(n_active, 1)
     return (
         w,
