@@ -537,7 +537,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
     parser.add_argument("--layers", type=int, default=2, help="--bias: GPT-2 layers")
-    parser.add_argument("--seq", type=int, default=64, help="--bias: tokens per sequence (8 sequences)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="tokens per sequence (--bias: 8 sequences, default 64; --cost: default 128)",
+    )
+    parser.add_argument("--batch", type=int, default=8, help="--cost: sequences per batch")
+    parser.add_argument("--repeats", type=int, default=1, help="--cost: evaluations per mode (the median)")
     parser.add_argument("--tol", type=float, default=1e-6, help="--bias: Lanczos / ARPACK relative tolerance")
     parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
     parser.add_argument("--own", action="store_true", help="--bias: also layer 0's FFN W1W1 (with its own term)")
@@ -545,7 +552,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.estimators:
         ks = [int(k) for k in args.ks.split(",")]
-        rows = [r for w in args.width for r in estimator_rows(w, ks, args.seeds, args.layers, L=args.seq)]
+        rows = [r for w in args.width for r in estimator_rows(w, ks, args.seeds, args.layers, L=args.seq or 64)]
         text = "\n".join(estimator_table(rows))
         print(text)
         if args.out:
@@ -556,7 +563,7 @@ def main(argv=None) -> int:
         rows = [
             r
             for w in args.width
-            for r in bias_rows(w, ks, args.seeds, args.layers, L=args.seq, tol=args.tol, own=args.own)
+            for r in bias_rows(w, ks, args.seeds, args.layers, L=args.seq or 64, tol=args.tol, own=args.own)
         ]
         if args.json:
             import json
@@ -568,7 +575,7 @@ def main(argv=None) -> int:
             args.out.write_text(text + "\n")
         return 0
     if args.cost:
-        text = "\n".join(cost_share(args.width[0]))
+        text = "\n".join(cost_share(args.width[0], B=args.batch, L=args.seq or 128, repeats=args.repeats))
         print(text)
         if args.out:
             args.out.write_text(text + "\n")

@@ -73,6 +73,7 @@ from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
 from curvwatch.sharpness import (
     SOFT,
+    InputDraws,
     LinearLogits,
     LogitSampler,
     LossKind,
@@ -384,12 +385,13 @@ def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
 
 def _sampler(
     kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
-    factor: float, positions: float, norms: bool = True,
+    factor: float, positions: float, norms: bool = True, on_chunk=None,
 ):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
     :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
-    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand)."""
+    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand); ``on_chunk``: handed each chunk
+    of the kept rows' softmax (:func:`~curvwatch.sharpness.loss_weights`)."""
     V = gz.shape[-1]
     kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
     everything = g_kept.shape[0] * V == gz.numel()
@@ -400,8 +402,11 @@ def _sampler(
         count = soft_divisor(LossKind(kind), tuple(gz.shape))
     elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
         flat, step = gz.reshape(-1, V), _chunk_rows(V)
-        count = sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
-    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count)  # a chunk of rows at a time
+
+        def count() -> int:  # only where loss_weights assumes a mean (label smoothing): hard labels need no count
+            return sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
+
+    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
     total = float(w.sum())
     if not everything and note is not None:  # an assumed mean's weights sum to 1
         total = 1.0
@@ -799,8 +804,19 @@ class Capture:
         else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
             kept = self._linear_logits(h.detach()[rows])
             others = self._linear_logits(h.detach()[_other_rows(rows)])
-        sampler, scale, self.sample_note = _sampler(kept, others, gz, rows, kind, factor, l / L, norms=z is not None)
+        plan = None  # a linear logits module's draws read the kept rows' softmax in the loss weights' pass
+        if z is None and LossKind(kind) is not LossKind.MSE:
+            weight = self.logits_module.weight.detach()
+            plan = InputDraws(kept.shape[0], kept.shape[1], weight, samples, generator)
+        on_chunk = None if plan is None else plan.chunk
+        sampler, scale, self.sample_note = _sampler(
+            kept, others, gz, rows, kind, factor, l / L, z is not None, on_chunk
+        )
         del kept, others, gz  # a logits-sized gradient: not held through the sampled passes
+        draws = None
+        if z is None:  # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also
+            # the norms: a sampler of several chunks of rows knows its unit only then)
+            draws = sampler.input_draws(self.logits_module.weight.detach(), samples, generator, plan=plan)
         if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
             raise ValueError(
                 f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
@@ -808,8 +824,6 @@ class Capture:
                 "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
                 "max_tokens"
             )
-        # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also the norms)
-        draws = None if z is not None else sampler.input_draws(self.logits_module.weight.detach(), samples, generator)
         for _, rec in live:
             rec.sample_scale = scale
         return rows, sampler, draws

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LOGITS_NAMES",
+    "InputDraws",
     "LinearLogits",
     "LogitSampler",
     "LossKind",
@@ -140,6 +141,13 @@ class LinearLogits:
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             return torch.nn.functional.linear(self.h[rows], self.weight, self.bias)
 
+    def entries(self, start: int, stop: int, cols: Tensor) -> Tensor:
+        """``z[n, cols[n, j]]`` of the rows ``start:stop`` (``cols`` ``(rows, j)``): ``(rows, j)`` dot products of the
+        input rows with the weight's rows ``cols`` (and the bias), no ``(rows, V)`` logits."""
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            out = torch.einsum("nd,njd->nj", self.h[start:stop], self.weight[cols])
+            return out if self.bias is None else out + self.bias[cols]
+
 
 class LossKind(str, Enum):
     """The training loss at the logits, for the Monte-Carlo Gauss-Newton matrix."""
@@ -230,7 +238,11 @@ def logits_candidates(model: nn.Module, top: int = 3) -> list[str]:
 
 
 def loss_weights(
-    logits: Tensor, grad: Tensor, kind: str | LossKind = "auto", count: int | None = None
+    logits: Tensor,
+    grad: Tensor,
+    kind: str | LossKind = "auto",
+    count: int | Callable[[], int] | None = None,
+    on_chunk: Callable[[int, Tensor], None] | None = None,
 ) -> tuple[Tensor, LossKind, str | None]:
     """Per-row weights ``w_n`` of the loss ``l = sum_n w_n ell(z_n)``, read from its gradient at the logits.
 
@@ -253,7 +265,11 @@ def loss_weights(
             ``"mse"``, or a soft-target reduction: ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``.
         count: What an assumed mean runs over when these rows are part of a larger batch: the rows with a gradient
             (label smoothing) or the elements (squared error) of the whole batch, or the whole batch's
-            :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``.
+            :func:`soft_divisor` (soft kinds); ``None``: those of ``logits``. A callable (label smoothing: counted only
+            when needed) is called once, where the mean is assumed.
+        on_chunk: Called as ``on_chunk(start, p)`` with the float64 softmax of each chunk of rows (cross-entropy
+            kinds, where the weights are read from the rows; not for ``"mse"`` and the soft kinds), e.g.
+            :meth:`InputDraws.chunk`: one pass over the logits for both.
 
     Returns:
         ``(w, kind, note)``: ``w`` ``(N,)`` float32 (``N`` = rows), the loss kind used, and a note for the user
@@ -283,19 +299,10 @@ def loss_weights(
     w = torch.zeros(N, device=g_all.device)
     active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
     resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
-    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
     decisive_any = torch.zeros((), dtype=torch.bool, device=g_all.device)
-    slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
         z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
-        absum = g.abs().sum(-1)
-        act = absum > 0
-        p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
-        y = g.argmin(-1)  # the label of a hard target (its entry is the only negative one)
-        rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)  # 1 - p_y
-        # rows with enough mass off the label decide whether the rows sum to zero; in a confident row the autograd
-        # gradient rounds p_y - 1 (to 0 when p_y rounds to 1) and its sum says nothing
-        decisive = act & (rest > 1e-3)
+        p, y, rest, act, decisive, absum = _ce_rows(z, g)
         if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
             raise ValueError(
                 "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
@@ -305,6 +312,8 @@ def loss_weights(
                 "soft-capping or scaling after it changes the loss's curvature), or "
                 "sharpness=False."
             )
+        if on_chunk is not None:
+            on_chunk(i, p)
         # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
         off = g.sum(-1) - g.gather(1, y[:, None])[:, 0]
         wc = torch.where(act & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off))
@@ -312,6 +321,19 @@ def loss_weights(
         r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
         resid2 = resid2 + r[decisive].square().sum()
         norm2 = norm2 + g[decisive].square().sum()
+        decisive_any = decisive_any | decisive.any()
+        w[i : i + _chunk_rows(V)] = wc.float()
+        active[i : i + _chunk_rows(V)] = act
+        del z, g, p, r
+    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
+        return w, LossKind.CROSS_ENTROPY, None
+    # not hard labels: a second pass over the rows tells a scaling of the logits from soft targets (only here: the
+    # hard-label case, the usual one, does not pay for these fits)
+    slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
+    smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
+    for i in _row_chunks(N, V):
+        z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
+        p, y, _, _, decisive, _ = _ce_rows(z, g)
         if slope is None:
             slope = _logit_scale(z[decisive], g[decisive], y[decisive])
         # label smoothing, g = w (p - (1 - eps) e_y - eps/V): the label is the most negative entry, or, in a row
@@ -324,12 +346,7 @@ def loss_weights(
         better = fits[1][0] < fits[0][0]
         smooth2 = smooth2 + torch.where(better, fits[1][0], fits[0][0]).sum()
         off2 = off2 + torch.where(better, fits[1][1], fits[0][1]).sum()
-        del pd, gd, fits
-        decisive_any = decisive_any | decisive.any()
-        w[i : i + _chunk_rows(V)] = wc.float()
-        active[i : i + _chunk_rows(V)] = act
-    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
-        return w, LossKind.CROSS_ENTROPY, None
+        del z, g, p, pd, gd, fits
     if slope is not None and abs(slope - 1) > 10 * _HARD_FIT:
         raise ValueError(
             f"The loss's gradient at the logits is a hard-label cross-entropy's, but of softmax({slope:.3g} z), not "
@@ -347,7 +364,7 @@ def loss_weights(
             "loss='soft_mean' (divided by the rows of the logits: cross_entropy with probability targets, or "
             "kl_div 'batchmean' of (tokens, V) logits) or loss='soft_sum'; or sharpness=False."
         )
-    n_active = int(active.sum()) if count is None else count
+    n_active = int(active.sum()) if count is None else count() if callable(count) else count
     w = active.float() / max(n_active, 1)
     return (
         w,
@@ -358,6 +375,20 @@ def loss_weights(
             "logits' first dimension)"
         ),
     )
+
+
+def _ce_rows(z: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(p, y, 1 - p_y, active, decisive, |g| row sums)`` of a chunk of float64 logits and gradient rows
+    (:func:`loss_weights`): the softmax, the hard label (the only negative entry), the rows with a gradient, and those
+    with enough mass off the
+    label (``1 - p_y > 1e-3``) to decide whether the rows sum to zero (in a confident row the autograd gradient rounds
+    ``p_y - 1``, to 0 when ``p_y`` rounds to 1, and its sum says nothing)."""
+    absum = g.abs().sum(-1)
+    act = absum > 0
+    p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
+    y = g.argmin(-1)
+    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)
+    return p, y, rest, act, act & (rest > 1e-3), absum
 
 
 def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
@@ -381,9 +412,11 @@ def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
 
 def total_weight(logits: Tensor, grad: Tensor) -> float:
     """``sum_n w_n`` of a hard-label cross-entropy's rows (:func:`loss_weights` found hard labels on some of them),
-    cheaper than summing its weights: ``w_n = sum_{c != y} g_c / sum_{c != y} p_c`` with the denominator in the log
-    domain (``logsumexp`` of the other logits minus that of all), in the logits' precision, a chunk of rows at a time;
-    rows without a gradient weigh 0.
+    from the gradient and **two logits per row**, not the whole rows: with ``y`` the label (the only negative entry of
+    ``g_n``), ``S = sum_{c != y} g_c = w (1 - p_y)`` and ``c`` the largest entry off the label (``g_c = w p_c``),
+    ``p_y / p_c = exp(z_y - z_c)`` gives ``w = S + g_c exp(z_y - z_c)`` (both terms non-negative: no cancellation).
+    A linear logits module's two logits are two dot products of its input (:class:`LinearLogits`), so this costs
+    ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
 
     Example:
         >>> z = torch.randn(6, 5)
@@ -393,17 +426,28 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
         6.0
     """
     V = grad.shape[-1]
-    z_all, g_all = logits.detach().reshape(-1, V), grad.detach().reshape(-1, V)
+    g_all = grad.detach().reshape(-1, V)
+    z_all = logits.detach().reshape(-1, V)
     total = torch.zeros((), dtype=torch.float64, device=g_all.device)
     step = _chunk_rows(V)
     for i in range(0, g_all.shape[0], step):
-        z, g = z_all[i : i + step].float(), g_all[i : i + step].float()
-        y = g.argmin(-1, keepdim=True)  # the label: the only negative entry
-        lse = z.logsumexp(-1)
-        others = z.scatter(-1, y, -math.inf).logsumexp(-1)  # log sum_{c != y} e^{z_c}
-        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # sum_{c != y} g_c (every entry off the label is >= 0)
-        total = total + (off / (others - lse).double().exp().clamp_min(1e-300)).sum()
+        g = g_all[i : i + step]
+        y, c = g.argmin(-1, keepdim=True), g.argmax(-1, keepdim=True)  # the label; the largest entry off it
+        off = g.clamp_min(0).sum(-1, dtype=torch.float64)  # S = sum_{c != y} g_c (every entry off the label is >= 0)
+        gc = g.gather(-1, c)[:, 0].double()
+        zy, zc = _entries(z_all, i, i + step, torch.cat([y, c], -1)).double().unbind(-1)
+        odds = torch.where(gc > 0, gc * (zy - zc).exp(), torch.zeros_like(gc))  # w p_y (0 when g has no mass off y)
+        total = total + (off + odds).sum()
     return float(total)
+
+
+def _entries(z: Tensor | LinearLogits, start: int, stop: int, cols: Tensor) -> Tensor:
+    """``z[n, cols[n, j]]`` for the rows ``start:stop`` of ``(N, V)`` logits, ``(rows, j)`` in the logits' dtype: a
+    gather, or for :class:`LinearLogits` the dot products of those rows of its input with the weight's rows ``cols``
+    (``O(rows j d)``: no ``(rows, V)`` logits)."""
+    if isinstance(z, LinearLogits):
+        return z.entries(start, stop, cols)
+    return z[start:stop].gather(-1, cols)
 
 
 def _logit_scale(z: Tensor, g: Tensor, y: Tensor) -> float | None:
@@ -494,13 +538,11 @@ class LogitSampler:
 
     def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
-        p = torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
-        # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
-        sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
-        a2 = p * sq  # ||a_c||^2
-        total = a2.sum(-1, keepdim=True)  # tr H_n
-        q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
-        return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
+        return _tables_of(self._softmax(i))
+
+    def _softmax(self, i: int) -> Tensor:
+        """``p``, float64, of the rows of the chunk starting at ``i`` (as :func:`loss_weights` computes it)."""
+        return torch.softmax(self.z[i : i + _chunk_rows(self.z.shape[-1])].double(), -1)
 
     def draw(self, generator: torch.Generator | None = None) -> Tensor:
         """One sample ``r``, float32, shaped like the logits (``unit``: the largest row norm of a draw, so every entry
@@ -536,7 +578,9 @@ class LogitSampler:
             flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
         return out
 
-    def input_draws(self, weight: Tensor, samples: int, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    def input_draws(
+        self, weight: Tensor, samples: int, generator: torch.Generator | None = None, plan: InputDraws | None = None
+    ) -> Iterator[Tensor]:
         """The draws of :meth:`draw_into` carried back through a linear logits module ``z = h W^T + b``: one
         ``(r / unit) W`` per sample, ``(N, d)`` in ``weight``'s dtype, the cotangents at its input ``h`` (kept rows).
 
@@ -551,33 +595,77 @@ class LogitSampler:
             weight: ``(V, d)`` the logits module's weight.
             samples: Draws.
             generator: Random source (as for :meth:`draw_into`).
+            plan: Its random numbers and the chunks already read (:class:`InputDraws`, made with the same ``weight``,
+                ``samples`` and ``generator`` before any other use of it; handed to :func:`loss_weights` as
+                ``on_chunk``); ``generator`` is then not used.
         """
         n, V = self.z.shape
         if self.kind is LossKind.MSE:
             buf = torch.empty((n, V), dtype=weight.dtype, device=weight.device)
             return (self.draw_into(buf, generator) @ weight for _ in range(samples))
+        if plan is None:
+            plan = InputDraws(n, V, weight, samples, generator)
+        for i in _row_chunks(n, V):  # the chunks the plan was not handed (all of them, unless by loss_weights)
+            if i not in plan.traces:
+                plan.chunk(i, self._one[0] if self._one is not None else self._softmax(i))
+        if self.unit is None:
+            self._set_norms(torch.cat([plan.traces[i] for i in _row_chunks(n, V)]).float())
+        return plan.draws(self.root / max(self.unit, 1e-30))
+
+
+class InputDraws:
+    """The random numbers and per-chunk tables of :meth:`LogitSampler.input_draws` (cross-entropy), apart from the
+    sampler: its random numbers are drawn at once, in :meth:`LogitSampler.draw_into`'s order (a sign, then a uniform,
+    per draw), and each chunk of rows is read once, from its softmax :meth:`chunk`, which :func:`loss_weights` can
+    hand over from its own pass over the same rows (``on_chunk``): then the logits of the kept rows are computed once
+    for the weights and the draws, not twice. The tables do not depend on the loss weights, which scale the draws
+    only at the end (:meth:`draws`).
+
+    Args:
+        n, V: the rows and the vocabulary.
+        weight: ``(V, d)`` the linear logits module's weight.
+        samples: Draws.
+        generator: Random source.
+    """
+
+    def __init__(self, n: int, V: int, weight: Tensor, samples: int, generator: torch.Generator | None) -> None:
+        device = weight.device
         signs, uniforms = [], []
         for _ in range(samples):  # the order of draw_into's numbers: a sign, then a uniform, per draw
-            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=self.z.device))
-            uniforms.append(torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64))
-        sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
-        u = torch.cat(uniforms, 1)
-        classes = torch.empty((n, samples), dtype=torch.long, device=self.z.device)
-        coefs = torch.empty((n, samples), dtype=torch.float64, device=self.z.device)
-        pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)  # p_n W
-        traces = []
-        for i in _row_chunks(n, V):
-            rows = slice(i, i + _chunk_rows(V))
-            p, cdf, coef, root_trace = self._one if self._one is not None else self._tables(i)
-            c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, samples): c ~ q
-            classes[rows], coefs[rows] = c, coef.gather(1, c)
-            pw[rows] = p.to(weight.dtype) @ weight
-            traces.append(root_trace)
-            del p, cdf, coef
-        if self.unit is None:
-            self._set_norms(torch.cat(traces).float())
-        factor = (self.root / max(self.unit, 1e-30)) * sign * coefs  # as draw_into's (scale * sign * coef)
-        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(samples))
+            signs.append(torch.randint(0, 2, (n, 1), generator=generator, device=device))
+            uniforms.append(torch.rand((n, 1), generator=generator, device=device, dtype=torch.float64))
+        self.sign = torch.cat(signs, 1).float().mul_(2).sub_(1)  # (N, samples)
+        self.u = torch.cat(uniforms, 1)
+        self.classes = torch.empty((n, samples), dtype=torch.long, device=device)
+        self.coefs = torch.empty((n, samples), dtype=torch.float64, device=device)
+        self.pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)  # p_n W
+        self.traces: dict[int, Tensor] = {}  # chunk start -> sqrt(tr H_n) of its rows
+        self.weight, self.V, self.samples = weight, V, samples
+
+    def chunk(self, i: int, p: Tensor) -> None:
+        """Read the chunk of rows starting at ``i`` from its softmax ``p`` (float64)."""
+        p, cdf, coef, root_trace = _tables_of(p)
+        rows = slice(i, i + p.shape[0])
+        c = torch.searchsorted(cdf, self.u[rows] * cdf[:, -1:]).clamp_max(self.V - 1)  # (rows, samples): c ~ q
+        self.classes[rows], self.coefs[rows] = c, coef.gather(1, c)
+        self.pw[rows] = p.to(self.weight.dtype) @ self.weight
+        self.traces[i] = root_trace
+
+    def draws(self, scale: Tensor) -> Iterator[Tensor]:
+        """``(r / unit) W`` per sample, with ``scale`` ``(N, 1)`` = ``sqrt(w) / unit`` (as draw_into's)."""
+        factor = scale * self.sign * self.coefs
+        weight, classes, pw = self.weight, self.classes, self.pw
+        return ((weight[classes[:, j]] - pw).mul_(factor[:, j, None].to(weight.dtype)) for j in range(self.samples))
+
+
+def _tables_of(p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(p, cumsum(q), coef, sqrt(tr H))`` of rows of float64 probabilities ``p`` (:class:`LogitSampler`)."""
+    # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
+    sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+    a2 = p * sq  # ||a_c||^2
+    total = a2.sum(-1, keepdim=True)  # tr H_n
+    q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
+    return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
 
 
 # -- optimizers --------------------------------------------------------------------------------------

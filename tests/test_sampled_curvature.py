@@ -19,6 +19,7 @@ import torch
 from torch.func import hessian, jacrev
 
 from curvwatch.closed_form import EXACT, Lanczos, WarmStart, ffn, gated_ffn, multi_head_attention, self_attention
+from curvwatch.closed_form import _sampled as sampled
 from curvwatch.closed_form._sampled import debias
 from curvwatch.closed_form.ffn import activation_derivatives
 from curvwatch.reference._core import (
@@ -305,8 +306,13 @@ def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> di
     return {**out, "raw": raw, "H_f": H_f, "ggn_dense": ggn}
 
 
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "lanczos"])
 @pytest.mark.parametrize("kernel, case", CASES, ids=_ids)
-def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(kernel, case):
+def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(kernel, case, gram, monkeypatch):
+    """Both ways to the Gauss-Newton keys (the samples' Gram matrix, used up to ``GRAM_STEPS`` columns per Lanczos
+    member it replaces, and the Lanczos runs above it) against the dense reference."""
+    if not gram:
+        monkeypatch.setattr(sampled, "GRAM_STEPS", 0)
     prob = PROBLEMS[kernel](case)
     plain = prob.call(lanczos=EXACT)
     out = prob.call(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
@@ -349,6 +355,40 @@ def test_default_lanczos_and_warm_start(kernel, case):
     for key in sampled:  # both runs converged to tol = 1e-3: some eigenvalue within that of each
         assert_close_report(again[key], out[key], 3 * Lanczos().tol, name=key)
         assert float(out[f"residual/{key}"]) <= Lanczos().tol, key
+
+
+@pytest.mark.parametrize("kernel", ["ffn", "gated_ffn", "self_attention"])
+def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_blocks(kernel, monkeypatch):
+    """With few samples times sequences the GGN keys come from the Gram matrix (exact: residual 0), the sharpness
+    of a block whose own functional term is zero (``W2W2``, ``W3W3``, ``VV``: ``F`` linear in it) is its GGN with no
+    Lanczos run at all, and the other sharpness keys run one Lanczos member per estimate and preconditioning (not
+    two: no GGN members); the values as the Lanczos-only path's to its tolerance."""
+    runs = []
+    inner = sampled._lanczos_norms
+
+    def counted(op, emb, mv, kinds, *args, **kwargs):
+        runs.append(tuple(kinds))
+        return inner(op, emb, mv, kinds, *args, **kwargs)
+
+    monkeypatch.setattr(sampled, "_lanczos_norms", counted)
+    case = next(c for k, c in CASES if k == kernel)
+    prob = PROBLEMS[kernel](case)
+    out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
+    linear = {"ffn": ("W2W2",), "gated_ffn": ("W2W2", "W3W3"), "self_attention": ("VV",)}[kernel]
+    assert runs and all(set(kinds) == {"hessian"} for kinds in runs), runs
+    assert len(runs) == len({b.key for b in prob.blocks} - set(linear)), runs
+    for key, value in out.items():
+        if key.startswith("residual/") and "ggn/" in key:
+            assert float(value) == 0, key
+    for pair in linear:
+        assert torch.equal(out[f"sharpness/{pair}"], out[f"ggn/{pair}"]), pair
+    monkeypatch.setattr(sampled, "GRAM_STEPS", 0)
+    runs.clear()
+    slow = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
+    assert all(set(kinds) == {"outer", "hessian"} for kinds in runs), runs
+    for key, value in slow.items():
+        if not key.startswith("residual/"):
+            assert_close_report(out[key], value, CONVERGED, name=key)
 
 
 def test_pairs_select_the_sampled_keys():

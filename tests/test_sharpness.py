@@ -81,6 +81,29 @@ def test_total_weight_is_the_sum_of_the_loss_weights():
     assert abs(expected - float(per_row[3:].sum())) <= 1e-4 * expected
 
 
+def test_total_weight_of_a_linear_logits_module_reads_two_logits_per_row():
+    """Through a linear logits module (rows recomputed from its input): the same sum to float32 round-off, with the
+    bias, confident and ignored rows, and the O(rows d) dot products only: no (rows, V) product (torch's profiler: no
+    ``linear``/``mm``/``addmm`` call, which recomputing the logits is)."""
+    from curvwatch.sharpness import LinearLogits, total_weight
+
+    g0 = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 1000)
+    h = torch.randn(40, 16, generator=g0)
+    h[7] = lin.weight[3].detach() * 40  # a confident row (p_3 ~ 1)
+    labels = torch.randint(0, 1000, (40,), generator=g0)
+    labels[7], labels[:2] = 3, -100
+    per_row = torch.linspace(0.5, 2.0, 40)
+    z = lin(h).detach()
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    expected = float(per_row[2:].double().sum())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = total_weight(LinearLogits(h, lin.weight, lin.bias), g)
+    assert abs(got - expected) <= 1e-5 * expected
+    assert abs(total_weight(z, g) - expected) <= 1e-5 * expected
+    assert not {e.name for e in prof.events()} & {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+
+
 def test_loss_weights_soft_targets_and_mse_and_errors():
     w, kind, note = loss_weights(
         Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
@@ -139,7 +162,7 @@ def test_capture_samples_are_the_backpropagated_logit_samples(head, monkeypatch)
     handle = attn.register_forward_hook(lambda m, a, o: outputs.__setitem__("y", o))
     through = []  # calls of the linear path
     input_draws = LogitSampler.input_draws
-    monkeypatch.setattr(LogitSampler, "input_draws", lambda *a: through.append(1) or input_draws(*a))
+    monkeypatch.setattr(LogitSampler, "input_draws", lambda *a, **kw: through.append(1) or input_draws(*a, **kw))
     with Capture(specs, max_tokens=12, logits_module=model.head) as cap:
         logits = model(idx)
         loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
@@ -427,9 +450,10 @@ def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary()
 
 def test_sampling_dispatch_ceiling():
     """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 7 chunks of rows): 16
-    samples cost 2,766 operators and 31 syncs, each sample 80 operators more (its backward pass through the body) than
-    one (1,566; of which ~520 the label-smoothing fit of the soft-target recognition, issue 24 point 5, 46 per chunk of
-    rows); the previous version drew every sample at the logits, chunk by chunk: 7,228 operators, 50 syncs."""
+    samples cost 2,222 operators and 13 syncs, each sample 80 operators more (its backward pass through the body) than
+    one (1,022); before the one pass over the kept rows for the loss weights and the draws, the two logits per row of
+    the other rows' weight, the soft-target fits and the count of rows with a gradient only where the hard-label fit
+    fails: 2,766 and 31; before the draws at the logits module's input: 7,228 operators, 50 syncs."""
     from benchmarks.bench_dispatch import OpCounter
 
     V, L = 50_257, 32
@@ -444,8 +468,38 @@ def test_sampling_dispatch_ceiling():
                 assert cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(0)) == 4
             loss.backward()
         counts[k] = (counter.total, counter.syncs)
-    assert counts[16][0] <= 3_100 and counts[16][1] <= 36, counts
+    assert counts[16][0] <= 2_400 and counts[16][1] <= 16, counts
     assert counts[16][0] - counts[1][0] <= 15 * 100, counts
+
+
+def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
+    """A linear logits module at a 50K vocabulary: the kept rows' logits are recomputed from its input once per chunk
+    of rows, for the loss weights and the draws together (:class:`~curvwatch.sharpness.InputDraws` handed to
+    ``loss_weights``), and the other rows' not at all (``total_weight`` reads two logits per row); before, twice and
+    once. The samples are those of the sampler's own pass (``plan`` not handed over), bit for bit."""
+    from curvwatch.sharpness import LinearLogits, _chunk_rows
+
+    V, L = 50_257, 32
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=1, n_head=2, d_model=16, d_ff=32, dropout=0.0))
+    idx = torch.randint(0, V, (4, L), generator=torch.Generator().manual_seed(1))
+    reads = []
+    getitem = LinearLogits.__getitem__
+    monkeypatch.setattr(LinearLogits, "__getitem__", lambda self, rows: reads.append(rows) or getitem(self, rows))
+    samples = {}
+    for fused in (True, False):
+        if not fused:  # the unfused path: the draws read every chunk themselves
+            monkeypatch.setattr("curvwatch.capture.InputDraws", lambda *a, **kw: None)
+        reads.clear()
+        with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
+            loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
+            assert cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0)) == 2
+            loss.backward()
+        chunks = -(-64 // _chunk_rows(V))  # the kept rows' chunks
+        assert len(reads) == (chunks if fused else 2 * chunks), (fused, len(reads), chunks)
+        samples[fused] = [b.inputs["output_samples"] for b in cap.blocks() if "output_samples" in b.inputs]
+    for a, b in zip(samples[True], samples[False], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_two_captures_do_not_read_each_others_sampled_passes():
@@ -515,15 +569,19 @@ def test_user_backward_hooks_are_named_at_set_up_and_sharpness_false_leaves_them
     assert run(CurvatureMonitor(every_n_train_steps=1, sharpness=False, verbose=False)) == without
 
 
-def test_kept_tokens_without_loss_weight_give_no_value_and_say_why():
+@pytest.mark.parametrize("V", [13, 50_257], ids=["one-chunk", "several-chunks"])
+def test_kept_tokens_without_loss_weight_give_no_value_and_say_why(V):
     """The kept sequence is an ignored one (every label ignore_index): no samples (a sharpness of 0 would read "far
-    from the edge"), and the error says why and what to change."""
-    model = _gpt()
-    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    from the edge"), and the error says why and what to change; also where the kept rows' tables span several chunks
+    (a 50K vocabulary: their norms are known only after the draws' pass over them)."""
+    L = 6 if V == 13 else 24
+    model = _gpt() if V == 13 else GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=1, n_head=2, d_model=8, d_ff=16,
+                                                 dropout=0.0))  # fmt: skip
+    idx = torch.randint(0, V, (3, L), generator=torch.Generator().manual_seed(2))
     labels = idx.clone()
-    labels[0] = -100  # the first sequence, the only one kept with max_tokens=6, is not scored
-    with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
-        loss = F.cross_entropy(model(idx).reshape(-1, 13), labels.reshape(-1), ignore_index=-100)
+    labels[0] = -100  # the first sequence, the only one kept with max_tokens=L, is not scored
+    with Capture(find_blocks(model), max_tokens=L, logits_module=model.head) as cap:
+        loss = F.cross_entropy(model(idx).reshape(-1, V), labels.reshape(-1), ignore_index=-100)
         with pytest.raises(ValueError, match=r"kept tokens .* carry no loss weight .* raise max_tokens"):
             cap.sample_outputs(loss, 2)
         loss.backward()
@@ -689,3 +747,23 @@ def test_label_smoothing_of_a_confident_model_keeps_its_note():
         w, _, note = loss_weights(zz.detach(), g)
         assert "label-smoothing form" in note
         torch.testing.assert_close(w.double(), torch.full((32,), 1 / 32, dtype=torch.float64))
+
+
+def test_label_smoothing_on_kept_rows_counts_the_whole_batch():
+    """Label smoothing with only the first sequence kept: the assumed mean runs over the whole batch's rows with a
+    gradient (counted only there: a hard-label loss skips that pass), so the kept rows weigh 1/(that count) and the
+    scale to the whole batch is its count over the kept rows'. (Logits scaled up: near-uniform predictions make label
+    smoothing look like a hard label of weight ``1 - eps``.)"""
+    model = _gpt()
+    with torch.no_grad():
+        model.head.weight.mul_(30)
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    labels = idx.clone()
+    labels[1, :2] = labels[2, 4:] = -100  # 14 of the 18 rows scored, all 6 kept ones
+    with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
+        loss = F.cross_entropy(model(idx).reshape(-1, 13), labels.reshape(-1), ignore_index=-100, label_smoothing=0.1)
+        assert cap.sample_outputs(loss, 2, generator=torch.Generator().manual_seed(0)) == 4
+        loss.backward()
+    assert "mean over the 14 rows with a gradient" in cap.sample_note
+    scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
+    assert len(scales) == 1 and abs(scales.pop() - 14 / 6) < 1e-6  # float32 weights

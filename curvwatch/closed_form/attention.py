@@ -1002,7 +1002,7 @@ def _attention(
         sop = with_sampled(op, SampledCurvature.of_heads(samples, W_O))
         diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
         if G == 1:
-            out.update(sampled_norms(sop, diagonal, lanczos=lanczos, scale=precondition))
+            out.update(sampled_norms(sop, diagonal, lanczos=lanczos, scale=precondition, linear=("VV",)))
         else:  # as the other keys: QQ per query head, VV and KK per kv group
             q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
             out.update(sampled_norms(sop, q_diag, lanczos=lanczos, scale=precondition, view=_QueryView))

@@ -319,7 +319,8 @@ def ffn(
         sop = with_sampled(op, SampledCurvature.of_tokens(samples))
         blocks = {"W_1": "W1", "W_2": "W2"}
         diagonal = [p for p in pairs if p in ("W1W1", "W2W2")]
-        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale={blocks[nm]: D for nm, D in pre.items()}))
+        scale = {blocks[nm]: D for nm, D in pre.items()}
+        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale=scale, linear=("W2W2",)))  # F linear in W_2
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:

@@ -365,7 +365,8 @@ def gated_ffn(
         sop = with_sampled(op, SampledCurvature.of_tokens(samples))
         blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
         diagonal = [p for p in pairs if p in ("W1W1", "W3W3", "W2W2")]
-        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale={blocks[nm]: D for nm, D in pre.items()}))
+        scale = {blocks[nm]: D for nm, D in pre.items()}
+        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale=scale, linear=("W2W2", "W3W3")))  # F linear in them
     kept = keep.unsqueeze(-1)  # (B, L, 1)
     n_kept = f * (B * L if row_mask is None else keep.sum())
     off, pos = Z_g < GATE_OFF, Z_g > 0  # (B, L, f)
