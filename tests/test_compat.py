@@ -73,13 +73,23 @@ def _logged(tmp_path, model: TinyLM, caught: list[str] | None = None) -> list[di
     ]
 
 
+def _differing(g: dict[str, float], e: dict[str, float], rtol: float) -> dict[str, tuple[float, float]]:
+    """The keys of ``e`` whose value in ``g`` is off by more than ``rtol`` relative.
+
+    A ``sharpness_spread`` is a relative difference of two estimates (the sample's halves): where they agree to ~1e-4,
+    the weights' round-off (compiled steps sum in another order; 2 threads) moves it by more than ``rtol`` of itself
+    (inductor: 5.666e-5 against 5.657e-5), so it is held to ``rtol`` plus 1e-6."""
+    return {k: (g[k], e[k]) for k in e
+            if abs(g[k] - e[k]) > rtol * abs(e[k]) + (1e-6 if "sharpness_spread" in k else 1e-30)}  # fmt: skip
+
+
 def _assert_same(got: list[dict[str, float]], expected: list[dict[str, float]], rtol: float) -> None:
     assert len(got) == len(expected) == STEPS
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g.keys() == e.keys(), f"step {step}: keys differ: {sorted(g.keys() ^ e.keys())[:5]}"
         assert float(g["curv/summary/skipped_evaluations"]) == 0.0
         assert "curv/layer1/attn/hessian/QQ/h0" in e and "curv/layer1/ffn/hessian/W1W1" in e  # every block evaluated
-        bad = {k: (g[k], e[k]) for k in e if abs(g[k] - e[k]) > rtol * abs(e[k]) + 1e-30}
+        bad = _differing(g, e, rtol)
         assert not bad, f"step {step}: {len(bad)} of {len(e)} numbers differ, e.g. {list(bad.items())[:3]}"
 
 
@@ -217,7 +227,7 @@ def _assert_same_steps(got, expected, evaluated, rtol):
         g, e = got[step], expected[step]
         differ = sorted(g.keys() ^ e.keys())[:5]
         assert g.keys() == e.keys(), f"step {step}: {len(g)} keys, uncompiled {len(e)}, e.g. {differ}"
-        bad = {k: (g[k], e[k]) for k in e if abs(g[k] - e[k]) > rtol * abs(e[k]) + 1e-30}
+        bad = _differing(g, e, rtol)
         assert not bad, f"step {step}: {len(bad)} of {len(e)} numbers differ, e.g. {list(bad.items())[:3]}"
     for step in evaluated:  # every block evaluated: full evaluations (every_2, step 0) and terms-only (step 10)
         full = step % 2 == 0 and step < 10
