@@ -752,9 +752,10 @@ def stability_rule(
         beta1, beta2 = (float(b) for b in first["betas"])
         eps = float(used[0]["eps"])
         precondition = {}
-        for weight, (ps, index) in params.items():
+        # the step counts in one host read (a device tensor under fused or capturable Adam: one sync each)
+        steps = _host_floats([opt.state.get(ps[0], {}).get("step", 0) if ps else 0 for ps, _ in params.values()])
+        for (weight, (ps, index)), step in zip(params.items(), steps, strict=True):
             states = [opt.state.get(p, {}) for p in ps]
-            step = float(states[0].get("step", 0)) if states else 0.0
             if any("exp_avg_sq" not in s for s in states) or step < 1:
                 return None, NO_STATE_YET
             flat = torch.cat([_full(s["exp_avg_sq"]).detach().reshape(-1).float() for s in states])
@@ -767,6 +768,24 @@ def stability_rule(
         threshold = (2 + 2 * beta1) / ((1 - beta1) * lr) if lr > 0 else math.inf  # lr = 0 (warm-up): ratio 0
         return StabilityRule("adam", lr, beta1, threshold, precondition), None
     return None, f"{name} is not supported for stability ratios (SGD, Adam and AdamW are)"
+
+
+def _host_floats(values: list[Any]) -> list[float]:
+    """``values`` (numbers and one-element tensors) as floats: one host read per device for the tensors.
+
+    Example:
+        >>> _host_floats([1, torch.tensor(2.0), torch.tensor([3])])
+        [1.0, 2.0, 3.0]
+    """
+    out = [float(v) if not isinstance(v, Tensor) else 0.0 for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, x in zip(idx, torch.stack([values[i].reshape(()) for i in idx]).tolist(), strict=True):
+            out[i] = float(x)
+    return out
 
 
 def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[str, tuple[list[Tensor], Tensor]]:

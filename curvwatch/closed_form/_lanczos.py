@@ -79,7 +79,7 @@ def lanczos_max_abs(
             products were spent.
         v0: optional start vectors ``(*batch_shape, n)`` (warm start), else seeded Gaussian.
         seed: seed of the Gaussian start.
-        both_ends: bool or ``batch_shape`` bool tensor; False where the spectrum is known to be one-sided
+        both_ends: bool, or a ``batch_shape`` bool array or tensor; False where the spectrum is known to be one-sided
             (a Gauss-Newton block, PSD) or symmetric about zero (the ``[[0, B], [B^T, 0]]`` embedding of an
             off-diagonal block), where the largest-magnitude end alone decides.
         pass_live: call ``matvec(v, live)`` instead, ``live`` a host (numpy) bool array of shape ``batch_shape``: the

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._lanczos import LanczosRun, solve
@@ -480,14 +481,15 @@ def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, al
     return _norm_results(run, key, lanczos)
 
 
-def _both_ends(kinds: Sequence[str], diagonal: bool) -> torch.Tensor:
-    """``(len(kinds), 1)`` host mask: which Lanczos runs must resolve both ends of the spectrum.
+def _both_ends(kinds: Sequence[str], diagonal: bool) -> np.ndarray:
+    """``(len(kinds), 1)`` host mask (a numpy array: no tensor to read back): which Lanczos runs must resolve both ends
+    of the spectrum.
 
     Outer (Gauss-Newton) blocks are PSD and off-diagonal blocks are embedded with a spectrum symmetric
     about zero: the largest-magnitude end alone decides. Functional and total diagonal blocks are
     indefinite.
     """
-    return torch.tensor([diagonal and k != "outer" for k in kinds], dtype=torch.bool).unsqueeze(-1)
+    return np.array([[diagonal and k != "outer"] for k in kinds], dtype=bool)
 
 
 def full_norms(

@@ -315,6 +315,7 @@ def sampled_norms(
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
     out: dict[str, torch.Tensor] = {}
+    spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
     for pair_name in pairs:
         plain = view(op)
         X, Y = _pair_blocks(pair_name, list(plain.params))
@@ -369,11 +370,15 @@ def sampled_norms(
                     out[k] = value[h]
                     out[f"residual/{k}"] = residual[h]
                 if spread is not None and name == "sharpness" and not prefix:
-                    # 0/0 is "no data": no key; one host read for every head
-                    keep = (torch.isfinite(spread) & (value != 0)).reshape(-1).tolist()
-                    for h, k in enumerate(head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))):
-                        if keep[h]:
-                            out[k] = spread[h]
+                    # 0/0 is "no data": no key (decided below, for every pair in one host read)
+                    heads = head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))
+                    spreads.append((heads, spread, torch.isfinite(spread) & (value != 0)))
+    if spreads:
+        keep = iter(torch.cat([ok.reshape(-1) for _, _, ok in spreads]).tolist())
+        for heads, spread, _ in spreads:
+            for h, k in enumerate(heads):
+                if next(keep):
+                    out[k] = spread[h]
     return out
 
 
