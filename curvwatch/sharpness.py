@@ -706,7 +706,7 @@ def _full(t: Tensor) -> Tensor:
 
 
 def stability_rule(
-    optimizer: Any, params: Mapping[str, tuple[list[Tensor], Tensor]]
+    optimizer: Any, params: Mapping[str, tuple[list[Tensor], Tensor]], steps: Mapping[int, float] | None = None
 ) -> tuple[StabilityRule | None, str | None]:
     """The rule of the optimizer for one block, or ``(None, why not)``.
 
@@ -716,6 +716,8 @@ def stability_rule(
             weights.
         params: ``{kernel weight name: (module parameters, index)}`` from :func:`param_index_map`: ``index`` is
             the weight's elements as positions in the concatenation of the flattened parameters.
+        steps: ``{id(parameter): Adam's step count}`` read already (:func:`adam_steps`, one host read for every
+            block), or None: read here, one host read for the block.
 
     Supported: ``SGD`` without Nesterov and without dampening (plain or heavy-ball), ``Adam`` and ``AdamW``
     without ``amsgrad`` (after their first step, when ``exp_avg_sq`` exists). For the others no ratio is logged
@@ -753,8 +755,10 @@ def stability_rule(
         eps = float(used[0]["eps"])
         precondition = {}
         # the step counts in one host read (a device tensor under fused or capturable Adam: one sync each)
-        steps = _host_floats([opt.state.get(ps[0], {}).get("step", 0) if ps else 0 for ps, _ in params.values()])
-        for (weight, (ps, index)), step in zip(params.items(), steps, strict=True):
+        if steps is None:
+            steps = adam_steps(opt, [ps for ps, _ in params.values()])
+        for weight, (ps, index) in params.items():
+            step = steps.get(id(ps[0]), 0.0) if ps else 0.0
             states = [opt.state.get(p, {}) for p in ps]
             if any("exp_avg_sq" not in s for s in states) or step < 1:
                 return None, NO_STATE_YET
@@ -768,6 +772,15 @@ def stability_rule(
         threshold = (2 + 2 * beta1) / ((1 - beta1) * lr) if lr > 0 else math.inf  # lr = 0 (warm-up): ratio 0
         return StabilityRule("adam", lr, beta1, threshold, precondition), None
     return None, f"{name} is not supported for stability ratios (SGD, Adam and AdamW are)"
+
+
+def adam_steps(optimizer: Any, params: Iterable[list[Tensor]]) -> dict[int, float]:
+    """``{id(p): step}`` of the first parameter ``p`` of each list in ``params``: its ``state["step"]`` in
+    ``optimizer`` (0 without state), every tensor read in one host read per device."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    firsts = list({id(ps[0]): ps[0] for ps in params if ps}.values())
+    values = _host_floats([opt.state.get(p, {}).get("step", 0) for p in firsts])
+    return dict(zip((id(p) for p in firsts), values, strict=True))
 
 
 def _host_floats(values: list[Any]) -> list[float]:
@@ -1134,16 +1147,21 @@ class RealLoss:
         from curvwatch.kinds import KINDS
 
         rules, why = {}, {}
-        for spec in specs:
-            if not KINDS[spec.kind].sampled:
-                continue
-            found = self.map_of(spec)
+        found_of = {spec.name: self.map_of(spec) for spec in specs if KINDS[spec.kind].sampled}
+        # Adam's step counts of every block's weights in one host read (per optimizer)
+        lists = [ps for found in found_of.values() if not isinstance(found, str) for ps, _ in found.values()]
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        steps: dict[int, float] = {}
+        for opt in opts:
+            if isinstance(getattr(opt, "optimizer", opt), (torch.optim.Adam, torch.optim.AdamW)):
+                steps.update({k: v for k, v in adam_steps(opt, lists).items() if v or k not in steps})
+        for name, found in found_of.items():
             if isinstance(found, str):
-                why[spec.name] = found
+                why[name] = found
                 continue
-            rule, reason = stability_rule(optimizer, found)
+            rule, reason = stability_rule(optimizer, found, steps=steps if steps else None)
             if rule is None:
-                why[spec.name] = reason
+                why[name] = reason
             else:
-                rules[spec.name] = rule
+                rules[name] = rule
         return rules, why

@@ -767,3 +767,23 @@ def test_label_smoothing_on_kept_rows_counts_the_whole_batch():
     assert "mean over the 14 rows with a gradient" in cap.sample_note
     scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
     assert len(scales) == 1 and abs(scales.pop() - 14 / 6) < 1e-6  # float32 weights
+
+
+def test_rules_read_the_step_counts_of_every_block_in_one_host_read():
+    """Adam's ``state["step"]`` is a device tensor under fused or capturable Adam: the rules of all blocks read the step
+    counts in one host read (one per block, and before that one per weight, were a sync each on a GPU)."""
+    from benchmarks.bench_dispatch import OpCounter, count_host_reads
+
+    model = _gpt()  # 2 layers
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(0))
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    F.cross_entropy(model(idx).reshape(-1, 13), idx.reshape(-1)).backward()
+    adam.step()
+    real, specs = RealLoss(), find_blocks(model)
+    real.rules(adam, specs)  # the index maps, once per block
+    counter = OpCounter()
+    with counter, count_host_reads(counter):
+        rules, why = real.rules(adam, specs)
+    assert len(rules) == 4 and not why  # two attention and two FFN blocks
+    assert counter.syncs == 1, counter.syncs
+    assert all(rule.optimizer == "adam" and rule.precondition for rule in rules.values())
