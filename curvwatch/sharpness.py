@@ -775,11 +775,11 @@ def stability_rule(
 
 
 def adam_steps(optimizer: Any, params: Iterable[list[Tensor]]) -> dict[int, float]:
-    """``{id(p): step}`` of the first parameter ``p`` of each list in ``params``: its ``state["step"]`` in
-    ``optimizer`` (0 without state), every tensor read in one host read per device."""
+    """``{id(p): step}`` of the first parameter ``p`` of each list in ``params`` that has state in ``optimizer``: its
+    ``state["step"]`` (0 without one), every tensor read in one host read per device."""
     opt = getattr(optimizer, "optimizer", optimizer)
-    firsts = list({id(ps[0]): ps[0] for ps in params if ps}.values())
-    values = _host_floats([opt.state.get(p, {}).get("step", 0) for p in firsts])
+    firsts = list({id(ps[0]): ps[0] for ps in params if ps and ps[0] in opt.state}.values())
+    values = _host_floats([opt.state[p].get("step", 0) for p in firsts])
     return dict(zip((id(p) for p in firsts), values, strict=True))
 
 
@@ -1154,7 +1154,7 @@ class RealLoss:
         steps: dict[int, float] = {}
         for opt in opts:
             if isinstance(getattr(opt, "optimizer", opt), (torch.optim.Adam, torch.optim.AdamW)):
-                steps.update({k: v for k, v in adam_steps(opt, lists).items() if v or k not in steps})
+                steps.update(adam_steps(opt, lists))  # (a parameter has state in one optimizer only)
         for name, found in found_of.items():
             if isinstance(found, str):
                 why[name] = found

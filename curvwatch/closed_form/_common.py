@@ -217,11 +217,13 @@ def row_statistics(X: torch.Tensor, keep: torch.Tensor | None = None, *, eps: fl
     return torch.stack([var_min, var_mean, low.sqrt().reciprocal(), low.reciprocal(), over_eps, frac], -1)
 
 
-def norm_statistics(X: torch.Tensor, keep: torch.Tensor | None, eps: float, names: tuple[str, ...]) -> dict:
-    """``{name: 0-d tensor}`` of :func:`row_statistics` for a LayerNorm (``names[0]`` starts with ``"var"``) or an
-    RMSNorm input ``X`` ``(B, L, n)``, one gathered call for the norms of a Lockstep that meet here (every norm
+def norm_statistics(
+    X: torch.Tensor, keep: torch.Tensor | None, eps: float, names: tuple[str, ...], centered: bool
+) -> dict:
+    """``{name: 0-d tensor}`` of :func:`row_statistics` for a LayerNorm (``centered``) or an RMSNorm input ``X``
+    ``(B, L, n)``, one gathered call for the norms of a Lockstep that meet here (every norm
     block's, in a terms-only evaluation; :func:`~curvwatch.closed_form._lockstep.gathered`)."""
     with torch.no_grad():
         inputs = (X,) if keep is None else (X, keep)
-        stats = gathered(row_statistics, *inputs, eps=eps, centered=names[0].startswith("var"))
+        stats = gathered(row_statistics, *inputs, eps=eps, centered=centered)
         return dict(zip(names, stats.unbind(-1), strict=True))

@@ -217,11 +217,7 @@ class AttentionOperator(BlockOperator):
             P, Kk = rotary(P), rotary(Kk)
         self.P, self.K_kv, self.V_kv = P, Kk, Vv
         self.Kk, self.Vv = self._rep(Kk), self._rep(Vv)  # read by every query head: (B, H, L_kv, k)
-        T = self.P @ self.Kk.mT * self.scale  # (B, H, L, L_kv)
-        if keep is not None:
-            T = T.masked_fill(~keep.unsqueeze(1), float("-inf"))
-        A = torch.softmax(T, dim=-1)
-        self.A = torch.nan_to_num(A, nan=0.0)  # rows with every key masked carry no weight
+        self.A = _probabilities(self.P, self.Kk, self.scale, keep)  # (B, H, L, L_kv)
         self.A1 = self.A.unsqueeze(0)  # (1, B, H, L, L_kv), see set_cotangent
         if g is not None:
             self.set_cotangent(g, c)
@@ -690,10 +686,17 @@ def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *giv
         P, K = apply_rotary(P, cos, sin, interleaved), apply_rotary(K, cos, sin, interleaved)
     if H != H_kv:
         K = K.repeat_interleave(H // H_kv, dim=-3)
-    T = P @ K.mT * scale  # (..., B, H, L, L)
+    return _probabilities(P, K, scale, keep)
+
+
+def _probabilities(P: torch.Tensor, K: torch.Tensor, scale: float, keep: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(s P K^T)`` ``(..., B, H, L, L_kv)`` for queries ``P`` ``(..., B, H, L, d_K)`` and keys ``K``
+    ``(..., B, H, L_kv, d_K)`` (one per query head), masked by ``keep`` ``(..., B, L, L_kv)`` (None: no mask); rows with
+    every key masked are zero."""
+    T = P @ K.mT * scale
     if keep is not None:
         T = T.masked_fill(~keep.unsqueeze(-3), float("-inf"))
-    return torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)  # rows with every key masked carry no weight
+    return torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)
 
 
 def _warm_start(lanczos: Lanczos, key: tuple, shape: tuple[int, int], op: AttentionOperator) -> torch.Tensor:

@@ -177,7 +177,7 @@ def layernorm(
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
-    out = norm_statistics(X3, keep, eps, STATISTICS)
+    out = norm_statistics(X3, keep, eps, STATISTICS, centered=True)
     if stats_only:
         return out
     ln = LayerNormRows(X3, eps, weight)

@@ -217,7 +217,7 @@ def rmsnorm(
     def rows(t: torch.Tensor) -> torch.Tensor:  # (B, L, k) -> (N, k), the kept rows
         return t.reshape(B * L, -1) if keep is None else t[keep]
 
-    out = norm_statistics(X3, keep, eps, STATISTICS)
+    out = norm_statistics(X3, keep, eps, STATISTICS, centered=False)
     if stats_only:
         return out
     with torch.no_grad():
