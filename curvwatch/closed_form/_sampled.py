@@ -31,7 +31,17 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from ._operator import BlockOperator, _Embedding, _lanczos_norms, _pair_blocks, head_keys, pair_matvec
+from ._operator import (
+    BlockOperator,
+    _Embedding,
+    _lanczos_norms,
+    _pair_blocks,
+    _rows,
+    _skip_dead_kinds,
+    apply_kinds,
+    head_keys,
+    pair_matvec,
+)
 from .settings import Lanczos
 
 #: Debias the sampled keys with ``k >= 2`` samples (:func:`debias`); ``False`` reports the plain Monte-Carlo values
@@ -65,6 +75,8 @@ class SampledCurvature:
         self.sigma = memory.permute(2, 0, 1, 3)
         self.k = sigma.shape[0]
         self.record: list[torch.Tensor] | None = None  # a list: each call appends its coefficients <sigma_j, dF>
+        # (n, k) weights of each tangent row's samples (:meth:`per_row`); None: 1/k for every row and sample
+        self.row_weights: torch.Tensor | None = None
 
     @classmethod
     def of_tokens(cls, samples: torch.Tensor) -> SampledCurvature:
@@ -79,6 +91,19 @@ class SampledCurvature:
         k, B = samples.shape[:2]
         sigma = samples.unsqueeze(2) if W_O is None else torch.einsum("kblm,hvm->kbhlv", samples, W_O)
         return cls(sigma.reshape(k, B, sigma.shape[2], -1))
+
+    def per_row(self, weights: torch.Tensor) -> SampledCurvature:
+        """The curvature with its own sample weights per tangent row: row ``r`` of a call applies
+        ``sum_j weights[r, j] sigma_j sigma_j^T`` (``1/k`` on every sample is this curvature, ``1/k_a`` on the first
+        half and 0 on the others is the first half's). Shares ``sigma``; a call must then have ``n`` =
+        ``len(weights)`` rows (an operator's one-pass ``apply_masked``, which applies the curvature to every row).
+
+        Args:
+            weights: ``(n, k)``.
+        """
+        new = copy.copy(self)
+        new.row_weights = weights
+        return new
 
     def halves(self) -> tuple[SampledCurvature, SampledCurvature]:
         """The curvatures of the first ``k // 2`` samples and of the others (independent estimates of ``C``)."""
@@ -101,7 +126,13 @@ class SampledCurvature:
         if group > 1:
             a = a.view(B, H // group, group, n, k).sum(2, keepdim=True).expand(B, H // group, group, n, k)
             a = a.reshape(B * H, n, k)
-        u = torch.bmm(a / k, s)  # (B H, n, X)
+        if self.row_weights is None:
+            a = a / k
+        elif self.row_weights.shape[0] != n:  # not reached: the stacked members call with every row
+            raise RuntimeError(f"per-row sample weights for {self.row_weights.shape[0]} rows applied to {n}")
+        else:
+            a = a * self.row_weights  # (B H, n, k) * (n, k)
+        u = torch.bmm(a, s)  # (B H, n, X)
         return u.view(B, H, n, X).permute(2, 0, 1, 3).reshape(dF.shape)
 
 
@@ -314,33 +345,49 @@ def sampled_norms(
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
+    # the members (estimates x preconditionings) as rows of one product: needs the one-pass apply_masked, which
+    # applies the output curvature to every row (the per-row sample weights line up with the rows)
+    stack_ok = gram_ok and STACK_MEMBERS and getattr(op, "apply_masked", None) is not None
     out: dict[str, torch.Tensor] = {}
     spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
+    # per pair: (X, prefixes, raw); raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
+    found: dict[str, tuple[str, list[str], dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]]] = {}
+    lanczos_pairs: dict[tuple, list[str]] = {}  # the pairs that need a Lanczos run, grouped by what can share one
     for pair_name in pairs:
-        plain = view(op)
-        X, Y = _pair_blocks(pair_name, list(plain.params))
+        X, Y = _pair_blocks(pair_name, list(view(op).params))
         if X != Y:
             raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
         prefixes = [""] + (["precond_"] if X in scale else [])
-
-        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
-            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
-
-        # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
-        gram = gram_ok and columns <= GRAM_STEPS * replaced
-        if gram:
+        if gram_ok and columns <= GRAM_STEPS * replaced:
             ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split)
             for prefix, vals in zip(prefixes, ggn, strict=True):
                 raw[(prefix, "ggn")] = (vals, torch.zeros_like(vals))
                 if pair_name in linear:  # F linear in X: the Hessian block is its outer part
                     raw[(prefix, "sharpness")] = raw[(prefix, "ggn")]
-        names = [nm for nm in SAMPLED_NAMES if ("", nm) not in raw]
+        found[pair_name] = (X, prefixes, raw)
+        names = tuple(nm for nm in SAMPLED_NAMES if ("", nm) not in raw)
         if names:
-            kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
-            m = len(kinds_one)
-            # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
+            # stacked: same-shaped blocks with the same keys share one run (attention's QQ and KK), else one run each
+            group = (names, len(prefixes), op.params[X].shape) if stack_ok else (pair_name,)
+            lanczos_pairs.setdefault(group, []).append(pair_name)
+    for group_pairs in lanczos_pairs.values():
+        Xs = [found[p][0] for p in group_pairs]
+        prefixes = found[group_pairs[0]][1]
+        names = [nm for nm in SAMPLED_NAMES if ("", nm) not in found[group_pairs[0]][2]]
+        kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
+        m, P = len(kinds_one), len(prefixes)
+        # run r = (p P + i) E + e (pair p, variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
+        if stack_ok:  # every member of every pair of the group in one operator product
+            Ds = [scale[X] for X in Xs] if P > 1 else None
+            emb, mv = _members_matvec(op, Xs, curvature, E, Ds, kinds_one)
+        else:
+            (X,) = Xs
+
+            def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
+                return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+
             runs = [pair_matvec(wrap(o, prefix), (X, X), kinds_one) for prefix in prefixes for o in ops]
             emb = runs[0][0]
 
@@ -351,13 +398,21 @@ def sampled_norms(
                     parts.append(f(u[rows], None if live is None else live[rows]))
                 return torch.cat(parts)
 
-            kinds = kinds_one * len(runs)
-            key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
-            vals, rel = _lanczos_norms(plain, emb, mv, kinds, key, True, lanczos, algebraic=True)
+        kinds = kinds_one * (len(Xs) * P * E)
+        key = ("sharpness", "+".join(group_pairs), tuple(prefixes), E) + (() if m == 2 else kinds_one)
+        vals, rel = _lanczos_norms(view(op), emb, mv, kinds, key, True, lanczos, algebraic=True)
+        for p, pair_name in enumerate(group_pairs):
+            raw = found[pair_name][2]
             for i, prefix in enumerate(prefixes):
                 for j, name in enumerate(names):
-                    rows = [m * (i * E + e) + j for e in range(E)]
+                    rows = [m * ((p * P + i) * E + e) + j for e in range(E)]
                     raw[(prefix, name)] = (vals[rows], rel[rows])
+    for pair_name in pairs:
+        X, prefixes, raw = found[pair_name]
+
+        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
+            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+
         for prefix in prefixes:
             for name in SAMPLED_NAMES:
                 vals, rel = raw[(prefix, name)]
@@ -380,6 +435,79 @@ def sampled_norms(
                 if next(keep):
                     out[k] = spread[h]
     return out
+
+
+#: Run the sampled keys' Lanczos members of a pair as rows of one operator product (:func:`_members_matvec`) where
+#: the operator allows it; ``False``: one product per member (the benchmark's "before").
+STACK_MEMBERS = True
+
+
+def _members_matvec(
+    op: BlockOperator,
+    Xs: Sequence[str],
+    curvature: SampledCurvature,
+    E: int,
+    Ds: Sequence[torch.Tensor] | None,
+    kinds_one: Sequence[str],
+):
+    """``(emb, mv)`` for the Lanczos members of the sampled keys of the same-shaped blocks ``XX`` for ``X`` in ``Xs``
+    (attention's ``Q`` and ``K``), all in **one** operator product.
+
+    The members are ``(block p, variant i, estimate e)``: ``i = 0`` plain and, with ``Ds`` (``P^{-1/2}`` of each
+    block in ``op``'s layout), ``i = 1`` preconditioned; ``e = 0`` the full sample and, with ``E = 3``, ``e = 1, 2``
+    its halves (as :meth:`SampledCurvature.halves`). Member ``r = (p V + i) E + e`` (``V`` variants) owns the rows
+    ``m r ... m r + m - 1`` (``m`` = ``len(kinds_one)``): the layout of one :func:`pair_matvec` per member,
+    concatenated. The estimates differ only in their samples' weights (``1/k`` on all, or ``1/k_a`` on one half's),
+    applied per row (:meth:`SampledCurvature.per_row`); a block's rows perturb and read that block alone (as in
+    :func:`~._operator.stacked_matvec`), its preconditioned rows scaled by ``D`` on the way in and out (what
+    :class:`Preconditioned` does). The same numbers as the per-member products, in the operators of one product
+    instead of one per member: only the arithmetic grows with the rows.
+    """
+    k = curvature.k
+    h = k // 2
+    estimates = [[1 / k] * k]
+    if E == 3:
+        estimates += [[1 / h] * h + [0.0] * (k - h), [0.0] * h + [1 / (k - h)] * (k - h)]
+    emb = _Embedding(op, [Xs[0]])
+    info = op.params[Xs[0]]
+    layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
+    V = 1 if Ds is None else 2
+    labels = [(p, i, e, kind) for p in range(len(Xs)) for i in range(V) for e in range(E) for kind in kinds_one]
+
+    def make(rows_of):
+        n = len(rows_of)
+        rows = _rows([kind for *_, kind in rows_of], 1, emb)
+        weights = torch.tensor([estimates[e] for _, _, e, _ in rows_of], dtype=op.dtype, device=op.device)  # (n, k)
+        member_op = with_sampled(op, curvature.per_row(weights))
+        # each block's rows, plain then preconditioned (the labels stay in order): (name, start, mid, stop, D)
+        spans = []
+        for p, X in enumerate(Xs):
+            mine = [r for r, lab in enumerate(rows_of) if lab[0] == p]
+            if mine:
+                plain = sum(1 for r in mine if rows_of[r][1] == 0)
+                spans.append((X, mine[0], mine[0] + plain, mine[-1] + 1, None if Ds is None else Ds[p]))
+
+        def block_rows(t: torch.Tensor, start: int, mid: int, stop: int, D) -> list[torch.Tensor]:
+            return [t[start:mid]] + ([t[mid:stop] * D] if mid < stop else [])
+
+        def zeros(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
+            return [t.new_zeros((rows, *t.shape[1:]))] if rows else []
+
+        def mv(u: torch.Tensor) -> torch.Tensor:
+            t = u.reshape(n, *layout)
+            if len(spans) == 1:
+                X, start, mid, stop, D = spans[0]
+                tangent = {X: torch.cat(block_rows(t, start, mid, stop, D)) if mid < stop else t}
+            else:  # block X's rows perturb X alone
+                tangent = {X: torch.cat(zeros(t, start) + block_rows(t, start, mid, stop, D) + zeros(t, n - stop))
+                           for X, start, mid, stop, D in spans}  # fmt: skip
+            out = apply_kinds(member_op, tangent, [X for X, *_ in spans], rows)
+            parts = [piece for X, start, mid, stop, D in spans for piece in block_rows(out[X], start, mid, stop, D)]
+            return (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(n, emb.H, emb.n)
+
+        return mv
+
+    return emb, _skip_dead_kinds(labels, make)
 
 
 class _Columns:
