@@ -335,12 +335,12 @@ def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(ker
     assert set(out) - set(plain) == expected
 
 
-@pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[7]], ids=_ids)
+@pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[7], CASES[8], CASES[9]], ids=_ids)
 def test_members_share_one_product_per_step_with_the_per_member_values(kernel, case, monkeypatch):
     """The Lanczos members of the sampled keys (full sample and halves, plain and preconditioned; attention's QQ
     and KK together) are rows of **one** operator product per Lanczos step: one sampled-curvature application per
     product, where the per-member path (``STACK_MEMBERS = False``) applies it once per member. Same values as that
-    path (both EXACT: round-off)."""
+    path (both EXACT: round-off). The grouped-query cases run through the query and group views."""
     monkeypatch.setattr(sampled, "GRAM_STEPS", 0)  # every sampled key through Lanczos members
     prob = PROBLEMS[kernel](case)
     counts = {"products": 0, "curvature": 0}

@@ -347,7 +347,9 @@ def sampled_norms(
     gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
     # the members (estimates x preconditionings) as rows of one product: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
-    stack_ok = gram_ok and STACK_MEMBERS and getattr(op, "apply_masked", None) is not None
+    viewed = view(op)
+    stack_ok = (STACK_MEMBERS and isinstance(curvature, SampledCurvature) and getattr(viewed, "head_diagonal", False)
+                and getattr(viewed, "apply_masked", None) is not None)  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
     # per pair: (X, prefixes, raw); raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
@@ -381,7 +383,7 @@ def sampled_norms(
         # run r = (p P + i) E + e (pair p, variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
         if stack_ok:  # every member of every pair of the group in one operator product
             Ds = [scale[X] for X in Xs] if P > 1 else None
-            emb, mv = _members_matvec(op, Xs, curvature, E, Ds, kinds_one)
+            emb, mv = _members_matvec(op, Xs, curvature, E, Ds, kinds_one, view)
         else:
             (X,) = Xs
 
@@ -449,6 +451,7 @@ def _members_matvec(
     E: int,
     Ds: Sequence[torch.Tensor] | None,
     kinds_one: Sequence[str],
+    view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
 ):
     """``(emb, mv)`` for the Lanczos members of the sampled keys of the same-shaped blocks ``XX`` for ``X`` in ``Xs``
     (attention's ``Q`` and ``K``), all in **one** operator product.
@@ -461,16 +464,19 @@ def _members_matvec(
     applied per row (:meth:`SampledCurvature.per_row`); a block's rows perturb and read that block alone (as in
     :func:`~._operator.stacked_matvec`), its preconditioned rows scaled by ``D`` on the way in and out (what
     :class:`Preconditioned` does). The same numbers as the per-member products, in the operators of one product
-    instead of one per member: only the arithmetic grows with the rows.
+    instead of one per member: only the arithmetic grows with the rows. ``view`` maps an operator to the one the
+    blocks are read from (the grouped-query views; it must be head-diagonal and have ``apply_masked``); ``Ds`` are
+    in the base operator's layout, as :class:`Preconditioned` takes them.
     """
     k = curvature.k
     h = k // 2
     estimates = [[1 / k] * k]
     if E == 3:
         estimates += [[1 / h] * h + [0.0] * (k - h), [0.0] * h + [1 / (k - h)] * (k - h)]
-    emb = _Embedding(op, [Xs[0]])
-    info = op.params[Xs[0]]
+    emb = _Embedding(view(op), [Xs[0]])
+    info = view(op).params[Xs[0]]
     layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
+    Ds = None if Ds is None else [D.reshape(layout) for D in Ds]  # the view's layout (same entries, same order)
     V = 1 if Ds is None else 2
     labels = [(p, i, e, kind) for p in range(len(Xs)) for i in range(V) for e in range(E) for kind in kinds_one]
 
@@ -478,7 +484,7 @@ def _members_matvec(
         n = len(rows_of)
         rows = _rows([kind for *_, kind in rows_of], 1, emb)
         weights = torch.tensor([estimates[e] for _, _, e, _ in rows_of], dtype=op.dtype, device=op.device)  # (n, k)
-        member_op = with_sampled(op, curvature.per_row(weights))
+        member_op = view(with_sampled(op, curvature.per_row(weights)))
         # each block's rows, plain then preconditioned (the labels stay in order): (name, start, mid, stop, D)
         spans = []
         for p, X in enumerate(Xs):

@@ -54,6 +54,7 @@ from ._lanczos import LanczosRun
 from ._lockstep import gathered, solved_together
 from ._masks import attention_masks, split_heads
 from ._operator import (
+    ALL_ROWS,
     KINDS,
     BlockOperator,
     ParamInfo,
@@ -574,6 +575,13 @@ class _GroupView(BlockOperator):
         parts = op.apply(t, outputs, outer_rows, func_rows, total_rows, mix=True)
         return tuple({nm: x.unflatten(1, (op.H_kv, op.G)) if nm == "Q" else x for nm, x in p.items()} for p in parts)
 
+    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
+        """Every row's ``H_kind v`` in one pass (:meth:`AttentionOperator.apply_masked`), in the group layout."""
+        op = self.op
+        t = {nm: x.flatten(1, 2) if nm == "Q" else x for nm, x in tangent.items()}
+        out = op.apply_masked(t, outputs, outer_mask, func_mask, mix=True)
+        return {nm: x.unflatten(1, (op.H_kv, op.G)) if nm == "Q" else x for nm, x in out.items()}
+
 
 class _QueryView(BlockOperator):
     """The operator with the query head as the unit (``G > 1``): ``Q`` of head ``h``, ``K`` and ``V`` of its group.
@@ -597,9 +605,33 @@ class _QueryView(BlockOperator):
 
     def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None):
         op = self.op
-        G, H_kv = op.G, op.H_kv
+        G = op.G
         if set(tangent) <= {"Q"} and set(outputs) <= {"Q"}:
             return op.apply(tangent, outputs, outer_rows, func_rows, total_rows, mix=False)
+        rows = [
+            None if idx is None else (idx[:, None] * G + torch.arange(G, device=idx.device)).flatten()
+            for idx in (outer_rows, func_rows, total_rows)
+        ]
+        parts = op.apply(self._spread(tangent), outputs, *rows, mix=True)
+        return tuple({nm: self._gather(nm, x) for nm, x in p.items()} for p in parts)
+
+    def apply_masked(self, tangent, outputs, outer_mask, func_mask):
+        """Every row's ``H_kind v`` in one pass (:meth:`AttentionOperator.apply_masked`); a ``K``/``V`` product
+        expands each row (and its masks) to ``G`` rows as :meth:`apply` does."""
+        op = self.op
+        if set(tangent) <= {"Q"} and set(outputs) <= {"Q"}:
+            return op.apply_masked(tangent, outputs, outer_mask, func_mask, mix=False)
+
+        def spread(mask):
+            return mask if mask is None or mask is ALL_ROWS else mask.repeat_interleave(op.G)
+
+        out = op.apply_masked(self._spread(tangent), outputs, spread(outer_mask), spread(func_mask), mix=True)
+        return {nm: self._gather(nm, x) for nm, x in out.items()}
+
+    def _spread(self, tangent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Row ``i`` of the head-unit tangent -> rows ``(i, s)`` of the base operator, ``s`` the position in a group."""
+        op = self.op
+        G, H_kv = op.G, op.H_kv
         eye = torch.eye(G, dtype=op.dtype, device=op.device)
         t = {}
         for nm, x in tangent.items():
@@ -608,19 +640,16 @@ class _QueryView(BlockOperator):
                 t[nm] = (x.unsqueeze(1) * eye.reshape(1, G, 1, G, 1, 1)).flatten(2, 3).flatten(0, 1)  # (n G, H, d, d_K)
             else:  # row (i, s) perturbs group g by the vector of its head (g, s)
                 t[nm] = x.transpose(1, 2).flatten(0, 1)  # (n G, H_kv, d_kv, k)
-        rows = [
-            None if idx is None else (idx[:, None] * G + torch.arange(G, device=idx.device)).flatten()
-            for idx in (outer_rows, func_rows, total_rows)
-        ]
-        parts = op.apply(t, outputs, *rows, mix=True)
+        return t
 
-        def back(nm: str, x: torch.Tensor) -> torch.Tensor:
-            x = x.unflatten(0, (-1, G))  # (m, G, heads, d_in, k)
-            if nm == "Q":  # head (g, s) from row (i, s)
-                return torch.diagonal(x.unflatten(2, (H_kv, G)), dim1=1, dim2=3).movedim(-1, 2).flatten(1, 2)
-            return x.transpose(1, 2).flatten(1, 2)  # group g of row (i, s) -> head (g, s)
-
-        return tuple({nm: back(nm, x) for nm, x in p.items()} for p in parts)
+    def _gather(self, nm: str, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_spread` on an output block: rows ``(i, s)`` back to the head-unit row ``i``."""
+        op = self.op
+        G, H_kv = op.G, op.H_kv
+        x = x.unflatten(0, (-1, G))  # (m, G, heads, d_in, k)
+        if nm == "Q":  # head (g, s) from row (i, s)
+            return torch.diagonal(x.unflatten(2, (H_kv, G)), dim1=1, dim2=3).movedim(-1, 2).flatten(1, 2)
+        return x.transpose(1, 2).flatten(1, 2)  # group g of row (i, s) -> head (g, s)
 
 
 def _group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
