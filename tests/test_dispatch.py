@@ -85,3 +85,43 @@ TERMS_OPS_PER_LAYER = 410
 DEEP = 12
 DEEP_TERMS_SYNCS = 3
 DEEP_TERMS_OPS_PER_LAYER = 100
+
+
+def test_sampled_sharpness_keys_stay_under_their_ceilings():
+    """The real-loss keys of one attention and one FFN kernel call (16 samples, Adam-preconditioned: three estimates
+    x two preconditionings per key, attention's QQ and KK in one run): their operators and host reads on top of the
+    call without samples. Every Lanczos member of a run shares one operator product per step (measured when set:
+    attention 3,839 operators and 7 reads, FFN 2,844 and 10; one product per member, as before: 17,479 / 11 and
+    8,638 / 10)."""
+    from curvwatch.closed_form import Lanczos, ffn, multi_head_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, L, d, H, k = 2, 16, 32, 4, 16
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    X, G, S = r(B, L, d), r(B, L, d, scale=1e-2), r(k, B, L, d, scale=1e-2)
+    W = [r(d, d, scale=d**-0.5) for _ in range(4)]
+    W1, W2 = r(d, 4 * d, scale=d**-0.5), r(4 * d, d, scale=0.1)
+    P_attn = {nm: r(d, d).abs() + 0.1 for nm in ("W_Q", "W_K", "W_V")}
+    P_ffn = {"W_1": r(d, 4 * d).abs() + 0.1, "W_2": r(4 * d, d).abs() + 0.1}
+
+    def count(call) -> tuple[int, int]:
+        lanczos = Lanczos()
+        call(lanczos)  # warm starts, as at every evaluation after the first
+        counter = OpCounter()
+        with counter, count_host_reads(counter):
+            call(lanczos)
+        return counter.total, counter.syncs
+
+    kernels = {
+        "attention": (lambda lz, **kw: multi_head_attention(X, *W, H, grad_output=G, causal=True, lanczos=lz, **kw),
+                      P_attn, 4_400, 8),
+        "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn, 3_300, 10),
+    }  # fmt: skip
+    for name, (call, precondition, max_ops, max_reads) in kernels.items():
+        ops0, reads0 = count(call)
+        ops, reads = count(lambda lz, call=call, p=precondition: call(lz, output_samples=S, precondition=p))
+        assert ops - ops0 <= max_ops, (name, ops - ops0)
+        assert reads - reads0 <= max_reads, (name, reads - reads0)
