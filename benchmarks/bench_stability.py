@@ -7,7 +7,14 @@ now include the real-loss keys); this script reads ``summary/stability/max`` (th
 lead over the onset, the median ratio over the first half of the run and the largest one before the onset; plus
 a plot per mechanism (ratio and loss against the step) into ``docs/sharpness/``.
 
-Run: ``python -m benchmarks.bench_stability [--only NAME ...] [--reuse]`` (about 15-25 minutes on one core).
+``--readings`` (with ``--reuse``: no training) reads the same logged keys differently, per run: the share of
+evaluations before the onset with a ratio >= 1 and the longest run of them, the lower edge of the ratio (per key
+``stability/XX * (1 - sharpness_spread/XX)``, the largest over the keys; the spread is that of the unpreconditioned
+``sharpness/XX``, the only one logged) and its first crossing, and the largest ratio over the ``WINDOW`` steps
+before the onset against the control's over the same steps.
+
+Run: ``python -m benchmarks.bench_stability [--only NAME ...] [--reuse] [--readings]`` (about 15-25 minutes on one
+core; seconds with ``--reuse``).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +35,7 @@ from benchmarks.instability.train import run
 OUT = RESULTS_DIR / "stability"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "sharpness"
 KEY = "summary/stability/max"
+WINDOW = 50  # steps before the onset for ``--readings``
 
 
 def _series(trace: dict) -> tuple[list[int], list[float]]:
@@ -50,6 +59,73 @@ def summarize(trace: dict) -> dict:
         "median_first_half": statistics.median(half) if half else None,
         "max_before_onset": max(before) if before else None,
         "evaluations": len(steps),
+    }
+
+
+def fmt(v, spec=".3g"):
+    return "-" if v is None else format(v, spec)
+
+
+def _end(trace: dict) -> float:
+    onset = summarize(trace)["onset"]
+    return math.inf if onset is None else onset
+
+
+def _lower_edge(metrics: dict) -> float | None:
+    """The largest ``stability/XX * (1 - sharpness_spread/XX)`` over the block keys (``None``: no key)."""
+    edges = [
+        v * max(0.0, 1.0 - spread)
+        for k, v in metrics.items()
+        if "/stability/" in k and not k.startswith("summary/") and not k.endswith("/max") and v is not None
+        and (spread := metrics.get(k.replace("/stability/", "/sharpness_spread/"))) is not None
+    ]  # fmt: skip
+    return max(edges) if edges else None
+
+
+def _top_key(metrics: dict) -> str | None:
+    """The block key of the largest ratio (``None``: no key)."""
+    keys = [k for k, v in metrics.items() if "/stability/" in k and not k.startswith("summary/")
+            and not k.endswith("/max") and v is not None]  # fmt: skip
+    return max(keys, key=metrics.__getitem__) if keys else None
+
+
+def _block_key(key: str) -> str:
+    """``layer0/attn/stability/QQ/h1`` -> ``attn QQ``."""
+    parts = key.split("/")
+    return f"{parts[1]} {parts[3]}"
+
+
+def readings(trace: dict, window: tuple[float, float] | None) -> dict:
+    """Other readings of the logged keys before the onset (the whole run without one); ``window``: the steps of
+    the largest ratio in ``window_max`` (default: the ``WINDOW`` steps before this run's onset)."""
+    end = _end(trace)
+    steps, ratios = _series(trace)
+    kept = [(s, v) for s, v in zip(steps, ratios, strict=True) if s < end]
+    streak = longest = 0
+    for _, v in kept:
+        streak = streak + 1 if v >= 1.0 else 0
+        longest = max(longest, streak)
+    edges = [(r["step"], e) for r in trace["monitor"] if r["full"] and r["step"] < end
+             and (e := _lower_edge(r["metrics"])) is not None]  # fmt: skip
+    cross = next((s for s, e in edges if e >= 1.0), None)
+    tops = [(_block_key(k), r["metrics"].get(k.replace("/stability/", "/sharpness_spread/")))
+            for r in trace["monitor"] if r["full"] and r["step"] < end
+            and (k := _top_key(r["metrics"])) is not None]  # fmt: skip
+    pairs = Counter(k for k, _ in tops)
+    spreads = [v for _, v in tops if v is not None]
+    if window is None and end != math.inf:
+        window = (end - WINDOW, end)
+    in_window = [v for s, v in kept if window is not None and window[0] <= s < window[1]]
+    return {
+        "share_ge_1": sum(v >= 1.0 for _, v in kept) / len(kept) if kept else None,
+        "evaluations": len(kept),
+        "longest_ge_1": longest * trace["config"]["full_every"] if kept else None,  # in steps
+        "edge_max": max((e for _, e in edges), default=None),
+        "edge_first_ge_1": cross,
+        "edge_lead": None if cross is None or end == math.inf else int(end - cross),
+        "window_max": max(in_window) if in_window else None,
+        "top_pairs": ", ".join(f"{k} {n}" for k, n in pairs.most_common(2)),
+        "top_spread": statistics.median(spreads) if spreads else None,
     }
 
 
@@ -86,7 +162,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--reuse", action="store_true", help="reuse traces already in benchmarks/results/stability")
+    parser.add_argument("--readings", action="store_true", help="also the other readings (see the docstring)")
     args = parser.parse_args(argv)
+    other = ["| mechanism | run | evaluations before onset | share with ratio ≥ 1 | longest run ≥ 1 (steps) "
+             "| lower edge: max | lower edge: first ≥ 1 (lead) | max ratio, the unstable run's last "
+             f"{WINDOW} steps before onset | pair of the largest ratio (evaluations) | its median spread |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     lines = ["| mechanism | run | loss onset | first ratio ≥ 1 | lead (steps) | median ratio, 1st half "
              "| max before onset |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -104,17 +185,23 @@ def main(argv=None) -> int:
                 path.write_text(json.dumps(trace, default=lambda o: None))
             traces[variant.name] = trace
             s = summarize(trace)
-
-            def fmt(v, spec=".3g"):
-                return "-" if v is None else format(v, spec)
-
             lines.append(
                 f"| {mech.name} | {variant.name} | {fmt(s['onset'], 'd')} | {fmt(s['first_ratio_ge_1'], 'd')} | "
                 f"{fmt(s['lead'], 'd')} | {fmt(s['median_first_half'])} | {fmt(s['max_before_onset'])} |"
             )
             print(lines[-1], flush=True)
         plot(mech.name, traces)
-    text = "\n".join(lines)
+        unstable = next((t for v, t in traces.items() if v == "unstable"), None)
+        end = _end(unstable) if unstable is not None else math.inf
+        for variant, trace in traces.items():
+            r = readings(trace, None if end == math.inf else (end - WINDOW, end))
+            lead = "" if r["edge_lead"] is None else f" ({r['edge_lead']})"
+            other.append(
+                f"| {mech.name} | {variant} | {r['evaluations']} | {fmt(r['share_ge_1'], '.0%')} | "
+                f"{fmt(r['longest_ge_1'], 'd')} | {fmt(r['edge_max'])} | {fmt(r['edge_first_ge_1'], 'd')}{lead} | "
+                f"{fmt(r['window_max'])} | {r['top_pairs'] or '-'} | {fmt(r['top_spread'], '.2f')} |"
+            )
+    text = "\n".join(lines + (["", *other] if args.readings else []))
     print(text)
     (OUT / "table.md").write_text(text + "\n")
     return 0
