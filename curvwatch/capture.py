@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,16 +104,26 @@ def monitor_passes() -> Iterator[None]:
         _SAMPLING[0] -= 1
 
 
-def nonfinite_inputs(blocks: Sequence[CapturedBlock]) -> list[list[str]]:
+def nonfinite_inputs(
+    blocks: Sequence[CapturedBlock], extra: Sequence[Mapping[str, Tensor] | None] | None = None
+) -> list[list[str]]:
     """For each block, the names of its captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``).
 
     One reduction for all the tensors (``torch._foreach_norm`` with ``ord=inf``: the largest ``|entry|``, which
     propagates NaN and is ``inf`` for ``-inf``; ~4x cheaper than ``isfinite(t).all()``) and **one** host read for all
     the blocks (a device sync); an empty tensor holds nothing non-finite.
+
+    Args:
+        blocks: The captured blocks.
+        extra: Per block, more tensors to check in the same read (``{name: tensor}`` or None), e.g. the Adam
+            preconditioner of its stability rule (``"precondition[W_Q]"``): their names join the block's list.
     """
-    names = [[n for n, t in b.inputs.items() if t.is_floating_point() and n != "output_samples" and t.numel()]
-             for b in blocks]  # fmt: skip
-    tensors = [b.inputs[n] for b, ns in zip(blocks, names, strict=True) for n in ns]
+    held = [{n: t for n, t in b.inputs.items() if t.is_floating_point() and n != "output_samples" and t.numel()}
+            for b in blocks]  # fmt: skip
+    for mine, more in zip(held, extra or [None] * len(blocks), strict=True):
+        mine.update((n, t) for n, t in (more or {}).items() if t.numel())
+    names = [list(mine) for mine in held]
+    tensors = [t for mine in held for t in mine.values()]
     if not tensors:
         return [[] for _ in blocks]
     # the largest |entry| of every tensor in one operator (one kernel per device and dtype on a GPU)

@@ -67,6 +67,19 @@ LOCKSTEP_BLOCKS = 64
 
 #: Relative key that flags a block whose captured tensors or closed-form numbers were not finite.
 NONFINITE = "skipped_nonfinite"
+
+
+def _preconditioner(rules: Mapping[str, StabilityRule] | None, name: str) -> dict[str, Tensor] | None:
+    """Block ``name``'s Adam preconditioner ``P`` as ``{"precondition[W]": P}`` for the engine's NaN/Inf read, or None.
+
+    ``P = sqrt(v_hat) + eps`` is positive wherever it is finite (:func:`~curvwatch.sharpness.stability_rule` lifts
+    the zeros of ``eps = 0``), so the one finiteness read replaces the kernels' own check of it."""
+    rule = None if rules is None else rules.get(name)
+    if rule is None or not rule.precondition:
+        return None
+    return {f"precondition[{w}]": P for w, P in rule.precondition.items()}
+
+
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _PARTS = ("outer", "functional", "hessian")
 _SAMPLED = ("ggn/", "sharpness/", "precond_ggn/", "precond_sharpness/")  # the real-loss keys of the kernels
@@ -220,8 +233,11 @@ class Engine:
         if signals:
             captured = [b for b in captured if plans[b.spec.name] is not None]
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
-        # NaN/Inf in the captured tensors of every block, in one host read (the kernels then skip their own check)
-        bad_inputs = dict(zip((b.spec.name for b in captured), nonfinite_inputs(captured), strict=True))
+        # NaN/Inf in the captured tensors of every block and in the Adam preconditioners of their stability rules, in
+        # one host read (the kernels then skip their own checks)
+        preconditioners = [_preconditioner(rules, b.spec.name) for b in captured]
+        bad = nonfinite_inputs(captured, preconditioners)
+        bad_inputs = dict(zip((b.spec.name for b in captured), bad, strict=True))
         with torch.no_grad(), inputs_checked():
             for window in self._windows(captured, dtype, terms_only):
                 # Under sharding reading the weights is a collective: every rank reads every block, in order,

@@ -97,3 +97,55 @@ def test_out_of_memory_halves_the_tokens_and_retries_once(monkeypatch):
 def test_invalid_dtype_is_refused():
     with pytest.raises(ValueError, match="Invalid dtype='float16'"):
         Engine(dtype="float16")
+
+
+def test_preconditioners_are_checked_in_the_engines_one_read_not_per_kernel(monkeypatch):
+    """The Adam preconditioners of the stability rules join the engine's one NaN/Inf read of all blocks (the kernels
+    then skip their own check, a host read per call): a finite one gives the preconditioned keys with no read in the
+    kernel's check; a non-finite one (a diverged optimizer state) flags its block as non-finite, naming it, and no
+    other. Called directly, the kernel still checks (and refuses) it."""
+    import importlib
+
+    from benchmarks.bench_dispatch import OpCounter, count_host_reads
+    from curvwatch.closed_form import _sampled
+    from curvwatch.sharpness import StabilityRule, find_logits_module
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, d_model=8, d_ff=16))
+    specs = find_blocks(model)
+
+    def captured():
+        with Capture(specs, max_tokens=12, logits_module=find_logits_module(model)[1]) as capture:
+            logits = model(torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1)))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), torch.arange(12) % 11)
+            capture.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0))
+            loss.backward()
+        return capture.blocks()
+
+    reads = []
+    check = _sampled.check_precondition
+
+    def counted(*args, **kwargs):
+        counter = OpCounter()
+        with counter, count_host_reads(counter):
+            result = check(*args, **kwargs)
+        reads.append(counter.syncs)
+        return result
+
+    monkeypatch.setattr(_sampled, "check_precondition", counted)
+    ffn_module = importlib.import_module("curvwatch.closed_form.ffn")  # (the package's ffn is the function)
+    monkeypatch.setattr(ffn_module, "check_precondition", counted)  # imported by name there
+    block = next(s for s in specs if s.kind == "ffn")
+    W_1 = torch.rand(8, 16) + 0.5
+    out = Engine().evaluate(captured(), rules={block.name: StabilityRule("adam", 1e-3, 0.9, 38e3, {"W_1": W_1})})
+    assert "precond_sharpness/W1W1" in out.results[block.name] and not out.nonfinite
+    assert reads and not any(reads), reads
+    bad = W_1.clone()
+    bad[0, 0] = math.nan
+    with pytest.warns(UserWarning, match=r"its captured precondition\[W_1\] hold NaN"):
+        out = Engine().evaluate(captured(), rules={block.name: StabilityRule("adam", 1e-3, 0.9, 38e3, {"W_1": bad})})
+    assert out.nonfinite == [block.name] and out.results[block.name] == {NONFINITE: 1.0}
+    assert "hessian/QQ/h0" in out.results["layer0/attn"]
+    ffn_block = next(b for b in captured() if b.spec.name == block.name)
+    with pytest.raises(ValueError, match=r"Invalid precondition\['W_1'\]: every entry must be finite and > 0"):
+        ffn_block.evaluate(precondition={"W_1": bad})
