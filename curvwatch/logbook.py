@@ -332,15 +332,24 @@ def _table(
     return rows
 
 
+#: Keys whose NaN is "no value" in :func:`flatten` (a ``sharpness_spread`` of a sharpness of 0: 0/0), not a NaN
+#: block.
+NO_DATA_KEYS = ("sharpness_spread/",)
+
+
 def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:
     """``{block: {key: 0-d tensor}}`` as ``{(block, key): float}`` (one device sync); NaN blocks become flags.
 
     Every block with a NaN among its numbers is replaced by its ``skipped_nonfinite`` flag; ``+-inf`` is kept: it
-    is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row).
+    is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row). A NaN under a key of
+    :data:`NO_DATA_KEYS` means "no value" (the engine's kernels mark it so instead of a host read each): that key is
+    dropped, the block kept.
 
     Example:
         >>> flatten({"a": {"x": torch.tensor(1.0)}, "b": {"x": float("nan"), "y": 2.0}})
         {('a', 'x'): 1.0, ('b', 'skipped_nonfinite'): 1.0}
+        >>> flatten({"a": {"sharpness/QQ": 0.0, "sharpness_spread/QQ": float("nan")}})
+        {('a', 'sharpness/QQ'): 0.0}
     """
     keys = [(block, key) for block, result in results.items() for key in result]
     if not keys:
@@ -360,7 +369,7 @@ def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[s
         stacked = torch.stack(parts).to("cpu", torch.float64).tolist()
         for i, v in zip(idx, stacked, strict=True):
             values[i] = v
-    flat = dict(zip(keys, values, strict=True))
+    flat = {bk: v for bk, v in zip(keys, values, strict=True) if not (math.isnan(v) and bk[1].startswith(NO_DATA_KEYS))}
     bad = {block for (block, _), value in flat.items() if math.isnan(value)}
     out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
     out.update({(b, NONFINITE): 1.0 for b in bad})

@@ -642,6 +642,20 @@ def test_no_spread_or_heterogeneity_from_no_data():
     out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64),
               pairs=("W2W2",))  # fmt: skip
     assert float(out["sharpness_spread/W2W2"]) > 0
+    # under the monitor's engine (inputs_checked) no host read decides it: NaN marks "no data", and the logbook's one
+    # read of every value drops that key (not the block)
+    from benchmarks.bench_dispatch import OpCounter, count_host_reads
+    from curvwatch.closed_form._common import inputs_checked
+    from curvwatch.closed_form.settings import Lanczos
+    from curvwatch.logbook import flatten
+
+    counter = OpCounter()
+    with inputs_checked(), counter, count_host_reads(counter):  # (warn=False: no read of the residuals, as the monitor)
+        out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
+                  pairs=("W2W2",), lanczos=Lanczos(warn=False))  # fmt: skip
+    assert counter.syncs == 0 and torch.isnan(out["sharpness_spread/W2W2"])
+    flat = flatten({"layer0/ffn": out})
+    assert ("layer0/ffn", "sharpness/W2W2") in flat and ("layer0/ffn", "sharpness_spread/W2W2") not in flat
     summary = summarize({"layer0/attn": {"hessian/QQ": 0.0}, "layer1/attn": {"hessian/QQ": 0.0}})
     assert not [k for k in summary if "heterogeneity" in k]
 

@@ -434,7 +434,13 @@ def sampled_norms(
                     # 0/0 is "no data": no key (decided below, for every pair in one host read)
                     heads = head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))
                     spreads.append((heads, spread, torch.isfinite(spread) & (value != 0)))
-    if spreads:
+    if spreads and _INPUTS_CHECKED.get():
+        # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value
+        for heads, spread, ok in spreads:
+            spread = torch.where(ok, spread, torch.nan)
+            for h, k in enumerate(heads):
+                out[k] = spread[h]
+    elif spreads:
         keep = iter(torch.cat([ok.reshape(-1) for _, _, ok in spreads]).tolist())
         for heads, spread, _ in spreads:
             for h, k in enumerate(heads):
