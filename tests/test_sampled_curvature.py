@@ -337,10 +337,10 @@ def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(ker
 
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[7], CASES[8], CASES[9]], ids=_ids)
 def test_members_share_one_product_per_step_with_the_per_member_values(kernel, case, monkeypatch):
-    """The Lanczos members of the sampled keys (full sample and halves, plain and preconditioned; attention's QQ
-    and KK together) are rows of **one** operator product per Lanczos step: one sampled-curvature application per
-    product, where the per-member path (``STACK_MEMBERS = False``) applies it once per member. Same values as that
-    path (both EXACT: round-off). The grouped-query cases run through the query and group views."""
+    """The Lanczos members of the sampled keys (full sample and halves, plain and preconditioned) share operator
+    products: at most ``MEMBER_ROWS`` rows each, so one or two sampled-curvature applications per Lanczos product of
+    a run (6 or 12 rows), where the per-member path (``STACK_MEMBERS = False``) applies it once per member (3 or 6).
+    Same values as that path (both EXACT: round-off). The grouped-query cases run through the query and group views."""
     monkeypatch.setattr(sampled, "GRAM_STEPS", 0)  # every sampled key through Lanczos members
     prob = PROBLEMS[kernel](case)
     counts = {"products": 0, "curvature": 0}
@@ -361,7 +361,7 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
     monkeypatch.setattr(sampled.SampledCurvature, "__call__", call)
     kw = dict(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
     stacked = prob.call(**kw)
-    assert counts["products"] > 0 and counts["curvature"] == counts["products"], counts
+    assert counts["products"] > 0 and counts["curvature"] <= 2 * counts["products"], counts
     monkeypatch.setattr(sampled, "STACK_MEMBERS", False)
     counts.update(products=0, curvature=0)
     apart = prob.call(**kw)
@@ -413,11 +413,10 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
     out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
     linear = {"ffn": ("W2W2",), "gated_ffn": ("W2W2", "W3W3"), "self_attention": ("VV",)}[kernel]
     assert runs and all(set(kinds) == {"hessian"} for kinds in runs), runs
+    assert len(runs) == len({b.key for b in prob.blocks} - set(linear)), runs
     # one member per estimate (full sample, two halves) and preconditioning of each block with a functional term
-    # (same-shaped blocks share one run: self-attention's QQ and KK)
     members = sum(3 * (2 if b.arg in prob.precondition else 1) for b in prob.blocks if b.key not in linear)
     assert sum(map(len, runs)) == members, runs
-    assert len(runs) == 1, runs  # one block with a functional term (W1W1), or QQ and KK together
     for key, value in out.items():
         if key.startswith("residual/") and "ggn/" in key:
             assert float(value) == 0, key

@@ -349,76 +349,58 @@ def sampled_norms(
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
-    # the members (estimates x preconditionings) as rows of one product: needs the one-pass apply_masked, which
+    # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
     viewed = view(op)
     stack_ok = (STACK_MEMBERS and isinstance(curvature, SampledCurvature) and getattr(viewed, "head_diagonal", False)
                 and getattr(viewed, "apply_masked", None) is not None)  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
-    # per pair: (X, prefixes, raw); raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
-    found: dict[str, tuple[str, list[str], dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]]] = {}
-    lanczos_pairs: dict[tuple, list[str]] = {}  # the pairs that need a Lanczos run, grouped by what can share one
     for pair_name in pairs:
-        X, Y = _pair_blocks(pair_name, list(view(op).params))
+        X, Y = _pair_blocks(pair_name, list(viewed.params))
         if X != Y:
             raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
         prefixes = [""] + (["precond_"] if X in scale else [])
+
+        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
+            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+
+        # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
-        if gram_ok and columns <= GRAM_STEPS * replaced:
+        gram = gram_ok and columns <= GRAM_STEPS * replaced
+        if gram:
             ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split)
             for prefix, vals in zip(prefixes, ggn, strict=True):
                 raw[(prefix, "ggn")] = (vals, torch.zeros_like(vals))
                 if pair_name in linear:  # F linear in X: the Hessian block is its outer part
                     raw[(prefix, "sharpness")] = raw[(prefix, "ggn")]
-        found[pair_name] = (X, prefixes, raw)
-        names = tuple(nm for nm in SAMPLED_NAMES if ("", nm) not in raw)
+        names = [nm for nm in SAMPLED_NAMES if ("", nm) not in raw]
         if names:
-            # stacked: same-shaped blocks with the same keys share one run (attention's QQ and KK), else one run each
-            group = (names, len(prefixes), op.params[X].shape) if stack_ok else (pair_name,)
-            lanczos_pairs.setdefault(group, []).append(pair_name)
-    for group_pairs in lanczos_pairs.values():
-        Xs = [found[p][0] for p in group_pairs]
-        prefixes = found[group_pairs[0]][1]
-        names = [nm for nm in SAMPLED_NAMES if ("", nm) not in found[group_pairs[0]][2]]
-        kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
-        m, P = len(kinds_one), len(prefixes)
-        # run r = (p P + i) E + e (pair p, variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
-        if stack_ok:  # every member of every pair of the group in one operator product
-            Ds = [scale[X] for X in Xs] if P > 1 else None
-            emb, mv = _members_matvec(op, Xs, curvature, E, Ds, kinds_one, view)
-        else:
-            (X,) = Xs
+            kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
+            m = len(kinds_one)
+            # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
+            if stack_ok:  # the members as rows of few products (MEMBER_ROWS rows each)
+                D = scale[X] if len(prefixes) > 1 else None
+                emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view)
+            else:
+                runs = [pair_matvec(wrap(o, prefix), (X, X), kinds_one) for prefix in prefixes for o in ops]
+                emb = runs[0][0]
 
-            def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
-                return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+                def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs, m=m) -> torch.Tensor:
+                    parts = []
+                    for i, (_, f) in enumerate(runs):  # the members of each run, each its own operator
+                        rows = slice(m * i, m * i + m)
+                        parts.append(f(u[rows], None if live is None else live[rows]))
+                    return torch.cat(parts)
 
-            runs = [pair_matvec(wrap(o, prefix), (X, X), kinds_one) for prefix in prefixes for o in ops]
-            emb = runs[0][0]
-
-            def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs, m=m) -> torch.Tensor:
-                parts = []
-                for i, (_, f) in enumerate(runs):  # the members of each run, each its own operator
-                    rows = slice(m * i, m * i + m)
-                    parts.append(f(u[rows], None if live is None else live[rows]))
-                return torch.cat(parts)
-
-        kinds = kinds_one * (len(Xs) * P * E)
-        key = ("sharpness", "+".join(group_pairs), tuple(prefixes), E) + (() if m == 2 else kinds_one)
-        vals, rel = _lanczos_norms(view(op), emb, mv, kinds, key, True, lanczos, algebraic=True)
-        for p, pair_name in enumerate(group_pairs):
-            raw = found[pair_name][2]
+            kinds = kinds_one * (len(prefixes) * E)
+            key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
+            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, lanczos, algebraic=True)
             for i, prefix in enumerate(prefixes):
                 for j, name in enumerate(names):
-                    rows = [m * ((p * P + i) * E + e) + j for e in range(E)]
+                    rows = [m * (i * E + e) + j for e in range(E)]
                     raw[(prefix, name)] = (vals[rows], rel[rows])
-    for pair_name in pairs:
-        X, prefixes, raw = found[pair_name]
-
-        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
-            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
-
         for prefix in prefixes:
             for name in SAMPLED_NAMES:
                 vals, rel = raw[(prefix, name)]
@@ -454,72 +436,69 @@ def sampled_norms(
 STACK_MEMBERS = True
 
 
+#: At most this many rows per operator product of the stacked members (:func:`_members_matvec`): the rows of the
+#: engine's own largest product (attention's ``QQ`` and ``KK``, three kinds each), so that a product's temporaries (the
+#: attention's ``(B, H, L, L)`` tangents per row) stay within what the engine's evaluation of the block takes anyway.
+MEMBER_ROWS = 6
+
+
 def _members_matvec(
     op: BlockOperator,
-    Xs: Sequence[str],
+    X: str,
     curvature: SampledCurvature,
     E: int,
-    Ds: Sequence[torch.Tensor] | None,
+    D: torch.Tensor | None,
     kinds_one: Sequence[str],
     view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
 ):
-    """``(emb, mv)`` for the Lanczos members of the sampled keys of the same-shaped blocks ``XX`` for ``X`` in ``Xs``
-    (attention's ``Q`` and ``K``), all in **one** operator product.
+    """``(emb, mv)`` for the Lanczos members of the sampled keys of block ``XX``, in few operator products.
 
-    The members are ``(block p, variant i, estimate e)``: ``i = 0`` plain and, with ``Ds`` (``P^{-1/2}`` of each
-    block in ``op``'s layout), ``i = 1`` preconditioned; ``e = 0`` the full sample and, with ``E = 3``, ``e = 1, 2``
-    its halves (as :meth:`SampledCurvature.halves`). Member ``r = (p V + i) E + e`` (``V`` variants) owns the rows
+    The members are ``(variant i, estimate e)``: ``i = 0`` plain and, with ``D`` (``P^{-1/2}`` in the base operator's
+    layout of ``X``, as :class:`Preconditioned` takes it), ``i = 1`` preconditioned; ``e = 0`` the full sample and,
+    with ``E = 3``, ``e = 1, 2`` its halves (as :meth:`SampledCurvature.halves`). Member ``r = i E + e`` owns the rows
     ``m r ... m r + m - 1`` (``m`` = ``len(kinds_one)``): the layout of one :func:`pair_matvec` per member,
     concatenated. The estimates differ only in their samples' weights (``1/k`` on all, or ``1/k_a`` on one half's),
-    applied per row (:meth:`SampledCurvature.per_row`); a block's rows perturb and read that block alone (as in
-    :func:`~._operator.stacked_matvec`), its preconditioned rows scaled by ``D`` on the way in and out (what
-    :class:`Preconditioned` does). The same numbers as the per-member products, in the operators of one product
-    instead of one per member: only the arithmetic grows with the rows. ``view`` maps an operator to the one the
-    blocks are read from (the grouped-query views; it must be head-diagonal and have ``apply_masked``); ``Ds`` are
-    in the base operator's layout, as :class:`Preconditioned` takes them.
+    applied per row (:meth:`SampledCurvature.per_row`), and the preconditioned rows are scaled by ``D`` on the way in
+    and out: so up to :data:`MEMBER_ROWS` rows of any members share **one** product, the same numbers as one product
+    per member in the dispatched operators of one (only the arithmetic grows with the rows). ``view`` maps an
+    operator to the one the block is read from (the grouped-query views); it must be head-diagonal and have
+    ``apply_masked`` (one pass over every row: the curvature sees every row, in order).
     """
     k = curvature.k
     h = k // 2
     estimates = [[1 / k] * k]
     if E == 3:
         estimates += [[1 / h] * h + [0.0] * (k - h), [0.0] * h + [1 / (k - h)] * (k - h)]
-    emb = _Embedding(view(op), [Xs[0]])
-    info = view(op).params[Xs[0]]
+    emb = _Embedding(view(op), [X])
+    info = view(op).params[X]
     layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
-    Ds = None if Ds is None else [D.reshape(layout) for D in Ds]  # the view's layout (same entries, same order)
-    V = 1 if Ds is None else 2
-    labels = [(p, i, e, kind) for p in range(len(Xs)) for i in range(V) for e in range(E) for kind in kinds_one]
+    D = None if D is None else D.reshape(layout)  # the view's layout (same entries, same order)
+    labels = [(i, e, kind) for i in range(1 if D is None else 2) for e in range(E) for kind in kinds_one]
 
-    def make(rows_of):
+    def product(rows_of):  # one product for these rows
         n = len(rows_of)
         rows = _rows([kind for *_, kind in rows_of], 1, emb)
-        weights = torch.tensor([estimates[e] for _, _, e, _ in rows_of], dtype=op.dtype, device=op.device)  # (n, k)
+        weights = torch.tensor([estimates[e] for _, e, _ in rows_of], dtype=op.dtype, device=op.device)  # (n, k)
         member_op = view(with_sampled(op, curvature.per_row(weights)))
-        # each block's rows, plain then preconditioned (the labels stay in order): (name, start, mid, stop, D)
-        spans = []
-        for p, X in enumerate(Xs):
-            mine = [r for r, lab in enumerate(rows_of) if lab[0] == p]
-            if mine:
-                plain = sum(1 for r in mine if rows_of[r][1] == 0)
-                spans.append((X, mine[0], mine[0] + plain, mine[-1] + 1, None if Ds is None else Ds[p]))
+        plain = sum(1 for i, _, _ in rows_of if i == 0)  # the plain rows come first (the labels stay in order)
 
-        def block_rows(t: torch.Tensor, start: int, mid: int, stop: int, D) -> list[torch.Tensor]:
-            return [t[start:mid]] + ([t[mid:stop] * D] if mid < stop else [])
-
-        def zeros(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
-            return [t.new_zeros((rows, *t.shape[1:]))] if rows else []
+        def scaled(t: torch.Tensor) -> torch.Tensor:
+            return t if plain == n else torch.cat([t[:plain], t[plain:] * D])
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            t = u.reshape(n, *layout)
-            if len(spans) == 1:
-                X, start, mid, stop, D = spans[0]
-                tangent = {X: torch.cat(block_rows(t, start, mid, stop, D)) if mid < stop else t}
-            else:  # block X's rows perturb X alone
-                tangent = {X: torch.cat(zeros(t, start) + block_rows(t, start, mid, stop, D) + zeros(t, n - stop))
-                           for X, start, mid, stop, D in spans}  # fmt: skip
-            out = apply_kinds(member_op, tangent, [X for X, *_ in spans], rows)
-            parts = [piece for X, start, mid, stop, D in spans for piece in block_rows(out[X], start, mid, stop, D)]
-            return (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(n, emb.H, emb.n)
+            out = apply_kinds(member_op, {X: scaled(u.reshape(n, *layout))}, [X], rows)
+            return scaled(out[X]).reshape(n, emb.H, emb.n)
+
+        return mv
+
+    def make(rows_of):
+        chunks = [rows_of[i : i + MEMBER_ROWS] for i in range(0, len(rows_of), MEMBER_ROWS)]
+        products = [product(c) for c in chunks]
+        if len(products) == 1:
+            return products[0]
+
+        def mv(u: torch.Tensor) -> torch.Tensor:
+            return torch.cat([f(u[i * MEMBER_ROWS : (i + 1) * MEMBER_ROWS]) for i, f in enumerate(products)])
 
         return mv
 
