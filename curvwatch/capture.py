@@ -72,6 +72,7 @@ from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
 from curvwatch.sharpness import (
+    LSE_TERM_NOTE,
     SOFT,
     InputDraws,
     LinearLogits,
@@ -418,7 +419,9 @@ def _sampler(
 
     w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
     total = float(w.sum())
-    if not everything and note is not None:  # an assumed mean's weights sum to 1
+    if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
+        total += float(loss_weights(others, gz[_other_rows(rows)], kind)[0].sum())
+    elif not everything and note is not None:  # an assumed mean's weights sum to 1
         total = 1.0
     elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
         total = float(loss_weights(gz, gz, loss_kind)[0].sum())

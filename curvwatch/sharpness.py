@@ -300,33 +300,38 @@ def loss_weights(
     active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
     resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
     decisive_any = torch.zeros((), dtype=torch.bool, device=g_all.device)
+    lse_term = False  # rows that do not sum to zero, read as cross-entropy plus a term in logsumexp (z-loss)
     for i in _row_chunks(N, V):  # float64 temporaries of one chunk of rows at a time: memory bounded by _CHUNK
         z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
         p, y, rest, act, decisive, absum = _ce_rows(z, g)
-        if V < 2 or bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()):
-            raise ValueError(
-                "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero"
-                + (", and the logits have one column" if V < 2 else "")
-                + "). Pass sharpness=curvwatch.Sharpness(loss='mse') for a squared error, "
-                "Sharpness(logits_module='<name>') if the module found is not the one the loss reads (a final "
-                "soft-capping or scaling after it changes the loss's curvature), or "
-                "sharpness=False."
-            )
+        if V < 2:
+            raise ValueError(_NOT_CE.format(", and the logits have one column"))
+        off_label_only = bool(((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any())
+        if off_label_only:  # a term f(logsumexp z) adds f' p to the gradient: the label is where g falls short of s p
+            lse_term = True
+            y, rest, decisive = _lse_term_labels(p, g, act)
         if on_chunk is not None:
             on_chunk(i, p)
         # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
         off = g.sum(-1) - g.gather(1, y[:, None])[:, 0]
         wc = torch.where(act & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off))
         r = g - wc[:, None] * p  # the residual of the hard-label fit w (p - e_y) ...
-        r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
+        if off_label_only:  # ... off the label only, where the label's entry is free (it also carries the f' p_y)
+            short = (wc * p.gather(1, y[:, None])[:, 0] - g.gather(1, y[:, None])[:, 0]).clamp_max(0)
+            r.scatter_(1, y[:, None], short[:, None])  # (a label entry above s p_y is no cross-entropy's)
+        else:
+            r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
         resid2 = resid2 + r[decisive].square().sum()
         norm2 = norm2 + g[decisive].square().sum()
         decisive_any = decisive_any | decisive.any()
         w[i : i + _chunk_rows(V)] = wc.float()
         active[i : i + _chunk_rows(V)] = act
         del z, g, p, r
-    if bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any):
-        return w, LossKind.CROSS_ENTROPY, None
+    fits = bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()) or not bool(decisive_any)
+    if lse_term and not fits:
+        raise ValueError(_NOT_CE.format(""))
+    if fits:
+        return w, LossKind.CROSS_ENTROPY, LSE_TERM_NOTE if lse_term else None
     # not hard labels: a second pass over the rows tells a scaling of the logits from soft targets (only here: the
     # hard-label case, the usual one, does not pay for these fits)
     slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
@@ -375,6 +380,42 @@ def loss_weights(
             "logits' first dimension)"
         ),
     )
+
+
+#: The error of a gradient at the logits that no cross-entropy (with or without a term in logsumexp) explains.
+_NOT_CE = (
+    "The loss's gradient at the logits is not a softmax cross-entropy's (its rows do not sum to zero, and the entries "
+    "off the label are not proportional to the softmax, as a z-loss term would leave them{}). Pass "
+    "sharpness=curvwatch.Sharpness(loss='mse') for a squared error, Sharpness(logits_module='<name>') if the module "
+    "found is not the one the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
+    "sharpness=False."
+)
+
+#: :func:`loss_weights`' note when the rows are a cross-entropy's plus a term in ``logsumexp(z)`` (a z-loss).
+LSE_TERM_NOTE = (
+    "the loss's gradient at the logits is a cross-entropy's plus a term in logsumexp (a z-loss): its weights include "
+    "that term's first-order part (f'(lse) (diag p - p p^T)); its rank-one part f''(lse) p p^T is left out"
+)
+
+
+def _lse_term_labels(p: Tensor, g: Tensor, act: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, 1 - p_y, decisive)`` of rows ``g = s p - w e_y`` (a cross-entropy of weight ``w`` plus a term
+    ``f(logsumexp z)``, whose gradient is ``f' p``: ``s = w + f'``), where the label's entry may be positive (a
+    confident row, ``p_y > w / s``) and the most negative entry then is not the label. Off the label ``g_c / p_c = s``,
+    at the label it is ``s - w / p_y``, less: so ``s`` is the largest ratio (over entries above float32's range of
+    round-off, ``1e-30``) and the label is the entry furthest below ``s p``.
+
+    Example:
+        >>> p = torch.softmax(torch.tensor([[4.0, 0.0, -1.0]], dtype=torch.float64), -1)  # p_0 = 0.976
+        >>> g = 1.1 * p - torch.tensor([[1.0, 0, 0]], dtype=torch.float64)  # w = 1, f' = 0.1: g_0 > 0
+        >>> int(g.argmin()), int(_lse_term_labels(p, g, torch.tensor([True]))[0])
+        (2, 0)
+    """
+    usable = (p > 1e-30) & (g > 1e-30)
+    s = torch.where(usable, g / p.clamp_min(1e-300), torch.zeros_like(g)).amax(-1, keepdim=True)
+    y = (s * p - g).argmax(-1)
+    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)
+    return y, rest, act & (rest > 1e-3)
 
 
 def _ce_rows(z: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
