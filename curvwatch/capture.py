@@ -420,7 +420,7 @@ def _sampler(
     w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
     total = float(w.sum())
     if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
-        total += float(loss_weights(others, gz[_other_rows(rows)], kind)[0].sum())
+        total += float(loss_weights(others.reshape(-1, V), gz[_other_rows(rows)].reshape(-1, V), kind)[0].sum())
     elif not everything and note is not None:  # an assumed mean's weights sum to 1
         total = 1.0
     elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone

@@ -864,3 +864,15 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     H = torch.func.hessian(loss_of)(logits.detach()).reshape(B * L * V, B * L * V)
     truth = float(torch.linalg.eigvalsh(J.T @ H @ J)[-1])
     assert got == pytest.approx(truth, rel=0.15), (got, truth)
+    # one kept sequence of three (a heavier z-loss: its rows are read as such): the kept tokens' keys are scaled by
+    # the batch's total weight over theirs, the other rows' weights read from their whole rows (LinearLogits)
+    heavy = 0.05
+    with Capture(specs, max_tokens=L, logits_module=model.head) as cap:
+        logits = model(idx)
+        loss = F.cross_entropy(logits.reshape(-1, V), y) + heavy * logits.reshape(-1, V).logsumexp(-1).pow(2).mean()
+        cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    assert cap.sample_note == LSE_TERM_NOTE
+    s = (1 + 2 * heavy * logits.detach().reshape(-1, V).logsumexp(-1)) / (B * L)
+    scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
+    assert len(scales) == 1 and scales.pop() == pytest.approx(float(s.sum() / s[:L].sum()), rel=1e-5)
