@@ -466,9 +466,11 @@ def _members_matvec(
     """
     k = curvature.k
     h = k // 2
-    estimates = [[1 / k] * k]
+    # (E, k) sample weights of each estimate, made on the device (no host table to copy)
+    estimates = [torch.full((k,), 1 / k, dtype=op.dtype, device=op.device)]
     if E == 3:
-        estimates += [[1 / h] * h + [0.0] * (k - h), [0.0] * h + [1 / (k - h)] * (k - h)]
+        first = (torch.arange(k, device=op.device) < h).to(op.dtype)
+        estimates += [first / h, (1 - first) / (k - h)]
     emb = _Embedding(view(op), [X])
     info = view(op).params[X]
     layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
@@ -478,7 +480,7 @@ def _members_matvec(
     def product(rows_of):  # one product for these rows
         n = len(rows_of)
         rows = _rows([kind for *_, kind in rows_of], 1, emb)
-        weights = torch.tensor([estimates[e] for _, e, _ in rows_of], dtype=op.dtype, device=op.device)  # (n, k)
+        weights = torch.stack([estimates[e] for _, e, _ in rows_of])  # (n, k)
         member_op = view(with_sampled(op, curvature.per_row(weights)))
         plain = sum(1 for i, _, _ in rows_of if i == 0)  # the plain rows come first (the labels stay in order)
 
