@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
+from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
 from curvwatch.sharpness import (
     LogitSampler,
@@ -145,6 +147,34 @@ def _gpt(**kw):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0, **kw)
     return GPT(cfg).double()
+
+
+def _gpt_batch(B: int, L: int) -> torch.Tensor:
+    """A fixed ``(B, L)`` batch of :func:`_gpt`'s tokens."""
+    return torch.randint(0, 13, (B, L), generator=torch.Generator().manual_seed(0))
+
+
+def _gpt_loss(loss_of_logits, B: int, L: int):
+    """``(model, loss_fn)``: :func:`_gpt` with math attention (torch.func's references need forward-mode AD) and
+    ``loss_fn(model) -> (loss_of_logits(logits), logits)`` on :func:`_gpt_batch`."""
+    model, idx = _gpt(attention="math"), _gpt_batch(B, L)
+
+    def loss_fn(m):
+        logits = m(idx)
+        return loss_of_logits(logits), logits
+
+    return model, loss_fn
+
+
+def _layer1_w2(model, loss_fn, samples: int, key: str, kind: str = "auto") -> float:
+    """The monitor's ``key`` (``ggn/W2W2``, ``sharpness/W2W2``) of ``layer1/ffn`` on ``loss_fn``'s batch, every token
+    kept, ``samples`` sampled passes, float64 kernels with a tight Lanczos."""
+    with Capture(find_blocks(model), max_tokens=100, logits_module=model.head) as cap:
+        loss, _ = loss_fn(model)
+        cap.sample_outputs(loss, samples, kind=kind, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=("W2W2",))
+    return float(engine.evaluate(cap.blocks()).results["layer1/ffn"][key])
 
 
 @pytest.mark.parametrize("head", ["linear", "scaled by a forward hook"])
@@ -646,7 +676,6 @@ def test_no_spread_or_heterogeneity_from_no_data():
     # read of every value drops that key (not the block)
     from benchmarks.bench_dispatch import OpCounter, count_host_reads
     from curvwatch.closed_form._common import inputs_checked
-    from curvwatch.closed_form.settings import Lanczos
     from curvwatch.logbook import flatten
 
     counter = OpCounter()
@@ -666,8 +695,6 @@ def test_kl_batchmean_over_tokens_is_refused_unless_named_then_exact():
     gives weights 1/B, whose Gauss-Newton matrix at the logits is the loss's exact Hessian there (torch.func), and
     the monitor's sharpness of a tiny GPT's W2 matches the exact value (real_loss_top, matrix-free) within 20%
     (measured 1.04x at 256 samples; the 1/L reading was 1/6 of it)."""
-    from curvwatch.closed_form.settings import Lanczos
-    from curvwatch.engine import Engine
     from curvwatch.reference.real_loss import real_loss_top
 
     B, L, V = 3, 6, 13
@@ -687,28 +714,15 @@ def test_kl_batchmean_over_tokens_is_refused_unless_named_then_exact():
     exact_z = torch.func.hessian(kl)(z).reshape(B * L * V, B * L * V)
     torch.testing.assert_close(ggn_z, exact_z, rtol=1e-6, atol=1e-12)  # w is float32
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=8, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0,
-                          attention="math")).double()  # fmt: skip
-    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(0))
-
-    def loss_fn(m):
-        logits = m(idx)
-        return kl(logits), logits
-
+    model, loss_fn = _gpt_loss(kl, B, L)
     specs = find_blocks(model)
-    spec = {s.name: s for s in specs}["layer1/ffn"]
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = loss_fn(model)
         with pytest.raises(ValueError, match="loss='soft_batchmean'"):
             cap.sample_outputs(loss, 2)
         loss.backward()
-    with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
-        loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 256, kind="soft_batchmean", generator=torch.Generator().manual_seed(0))
-        loss.backward()
-    engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=("W2W2",))
-    got = float(engine.evaluate(cap.blocks()).results["layer1/ffn"]["sharpness/W2W2"])
+    got = _layer1_w2(model, loss_fn, 256, "sharpness/W2W2", kind="soft_batchmean")
+    spec = {s.name: s for s in specs}["layer1/ffn"]
     exact = real_loss_top(model, loss_fn, spec, "W_2", loss="soft_batchmean")["sharpness"]
     assert got == pytest.approx(exact, rel=0.2), (got, exact)
 
@@ -811,8 +825,6 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     loss's Hessian at the logits is ``s (diag p - p p^T)`` plus the rank-one ``2 c w_z p p^T`` left out (checked
     against torch.func), and the monitor's ``ggn/W2W2`` of a tiny GPT with large logits is within 15% of the exact
     Gauss-Newton block of that loss (dense torch.func, 1024 samples)."""
-    from curvwatch.closed_form.settings import Lanczos
-    from curvwatch.engine import Engine
     from curvwatch.reference.real_loss import _perturbed
     from curvwatch.sharpness import LSE_TERM_NOTE
 
@@ -839,26 +851,12 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     exact = torch.func.hessian(loss_of)(z).reshape(B * L * V, B * L * V)
     torch.testing.assert_close(ours + rank_one, exact, rtol=1e-9, atol=1e-12)
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=8, n_layer=2, n_head=2, d_model=8, d_ff=16, dropout=0.0,
-                          attention="math")).double()  # fmt: skip
+    model, loss_fn = _gpt_loss(loss_of, B, L)
     with torch.no_grad():
         model.head.weight.mul_(40)  # large logits: the z-loss's share of the gradient is well above the old tolerance
-    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(0))
-
-    def loss_fn(m):
-        logits = m(idx)
-        return loss_of(logits), logits
-
     specs = find_blocks(model)
-    spec = {s.name: s for s in specs}["layer1/ffn"]
-    with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
-        loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
-        loss.backward()
-    engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=("W2W2",))
-    got = float(engine.evaluate(cap.blocks()).results["layer1/ffn"]["ggn/W2W2"])
-    run, zero = _perturbed(model, loss_fn, spec, "W_2", None)
+    got = _layer1_w2(model, loss_fn, 1024, "ggn/W2W2")
+    run, zero = _perturbed(model, loss_fn, {s.name: s for s in specs}["layer1/ffn"], "W_2", None)
     J = torch.func.jacrev(lambda d: run(d)[1].reshape(-1))(zero).reshape(B * L * V, -1)
     logits = run(zero)[1]
     H = torch.func.hessian(loss_of)(logits.detach()).reshape(B * L * V, B * L * V)
@@ -868,7 +866,7 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     # the batch's total weight over theirs, the other rows' weights read from their whole rows (LinearLogits)
     heavy = 0.05
     with Capture(specs, max_tokens=L, logits_module=model.head) as cap:
-        logits = model(idx)
+        logits = model(_gpt_batch(B, L))
         loss = F.cross_entropy(logits.reshape(-1, V), y) + heavy * logits.reshape(-1, V).logsumexp(-1).pow(2).mean()
         cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0))
         loss.backward()
