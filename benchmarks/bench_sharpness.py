@@ -20,15 +20,20 @@ the truth.
 
 Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``;
 ``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``;
-``python -m benchmarks.bench_sharpness --cost --width 64`` (the real-loss share of a full evaluation, vocab 50,257).
+``python -m benchmarks.bench_sharpness --cost --width 64`` (the real-loss share of a full evaluation, vocab 50,257);
+``python -m benchmarks.bench_sharpness --sampled GRAM_STEPS=4,12 --width 64 --batch 8 --seq 128 --repeats 3`` (a
+setting of the sampled keys, here where the Gauss-Newton keys come from the samples' Gram matrix: time, operators
+and Lanczos steps side by side).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -210,14 +215,10 @@ def cost_table(repeats: int) -> list[str]:
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
-def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
-    """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
-    without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
-    AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of ``repeats``),
-    float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its share is
-    ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens."""
-    from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.sharpness import RealLoss, find_logits_module
+def _adam_gpt2(width: int, vocab: int, B: int, L: int):
+    """``(model, x, y, block specs, logits module, AdamW)``: the held-out GPT-2 of :func:`held_out_gpt2` after one
+    AdamW step (its second moments exist, so the stability rules precondition)."""
+    from curvwatch.sharpness import find_logits_module
 
     model, x, y = held_out_gpt2(width, vocab=vocab, B=B, L=L)
     specs = find_blocks(model)
@@ -225,8 +226,21 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
     adam = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss, _ = _full_ce(x, y)(model)
     loss.backward()
-    adam.step()  # second moments exist
+    adam.step()
     model.zero_grad()
+    return model, x, y, specs, head, adam
+
+
+def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
+    """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
+    without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
+    AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of ``repeats``),
+    float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its share is
+    ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens."""
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.sharpness import RealLoss
+
+    model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
     real, engine = RealLoss(), Engine()
 
     def one(mode: str, counters: tuple[OpCounter, OpCounter] | None = None) -> dict[str, float]:
@@ -277,6 +291,97 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
         f"| of which the sampled keys in the kernels | {med['real']['evaluate'] - med['plain']['evaluate']:.2f} | "
         f"{ops['real'][1].total - ops['plain'][1].total} |",
     ]
+
+
+def sampled_setting_table(
+    name: str,
+    settings: Sequence[float],
+    width: int = 64,
+    B: int = 8,
+    L: int = 128,
+    vocab: int = 50_257,
+    repeats: int = 3,
+) -> list[str]:
+    """A setting of the sampled keys (``curvwatch.closed_form._sampled.<name>``: ``GRAM_STEPS``, where the
+    Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved):
+    one full evaluation with the real-loss keys (16 samples, AdamW rules, ``max_tokens`` 512) under each value of
+    ``settings``, side by side on the same captures (each repeat a new capture: new samples, as at a later
+    evaluation), CPU time of one thread (median of ``repeats``, interleaved in alternating order), its dispatched
+    operators, and the steps of the sampled Lanczos runs (``(rows x heads, steps): runs``). Held-out Hugging Face
+    GPT-2, random tokens. An unknown ``name`` raises."""
+    import collections
+
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.closed_form import _lanczos, _sampled
+
+    if name not in ("GRAM_STEPS", "MEMBER_TOL"):
+        raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS or MEMBER_TOL.")
+    from curvwatch.sharpness import RealLoss
+
+    model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
+    real, engines = RealLoss(), {m: Engine() for m in settings}
+    steps: dict[float, collections.Counter] = {m: collections.Counter() for m in settings}
+    current: list[float | None] = [None]
+    finish = _lanczos.LanczosRun._finish
+
+    def counted(run) -> None:  # the sampled runs are the algebraic ones
+        if run.algebraic and current[0] is not None:
+            steps[current[0]][(math.prod(run.batch_shape), run.j + 1)] += 1
+        finish(run)
+
+    def capture(seed: int):
+        with Capture(specs, max_tokens=512, logits_module=head) as cap:
+            loss, _ = _full_ce(x, y)(model)
+            cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+            loss.backward()
+        model.zero_grad()
+        blocks = cap.blocks()
+        return blocks, real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+
+    def one(m: float, blocks, rules, counter=None) -> float:
+        saved, current[0] = getattr(_sampled, name), m
+        setattr(_sampled, name, m)
+        t = time.process_time()
+        try:
+            with counter or contextlib.nullcontext():
+                engines[m].evaluate(blocks, rules=rules)
+        finally:
+            setattr(_sampled, name, saved)
+            current[0] = None
+        return time.process_time() - t
+
+    _lanczos.LanczosRun._finish = counted
+    try:
+        blocks, rules = capture(0)
+        for m in settings:  # warm-up, and the warm starts of each setting's engine
+            one(m, blocks, rules)
+        for m in settings:
+            steps[m].clear()
+        times: dict[float, list[float]] = {m: [] for m in settings}
+        for r in range(repeats):
+            blocks, rules = capture(r + 1)
+            for m in settings if r % 2 == 0 else settings[::-1]:
+                times[m].append(one(m, blocks, rules))
+        runs = {m: dict(c) for m, c in steps.items()}  # those of the timed evaluations
+        blocks, rules = capture(repeats + 1)  # (evaluated once more, a capture's warm starts would be its answers)
+        ops = {}
+        for m in settings:
+            c = OpCounter()
+            one(m, blocks, rules, c)
+            ops[m] = c.total
+    finally:
+        _lanczos.LanczosRun._finish = finish
+    kept = next(b.inputs["output_samples"].shape[1] for b in blocks if "output_samples" in b.inputs)
+    lines = [
+        f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}: {kept} kept sequences, k B = {16 * kept} Gram "
+        f"columns; 16 samples, AdamW rules; CPU time of one thread, median of {repeats}",
+        f"| {name} | full evaluation (s) | operators | sampled runs: (rows x heads, steps): runs |",
+        "| --- | --- | --- | --- |",
+    ]
+    for m in settings:
+        counts = ", ".join(f"({b}, {j}): {c}" for (b, j), c in sorted(runs[m].items()))
+        lines.append(f"| {m} | {statistics.median(times[m]):.3f} | {ops[m]} | {counts} |")
+    return lines
 
 
 def held_out_gpt2(width: int, layers: int = 2, heads: int = 4, vocab: int = 256, B: int = 8, L: int = 64):
@@ -549,7 +654,29 @@ def main(argv=None) -> int:
     parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
     parser.add_argument("--own", action="store_true", help="--bias: also layer 0's FFN W1W1 (with its own term)")
     parser.add_argument("--json", type=Path, default=None, help="--bias: also write the rows as JSON")
+    parser.add_argument(
+        "--sampled",
+        default=None,
+        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12 or MEMBER_TOL=1,0.2",
+    )
     args = parser.parse_args(argv)
+    if args.sampled:
+        name, values = args.sampled.split("=")
+        cast = int if name == "GRAM_STEPS" else float
+        text = "\n".join(
+            sampled_setting_table(
+                name,
+                [cast(v) for v in values.split(",")],
+                args.width[0],
+                B=args.batch,
+                L=args.seq or 128,
+                repeats=max(args.repeats, 1),
+            )
+        )
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
     if args.estimators:
         ks = [int(k) for k in args.ks.split(",")]
         rows = [r for w in args.width for r in estimator_rows(w, ks, args.seeds, args.layers, L=args.seq or 64)]

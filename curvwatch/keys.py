@@ -107,7 +107,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "sharpness_spread/{XY}[/{head}]",
         "uncertainty of `sharpness/XY` relative to it: the half-sample estimates' half-difference plus half the "
-        "debiasing correction (`k ≥ 2` samples; none for a zero sharpness; docs/sharpness.md)",
+        "debiasing correction plus the Lanczos members' error carried through it (`k ≥ 2` samples; none for a zero "
+        "sharpness; docs/sharpness.md)",
     ),
     KeySpec("residual/ggn/{XY}[/{head}]", "relative Lanczos residual of `ggn/XY`", "max", logged=False),
     KeySpec("residual/sharpness/{XY}[/{head}]", "the same for `sharpness/XY`", "max", logged=False),

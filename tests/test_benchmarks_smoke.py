@@ -87,3 +87,21 @@ def test_accuracy_quick(tmp_path):
             # converged norms are within their residual of the float64 reference (up to float32 round-off)
             if s["unconverged"] == 0:
                 assert s["true_rel_error_max"] <= max(s["rel_residual_max"], 1e-4)
+
+
+def test_sampled_setting_table_times_each_setting_and_restores_it():
+    """``bench_sharpness --sampled NAME=a,b``: one row per value, with operators and the sampled runs' steps, and the
+    module's setting restored afterwards; an unknown setting is refused."""
+    from benchmarks import bench_sharpness
+    from curvwatch.closed_form import _sampled
+
+    before = _sampled.GRAM_STEPS
+    lines = bench_sharpness.sampled_setting_table("GRAM_STEPS", [0, 12], width=32, B=2, L=16, vocab=64, repeats=1)
+    assert _sampled.GRAM_STEPS == before
+    rows = [line.split(" | ") for line in lines[3:]]
+    assert [r[0] for r in rows] == ["| 0", "| 12"]
+    ops = [int(r[2]) for r in rows]
+    assert all(n > 0 for n in ops) and ops[1] < ops[0]  # the Gram path: fewer operators than every key by Lanczos
+    assert "(12, " in rows[0][3]  # GRAM_STEPS 0: ggn and sharpness members in one run, 12 rows
+    with pytest.raises(ValueError, match="Unknown sampled setting"):
+        bench_sharpness.sampled_setting_table("DEBIAS", [0, 1], width=32, B=2, L=16, vocab=64)

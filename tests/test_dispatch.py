@@ -8,6 +8,7 @@ so a change that adds dispatches per Lanczos step or a read per block fails here
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
@@ -87,11 +88,22 @@ DEEP_TERMS_SYNCS = 3
 DEEP_TERMS_OPS_PER_LAYER = 100
 
 
-def test_sampled_sharpness_keys_stay_under_their_ceilings():
+@pytest.mark.parametrize("gram_steps", [None, 0])
+def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatch):
     """The real-loss keys of one attention and one FFN kernel call (16 samples, Adam-preconditioned: three estimates
     x two preconditionings per key): their operators and host reads on top of the call without samples. The Lanczos
-    members of a run share operator products of up to ``MEMBER_ROWS`` rows (measured when set: attention 6,734
-    operators and 11 reads, FFN 3,637 and 10; one product per member, as before: 17,479 / 11 and 8,638 / 10)."""
+    members of a run share operator products of up to ``MEMBER_ROWS`` rows; with 2 sequences (``k B`` = 32 Gram
+    columns) the Gauss-Newton keys come from the samples' Gram matrix at the default ``GRAM_STEPS``, and the Lanczos
+    members are solved to ``MEMBER_TOL`` times the tolerance (measured when set, ``GRAM_STEPS`` 12 and ``MEMBER_TOL``
+    0.2: attention 5,818 operators and 13 reads, FFN 3,285 and 11; ``MEMBER_TOL`` 1: 4,838 / 11 and 2,866 / 10;
+    ``GRAM_STEPS`` 4 as well, where the ``QQ``, ``KK`` and ``W1W1`` GGN keys were Lanczos members: 6,748 / 11 and
+    3,644 / 10). ``gram_steps=0``: every key by Lanczos members, 12 rows per run (9,024 / 16 and 5,814 / 16; at
+    ``MEMBER_TOL`` 1 8,176 / 14 and 5,027 / 14; with one product per member as well, ``STACK_MEMBERS = False``:
+    17,479 and 8,638)."""
+    from curvwatch.closed_form import _sampled
+
+    if gram_steps is not None:
+        monkeypatch.setattr(_sampled, "GRAM_STEPS", gram_steps)
     from curvwatch.closed_form import Lanczos, ffn, multi_head_attention
 
     g = torch.Generator().manual_seed(0)
@@ -116,8 +128,9 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings():
 
     kernels = {
         "attention": (lambda lz, **kw: multi_head_attention(X, *W, H, grad_output=G, causal=True, lanczos=lz, **kw),
-                      P_attn, 7_750, 12),
-        "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn, 4_200, 11),
+                      P_attn, *((6_700, 14) if gram_steps is None else (10_400, 18))),
+        "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn,
+                *((3_800, 12) if gram_steps is None else (6_700, 18))),
     }  # fmt: skip
     for name, (call, precondition, max_ops, max_reads) in kernels.items():
         ops0, reads0 = count(call)

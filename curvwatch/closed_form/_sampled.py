@@ -291,11 +291,16 @@ def check_precondition(
 #: The Gauss-Newton keys come from the samples' Gram matrix (:func:`_gram_ggn`: exact, one operator product per
 #: column) instead of Lanczos members where its ``k B`` columns (samples times kept sequences) are at most this many
 #: times the Lanczos members they replace (every member of a block whose own functional term is zero, else the GGN
-#: ones). A warm-started member takes about 6 products (HF GPT-2 d 64, 16 samples: 12 members, 72 products per pair),
-#: and a Gram column costs a full product (its tangent is zero, the operator still runs it): measured on the CPU, the
-#: two paths took the same time at 16 columns (one kept sequence) and the Gram path ~10% more at 64 (4 kept sequences,
-#: the Lanczos-replaced members 12 x 6 products), hence 4: the Gram path where it replaces clearly more products.
-GRAM_STEPS = 4
+#: ones), and at most ``max_basis`` times (memory: the columns ``A``, ``(k B, H, n)``, then take no more than the
+#: replaced members' Lanczos bases, ``max_basis`` vectors each). A warm-started member of the sampled runs takes 8-24
+#: products (session 15, HF GPT-2 d 64, 16 samples, AdamW: the runs stop when their slowest member has converged),
+#: and a Gram column costs one row of a product (its tangent is zero, the operator still runs it). Measured side by
+#: side (``/tmp`` script around ``Engine.evaluate``; CPU time of the whole evaluation, median of 3, and its
+#: operators), 4 -> 12: ``k B = 64`` (4 kept sequences), the GGN keys of ``QQ``, ``KK``, ``W1W1`` now by the Gram
+#: (ratio 10.7): 2.13 s -> 2.13 s, 29,582 -> 21,587 operators; ``k B = 128`` (8 kept sequences), ``W2W2`` and ``VV``
+#: by the Gram (ratio 10.7): 1.48 s -> 1.44 s, 28,902 -> 25,089 operators, while all pairs by the Gram (ratio 21)
+#: took 1.86 s. So 12: the Gram path where it costs no more time on the CPU and cuts the operators (a GPU's launches).
+GRAM_STEPS = 12
 
 #: Columns of the Gram matrix per operator product (as many as the Lanczos runs batch at once: its memory).
 GRAM_CHUNK = 16
@@ -317,7 +322,8 @@ def sampled_norms(
     preconditioned ones those of :class:`Preconditioned` ``(op, {X: D})``. The sharpness keys run in one batched
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
-    small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` times the Lanczos members it replaces, no ``view``;
+    small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
+    replaces, no ``view``;
     exact eigenvalues, ``residual/...`` 0), else they join the same Lanczos run (two members per estimate, warm-start
     key ``("sharpness", XX, prefixes, estimates)``). For the pairs in ``linear`` (``F`` linear in ``X``: the block's
     own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the
@@ -349,6 +355,7 @@ def sampled_norms(
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
+    gram_limit = GRAM_STEPS if lanczos.max_basis is None else min(GRAM_STEPS, lanczos.max_basis)
     # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
     viewed = view(op)
@@ -368,7 +375,7 @@ def sampled_norms(
         # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
-        gram = gram_ok and columns <= GRAM_STEPS * replaced
+        gram = gram_ok and columns <= gram_limit * replaced
         if gram:
             ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split)
             for prefix, vals in zip(prefixes, ggn, strict=True):
@@ -396,7 +403,9 @@ def sampled_norms(
 
             kinds = kinds_one * (len(prefixes) * E)
             key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
-            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, lanczos, algebraic=True)
+            # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
+            members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
+            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True)
             for i, prefix in enumerate(prefixes):
                 for j, name in enumerate(names):
                     rows = [m * (i * E + e) + j for e in range(E)]
@@ -407,6 +416,7 @@ def sampled_norms(
                 value, spread = vals[0], None
                 if split:
                     value, spread = debias(vals[0], vals[1], vals[2], counts, psd=name == "ggn")
+                    spread = spread + extrapolated_residual(vals, rel, counts, value)  # the members' Lanczos error too
                 heads = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
                 residual = rel.amax(0)
                 for h, k in enumerate(heads):
@@ -542,21 +552,23 @@ def _gram_ggn(
     k, B = curvature.sigma.shape[:2]
     n = k * B
     emb = _Embedding(op, [X])
-    columns = []
-    for start in range(0, n, GRAM_CHUNK):
-        stop = min(n, start + GRAM_CHUNK)
+    chunks = [(start, min(n, start + GRAM_CHUNK)) for start in range(0, n, GRAM_CHUNK)]
+    # the columns written in place (no concatenated copy) and the Gram matrix a chunk of rows at a time (no scaled
+    # copy of A): the memory is A's, (k B, H, size), and a chunk
+    A = torch.empty((n, emb.H, emb.n), dtype=op.dtype, device=op.device)
+    for start, stop in chunks:
         _, mv = pair_matvec(
             with_sampled(op, _Columns(curvature.sigma, start, stop)), (X, X), ("outer",) * (stop - start)
         )
         zero = torch.zeros((stop - start, emb.H, emb.n), dtype=op.dtype, device=op.device)
-        columns.append(mv(zero))  # (chunk, H, size): J_X^T sigma_{j,b}
-    A = torch.cat(columns)  # (k B, H, size)
-    del columns
+        A[start:stop] = mv(zero)  # (chunk, H, size): J_X^T sigma_{j,b}
     out = []
     for D in scales:
-        AD = A if D is None else A * D.reshape(emb.H if op.params[X].headed else 1, -1)
-        G = torch.einsum("nhs,mhs->hnm", AD, AD).double() / k  # (H, k B, k B)
-        del AD
+        D2 = None if D is None else D.reshape(emb.H if op.params[X].headed else 1, -1).square()
+        G = torch.empty((emb.H, n, n), dtype=torch.float64, device=op.device)  # (H, k B, k B)
+        for start, stop in chunks:
+            rows = A[start:stop] if D2 is None else A[start:stop] * D2
+            G[:, start:stop] = torch.einsum("nhs,mhs->hnm", rows, A).double() / k
         values = [torch.linalg.eigvalsh(G)[:, -1]]
         if split:
             half = (k // 2) * B  # sample j = r // B: the first half's columns come first
@@ -564,6 +576,38 @@ def _gram_ggn(
             values.append(torch.linalg.eigvalsh(G[:, half:, half:])[:, -1] * (k / (k - k // 2)))
         out.append(torch.stack(values).to(op.dtype))
     return out
+
+
+#: The Lanczos members of a debiased key are solved to this fraction of the key's ``tol``. The extrapolation
+#: ``(1 + q) full - q mean(a, b)`` (``q = 1`` for equal halves) carries every member's error into the estimate,
+#: weighted (:func:`extrapolated_residual`: about 3 times a member's relative error where the bias is small, more
+#: where the correction is a large part of ``full``): with members solved to ``tol`` itself a debiased
+#: ``sharpness/W1W1`` read 29% below a tight solve of the same samples while its members' residuals said 0.9%
+#: (session 15: HF GPT-2 d 128 at its initial weights, warm starts, 16 samples, the monitor's tol 1e-2; the
+#: correction there was 13 times the estimate); at 0.2 the same keys were within 0.1% of the tight solve. The
+#: ``residual/...`` keys stay the members' (their Lanczos convergence); the bound of the members' error carried
+#: through the extrapolation is added to ``sharpness_spread``.
+MEMBER_TOL = 0.2
+
+
+def extrapolated_residual(
+    values: torch.Tensor, residuals: torch.Tensor, counts: tuple[int, int, int], estimate: torch.Tensor
+) -> torch.Tensor:
+    """``(H,)`` the relative error bound of a debiased estimate (:func:`debias`) from its Lanczos members: values and
+    relative residuals ``(3, H)`` (full sample, halves), each member's bound ``residual * |value|`` carried through the
+    extrapolation ``estimate = (1 + q) full - q (a + b) / 2``, ``q = 1 / (k h - 1)``, over ``|estimate|`` (inf or
+    nan where the estimate is 0, as :func:`debias`'s spread). 0 for exact members (the Gram path).
+
+    Example:
+        >>> vals = torch.tensor([[1.2], [1.4], [1.4]])  # full sample, halves: the estimate 2 * 1.2 - 1.4 = 1.0
+        >>> res = torch.tensor([[1e-3], [1e-3], [1e-3]])
+        >>> round(float(extrapolated_residual(vals, res, (16, 8, 8), torch.tensor([1.0]))[0]), 6)  # (2.4 + 1.4) 1e-3
+        0.0038
+    """
+    k, ka, kb = counts
+    q = 1 / (k * (1 / ka + 1 / kb) / 2 - 1)
+    err = residuals * values.abs()
+    return ((1 + q) * err[0] + q / 2 * (err[1] + err[2])) / estimate.abs()
 
 
 #: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
