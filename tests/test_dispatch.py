@@ -90,16 +90,18 @@ DEEP_TERMS_OPS_PER_LAYER = 100
 
 @pytest.mark.parametrize("gram_steps", [None, 0])
 def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatch):
-    """The real-loss keys of one attention and one FFN kernel call (16 samples, Adam-preconditioned: three estimates
-    x two preconditionings per key): their operators and host reads on top of the call without samples. The Lanczos
-    members of a run share operator products of up to ``MEMBER_ROWS`` rows; with 2 sequences (``k B`` = 32 Gram
-    columns) the Gauss-Newton keys come from the samples' Gram matrix at the default ``GRAM_STEPS``, and the Lanczos
-    members are solved to ``MEMBER_TOL`` times the tolerance (measured when set, ``GRAM_STEPS`` 12 and ``MEMBER_TOL``
-    0.2: attention 5,818 operators and 13 reads, FFN 3,285 and 11; ``MEMBER_TOL`` 1: 4,838 / 11 and 2,866 / 10;
-    ``GRAM_STEPS`` 4 as well, where the ``QQ``, ``KK`` and ``W1W1`` GGN keys were Lanczos members: 6,748 / 11 and
-    3,644 / 10). ``gram_steps=0``: every key by Lanczos members, 12 rows per run (9,024 / 16 and 5,814 / 16; at
-    ``MEMBER_TOL`` 1 8,176 / 14 and 5,027 / 14; with one product per member as well, ``STACK_MEMBERS = False``:
-    17,479 and 8,638)."""
+    """The real-loss keys of one attention, one FFN and one grouped-query attention kernel call (16 samples, Adam-
+    preconditioned: three estimates x two preconditionings per key): their operators and host reads on top of the call
+    without samples. The Lanczos members of a run share operator products of up to ``MEMBER_ROWS`` rows; with 2
+    sequences (``k B`` = 32 Gram columns) the Gauss-Newton keys come from the samples' Gram matrix at the default
+    ``GRAM_STEPS``, and the Lanczos members are solved to ``MEMBER_TOL`` times the tolerance (measured when set,
+    ``GRAM_STEPS`` 12 and ``MEMBER_TOL`` 0.2: attention 5,818 operators and 13 reads, FFN 3,285 and 11; ``MEMBER_TOL``
+    1: 4,838 / 11 and 2,866 / 10; ``GRAM_STEPS`` 4 as well, where the ``QQ``, ``KK`` and ``W1W1`` GGN keys were Lanczos
+    members: 6,748 / 11 and 3,644 / 10). Grouped-query attention (4 query heads, 2 kv heads): 6,597 / 13, its ``KK`` and
+    ``VV`` GGN keys by the Gram through the group view (9,560 / 17 when they were Lanczos members). The chunked Gram
+    matrix added ~150 operators to the first two (5,962 / 13 and 3,381 / 11 now). ``gram_steps=0``: every key by Lanczos
+    members, 12 rows per run (9,024 / 16, 5,814 / 16, 9,560 / 17; at ``MEMBER_TOL`` 1 8,176 / 14 and 5,027 / 14; with
+    one product per member as well, ``STACK_MEMBERS = False``: 17,479 and 8,638)."""
     from curvwatch.closed_form import _sampled
 
     if gram_steps is not None:
@@ -117,6 +119,8 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     W1, W2 = r(d, 4 * d, scale=d**-0.5), r(4 * d, d, scale=0.1)
     P_attn = {nm: r(d, d).abs() + 0.1 for nm in ("W_Q", "W_K", "W_V")}
     P_ffn = {"W_1": r(d, 4 * d).abs() + 0.1, "W_2": r(4 * d, d).abs() + 0.1}
+    Wkv = [r(d, d // 2, scale=d**-0.5) for _ in range(2)]  # 2 kv heads of d / H for 4 query heads
+    P_gqa = {"W_Q": r(d, d).abs() + 0.1, "W_K": r(d, d // 2).abs() + 0.1, "W_V": r(d, d // 2).abs() + 0.1}
 
     def count(call) -> tuple[int, int]:
         lanczos = Lanczos()
@@ -131,6 +135,9 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
                       P_attn, *((6_700, 14) if gram_steps is None else (10_400, 18))),
         "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn,
                 *((3_800, 12) if gram_steps is None else (6_700, 18))),
+        "gqa": (lambda lz, **kw: multi_head_attention(X, W[0], Wkv[0], Wkv[1], W[3], H, n_kv_heads=2, grad_output=G,
+                                                      causal=True, lanczos=lz, **kw),
+                P_gqa, *((7_600, 15) if gram_steps is None else (11_000, 19))),
     }  # fmt: skip
     for name, (call, precondition, max_ops, max_reads) in kernels.items():
         ops0, reads0 = count(call)

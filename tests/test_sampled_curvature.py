@@ -600,3 +600,25 @@ def test_gram_path_holds_its_columns_once():
         start = next((b for t, b in reversed(timeline) if t < t0), 0)  # live when the call starts
         peak = max(b for t, b in timeline if t0 <= t <= t1) - start
         assert a_bytes <= peak <= 2.05 * a_bytes, peak / a_bytes
+
+
+@pytest.mark.parametrize("kernel, case", [CASES[8], CASES[9]], ids=_ids)
+def test_grouped_query_kv_keys_take_the_gram_path(kernel, case, monkeypatch):
+    """Grouped-query attention: the per-kv-group ``KK`` and ``VV`` Gauss-Newton keys (and ``VV``'s sharpness, ``F``
+    linear in ``V``) come from the samples' Gram matrix through the group view (exact: residual 0; its values against
+    the dense reference in ``test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise``); ``QQ``
+    (the query view) keeps its Lanczos members."""
+    calls = []
+    inner = sampled._gram_ggn
+
+    def counted(op, X, *args, **kwargs):
+        calls.append(X)
+        return inner(op, X, *args, **kwargs)
+
+    monkeypatch.setattr(sampled, "_gram_ggn", counted)
+    prob = PROBLEMS[kernel](case)
+    out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
+    assert sorted(calls) == ["K", "V"], calls
+    kv = [k for k in out if k.startswith("residual/") and ("ggn/KK" in k or "ggn/VV" in k or "sharpness/VV" in k)]
+    assert kv and all(float(out[k]) == 0 for k in kv), kv
+    assert any(k.startswith("residual/sharpness/QQ") and float(out[k]) > 0 for k in out)

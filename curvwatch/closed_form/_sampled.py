@@ -354,7 +354,9 @@ def sampled_norms(
     counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
-    gram_ok = plain_view and columns is not None and getattr(op, "head_diagonal", False)
+    # the columns J_X^T sigma through the base operator or a view that keeps them (``gram_columns``: the kv groups)
+    gram_ok = (plain_view or getattr(view(op), "gram_columns", False)) and columns is not None
+    gram_ok = gram_ok and getattr(view(op), "head_diagonal", False)
     gram_limit = GRAM_STEPS if lanczos.max_basis is None else min(GRAM_STEPS, lanczos.max_basis)
     # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
@@ -377,7 +379,7 @@ def sampled_norms(
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
         gram = gram_ok and columns <= gram_limit * replaced
         if gram:
-            ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split)
+            ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split, view)
             for prefix, vals in zip(prefixes, ggn, strict=True):
                 raw[(prefix, "ggn")] = (vals, torch.zeros_like(vals))
                 if pair_name in linear:  # F linear in X: the Hessian block is its outer part
@@ -526,8 +528,8 @@ class _Columns:
         self.sigma, self.start, self.stop = sigma, start, stop
 
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
-        if group != 1:  # not reached: the grouped views take the Lanczos path
-            raise RuntimeError("the Gram path of the sampled keys does not mix heads (group > 1)")
+        # whatever ``group``: a kv group's mixing sums the coefficients <sigma, dF> over its heads, and the columns
+        # have none (the operator's pull then sums J^T sigma over the heads sharing the weights: the group's column)
         k, B, H, X = self.sigma.shape
         rows = torch.arange(self.start, self.stop, device=self.sigma.device)
         j, b = rows // B, rows % B
@@ -537,7 +539,12 @@ class _Columns:
 
 
 def _gram_ggn(
-    op: BlockOperator, X: str, curvature: SampledCurvature, scales: Sequence[torch.Tensor | None], split: bool
+    op: BlockOperator,
+    X: str,
+    curvature: SampledCurvature,
+    scales: Sequence[torch.Tensor | None],
+    split: bool,
+    view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
 ) -> list[torch.Tensor]:
     """The largest eigenvalues of the sampled Gauss-Newton block ``J_X^T C J_X`` of ``op`` (and of ``D (.) D`` for
     each ``D`` of ``scales`` that is not None), ``(E, H)`` each: with ``split`` the full sample and its two halves
@@ -547,24 +554,25 @@ def _gram_ggn(
     the sequences ``b``), so its nonzero eigenvalues are those of the ``(k B, k B)`` Gram matrix ``A^T A / k`` per
     head, and a half's are those of its diagonal block (``j < k/2``, the first ``(k/2) B`` columns) times ``k / k_a``.
     One operator product per column (in chunks of :data:`GRAM_CHUNK`), exact eigenvalues (``eigvalsh``, float64),
-    instead of the Lanczos runs of every estimate and preconditioning.
+    instead of the Lanczos runs of every estimate and preconditioning. ``view``: the grouped-query ``_GroupView``
+    (``X`` per kv group; ``scales`` in its layout) or none.
     """
     k, B = curvature.sigma.shape[:2]
     n = k * B
-    emb = _Embedding(op, [X])
+    emb = _Embedding(view(op), [X])
     chunks = [(start, min(n, start + GRAM_CHUNK)) for start in range(0, n, GRAM_CHUNK)]
     # the columns written in place (no concatenated copy) and the Gram matrix a chunk of rows at a time (no scaled
     # copy of A): the memory is A's, (k B, H, size), and a chunk
     A = torch.empty((n, emb.H, emb.n), dtype=op.dtype, device=op.device)
     for start, stop in chunks:
         _, mv = pair_matvec(
-            with_sampled(op, _Columns(curvature.sigma, start, stop)), (X, X), ("outer",) * (stop - start)
+            view(with_sampled(op, _Columns(curvature.sigma, start, stop))), (X, X), ("outer",) * (stop - start)
         )
         zero = torch.zeros((stop - start, emb.H, emb.n), dtype=op.dtype, device=op.device)
         A[start:stop] = mv(zero)  # (chunk, H, size): J_X^T sigma_{j,b}
     out = []
     for D in scales:
-        D2 = None if D is None else D.reshape(emb.H if op.params[X].headed else 1, -1).square()
+        D2 = None if D is None else D.reshape(emb.H if view(op).params[X].headed else 1, -1).square()
         G = torch.empty((emb.H, n, n), dtype=torch.float64, device=op.device)  # (H, k B, k B)
         for start, stop in chunks:
             rows = A[start:stop] if D2 is None else A[start:stop] * D2

@@ -562,6 +562,7 @@ class _GroupView(BlockOperator):
     supports_total = True
     head_diagonal = True
     suffix_heads = True
+    gram_columns = True  # a row's outer pull of per-head columns is its group's column (the sampled keys' Gram path)
 
     def __init__(self, op: AttentionOperator):
         self.op = op
@@ -1038,7 +1039,11 @@ def _attention(
         else:  # as the other keys: QQ per query head, VV and KK per kv group
             q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
             out.update(sampled_norms(sop, q_diag, lanczos=lanczos, scale=precondition, view=_QueryView))
-            out.update(_group_keys(sampled_norms(sop, g_diag, lanczos=lanczos, scale=precondition, view=_GroupView)))
+            out.update(
+                _group_keys(
+                    sampled_norms(sop, g_diag, lanczos=lanczos, scale=precondition, view=_GroupView, linear=("VV",))
+                )
+            )
 
     if terms:
         if terms == "signals":
