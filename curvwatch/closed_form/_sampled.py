@@ -292,14 +292,13 @@ def check_precondition(
 #: column) instead of Lanczos members where its ``k B`` columns (samples times kept sequences) are at most this many
 #: times the Lanczos members they replace (every member of a block whose own functional term is zero, else the GGN
 #: ones), and at most ``max_basis`` times (memory: the columns ``A``, ``(k B, H, n)``, then take no more than the
-#: replaced members' Lanczos bases, ``max_basis`` vectors each). A warm-started member of the sampled runs takes 8-24
-#: products (session 15, HF GPT-2 d 64, 16 samples, AdamW: the runs stop when their slowest member has converged),
-#: and a Gram column costs one row of a product (its tangent is zero, the operator still runs it). Measured side by
-#: side (``/tmp`` script around ``Engine.evaluate``; CPU time of the whole evaluation, median of 3, and its
-#: operators), 4 -> 12: ``k B = 64`` (4 kept sequences), the GGN keys of ``QQ``, ``KK``, ``W1W1`` now by the Gram
-#: (ratio 10.7): 2.13 s -> 2.13 s, 29,582 -> 21,587 operators; ``k B = 128`` (8 kept sequences), ``W2W2`` and ``VV``
-#: by the Gram (ratio 10.7): 1.48 s -> 1.44 s, 28,902 -> 25,089 operators, while all pairs by the Gram (ratio 21)
-#: took 1.86 s. So 12: the Gram path where it costs no more time on the CPU and cuts the operators (a GPU's launches).
+#: replaced members' Lanczos bases, ``max_basis`` vectors each). The sampled runs take 8-28 products (session 15: a
+#: run stops when its slowest member has converged; the factor was 4 when a member was thought to take about 6), and
+#: a Gram column costs one row of a product (its tangent is zero, the operator still runs it). Side by side,
+#: ``python -m benchmarks.bench_sharpness --sampled GRAM_STEPS=4,12 --width W --batch B`` (one full evaluation, CPU
+#: time and operators): d 64, ``k B`` = 64: 2.77 s / 28,793 -> 2.93 s / 20,778; d 768, ``k B`` = 32: 66.6 s / 26,148
+#: -> 46.8 s / 21,904. Beyond about 12 columns per member the Gram took more time on the CPU (all pairs by the Gram
+#: at ``k B`` = 128, measured by a script without the cap: 1.86 s against 1.44 s).
 GRAM_STEPS = 12
 
 #: Columns of the Gram matrix per operator product (as many as the Lanczos runs batch at once: its memory).
@@ -323,11 +322,11 @@ def sampled_norms(
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
     small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
-    replaces, no ``view``;
-    exact eigenvalues, ``residual/...`` 0), else they join the same Lanczos run (two members per estimate, warm-start
-    key ``("sharpness", XX, prefixes, estimates)``). For the pairs in ``linear`` (``F`` linear in ``X``: the block's
-    own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the
-    Gram is used.
+    replaces, no ``view`` or one with ``gram_columns``; exact eigenvalues, ``residual/...`` 0), else they join the
+    same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX, prefixes, estimates)``). The
+    members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the pairs in ``linear``
+    (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the
+    GGN: no Lanczos runs for them where the Gram is used.
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
@@ -354,13 +353,13 @@ def sampled_norms(
     counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
+    viewed = view(op)
     # the columns J_X^T sigma through the base operator or a view that keeps them (``gram_columns``: the kv groups)
-    gram_ok = (plain_view or getattr(view(op), "gram_columns", False)) and columns is not None
-    gram_ok = gram_ok and getattr(view(op), "head_diagonal", False)
+    gram_ok = (plain_view or getattr(viewed, "gram_columns", False)) and columns is not None
+    gram_ok = gram_ok and getattr(viewed, "head_diagonal", False)
     gram_limit = GRAM_STEPS if lanczos.max_basis is None else min(GRAM_STEPS, lanczos.max_basis)
     # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
-    viewed = view(op)
     stack_ok = (STACK_MEMBERS and isinstance(curvature, SampledCurvature) and getattr(viewed, "head_diagonal", False)
                 and getattr(viewed, "apply_masked", None) is not None)  # fmt: skip
     out: dict[str, torch.Tensor] = {}
