@@ -603,11 +603,12 @@ def test_gram_path_holds_its_columns_once():
 
 
 @pytest.mark.parametrize("kernel, case", [CASES[8], CASES[9]], ids=_ids)
-def test_grouped_query_kv_keys_take_the_gram_path(kernel, case, monkeypatch):
-    """Grouped-query attention: the per-kv-group ``KK`` and ``VV`` Gauss-Newton keys (and ``VV``'s sharpness, ``F``
-    linear in ``V``) come from the samples' Gram matrix through the group view (exact: residual 0; its values against
-    the dense reference in ``test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise``); ``QQ``
-    (the query view) keeps its Lanczos members."""
+def test_grouped_query_keys_take_the_gram_path(kernel, case, monkeypatch):
+    """Grouped-query attention: the Gauss-Newton keys of the per-kv-group ``KK`` and ``VV`` (and ``VV``'s sharpness,
+    ``F`` linear in ``V``) through the group view and of the per-query-head ``QQ`` through the query view (a ``Q``-only
+    product is the base operator's, unmixed) come from the samples' Gram matrix (exact: residual 0; the values against
+    the dense reference in ``test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise``); the
+    sharpness of ``QQ`` and ``KK`` (own terms) keeps its Lanczos members."""
     calls = []
     inner = sampled._gram_ggn
 
@@ -618,7 +619,7 @@ def test_grouped_query_kv_keys_take_the_gram_path(kernel, case, monkeypatch):
     monkeypatch.setattr(sampled, "_gram_ggn", counted)
     prob = PROBLEMS[kernel](case)
     out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
-    assert sorted(calls) == ["K", "V"], calls
-    kv = [k for k in out if k.startswith("residual/") and ("ggn/KK" in k or "ggn/VV" in k or "sharpness/VV" in k)]
-    assert kv and all(float(out[k]) == 0 for k in kv), kv
+    assert sorted(calls) == ["K", "Q", "V"], calls
+    exact = [k for k in out if k.startswith("residual/") and ("ggn/" in k or "sharpness/VV" in k)]
+    assert exact and all(float(out[k]) == 0 for k in exact), exact
     assert any(k.startswith("residual/sharpness/QQ") and float(out[k]) > 0 for k in out)

@@ -322,9 +322,10 @@ def sampled_norms(
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
     small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
-    replaces, no ``view`` or one with ``gram_columns``; exact eigenvalues, ``residual/...`` 0), else they join the
-    same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX, prefixes, estimates)``). The
-    members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the pairs in ``linear``
+    replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), else
+    they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX, prefixes,
+    estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the
+    pairs in ``linear``
     (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the
     GGN: no Lanczos runs for them where the Gram is used.
 
@@ -354,9 +355,10 @@ def sampled_norms(
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     viewed = view(op)
-    # the columns J_X^T sigma through the base operator or a view that keeps them (``gram_columns``: the kv groups)
-    gram_ok = (plain_view or getattr(viewed, "gram_columns", False)) and columns is not None
-    gram_ok = gram_ok and getattr(viewed, "head_diagonal", False)
+    # the columns J_X^T sigma through the base operator or a view that keeps them for block X (``gram_columns``:
+    # the grouped-query views)
+    gram_ok = columns is not None and getattr(viewed, "head_diagonal", False)
+    gram_blocks = None if plain_view else getattr(viewed, "gram_columns", frozenset())
     gram_limit = GRAM_STEPS if lanczos.max_basis is None else min(GRAM_STEPS, lanczos.max_basis)
     # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
     # applies the output curvature to every row (the per-row sample weights line up with the rows)
@@ -376,7 +378,7 @@ def sampled_norms(
         # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
-        gram = gram_ok and columns <= gram_limit * replaced
+        gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
         if gram:
             ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split, view)
             for prefix, vals in zip(prefixes, ggn, strict=True):
@@ -553,8 +555,9 @@ def _gram_ggn(
     the sequences ``b``), so its nonzero eigenvalues are those of the ``(k B, k B)`` Gram matrix ``A^T A / k`` per
     head, and a half's are those of its diagonal block (``j < k/2``, the first ``(k/2) B`` columns) times ``k / k_a``.
     One operator product per column (in chunks of :data:`GRAM_CHUNK`), exact eigenvalues (``eigvalsh``, float64),
-    instead of the Lanczos runs of every estimate and preconditioning. ``view``: the grouped-query ``_GroupView``
-    (``X`` per kv group; ``scales`` in its layout) or none.
+    instead of the Lanczos runs of every estimate and preconditioning. ``view``: a grouped-query view whose
+    ``gram_columns`` hold ``X`` (``_GroupView``: ``X`` per kv group; ``_QueryView``: ``Q`` per query head; ``scales``
+    in its layout) or none.
     """
     k, B = curvature.sigma.shape[:2]
     n = k * B

@@ -562,7 +562,8 @@ class _GroupView(BlockOperator):
     supports_total = True
     head_diagonal = True
     suffix_heads = True
-    gram_columns = True  # a row's outer pull of per-head columns is its group's column (the sampled keys' Gram path)
+    # the blocks whose outer pull of per-head columns is the unit's column (the sampled keys' Gram path): the group's
+    gram_columns = frozenset({"Q", "K", "V"})
 
     def __init__(self, op: AttentionOperator):
         self.op = op
@@ -597,6 +598,8 @@ class _QueryView(BlockOperator):
     supports_total = True
     head_diagonal = True
     suffix_heads = True
+    # the sampled keys' Gram path (see _GroupView): a Q-only product is the base operator's, per head, unmixed
+    gram_columns = frozenset({"Q"})
 
     def __init__(self, op: AttentionOperator):
         self.op = op
