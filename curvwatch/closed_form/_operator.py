@@ -436,13 +436,23 @@ def spectral_norms(
     out: dict[str, torch.Tensor] = {}
     for group, ks, key, run in jobs:
         vals, rel = _norm_results(run, key, lanczos)
+        vals, rel = vals.unbind(0), rel.unbind(0)  # (H,) rows: one operator each, not one per key
         for g, pair_name in enumerate(group):
             pair = _pair_blocks(pair_name, names)
             for i, kind in enumerate(ks):
-                for h, hkey in enumerate(head_keys(op, f"{kind}/{pair_name}", pair)):
-                    out[hkey] = vals[g * len(ks) + i, h]
-                    out[f"residual/{hkey}"] = rel[g * len(ks) + i, h]
+                heads = head_keys(op, f"{kind}/{pair_name}", pair)
+                _put_heads(out, heads, vals[g * len(ks) + i], rel[g * len(ks) + i])
     return out
+
+
+def _put_heads(out: dict[str, torch.Tensor], keys: Sequence[str], values: torch.Tensor, residuals=None) -> None:
+    """``out[keys[h]] = values[h]`` (and ``out["residual/" + keys[h]] = residuals[h]``) for the heads ``h`` of ``(H,)``
+    tensors, by one ``unbind`` each (indexing dispatched one operator per head)."""
+    for k, v in zip(keys, values.unbind(), strict=True):
+        out[k] = v
+    if residuals is not None:
+        for k, r in zip(keys, residuals.unbind(), strict=True):
+            out[f"residual/{k}"] = r
 
 
 def _norm_run(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False) -> LanczosRun:
@@ -511,9 +521,7 @@ def full_norms(
     vals, rel = _lanczos_norms(op, emb, mv, kinds, (label, tuple(kinds)), True, lanczos)
     out = {}
     for i, kind in enumerate(kinds):
-        for h, key in enumerate(head_keys(op, f"{kind}/{label}", names)):
-            out[key] = vals[i, h]
-            out[f"residual/{key}"] = rel[i, h]
+        _put_heads(out, head_keys(op, f"{kind}/{label}", names), vals[i], rel[i])
     return out
 
 

@@ -37,6 +37,7 @@ from ._operator import (
     _Embedding,
     _lanczos_norms,
     _pair_blocks,
+    _put_heads,
     _rows,
     _skip_dead_kinds,
     apply_kinds,
@@ -376,16 +377,16 @@ def sampled_norms(
             return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
 
         # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
-        raw: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        # raw[name]: (P, E, H) values (variants: plain, preconditioned; estimates: full, halves) and relative residuals
+        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
         gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
         if gram:
-            ggn = _gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split, view)
-            for prefix, vals in zip(prefixes, ggn, strict=True):
-                raw[(prefix, "ggn")] = (vals, torch.zeros_like(vals))
-                if pair_name in linear:  # F linear in X: the Hessian block is its outer part
-                    raw[(prefix, "sharpness")] = raw[(prefix, "ggn")]
-        names = [nm for nm in SAMPLED_NAMES if ("", nm) not in raw]
+            ggn = torch.stack(_gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split, view))
+            raw["ggn"] = (ggn, torch.zeros_like(ggn))
+            if pair_name in linear:  # F linear in X: the Hessian block is its outer part
+                raw["sharpness"] = raw["ggn"]
+        names = [nm for nm in SAMPLED_NAMES if nm not in raw]
         if names:
             kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
             m = len(kinds_one)
@@ -409,32 +410,26 @@ def sampled_norms(
             # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
             members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
             vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True)
-            for i, prefix in enumerate(prefixes):
-                for j, name in enumerate(names):
-                    rows = [m * (i * E + e) + j for e in range(E)]
-                    raw[(prefix, name)] = (vals[rows], rel[rows])
-        for prefix in prefixes:
-            for name in SAMPLED_NAMES:
-                vals, rel = raw[(prefix, name)]
-                value, spread = vals[0], None
-                if split:
-                    value, spread = debias(vals[0], vals[1], vals[2], counts, psd=name == "ggn")
-                    spread = spread + extrapolated_residual(vals, rel, counts, value)  # the members' Lanczos error too
-                heads = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
-                residual = rel.amax(0)
-                for h, k in enumerate(heads):
-                    out[k] = value[h]
-                    out[f"residual/{k}"] = residual[h]
-                if spread is not None and name == "sharpness" and not prefix:
-                    # 0/0 is "no data": no key (decided below, for every pair in one host read)
-                    heads = head_keys(wrap(op, prefix), f"sharpness_spread/{pair_name}", (X,))
-                    spreads.append((heads, spread, torch.isfinite(spread) & (value != 0)))
+            P = len(prefixes)
+            for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
+                raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
+        for name in SAMPLED_NAMES:  # every variant at once
+            vals, rel = raw[name]
+            value, spread = vals[:, 0], None
+            if split:
+                full, a, b = vals.unbind(1)
+                value, spread = debias(full, a, b, counts, psd=name == "ggn")
+                spread = spread + extrapolated_residual(vals.movedim(1, 0), rel.movedim(1, 0), counts, value)
+            for prefix, v, r in zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True):
+                _put_heads(out, head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,)), v, r)
+            if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
+                # 0/0 is "no data": no key (decided below, for every pair in one host read)
+                heads = head_keys(wrap(op, ""), f"sharpness_spread/{pair_name}", (X,))
+                spreads.append((heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
     if spreads and _INPUTS_CHECKED.get():
         # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value
         for heads, spread, ok in spreads:
-            spread = torch.where(ok, spread, torch.nan)
-            for h, k in enumerate(heads):
-                out[k] = spread[h]
+            _put_heads(out, heads, torch.where(ok, spread, torch.nan))
     elif spreads:
         keep = iter(torch.cat([ok.reshape(-1) for _, _, ok in spreads]).tolist())
         for heads, spread, _ in spreads:
@@ -497,12 +492,24 @@ def _members_matvec(
         member_op = view(with_sampled(op, curvature.per_row(weights)))
         plain = sum(1 for i, _, _ in rows_of if i == 0)  # the plain rows come first (the labels stay in order)
 
-        def scaled(t: torch.Tensor) -> torch.Tensor:
-            return t if plain == n else torch.cat([t[:plain], t[plain:] * D])
+        def scale_in(t: torch.Tensor) -> torch.Tensor:  # t: the Lanczos vectors (its basis's: not changed)
+            if plain == n:
+                return t
+            if plain == 0:
+                return t * D
+            t = t.clone()
+            t[plain:].mul_(D)
+            return t
+
+        def scale_out(t: torch.Tensor) -> torch.Tensor:  # t: the product's own result, scaled in place
+            t = t if t.is_contiguous() else t.contiguous()  # (an expanded result could not be written in place)
+            if plain < n:
+                (t if plain == 0 else t[plain:]).mul_(D)
+            return t
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            out = apply_kinds(member_op, {X: scaled(u.reshape(n, *layout))}, [X], rows)
-            return scaled(out[X]).reshape(n, emb.H, emb.n)
+            out = apply_kinds(member_op, {X: scale_in(u.reshape(n, *layout))}, [X], rows)
+            return scale_out(out[X]).reshape(n, emb.H, emb.n)
 
         return mv
 
@@ -603,10 +610,11 @@ MEMBER_TOL = 0.2
 def extrapolated_residual(
     values: torch.Tensor, residuals: torch.Tensor, counts: tuple[int, int, int], estimate: torch.Tensor
 ) -> torch.Tensor:
-    """``(H,)`` the relative error bound of a debiased estimate (:func:`debias`) from its Lanczos members: values and
-    relative residuals ``(3, H)`` (full sample, halves), each member's bound ``residual * |value|`` carried through the
-    extrapolation ``estimate = (1 + q) full - q (a + b) / 2``, ``q = 1 / (k h - 1)``, over ``|estimate|`` (inf or
-    nan where the estimate is 0, as :func:`debias`'s spread). 0 for exact members (the Gram path).
+    """``(...)`` the relative error bound of a debiased estimate (:func:`debias`) from its Lanczos members: values
+    and relative residuals ``(3, ...)`` (full sample, halves), each member's bound ``residual * |value|`` carried
+    through the extrapolation ``estimate = (1 + q) full - q (a + b) / 2``, ``q = 1 / (k h - 1)``, over
+    ``|estimate|`` (inf or nan where the estimate is 0, as :func:`debias`'s spread). 0 for exact members (the Gram
+    path).
 
     Example:
         >>> vals = torch.tensor([[1.2], [1.4], [1.4]])  # full sample, halves: the estimate 2 * 1.2 - 1.4 = 1.0
