@@ -298,8 +298,9 @@ def check_precondition(
 #: a Gram column costs one row of a product (its tangent is zero, the operator still runs it). Side by side,
 #: ``python -m benchmarks.bench_sharpness --sampled GRAM_STEPS=4,12 --width W --batch B`` (one full evaluation, CPU
 #: time and operators): d 64, ``k B`` = 64: 2.77 s / 28,793 -> 2.93 s / 20,778; d 768, ``k B`` = 32: 66.6 s / 26,148
-#: -> 46.8 s / 21,904. Beyond about 12 columns per member the Gram took more time on the CPU (all pairs by the Gram
-#: at ``k B`` = 128, measured by a script without the cap: 1.86 s against 1.44 s).
+#: -> 46.8 s / 21,904; d 768, ``k B`` = 64: 166.8 s / 36,400 -> 102.1 s / 26,996. Beyond about 12 columns per
+#: member the Gram took more time on the CPU (all pairs by the Gram at ``k B`` = 128, d 64, measured by a script
+#: without the cap: 1.86 s against 1.44 s).
 GRAM_STEPS = 12
 
 #: Columns of the Gram matrix per operator product (as many as the Lanczos runs batch at once: its memory).
