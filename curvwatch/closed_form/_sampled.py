@@ -107,9 +107,16 @@ class SampledCurvature:
         new.row_weights = weights
         return new
 
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """``(k, k_a, k_b)``: the samples, and those of the two halves (:meth:`halves`: the first ``k // 2``, the
+        others), the split every debiased estimate uses (:func:`debias`, the stacked members, the Gram path)."""
+        return self.k, self.k // 2, self.k - self.k // 2
+
     def halves(self) -> tuple[SampledCurvature, SampledCurvature]:
-        """The curvatures of the first ``k // 2`` samples and of the others (independent estimates of ``C``)."""
-        h = self.k // 2
+        """The curvatures of the first ``k_a`` samples and of the others (:attr:`counts`; independent estimates of
+        ``C``)."""
+        h = self.counts[1]
         return SampledCurvature(self.sigma[:h]), SampledCurvature(self.sigma[h:])
 
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
@@ -327,9 +334,8 @@ def sampled_norms(
     replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), else
     they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX, prefixes,
     estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the
-    pairs in ``linear``
-    (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the sharpness *is* the
-    GGN: no Lanczos runs for them where the Gram is used.
+    pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the
+    sharpness *is* the GGN: no Lanczos runs for them where the Gram is used.
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
@@ -353,7 +359,7 @@ def sampled_norms(
     split = DEBIAS and curvature is not None and curvature.k >= 2
     # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
     ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
-    counts = (curvature.k, curvature.k // 2, curvature.k - curvature.k // 2) if split else None
+    counts = curvature.counts if split else None
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
     viewed = view(op)
@@ -473,8 +479,7 @@ def _members_matvec(
     operator to the one the block is read from (the grouped-query views); it must be head-diagonal and have
     ``apply_masked`` (one pass over every row: the curvature sees every row, in order).
     """
-    k = curvature.k
-    h = k // 2
+    k, h, _ = curvature.counts
     # (E, k) sample weights of each estimate, made on the device (no host table to copy)
     estimates = [torch.full((k,), 1 / k, dtype=op.dtype, device=op.device)]
     if E == 3:
@@ -569,7 +574,8 @@ def _gram_ggn(
     """
     k, B = curvature.sigma.shape[:2]
     n = k * B
-    emb = _Embedding(view(op), [X])
+    viewed = view(op)
+    emb = _Embedding(viewed, [X])
     chunks = [(start, min(n, start + GRAM_CHUNK)) for start in range(0, n, GRAM_CHUNK)]
     # the columns written in place (no concatenated copy) and the Gram matrix a chunk of rows at a time (no scaled
     # copy of A): the memory is A's, (k B, H, size), and a chunk
@@ -582,16 +588,17 @@ def _gram_ggn(
         A[start:stop] = mv(zero)  # (chunk, H, size): J_X^T sigma_{j,b}
     out = []
     for D in scales:
-        D2 = None if D is None else D.reshape(emb.H if view(op).params[X].headed else 1, -1).square()
+        D2 = None if D is None else D.reshape(emb.H if viewed.params[X].headed else 1, -1).square()
         G = torch.empty((emb.H, n, n), dtype=torch.float64, device=op.device)  # (H, k B, k B)
         for start, stop in chunks:
             rows = A[start:stop] if D2 is None else A[start:stop] * D2
             G[:, start:stop] = torch.einsum("nhs,mhs->hnm", rows, A).double() / k
         values = [torch.linalg.eigvalsh(G)[:, -1]]
         if split:
-            half = (k // 2) * B  # sample j = r // B: the first half's columns come first
-            values.append(torch.linalg.eigvalsh(G[:, :half, :half])[:, -1] * (k / (k // 2)))
-            values.append(torch.linalg.eigvalsh(G[:, half:, half:])[:, -1] * (k / (k - k // 2)))
+            _, ka, kb = curvature.counts
+            half = ka * B  # sample j = r // B: the first half's columns come first
+            values.append(torch.linalg.eigvalsh(G[:, :half, :half])[:, -1] * (k / ka))
+            values.append(torch.linalg.eigvalsh(G[:, half:, half:])[:, -1] * (k / kb))
         out.append(torch.stack(values).to(op.dtype))
     return out
 
@@ -623,10 +630,16 @@ def extrapolated_residual(
         >>> round(float(extrapolated_residual(vals, res, (16, 8, 8), torch.tensor([1.0]))[0]), 6)  # (2.4 + 1.4) 1e-3
         0.0038
     """
-    k, ka, kb = counts
-    q = 1 / (k * (1 / ka + 1 / kb) / 2 - 1)
+    q = _richardson_q(counts)
     err = residuals * values.abs()
     return ((1 + q) * err[0] + q / 2 * (err[1] + err[2])) / estimate.abs()
+
+
+def _richardson_q(counts: tuple[int, int, int]) -> float:
+    """``q`` of the extrapolation ``estimate = (1 + q) full - q mean(a, b)`` from the sample counts ``(k, k_a, k_b)``:
+    ``1 / (k h - 1)``, ``h`` the mean of ``1 / k_a`` and ``1 / k_b`` (``q = 1`` for equal halves)."""
+    k, ka, kb = counts
+    return 1 / (k * (1 / ka + 1 / kb) / 2 - 1)
 
 
 #: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
@@ -658,9 +671,7 @@ def debias(
         >>> round(float(est), 6), round(float(spread), 3)
         (2.0, 0.125)
     """
-    k, ka, kb = counts
-    h = (1 / ka + 1 / kb) / 2
-    correction = ((a + b) / 2 - full) / (h - 1 / k) / k
+    correction = ((a + b) / 2 - full) * _richardson_q(counts)  # c / k
     est = full - correction
     if psd:
         est = est.clamp_min(0)
