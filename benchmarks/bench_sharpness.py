@@ -419,12 +419,14 @@ def bias_rows(
     L: int = 64,
     tol: float = 1e-6,
     own: bool = False,
+    B: int = 8,
 ) -> list[dict]:
     """Per block, ``k``, seed and estimator (before/after): the logged ``sharpness`` and ``sharpness_spread`` and the
     exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
-    // 64)`` heads, ``L`` tokens per sequence; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV`` of head
-    0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe is
-    evaluated alone (``block.evaluate(pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held; the
+    // 64)`` heads, ``B`` sequences of ``L`` tokens; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV``
+    of head 0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe
+    is evaluated alone (``block.evaluate(pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
+    ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
     exact value by ARPACK at the same ``tol``."""
     import copy
 
@@ -433,7 +435,7 @@ def bias_rows(
     from curvwatch.sharpness import find_logits_module
 
     heads = max(4, width // 64)
-    model, x, y = held_out_gpt2(width, layers, heads=heads, L=L)
+    model, x, y = held_out_gpt2(width, layers, heads=heads, B=B, L=L)
     probes = [(f"layer{i}/ffn", "W2W2", "W_2", None) for i in range(layers)]
     probes.append(("layer0/attn", "VV", "W_V", slice(0, width // heads)))
     if own:
@@ -453,7 +455,8 @@ def bias_rows(
     _, head = find_logits_module(model)
     lanczos = Lanczos(tol=tol, max_iter=300, max_basis=32, warn=False)
     rows = []
-    before = sampled.DEBIAS
+    before, limit = sampled.DEBIAS, sampled.SPREAD_LIMIT
+    sampled.SPREAD_LIMIT = math.inf
     try:
         for k in ks:
             for seed in range(seeds):
@@ -471,15 +474,15 @@ def bias_rows(
                         seconds = time.perf_counter() - t0
                         suffix = "/h0" if cols is not None else ""
                         rows.append(dict(
-                            width=width, layers=layers, L=L, block=block, pair=pair, n=exact[block, pair]["n"], k=k,
-                            seed=seed, debias=debias, exact=exact[block, pair]["sharpness"],
+                            width=width, layers=layers, B=B, L=L, block=block, pair=pair, n=exact[block, pair]["n"],
+                            k=k, seed=seed, debias=debias, exact=exact[block, pair]["sharpness"],
                             logged=float(res[f"sharpness/{pair}{suffix}"]),
                             spread=float(res.get(f"sharpness_spread/{pair}{suffix}", float("nan"))),
                             seconds=seconds, exact_seconds=exact[block, pair]["seconds"],
                         ))  # fmt: skip
                         print(rows[-1], flush=True)
     finally:
-        sampled.DEBIAS = before
+        sampled.DEBIAS, sampled.SPREAD_LIMIT = before, limit
     return rows
 
 
@@ -607,18 +610,22 @@ def estimator_table(rows: list[dict]) -> list[str]:
 
 def bias_table(rows: list[dict]) -> list[str]:
     """Markdown: relative error median / p90 / worst per block and ``k``, before and after, the coverage of
-    ``sharpness_spread`` (after) and the seconds of one probe's evaluation (before / after) and of the exact value."""
+    ``sharpness_spread`` (after), how many of the after values the monitor withholds (spread above
+    ``SPREAD_LIMIT``: no value at the defaults) and the seconds of one probe's evaluation (before / after) and of the
+    exact value."""
+    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+
     lines = [
         "| model | block | parameters | exact | k | before: median / p90 / worst | after: median / p90 / worst | "
-        "after: spread covers | mean spread | seconds: before / after / exact |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "after: spread covers | mean spread | withheld (spread > limit) | seconds: before / after / exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def group(r):
-        return (r["width"], r.get("layers", 2), r.get("L", 64), r["block"], r["pair"], r["k"])
+        return (r["width"], r.get("layers", 2), r.get("B", 8), r.get("L", 64), r["block"], r["pair"], r["k"])
 
     for key in sorted({group(r) for r in rows}):
-        width, layers, L, block, pair, k = key
+        width, layers, B, L, block, pair, k = key
         sel = [r for r in rows if group(r) == key]
         cells, secs = [], []
         for debias in (False, True):
@@ -628,9 +635,11 @@ def bias_table(rows: list[dict]) -> list[str]:
         after = [r for r in sel if r["debias"]]
         covered = sum(abs(r["logged"] - r["exact"]) <= r["spread"] * abs(r["logged"]) for r in after)
         spread = statistics.mean(r["spread"] for r in after)
+        withheld = sum(r["spread"] > SPREAD_LIMIT for r in after)  # no value at the defaults
         lines.append(
-            f"| d={width}, {layers} layers, L={L} | {block} {pair} | {sel[0]['n']:,} | {sel[0]['exact']:.4g} | {k} | "
-            f"{cells[0]} | {cells[1]} | {covered}/{len(after)} | {spread:.2f} | "
+            f"| d={width}, {layers} layers, {f'B={B}, ' if B != 8 else ''}L={L} | {block} {pair} | {sel[0]['n']:,} | "
+            f"{sel[0]['exact']:.4g} | {k} | {cells[0]} | {cells[1]} | {covered}/{len(after)} | {spread:.2f} | "
+            f"{withheld}/{len(after)} | "
             f"{secs[0]:.1f} / {secs[1]:.1f} / {sel[0]['exact_seconds']:.1f} |"
         )
     return lines
@@ -652,7 +661,7 @@ def main(argv=None) -> int:
         default=None,
         help="tokens per sequence (--bias: 8 sequences, default 64; --cost: default 128)",
     )
-    parser.add_argument("--batch", type=int, default=8, help="--cost: sequences per batch")
+    parser.add_argument("--batch", type=int, default=8, help="--cost, --bias: sequences per batch")
     parser.add_argument("--repeats", type=int, default=1, help="--cost: evaluations per mode (the median)")
     parser.add_argument("--tol", type=float, default=1e-6, help="--bias: Lanczos / ARPACK relative tolerance")
     parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
@@ -694,7 +703,9 @@ def main(argv=None) -> int:
         rows = [
             r
             for w in args.width
-            for r in bias_rows(w, ks, args.seeds, args.layers, L=args.seq or 64, tol=args.tol, own=args.own)
+            for r in bias_rows(
+                w, ks, args.seeds, args.layers, L=args.seq or 64, tol=args.tol, own=args.own, B=args.batch
+            )
         ]
         if args.json:
             import json

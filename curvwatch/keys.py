@@ -97,7 +97,9 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec(
         "sharpness/{XY}[/{head}]",
         "largest algebraic eigenvalue (may be negative) of `J_Xᵀ C J_X + H_f(XX)`: the block of the real loss's "
-        "Hessian, without the second-order part of the layers downstream of the block",
+        "Hessian, without the second-order part of the layers downstream of the block; no value where "
+        "`sharpness_spread/XY` is above 0.5 (too uncertain: named once; the same for the `ggn` and `precond_` keys "
+        "by their own uncertainty)",
     ),
     KeySpec(
         "precond_ggn/{XY}[/{head}]",

@@ -332,18 +332,22 @@ def _table(
     return rows
 
 
-#: Keys whose NaN is "no value" in :func:`flatten` (a ``sharpness_spread`` of a sharpness of 0: 0/0), not a NaN
-#: block.
-NO_DATA_KEYS = ("sharpness_spread/",)
+#: Keys whose NaN is "no value" in :func:`flatten`, not a NaN block: a ``sharpness_spread`` of a sharpness of 0 (0/0),
+#: and the debiased real-loss keys too uncertain to report (``closed_form._sampled.SPREAD_LIMIT``; their ratios). The
+#: engine checked their inputs for NaN/Inf before (one read of every block), so a NaN here is the kernel's mark.
+NO_DATA_KEYS = ("sharpness_spread/", "sharpness/", "precond_sharpness/", "ggn/", "precond_ggn/", "stability/")
 
 
-def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[str, str], float]:
+def flatten(
+    results: Mapping[str, Mapping[str, Tensor | float]], keep_no_data: bool = False
+) -> dict[tuple[str, str], float]:
     """``{block: {key: 0-d tensor}}`` as ``{(block, key): float}`` (one device sync); NaN blocks become flags.
 
     Every block with a NaN among its numbers is replaced by its ``skipped_nonfinite`` flag; ``+-inf`` is kept: it
     is what the closed form says (``ln/inv_var_max`` with ``eps=0`` and a constant row). A NaN under a key of
     :data:`NO_DATA_KEYS` means "no value" (the engine's kernels mark it so instead of a host read each): that key is
-    dropped, the block kept.
+    dropped, the block kept; with ``keep_no_data`` it stays, NaN, for :meth:`curvwatch.ranks.Ranks.sync` (every
+    rank then reduces the same keys, a rank without a value leaving it out), and :func:`drop_no_data` drops it after.
 
     Example:
         >>> flatten({"a": {"x": torch.tensor(1.0)}, "b": {"x": float("nan"), "y": 2.0}})
@@ -369,8 +373,22 @@ def flatten(results: Mapping[str, Mapping[str, Tensor | float]]) -> dict[tuple[s
         stacked = torch.stack(parts).to("cpu", torch.float64).tolist()
         for i, v in zip(idx, stacked, strict=True):
             values[i] = v
-    flat = {bk: v for bk, v in zip(keys, values, strict=True) if not (math.isnan(v) and bk[1].startswith(NO_DATA_KEYS))}
+    no_data = {bk for bk, v in zip(keys, values, strict=True) if math.isnan(v) and bk[1].startswith(NO_DATA_KEYS)}
+    flat = {bk: v for bk, v in zip(keys, values, strict=True) if bk not in no_data}
     bad = {block for (block, _), value in flat.items() if math.isnan(value)}
     out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
     out.update({(b, NONFINITE): 1.0 for b in bad})
+    if keep_no_data:
+        out.update({(b, k): math.nan for b, k in no_data if b not in bad})
     return out
+
+
+def drop_no_data(flat: Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """``flat`` without its "no value" entries (NaN under :data:`NO_DATA_KEYS`, kept by ``flatten(keep_no_data=True)``
+    for the ranks' reduction).
+
+    Example:
+        >>> drop_no_data({("a", "sharpness/QQ"): float("nan"), ("a", "hessian/QQ"): 1.0})
+        {('a', 'hessian/QQ'): 1.0}
+    """
+    return {bk: v for bk, v in flat.items() if not (math.isnan(v) and bk[1].startswith(NO_DATA_KEYS))}

@@ -55,7 +55,7 @@ from curvwatch.closed_form.settings import Lanczos
 from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, resolve
 from curvwatch.engine import BlockError, Engine
 from curvwatch.engine import Evaluation as Result
-from curvwatch.logbook import Logbook, LogError, flatten
+from curvwatch.logbook import Logbook, LogError, drop_no_data, flatten
 from curvwatch.options import OnError, TermsKeys
 from curvwatch.ranks import Ranks
 from curvwatch.schedule import Schedule
@@ -441,7 +441,7 @@ class Monitor:
                 rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
                 evaluation = self.engine.evaluate(blocks, factor, terms_only, rules, self._signal_pairs)
                 self.real_loss.add_verified(evaluation.results)
-                flat = flatten(evaluation.results)
+                flat = flatten(evaluation.results, keep_no_data=True)  # the same keys on every rank
             except Exception as err:
                 error = err
         elapsed = time.perf_counter() - start + self._sample_seconds
@@ -451,9 +451,11 @@ class Monitor:
         if error is not None or failed_elsewhere:
             self._skip(step, error)
             return
+        flat = drop_no_data(flat)
         rule_states = self.book.rule_states()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
+            self.real_loss.note_unresolved(flat, self.engine.warn_once)
             self._log(step, flat, evaluation, elapsed, terms_only)
         except Exception as err:
             self.book.load_rule_states(rule_states)

@@ -4,8 +4,10 @@ Under data parallelism each rank evaluates its own batch. Before anything is log
 flag is all-reduced (a failure on any rank skips the evaluation on all ranks, so none hangs), the key sets are
 compared through their count and a checksum, then every number is combined by the reduction its row in the key
 table (:mod:`curvwatch.keys`) gives: the mean for norms, ratios and terms, the max (min) for extremes such as
-``ln/inv_var_max`` (``ln/var_min_over_eps``). Every rank calls these functions at the same step, failed or not, so
-the collectives always match. On one process they return their input unchanged.
+``ln/inv_var_max`` (``ln/var_min_over_eps``). A key a rank has no value for (NaN: a real-loss key too uncertain
+on that rank's batch, ``closed_form._sampled.SPREAD_LIMIT``) is left out of that key's reduction; no value on any
+rank stays NaN, for the caller to drop. Every rank calls these functions at the same step, failed or not, so the
+collectives always match. On one process they return their input unchanged.
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ class Ranks:
         device = self.device
         ops = [reduce_op(k) for _, k in keys]
         values = torch.tensor([flat[k] for k in keys], dtype=torch.float64, device=device)
+        # a NaN is "no value on this rank" (logbook.flatten(keep_no_data=True)): the other ranks' values decide, and a
+        # key no rank has a value for stays NaN (dropped after)
+        valid = ~torch.isnan(values)
         is_mean = torch.tensor([op == "mean" for op in ops], device=device)
-        mean = torch.where(is_mean, values, 0.0)
-        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+        sums = torch.stack([torch.where(is_mean & valid, values, 0.0), valid.to(torch.float64)])  # (2, keys)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         sign = torch.tensor([-1.0 if op == "min" else 1.0 for op in ops], dtype=torch.float64, device=device)
-        extreme = values * sign
+        extreme = torch.where(valid, values * sign, -torch.inf)
         dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
-        out = torch.where(is_mean, mean / self.world_size, extreme * sign)
+        counts = sums[1]
+        out = torch.where(is_mean, sums[0] / counts, extreme * sign)
+        out = torch.where(counts > 0, out, torch.nan)
         return dict(zip(keys, out.tolist(), strict=True)), False

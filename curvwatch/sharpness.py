@@ -53,6 +53,7 @@ __all__ = [
     "param_positions",
     "soft_divisor",
     "stability_keys",
+    "unresolved_keys",
     "stability_rule",
     "total_weight",
 ]
@@ -944,6 +945,27 @@ def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, 
     }
 
 
+def unresolved_keys(flat: Mapping[tuple[str, str], float]) -> list[str]:
+    """``"block pair[/head]"`` of every sharpness the kernels withheld as unresolved: a logged ``sharpness_spread``
+    above :data:`~curvwatch.closed_form._sampled.SPREAD_LIMIT` whose ``sharpness`` key has no value (the estimate's
+    uncertainty is larger than half the value: docs/sharpness.md, "Unresolved keys").
+
+    Example:
+        >>> unresolved_keys({("layer0/ffn", "sharpness_spread/W2W2"): 3.1, ("layer0/ffn", "sharpness/W1W1"): 0.2,
+        ...                  ("layer0/ffn", "sharpness_spread/W1W1"): 0.05})
+        ['layer0/ffn W2W2']
+    """
+    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+
+    out = []
+    for (block, key), value in flat.items():
+        if key.startswith("sharpness_spread/") and value > SPREAD_LIMIT:
+            name = key[len("sharpness_spread/") :]
+            if (block, f"sharpness/{name}") not in flat:
+                out.append(f"{block} {name}")
+    return out
+
+
 def backward_hooks_note(model: nn.Module) -> str | None:
     """What to tell the user at set-up when ``model`` has backward hooks of its own (module full backward hooks,
     backward pre-hooks, global module backward hooks), else ``None``.
@@ -1153,7 +1175,27 @@ class RealLoss:
                 if suffix is not None:
                     sharp = float(result[f"sharpness/{pair}{suffix}"])
                     result[f"{key}{suffix}"] = value
-                    result[f"verify/ratio/{pair}{suffix}"] = value / sharp if sharp != 0 else math.nan
+                    if sharp != 0 and not math.isnan(sharp):  # (NaN: an unresolved sharpness, no value)
+                        result[f"verify/ratio/{pair}{suffix}"] = value / sharp
+
+    def note_unresolved(self, flat: Mapping[tuple[str, str], float], warn_once: Any) -> None:
+        """Name once the sharpness keys an evaluation withheld as unresolved (:func:`unresolved_keys`), with the fix."""
+        found = unresolved_keys(flat)
+        if not found:
+            return
+        from curvwatch.closed_form._sampled import SPREAD_LIMIT
+
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        warn_once(
+            "sharpness_unresolved",
+            f"CurvatureMonitor gives no sharpness/... (nor its stability/... ratio) for {', '.join(found[:4])}{more}: "
+            f"the estimate's uncertainty (sharpness_spread, still logged) is above {SPREAD_LIMIT:.0%} of it, where "
+            "the value can be off by several times. The Monte-Carlo Gauss-Newton estimate has (samples x kept "
+            "sequences) independent columns, too few for blocks this large; more samples "
+            f"(Sharpness(samples={4 * self.samples})) or more kept sequences (max_tokens=, shorter sequences) "
+            "resolve them (docs/sharpness.md, 'Unresolved keys'). Said once; the set can change from one evaluation "
+            "to the next.",
+        )
 
     def stability_rules(self, optimizer: Any, blocks: Iterable[Any], warn_once: Any) -> dict[str, StabilityRule]:
         """The optimizer's rule per captured block with samples (:meth:`rules`); the reasons for none warned once

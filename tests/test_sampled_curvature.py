@@ -443,6 +443,37 @@ def test_pairs_select_the_sampled_keys():
     assert not [k for k in out if "ggn" in k or "sharpness" in k]
 
 
+@pytest.mark.spread_limit
+def test_keys_above_the_spread_limit_get_no_value(monkeypatch):
+    """``SPREAD_LIMIT``: a debiased key whose relative uncertainty exceeds it gets no value: left out of a direct
+    call's result (its ``sharpness_spread`` kept, so the reason is visible), NaN ("no data") inside the engine, which
+    the logbook's ``flatten`` drops without flagging the block; the keys within the limit are those of the unlimited
+    call, bit for bit."""
+    from curvwatch.closed_form._common import inputs_checked
+    from curvwatch.logbook import flatten
+
+    prob = _ffn_problem(CASES[0][1])
+    kw = dict(output_samples=prob.samples, lanczos=EXACT, pairs=("W1W1", "W2W2"))
+    monkeypatch.setattr(sampled, "SPREAD_LIMIT", math.inf)
+    free = prob.call(**kw)
+    s1, s2 = float(free["sharpness_spread/W1W1"]), float(free["sharpness_spread/W2W2"])
+    assert s1 != s2, (s1, s2)
+    low, high = ("W1W1", "W2W2") if s1 < s2 else ("W2W2", "W1W1")
+    monkeypatch.setattr(sampled, "SPREAD_LIMIT", (s1 + s2) / 2)  # between the two: one resolved, one not
+    out = prob.call(**kw)
+    assert f"sharpness/{high}" not in out and f"sharpness_spread/{high}" in out
+    assert torch.equal(out[f"sharpness/{low}"], free[f"sharpness/{low}"])
+    assert set(out) <= set(free)
+    for key in free:  # every key without a value is a debiased one above the limit
+        assert key in out or key.split("/")[0] in ("ggn", "sharpness", "precond_ggn", "precond_sharpness"), key
+    with inputs_checked():
+        marked = prob.call(**kw)
+    assert torch.isnan(marked[f"sharpness/{high}"]) and not torch.isnan(marked[f"sharpness/{low}"])
+    flat = flatten({"ffn": marked})
+    assert ("ffn", f"sharpness/{high}") not in flat and ("ffn", "skipped_nonfinite") not in flat
+    assert flat[("ffn", f"sharpness_spread/{high}")] == pytest.approx(max(s1, s2))
+
+
 def test_dominant_negative_functional_part():
     """Tiny samples and the sign of G chosen so that H_f's largest |eigenvalue| is negative: sharpness is the
     largest algebraic eigenvalue, well below the largest |eigenvalue|, by EXACT and by a converging Lanczos."""

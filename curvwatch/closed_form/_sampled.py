@@ -374,6 +374,7 @@ def sampled_norms(
                 and getattr(viewed, "apply_masked", None) is not None)  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
+    withheld: list[tuple[list[str], torch.Tensor]] = []  # (keys, unresolved) of the debiased values, per variant
     for pair_name in pairs:
         X, Y = _pair_blocks(pair_name, list(viewed.params))
         if X != Y:
@@ -427,22 +428,34 @@ def sampled_norms(
                 full, a, b = vals.unbind(1)
                 value, spread = debias(full, a, b, counts, psd=name == "ggn")
                 spread = spread + extrapolated_residual(vals.movedim(1, 0), rel.movedim(1, 0), counts, value)
-            for prefix, v, r in zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True):
-                _put_heads(out, head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,)), v, r)
+                # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
+                unresolved = spread > SPREAD_LIMIT  # (P, H)
+                value = value.masked_fill(unresolved, torch.nan)
+            for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
+                keys = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
+                _put_heads(out, keys, v, r)
+                if split:
+                    withheld.append((keys, unresolved[i]))
             if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
                 # 0/0 is "no data": no key (decided below, for every pair in one host read)
                 heads = head_keys(wrap(op, ""), f"sharpness_spread/{pair_name}", (X,))
                 spreads.append((heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
     if spreads and _INPUTS_CHECKED.get():
-        # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value
+        # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value (the
+        # unresolved values are NaN already)
         for heads, spread, ok in spreads:
             _put_heads(out, heads, torch.where(ok, spread, torch.nan))
-    elif spreads:
-        keep = iter(torch.cat([ok.reshape(-1) for _, _, ok in spreads]).tolist())
+    elif spreads:  # one host read: which spreads have data, which values are unresolved
+        flags = torch.cat([ok.reshape(-1) for _, _, ok in spreads] + [u.reshape(-1) for _, u in withheld]).tolist()
+        keep = iter(flags)
         for heads, spread, _ in spreads:
             for h, k in enumerate(heads):
                 if next(keep):
                     out[k] = spread[h]
+        for heads, _ in withheld:
+            for k in heads:
+                if next(keep):
+                    del out[k]
     return out
 
 
@@ -644,6 +657,18 @@ def _richardson_q(counts: tuple[int, int, int]) -> float:
 
 #: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
 SPREAD_FACTOR = 0.5
+
+#: A debiased key is given a value only where its relative uncertainty (:func:`debias`'s spread plus the members'
+#: error, ``sharpness_spread``) is at most this: beyond it the extrapolation's correction exceeds the estimate
+#: itself (the plain ``k``-sample value is more than about twice the debiased one), where first-order Richardson is
+#: outside its range and the value can be off by several times. Measured (``python -m benchmarks.bench_sharpness
+#: --bias``, held-out HF GPT-2, ``sharpness/W2W2``): with 8 kept sequences of 64 tokens, ``k = 16``, spreads
+#: 0.60-1.78 and errors 10-73%; ``k = 64``: spreads 0.28-0.58, errors 1-15% (median); with **one** kept sequence of
+#: 512 tokens (``k B`` = 16 columns, a long-context model's case) spreads ~5 and values 3.1-3.5x the exact ones (the
+#: plain value 33-37x). Such a key gets no value (NaN, "no data", in the engine; left out of a direct call's
+#: result), its ``sharpness_spread`` is still logged, and the monitor names it once
+#: (:func:`curvwatch.sharpness.unresolved_keys`).
+SPREAD_LIMIT = 0.5
 
 
 def debias(
