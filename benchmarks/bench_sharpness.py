@@ -307,7 +307,8 @@ def sampled_setting_table(
     repeats: int = 3,
 ) -> list[str]:
     """A setting of the sampled keys (``curvwatch.closed_form._sampled.<name>``: ``GRAM_STEPS``, where the
-    Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved):
+    Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved;
+    ``GRAM_SHARPNESS`` (0 or 1), whether the sharpness members take their Gauss-Newton part from the Gram columns):
     one full evaluation with the real-loss keys (16 samples, AdamW rules, ``max_tokens`` 512) under each value of
     ``settings``, side by side on the same captures (each repeat a new capture: new samples, as at a later
     evaluation), CPU time of one thread (median of ``repeats``, interleaved in alternating order), its dispatched
@@ -318,8 +319,8 @@ def sampled_setting_table(
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.closed_form import _lanczos, _sampled
 
-    if name not in ("GRAM_STEPS", "MEMBER_TOL"):
-        raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS or MEMBER_TOL.")
+    if name not in ("GRAM_STEPS", "MEMBER_TOL", "GRAM_SHARPNESS"):
+        raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS, MEMBER_TOL or GRAM_SHARPNESS.")
     from curvwatch.sharpness import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
@@ -670,12 +671,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--sampled",
         default=None,
-        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12 or MEMBER_TOL=1,0.2",
+        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12, MEMBER_TOL=1,0.2 or "
+        "GRAM_SHARPNESS=0,1",
     )
     args = parser.parse_args(argv)
     if args.sampled:
         name, values = args.sampled.split("=")
-        cast = int if name == "GRAM_STEPS" else float
+        cast = {"GRAM_STEPS": int, "GRAM_SHARPNESS": lambda v: bool(int(v))}.get(name, float)
         text = "\n".join(
             sampled_setting_table(
                 name,

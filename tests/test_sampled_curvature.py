@@ -598,9 +598,10 @@ def test_smoke_moderate_ffn():
 def test_gram_path_holds_its_columns_once():
     """The Gram path's memory is its columns ``A`` (``k B`` x the block's weights) and a chunk of them: the columns
     are written in place and the preconditioned Gram matrix is built a chunk of rows at a time (before: the chunks
-    concatenated, a second ``A``, and the scaled copy ``A D``). Peak of live CPU memory over the call's start, from
-    torch's profiler's allocation events, against ``A``'s bytes (FFN ``W_1``: d 64 x 256, 64 columns, chunks of 16:
-    measured 1.94 ``A``, of which about 0.9 the products' temporaries while the columns are made; before, 2.27)."""
+    concatenated, a second ``A``, and the scaled copy ``A D``). Peak of live CPU memory from the columns' start to
+    the Gram eigenvalues' end over what was live at the start, from torch's profiler's allocation events, against
+    ``A``'s bytes (FFN ``W_1``: d 64 x 256, 64 columns, chunks of 16: measured 1.94 ``A``, of which about 0.9 the
+    products' temporaries while the columns are made; before, 2.27)."""
     from curvwatch.closed_form import ffn
 
     g = torch.Generator().manual_seed(0)
@@ -608,19 +609,24 @@ def test_gram_path_holds_its_columns_once():
     X, G, S = (torch.randn(*s, generator=g) for s in ((B, L, d), (B, L, d), (k, B, L, d)))
     W1, W2 = torch.randn(d, 4 * d, generator=g) * d**-0.5, torch.randn(4 * d, d, generator=g) * 0.1
     P = {"W_1": torch.rand(d, 4 * d, generator=g) + 0.1, "W_2": torch.rand(4 * d, d, generator=g) + 0.1}
-    inner, spans = sampled._gram_ggn, []
 
-    def gram(*args, **kwargs):
-        with torch.profiler.record_function("gram"):
-            return inner(*args, **kwargs)
+    def labelled(fn, label):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+
+        return call
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sampled, "_gram_ggn", gram)
+            mp.setattr(sampled, "_gram_columns", labelled(sampled._gram_columns, "columns"))
+            mp.setattr(sampled, "_gram_ggn", labelled(sampled._gram_ggn, "gram"))
             ffn(X, W1, W2, activation="gelu", grad_output=G * 1e-2, lanczos=Lanczos(), output_samples=S * 1e-2,
                 precondition=P)  # fmt: skip
     events = prof.profiler.kineto_results.events()
-    spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == "gram"]
+    starts = sorted(e.start_ns() for e in events if e.name() == "columns")
+    ends = sorted(e.start_ns() + e.duration_ns() for e in events if e.name() == "gram")
+    spans = list(zip(starts, ends, strict=True))
     assert len(spans) == 2  # W1W1 (the GGN keys) and W2W2 (all keys): both by the Gram at 64 columns
     live, timeline = 0, []
     for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
@@ -641,16 +647,47 @@ def test_grouped_query_keys_take_the_gram_path(kernel, case, monkeypatch):
     the dense reference in ``test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise``); the
     sharpness of ``QQ`` and ``KK`` (own terms) keeps its Lanczos members."""
     calls = []
-    inner = sampled._gram_ggn
+    inner = sampled._gram_columns
 
     def counted(op, X, *args, **kwargs):
         calls.append(X)
         return inner(op, X, *args, **kwargs)
 
-    monkeypatch.setattr(sampled, "_gram_ggn", counted)
+    monkeypatch.setattr(sampled, "_gram_columns", counted)
     prob = PROBLEMS[kernel](case)
     out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
     assert sorted(calls) == ["K", "Q", "V"], calls
     exact = [k for k in out if k.startswith("residual/") and ("ggn/" in k or "sharpness/VV" in k)]
     assert exact and all(float(out[k]) == 0 for k in exact), exact
     assert any(k.startswith("residual/sharpness/QQ") and float(out[k]) > 0 for k in out)
+
+
+@pytest.mark.parametrize("kernel, case", [CASES[i] for i in (0, 2, 4, 7, 8, 9)], ids=_ids)
+def test_sharpness_members_take_their_gauss_newton_part_from_the_gram_columns(kernel, case, monkeypatch):
+    """``GRAM_SHARPNESS``: where a pair's Gram columns are made and the block has its own functional term (``QQ``,
+    ``KK``, ``W1W1``), the sharpness members' products are the operator's functional part plus ``A W A^T`` from the
+    columns: the same keys as the operator's whole product with the sampled curvature (float64, tight Lanczos, warm
+    starts off; preconditioned members included), and the columns do serve them."""
+    served = []
+    inner = sampled._members_matvec
+
+    def spy(*args, **kwargs):
+        served.append(args[7] is not None if len(args) > 7 else kwargs.get("columns") is not None)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(sampled, "_members_matvec", spy)
+    prob = PROBLEMS[kernel](case)
+
+    def keys(flag: bool) -> dict:
+        monkeypatch.setattr(sampled, "GRAM_SHARPNESS", flag)
+        lanczos = Lanczos(tol=1e-11, max_iter=400, warm_start=None)
+        return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
+
+    whole, served_before = keys(False), list(served)
+    served.clear()
+    gram = keys(True)
+    assert not any(served_before) and any(served), (served_before, served)
+    sampled_keys = [k for k in whole if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
+    assert sampled_keys and set(gram) == set(whole)
+    for key in sampled_keys:
+        assert_close_report(gram[key], whole[key], CONVERGED, name=key)

@@ -313,6 +313,15 @@ GRAM_STEPS = 12
 #: Columns of the Gram matrix per operator product (as many as the Lanczos runs batch at once: its memory).
 GRAM_CHUNK = 16
 
+#: Where a pair's Gram columns are made (its GGN keys by the Gram path) and the block has its own functional term
+#: (``QQ``, ``KK``, ``W1W1``), the sharpness members' products take their Gauss-Newton part from the columns held
+#: (:func:`_members_matvec`'s ``columns``) and only the functional part from the operator. ``False``: the operator's
+#: whole product with the sampled curvature (the benchmark's "before"). Memory: the columns (at most
+#: ``min(GRAM_STEPS, max_basis)`` times the members they replaced, the GGN ones) are then held beside the sharpness
+#: members' Lanczos bases, which is at most what those GGN members' bases took when they ran as Lanczos members
+#: beside the sharpness ones (``GRAM_STEPS = 0``).
+GRAM_SHARPNESS = True
+
 
 def sampled_norms(
     op: BlockOperator,
@@ -389,11 +398,14 @@ def sampled_norms(
         raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
         gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
+        A = None
         if gram:
-            ggn = torch.stack(_gram_ggn(op, X, curvature, [scale.get(X) if p else None for p in prefixes], split, view))
+            A = _gram_columns(op, X, curvature, view)
+            ggn = torch.stack(_gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split))
             raw["ggn"] = (ggn, torch.zeros_like(ggn))
             if pair_name in linear:  # F linear in X: the Hessian block is its outer part
                 raw["sharpness"] = raw["ggn"]
+                A = None
         names = [nm for nm in SAMPLED_NAMES if nm not in raw]
         if names:
             kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
@@ -401,7 +413,8 @@ def sampled_norms(
             # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
             if stack_ok:  # the members as rows of few products (MEMBER_ROWS rows each)
                 D = scale[X] if len(prefixes) > 1 else None
-                emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view)
+                # with the Gram columns held, the Gauss-Newton part of each product is A W A^T (see _members_matvec)
+                emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view, A if GRAM_SHARPNESS else None)
             else:
                 runs = [pair_matvec(wrap(o, prefix), (X, X), kinds_one) for prefix in prefixes for o in ops]
                 emb = runs[0][0]
@@ -418,9 +431,11 @@ def sampled_norms(
             # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
             members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
             vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True)
+            del mv  # (and with it the columns: they go before the next pair's)
             P = len(prefixes)
             for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
                 raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
+        A = None
         for name in SAMPLED_NAMES:  # every variant at once
             vals, rel = raw[name]
             value, spread = vals[:, 0], None
@@ -478,6 +493,7 @@ def _members_matvec(
     D: torch.Tensor | None,
     kinds_one: Sequence[str],
     view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
+    columns: torch.Tensor | None = None,
 ):
     """``(emb, mv)`` for the Lanczos members of the sampled keys of block ``XX``, in few operator products.
 
@@ -491,6 +507,12 @@ def _members_matvec(
     per member in the dispatched operators of one (only the arithmetic grows with the rows). ``view`` maps an
     operator to the one the block is read from (the grouped-query views); it must be head-diagonal and have
     ``apply_masked`` (one pass over every row: the curvature sees every row, in order).
+
+    With ``columns``, the samples' Gram columns ``A`` ``(H, k B, size)`` of block ``X`` (:func:`_gram_columns`; only
+    ``"hessian"`` kinds), a product is the operator's **functional** part plus the Gauss-Newton part from the columns:
+    ``J_X^T C_e J_X v = sum_c w_{e,c} A_c <A_c, v>`` per head, ``w_{e,c}`` the member's weight of column ``c``'s sample
+    (column ``j B + b`` is sample ``j``): the same numbers, without the operator's first-order pass and the sampled
+    curvature (two ``(H, rows, k B)`` products against ``A`` instead).
     """
     k, h, _ = curvature.counts
     # (E, k) sample weights of each estimate, made on the device (no host table to copy)
@@ -503,12 +525,23 @@ def _members_matvec(
     layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
     D = None if D is None else D.reshape(layout)  # the view's layout (same entries, same order)
     labels = [(i, e, kind) for i in range(1 if D is None else 2) for e in range(E) for kind in kinds_one]
+    if columns is not None:
+        if set(kinds_one) != {"hessian"}:
+            raise ValueError(f"Gram columns serve the 'hessian' members only, not {kinds_one}.")
+        B = columns.shape[1] // k  # (the columns of sample j are j B ... j B + B - 1)
+        column_weights = [w.repeat_interleave(B) for w in estimates]  # (k B,) per estimate
 
     def product(rows_of):  # one product for these rows
         n = len(rows_of)
-        rows = _rows([kind for *_, kind in rows_of], 1, emb)
-        weights = torch.stack([estimates[e] for _, e, _ in rows_of])  # (n, k)
-        member_op = view(with_sampled(op, curvature.per_row(weights)))
+        W = None
+        if columns is None:
+            rows = _rows([kind for *_, kind in rows_of], 1, emb)
+            weights = torch.stack([estimates[e] for _, e, _ in rows_of])  # (n, k)
+            member_op = view(with_sampled(op, curvature.per_row(weights)))
+        else:  # the operator's functional part; the Gauss-Newton part from the columns
+            rows = _rows(["functional"] * n, 1, emb)
+            member_op = view(op)
+            W = torch.stack([column_weights[e] for _, e, _ in rows_of])  # (n, k B)
         plain = sum(1 for i, _, _ in rows_of if i == 0)  # the plain rows come first (the labels stay in order)
 
         def scale_in(t: torch.Tensor) -> torch.Tensor:  # t: the Lanczos vectors (its basis's: not changed)
@@ -527,8 +560,13 @@ def _members_matvec(
             return t
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            out = apply_kinds(member_op, {X: scale_in(u.reshape(n, *layout))}, [X], rows)
-            return scale_out(out[X]).reshape(n, emb.H, emb.n)
+            v = scale_in(u.reshape(n, *layout))
+            out = apply_kinds(member_op, {X: v}, [X], rows)[X]
+            if W is not None:  # + sum_c w_c A_c <A_c, v> per head, through (H, n, k B) coefficients
+                coeff = torch.bmm(v.reshape(n, emb.H, emb.n).transpose(0, 1), columns.mT).mul_(W)
+                out = out.contiguous()
+                out.view(n, emb.H, emb.n).add_(torch.bmm(coeff, columns).transpose(0, 1))
+            return scale_out(out).reshape(n, emb.H, emb.n)
 
         return mv
 
@@ -565,54 +603,62 @@ class _Columns:
         return u.reshape(dF.shape)
 
 
-def _gram_ggn(
+def _gram_columns(
     op: BlockOperator,
     X: str,
     curvature: SampledCurvature,
-    scales: Sequence[torch.Tensor | None],
-    split: bool,
     view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
-) -> list[torch.Tensor]:
-    """The largest eigenvalues of the sampled Gauss-Newton block ``J_X^T C J_X`` of ``op`` (and of ``D (.) D`` for
-    each ``D`` of ``scales`` that is not None), ``(E, H)`` each: with ``split`` the full sample and its two halves
-    (``E = 3``, as :meth:`SampledCurvature.halves`), else the full sample only.
-
-    ``J_X^T C J_X = A A^T / k`` with the ``k B`` columns ``A_{jb} = J_X^T sigma_{j,b}`` (``C`` is block-diagonal over
-    the sequences ``b``), so its nonzero eigenvalues are those of the ``(k B, k B)`` Gram matrix ``A^T A / k`` per
-    head, and a half's are those of its diagonal block (``j < k/2``, the first ``(k/2) B`` columns) times ``k / k_a``.
-    One operator product per column (in chunks of :data:`GRAM_CHUNK`), exact eigenvalues (``eigvalsh``, float64),
-    instead of the Lanczos runs of every estimate and preconditioning. ``view``: a grouped-query view whose
-    ``gram_columns`` hold ``X`` (``_GroupView``: ``X`` per kv group; ``_QueryView``: ``Q`` per query head; ``scales``
-    in its layout) or none.
+) -> torch.Tensor:
+    """The columns ``A_{jb} = J_X^T sigma_{j,b}`` of the sampled Gauss-Newton block of ``op`` (``J_X^T C J_X = A
+    A^T / k``, ``C`` block-diagonal over the sequences ``b``), ``(H, k B, size)``: column ``j B + b`` of head ``h``
+    is ``A[h, j B + b]``. One operator product per column (in chunks of :data:`GRAM_CHUNK`: the outer part of a zero
+    tangent with a stand-in curvature that returns the samples), written in place. ``view``: a grouped-query view whose
+    ``gram_columns`` hold ``X`` (``_GroupView``: ``X`` per kv group; ``_QueryView``: ``Q`` per query head) or none.
     """
     k, B = curvature.sigma.shape[:2]
     n = k * B
-    viewed = view(op)
-    emb = _Embedding(viewed, [X])
-    chunks = [(start, min(n, start + GRAM_CHUNK)) for start in range(0, n, GRAM_CHUNK)]
-    # the columns written in place (no concatenated copy) and the Gram matrix a chunk of rows at a time (no scaled
-    # copy of A): the memory is A's, (k B, H, size), and a chunk
-    A = torch.empty((n, emb.H, emb.n), dtype=op.dtype, device=op.device)
-    for start, stop in chunks:
+    emb = _Embedding(view(op), [X])
+    A = torch.empty((emb.H, n, emb.n), dtype=op.dtype, device=op.device)
+    for start in range(0, n, GRAM_CHUNK):
+        stop = min(n, start + GRAM_CHUNK)
         _, mv = pair_matvec(
             view(with_sampled(op, _Columns(curvature.sigma, start, stop))), (X, X), ("outer",) * (stop - start)
         )
         zero = torch.zeros((stop - start, emb.H, emb.n), dtype=op.dtype, device=op.device)
-        A[start:stop] = mv(zero)  # (chunk, H, size): J_X^T sigma_{j,b}
+        A[:, start:stop] = mv(zero).transpose(0, 1)  # (H, chunk, size): J_X^T sigma_{j,b}
+    return A
+
+
+def _gram_ggn(
+    A: torch.Tensor, curvature: SampledCurvature, scales: Sequence[torch.Tensor | None], split: bool
+) -> list[torch.Tensor]:
+    """The largest eigenvalues of the sampled Gauss-Newton block ``J_X^T C J_X = A A^T / k`` (and of ``D (.) D`` for
+    each ``D`` of ``scales`` that is not None, in the layout of the block's tangent rows), ``(E, H)`` each: with
+    ``split`` the full sample and its two halves (``E = 3``, as :meth:`SampledCurvature.halves`), else the full
+    sample only.
+
+    ``A`` ``(H, k B, size)``: the columns of :func:`_gram_columns`. The nonzero eigenvalues are those of the ``(k B,
+    k B)`` Gram matrix ``A^T A / k`` per head, and a half's are those of its diagonal block (``j < k/2``, the first
+    ``(k/2) B`` columns) times ``k / k_a``: exact eigenvalues (``eigvalsh``, float64) instead of the Lanczos runs of
+    every estimate and preconditioning. The Gram matrix is built a chunk of rows at a time (no scaled copy of ``A``).
+    """
+    k, B = curvature.sigma.shape[:2]
+    H, n, size = A.shape
     out = []
     for D in scales:
-        D2 = None if D is None else D.reshape(emb.H if viewed.params[X].headed else 1, -1).square()
-        G = torch.empty((emb.H, n, n), dtype=torch.float64, device=op.device)  # (H, k B, k B)
-        for start, stop in chunks:
-            rows = A[start:stop] if D2 is None else A[start:stop] * D2
-            G[:, start:stop] = torch.einsum("nhs,mhs->hnm", rows, A).double() / k
+        D2 = None if D is None else D.reshape(-1, 1, size).square()  # (H or 1, 1, size)
+        G = torch.empty((H, n, n), dtype=torch.float64, device=A.device)  # (H, k B, k B)
+        for start in range(0, n, GRAM_CHUNK):
+            stop = min(n, start + GRAM_CHUNK)
+            rows = A[:, start:stop] if D2 is None else A[:, start:stop] * D2
+            G[:, start:stop] = torch.bmm(rows, A.mT).double() / k
         values = [torch.linalg.eigvalsh(G)[:, -1]]
         if split:
             _, ka, kb = curvature.counts
             half = ka * B  # sample j = r // B: the first half's columns come first
             values.append(torch.linalg.eigvalsh(G[:, :half, :half])[:, -1] * (k / ka))
             values.append(torch.linalg.eigvalsh(G[:, half:, half:])[:, -1] * (k / kb))
-        out.append(torch.stack(values).to(op.dtype))
+        out.append(torch.stack(values).to(A.dtype))
     return out
 
 

@@ -130,12 +130,14 @@ class FFNOperator(BlockOperator):
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
-    def _tangents(self, tangent):
+    def _tangents(self, tangent, output: bool = True):
         """``(dZ, dHid, dW2, dS)``: the tangents of the pre-activation ``(n, N, f)``, the hidden activation, the
-        ``W2`` perturbation itself and the output ``(n, N, m)`` (None where nothing moves them)."""
+        ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing moves them)."""
         dW1, dW2 = tangent.get("W1"), tangent.get("W2")
         dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
         dHid = None if dZ is None else self.act1 * dZ
+        if not output:  # (the functional part alone does not need the output's tangent)
+            return dZ, dHid, dW2, None
         dS = None if dHid is None else dHid @ self.W_2  # (n, N, m)
         if dW2 is not None:
             t = self.Hid @ dW2
@@ -145,7 +147,7 @@ class FFNOperator(BlockOperator):
     def apply_masked(self, tangent, outputs, outer_mask, func_mask):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
-        dZ, dHid, dW2, dS = self._tangents(tangent)
+        dZ, dHid, dW2, dS = self._tangents(tangent, output=outer_mask is not None)
         u = None if outer_mask is None else _rows_times(self._outer_cotangent(dS), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, False, outputs)
