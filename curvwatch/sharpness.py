@@ -945,21 +945,21 @@ def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, 
     }
 
 
-def unresolved_keys(flat: Mapping[tuple[str, str], float]) -> list[str]:
+def unresolved_keys(flat: Mapping[tuple[str, str], float], limit: float | None = None) -> list[str]:
     """``"block pair[/head]"`` of every sharpness the kernels withheld as unresolved: a logged ``sharpness_spread``
-    above :data:`~curvwatch.closed_form._sampled.SPREAD_LIMIT` whose ``sharpness`` key has no value (the estimate's
-    uncertainty is larger than half the value: docs/sharpness.md, "Unresolved keys").
+    above ``limit`` (default :data:`~curvwatch.closed_form._sampled.SPREAD_LIMIT`) whose ``sharpness`` key has no
+    value (the estimate's uncertainty is larger than half the value: docs/sharpness.md, "Unresolved keys").
 
     Example:
         >>> unresolved_keys({("layer0/ffn", "sharpness_spread/W2W2"): 3.1, ("layer0/ffn", "sharpness/W1W1"): 0.2,
-        ...                  ("layer0/ffn", "sharpness_spread/W1W1"): 0.05})
+        ...                  ("layer0/ffn", "sharpness_spread/W1W1"): 0.05}, limit=0.5)
         ['layer0/ffn W2W2']
     """
-    from curvwatch.closed_form._sampled import SPREAD_LIMIT
-
+    if limit is None:
+        from curvwatch.closed_form._sampled import SPREAD_LIMIT as limit
     out = []
     for (block, key), value in flat.items():
-        if key.startswith("sharpness_spread/") and value > SPREAD_LIMIT:
+        if key.startswith("sharpness_spread/") and value > limit:
             name = key[len("sharpness_spread/") :]
             if (block, f"sharpness/{name}") not in flat:
                 out.append(f"{block} {name}")
