@@ -1192,9 +1192,9 @@ class RealLoss:
             f"the estimate's uncertainty (sharpness_spread, still logged) is above {SPREAD_LIMIT:.0%} of it, where "
             "the value can be off by several times. The Monte-Carlo Gauss-Newton estimate has (samples x kept "
             "sequences) independent columns, too few for blocks this large; more samples "
-            f"(Sharpness(samples={4 * self.samples})) or more kept sequences (max_tokens=, shorter sequences) "
-            "resolve them (docs/sharpness.md, 'Unresolved keys'). Said once; the set can change from one evaluation "
-            "to the next.",
+            f"(Sharpness(samples={4 * self.samples}): 4x the sampling's cost) or more kept sequences (max_tokens=, "
+            "shorter sequences) narrow it; with one long kept sequence an FFN's W2 may stay unresolved even so "
+            "(docs/sharpness.md, 'Unresolved keys'). Said once; the set can change from one evaluation to the next.",
         )
 
     def stability_rules(self, optimizer: Any, blocks: Iterable[Any], warn_once: Any) -> dict[str, StabilityRule]:
