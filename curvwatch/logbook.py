@@ -373,7 +373,7 @@ def flatten(
         stacked = torch.stack(parts).to("cpu", torch.float64).tolist()
         for i, v in zip(idx, stacked, strict=True):
             values[i] = v
-    no_data = {bk for bk, v in zip(keys, values, strict=True) if math.isnan(v) and bk[1].startswith(NO_DATA_KEYS)}
+    no_data = {bk for bk, v in zip(keys, values, strict=True) if _no_data(bk[1], v)}
     flat = {bk: v for bk, v in zip(keys, values, strict=True) if bk not in no_data}
     bad = {block for (block, _), value in flat.items() if math.isnan(value)}
     out = {(b, k): v for (b, k), v in flat.items() if b not in bad}
@@ -391,4 +391,9 @@ def drop_no_data(flat: Mapping[tuple[str, str], float]) -> dict[tuple[str, str],
         >>> drop_no_data({("a", "sharpness/QQ"): float("nan"), ("a", "hessian/QQ"): 1.0})
         {('a', 'hessian/QQ'): 1.0}
     """
-    return {bk: v for bk, v in flat.items() if not (math.isnan(v) and bk[1].startswith(NO_DATA_KEYS))}
+    return {bk: v for bk, v in flat.items() if not _no_data(bk[1], v)}
+
+
+def _no_data(key: str, value: float) -> bool:
+    """Whether ``value`` of ``key`` is "no value": a NaN under :data:`NO_DATA_KEYS`."""
+    return math.isnan(value) and key.startswith(NO_DATA_KEYS)

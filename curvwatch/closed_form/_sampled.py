@@ -403,9 +403,8 @@ def sampled_norms(
             A = _gram_columns(op, X, curvature, view)
             ggn = torch.stack(_gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split))
             raw["ggn"] = (ggn, torch.zeros_like(ggn))
-            if pair_name in linear:  # F linear in X: the Hessian block is its outer part
+            if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
                 raw["sharpness"] = raw["ggn"]
-                A = None
         names = [nm for nm in SAMPLED_NAMES if nm not in raw]
         if names:
             kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
@@ -710,9 +709,9 @@ SPREAD_FACTOR = 0.5
 #: outside its range and the value can be off by several times. Measured (``python -m benchmarks.bench_sharpness
 #: --bias``, held-out HF GPT-2, ``sharpness/W2W2``): with 8 kept sequences of 64 tokens, ``k = 16``, spreads
 #: 0.60-1.78 and errors 10-73%; ``k = 64``: spreads 0.28-0.58, errors 1-15% (median); with **one** kept sequence of
-#: 512 tokens (``k B`` = 16 columns, a long-context model's case) spreads ~5 and values 3.1-3.5x the exact ones (the
-#: plain value 33-37x). Such a key gets no value (NaN, "no data", in the engine; left out of a direct call's
-#: result), its ``sharpness_spread`` is still logged, and the monitor names it once
+#: 512 tokens (``k B`` = 16 columns, a long-context model's case; d 32 and d 64) spreads 2.1-5.1 and values 2.7-4.1x
+#: the exact ones (the plain value 16-38x). Such a key gets no value (NaN, "no data", in the engine; left out of a
+#: direct call's result), its ``sharpness_spread`` is still logged, and the monitor names it once
 #: (:func:`curvwatch.sharpness.unresolved_keys`).
 SPREAD_LIMIT = 0.5
 
