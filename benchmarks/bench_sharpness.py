@@ -305,22 +305,28 @@ def sampled_setting_table(
     L: int = 128,
     vocab: int = 50_257,
     repeats: int = 3,
+    train: int = 0,
 ) -> list[str]:
     """A setting of the sampled keys (``curvwatch.closed_form._sampled.<name>``: ``GRAM_STEPS``, where the
     Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved;
-    ``GRAM_SHARPNESS`` (0 or 1), whether the sharpness members take their Gauss-Newton part from the Gram columns):
+    ``GRAM_SHARPNESS`` (0 or 1), whether the sharpness members take their Gauss-Newton part from the Gram columns;
+    ``GRAM_START`` (0 or 1), whether they start at their top Gauss-Newton direction):
     one full evaluation with the real-loss keys (16 samples, AdamW rules, ``max_tokens`` 512) under each value of
     ``settings``, side by side on the same captures (each repeat a new capture: new samples, as at a later
     evaluation), CPU time of one thread (median of ``repeats``, interleaved in alternating order), its dispatched
-    operators, and the steps of the sampled Lanczos runs (``(rows x heads, steps): runs``). Held-out Hugging Face
-    GPT-2, random tokens. An unknown ``name`` raises."""
+    operators, and the steps of the sampled Lanczos runs (``(rows x heads, steps): runs``). With ``train``, that many
+    AdamW steps (lr 1e-3) before each capture: the warm starts are then an earlier state's, as at an evaluation every
+    ``train`` steps (without, every capture is of the same weights and a warm start is nearly the answer). Held-out
+    Hugging Face GPT-2, random tokens. An unknown ``name`` raises."""
     import collections
 
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.closed_form import _lanczos, _sampled
 
-    if name not in ("GRAM_STEPS", "MEMBER_TOL", "GRAM_SHARPNESS"):
-        raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS, MEMBER_TOL or GRAM_SHARPNESS.")
+    if name not in ("GRAM_STEPS", "MEMBER_TOL", "GRAM_SHARPNESS", "GRAM_START"):
+        raise ValueError(
+            f"Unknown sampled setting {name!r}; choose GRAM_STEPS, MEMBER_TOL, GRAM_SHARPNESS or GRAM_START."
+        )
     from curvwatch.sharpness import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
@@ -334,7 +340,15 @@ def sampled_setting_table(
             steps[current[0]][(math.prod(run.batch_shape), run.j + 1)] += 1
         finish(run)
 
+    for group in adam.param_groups if train else ():
+        group["lr"] = 1e-3
+
     def capture(seed: int):
+        for _ in range(train):
+            loss, _ = _full_ce(x, y)(model)
+            loss.backward()
+            adam.step()
+            model.zero_grad()
         with Capture(specs, max_tokens=512, logits_module=head) as cap:
             loss, _ = _full_ce(x, y)(model)
             cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
@@ -379,7 +393,8 @@ def sampled_setting_table(
     kept = next(b.inputs["output_samples"].shape[1] for b in blocks if "output_samples" in b.inputs)
     lines = [
         f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}: {kept} kept sequences, k B = {16 * kept} Gram "
-        f"columns; 16 samples, AdamW rules; CPU time of one thread, median of {repeats}",
+        f"columns; 16 samples, AdamW rules; CPU time of one thread, median of {repeats}"
+        + (f"; {train} AdamW steps before each capture" if train else ""),
         f"| {name} | full evaluation (s) | operators | sampled runs: (rows x heads, steps): runs |",
         "| --- | --- | --- | --- |",
     ]
@@ -668,16 +683,19 @@ def main(argv=None) -> int:
     parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
     parser.add_argument("--own", action="store_true", help="--bias: also layer 0's FFN W1W1 (with its own term)")
     parser.add_argument("--json", type=Path, default=None, help="--bias: also write the rows as JSON")
+    parser.add_argument("--train", type=int, default=0, help="--sampled: AdamW steps before each capture")
     parser.add_argument(
         "--sampled",
         default=None,
-        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12, MEMBER_TOL=1,0.2 or "
-        "GRAM_SHARPNESS=0,1",
+        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12, MEMBER_TOL=1,0.2, "
+        "GRAM_SHARPNESS=0,1 or GRAM_START=0,1",
     )
     args = parser.parse_args(argv)
     if args.sampled:
         name, values = args.sampled.split("=")
-        cast = {"GRAM_STEPS": int, "GRAM_SHARPNESS": lambda v: bool(int(v))}.get(name, float)
+        cast = {"GRAM_STEPS": int, "GRAM_START": lambda v: bool(int(v)), "GRAM_SHARPNESS": lambda v: bool(int(v))}.get(
+            name, float
+        )
         text = "\n".join(
             sampled_setting_table(
                 name,
@@ -686,6 +704,7 @@ def main(argv=None) -> int:
                 B=args.batch,
                 L=args.seq or 128,
                 repeats=max(args.repeats, 1),
+                train=args.train,
             )
         )
         print(text)

@@ -373,9 +373,12 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
 
 
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[8]], ids=_ids)
-def test_default_lanczos_and_warm_start(kernel, case):
+@pytest.mark.parametrize("gram_start", [False, True])
+def test_default_lanczos_and_warm_start(kernel, case, gram_start, monkeypatch):
     """With the default settings the other keys stay bitwise (and their warm-start vectors too); the sampled runs
-    store theirs under keys of their own and start from them next time."""
+    store theirs under keys of their own and start from them next time, except those that start at their top
+    Gauss-Newton direction (``GRAM_START``; here every one: the Gram path is taken), which keep nothing."""
+    monkeypatch.setattr(sampled, "GRAM_START", gram_start)
     prob = PROBLEMS[kernel](case)
     warm0, warm1 = WarmStart(), WarmStart()
     plain = prob.call(lanczos=Lanczos(warm_start=warm0))
@@ -384,12 +387,15 @@ def test_default_lanczos_and_warm_start(kernel, case):
     for key, value in plain.items():
         assert torch.equal(out[key], value), key
     new = set(warm1._vectors) - set(warm0._vectors)
-    assert new and all(k[0] == "sharpness" for k in new), new
+    if gram_start:
+        assert not new, new
+    else:
+        assert new and all(k[0] == "sharpness" for k in new), new
     assert all(torch.equal(warm1._vectors[k], v) for k, v in warm0._vectors.items())
     again = prob.call(lanczos=Lanczos(warm_start=warm1), **extra)
-    sampled = [k for k in out if k.split("/")[0] in ("ggn", "sharpness", "precond_ggn", "precond_sharpness")]
-    assert sampled
-    for key in sampled:  # both runs converged to tol = 1e-3: some eigenvalue within that of each
+    keys = [k for k in out if k.split("/")[0] in ("ggn", "sharpness", "precond_ggn", "precond_sharpness")]
+    assert keys
+    for key in keys:  # both runs converged to tol = 1e-3: some eigenvalue within that of each
         assert_close_report(again[key], out[key], 3 * Lanczos().tol, name=key)
         assert float(out[f"residual/{key}"]) <= Lanczos().tol, key
 
@@ -691,3 +697,55 @@ def test_sharpness_members_take_their_gauss_newton_part_from_the_gram_columns(ke
     assert sampled_keys and set(gram) == set(whole)
     for key in sampled_keys:
         assert_close_report(gram[key], whole[key], CONVERGED, name=key)
+
+
+@pytest.mark.parametrize("kernel, case", [CASES[i] for i in (0, 2, 4, 8)], ids=_ids)
+def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(kernel, case, monkeypatch):
+    """``GRAM_START``: where the Gram columns ``A`` of a pair with its own functional term are made, each sharpness
+    member starts at the top eigenvector of its estimate's sampled Gauss-Newton block (the full sample's or a half's
+    columns ``A_S``; the preconditioned members ``D A_S``): checked against a dense eigendecomposition of ``A_S A_S^T``
+    (float64, relative residual 1e-8, the plain members); and the keys are those of warm starts (tight Lanczos,
+    ``CONVERGED``)."""
+    columns, starts = [], []
+    inner_columns, inner_norms = sampled._gram_columns, sampled._lanczos_norms
+
+    def spy_columns(*args, **kwargs):
+        columns.append(inner_columns(*args, **kwargs))
+        return columns[-1]
+
+    def spy_norms(*args, **kwargs):
+        starts.append((len(columns), kwargs.get("v0")))
+        return inner_norms(*args, **kwargs)
+
+    monkeypatch.setattr(sampled, "_gram_columns", spy_columns)
+    monkeypatch.setattr(sampled, "_lanczos_norms", spy_norms)
+    prob = PROBLEMS[kernel](case)
+
+    def keys(flag: bool) -> dict:
+        monkeypatch.setattr(sampled, "GRAM_START", flag)
+        columns.clear(), starts.clear()
+        lanczos = Lanczos(tol=1e-11, max_iter=400, warm_start=WarmStart())
+        prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)  # warm starts
+        return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
+
+    warm = keys(False)
+    assert starts and all(v0 is None for _, v0 in starts)
+    gram = keys(True)
+    given = [(columns[i - 1], v0) for i, v0 in starts[len(starts) // 2 :] if v0 is not None]
+    assert given, "no sharpness members started at the Gauss-Newton direction"
+    k = prob.samples.shape[0]
+    for A, v0 in given:  # A (H, k B, size), v0 (P E, H, size): the plain members first, full sample then halves
+        H, n, _ = A.shape
+        B = n // k
+        half = (k // 2) * B  # the first half: the first k // 2 samples (SampledCurvature.counts)
+        for e, cols in enumerate([slice(None), slice(None, half), slice(half, None)][: 3 if k >= 2 else 1]):
+            As = A[:, cols].double()  # (H, |S|, size)
+            v = v0[e].double()  # (H, size)
+            top = torch.linalg.eigvalsh(As @ As.mT)[:, -1]  # (H,)
+            Mv = torch.einsum("hcs,hc->hs", As, torch.einsum("hcs,hs->hc", As, v))
+            resid = (Mv - top[:, None] * v).norm(dim=-1) / (top * v.norm(dim=-1)).clamp_min(1e-300)
+            assert float(resid.max()) < 1e-8, (e, resid)
+    sampled_keys = [k for k in warm if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
+    assert sampled_keys and set(gram) == set(warm)
+    for key in sampled_keys:
+        assert_close_report(gram[key], warm[key], CONVERGED, name=key)

@@ -455,9 +455,12 @@ def _put_heads(out: dict[str, torch.Tensor], keys: Sequence[str], values: torch.
             out[f"residual/{k}"] = r
 
 
-def _norm_run(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False) -> LanczosRun:
-    """The batched Lanczos run ``(len(kinds), H)`` of ``mv``, warm-started from ``lanczos.warm_start``; with
-    ``algebraic`` it finds the largest eigenvalues instead of the norms (drive it with :func:`solve`)."""
+def _norm_run(
+    op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False, v0: torch.Tensor | None = None
+) -> LanczosRun:
+    """The batched Lanczos run ``(len(kinds), H)`` of ``mv``, warm-started from ``lanczos.warm_start`` (or from
+    ``v0`` ``(len(kinds), H, n)``, when given); with ``algebraic`` it finds the largest eigenvalues instead of the
+    norms (drive it with :func:`solve`)."""
     warm = lanczos.warm_start
     shape = (len(kinds), emb.H, emb.n)
     return LanczosRun(
@@ -470,7 +473,7 @@ def _norm_run(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebra
         max_iter=lanczos.max_iter,
         max_basis=lanczos.max_basis,
         pass_live=True,
-        v0=None if warm is None else warm.get(key, shape, op.dtype, op.device),
+        v0=v0 if v0 is not None else None if warm is None else warm.get(key, shape, op.dtype, op.device),
         both_ends=_both_ends(kinds, diagonal=diagonal),
         algebraic=algebraic,
     )
@@ -483,11 +486,15 @@ def _norm_results(run: LanczosRun, key, lanczos: Lanczos) -> tuple[torch.Tensor,
     return run.norm, run.rel_residual
 
 
-def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False):
+def _lanczos_norms(op, emb, mv, kinds, key, diagonal: bool, lanczos: Lanczos, algebraic: bool = False, v0=None):
     """``(norms, relative residuals)``, each ``(len(kinds), H)``, of ``mv`` by batched Lanczos, warm-started from
-    and stored into ``lanczos.warm_start``; with ``algebraic`` the largest eigenvalues instead of the norms."""
-    run = _norm_run(op, emb, mv, kinds, key, diagonal, lanczos, algebraic)
+    and stored into ``lanczos.warm_start``; with ``algebraic`` the largest eigenvalues instead of the norms. With
+    ``v0`` (start vectors made for this call) the run starts there, and its Ritz vectors are not stored (no later
+    call reads them)."""
+    run = _norm_run(op, emb, mv, kinds, key, diagonal, lanczos, algebraic, v0)
     solve([run])
+    if v0 is not None:
+        return run.norm, run.rel_residual
     return _norm_results(run, key, lanczos)
 
 

@@ -322,6 +322,20 @@ GRAM_CHUNK = 16
 #: beside the sharpness ones (``GRAM_STEPS = 0``).
 GRAM_SHARPNESS = True
 
+#: Where a pair's Gram columns are made and its sharpness members run (a block with its own functional term), each
+#: member starts at the top eigenvector of its estimate's sampled Gauss-Newton block (:func:`_gram_ggn`'s
+#: ``vectors``: exact, from the Gram matrix) instead of the last evaluation's Ritz vector (plus, either way, the
+#: solver's noise of the start's own norm, ``_lanczos.WARM_NOISE``). The samples are new at every evaluation, so the
+#: last Ritz vector is of another matrix; the Gauss-Newton direction is of this one. Side by side, with 10 AdamW steps
+#: between evaluations (``python -m benchmarks.bench_sharpness --sampled GRAM_START=0,1 --train 10 --repeats 4``; HF
+#: GPT-2, 2 layers): d 128, one kept sequence of 512 tokens (16 columns): the FFN's ``W1W1`` members 8-16 -> 4 steps,
+#: the attention's 12-20 -> 8-20, a full evaluation 18,526 -> 16,184 operators (7.24 -> 6.90 s); d 64, B 8, L 128
+#: (64 columns): 22,605 -> 21,548 operators (2.30 -> 2.28 s). Tried and not kept (same runs): the sum of this direction
+#: and the warm start (17,788 and 21,637 operators), and the sum with the engine's own functional Ritz vector of the
+#: block, plain or weighted by the two parts' top eigenvalues (17,328 / 17,078 and 22,187 / 21,331): the attention's
+#: members take 8-20 steps from any of these starts. ``False``: the warm start (the benchmark's "before").
+GRAM_START = True
+
 
 def sampled_norms(
     op: BlockOperator,
@@ -398,10 +412,13 @@ def sampled_norms(
         raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
         gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
-        A = None
+        A = tops = None
         if gram:
             A = _gram_columns(op, X, curvature, view)
-            ggn = torch.stack(_gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split))
+            tops = [] if GRAM_START and pair_name not in linear else None  # the sharpness members' starts
+            ggn = torch.stack(
+                _gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split, vectors=tops)
+            )
             raw["ggn"] = (ggn, torch.zeros_like(ggn))
             if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
                 raw["sharpness"] = raw["ggn"]
@@ -429,7 +446,10 @@ def sampled_norms(
             key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
             # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
             members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
-            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True)
+            # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
+            # estimate's top Gauss-Newton direction
+            v0 = None if not tops or m != 1 else torch.cat(tops)
+            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
             del mv  # (and with it the columns: they go before the next pair's)
             P = len(prefixes)
             for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
@@ -629,7 +649,11 @@ def _gram_columns(
 
 
 def _gram_ggn(
-    A: torch.Tensor, curvature: SampledCurvature, scales: Sequence[torch.Tensor | None], split: bool
+    A: torch.Tensor,
+    curvature: SampledCurvature,
+    scales: Sequence[torch.Tensor | None],
+    split: bool,
+    vectors: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The largest eigenvalues of the sampled Gauss-Newton block ``J_X^T C J_X = A A^T / k`` (and of ``D (.) D`` for
     each ``D`` of ``scales`` that is not None, in the layout of the block's tangent rows), ``(E, H)`` each: with
@@ -640,6 +664,10 @@ def _gram_ggn(
     k B)`` Gram matrix ``A^T A / k`` per head, and a half's are those of its diagonal block (``j < k/2``, the first
     ``(k/2) B`` columns) times ``k / k_a``: exact eigenvalues (``eigvalsh``, float64) instead of the Lanczos runs of
     every estimate and preconditioning. The Gram matrix is built a chunk of rows at a time (no scaled copy of ``A``).
+
+    With ``vectors`` (a list), the top eigenvectors of each estimate's Gauss-Newton block are appended to it, ``(E,
+    H, size)`` per entry of ``scales``, unnormalised, in the layout of ``A``'s rows: ``D A_S u`` for the top
+    eigenvector ``u`` of the estimate's Gram block (columns ``S``), ``D`` that entry's scale (1 where None).
     """
     k, B = curvature.sigma.shape[:2]
     H, n, size = A.shape
@@ -651,13 +679,21 @@ def _gram_ggn(
             stop = min(n, start + GRAM_CHUNK)
             rows = A[:, start:stop] if D2 is None else A[:, start:stop] * D2
             G[:, start:stop] = torch.bmm(rows, A.mT).double() / k
-        values = [torch.linalg.eigvalsh(G)[:, -1]]
-        if split:
-            _, ka, kb = curvature.counts
-            half = ka * B  # sample j = r // B: the first half's columns come first
-            values.append(torch.linalg.eigvalsh(G[:, :half, :half])[:, -1] * (k / ka))
-            values.append(torch.linalg.eigvalsh(G[:, half:, half:])[:, -1] * (k / kb))
+        _, ka, kb = curvature.counts
+        half = ka * B  # sample j = r // B: the first half's columns come first
+        blocks = [(slice(None), 1.0)] + ([(slice(None, half), k / ka), (slice(half, None), k / kb)] if split else [])
+        values, tops = [], []
+        for cols, factor in blocks:
+            if vectors is None:
+                values.append(torch.linalg.eigvalsh(G[:, cols, cols])[:, -1] * factor)
+                continue
+            lam, U = torch.linalg.eigh(G[:, cols, cols])
+            values.append(lam[:, -1] * factor)
+            v = torch.bmm(U[:, None, :, -1].to(A.dtype), A[:, cols]).squeeze(1)  # (H, size): A_S u
+            tops.append(v if D is None else v * D.reshape(-1, size))
         out.append(torch.stack(values).to(A.dtype))
+        if vectors is not None:
+            vectors.append(torch.stack(tops))
     return out
 
 
