@@ -159,15 +159,18 @@ class GatedFFNOperator(BlockOperator):
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
-    def _tangents(self, tangent):
+    def _tangents(self, tangent, output: bool = True):
         """``(dZg, dZu, dHid, dW2, dF)``: the tangents of the gate and up pre-activations ``(n, N, f)``, the hidden
-        activation, the ``W2`` perturbation itself and the output ``(n, N, m)`` (None where nothing moves them)."""
+        activation, the ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing
+        moves them)."""
         dW1, dW3, dW2 = tangent.get("W1"), tangent.get("W3"), tangent.get("W2")
         dZg = None if dW1 is None else self.Y @ dW1  # (n, N, f)
         dZu = None if dW3 is None else self.Y @ dW3  # (n, N, f)
         dHid = None if dZg is None else self.A1Zu * dZg
         if dZu is not None:
             dHid = _acc(dHid, self.A * dZu)
+        if not output:  # (the functional part alone does not need the output's tangent)
+            return dZg, dZu, dHid, dW2, None
         dF = None if dHid is None else dHid @ self.W_down  # (n, N, m)
         if dW2 is not None:
             dF = _acc(dF, self.Hid @ dW2)
@@ -176,7 +179,7 @@ class GatedFFNOperator(BlockOperator):
     def apply_masked(self, tangent, outputs, outer_mask, func_mask):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
-        dZg, dZu, dHid, dW2, dF = self._tangents(tangent)
+        dZg, dZu, dHid, dW2, dF = self._tangents(tangent, output=outer_mask is not None)
         u = None if outer_mask is None else _rows_times(self._outer_cotangent(dF), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, None, False, outputs)
