@@ -8,7 +8,7 @@ import torch
 
 from curvwatch.closed_form import _lanczos, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form._lanczos import lanczos_max_abs
-from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.settings import Lanczos, WarmStart
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -551,3 +551,23 @@ def test_breakdown_between_stopping_tests_on_a_tiny_operator_gives_a_zero_vector
                                device=torch.device("cpu"), tol=1e-7, algebraic=algebraic)  # fmt: skip
     assert torch.isfinite(vec).all()
     assert_close_report(val.double(), expected, 1e-5)
+
+
+def test_warm_start_store_keeps_directions_in_bfloat16():
+    """The store is held on the model's device for the whole run: float32/float64 Ritz vectors are kept in bfloat16
+    (half or a quarter of the memory), and what comes back points the same way to bfloat16's precision (a warm start
+    is a direction: the solver adds noise of its own norm)."""
+    g = torch.Generator().manual_seed(0)
+    warm = WarmStart()
+    for dtype in (torch.float32, torch.float64):
+        v = torch.randn(3, 4, 1000, generator=g, dtype=dtype)
+        warm.put(("QQ", dtype), v)
+        stored = warm._vectors[("QQ", dtype)]
+        assert stored.dtype == torch.bfloat16 and stored.numel() * stored.element_size() == v.numel() * 2
+        back = warm.get(("QQ", dtype), tuple(v.shape), dtype, "cpu")
+        assert back.dtype == dtype
+        cos = torch.nn.functional.cosine_similarity(back, v, dim=-1)
+        assert float(cos.min()) > 1 - 1e-4, float(cos.min())
+    half = torch.randn(2, 5, generator=g).to(torch.float16)  # already as small: kept as it is
+    warm.put("half", half)
+    assert warm._vectors["half"].dtype == torch.float16
