@@ -21,6 +21,7 @@ the truth.
 Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``;
 ``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``;
 ``python -m benchmarks.bench_sharpness --cost --width 64`` (the real-loss share of a full evaluation, vocab 50,257);
+``python -m benchmarks.bench_sharpness --warm-store --width 768 --batch 2`` (the warm-start store's memory);
 ``python -m benchmarks.bench_sharpness --sampled GRAM_STEPS=4,12 --width 64 --batch 8 --seq 128 --repeats 3`` (a
 setting of the sampled keys, here where the Gauss-Newton keys come from the samples' Gram matrix: time, operators
 and Lanczos steps side by side).
@@ -404,6 +405,43 @@ def sampled_setting_table(
     return lines
 
 
+def warm_store(width: int = 768, B: int = 2, L: int = 128, vocab: int = 50_257) -> list[str]:
+    """The engine's warm-start store (held on the model's device between evaluations) after two full evaluations with
+    the real-loss keys (16 samples, AdamW rules, new samples each), with ``GRAM_START`` off and on: MiB of the
+    engine's own keys and of the sampled keys'. Held-out Hugging Face GPT-2, 2 layers."""
+    from curvwatch.closed_form import _sampled
+    from curvwatch.sharpness import RealLoss
+
+    model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
+    lines = [
+        f"HF GPT-2 d {width}, 2 layers, B {B}, L {L}: warm-start store after two full evaluations (MiB)",
+        "| GRAM_START | engine keys | sampled keys |",
+        "| --- | --- | --- |",
+    ]
+    saved = _sampled.GRAM_START
+    try:
+        for flag in (False, True):
+            _sampled.GRAM_START = flag
+            engine = Engine()
+            for seed in (1, 2):
+                with Capture(specs, max_tokens=512, logits_module=head) as cap:
+                    loss, _ = _full_ce(x, y)(model)
+                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+                    loss.backward()
+                model.zero_grad()
+                blocks = cap.blocks()
+                rules = RealLoss().rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+                engine.evaluate(blocks, rules=rules)
+            size = {"engine": 0, "sharpness": 0}
+            for warm in engine.warm.values():
+                for key, v in warm._vectors.items():
+                    size["sharpness" if key[0] == "sharpness" else "engine"] += v.numel() * v.element_size()
+            lines.append(f"| {int(flag)} | {size['engine'] / 2**20:.3f} | {size['sharpness'] / 2**20:.3f} |")
+    finally:
+        _sampled.GRAM_START = saved
+    return lines
+
+
 def held_out_gpt2(width: int, layers: int = 2, heads: int = 4, vocab: int = 256, B: int = 8, L: int = 64):
     """A Hugging Face GPT-2 built from a config (eager attention, no dropout), float32, and a batch of random tokens
     and labels ``(B, L)`` (all ``B L`` tokens scored, mean cross-entropy)."""
@@ -667,6 +705,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--bias", action="store_true", help="the bias table on a held-out GPT-2 (see the docstring)")
     parser.add_argument("--cost", action="store_true", help="the real-loss share of a full evaluation, vocab 50,257")
+    parser.add_argument("--warm-store", action="store_true", help="MiB of the warm-start store, GRAM_START off and on")
     parser.add_argument("--width", type=int, nargs="+", default=[128], help="--bias: GPT-2 widths (n_embd)")
     parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
@@ -733,6 +772,12 @@ def main(argv=None) -> int:
 
             args.json.write_text(json.dumps(rows, indent=1))
         text = "\n".join(bias_table(rows))
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return 0
+    if args.warm_store:
+        text = "\n".join(warm_store(args.width[0], B=args.batch, L=args.seq or 128))
         print(text)
         if args.out:
             args.out.write_text(text + "\n")

@@ -105,3 +105,21 @@ def test_sampled_setting_table_times_each_setting_and_restores_it():
     assert "(12, " in rows[0][3]  # GRAM_STEPS 0: ggn and sharpness members in one run, 12 rows
     with pytest.raises(ValueError, match="Unknown sampled setting"):
         bench_sharpness.sampled_setting_table("DEBIAS", [0, 1], width=32, B=2, L=16, vocab=64)
+
+
+def test_warm_store_table_measures_both_settings_and_restores_it():
+    """``bench_sharpness --warm-store``: the store's MiB with ``GRAM_START`` off and on (on: the sampled keys keep
+    nothing, the engine's keys the same), and the setting restored; ``--train`` takes AdamW steps between captures."""
+    from benchmarks import bench_sharpness
+    from curvwatch.closed_form import _sampled
+
+    before = _sampled.GRAM_START
+    lines = bench_sharpness.warm_store(width=32, B=2, L=16, vocab=64)
+    assert _sampled.GRAM_START == before
+    (off_engine, off_sampled), (on_engine, on_sampled) = [
+        map(float, line.strip("| ").split(" | ")[1:3]) for line in lines[3:]
+    ]
+    assert off_engine == on_engine > 0 and off_sampled > 0 and on_sampled == 0
+    lines = bench_sharpness.sampled_setting_table("GRAM_START", [False, True], width=32, B=2, L=16, vocab=64,
+                                                  repeats=1, train=2)  # fmt: skip
+    assert "2 AdamW steps before each capture" in lines[0] and len(lines) == 5
