@@ -354,9 +354,10 @@ def sampled_norms(
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
     small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
-    replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), else
-    they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX, prefixes,
-    estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the
+    replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), and the
+    sharpness members then start at their estimate's top Gauss-Newton direction instead (:data:`GRAM_START`; no warm
+    start kept), else they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX,
+    prefixes, estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the
     pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the
     sharpness *is* the GGN: no Lanczos runs for them where the Gram is used.
 
