@@ -233,6 +233,18 @@ def _adam_gpt2(width: int, vocab: int, B: int, L: int):
     return model, x, y, specs, head, adam
 
 
+def _sampled_capture(model, x, y, specs, head, adam, real, seed: int):
+    """``(blocks, rules)``: one captured step of ``model`` on ``(x, y)`` with 16 sampled output gradients (seed
+    ``seed``, ``max_tokens`` 512) and the real-loss rules of ``real`` for ``adam`` (no optimizer step)."""
+    with Capture(specs, max_tokens=512, logits_module=head) as cap:
+        loss, _ = _full_ce(x, y)(model)
+        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+        loss.backward()
+    model.zero_grad()
+    blocks = cap.blocks()
+    return blocks, real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+
+
 def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
     """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
     without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
@@ -350,13 +362,7 @@ def sampled_setting_table(
             loss.backward()
             adam.step()
             model.zero_grad()
-        with Capture(specs, max_tokens=512, logits_module=head) as cap:
-            loss, _ = _full_ce(x, y)(model)
-            cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
-            loss.backward()
-        model.zero_grad()
-        blocks = cap.blocks()
-        return blocks, real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+        return _sampled_capture(model, x, y, specs, head, adam, real, seed)
 
     def one(m: float, blocks, rules, counter=None) -> float:
         saved, current[0] = getattr(_sampled, name), m
@@ -424,13 +430,7 @@ def warm_store(width: int = 768, B: int = 2, L: int = 128, vocab: int = 50_257) 
             _sampled.GRAM_START = flag
             engine = Engine()
             for seed in (1, 2):
-                with Capture(specs, max_tokens=512, logits_module=head) as cap:
-                    loss, _ = _full_ce(x, y)(model)
-                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
-                    loss.backward()
-                model.zero_grad()
-                blocks = cap.blocks()
-                rules = RealLoss().rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
+                blocks, rules = _sampled_capture(model, x, y, specs, head, adam, RealLoss(), seed)
                 engine.evaluate(blocks, rules=rules)
             size = {"engine": 0, "sharpness": 0}
             for warm in engine.warm.values():

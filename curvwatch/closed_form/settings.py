@@ -67,7 +67,7 @@ class WarmStart:
         """Store the Ritz vectors of the norm ``key`` (detached; floating ones in :attr:`dtype` where that is
         smaller)."""
         v = vectors.detach()
-        if v.is_floating_point() and v.element_size() > torch.empty((), dtype=self.dtype).element_size():
+        if v.is_floating_point() and v.element_size() > self.dtype.itemsize:
             v = v.to(self.dtype)
         self._vectors[key] = v
 
