@@ -87,7 +87,7 @@ def test_two_gram_schmidt_passes_every_step_and_no_read_of_a_device_value(monkey
     cancels nearly all of ``w``) the top eigenvalue comes out exact, and no step reads a tensor's value."""
     passes: list[int] = []
     project = _lanczos._project_out
-    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b: passes.append(b.shape[-2]) or project(w, b))
+    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b, *t: passes.append(b.shape[-2]) or project(w, b, *t))
     cpu = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     Q, _ = torch.linalg.qr(torch.randn(300, 300, generator=gen, dtype=DT))
@@ -135,7 +135,7 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
     host_val, host_vec = run()
     calls = []
     project = _lanczos._project_out
-    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b: calls.append(b.shape[-2]) or project(w, b))
+    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b, *t: calls.append(b.shape[-2]) or project(w, b, *t))
     monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
     val, vec = run()
     assert calls == sorted(2 * list(range(1, 41)))  # 40 steps (past two buffer doublings), two passes each
@@ -456,7 +456,7 @@ def test_thick_restart_bounds_the_basis_and_keeps_the_accuracy(monkeypatch, max_
     S, expected = _spectra(n)
     sizes: list[int] = []
     project = _lanczos._project_out
-    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b: sizes.append(b.shape[-2]) or project(w, b))
+    monkeypatch.setattr(_lanczos, "_project_out", lambda w, b, *t: sizes.append(b.shape[-2]) or project(w, b, *t))
     if off_cpu:
         monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
     products: list[int] = []

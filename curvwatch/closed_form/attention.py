@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 
 import torch
@@ -846,6 +846,56 @@ def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: to
                       max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
 
 
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+def _as(t: torch.Tensor, perm: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """``t.permute(perm).reshape(shape)`` in **one** dispatched operator where that is a view (an ``as_strided`` view:
+    each dimension of ``shape`` merges consecutive dimensions of the permuted tensor whose strides nest), else a copy in
+    two (``permute_copy``, a view; ``permute``, ``reshape`` took three).
+
+    The products below move tangent rows between the layouts ``(n, B, H, ...)`` and ``(B H, ...)``; each
+    permute-then-reshape dispatches two or three operators, and on a GPU a Lanczos product of the attention is bound
+    by what the host dispatches (issue 23). Reading sizes and strides dispatches nothing.
+    """
+    dims = [(t.shape[i], t.stride(i)) for i in perm if t.shape[i] != 1]  # size-1 dimensions have any stride
+    strides = []
+    for size in reversed(shape):  # each target dimension takes the innermost permuted dimensions left
+        group, inner, nested = 1, 1, None  # sizes taken, the innermost's stride, the stride the next one must have
+        while group < size:
+            if not dims:
+                return _copy(t, perm, shape)
+            n, stride = dims.pop()
+            if nested is None:
+                inner = stride
+            elif stride != nested:
+                return _copy(t, perm, shape)
+            nested, group = stride * n, group * n
+        if group != size:
+            return _copy(t, perm, shape)
+        strides.append(inner)
+    if dims:
+        return _copy(t, perm, shape)
+    return t.as_strided(shape, tuple(reversed(strides)), t.storage_offset())
+
+
+def _copy(t: torch.Tensor, perm: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """``t.permute(perm).reshape(shape)`` as a contiguous copy: two dispatched operators."""
+    return torch.permute_copy(t, perm).view(shape)
+
+
+def _unflat(t: torch.Tensor, memory: Sequence[int], perm: Sequence[int]) -> torch.Tensor:
+    """``t.view(memory).permute(perm)`` for a contiguous ``t`` (a matmul's result) in one dispatched operator."""
+    strides = _strides(memory)
+    return t.as_strided([memory[i] for i in perm], [strides[i] for i in perm], t.storage_offset())
+
+
 def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
     """``S @ T`` for a shared ``S`` ``(B, H, p, q)`` and tangent rows ``T`` ``(n, B, H, q, r)`` -> ``(n, B, H, p, r)``.
 
@@ -855,8 +905,8 @@ def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, q, r = T.shape
     p = S.shape[-2]
-    out = torch.bmm(S.reshape(B * H, p, q), T.permute(1, 2, 3, 0, 4).reshape(B * H, q, n * r))
-    return out.view(B, H, p, n, r).permute(3, 0, 1, 2, 4)
+    out = torch.bmm(_as(S, (0, 1, 2, 3), (B * H, p, q)), _as(T, (1, 2, 3, 0, 4), (B * H, q, n * r)))
+    return _unflat(out, (B, H, p, n, r), (3, 0, 1, 2, 4))
 
 
 def _right(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -867,15 +917,16 @@ def _right(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, p, q = T.shape
     r = S.shape[-1]
-    out = torch.bmm(T.permute(1, 2, 0, 3, 4).reshape(B * H, n * p, q), S.reshape(B * H, q, r))
-    return out.view(B, H, n, p, r).permute(2, 0, 1, 3, 4)
+    out = torch.bmm(_as(T, (1, 2, 0, 3, 4), (B * H, n * p, q)), _as(S, (0, 1, 2, 3), (B * H, q, r)))
+    return _unflat(out, (B, H, n, p, r), (2, 0, 1, 3, 4))
 
 
 def _per_head(T: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """``T @ M_h`` for tangent rows ``T`` ``(n, B, H, p, q)``, per-head ``M`` ``(H, q, r)`` -> ``(n, B, H, p, r)``."""
     n, B, H, p, q = T.shape
-    out = torch.bmm(T.permute(2, 0, 1, 3, 4).reshape(H, n * B * p, q), M)
-    return out.view(H, n, B, p, -1).permute(1, 2, 0, 3, 4)
+    r = M.shape[-1]
+    out = torch.bmm(_as(T, (2, 0, 1, 3, 4), (H, n * B * p, q)), M)
+    return _unflat(out, (H, n, B, p, r), (1, 2, 0, 3, 4))
 
 
 def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -885,15 +936,16 @@ def _xw(X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """
     n, H, d, k = W.shape
     B, L, _ = X.shape
-    Y = torch.mm(X.reshape(B * L, d), W.permute(2, 0, 1, 3).reshape(d, n * H * k))  # (B L, n H k)
-    return Y.view(B, L, n, H, k).permute(2, 0, 3, 1, 4)
+    Y = torch.mm(_as(X, (0, 1, 2), (B * L, d)), _as(W, (2, 0, 1, 3), (d, n * H * k)))  # (B L, n H k)
+    return _unflat(Y, (B, L, n, H, k), (2, 0, 3, 1, 4))
 
 
 def _xtm(X: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """``sum_b X_b^T M_b``: X ``(B, L, d)``, M ``(n, B, H, L, k)`` -> ``(n, H, d, k)`` in one matmul over B*L."""
     n, B, H, L, k = M.shape
-    Mr = M.permute(1, 3, 0, 2, 4).reshape(B * L, n * H * k)
-    return torch.mm(X.reshape(B * L, -1).mT, Mr).view(-1, n, H, k).permute(1, 2, 0, 3)
+    d = X.shape[-1]
+    out = torch.mm(_as(X, (2, 0, 1), (d, B * L)), _as(M, (1, 3, 0, 2, 4), (B * L, n * H * k)))
+    return _unflat(out, (d, n, H, k), (1, 2, 0, 3))
 
 
 def _attention(
