@@ -155,6 +155,18 @@ def output_cotangent(
     return g, torch.full((B,), c_val, dtype=F.dtype, device=F.device), g
 
 
+def shared_times(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """``S @ T_i`` for every row ``i``: a shared ``S`` ``(p, q)`` (any strides) and rows ``T`` ``(n, q, r)`` ->
+    ``(n, p, r)``, as one ``bmm`` on ``S`` expanded over the rows (no copy): two dispatched operators where ``S @ T``
+    (a broadcasting matmul) dispatches seven or eight, the same numbers (the same ``bmm``)."""
+    return torch.bmm(S.expand(T.shape[0], *S.shape), T)
+
+
+def times_shared(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``T_i @ S`` for rows ``T`` ``(n, p, q)`` and a shared ``S`` ``(q, r)``, as :func:`shared_times`."""
+    return torch.bmm(T, S.expand(T.shape[0], *S.shape))
+
+
 def spectral_norm_2d(M: torch.Tensor) -> torch.Tensor:
     """Largest singular value of each matrix in a batch ``(..., p, q)`` (exact, via the smaller Gram)."""
     return gram_lambda_max(M)[0].clamp_min(0).sqrt()

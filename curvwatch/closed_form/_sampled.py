@@ -357,9 +357,9 @@ def sampled_norms(
     replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), and the
     sharpness members then start at their estimate's top Gauss-Newton direction instead (:data:`GRAM_START`; no warm
     start kept), else they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX,
-    prefixes, estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``. For the
-    pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``, ``W2W2``) the
-    sharpness *is* the GGN: no Lanczos runs for them where the Gram is used.
+    prefixes, estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``.
+    For the pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``,
+    ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the Gram is used.
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased

@@ -16,7 +16,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import as_batched, check_like, check_row_mask, check_weight, gram_lambda_max, output_cotangent
+from ._common import (
+    as_batched,
+    check_like,
+    check_row_mask,
+    check_weight,
+    gram_lambda_max,
+    output_cotangent,
+    shared_times,
+    times_shared,
+)
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -103,6 +112,7 @@ class FFNOperator(BlockOperator):
         N = B * L
         self.Y, self.Hid, self.act1 = Y.reshape(N, d), Hid.reshape(N, -1), act1.reshape(N, -1)  # (N, .)
         self.W_2, self.g = W_2, g.reshape(N, -1)
+        self.YT, self.HidT = self.Y.mT, self.Hid.mT  # (transposed views made once)
         self.act2_is_zero = act2_is_zero
         self.ck = (c[:, None] * row_keep.to(Y.dtype)).reshape(N, 1)  # output curvature per token, 0 if dropped
         self.params = {"W1": ParamInfo(tuple(W_1.shape), False), "W2": ParamInfo(tuple(W_2.shape), False)}
@@ -134,13 +144,13 @@ class FFNOperator(BlockOperator):
         """``(dZ, dHid, dW2, dS)``: the tangents of the pre-activation ``(n, N, f)``, the hidden activation, the
         ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing moves them)."""
         dW1, dW2 = tangent.get("W1"), tangent.get("W2")
-        dZ = None if dW1 is None else self.Y @ dW1  # (n, N, f)
+        dZ = None if dW1 is None else shared_times(self.Y, dW1)  # (n, N, f)
         dHid = None if dZ is None else self.act1 * dZ
         if not output:  # (the functional part alone does not need the output's tangent)
             return dZ, dHid, dW2, None
         dS = None if dHid is None else dHid @ self.W_2  # (n, N, m)
         if dW2 is not None:
-            t = self.Hid @ dW2
+            t = shared_times(self.Hid, dW2)
             dS = t if dS is None else dS.add_(t)
         return dZ, dHid, dW2, dS
 
@@ -168,17 +178,17 @@ class FFNOperator(BlockOperator):
         if "W1" in outputs:
             gZ = None if u is None else u @ self.W_2.mT  # cotangent at the hidden activation, (n, N, f)
             if second_order and dW2 is not None:
-                t = self.g @ dW2.mT
+                t = shared_times(self.g, dW2.mT)
                 gZ = t if gZ is None else gZ.add_(t)
             gZ = None if gZ is None else gZ.mul_(self.act1)
             if second_order and dZ is not None and not self.act2_is_zero:
                 t = self.gHid_a2 * dZ
                 gZ = t if gZ is None else gZ.add_(t)
-            out["W1"] = self._zeros(n, "W1") if gZ is None else self.Y.mT @ gZ
+            out["W1"] = self._zeros(n, "W1") if gZ is None else shared_times(self.YT, gZ)
         if "W2" in outputs:
-            w2 = None if u is None else self.Hid.mT @ u
+            w2 = None if u is None else shared_times(self.HidT, u)
             if second_order and dHid is not None:
-                t = dHid.mT @ self.g
+                t = times_shared(dHid.mT, self.g)
                 w2 = t if w2 is None else w2.add_(t)
             out["W2"] = self._zeros(n, "W2") if w2 is None else w2
         return out

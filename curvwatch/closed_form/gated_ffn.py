@@ -29,7 +29,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import as_batched, check_like, check_row_mask, check_weight, gram_lambda_max, output_cotangent
+from ._common import (
+    as_batched,
+    check_like,
+    check_row_mask,
+    check_weight,
+    gram_lambda_max,
+    output_cotangent,
+    shared_times,
+    times_shared,
+)
 from ._operator import (
     KINDS,
     BlockOperator,
@@ -128,6 +137,7 @@ class GatedFFNOperator(BlockOperator):
         self.A = A  # dHid / dZ_u
         self.A1Zu = A1 * Zu  # dHid / dZ_g
         self.Hid = A * Zu  # dF / dW2 factor
+        self.YT, self.HidT = self.Y.mT, self.Hid.mT  # (transposed views made once)
         self.ck = (c[:, None] * row_keep.to(Y.dtype)).reshape(N, 1)  # output curvature per token, 0 if dropped
         R = self.g @ W_down.mT  # cotangent at Hid, (N, f)
         self.RA1 = R * A1  # d^2 <g, F> / dZ_g dZ_u
@@ -164,8 +174,8 @@ class GatedFFNOperator(BlockOperator):
         activation, the ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing
         moves them)."""
         dW1, dW3, dW2 = tangent.get("W1"), tangent.get("W3"), tangent.get("W2")
-        dZg = None if dW1 is None else self.Y @ dW1  # (n, N, f)
-        dZu = None if dW3 is None else self.Y @ dW3  # (n, N, f)
+        dZg = None if dW1 is None else shared_times(self.Y, dW1)  # (n, N, f)
+        dZu = None if dW3 is None else shared_times(self.Y, dW3)  # (n, N, f)
         dHid = None if dZg is None else self.A1Zu * dZg
         if dZu is not None:
             dHid = _acc(dHid, self.A * dZu)
@@ -173,7 +183,7 @@ class GatedFFNOperator(BlockOperator):
             return dZg, dZu, dHid, dW2, None
         dF = None if dHid is None else dHid @ self.W_down  # (n, N, m)
         if dW2 is not None:
-            dF = _acc(dF, self.Hid @ dW2)
+            dF = _acc(dF, shared_times(self.Hid, dW2))
         return dZg, dZu, dHid, dW2, dF
 
     def apply_masked(self, tangent, outputs, outer_mask, func_mask):
@@ -196,7 +206,7 @@ class GatedFFNOperator(BlockOperator):
         n = next(t for t in (u, dZg, dZu, dW2) if t is not None).shape[0]
         P = None if u is None else u @ self.W_down.mT  # cotangent at Hid, (n, N, f)
         if second_order and dW2 is not None:
-            P = _acc(P, self.g @ dW2.mT)
+            P = _acc(P, shared_times(self.g, dW2.mT))
         out = {}
         if "W1" in outputs:
             t = None if P is None else P * self.A1Zu
@@ -204,16 +214,16 @@ class GatedFFNOperator(BlockOperator):
                 t = _acc(t, self.RA2Zu * dZg)
             if second_order and dZu is not None:
                 t = _acc(t, self.RA1 * dZu)
-            out["W1"] = self._zeros(n, "W1") if t is None else self.Y.mT @ t
+            out["W1"] = self._zeros(n, "W1") if t is None else shared_times(self.YT, t)
         if "W3" in outputs:
             t = None if P is None else P * self.A
             if second_order and dZg is not None:
                 t = _acc(t, self.RA1 * dZg)
-            out["W3"] = self._zeros(n, "W3") if t is None else self.Y.mT @ t
+            out["W3"] = self._zeros(n, "W3") if t is None else shared_times(self.YT, t)
         if "W2" in outputs:
-            t = None if u is None else self.Hid.mT @ u
+            t = None if u is None else shared_times(self.HidT, u)
             if second_order and dHid is not None:
-                t = _acc(t, dHid.mT @ self.g)
+                t = _acc(t, times_shared(dHid.mT, self.g))
             out["W2"] = self._zeros(n, "W2") if t is None else t
         return out
 
