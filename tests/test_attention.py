@@ -260,3 +260,42 @@ def test_terms_false_returns_the_same_norms_only():
     assert set(norms) == {k for k in full if not k.startswith(("term/", "bound/"))}
     for key, val in norms.items():
         assert_close_report(val, full[key], 1e-12, name=key)
+
+
+def test_row_layout_views_are_permute_reshape_in_at_most_two_operators():
+    """``attention._as`` (the products' layout changes) equals ``t.permute(perm).reshape(shape)`` on contiguous,
+    permuted, transposed, offset and expanded inputs: a view of ``t``'s memory wherever ``reshape`` gives one (one
+    dispatched operator), a contiguous copy otherwise (two); ``_unflat`` equals ``view`` then ``permute``."""
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.closed_form.attention import _as, _unflat
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 2, 4, 5, 6, generator=g, dtype=DT)
+    inputs = {
+        "contiguous": base,
+        "permuted memory": base.permute(2, 0, 1, 3, 4),
+        "transposed": base.transpose(-1, -2),
+        "offset": torch.randn(4, 2, 4, 5, 6, generator=g, dtype=DT)[1:],
+        "expanded": torch.randn(1, 2, 4, 5, 1, generator=g, dtype=DT).expand(3, 2, 4, 5, 6),
+        "size one": base[:1],
+    }
+    perms = [(0, 1, 2, 3, 4), (1, 2, 0, 3, 4), (1, 2, 3, 0, 4), (2, 0, 1, 3, 4), (1, 3, 0, 2, 4)]
+    views = 0
+    for name, t in inputs.items():
+        for perm in perms:
+            p = t.permute(perm)
+            a, b, c, d, e = p.shape
+            for shape in ([a * b, c * d, e], [a, b * c, d * e], [p.numel()]):
+                want = p.reshape(shape)
+                counter = OpCounter()
+                with counter:
+                    got = _as(t, perm, shape)
+                assert torch.equal(got, want), (name, perm, shape)
+                is_view = want.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                assert (got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) == is_view, (name, perm)
+                assert counter.total == (1 if is_view else 2), (name, perm, shape, dict(counter.ops))
+                views += is_view
+    assert views >= 10  # the view path is taken
+    flat = torch.randn(2 * 3 * 4 * 5, 6, generator=g, dtype=DT)
+    for perm in [(0, 1, 2, 3, 4), (3, 0, 1, 2, 4), (2, 0, 1, 3, 4)]:
+        assert torch.equal(_unflat(flat, (2, 3, 4, 5, 6), perm), flat.view(2, 3, 4, 5, 6).permute(perm))

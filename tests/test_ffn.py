@@ -100,3 +100,23 @@ def test_gelu_tanh_blocks_match_torch_func():
     for key, (i, j) in {"W1W1": (0, 0), "W2W2": (1, 1), "W1W2": (0, 1)}.items():
         expected = H[i][j].reshape(out[f"dense/hessian/{key}"].shape)
         assert_close_report(out[f"dense/hessian/{key}"], expected, TOL["float64"], name=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shared_operand_products_are_the_broadcasting_matmul_in_one_bmm(dtype):
+    """``shared_times(S, T)`` / ``times_shared(T, S)`` (the FFN products' shared activations times tangent rows) are
+    exactly ``S @ T`` / ``T @ S`` (the same ``bmm``: bitwise), transposed operands included, in at most three
+    dispatched operators (a broadcasting matmul took seven or eight)."""
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.closed_form._common import shared_times, times_shared
+
+    g = torch.Generator().manual_seed(0)
+    N, d, f, n = 12, 5, 7, 3
+    Y, T, R = (torch.randn(*s, generator=g, dtype=dtype) for s in ((N, d), (n, d, f), (n, N, f)))
+    cases = [(shared_times, Y, T), (shared_times, Y.mT, R), (shared_times, R[0], T.mT), (times_shared, R.mT, Y)]
+    for ours, a, b in cases:
+        counter = OpCounter()
+        with counter:
+            got = ours(a, b)
+        assert torch.equal(got, a @ b), (ours.__name__, a.shape, b.shape)
+        assert counter.total <= 3, (ours.__name__, dict(counter.ops))
