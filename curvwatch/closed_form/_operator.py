@@ -179,12 +179,33 @@ def _rows(kinds: Sequence[str], repeat: int, emb: _Embedding) -> tuple:
     return (*rows, _row_masks(lists, repeat * k * f, emb.op.dtype, emb.op.device))
 
 
-def _rows_times(t: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    """``t`` ``(n, ...)`` with row ``i`` multiplied by ``mask[i]`` (``mask`` ``(n,)``, 0 or 1); an all-ones mask is
+class RowMask:
+    """A 0/1 row mask ``values`` ``(n,)`` of an operator's one-pass product (``apply_masked``) and its views shaped
+    for ``(n, ...)`` tensors of each rank, each made once (a product masks several tensors of one rank: one view for
+    all of them, not a dispatched ``view`` each)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        self._shaped: dict[int, torch.Tensor] = {}
+
+    def times(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` ``(n, ...)`` with row ``i`` multiplied by ``values[i]``."""
+        m = self._shaped.get(t.dim())
+        if m is None:
+            m = self._shaped[t.dim()] = self.values.reshape(-1, *(1,) * (t.dim() - 1))
+        return t * m
+
+    def repeat_interleave(self, repeats: int) -> RowMask:
+        """Each row's entry ``repeats`` times (a product that expands each row to ``repeats`` rows)."""
+        return RowMask(self.values.repeat_interleave(repeats))
+
+
+def _rows_times(t: torch.Tensor | None, mask: RowMask) -> torch.Tensor | None:
+    """``t`` ``(n, ...)`` with row ``i`` multiplied by the mask's ``values[i]`` (0 or 1); an all-ones mask is
     :data:`ALL_ROWS` (no product)."""
     if t is None or mask is ALL_ROWS:
         return t
-    return t * mask.reshape(-1, *(1,) * (t.dim() - 1))
+    return mask.times(t)
 
 
 #: Stands for an all-ones row mask in :func:`_rows_times` (every row needs that part: nothing to multiply).
@@ -193,7 +214,8 @@ ALL_ROWS = torch.ones(())
 
 def _row_masks(rows: tuple[list[int], list[int], list[int]], n: int, dtype, device):
     """``(outer_mask, func_mask, n)`` of the row sets ``(outer, functional, hessian)`` of :func:`_rows` (host lists):
-    ``None`` where no row needs the part, :data:`ALL_ROWS` where every row does, else a 0/1 ``(n,)`` tensor."""
+    ``None`` where no row needs the part, :data:`ALL_ROWS` where every row does, else a 0/1 ``(n,)``
+    :class:`RowMask`."""
     ro, rf, rt = rows
 
     def mask(idx: list[int]):
@@ -204,7 +226,7 @@ def _row_masks(rows: tuple[list[int], list[int], list[int]], n: int, dtype, devi
         m = [0.0] * n
         for i in idx:
             m[i] = 1.0
-        return torch.tensor(m, dtype=dtype, device=device)
+        return RowMask(torch.tensor(m, dtype=dtype, device=device))
 
     return mask(ro + rt), mask(rf + rt), n
 
