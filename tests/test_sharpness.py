@@ -106,6 +106,37 @@ def test_total_weight_of_a_linear_logits_module_reads_two_logits_per_row():
     assert not {e.name for e in prof.events()} & {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 
 
+def test_total_weight_takes_every_float32_row_at_once_and_half_precision_rows_in_chunks():
+    """The whole batch's weight of many rows at a 50K vocabulary: float32 rows in one pass (a fixed number of
+    dispatched operators, not ~20 per 10-row chunk: at B 8, L 1024 the other rows were 768 chunks), bfloat16 rows
+    (bf16-mixed logits) in float32 chunks; both the weights' sum (1e-5; bfloat16: the bfloat16 gradient's own
+    rounding, 1e-2), with ignored rows and a linear logits module."""
+    from benchmarks.bench_dispatch import OpCounter
+    from curvwatch.sharpness import LinearLogits, total_weight
+
+    g0 = torch.Generator().manual_seed(0)
+    V, N, d = 50_257, 60, 8
+    lin = torch.nn.Linear(d, V)
+    h = torch.randn(N, d, generator=g0)
+    labels = torch.randint(0, V, (N,), generator=g0)
+    labels[:5] = -100
+    per_row = torch.linspace(0.5, 2.0, N)
+    z = lin(h).detach()
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    expected = float(per_row[5:].double().sum())
+    counts = []
+    for rows in (20, N):
+        counter = OpCounter()
+        with counter:
+            got = total_weight(z[:rows], g[:rows])
+        counts.append(counter.total)
+        assert abs(got - float(per_row[5:rows].double().sum())) <= 1e-5 * expected
+    assert counts[0] == counts[1] <= 40, counts  # (6 chunks of 10 rows took ~120)
+    assert abs(total_weight(LinearLogits(h, lin.weight, lin.bias), g) - expected) <= 1e-5 * expected
+    gb = g.bfloat16()  # chunks of 2 x 10 rows in float32
+    assert abs(total_weight(z.bfloat16(), gb) - expected) <= 1e-2 * expected
+
+
 def test_loss_weights_soft_targets_and_mse_and_errors():
     w, kind, note = loss_weights(
         Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
