@@ -137,6 +137,30 @@ def test_total_weight_takes_every_float32_row_at_once_and_half_precision_rows_in
     assert abs(total_weight(z.bfloat16(), gb) - expected) <= 1e-2 * expected
 
 
+def test_loss_weights_read_the_host_once_whatever_the_chunks():
+    """Hard labels at a 50K vocabulary (6 chunks of 10 rows): one host read for the whole fit (it was one per chunk,
+    and a boolean index per chunk, which reads its count: a sync each on a GPU), the same weights; a z-loss still
+    gets its per-chunk reading (and its note)."""
+    from benchmarks.bench_dispatch import OpCounter, count_host_reads
+    from curvwatch.sharpness import LSE_TERM_NOTE
+
+    g0 = torch.Generator().manual_seed(0)
+    V, N = 50_257, 60
+    z = torch.randn(N, V, generator=g0)
+    labels = torch.randint(0, V, (N,), generator=g0)
+    per_row = torch.linspace(0.5, 2.0, N)
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    counter = OpCounter()
+    with counter, count_host_reads(counter):
+        w, kind, note = loss_weights(z, g)
+    assert note is None and counter.syncs == 1, counter.syncs
+    assert not any("nonzero" in op or "index.Tensor" in op for op in counter.ops), counter.ops
+    torch.testing.assert_close(w, per_row, rtol=1e-5, atol=0)
+    zl = _grad(lambda t: F.cross_entropy(t, labels, reduction="sum") + 1e-2 * (torch.logsumexp(t, -1) ** 2).sum(), z)
+    w, _, note = loss_weights(z, zl)
+    assert note == LSE_TERM_NOTE and bool((w > 0).all())
+
+
 def test_loss_weights_soft_targets_and_mse_and_errors():
     w, kind, note = loss_weights(
         Z, _grad(lambda z: F.cross_entropy(z.reshape(-1, 7), Y.reshape(-1), label_smoothing=0.1), Z)
