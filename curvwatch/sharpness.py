@@ -498,8 +498,8 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
     # S = (||g||_1 + sum g) / 2 (the label's entry is the only negative one) by reductions, which make no (rows, V)
     # temporary in g's dtype (a float64 reduction of float32 rows copied them first): float32 and float64 rows all at
     # once; half-precision rows (bf16-mixed) a chunk at a time in float32, as many bytes as the float64 tables'. A
-    # chunk of 10 rows at a time (a 50K vocabulary) cost ~20 dispatched operators each: for the 7,680 rows a batch of
-    # 8 x 1024 leaves out of the 512 kept tokens, 768 chunks and ~15,000 operators per evaluation.
+    # chunk of 10 rows at a time (a 50K vocabulary) cost ~20 dispatched operators each: for the 7,168 rows a batch of
+    # 8 x 1024 left out of the kept sequence's (HF GPT-2, max_tokens 512), 717 chunks and ~14,300 operators.
     exact = g_all.dtype in (torch.float32, torch.float64)
     step = max(1, g_all.shape[0] if exact else 2 * _chunk_rows(V))
     total = torch.zeros((), dtype=torch.float64, device=g_all.device)
