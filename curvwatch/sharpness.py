@@ -144,10 +144,16 @@ class LinearLogits:
 
     def entries(self, start: int, stop: int, cols: Tensor) -> Tensor:
         """``z[n, cols[n, j]]`` of the rows ``start:stop`` (``cols`` ``(rows, j)``): ``(rows, j)`` dot products of the
-        input rows with the weight's rows ``cols`` (and the bias), no ``(rows, V)`` logits."""
+        input rows with the weight's rows ``cols`` (and the bias), no ``(rows, V)`` logits; a chunk of rows at a time
+        (``_CHUNK`` elements of the ``(rows, j, d)`` weight rows gathered)."""
+        step = max(1, _CHUNK // (cols.shape[-1] * self.h.shape[-1]))
+        parts = []
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            out = torch.einsum("nd,njd->nj", self.h[start:stop], self.weight[cols])
-            return out if self.bias is None else out + self.bias[cols]
+            for i in range(0, max(1, stop - start), step):
+                c = cols[i : i + step]
+                out = torch.einsum("nd,njd->nj", self.h[start + i : min(start + i + step, stop)], self.weight[c])
+                parts.append(out if self.bias is None else out + self.bias[c])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class LossKind(str, Enum):
@@ -508,21 +514,10 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
         y, c = g.argmin(-1, keepdim=True), g.argmax(-1, keepdim=True)  # the label; the largest entry off it
         off = (torch.linalg.vector_norm(g, 1, -1) + g.sum(-1)).double() / 2  # S = sum_{c != y} g_c
         gc = g.gather(-1, c)[:, 0].double()
-        zy, zc = _two_entries(z_all, i, torch.cat([y, c], -1)).double().unbind(-1)
+        zy, zc = _entries(z_all, i, i + g.shape[0], torch.cat([y, c], -1)).double().unbind(-1)
         odds = torch.where(gc > 0, gc * (zy - zc).exp(), torch.zeros_like(gc))  # w p_y (0 when g has no mass off y)
         total = total + (off + odds).sum()
     return float(total)
-
-
-def _two_entries(z: Tensor | LinearLogits, start: int, cols: Tensor) -> Tensor:
-    """:func:`_entries` of the rows ``start : start + len(cols)``; for a linear logits module a chunk of rows at a
-    time (``_CHUNK`` elements of the ``(rows, j, d)`` weight rows it gathers)."""
-    n = cols.shape[0]
-    if not isinstance(z, LinearLogits):
-        return _entries(z, start, start + n, cols)
-    step = max(1, _CHUNK // (cols.shape[-1] * z.h.shape[-1]))
-    parts = [_entries(z, start + i, start + i + step, cols[i : i + step]) for i in range(0, n, step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _entries(z: Tensor | LinearLogits, start: int, stop: int, cols: Tensor) -> Tensor:

@@ -137,6 +137,22 @@ def test_total_weight_takes_every_float32_row_at_once_and_half_precision_rows_in
     assert abs(total_weight(z.bfloat16(), gb) - expected) <= 1e-2 * expected
 
 
+def test_linear_logits_entries_are_the_logits_in_chunks_of_rows(monkeypatch):
+    """``LinearLogits.entries`` (two logits per row for ``total_weight``) a chunk of rows at a time: equal to the
+    gathered logits whatever the chunks (``_CHUNK`` shrunk to 2 rows per chunk here; an offset start, an odd count)."""
+    from curvwatch import sharpness
+    from curvwatch.sharpness import LinearLogits
+
+    g0 = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 50)
+    h = torch.randn(11, 16, generator=g0)
+    cols = torch.randint(0, 50, (8, 2), generator=g0)
+    want = lin(h).detach()[3:11].gather(-1, cols)
+    for chunk in (sharpness._CHUNK, 64):  # one chunk; 2 rows per chunk (64 // (2 x 16))
+        monkeypatch.setattr(sharpness, "_CHUNK", chunk)
+        torch.testing.assert_close(LinearLogits(h, lin.weight, lin.bias).entries(3, 11, cols), want)
+
+
 def test_loss_weights_read_the_host_once_whatever_the_chunks():
     """Hard labels at a 50K vocabulary (6 chunks of 10 rows): one host read for the whole fit (it was one per chunk,
     and a boolean index per chunk, which reads its count: a sync each on a GPU), the same weights; a z-loss still

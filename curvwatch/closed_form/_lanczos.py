@@ -488,14 +488,12 @@ def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -
     return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
 
 
-def _project_out(
-    w: torch.Tensor, basis: torch.Tensor, basis_t: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One classical Gram-Schmidt pass: ``(w - c B, c)`` with ``c = w B^T``, for ``w`` ``(b, 1, n)`` and a basis
-    ``B`` ``(b, j, n)`` (``basis_t``: its transposed view ``B.mT``, if the caller holds it); two dispatched operators
-    (and the transposed view where not given)."""
+def _project_out(w: torch.Tensor, basis: torch.Tensor, basis_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One classical Gram-Schmidt pass: ``(w - c B, c)`` with ``c = w B^T``, for ``w`` ``(b, 1, n)``, a basis ``B``
+    ``(b, j, n)`` and its transposed view ``basis_t`` = ``B.mT`` (made once for a step's two passes); two dispatched
+    operators."""
     # w B^T as a row-vector product, not B w: 7-10x faster on CPU (measured, batched n=32768)
-    coeff = torch.bmm(w, basis.mT if basis_t is None else basis_t)  # (b, 1, j)
+    coeff = torch.bmm(w, basis_t)  # (b, 1, j)
     return torch.baddbmm(w, coeff, basis, alpha=-1), coeff
 
 
