@@ -252,7 +252,9 @@ class CapturedBlock:
         head group for attention, ``W_1`` for an FFN), the element size of ``dtype`` and ``k = min(max_iter,
         max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``32 B H L^2 +
         64 B L d``, the per-head ``(B, H, L, L)`` tangents of the Lanczos products; FFN ``32 B L d_ff``; LayerNorm
-        ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`). The factors bound the peaks
+        ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`); with ``output_samples`` (the
+        real-loss keys) twice that: the sampled keys' Lanczos members hold bases of their own (the attention's
+        ``QQ`` and ``KK`` runs at once) beside the Gram columns and their products' rows. The factors bound the peaks
         measured on CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
         """
         X = self.inputs.get("X")
@@ -261,17 +263,22 @@ class CapturedBlock:
         B, L, d = X.shape
         itemsize = torch.empty((), dtype=dtype).element_size()
         n = KINDS[self.spec.kind].work_elements(B, L, d, self.params)
-        return n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
+        return self._sampled_factor() * n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
 
     def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
-        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 without Lanczos).
+        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 without Lanczos),
+        twice that with ``output_samples``.
 
         It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it.
         """
         if self.inputs.get("X") is None:
             return 0
         numel = KINDS[self.spec.kind].basis_numel(self.params)
-        return 6 * vectors * numel * torch.empty((), dtype=dtype).element_size()
+        return self._sampled_factor() * 6 * vectors * numel * torch.empty((), dtype=dtype).element_size()
+
+    def _sampled_factor(self) -> int:
+        """2 where the block holds ``output_samples`` (its evaluation computes the real-loss keys too), else 1."""
+        return 2 if "output_samples" in self.inputs else 1
 
     def reference_inputs(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included).

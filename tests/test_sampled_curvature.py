@@ -344,7 +344,7 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
     monkeypatch.setattr(sampled, "GRAM_STEPS", 0)  # every sampled key through Lanczos members
     prob = PROBLEMS[kernel](case)
     counts = {"products": 0, "curvature": 0}
-    inner_norms, inner_call = sampled._lanczos_norms, sampled.SampledCurvature.__call__
+    inner_norms, inner_call = sampled._norm_run, sampled.SampledCurvature.__call__
 
     def norms(op, emb, mv, kinds, *args, **kwargs):
         def counted(u, live=None):
@@ -357,7 +357,7 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
         counts["curvature"] += 1
         return inner_call(self, dF, group)
 
-    monkeypatch.setattr(sampled, "_lanczos_norms", norms)
+    monkeypatch.setattr(sampled, "_norm_run", norms)
     monkeypatch.setattr(sampled.SampledCurvature, "__call__", call)
     kw = dict(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
     stacked = prob.call(**kw)
@@ -370,6 +370,58 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
     for key, value in apart.items():
         if not key.startswith("residual/"):
             assert_close_report(stacked[key], value, RTOL, name=key)
+
+
+@pytest.mark.parametrize(
+    "kernel, case, gram_steps",
+    [(*CASES[0], 0), (*CASES[2], 0), (*CASES[4], None), (*CASES[4], 0), (*CASES[7], None)],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_at_a_time(
+    kernel, case, gram_steps, monkeypatch
+):
+    """``SOLVE_PAIRS``: the Lanczos runs of a call's pairs (the attention's ``QQ`` and ``KK``; with ``GRAM_STEPS = 0``
+    the FFN's ``W1W1`` and ``W2W2`` too) go to one ``solve``, so that their stopping tests share host reads; the keys
+    are those of one solve per pair (float64, tight Lanczos, ``CONVERGED``), and every run's product is made after
+    every Gram product (no Gram temporaries beside a Lanczos basis)."""
+    if gram_steps is not None:
+        monkeypatch.setattr(sampled, "GRAM_STEPS", gram_steps)
+    solves, events = [], []
+    inner_solve, inner_columns, inner_run = sampled.solve, sampled._gram_columns, sampled._norm_run
+
+    def spy_solve(runs):
+        solves.append(len(runs))
+        return inner_solve(runs)
+
+    def spy_columns(*args, **kwargs):
+        events.append("columns")
+        return inner_columns(*args, **kwargs)
+
+    def spy_run(*args, **kwargs):
+        events.append("run")
+        return inner_run(*args, **kwargs)
+
+    monkeypatch.setattr(sampled, "solve", spy_solve)
+    monkeypatch.setattr(sampled, "_gram_columns", spy_columns)
+    monkeypatch.setattr(sampled, "_norm_run", spy_run)
+    prob = PROBLEMS[kernel](case)
+
+    def keys(flag: bool) -> dict:
+        monkeypatch.setattr(sampled, "SOLVE_PAIRS", flag)
+        solves.clear(), events.clear()
+        lanczos = Lanczos(tol=1e-11, max_iter=400, warm_start=None)
+        return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
+
+    apart = keys(False)
+    assert solves and max(solves) == 1, solves
+    together = keys(True)
+    runs = events.count("run")
+    assert runs >= 2 and solves == [runs], (solves, events)  # one solve, all the runs
+    assert "columns" not in events[events.index("run") :], events
+    sampled_keys = [k for k in apart if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
+    assert sampled_keys and set(together) == set(apart)
+    for key in sampled_keys:
+        assert_close_report(together[key], apart[key], CONVERGED, name=key)
 
 
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[8]], ids=_ids)
@@ -407,13 +459,13 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
     Lanczos run at all, and the other sharpness keys run one Lanczos member per estimate and preconditioning (not
     two: no GGN members); the values as the Lanczos-only path's to its tolerance."""
     runs = []
-    inner = sampled._lanczos_norms
+    inner = sampled._norm_run
 
     def counted(op, emb, mv, kinds, *args, **kwargs):
         runs.append(tuple(kinds))
         return inner(op, emb, mv, kinds, *args, **kwargs)
 
-    monkeypatch.setattr(sampled, "_lanczos_norms", counted)
+    monkeypatch.setattr(sampled, "_norm_run", counted)
     case = next(c for k, c in CASES if k == kernel)
     prob = PROBLEMS[kernel](case)
     out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
@@ -706,19 +758,19 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
     columns ``A_S``; the preconditioned members ``D A_S``): checked against a dense eigendecomposition of ``A_S A_S^T``
     (float64, relative residual 1e-8, the plain members); and the keys are those of warm starts (tight Lanczos,
     ``CONVERGED``)."""
-    columns, starts = [], []
-    inner_columns, inner_norms = sampled._gram_columns, sampled._lanczos_norms
+    columns, starts = [], []  # the columns each run's product holds (_members_matvec's), each run's start
+    inner_columns, inner_norms = sampled._members_matvec, sampled._norm_run
 
     def spy_columns(*args, **kwargs):
-        columns.append(inner_columns(*args, **kwargs))
-        return columns[-1]
+        columns.append(args[7])
+        return inner_columns(*args, **kwargs)
 
-    def spy_norms(*args, **kwargs):
-        starts.append((len(columns), kwargs.get("v0")))
+    def spy_norms(*args, **kwargs):  # the run of the product made just before
+        starts.append((columns[-1], kwargs.get("v0")))
         return inner_norms(*args, **kwargs)
 
-    monkeypatch.setattr(sampled, "_gram_columns", spy_columns)
-    monkeypatch.setattr(sampled, "_lanczos_norms", spy_norms)
+    monkeypatch.setattr(sampled, "_members_matvec", spy_columns)
+    monkeypatch.setattr(sampled, "_norm_run", spy_norms)
     prob = PROBLEMS[kernel](case)
 
     def keys(flag: bool) -> dict:
@@ -731,7 +783,7 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
     warm = keys(False)
     assert starts and all(v0 is None for _, v0 in starts)
     gram = keys(True)
-    given = [(columns[i - 1], v0) for i, v0 in starts[len(starts) // 2 :] if v0 is not None]
+    given = [(A, v0) for A, v0 in starts[len(starts) // 2 :] if v0 is not None]
     assert given, "no sharpness members started at the Gauss-Newton direction"
     k = prob.samples.shape[0]
     for A, v0 in given:  # A (H, k B, size), v0 (P E, H, size): the plain members first, full sample then halves

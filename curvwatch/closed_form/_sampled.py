@@ -32,10 +32,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 
 from ._common import _INPUTS_CHECKED
+from ._lanczos import solve
 from ._operator import (
     BlockOperator,
     _Embedding,
-    _lanczos_norms,
+    _norm_results,
+    _norm_run,
     _pair_blocks,
     _put_heads,
     _rows,
@@ -399,16 +401,19 @@ def sampled_norms(
     out: dict[str, torch.Tensor] = {}
     spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
     withheld: list[tuple[list[str], torch.Tensor]] = []  # (keys, unresolved) of the debiased values, per variant
+
+    def wrap(o: BlockOperator, prefix: str, X: str) -> BlockOperator:  # the operator a variant's block X is read from
+        return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
+
+    # Every pair's Gram columns first (a pair without Lanczos members lets go of its columns at once), then every
+    # pair's Lanczos run, then all the runs in one solve (SOLVE_PAIRS: their stopping tests share host reads). So no
+    # Gram product's temporaries meet a Lanczos basis.
+    jobs: list[list] = []  # [pair, block, prefixes, raw, Gram columns, tops, run, names, m, key, members, own start]
     for pair_name in pairs:
         X, Y = _pair_blocks(pair_name, list(viewed.params))
         if X != Y:
             raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
         prefixes = [""] + (["precond_"] if X in scale else [])
-
-        def wrap(o: BlockOperator, prefix: str, X: str = X) -> BlockOperator:
-            return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
-
-        # raw[(prefix, name)]: (E, H) values (full, halves) and (E, H) relative residuals
         # raw[name]: (P, E, H) values (variants: plain, preconditioned; estimates: full, halves) and relative residuals
         raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
@@ -423,39 +428,53 @@ def sampled_norms(
             raw["ggn"] = (ggn, torch.zeros_like(ggn))
             if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
                 raw["sharpness"] = raw["ggn"]
+                A = None
+        jobs.append([pair_name, X, prefixes, raw, A, tops, None, [], 0, None, None, False])
+    A = tops = None
+    for job in jobs:
+        pair_name, X, prefixes, raw, A, tops = job[:6]
+        job[4] = job[5] = None  # (the run's product holds the columns from here on)
         names = [nm for nm in SAMPLED_NAMES if nm not in raw]
-        if names:
-            kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
-            m = len(kinds_one)
-            # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
-            if stack_ok:  # the members as rows of few products (MEMBER_ROWS rows each)
-                D = scale[X] if len(prefixes) > 1 else None
-                # with the Gram columns held, the Gauss-Newton part of each product is A W A^T (see _members_matvec)
-                emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view, A if GRAM_SHARPNESS else None)
-            else:
-                runs = [pair_matvec(wrap(o, prefix), (X, X), kinds_one) for prefix in prefixes for o in ops]
-                emb = runs[0][0]
+        if not names:
+            continue
+        kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
+        m = len(kinds_one)
+        # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
+        if stack_ok:  # the members as rows of few products (MEMBER_ROWS rows each)
+            D = scale[X] if len(prefixes) > 1 else None
+            # with the Gram columns held, the Gauss-Newton part of each product is A W A^T (see _members_matvec)
+            emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view, A if GRAM_SHARPNESS else None)
+        else:
+            runs = [pair_matvec(wrap(o, prefix, X), (X, X), kinds_one) for prefix in prefixes for o in ops]
+            emb = runs[0][0]
 
-                def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs, m=m) -> torch.Tensor:
-                    parts = []
-                    for i, (_, f) in enumerate(runs):  # the members of each run, each its own operator
-                        rows = slice(m * i, m * i + m)
-                        parts.append(f(u[rows], None if live is None else live[rows]))
-                    return torch.cat(parts)
+            def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs, m=m) -> torch.Tensor:
+                parts = []
+                for i, (_, f) in enumerate(runs):  # the members of each run, each its own operator
+                    rows = slice(m * i, m * i + m)
+                    parts.append(f(u[rows], None if live is None else live[rows]))
+                return torch.cat(parts)
 
-            kinds = kinds_one * (len(prefixes) * E)
-            key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
-            # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
-            members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
-            # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
-            # estimate's top Gauss-Newton direction
-            v0 = None if not tops or m != 1 else torch.cat(tops)
-            vals, rel = _lanczos_norms(viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
-            del mv  # (and with it the columns: they go before the next pair's)
+        kinds = kinds_one * (len(prefixes) * E)
+        key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
+        # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
+        members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
+        # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
+        # estimate's top Gauss-Newton direction
+        v0 = None if not tops or m != 1 else torch.cat(tops)
+        run = _norm_run(viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
+        job[6:] = [run, names, m, key, members, v0 is not None]
+        del mv, A, tops, v0
+        if not SOLVE_PAIRS:
+            solve([run])
+    solve([job[6] for job in jobs if job[6] is not None and not job[6].done])
+    for pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
+        if run is not None:
+            vals, rel = (run.norm, run.rel_residual) if own_start else _norm_results(run, key, members)
+            run.matvec = None  # (its product's tensors, the Gram columns among them)
             P = len(prefixes)
             for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
                 raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
-        A = None
         for name in SAMPLED_NAMES:  # every variant at once
             vals, rel = raw[name]
             value, spread = vals[:, 0], None
@@ -467,13 +486,13 @@ def sampled_norms(
                 unresolved = spread > SPREAD_LIMIT  # (P, H)
                 value = value.masked_fill(unresolved, torch.nan)
             for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
-                keys = head_keys(wrap(op, prefix), f"{prefix}{name}/{pair_name}", (X,))
+                keys = head_keys(wrap(op, prefix, X), f"{prefix}{name}/{pair_name}", (X,))
                 _put_heads(out, keys, v, r)
                 if split:
                     withheld.append((keys, unresolved[i]))
             if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
                 # 0/0 is "no data": no key (decided below, for every pair in one host read)
-                heads = head_keys(wrap(op, ""), f"sharpness_spread/{pair_name}", (X,))
+                heads = head_keys(wrap(op, "", X), f"sharpness_spread/{pair_name}", (X,))
                 spreads.append((heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
     if spreads and _INPUTS_CHECKED.get():
         # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value (the
@@ -492,6 +511,14 @@ def sampled_norms(
                 if next(keep):
                     del out[k]
     return out
+
+
+#: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`:
+#: their stopping tests share host reads (one sync per test round for all of them, instead of one per run one after
+#: the other). Their bases are then held at once (what ``CapturedBlock.evaluation_bytes`` counts for the engine's own
+#: stacked run of the same blocks); their products still run one at a time. ``False``: one solve per pair (the
+#: benchmark's "before").
+SOLVE_PAIRS = True
 
 
 #: Run the sampled keys' Lanczos members of a pair as rows of one operator product (:func:`_members_matvec`) where
