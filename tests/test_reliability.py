@@ -652,36 +652,48 @@ def test_evaluation_bytes_bounds_measured_peak(B, L, d):
         assert 0 < peak.peak <= estimate, f"{block.spec.name}: measured {peak.peak} B > estimate {estimate} B"
 
 
-@pytest.mark.parametrize("B, L, d", [(4, 8, 16), (8, 16, 32), (1, 64, 64)])
-def test_evaluation_bytes_bounds_measured_peak_with_the_real_loss_keys(B, L, d):
+@pytest.mark.parametrize(
+    "arch, B, L, d", [("gpt", 4, 8, 16), ("gpt", 8, 16, 32), ("gpt", 1, 64, 64), ("llama", 4, 8, 32)]
+)
+def test_evaluation_bytes_bounds_measured_peak_with_the_real_loss_keys(arch, B, L, d):
     """With ``output_samples`` (the monitor's default evaluation: 16 sampled passes, AdamW rules, so three estimates x
     two preconditionings per key) the estimate doubles, and bounds the measured peak of each block's whole evaluation
     (the sampled keys' Lanczos bases, Gram columns and products on top of the engine's own). Without the doubling the
     peaks were up to 1.95x the estimate at these shapes (the FFN at B 8, L 16, d 32; the attention 1.33x at B 4, L 8,
-    d 16; a Hugging Face GPT-2's FFN 1.73x at d 64, B 8, L 64)."""
+    d 16; a Hugging Face GPT-2's FFN 1.73x at d 64, B 8, L 64). ``"llama"``: a Hugging Face LLaMA (grouped-query
+    attention, gated FFN, RMSNorm; its gated FFN 1.75x without the doubling)."""
     import torch.nn.functional as F
 
     from curvwatch.engine import MONITOR_LANCZOS, Engine
-    from curvwatch.sharpness import RealLoss
+    from curvwatch.sharpness import RealLoss, find_logits_module
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, block_size=L, n_layer=1, n_head=2, d_model=d, d_ff=2 * d))
+    if arch == "gpt":
+        model = GPT(GPTConfig(vocab_size=50, block_size=L, n_layer=1, n_head=2, d_model=d, d_ff=2 * d))
+        logits = model
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=50, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L)  # fmt: skip
+        model = LlamaForCausalLM(config)
+        logits = lambda idx: model(input_ids=idx).logits  # noqa: E731
     idx = torch.randint(0, 50, (B, L + 1), generator=torch.Generator().manual_seed(1))
     adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_of():
-        return F.cross_entropy(model(idx[:, :-1]).reshape(-1, 50), idx[:, 1:].reshape(-1))
+        return F.cross_entropy(logits(idx[:, :-1]).reshape(-1, 50), idx[:, 1:].reshape(-1))
 
     loss_of().backward()
     adam.step()  # (second moments: the preconditioned keys too)
     model.zero_grad()
-    with Capture(find_blocks(model), max_tokens=512, logits_module=model.head) as capture:
+    with Capture(find_blocks(model), max_tokens=512, logits_module=find_logits_module(model)[1]) as capture:
         loss = loss_of()
         capture.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(2))
         loss.backward()
     blocks = capture.blocks()
     sampled = [b for b in blocks if "output_samples" in b.inputs]
-    assert {b.spec.kind for b in sampled} == {"attention", "ffn"}
+    assert {b.spec.kind for b in sampled} == {"attention", "ffn" if arch == "gpt" else "gated_ffn"}
     rules = RealLoss().rules(adam, [b.spec for b in sampled])[0]
     for block in blocks:
         with PeakMemory() as peak:

@@ -374,16 +374,17 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
 
 @pytest.mark.parametrize(
     "kernel, case, gram_steps",
-    [(*CASES[0], 0), (*CASES[2], 0), (*CASES[4], None), (*CASES[4], 0), (*CASES[7], None)],
+    [(*CASES[0], 0), (*CASES[2], 0), (*CASES[4], None), (*CASES[4], 0), (*CASES[7], None), (*CASES[8], None)],
     ids=lambda v: v if isinstance(v, str) else None,
 )
 def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_at_a_time(
     kernel, case, gram_steps, monkeypatch
 ):
-    """``SOLVE_PAIRS``: the Lanczos runs of a call's pairs (the attention's ``QQ`` and ``KK``; with ``GRAM_STEPS = 0``
-    the FFN's ``W1W1`` and ``W2W2`` too) go to one ``solve``, so that their stopping tests share host reads; the keys
-    are those of one solve per pair (float64, tight Lanczos, ``CONVERGED``), and every run's product is made after
-    every Gram product (no Gram temporaries beside a Lanczos basis)."""
+    """``SOLVE_PAIRS``: the Lanczos runs of a call's pairs (the attention's ``QQ`` and ``KK``, through the query and
+    group views with grouped-query attention; with ``GRAM_STEPS = 0`` the FFN's ``W1W1`` and ``W2W2`` too) go to one
+    ``solve``, so that their stopping tests share host reads; the keys are those of one solve per pair (float64, tight
+    Lanczos, ``CONVERGED``), and every run's product is made after every Gram product (no Gram temporaries beside a
+    Lanczos basis)."""
     if gram_steps is not None:
         monkeypatch.setattr(sampled, "GRAM_STEPS", gram_steps)
     solves, events = [], []

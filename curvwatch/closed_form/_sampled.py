@@ -378,9 +378,20 @@ def sampled_norms(
             grouped-query ``_QueryView`` / ``_GroupView``); default the operator itself.
         linear: the pairs of ``pairs`` whose functional block is zero (the kernel knows them).
     """
+    return sampled_norms_of_views(op, [(pairs, view, linear)], lanczos=lanczos, scale=scale)[0]
+
+
+def sampled_norms_of_views(
+    op: BlockOperator,
+    parts: Sequence[tuple[Sequence[str], Callable[[BlockOperator], BlockOperator] | None, Collection[str]]],
+    *,
+    lanczos: Lanczos,
+    scale: Mapping[str, torch.Tensor] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """:func:`sampled_norms` of several parts ``(pairs, view, linear)`` of one operator (the grouped-query kernel's
+    ``QQ`` per query head and ``KK``, ``VV`` per kv group), one dict of keys per part; the Lanczos runs of every part
+    go to one :func:`solve` (with :data:`SOLVE_PAIRS`)."""
     scale = {} if scale is None else scale
-    plain_view = view is None
-    view = (lambda o: o) if view is None else view
     curvature = getattr(op, "sampled", None)
     split = DEBIAS and curvature is not None and curvature.k >= 2
     # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
@@ -388,52 +399,57 @@ def sampled_norms(
     counts = curvature.counts if split else None
     E = len(ops)
     columns = curvature.k * curvature.sigma.shape[1] if isinstance(curvature, SampledCurvature) else None
-    viewed = view(op)
-    # the columns J_X^T sigma through the base operator or a view that keeps them for block X (``gram_columns``:
-    # the grouped-query views)
-    gram_ok = columns is not None and getattr(viewed, "head_diagonal", False)
-    gram_blocks = None if plain_view else getattr(viewed, "gram_columns", frozenset())
     gram_limit = GRAM_STEPS if lanczos.max_basis is None else min(GRAM_STEPS, lanczos.max_basis)
-    # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked, which
-    # applies the output curvature to every row (the per-row sample weights line up with the rows)
-    stack_ok = (STACK_MEMBERS and isinstance(curvature, SampledCurvature) and getattr(viewed, "head_diagonal", False)
-                and getattr(viewed, "apply_masked", None) is not None)  # fmt: skip
-    out: dict[str, torch.Tensor] = {}
-    spreads: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []  # (keys, spread, has data) per pair
-    withheld: list[tuple[list[str], torch.Tensor]] = []  # (keys, unresolved) of the debiased values, per variant
 
-    def wrap(o: BlockOperator, prefix: str, X: str) -> BlockOperator:  # the operator a variant's block X is read from
+    def wrap(o: BlockOperator, prefix: str, X: str, view) -> BlockOperator:  # a variant's block X is read from it
         return view(Preconditioned(o, {X: scale[X]})) if prefix else view(o)
 
     # Every pair's Gram columns first (a pair without Lanczos members lets go of its columns at once), then every
     # pair's Lanczos run, then all the runs in one solve (SOLVE_PAIRS: their stopping tests share host reads). So no
     # Gram product's temporaries meet a Lanczos basis.
-    jobs: list[list] = []  # [pair, block, prefixes, raw, Gram columns, tops, run, names, m, key, members, own start]
-    for pair_name in pairs:
-        X, Y = _pair_blocks(pair_name, list(viewed.params))
-        if X != Y:
-            raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
-        prefixes = [""] + (["precond_"] if X in scale else [])
-        # raw[name]: (P, E, H) values (variants: plain, preconditioned; estimates: full, halves) and relative residuals
-        raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
-        gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
-        A = tops = None
-        if gram:
-            A = _gram_columns(op, X, curvature, view)
-            tops = [] if GRAM_START and pair_name not in linear else None  # the sharpness members' starts
-            ggn = torch.stack(
-                _gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split, vectors=tops)
-            )
-            raw["ggn"] = (ggn, torch.zeros_like(ggn))
-            if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
-                raw["sharpness"] = raw["ggn"]
-                A = None
-        jobs.append([pair_name, X, prefixes, raw, A, tops, None, [], 0, None, None, False])
+    # a job: [part, pair, block, prefixes, raw, Gram columns, tops, run, names, m, key, members, own start]
+    jobs: list[list] = []
+    views = []  # per part: (view, the viewed operator, whether its members stack)
+    for part, (pairs, view, linear) in enumerate(parts):
+        plain_view = view is None
+        view = (lambda o: o) if view is None else view
+        viewed = view(op)
+        # the columns J_X^T sigma through the base operator or a view that keeps them for block X (``gram_columns``:
+        # the grouped-query views)
+        gram_ok = columns is not None and getattr(viewed, "head_diagonal", False)
+        gram_blocks = None if plain_view else getattr(viewed, "gram_columns", frozenset())
+        # the members (estimates x preconditionings) as rows of shared products: needs the one-pass apply_masked,
+        # which applies the output curvature to every row (the per-row sample weights line up with the rows)
+        one_pass = getattr(viewed, "head_diagonal", False) and getattr(viewed, "apply_masked", None) is not None
+        stack_ok = STACK_MEMBERS and isinstance(curvature, SampledCurvature) and one_pass
+        views.append((view, viewed, stack_ok))
+        for pair_name in pairs:
+            X, Y = _pair_blocks(pair_name, list(viewed.params))
+            if X != Y:
+                raise ValueError(f"Sampled sharpness is defined for diagonal pairs only; got {pair_name!r}.")
+            prefixes = [""] + (["precond_"] if X in scale else [])
+            # raw[name]: (P, E, H) values (variants: plain, preconditioned; estimates: full, halves) and relative
+            # residuals
+            raw: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            replaced = E * len(prefixes) * (2 if pair_name in linear else 1)  # the Lanczos members the Gram replaces
+            gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
+            A = tops = None
+            if gram:
+                A = _gram_columns(op, X, curvature, view)
+                tops = [] if GRAM_START and pair_name not in linear else None  # the sharpness members' starts
+                ggn = torch.stack(
+                    _gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split, vectors=tops)
+                )
+                raw["ggn"] = (ggn, torch.zeros_like(ggn))
+                if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
+                    raw["sharpness"] = raw["ggn"]
+                    A = None
+            jobs.append([part, pair_name, X, prefixes, raw, A, tops, None, [], 0, None, None, False])
     A = tops = None
     for job in jobs:
-        pair_name, X, prefixes, raw, A, tops = job[:6]
-        job[4] = job[5] = None  # (the run's product holds the columns from here on)
+        part, pair_name, X, prefixes, raw, A, tops = job[:7]
+        job[5] = job[6] = None  # (the run's product holds the columns from here on)
+        view, viewed, stack_ok = views[part]
         names = [nm for nm in SAMPLED_NAMES if nm not in raw]
         if not names:
             continue
@@ -445,15 +461,15 @@ def sampled_norms(
             # with the Gram columns held, the Gauss-Newton part of each product is A W A^T (see _members_matvec)
             emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view, A if GRAM_SHARPNESS else None)
         else:
-            runs = [pair_matvec(wrap(o, prefix, X), (X, X), kinds_one) for prefix in prefixes for o in ops]
+            runs = [pair_matvec(wrap(o, prefix, X, view), (X, X), kinds_one) for prefix in prefixes for o in ops]
             emb = runs[0][0]
 
             def mv(u: torch.Tensor, live: torch.Tensor | None = None, runs=runs, m=m) -> torch.Tensor:
-                parts = []
+                pieces = []
                 for i, (_, f) in enumerate(runs):  # the members of each run, each its own operator
                     rows = slice(m * i, m * i + m)
-                    parts.append(f(u[rows], None if live is None else live[rows]))
-                return torch.cat(parts)
+                    pieces.append(f(u[rows], None if live is None else live[rows]))
+                return torch.cat(pieces)
 
         kinds = kinds_one * (len(prefixes) * E)
         key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
@@ -463,12 +479,16 @@ def sampled_norms(
         # estimate's top Gauss-Newton direction
         v0 = None if not tops or m != 1 else torch.cat(tops)
         run = _norm_run(viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
-        job[6:] = [run, names, m, key, members, v0 is not None]
+        job[7:] = [run, names, m, key, members, v0 is not None]
         del mv, A, tops, v0
         if not SOLVE_PAIRS:
             solve([run])
-    solve([job[6] for job in jobs if job[6] is not None and not job[6].done])
-    for pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
+    solve([job[7] for job in jobs if job[7] is not None and not job[7].done])
+    outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
+    spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
+    withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
+    for part, pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
+        out, view = outs[part], views[part][0]
         if run is not None:
             vals, rel = (run.norm, run.rel_residual) if own_start else _norm_results(run, key, members)
             run.matvec = None  # (its product's tensors, the Gram columns among them)
@@ -486,31 +506,31 @@ def sampled_norms(
                 unresolved = spread > SPREAD_LIMIT  # (P, H)
                 value = value.masked_fill(unresolved, torch.nan)
             for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
-                keys = head_keys(wrap(op, prefix, X), f"{prefix}{name}/{pair_name}", (X,))
+                keys = head_keys(wrap(op, prefix, X, view), f"{prefix}{name}/{pair_name}", (X,))
                 _put_heads(out, keys, v, r)
                 if split:
-                    withheld.append((keys, unresolved[i]))
+                    withheld.append((part, keys, unresolved[i]))
             if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
                 # 0/0 is "no data": no key (decided below, for every pair in one host read)
-                heads = head_keys(wrap(op, "", X), f"sharpness_spread/{pair_name}", (X,))
-                spreads.append((heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
+                heads = head_keys(wrap(op, "", X, view), f"sharpness_spread/{pair_name}", (X,))
+                spreads.append((part, heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
     if spreads and _INPUTS_CHECKED.get():
         # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value (the
         # unresolved values are NaN already)
-        for heads, spread, ok in spreads:
-            _put_heads(out, heads, torch.where(ok, spread, torch.nan))
+        for part, heads, spread, ok in spreads:
+            _put_heads(outs[part], heads, torch.where(ok, spread, torch.nan))
     elif spreads:  # one host read: which spreads have data, which values are unresolved
-        flags = torch.cat([ok.reshape(-1) for _, _, ok in spreads] + [u.reshape(-1) for _, u in withheld]).tolist()
+        flags = torch.cat([s[3].reshape(-1) for s in spreads] + [w[2].reshape(-1) for w in withheld]).tolist()
         keep = iter(flags)
-        for heads, spread, _ in spreads:
+        for part, heads, spread, _ in spreads:
             for h, k in enumerate(heads):
                 if next(keep):
-                    out[k] = spread[h]
-        for heads, _ in withheld:
+                    outs[part][k] = spread[h]
+        for part, heads, _ in withheld:
             for k in heads:
                 if next(keep):
-                    del out[k]
-    return out
+                    del outs[part][k]
+    return outs
 
 
 #: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`:

@@ -77,7 +77,14 @@ from ._qk_norm_blocks import (
     precondition_shapes,
     qk_norm_norms,
 )
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
+from ._sampled import (
+    SampledCurvature,
+    check_output_samples,
+    check_precondition,
+    sampled_norms,
+    sampled_norms_of_views,
+    with_sampled,
+)
 from .bounds import (
     _attention_bound_table,
     _grouped_attention_bound_tables,
@@ -1091,14 +1098,12 @@ def _attention(
         diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
         if G == 1:
             out.update(sampled_norms(sop, diagonal, lanczos=lanczos, scale=precondition, linear=("VV",)))
-        else:  # as the other keys: QQ per query head, VV and KK per kv group
+        else:  # as the other keys: QQ per query head, VV and KK per kv group (their Lanczos runs in one solve)
             q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
-            out.update(sampled_norms(sop, q_diag, lanczos=lanczos, scale=precondition, view=_QueryView))
-            out.update(
-                _group_keys(
-                    sampled_norms(sop, g_diag, lanczos=lanczos, scale=precondition, view=_GroupView, linear=("VV",))
-                )
-            )
+            parts = [(q_diag, _QueryView, ()), (g_diag, _GroupView, ("VV",))]
+            q_out, g_out = sampled_norms_of_views(sop, parts, lanczos=lanczos, scale=precondition)
+            out.update(q_out)
+            out.update(_group_keys(g_out))
 
     if terms:
         if terms == "signals":
