@@ -202,6 +202,34 @@ def test_grouped_query_blocks_collect_every_query_head_of_the_group():
     assert_close_report(out["dense/functional/QK/h1"], own, TOL["float64"], name="QK/h1", atol=1e-13)
 
 
+def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_view_at_a_time(monkeypatch):
+    """With ``G > 1`` the Lanczos runs of the query view (``QQ``, ``VQ``, ``QK`` per query head) and of the group view
+    (``KK``, ``VK`` per kv group) go to one ``solve`` (their stopping tests share host reads): the same keys as one
+    ``spectral_norms`` per view (float64, tight Lanczos; the stopping tests fall on the same steps)."""
+    from curvwatch.closed_form import _operator
+
+    X, W, kw = _inputs(_case(H=4, H_kv=2, mode="grad", rotary="half", r=2), seed=3)
+    solves = []
+    inner = _operator.solve
+    monkeypatch.setattr(_operator, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
+    tight = dict(lanczos=Lanczos(tol=1e-10, max_iter=400), terms=False, kinds=("outer", "functional", "hessian"))
+    pairs = ["QQ", "KK", "VQ", "VK", "QK"]
+    together = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
+    assert solves == [max(solves)] and max(solves) >= 4, solves  # one solve: both views' runs
+
+    def one_view_at_a_time(parts, **kwargs):
+        return [_operator.spectral_norms(op, pairs, **kwargs) for op, pairs in parts]
+
+    monkeypatch.setattr(attention_module, "spectral_norms_of_views", one_view_at_a_time)
+    solves.clear()
+    apart = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
+    assert len(solves) == 2, solves
+    assert set(together) == set(apart) and any(k.endswith("/g1") for k in apart)
+    for key, value in apart.items():
+        if not key.startswith("residual/"):
+            assert_close_report(together[key], value, 1e-8, name=key)
+
+
 def _modern_kwargs() -> tuple:
     X, W, kw = _inputs(_case(d_K=4, rotary="half", r=4, window=3, pad=True, H=4, H_kv=4), seed=5)
     return X, W, kw

@@ -433,38 +433,55 @@ def spectral_norms(
         the relative Lanczos residual of that norm (see :func:`lanczos_max_abs`'s ``info``; ``<= tol`` once
         converged, larger when ``max_iter`` stopped it).
     """
-    names = list(op.params)
-    todo: dict[tuple[str, ...], list[str]] = {}  # the kinds to compute -> the pairs that need them
-    for pair_name in pairs:
-        ks = tuple(k for k in kinds if (k, pair_name) not in skip)
-        if ks:
-            todo.setdefault(ks, []).append(pair_name)
-    jobs = []  # (pair names, kinds, warm-start key, run): one run per pair, or one for diagonal pairs sharing products
-    for ks, group in todo.items():
-        diag = [p for p in group if len(set(_pair_blocks(p, names))) == 1]
-        stack = diag if stackable(op, diag) else []
-        if stack:
-            emb, mv = stacked_matvec(op, [_pair_blocks(p, names)[0] for p in stack], ks)
-            key = (tuple(stack), ks)
-            jobs.append((stack, ks, key, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
-        for pair_name in group:
-            if pair_name in stack:
-                continue
-            pair = _pair_blocks(pair_name, names)
-            emb, mv = pair_matvec(op, pair, ks)
-            key = (pair_name, ks)
-            jobs.append(([pair_name], ks, key, _norm_run(op, emb, mv, ks, key, pair[0] == pair[1], lanczos)))
-    solve([job[-1] for job in jobs])  # every pair in lockstep: one host read per stopping test for all of them
-    out: dict[str, torch.Tensor] = {}
-    for group, ks, key, run in jobs:
+    return spectral_norms_of_views([(op, pairs)], kinds=kinds, lanczos=lanczos, skip=skip)[0]
+
+
+def spectral_norms_of_views(
+    parts: Sequence[tuple[BlockOperator, Sequence[str]]],
+    *,
+    kinds: Sequence[str] = KINDS,
+    lanczos: Lanczos,
+    skip: Sequence[tuple[str, str]] = (),
+) -> list[dict[str, torch.Tensor]]:
+    """:func:`spectral_norms` of several ``(operator, pairs)`` parts (the grouped-query kernel's query and group
+    views of one attention), one dict per part; the Lanczos runs of every part in one :func:`solve` (their stopping
+    tests share host reads; their bases are held at once, their products made one at a time)."""
+    jobs = []  # (part, pair names, kinds, warm-start key, run): one run per pair, or one for diagonal pairs sharing
+    for part, (op, pairs) in enumerate(parts):
+        names = list(op.params)
+        todo: dict[tuple[str, ...], list[str]] = {}  # the kinds to compute -> the pairs that need them
+        for pair_name in pairs:
+            ks = tuple(k for k in kinds if (k, pair_name) not in skip)
+            if ks:
+                todo.setdefault(ks, []).append(pair_name)
+        for ks, group in todo.items():
+            diag = [p for p in group if len(set(_pair_blocks(p, names))) == 1]
+            stack = diag if stackable(op, diag) else []
+            if stack:
+                emb, mv = stacked_matvec(op, [_pair_blocks(p, names)[0] for p in stack], ks)
+                key = (tuple(stack), ks)
+                jobs.append((part, stack, ks, key, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
+            for pair_name in group:
+                if pair_name in stack:
+                    continue
+                pair = _pair_blocks(pair_name, names)
+                emb, mv = pair_matvec(op, pair, ks)
+                key = (pair_name, ks)
+                jobs.append((part, [pair_name], ks, key, _norm_run(op, emb, mv, ks, key, pair[0] == pair[1], lanczos)))
+    if jobs:  # every pair in lockstep: one host read per stopping test for all of them
+        solve([job[-1] for job in jobs])
+    outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
+    for part, group, ks, key, run in jobs:
+        op = parts[part][0]
+        names = list(op.params)
         vals, rel = _norm_results(run, key, lanczos)
         vals, rel = vals.unbind(0), rel.unbind(0)  # (H,) rows: one operator each, not one per key
         for g, pair_name in enumerate(group):
             pair = _pair_blocks(pair_name, names)
             for i, kind in enumerate(ks):
                 heads = head_keys(op, f"{kind}/{pair_name}", pair)
-                _put_heads(out, heads, vals[g * len(ks) + i], rel[g * len(ks) + i])
-    return out
+                _put_heads(outs[part], heads, vals[g * len(ks) + i], rel[g * len(ks) + i])
+    return outs
 
 
 def _put_heads(out: dict[str, torch.Tensor], keys: Sequence[str], values: torch.Tensor, residuals=None) -> None:

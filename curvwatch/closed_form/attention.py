@@ -66,6 +66,7 @@ from ._operator import (
     run_parts,
     select_rows,
     spectral_norms,
+    spectral_norms_of_views,
 )
 from ._qk_norm import check_qk_norm
 from ._qk_norm_blocks import (
@@ -1086,10 +1087,10 @@ def _attention(
         if "VV" in pairs:
             out.update(_grouped_vv(gv, lanczos))
         q_pairs, g_pairs = [p for p in iterative if p in QUERY_PAIRS], [p for p in iterative if p in GROUP_PAIRS]
-        if q_pairs:
-            out.update(spectral_norms(qv, q_pairs, kinds=kinds, lanczos=lanczos))
-        if g_pairs:
-            out.update(_group_keys(spectral_norms(gv, g_pairs, kinds=kinds, lanczos=lanczos)))
+        # the query view's runs and the group view's in one solve (their stopping tests share host reads)
+        q_out, g_out = spectral_norms_of_views([(qv, q_pairs), (gv, g_pairs)], kinds=kinds, lanczos=lanczos)
+        out.update(q_out)
+        out.update(_group_keys(g_out))
         if full:
             out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
     sop = None
