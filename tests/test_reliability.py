@@ -714,8 +714,8 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
         return original(self, **kwargs)
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
-    # estimates at 28 tokens (max_iter=20): attention 0.37 MiB (its QQ and KK bases, held at once, 0.234 MiB), FFN
-    # 0.17 MiB (bases 0.117 MiB), LayerNorm 0.03
+    # estimates at 28 tokens (max_iter=20), with the real-loss keys (the default: twice those without): attention
+    # 0.74 MiB (its QQ and KK bases, held at once, 0.469 MiB), FFN 0.34 MiB (bases 0.234 MiB), LayerNorm 0.03
     budget_mb = 0.2
     monitor = CurvatureMonitor(
         max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False,
@@ -725,13 +725,14 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     messages = fit(trainer, tiny())
     # the attention bases (over half the budget) hold fewer vectors first, then its tokens shrink; one warning each
     assert len(messages) == 2, messages
-    assert messages[0].startswith("CurvatureMonitor holds at most 8 Lanczos vectors per norm of block 'layer0/attn'")
+    assert messages[0].startswith("CurvatureMonitor holds at most 4 Lanczos vectors per norm of block 'layer0/attn'")
     assert "to stay within memory_budget_mb=0.2" in messages[1], messages
     assert all(nbytes <= budget_mb * 2**20 for _, _, nbytes, _ in evaluated), evaluated
     attn = [(tokens, basis) for name, tokens, _, basis in evaluated if name == "layer0/attn"]
-    assert attn and all(t < 28 and b == 8 for t, b in attn)  # shrunk
-    # the FFN (d_ff = d: bases half the attention's) holds 17 vectors and then fits; LayerNorm untouched
-    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(28, 17), (28, 17)]
+    assert attn and all(t < 28 and b == 4 for t, b in attn)  # shrunk
+    # the FFN (d_ff = d: bases half the attention's) holds 8 vectors and 14 tokens (no second warning of either kind);
+    # LayerNorm untouched
+    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(14, 8), (14, 8)]
     assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ln_1"] == [(28, None), (28, None)]
     assert all(math.isfinite(logged(trainer)[s][MAX_KEY]) for s in (0, 1))
 
@@ -751,7 +752,8 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
         max_overhead=None, every_n_train_steps=1, max_tokens=14, log_heatmap=False, tol=1e-4, max_iter=200,
         max_basis=None, log_level="all",
     )  # fmt: skip
-    # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 24 KiB in the estimate
+    # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 48 KiB in the estimate (24 KiB
+    # times two: the real-loss keys' runs hold bases of their own)
     runs = {}
     for budget in (None, 0.6):
         torch.manual_seed(0)
@@ -765,10 +767,10 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
     free, limited = runs[None], runs[0.6]
     assert free[2] == [] and all(b is None for *_, b in free[1])
     ffn = [(t, b) for n, t, b in limited[1] if n == "layer0/ffn"]
-    assert ffn == [(14, 12)], ffn  # 0.3 MiB for the bases: 12 vectors of 24 KiB; the tokens untouched
-    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 12 KiB, its QQ and KK bases held at
+    assert ffn == [(14, 6)], ffn  # 0.3 MiB for the bases: 6 vectors of 48 KiB; the tokens untouched
+    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 24 KiB, its QQ and KK bases held at
     # once, are over 0.3 MiB too)
-    assert len(limited[2]) == 1 and "holds at most 25 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
+    assert len(limited[2]) == 1 and "holds at most 12 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
     keys = ("ffn/hessian/W1W1", "ffn/outer/W1W1", "ffn/functional/W1W1", "attn/hessian/QQ/h0", "attn/hessian/KK/h1")
     for key in keys:
         name = f"{P}layer0/{key}"

@@ -384,7 +384,7 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     group views with grouped-query attention; with ``GRAM_STEPS = 0`` the FFN's ``W1W1`` and ``W2W2`` too) go to one
     ``solve``, so that their stopping tests share host reads; the keys are those of one solve per pair (float64, tight
     Lanczos, ``CONVERGED``), and every run's product is made after every Gram product (no Gram temporaries beside a
-    Lanczos basis)."""
+    Lanczos basis). Over ``SOLVE_BYTES`` of bases the runs go one at a time, each made when its solve starts."""
     if gram_steps is not None:
         monkeypatch.setattr(sampled, "GRAM_STEPS", gram_steps)
     solves, events = [], []
@@ -392,6 +392,7 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
 
     def spy_solve(runs):
         solves.append(len(runs))
+        events.append("solve")
         return inner_solve(runs)
 
     def spy_columns(*args, **kwargs):
@@ -423,6 +424,12 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     assert sampled_keys and set(together) == set(apart)
     for key in sampled_keys:
         assert_close_report(together[key], apart[key], CONVERGED, name=key)
+    # over SOLVE_BYTES of bases: one run at a time again, each made when its solve starts
+    monkeypatch.setattr(sampled, "SOLVE_BYTES", 1)
+    capped = keys(True)
+    assert solves == [1] * runs and events[-2 * runs :] == ["run", "solve"] * runs, (solves, events)
+    for key in sampled_keys:
+        assert_close_report(capped[key], apart[key], CONVERGED, name=key)
 
 
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[8]], ids=_ids)
@@ -759,15 +766,15 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
     columns ``A_S``; the preconditioned members ``D A_S``): checked against a dense eigendecomposition of ``A_S A_S^T``
     (float64, relative residual 1e-8, the plain members); and the keys are those of warm starts (tight Lanczos,
     ``CONVERGED``)."""
-    columns, starts = [], []  # the columns each run's product holds (_members_matvec's), each run's start
+    columns, starts = [], []  # the columns each run's product holds (_members_matvec's), each run's start: in order
     inner_columns, inner_norms = sampled._members_matvec, sampled._norm_run
 
     def spy_columns(*args, **kwargs):
         columns.append(args[7])
         return inner_columns(*args, **kwargs)
 
-    def spy_norms(*args, **kwargs):  # the run of the product made just before
-        starts.append((columns[-1], kwargs.get("v0")))
+    def spy_norms(*args, **kwargs):
+        starts.append(kwargs.get("v0"))
         return inner_norms(*args, **kwargs)
 
     monkeypatch.setattr(sampled, "_members_matvec", spy_columns)
@@ -782,9 +789,10 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
         return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
 
     warm = keys(False)
-    assert starts and all(v0 is None for _, v0 in starts)
+    assert starts and all(v0 is None for v0 in starts)
     gram = keys(True)
-    given = [(A, v0) for A, v0 in starts[len(starts) // 2 :] if v0 is not None]
+    pairs = list(zip(columns, starts, strict=True))  # one product per run, made in the same order
+    given = [(A, v0) for A, v0 in pairs[len(pairs) // 2 :] if v0 is not None]
     assert given, "no sharpness members started at the Gauss-Newton direction"
     k = prob.samples.shape[0]
     for A, v0 in given:  # A (H, k B, size), v0 (P E, H, size): the plain members first, full sample then halves

@@ -27,6 +27,7 @@ operator.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
@@ -478,12 +479,24 @@ def sampled_norms_of_views(
         # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
         # estimate's top Gauss-Newton direction
         v0 = None if not tops or m != 1 else torch.cat(tops)
-        run = _norm_run(viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
-        job[7:] = [run, names, m, key, members, v0 is not None]
-        del mv, A, tops, v0
-        if not SOLVE_PAIRS:
-            solve([run])
-    solve([job[7] for job in jobs if job[7] is not None and not job[7].done])
+        # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
+        make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
+        vectors = emb.n if members.max_iter is None else min(members.max_iter, emb.n)
+        vectors = vectors if members.max_basis is None else min(vectors, members.max_basis)
+        size = len(kinds) * emb.H * emb.n * vectors * viewed.dtype.itemsize  # its basis at most, bytes
+        job[7:] = [(make, size), names, m, key, members, v0 is not None]
+        del mv, A, tops, v0, make
+    # the runs in solves of at most SOLVE_BYTES of bases each (one run at least), in order
+    pending = [job for job in jobs if job[7] is not None]
+    while pending:
+        group = [pending.pop(0)]
+        total = group[0][7][1]
+        while SOLVE_PAIRS and pending and total + pending[0][7][1] <= SOLVE_BYTES:
+            total += pending[0][7][1]
+            group.append(pending.pop(0))
+        for job in group:
+            job[7] = job[7][0]()
+        solve([job[7] for job in group])
     outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
     spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
     withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
@@ -535,10 +548,15 @@ def sampled_norms_of_views(
 
 #: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`:
 #: their stopping tests share host reads (one sync per test round for all of them, instead of one per run one after
-#: the other). Their bases are then held at once (what ``CapturedBlock.evaluation_bytes`` counts for the engine's own
-#: stacked run of the same blocks); their products still run one at a time. ``False``: one solve per pair (the
-#: benchmark's "before").
+#: the other). Their bases are then held at once, at most :data:`SOLVE_BYTES` of them (``CapturedBlock.basis_bytes``
+#: counts two runs' worth with output samples); their products still run one at a time. ``False``: one solve per
+#: pair (the benchmark's "before").
 SOLVE_PAIRS = True
+
+#: Runs solved together (:data:`SOLVE_PAIRS`) hold at most this many bytes of Lanczos bases (or one run's, if larger):
+#: at GPT-2-small width (d 768, 12 heads) the attention's two sampled runs hold 2 x 216 MiB (six members of 12 heads,
+#: 16 vectors each), at d 4096 one run alone 6 GiB, and there the runs go one at a time, as before.
+SOLVE_BYTES = 2**30
 
 
 #: Run the sampled keys' Lanczos members of a pair as rows of one operator product (:func:`_members_matvec`) where
