@@ -7,6 +7,7 @@ on random and adversarial instances, and the default Lanczos at a realistic size
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -202,10 +203,10 @@ def test_grouped_query_blocks_collect_every_query_head_of_the_group():
     assert_close_report(out["dense/functional/QK/h1"], own, TOL["float64"], name="QK/h1", atol=1e-13)
 
 
-def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_view_at_a_time(monkeypatch):
+def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run_at_a_time(monkeypatch):
     """With ``G > 1`` the Lanczos runs of the query view (``QQ``, ``VQ``, ``QK`` per query head) and of the group view
     (``KK``, ``VK`` per kv group) go to one ``solve`` (their stopping tests share host reads): the same keys as one
-    ``spectral_norms`` per view (float64, tight Lanczos; the stopping tests fall on the same steps)."""
+    solve per run (float64, tight Lanczos; the stopping tests fall on the same steps)."""
     from curvwatch.closed_form import _operator
 
     X, W, kw = _inputs(_case(H=4, H_kv=2, mode="grad", rotary="half", r=2), seed=3)
@@ -217,13 +218,15 @@ def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_vie
     together = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
     assert solves == [max(solves)] and max(solves) >= 4, solves  # one solve: both views' runs
 
-    def one_view_at_a_time(parts, **kwargs):
-        return [_operator.spectral_norms(op, pairs, **kwargs) for op, pairs in parts]
+    inner_plan = _operator.spectral_plan
 
-    monkeypatch.setattr(attention_module, "spectral_norms_of_views", one_view_at_a_time)
+    def one_run_at_a_time(*args, **kwargs):
+        return dataclasses.replace(inner_plan(*args, **kwargs), together=False, merge=False)
+
+    monkeypatch.setattr(attention_module, "spectral_plan", one_run_at_a_time)
     solves.clear()
     apart = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
-    assert len(solves) == 2, solves
+    assert solves == [1] * len(solves) and len(solves) >= 4, solves
     assert set(together) == set(apart) and any(k.endswith("/g1") for k in apart)
     for key, value in apart.items():
         if not key.startswith("residual/"):

@@ -55,11 +55,15 @@ def test_attention_finite_nonnegative_and_bounded(B, L, d, H, d_K, d_V, log_scal
     kw = {"target": _tensor(seed + 5, B, L, d)} if mode == "target" else {"grad_output": _tensor(seed + 5, B, L, d)}
     out = multi_head_attention(X, *W, H, causal=causal, lanczos=EXACT, **kw)
     _finite_nonneg(out)
+    # round-off: a block whose norm is zero in exact arithmetic reads ~1e-16 of the operator's scale (the largest norm
+    # of the layer), and so does its bound (B 1, L 2, d 2, H 2, scale 10, seed 2844: functional/VQ/h0 4.0e-12 against
+    # a bound of 3.5e-12, both zero, next to norms of up to 387)
+    scale = max(float(v) for k, v in out.items() if k.startswith(("outer/", "functional/", "hessian/")))
     for key, bound in out.items():
         if key.startswith("bound/"):
             name = key[len("bound/") :]
             value = out[name] if name.startswith(("outer/", "functional/")) else out[f"hessian/{name}"]
-            assert float(value) <= float(bound) * (1 + 1e-9) + 1e-300, (key, float(value), float(bound))
+            assert float(value) <= float(bound) * (1 + 1e-9) + 1e-12 * scale, (key, float(value), float(bound))
     assert float(out["term/softmax_jac_norm/h0"]) <= 0.5 + 1e-12
 
 

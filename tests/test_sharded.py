@@ -117,19 +117,28 @@ def _real_loss(key: str) -> bool:
     return any(part in key.split("/") for part in REAL_LOSS)
 
 
+#: ``sharpness_spread/...`` keys of FSDP2 and DDP agree to this, absolute. The spread adds its Lanczos members' relative
+#: residuals (``_sampled.extrapolated_residual``), and those depend on the step a member stopped at, within its
+#: tolerance (``MEMBER_TOL`` x ``tol``, 2e-3): DDP evaluates a layer's blocks together (their stopping tests fall on
+#: shared rounds), FSDP2 one block at a time. Measured (session 19, a fresh environment; the same at session 18's
+#: code): layer 1's ``attn/sharpness_spread/QQ/h1`` 3.11e-3 vs 3.36e-3, ``ffn/sharpness_spread/W1W1`` 2.97e-3 vs
+#: 3.23e-3, every sharpness value within round-off. (2e-4 until then.)
+SPREAD_ATOL = 1e-3
+
+
 def _assert_same_numbers(actual: dict[str, float], expected: dict[str, float], where: str) -> None:
     """The same keys, and every number within float32 round-off of the expected one (clock readings aside).
 
     Round-off: relative ``TOL["float32"]`` (2e-4) plus 1e-7 absolute; ``sharpness_spread/...`` (a fraction of the
-    sharpness, from the difference of two estimates of it) within 2e-4 absolute, the same round-off relative to the
-    sharpness."""
+    sharpness: the difference of its estimates plus its Lanczos members' extrapolated residuals) within
+    :data:`SPREAD_ATOL` absolute."""
     assert sorted(actual) == sorted(expected), f"{where}: keys differ: {sorted(set(actual) ^ set(expected))}"
     rtol, atol = TOL["float32"], 1e-7
     errors = {k: abs(actual[k] - v) for k, v in expected.items() if not any(c in k for c in _CLOCK)}
     bad = {
         k: e
         for k, e in errors.items()
-        if not e <= (rtol if "/sharpness_spread/" in k else rtol * abs(expected[k]) + atol)
+        if not e <= (SPREAD_ATOL if "/sharpness_spread/" in k else rtol * abs(expected[k]) + atol)
     }
     if bad:
         k = max(bad, key=lambda k: bad[k] / max(abs(expected[k]), 1e-300))

@@ -13,8 +13,10 @@ contracted second derivatives, never from autograd. This module turns such an op
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -446,7 +448,84 @@ def spectral_norms_of_views(
     """:func:`spectral_norms` of several ``(operator, pairs)`` parts (the grouped-query kernel's query and group
     views of one attention), one dict per part; the Lanczos runs of every part in one :func:`solve` (their stopping
     tests share host reads; their bases are held at once, their products made one at a time)."""
-    jobs = []  # (part, pair names, kinds, warm-start key, run): one run per pair, or one for diagonal pairs sharing
+    return solve_planned([spectral_plan(parts, kinds=kinds, lanczos=lanczos, skip=skip)])[0]
+
+
+@dataclass
+class Planned:
+    """Lanczos runs planned but not made yet (:func:`solve_planned` makes and solves them).
+
+    Attributes:
+        makers: ``[(make, bytes)]``: ``make()`` makes one run (its basis is allocated then), ``bytes`` its basis at
+            most (:func:`basis_bytes`).
+        finish: ``finish(runs)``: the plan's results from its runs, solved, in the order of ``makers``.
+        together: Its runs always in one solve, whatever their bytes (the engine's own keys, as they always were);
+            otherwise each run may be solved apart from the others once :data:`SOLVE_BYTES` is reached.
+        merge: Whether its runs may share a solve with other runs at all (``False``: one solve per run).
+    """
+
+    makers: list[tuple[Callable[[], LanczosRun], int]]
+    finish: Callable[[list[LanczosRun]], Any]
+    together: bool = True
+    merge: bool = True
+
+
+#: Runs that could go to one :func:`solve` (:func:`solve_planned`) share it while their Lanczos bases together stay
+#: within this many bytes (a plan whose runs always go together, or one run, may hold more alone): at GPT-2-small width
+#: (d 768, 12 heads, 16 vectors) the attention's engine run and its two sampled runs hold 3 x 216 MiB; at d 4096 one
+#: sampled run alone holds 6 GiB, and there the sampled runs go one at a time, as before session 19.
+SOLVE_BYTES = 2**30
+
+
+def basis_bytes(rows: int, emb: _Embedding, lanczos: Lanczos, dtype: torch.dtype) -> int:
+    """The Lanczos basis of a run of ``rows`` members of ``emb``'s operator at most, in bytes (``max_basis``, else
+    ``max_iter``, vectors of ``H n`` numbers per member)."""
+    vectors = emb.n if lanczos.max_iter is None else min(lanczos.max_iter, emb.n)
+    vectors = vectors if lanczos.max_basis is None else min(vectors, lanczos.max_basis)
+    return rows * emb.H * emb.n * vectors * dtype.itemsize
+
+
+def solve_planned(plans: Sequence[Planned]) -> list[Any]:
+    """Make and solve the runs of ``plans`` in order; each plan's ``finish`` of its runs, in order.
+
+    The runs share solves (one host read per round of stopping tests for all of a solve's runs) while their bases
+    together stay within :data:`SOLVE_BYTES`; a ``together`` plan's runs are never split, a plan without ``merge``
+    solves each run alone. A run is made when its solve starts, so runs solved one after the other hold one basis at
+    a time.
+    """
+    units: list[tuple[list[tuple[int, Callable[[], LanczosRun]]], int, bool]] = []  # ([(plan, make)], bytes, merge)
+    for i, plan in enumerate(plans):
+        if plan.together and plan.merge:
+            if plan.makers:
+                units.append(([(i, make) for make, _ in plan.makers], sum(b for _, b in plan.makers), True))
+        else:
+            units += [([(i, make)], size, plan.merge) for make, size in plan.makers]
+    runs: list[list[LanczosRun]] = [[] for _ in plans]
+    while units:
+        (group, total, merge), units = units[0], units[1:]
+        group = list(group)
+        while merge and units and units[0][2] and total + units[0][1] <= SOLVE_BYTES:
+            (more, size, _), units = units[0], units[1:]
+            group += more
+            total += size
+        made = [(i, make()) for i, make in group]
+        solve([run for _, run in made])
+        for i, run in made:
+            runs[i].append(run)
+    return [plan.finish(r) for plan, r in zip(plans, runs, strict=True)]
+
+
+def spectral_plan(
+    parts: Sequence[tuple[BlockOperator, Sequence[str]]],
+    *,
+    kinds: Sequence[str] = KINDS,
+    lanczos: Lanczos,
+    skip: Sequence[tuple[str, str]] = (),
+) -> Planned:
+    """The Lanczos runs of :func:`spectral_norms_of_views` as a :class:`Planned` (all in one solve); its ``finish``
+    gives the dicts of keys, one per part."""
+    jobs = []  # (part, pair names, kinds, warm-start key): one run per pair, or one for diagonal pairs sharing
+    makers: list[tuple[Callable[[], LanczosRun], int]] = []
     for part, (op, pairs) in enumerate(parts):
         names = list(op.params)
         todo: dict[tuple[str, ...], list[str]] = {}  # the kinds to compute -> the pairs that need them
@@ -460,28 +539,35 @@ def spectral_norms_of_views(
             if stack:
                 emb, mv = stacked_matvec(op, [_pair_blocks(p, names)[0] for p in stack], ks)
                 key = (tuple(stack), ks)
-                jobs.append((part, stack, ks, key, _norm_run(op, emb, mv, list(ks) * len(stack), key, True, lanczos)))
+                rows = list(ks) * len(stack)
+                jobs.append((part, stack, ks, key))
+                make = functools.partial(_norm_run, op, emb, mv, rows, key, True, lanczos)
+                makers.append((make, basis_bytes(len(rows), emb, lanczos, op.dtype)))
             for pair_name in group:
                 if pair_name in stack:
                     continue
                 pair = _pair_blocks(pair_name, names)
                 emb, mv = pair_matvec(op, pair, ks)
                 key = (pair_name, ks)
-                jobs.append((part, [pair_name], ks, key, _norm_run(op, emb, mv, ks, key, pair[0] == pair[1], lanczos)))
-    if jobs:  # every pair in lockstep: one host read per stopping test for all of them
-        solve([job[-1] for job in jobs])
-    outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
-    for part, group, ks, key, run in jobs:
-        op = parts[part][0]
-        names = list(op.params)
-        vals, rel = _norm_results(run, key, lanczos)
-        vals, rel = vals.unbind(0), rel.unbind(0)  # (H,) rows: one operator each, not one per key
-        for g, pair_name in enumerate(group):
-            pair = _pair_blocks(pair_name, names)
-            for i, kind in enumerate(ks):
-                heads = head_keys(op, f"{kind}/{pair_name}", pair)
-                _put_heads(outs[part], heads, vals[g * len(ks) + i], rel[g * len(ks) + i])
-    return outs
+                jobs.append((part, [pair_name], ks, key))
+                make = functools.partial(_norm_run, op, emb, mv, ks, key, pair[0] == pair[1], lanczos)
+                makers.append((make, basis_bytes(len(ks), emb, lanczos, op.dtype)))
+
+    def finish(runs: list[LanczosRun]) -> list[dict[str, torch.Tensor]]:
+        outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
+        for (part, group, ks, key), run in zip(jobs, runs, strict=True):
+            op = parts[part][0]
+            names = list(op.params)
+            vals, rel = _norm_results(run, key, lanczos)
+            vals, rel = vals.unbind(0), rel.unbind(0)  # (H,) rows: one operator each, not one per key
+            for g, pair_name in enumerate(group):
+                pair = _pair_blocks(pair_name, names)
+                for i, kind in enumerate(ks):
+                    heads = head_keys(op, f"{kind}/{pair_name}", pair)
+                    _put_heads(outs[part], heads, vals[g * len(ks) + i], rel[g * len(ks) + i])
+        return outs
+
+    return Planned(makers, finish)
 
 
 def _put_heads(out: dict[str, torch.Tensor], keys: Sequence[str], values: torch.Tensor, residuals=None) -> None:

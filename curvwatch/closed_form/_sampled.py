@@ -33,9 +33,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 
 from ._common import _INPUTS_CHECKED
-from ._lanczos import solve
 from ._operator import (
     BlockOperator,
+    Planned,
     _Embedding,
     _norm_results,
     _norm_run,
@@ -44,8 +44,10 @@ from ._operator import (
     _rows,
     _skip_dead_kinds,
     apply_kinds,
+    basis_bytes,
     head_keys,
     pair_matvec,
+    solve_planned,
 )
 from .settings import Lanczos
 
@@ -362,7 +364,9 @@ def sampled_norms(
     start kept), else they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX,
     prefixes, estimates)``). The members of a debiased key are solved to :data:`MEMBER_TOL` times ``lanczos.tol``.
     For the pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``,
-    ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the Gram is used.
+    ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the Gram is used. Every pair's Gram columns
+    are made first, then the pairs' Lanczos runs are solved together (:data:`SOLVE_PAIRS`: one host read per round of
+    stopping tests for all of them; at most ``_operator.SOLVE_BYTES`` of bases at once).
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
@@ -392,6 +396,20 @@ def sampled_norms_of_views(
     """:func:`sampled_norms` of several parts ``(pairs, view, linear)`` of one operator (the grouped-query kernel's
     ``QQ`` per query head and ``KK``, ``VV`` per kv group), one dict of keys per part; the Lanczos runs of every part
     go to one :func:`solve` (with :data:`SOLVE_PAIRS`)."""
+    return solve_planned([sampled_plan(op, parts, lanczos=lanczos, scale=scale)])[0]
+
+
+def sampled_plan(
+    op: BlockOperator,
+    parts: Sequence[tuple[Sequence[str], Callable[[BlockOperator], BlockOperator] | None, Collection[str]]],
+    *,
+    lanczos: Lanczos,
+    scale: Mapping[str, torch.Tensor] | None = None,
+) -> Planned:
+    """The Lanczos runs of :func:`sampled_norms_of_views` as a :class:`~._operator.Planned`, every Gram column made
+    (the ``ggn`` keys where the Gram is used) before it returns; its ``finish`` gives the dicts of keys, one per part.
+    A kernel solves it with its own runs (:func:`~._operator.solve_planned`), so that their stopping tests share host
+    reads; made before them, so that no Gram product's temporaries meet a Lanczos basis."""
     scale = {} if scale is None else scale
     curvature = getattr(op, "sampled", None)
     split = DEBIAS and curvature is not None and curvature.k >= 2
@@ -410,6 +428,7 @@ def sampled_norms_of_views(
     # Gram product's temporaries meet a Lanczos basis.
     # a job: [part, pair, block, prefixes, raw, Gram columns, tops, run, names, m, key, members, own start]
     jobs: list[list] = []
+    makers: list = []  # (make a run, its basis's bytes), in the order of the jobs with a run
     views = []  # per part: (view, the viewed operator, whether its members stack)
     for part, (pairs, view, linear) in enumerate(parts):
         plain_view = view is None
@@ -481,82 +500,73 @@ def sampled_norms_of_views(
         v0 = None if not tops or m != 1 else torch.cat(tops)
         # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
         make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
-        vectors = emb.n if members.max_iter is None else min(members.max_iter, emb.n)
-        vectors = vectors if members.max_basis is None else min(vectors, members.max_basis)
-        size = len(kinds) * emb.H * emb.n * vectors * viewed.dtype.itemsize  # its basis at most, bytes
-        job[7:] = [(make, size), names, m, key, members, v0 is not None]
+        makers.append((make, basis_bytes(len(kinds), emb, members, viewed.dtype)))
+        job[7:] = [True, names, m, key, members, v0 is not None]
         del mv, A, tops, v0, make
-    # the runs in solves of at most SOLVE_BYTES of bases each (one run at least), in order
-    pending = [job for job in jobs if job[7] is not None]
-    while pending:
-        group = [pending.pop(0)]
-        total = group[0][7][1]
-        while SOLVE_PAIRS and pending and total + pending[0][7][1] <= SOLVE_BYTES:
-            total += pending[0][7][1]
-            group.append(pending.pop(0))
-        for job in group:
-            job[7] = job[7][0]()
-        solve([job[7] for job in group])
-    outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
-    spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
-    withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
-    for part, pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
-        out, view = outs[part], views[part][0]
-        if run is not None:
-            vals, rel = (run.norm, run.rel_residual) if own_start else _norm_results(run, key, members)
-            run.matvec = None  # (its product's tensors, the Gram columns among them)
-            P = len(prefixes)
-            for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
-                raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
-        for name in SAMPLED_NAMES:  # every variant at once
-            vals, rel = raw[name]
-            value, spread = vals[:, 0], None
-            if split:
-                full, a, b = vals.unbind(1)
-                value, spread = debias(full, a, b, counts, psd=name == "ggn")
-                spread = spread + extrapolated_residual(vals.movedim(1, 0), rel.movedim(1, 0), counts, value)
-                # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
-                unresolved = spread > SPREAD_LIMIT  # (P, H)
-                value = value.masked_fill(unresolved, torch.nan)
-            for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
-                keys = head_keys(wrap(op, prefix, X, view), f"{prefix}{name}/{pair_name}", (X,))
-                _put_heads(out, keys, v, r)
+
+    def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
+        made = iter(runs)
+        for job in jobs:
+            if job[7] is not None:
+                job[7] = next(made)
+        outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
+        spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
+        withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
+        for part, pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
+            out, view = outs[part], views[part][0]
+            if run is not None:
+                vals, rel = (run.norm, run.rel_residual) if own_start else _norm_results(run, key, members)
+                run.matvec = None  # (its product's tensors, the Gram columns among them)
+                P = len(prefixes)
+                for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
+                    raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
+            for name in SAMPLED_NAMES:  # every variant at once
+                vals, rel = raw[name]
+                value, spread = vals[:, 0], None
                 if split:
-                    withheld.append((part, keys, unresolved[i]))
-            if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
-                # 0/0 is "no data": no key (decided below, for every pair in one host read)
-                heads = head_keys(wrap(op, "", X, view), f"sharpness_spread/{pair_name}", (X,))
-                spreads.append((part, heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
-    if spreads and _INPUTS_CHECKED.get():
-        # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value (the
-        # unresolved values are NaN already)
-        for part, heads, spread, ok in spreads:
-            _put_heads(outs[part], heads, torch.where(ok, spread, torch.nan))
-    elif spreads:  # one host read: which spreads have data, which values are unresolved
-        flags = torch.cat([s[3].reshape(-1) for s in spreads] + [w[2].reshape(-1) for w in withheld]).tolist()
-        keep = iter(flags)
-        for part, heads, spread, _ in spreads:
-            for h, k in enumerate(heads):
-                if next(keep):
-                    outs[part][k] = spread[h]
-        for part, heads, _ in withheld:
-            for k in heads:
-                if next(keep):
-                    del outs[part][k]
-    return outs
+                    full, a, b = vals.unbind(1)
+                    value, spread = debias(full, a, b, counts, psd=name == "ggn")
+                    spread = spread + extrapolated_residual(vals.movedim(1, 0), rel.movedim(1, 0), counts, value)
+                    # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
+                    unresolved = spread > SPREAD_LIMIT  # (P, H)
+                    value = value.masked_fill(unresolved, torch.nan)
+                for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
+                    keys = head_keys(wrap(op, prefix, X, view), f"{prefix}{name}/{pair_name}", (X,))
+                    _put_heads(out, keys, v, r)
+                    if split:
+                        withheld.append((part, keys, unresolved[i]))
+                if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
+                    # 0/0 is "no data": no key (decided below, for every pair in one host read)
+                    heads = head_keys(wrap(op, "", X, view), f"sharpness_spread/{pair_name}", (X,))
+                    spreads.append((part, heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
+        if spreads and _INPUTS_CHECKED.get():
+            # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value
+            # (the unresolved values are NaN already)
+            for part, heads, spread, ok in spreads:
+                _put_heads(outs[part], heads, torch.where(ok, spread, torch.nan))
+        elif spreads:  # one host read: which spreads have data, which values are unresolved
+            flags = torch.cat([s[3].reshape(-1) for s in spreads] + [w[2].reshape(-1) for w in withheld]).tolist()
+            keep = iter(flags)
+            for part, heads, spread, _ in spreads:
+                for h, k in enumerate(heads):
+                    if next(keep):
+                        outs[part][k] = spread[h]
+            for part, heads, _ in withheld:
+                for k in heads:
+                    if next(keep):
+                        del outs[part][k]
+        return outs
+
+    return Planned(makers, finish, together=False, merge=SOLVE_PAIRS)
 
 
-#: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`:
-#: their stopping tests share host reads (one sync per test round for all of them, instead of one per run one after
-#: the other). Their bases are then held at once, at most :data:`SOLVE_BYTES` of them (``CapturedBlock.basis_bytes``
-#: counts two runs' worth with output samples); their products still run one at a time. ``False``: one solve per
-#: pair (the benchmark's "before").
+#: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`,
+#: and with the kernel's own runs where it solves them together (:func:`sampled_plan`): their stopping tests share
+#: host reads (one sync per round of tests for all of them, instead of one per run one after the other). Their bases
+#: are then held at once, at most ``_operator.SOLVE_BYTES`` of them (``CapturedBlock.basis_bytes`` counts two runs'
+#: worth with output samples); their products still run one at a time. ``False``: one solve per run (the benchmark's
+#: "before").
 SOLVE_PAIRS = True
-
-#: Runs solved together (:data:`SOLVE_PAIRS`) hold at most this many bytes of Lanczos bases (or one run's, if larger):
-#: at GPT-2-small width (d 768, 12 heads) the attention's two sampled runs hold 2 x 216 MiB (six members of 12 heads,
-#: 16 vectors each), at d 4096 one run alone 6 GiB, and there the runs go one at a time, as before.
-SOLVE_BYTES = 2**30
 
 
 #: Run the sampled keys' Lanczos members of a pair as rows of one operator product (:func:`_members_matvec`) where

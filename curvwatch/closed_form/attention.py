@@ -65,8 +65,9 @@ from ._operator import (
     head_keys,
     run_parts,
     select_rows,
+    solve_planned,
     spectral_norms,
-    spectral_norms_of_views,
+    spectral_plan,
 )
 from ._qk_norm import check_qk_norm
 from ._qk_norm_blocks import (
@@ -82,8 +83,7 @@ from ._sampled import (
     SampledCurvature,
     check_output_samples,
     check_precondition,
-    sampled_norms,
-    sampled_norms_of_views,
+    sampled_plan,
     with_sampled,
 )
 from .bounds import (
@@ -1066,6 +1066,16 @@ def _attention(
     out: dict[str, torch.Tensor] = {}
     iterative = [p for p in pairs if p not in ("VV", "QKV")]
     full = "QKV" in pairs or pairs == ATTENTION_PAIRS
+    sop = splan = None
+    if samples is not None:  # the sampled keys' Gram columns first: no Lanczos basis is held yet
+        sop = with_sampled(op, SampledCurvature.of_heads(samples, W_O))
+        diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
+        if G == 1:
+            s_parts = [(diagonal, None, ("VV",))]
+        else:  # as the other keys: QQ per query head, VV and KK per kv group
+            q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
+            s_parts = [(q_diag, _QueryView, ()), (g_diag, _GroupView, ("VV",))]
+        splan = sampled_plan(sop, s_parts, lanczos=lanczos, scale=precondition)
     if G == 1:
         if "VV" in pairs:
             info: dict = {}
@@ -1078,33 +1088,28 @@ def _attention(
                 out[f"hessian/{key}"] = v
                 if rel is not None:
                     out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = rel[h]
-        if iterative:
-            out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lanczos))
-        if full:
-            out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
+        views = [(op, iterative)]
     else:  # grouped-query attention: blocks with Q per query head, the others per kv group
         qv, gv = _QueryView(op), _GroupView(op)
         if "VV" in pairs:
             out.update(_grouped_vv(gv, lanczos))
-        q_pairs, g_pairs = [p for p in iterative if p in QUERY_PAIRS], [p for p in iterative if p in GROUP_PAIRS]
-        # the query view's runs and the group view's in one solve (their stopping tests share host reads)
-        q_out, g_out = spectral_norms_of_views([(qv, q_pairs), (gv, g_pairs)], kinds=kinds, lanczos=lanczos)
-        out.update(q_out)
-        out.update(_group_keys(g_out))
-        if full:
-            out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
-    sop = None
-    if samples is not None:
-        sop = with_sampled(op, SampledCurvature.of_heads(samples, W_O))
-        diagonal = [p for p in pairs if p in ("VV", "QQ", "KK")]
+        views = [(qv, [p for p in iterative if p in QUERY_PAIRS]), (gv, [p for p in iterative if p in GROUP_PAIRS])]
+    # the engine's runs (the query view's and the group view's with grouped-query attention) and the sampled keys' in
+    # shared solves (their stopping tests share host reads), within _operator.SOLVE_BYTES of bases
+    plans = [spectral_plan(views, kinds=kinds, lanczos=lanczos)] + ([splan] if splan is not None else [])
+    norms_of, *sampled_of = solve_planned(plans)
+    out.update(norms_of[0])
+    if G > 1:
+        out.update(_group_keys(norms_of[1]))
+    if full:
         if G == 1:
-            out.update(sampled_norms(sop, diagonal, lanczos=lanczos, scale=precondition, linear=("VV",)))
-        else:  # as the other keys: QQ per query head, VV and KK per kv group (their Lanczos runs in one solve)
-            q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
-            parts = [(q_diag, _QueryView, ()), (g_diag, _GroupView, ("VV",))]
-            q_out, g_out = sampled_norms_of_views(sop, parts, lanczos=lanczos, scale=precondition)
-            out.update(q_out)
-            out.update(_group_keys(g_out))
+            out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
+        else:
+            out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
+    if sampled_of:
+        out.update(sampled_of[0][0])
+        if G > 1:
+            out.update(_group_keys(sampled_of[0][1]))
 
     if terms:
         if terms == "signals":
