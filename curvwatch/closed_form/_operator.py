@@ -491,7 +491,7 @@ def solve_planned(plans: Sequence[Planned]) -> list[Any]:
     The runs share solves (one host read per round of stopping tests for all of a solve's runs) while their bases
     together stay within :data:`SOLVE_BYTES`; a ``together`` plan's runs are never split, a plan without ``merge``
     solves each run alone. A run is made when its solve starts, so runs solved one after the other hold one basis at
-    a time.
+    a time. The plans' makers are consumed.
     """
     units: list[tuple[list[tuple[int, Callable[[], LanczosRun]]], int, bool]] = []  # ([(plan, make)], bytes, merge)
     for i, plan in enumerate(plans):
@@ -500,6 +500,8 @@ def solve_planned(plans: Sequence[Planned]) -> list[Any]:
                 units.append(([(i, make) for make, _ in plan.makers], sum(b for _, b in plan.makers), True))
         else:
             units += [([(i, make)], size, plan.merge) for make, size in plan.makers]
+    for plan in plans:  # consumed: a maker holds its run's product (and what that holds) until the run is made
+        plan.makers = []
     runs: list[list[LanczosRun]] = [[] for _ in plans]
     while units:
         (group, total, merge), units = units[0], units[1:]
