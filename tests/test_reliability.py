@@ -659,9 +659,9 @@ def test_evaluation_bytes_bounds_measured_peak_with_the_real_loss_keys(arch, B, 
     """With ``output_samples`` (the monitor's default evaluation: 16 sampled passes, AdamW rules, so three estimates x
     two preconditionings per key) the estimate doubles, and bounds the measured peak of each block's whole evaluation
     (the sampled keys' Lanczos bases, Gram columns and products on top of the engine's own). Without the doubling the
-    peaks were up to 1.95x the estimate at these shapes (the FFN at B 8, L 16, d 32; the attention 1.33x at B 4, L 8,
+    peaks were up to 1.95x the estimate at these shapes (the FFN at B 8, L 16, d 32; the attention 1.77x at B 4, L 8,
     d 16; a Hugging Face GPT-2's FFN 1.73x at d 64, B 8, L 64). ``"llama"``: a Hugging Face LLaMA (grouped-query
-    attention, gated FFN, RMSNorm; its gated FFN 1.75x without the doubling)."""
+    attention, gated FFN, RMSNorm; its attention 1.84x, its gated FFN 1.80x without the doubling)."""
     import torch.nn.functional as F
 
     from curvwatch.engine import MONITOR_LANCZOS, Engine
