@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -399,6 +400,29 @@ def sampled_norms_of_views(
     return solve_planned([sampled_plan(op, parts, lanczos=lanczos, scale=scale)])[0]
 
 
+@dataclass
+class _PairJob:
+    """One diagonal pair of :func:`sampled_plan`: its part (view) and block, its variants' prefixes, ``raw`` keys
+    ``{name: ((P, E, H) values, relative residuals)}`` (the Gram's, then its run's), the Gram ``columns`` and the
+    sharpness members' ``tops`` until its run's product takes them, and, where it has a Lanczos run (``planned``),
+    that run's keys ``names`` (``m`` kinds per member), warm-start ``key``, settings ``members`` and whether it
+    starts at vectors of its own (``own_start``: nothing kept for the next evaluation)."""
+
+    part: int
+    pair: str
+    block: str
+    prefixes: list[str]
+    raw: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    columns: torch.Tensor | None
+    tops: list[torch.Tensor] | None
+    planned: bool = False
+    names: list[str] = field(default_factory=list)
+    m: int = 0
+    key: tuple | None = None
+    members: Lanczos | None = None
+    own_start: bool = False
+
+
 def sampled_plan(
     op: BlockOperator,
     parts: Sequence[tuple[Sequence[str], Callable[[BlockOperator], BlockOperator] | None, Collection[str]]],
@@ -426,8 +450,7 @@ def sampled_plan(
     # Every pair's Gram columns first (a pair without Lanczos members lets go of its columns at once), then every
     # pair's Lanczos run, then all the runs in one solve (SOLVE_PAIRS: their stopping tests share host reads). So no
     # Gram product's temporaries meet a Lanczos basis.
-    # a job: [part, pair, block, prefixes, raw, Gram columns, tops, run, names, m, key, members, own start]
-    jobs: list[list] = []
+    jobs: list[_PairJob] = []
     makers: list = []  # (make a run, its basis's bytes), in the order of the jobs with a run
     views = []  # per part: (view, the viewed operator, whether its members stack)
     for part, (pairs, view, linear) in enumerate(parts):
@@ -464,13 +487,13 @@ def sampled_plan(
                 if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
                     raw["sharpness"] = raw["ggn"]
                     A = None
-            jobs.append([part, pair_name, X, prefixes, raw, A, tops, None, [], 0, None, None, False])
+            jobs.append(_PairJob(part, pair_name, X, prefixes, raw, A, tops))
     A = tops = None
     for job in jobs:
-        part, pair_name, X, prefixes, raw, A, tops = job[:7]
-        job[5] = job[6] = None  # (the run's product holds the columns from here on)
-        view, viewed, stack_ok = views[part]
-        names = [nm for nm in SAMPLED_NAMES if nm not in raw]
+        X, prefixes, A, tops = job.block, job.prefixes, job.columns, job.tops
+        job.columns = job.tops = None  # (the run's product holds the columns from here on)
+        view, viewed, stack_ok = views[job.part]
+        names = [nm for nm in SAMPLED_NAMES if nm not in job.raw]
         if not names:
             continue
         kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
@@ -492,7 +515,7 @@ def sampled_plan(
                 return torch.cat(pieces)
 
         kinds = kinds_one * (len(prefixes) * E)
-        key = ("sharpness", pair_name, tuple(prefixes), E) + (() if m == 2 else kinds_one)
+        key = ("sharpness", job.pair, tuple(prefixes), E) + (() if m == 2 else kinds_one)
         # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
         members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
         # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
@@ -501,24 +524,24 @@ def sampled_plan(
         # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
         make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
         makers.append((make, basis_bytes(len(kinds), emb, members, viewed.dtype)))
-        job[7:] = [True, names, m, key, members, v0 is not None]
+        job.planned, job.names, job.m, job.key, job.members = True, names, m, key, members
+        job.own_start = v0 is not None
         del mv, A, tops, v0, make
 
     def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
         made = iter(runs)
-        for job in jobs:
-            if job[7] is not None:
-                job[7] = next(made)
         outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
         spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
         withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
-        for part, pair_name, X, prefixes, raw, _, _, run, names, m, key, members, own_start in jobs:
+        for job in jobs:
+            part, pair_name, X, prefixes, raw, m = job.part, job.pair, job.block, job.prefixes, job.raw, job.m
             out, view = outs[part], views[part][0]
-            if run is not None:
-                vals, rel = (run.norm, run.rel_residual) if own_start else _norm_results(run, key, members)
+            if job.planned:
+                run = next(made)
+                vals, rel = (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
                 run.matvec = None  # (its product's tensors, the Gram columns among them)
                 P = len(prefixes)
-                for j, name in enumerate(names):  # kind j of run i E + e is row m (i E + e) + j
+                for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
                     raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
             for name in SAMPLED_NAMES:  # every variant at once
                 vals, rel = raw[name]
