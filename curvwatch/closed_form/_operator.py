@@ -435,20 +435,7 @@ def spectral_norms(
         the relative Lanczos residual of that norm (see :func:`lanczos_max_abs`'s ``info``; ``<= tol`` once
         converged, larger when ``max_iter`` stopped it).
     """
-    return spectral_norms_of_views([(op, pairs)], kinds=kinds, lanczos=lanczos, skip=skip)[0]
-
-
-def spectral_norms_of_views(
-    parts: Sequence[tuple[BlockOperator, Sequence[str]]],
-    *,
-    kinds: Sequence[str] = KINDS,
-    lanczos: Lanczos,
-    skip: Sequence[tuple[str, str]] = (),
-) -> list[dict[str, torch.Tensor]]:
-    """:func:`spectral_norms` of several ``(operator, pairs)`` parts (the grouped-query kernel's query and group
-    views of one attention), one dict per part; the Lanczos runs of every part in one :func:`solve` (their stopping
-    tests share host reads; their bases are held at once, their products made one at a time)."""
-    return solve_planned([spectral_plan(parts, kinds=kinds, lanczos=lanczos, skip=skip)])[0]
+    return solve_planned([spectral_plan([(op, pairs)], kinds=kinds, lanczos=lanczos, skip=skip)])[0][0]
 
 
 @dataclass
@@ -524,8 +511,10 @@ def spectral_plan(
     lanczos: Lanczos,
     skip: Sequence[tuple[str, str]] = (),
 ) -> Planned:
-    """The Lanczos runs of :func:`spectral_norms_of_views` as a :class:`Planned` (all in one solve); its ``finish``
-    gives the dicts of keys, one per part."""
+    """The Lanczos runs of :func:`spectral_norms` for several ``(operator, pairs)`` parts (the grouped-query
+    kernel's query and group views of one attention) as a :class:`Planned`, all in one solve (their stopping tests
+    share host reads; their bases are held at once, their products made one at a time); its ``finish`` gives the
+    dicts of keys, one per part."""
     jobs = []  # (part, pair names, kinds, warm-start key): one run per pair, or one for diagonal pairs sharing
     makers: list[tuple[Callable[[], LanczosRun], int]] = []
     for part, (op, pairs) in enumerate(parts):

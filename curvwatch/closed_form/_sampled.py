@@ -384,20 +384,7 @@ def sampled_norms(
             grouped-query ``_QueryView`` / ``_GroupView``); default the operator itself.
         linear: the pairs of ``pairs`` whose functional block is zero (the kernel knows them).
     """
-    return sampled_norms_of_views(op, [(pairs, view, linear)], lanczos=lanczos, scale=scale)[0]
-
-
-def sampled_norms_of_views(
-    op: BlockOperator,
-    parts: Sequence[tuple[Sequence[str], Callable[[BlockOperator], BlockOperator] | None, Collection[str]]],
-    *,
-    lanczos: Lanczos,
-    scale: Mapping[str, torch.Tensor] | None = None,
-) -> list[dict[str, torch.Tensor]]:
-    """:func:`sampled_norms` of several parts ``(pairs, view, linear)`` of one operator (the grouped-query kernel's
-    ``QQ`` per query head and ``KK``, ``VV`` per kv group), one dict of keys per part; the Lanczos runs of every part
-    go to one :func:`solve` (with :data:`SOLVE_PAIRS`)."""
-    return solve_planned([sampled_plan(op, parts, lanczos=lanczos, scale=scale)])[0]
+    return solve_planned([sampled_plan(op, [(pairs, view, linear)], lanczos=lanczos, scale=scale)])[0][0]
 
 
 @dataclass
@@ -430,8 +417,10 @@ def sampled_plan(
     lanczos: Lanczos,
     scale: Mapping[str, torch.Tensor] | None = None,
 ) -> Planned:
-    """The Lanczos runs of :func:`sampled_norms_of_views` as a :class:`~._operator.Planned`, every Gram column made
-    (the ``ggn`` keys where the Gram is used) before it returns; its ``finish`` gives the dicts of keys, one per part.
+    """The Lanczos runs of :func:`sampled_norms` for several parts ``(pairs, view, linear)`` of one operator (the
+    grouped-query kernel's ``QQ`` per query head and ``KK``, ``VV`` per kv group) as a :class:`~._operator.Planned`,
+    every Gram column made (the ``ggn`` keys where the Gram is used) before it returns; its ``finish`` gives the dicts
+    of keys, one per part.
     A kernel solves it with its own runs (:func:`~._operator.solve_planned`), so that their stopping tests share host
     reads; made before them, so that no Gram product's temporaries meet a Lanczos basis."""
     scale = {} if scale is None else scale
