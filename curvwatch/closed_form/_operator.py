@@ -444,7 +444,7 @@ class Planned:
 
     Attributes:
         makers: ``[(make, bytes)]``: ``make()`` makes one run (its basis is allocated then), ``bytes`` its basis at
-            most (:func:`basis_bytes`).
+            most (:func:`run_basis_bytes`).
         finish: ``finish(runs)``: the plan's results from its runs, solved, in the order of ``makers``.
         together: Its runs always in one solve, whatever their bytes (the engine's own keys, as they always were);
             otherwise each run may be solved apart from the others once :data:`SOLVE_BYTES` is reached.
@@ -464,7 +464,7 @@ class Planned:
 SOLVE_BYTES = 2**30
 
 
-def basis_bytes(rows: int, emb: _Embedding, lanczos: Lanczos, dtype: torch.dtype) -> int:
+def run_basis_bytes(rows: int, emb: _Embedding, lanczos: Lanczos, dtype: torch.dtype) -> int:
     """The Lanczos basis of a run of ``rows`` members of ``emb``'s operator at most, in bytes (``max_basis``, else
     ``max_iter``, vectors of ``H n`` numbers per member)."""
     vectors = emb.n if lanczos.max_iter is None else min(lanczos.max_iter, emb.n)
@@ -533,7 +533,7 @@ def spectral_plan(
                 rows = list(ks) * len(stack)
                 jobs.append((part, stack, ks, key))
                 make = functools.partial(_norm_run, op, emb, mv, rows, key, True, lanczos)
-                makers.append((make, basis_bytes(len(rows), emb, lanczos, op.dtype)))
+                makers.append((make, run_basis_bytes(len(rows), emb, lanczos, op.dtype)))
             for pair_name in group:
                 if pair_name in stack:
                     continue
@@ -542,7 +542,7 @@ def spectral_plan(
                 key = (pair_name, ks)
                 jobs.append((part, [pair_name], ks, key))
                 make = functools.partial(_norm_run, op, emb, mv, ks, key, pair[0] == pair[1], lanczos)
-                makers.append((make, basis_bytes(len(ks), emb, lanczos, op.dtype)))
+                makers.append((make, run_basis_bytes(len(ks), emb, lanczos, op.dtype)))
 
     def finish(runs: list[LanczosRun]) -> list[dict[str, torch.Tensor]]:
         outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]

@@ -45,9 +45,9 @@ from ._operator import (
     _rows,
     _skip_dead_kinds,
     apply_kinds,
-    basis_bytes,
     head_keys,
     pair_matvec,
+    run_basis_bytes,
     solve_planned,
 )
 from .settings import Lanczos
@@ -512,7 +512,7 @@ def sampled_plan(
         v0 = None if not tops or m != 1 else torch.cat(tops)
         # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
         make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
-        makers.append((make, basis_bytes(len(kinds), emb, members, viewed.dtype)))
+        makers.append((make, run_basis_bytes(len(kinds), emb, members, viewed.dtype)))
         job.planned, job.names, job.m, job.key, job.members = True, names, m, key, members
         job.own_start = v0 is not None
         del mv, A, tops, v0, make
