@@ -253,9 +253,10 @@ class CapturedBlock:
         max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``32 B H L^2 +
         64 B L d``, the per-head ``(B, H, L, L)`` tangents of the Lanczos products; FFN ``32 B L d_ff``; LayerNorm
         ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`); with ``output_samples`` (the
-        real-loss keys) twice that: the sampled keys' Lanczos members hold bases of their own (the attention's
-        ``QQ`` and ``KK`` runs at once) beside the Gram columns and their products' rows. The factors bound the peaks
-        measured on CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
+        real-loss keys) twice the work and three times the bases: the sampled keys' Lanczos members hold bases of
+        their own, solved together with the engine's (the attention's ``QQ`` and ``KK`` runs, 12 rows of ``n_W``
+        beside its own 6), beside the Gram columns and their products' rows. The factors bound the peaks measured on
+        CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
         """
         X = self.inputs.get("X")
         if X is None:
@@ -267,14 +268,16 @@ class CapturedBlock:
 
     def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
         """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 without Lanczos),
-        twice that with ``output_samples``.
+        three times that with ``output_samples`` (the sampled keys' runs, solved together with the engine's).
 
-        It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it.
+        It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it. The engine lets a kernel's
+        runs share their stopping tests while their bases stay within it (``Lanczos.solve_bytes``).
         """
         if self.inputs.get("X") is None:
             return 0
         numel = KINDS[self.spec.kind].basis_numel(self.params)
-        return self._sampled_factor() * 6 * vectors * numel * torch.empty((), dtype=dtype).element_size()
+        rows = 18 if self._sampled_factor() > 1 else 6
+        return rows * vectors * numel * torch.empty((), dtype=dtype).element_size()
 
     def _sampled_factor(self) -> int:
         """2 where the block holds ``output_samples`` (its evaluation computes the real-loss keys too), else 1."""

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import CapturedBlock, nonfinite_inputs, vectors_held
+from curvwatch.closed_form import _operator
 from curvwatch.closed_form._common import inputs_checked
 from curvwatch.closed_form._lockstep import Lockstep
 from curvwatch.closed_form.settings import Lanczos, WarmStart
@@ -429,7 +430,10 @@ class Engine:
         warm = self.warm.setdefault(block.spec.name, WarmStart())
         if kind.iterative and not len(warm):
             out.cold.add(block.spec.name)
-        lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm)
+        # a kernel's Lanczos runs share their stopping tests' host reads while their bases stay within what this
+        # block's memory estimate counts for them (at least the default budget)
+        solve = max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, vectors_held(self.lanczos.max_iter, max_basis)))
+        lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm, solve_bytes=solve)
         kwargs = dict(
             lanczos=lanczos,
             dtype=dtype,
@@ -451,7 +455,8 @@ class Engine:
         if held > 4 and bases >= block.evaluation_bytes(dtype, max_iter, max_basis) - bases:
             # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
             self.basis_limit = max(4, held // 2)
-            kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit)
+            solve = max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, self.basis_limit))
+            kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit, solve_bytes=solve)
             retry = f"holding at most {self.basis_limit} Lanczos vectors per norm (was {held})"
         else:
             self.token_limit = max(1, min(self.token_limit, block.tokens) // 2)

@@ -94,6 +94,45 @@ def test_out_of_memory_halves_the_tokens_and_retries_once(monkeypatch):
     assert fresh.token_limit == 6
 
 
+def test_each_block_lets_its_lanczos_runs_share_solves_within_its_basis_estimate(monkeypatch):
+    """The engine passes every block's kernel ``solve_bytes``: the block's own estimate of its Lanczos bases (which the
+    memory windows and ``memory_budget_mb`` count), at least ``_operator.SOLVE_BYTES``; after an out-of-memory retry
+    that holds fewer vectors, the estimate at that many."""
+    from curvwatch.capture import vectors_held
+    from curvwatch.closed_form import _operator
+    from curvwatch.engine import MONITOR_LANCZOS
+
+    seen, original = [], CapturedBlock.evaluate
+
+    def spy(self, **kwargs):
+        seen.append((self, kwargs["lanczos"]))
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("induced")
+        return original(self, **kwargs)
+
+    def estimate(self, dtype=torch.float32, max_iter=20, max_basis=None):  # the bases dominate: the retry holds fewer
+        return 2 * self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
+
+    monkeypatch.setattr(CapturedBlock, "evaluate", spy)
+    monkeypatch.setattr(CapturedBlock, "evaluation_bytes", estimate)
+    monkeypatch.setattr(_operator, "SOLVE_BYTES", 1)  # below every block's estimate here
+    with pytest.warns(UserWarning, match="holding at most 8 Lanczos vectors per norm"):
+        Engine().evaluate(_captured())
+    held = vectors_held(MONITOR_LANCZOS.max_iter, MONITOR_LANCZOS.max_basis)
+    (block, first), (again, retry) = seen[:2]
+    assert again is block and first.max_basis == held == 16 and retry.max_basis == 8
+    assert first.solve_bytes == block.basis_bytes(torch.float32, 16) > 1
+    assert retry.solve_bytes == block.basis_bytes(torch.float32, 8) == first.solve_bytes // 2
+    later = seen[2:]
+    assert later and all(lz.max_basis == 8 and lz.solve_bytes == max(1, b.basis_bytes(torch.float32, 8))
+                         for b, lz in later)  # fmt: skip
+    # tiny blocks: the default budget
+    monkeypatch.setattr(_operator, "SOLVE_BYTES", 2**30)
+    seen[:] = [None]  # (no induced error this time)
+    Engine().evaluate(_captured())
+    assert len(seen) > 1 and all(lz.solve_bytes == 2**30 for _, lz in seen[1:])
+
+
 def test_invalid_dtype_is_refused():
     with pytest.raises(ValueError, match="Invalid dtype='float16'"):
         Engine(dtype="float16")

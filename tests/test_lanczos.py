@@ -571,3 +571,10 @@ def test_warm_start_store_keeps_directions_in_bfloat16():
     half = torch.randn(2, 5, generator=g).to(torch.float16)  # already as small: kept as it is
     warm.put("half", half)
     assert warm._vectors["half"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1GB"])
+def test_solve_bytes_must_be_a_non_negative_int(bad):
+    with pytest.raises(ValueError, match=f"Invalid solve_bytes={bad!r}. Must be an int >= 0"):
+        Lanczos(solve_bytes=bad)
+    assert Lanczos(solve_bytes=0).solve_bytes == 0 and Lanczos().solve_bytes is None

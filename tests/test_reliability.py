@@ -714,8 +714,9 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
         return original(self, **kwargs)
 
     monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
-    # estimates at 28 tokens (max_iter=20), with the real-loss keys (the default: twice those without): attention
-    # 0.74 MiB (its QQ and KK bases, held at once, 0.469 MiB), FFN 0.34 MiB (bases 0.234 MiB), LayerNorm 0.03
+    # estimates at 28 tokens (max_iter=20), with the real-loss keys (the default: twice the work and three times the
+    # bases of those without): attention 0.97 MiB (bases 0.703 MiB: its own run's and its QQ and KK runs, held at
+    # once), FFN 0.46 MiB (bases 0.352 MiB), LayerNorm 0.03
     budget_mb = 0.2
     monitor = CurvatureMonitor(
         max_overhead=None, every_n_train_steps=1, max_tokens=28, memory_budget_mb=budget_mb, log_heatmap=False,
@@ -730,9 +731,9 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     assert all(nbytes <= budget_mb * 2**20 for _, _, nbytes, _ in evaluated), evaluated
     attn = [(tokens, basis) for name, tokens, _, basis in evaluated if name == "layer0/attn"]
     assert attn and all(t < 28 and b == 4 for t, b in attn)  # shrunk
-    # the FFN (d_ff = d: bases half the attention's) holds 8 vectors and 14 tokens (no second warning of either kind);
-    # LayerNorm untouched
-    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(14, 8), (14, 8)]
+    # the FFN (d_ff = d: bases half the attention's) holds 5 vectors (18 KiB each), which brings it to 0.19 MiB at
+    # its 28 tokens (no second warning of either kind); LayerNorm untouched
+    assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ffn"] == [(28, 5), (28, 5)]
     assert [(t, b) for n, t, _, b in evaluated if n == "layer0/ln_1"] == [(28, None), (28, None)]
     assert all(math.isfinite(logged(trainer)[s][MAX_KEY]) for s in (0, 1))
 
@@ -752,8 +753,8 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
         max_overhead=None, every_n_train_steps=1, max_tokens=14, log_heatmap=False, tol=1e-4, max_iter=200,
         max_basis=None, log_level="all",
     )  # fmt: skip
-    # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 48 KiB in the estimate (24 KiB
-    # times two: the real-loss keys' runs hold bases of their own)
+    # d = 16, d_ff = 64 (TinyLM's d_ff=16 widened): one FFN vector is 1024 numbers, 72 KiB in the estimate (24 KiB
+    # times three: the real-loss keys' runs hold bases of their own, solved together with the engine's)
     runs = {}
     for budget in (None, 0.6):
         torch.manual_seed(0)
@@ -767,10 +768,10 @@ def test_memory_budget_bounds_the_lanczos_bases_of_a_wide_ffn(tmp_path, spy, mon
     free, limited = runs[None], runs[0.6]
     assert free[2] == [] and all(b is None for *_, b in free[1])
     ffn = [(t, b) for n, t, b in limited[1] if n == "layer0/ffn"]
-    assert ffn == [(14, 6)], ffn  # 0.3 MiB for the bases: 6 vectors of 48 KiB; the tokens untouched
-    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 24 KiB, its QQ and KK bases held at
-    # once, are over 0.3 MiB too)
-    assert len(limited[2]) == 1 and "holds at most 12 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
+    assert ffn == [(14, 4)], ffn  # 0.3 MiB for the bases: 4 vectors of 72 KiB; the tokens untouched
+    # one warning for all blocks (the attention's, first evaluated: 200 vectors of 36 KiB, its own, QQ and KK bases
+    # held at once, are over 0.3 MiB too)
+    assert len(limited[2]) == 1 and "holds at most 8 Lanczos vectors per norm of block 'layer0/attn'" in limited[2][0]
     keys = ("ffn/hessian/W1W1", "ffn/outer/W1W1", "ffn/functional/W1W1", "attn/hessian/QQ/h0", "attn/hessian/KK/h1")
     for key in keys:
         name = f"{P}layer0/{key}"

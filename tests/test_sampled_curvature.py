@@ -442,6 +442,54 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
         assert_close_report(capped[key], apart[key], CONVERGED, name=key)
 
 
+@pytest.mark.parametrize("kernel, case", CASES[:4], ids=_ids)
+def test_the_ffns_own_and_sampled_runs_share_one_solve_within_solve_bytes(kernel, case, monkeypatch):
+    """The FFN kernels (plain and gated; ReLU's and the gated ``W3W3``'s outer-only runs included) solve their own
+    Lanczos runs and the sampled keys' in one ``solve`` while the bases stay within ``lanczos.solve_bytes`` (the
+    monitor passes each block's memory estimate of its bases), so that their stopping tests share host reads: at
+    GPT-2-small width the FFN's own run and its sampled run had to be one after the other, 9-14 reads per layer. Past
+    the budget (``solve_bytes=1``) no solve mixes the engine's runs with the sampled ones; the keys are the same
+    (float64, tight Lanczos, ``CONVERGED``)."""
+    from curvwatch.closed_form import _operator
+
+    solves, made = [], []
+    inner_solve, inner_run = _operator.solve, sampled._norm_run
+
+    def spy_solve(runs):
+        solves.append(list(runs))
+        return inner_solve(runs)
+
+    def spy_run(*args, **kwargs):
+        made.append(inner_run(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(_operator, "solve", spy_solve)
+    monkeypatch.setattr(sampled, "_norm_run", spy_run)
+    monkeypatch.setattr(sampled, "GRAM_STEPS", 0)  # every sampled key by Lanczos: runs of both kinds
+    prob = PROBLEMS[kernel](case)
+
+    def keys(solve_bytes: int | None) -> dict:
+        solves.clear(), made.clear()
+        lanczos = Lanczos(tol=1e-11, max_iter=400, warm_start=None, solve_bytes=solve_bytes)
+        return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
+
+    def is_sampled(run) -> bool:
+        return any(run is m for m in made)
+
+    together = keys(None)
+    assert len(solves) == 1, solves
+    own = [r for r in solves[0] if not is_sampled(r)]
+    assert own and len(own) < len(solves[0]), solves  # the engine's runs and the sampled ones, one solve
+    if case["activation"] == "relu" or kernel == "gated_ffn":  # the outer-only run and the others' run(s)
+        assert len(own) >= 2, own
+    apart = keys(1)
+    assert len(solves) > 1 and all(len({is_sampled(r) for r in runs}) == 1 for runs in solves), solves
+    assert set(together) == set(apart)
+    for key, value in apart.items():
+        if not key.startswith("residual/"):
+            assert_close_report(together[key], value, CONVERGED, name=key)
+
+
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[8]], ids=_ids)
 @pytest.mark.parametrize("gram_start", [False, True])
 def test_default_lanczos_and_warm_start(kernel, case, gram_start, monkeypatch):

@@ -435,7 +435,8 @@ def spectral_norms(
         the relative Lanczos residual of that norm (see :func:`lanczos_max_abs`'s ``info``; ``<= tol`` once
         converged, larger when ``max_iter`` stopped it).
     """
-    return solve_planned([spectral_plan([(op, pairs)], kinds=kinds, lanczos=lanczos, skip=skip)])[0][0]
+    plan = spectral_plan([(op, pairs)], kinds=kinds, lanczos=lanczos, skip=skip)
+    return solve_planned([plan], lanczos.solve_bytes)[0][0]
 
 
 @dataclass
@@ -447,7 +448,8 @@ class Planned:
             most (:func:`run_basis_bytes`).
         finish: ``finish(runs)``: the plan's results from its runs, solved, in the order of ``makers``.
         together: Its runs always in one solve, whatever their bytes (the engine's own keys, as they always were);
-            otherwise each run may be solved apart from the others once :data:`SOLVE_BYTES` is reached.
+            otherwise each run may be solved apart from the others once the solve's budget (:func:`solve_planned`)
+            is reached.
         merge: Whether its runs may share a solve with other runs at all (``False``: one solve per run).
     """
 
@@ -458,9 +460,12 @@ class Planned:
 
 
 #: Runs that could go to one :func:`solve` (:func:`solve_planned`) share it while their Lanczos bases together stay
-#: within this many bytes (a plan whose runs always go together, or one run, may hold more alone): at GPT-2-small width
-#: (d 768, 12 heads, 16 vectors) the attention's engine run and its two sampled runs hold 3 x 216 MiB; at d 4096 one
-#: sampled run alone holds 6 GiB, and there the sampled runs go one at a time, as before session 19.
+#: within this many bytes (a plan whose runs always go together, or one run, may hold more alone), unless the kernel's
+#: ``lanczos.solve_bytes`` says otherwise: the monitor's engine passes each block's own estimate of its bases
+#: (``CapturedBlock.basis_bytes``), at least this. At GPT-2-small width (d 768, 12 heads, 16 vectors) the attention's
+#: engine run and its two sampled runs hold 3 x 216 MiB, the FFN's engine run 432 MiB and its sampled run 864 MiB
+#: (within the FFN's estimate, 2,592 MiB of bases: one solve since session 20); called directly, at d 4096 one sampled
+#: run alone holds 6 GiB, and there the sampled runs go one at a time.
 SOLVE_BYTES = 2**30
 
 
@@ -472,14 +477,15 @@ def run_basis_bytes(rows: int, emb: _Embedding, lanczos: Lanczos, dtype: torch.d
     return rows * emb.H * emb.n * vectors * dtype.itemsize
 
 
-def solve_planned(plans: Sequence[Planned]) -> list[Any]:
+def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[Any]:
     """Make and solve the runs of ``plans`` in order; each plan's ``finish`` of its runs, in order.
 
     The runs share solves (one host read per round of stopping tests for all of a solve's runs) while their bases
-    together stay within :data:`SOLVE_BYTES`; a ``together`` plan's runs are never split, a plan without ``merge``
-    solves each run alone. A run is made when its solve starts, so runs solved one after the other hold one basis at
-    a time. The plans' makers are consumed.
+    together stay within ``budget`` bytes (``None``: :data:`SOLVE_BYTES`; a kernel passes its ``lanczos.solve_bytes``);
+    a ``together`` plan's runs are never split, a plan without ``merge`` solves each run alone. A run is made when its
+    solve starts, so runs solved one after the other hold one basis at a time. The plans' makers are consumed.
     """
+    budget = SOLVE_BYTES if budget is None else budget
     units: list[tuple[list[tuple[int, Callable[[], LanczosRun]]], int, bool]] = []  # ([(plan, make)], bytes, merge)
     for i, plan in enumerate(plans):
         if plan.together and plan.merge:
@@ -493,7 +499,7 @@ def solve_planned(plans: Sequence[Planned]) -> list[Any]:
     while units:
         (group, total, merge), units = units[0], units[1:]
         group = list(group)
-        while merge and units and units[0][2] and total + units[0][1] <= SOLVE_BYTES:
+        while merge and units and units[0][2] and total + units[0][1] <= budget:
             (more, size, _), units = units[0], units[1:]
             group += more
             total += size
@@ -502,6 +508,43 @@ def solve_planned(plans: Sequence[Planned]) -> list[Any]:
         for i, run in made:
             runs[i].append(run)
     return [plan.finish(r) for plan, r in zip(plans, runs, strict=True)]
+
+
+def norms_with_a_linear_pair(
+    op: BlockOperator,
+    pairs: Sequence[str],
+    linear: str | None,
+    *,
+    kinds: Sequence[str],
+    lanczos: Lanczos,
+    extra: Planned | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`spectral_norms` of ``pairs`` where the functional block of the diagonal pair ``linear`` is exactly zero
+    (the FFN's ``W1W1`` under ReLU, the gated FFN's ``W3W3``: ``F`` linear in that weight): one outer-only run for it,
+    its ``hessian`` keys the outer part and its ``functional`` key 0. The runs and those of ``extra`` (the sampled
+    keys' :func:`~._sampled.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads, within
+    ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last."""
+    iterative = [p for p in pairs if p != linear]
+    zero = linear is not None and linear in pairs
+    outer = zero and ("outer" in kinds or "hessian" in kinds)
+    plans = [spectral_plan([(op, [linear])], kinds=["outer"], lanczos=lanczos)] if outer else []
+    if iterative:
+        plans.append(spectral_plan([(op, iterative)], kinds=kinds, lanczos=lanczos))
+    solved = iter(solve_planned(plans + ([extra] if extra is not None else []), lanczos.solve_bytes))
+    out: dict[str, torch.Tensor] = {}
+    if outer:
+        o = next(solved)[0]
+        for k in kinds:
+            if k != "functional":
+                out[f"{k}/{linear}"] = o[f"outer/{linear}"]
+                out[f"residual/{k}/{linear}"] = o[f"residual/outer/{linear}"]
+    if zero and "functional" in kinds:
+        out[f"functional/{linear}"] = torch.zeros((), dtype=op.dtype, device=op.device)
+    if iterative:
+        out.update(next(solved)[0])
+    if extra is not None:
+        out.update(next(solved)[0])
+    return out
 
 
 def spectral_plan(

@@ -367,7 +367,7 @@ def sampled_norms(
     For the pairs in ``linear`` (``F`` linear in ``X``: the block's own functional term is zero, e.g. ``VV``,
     ``W2W2``) the sharpness *is* the GGN: no Lanczos runs for them where the Gram is used. Every pair's Gram columns
     are made first, then the pairs' Lanczos runs are solved together (:data:`SOLVE_PAIRS`: one host read per round of
-    stopping tests for all of them; at most ``_operator.SOLVE_BYTES`` of bases at once).
+    stopping tests for all of them; at most ``lanczos.solve_bytes`` of bases at once).
 
     With ``k >= 2`` samples the largest eigenvalue of the Monte-Carlo matrix is biased upward, by about ``c / k``
     (the few-sample Gram matrix's largest eigenvalue; ``c`` grows with the block). Each key is then debiased
@@ -384,7 +384,8 @@ def sampled_norms(
             grouped-query ``_QueryView`` / ``_GroupView``); default the operator itself.
         linear: the pairs of ``pairs`` whose functional block is zero (the kernel knows them).
     """
-    return solve_planned([sampled_plan(op, [(pairs, view, linear)], lanczos=lanczos, scale=scale)])[0][0]
+    plan = sampled_plan(op, [(pairs, view, linear)], lanczos=lanczos, scale=scale)
+    return solve_planned([plan], lanczos.solve_bytes)[0][0]
 
 
 @dataclass
@@ -575,9 +576,9 @@ def sampled_plan(
 #: The sampled keys' Lanczos runs of all the pairs of a call (the attention's ``QQ`` and ``KK``) in one :func:`solve`,
 #: and with the kernel's own runs where it solves them together (:func:`sampled_plan`): their stopping tests share
 #: host reads (one sync per round of tests for all of them, instead of one per run one after the other). Their bases
-#: are then held at once, at most ``_operator.SOLVE_BYTES`` of them (``CapturedBlock.basis_bytes`` counts two runs'
-#: worth with output samples); their products still run one at a time. ``False``: one solve per run (the benchmark's
-#: "before").
+#: are then held at once, at most ``lanczos.solve_bytes`` of them (the monitor's engine passes the block's
+#: ``CapturedBlock.basis_bytes``, which counts three times the engine's own with output samples); their products still
+#: run one at a time. ``False``: one solve per run (the benchmark's "before").
 SOLVE_PAIRS = True
 
 

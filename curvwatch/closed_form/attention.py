@@ -1095,9 +1095,9 @@ def _attention(
             out.update(_grouped_vv(gv, lanczos))
         views = [(qv, [p for p in iterative if p in QUERY_PAIRS]), (gv, [p for p in iterative if p in GROUP_PAIRS])]
     # the engine's runs (the query view's and the group view's with grouped-query attention) and the sampled keys' in
-    # shared solves (their stopping tests share host reads), within _operator.SOLVE_BYTES of bases
+    # shared solves (their stopping tests share host reads), within lanczos.solve_bytes of bases
     plans = [spectral_plan(views, kinds=kinds, lanczos=lanczos)] + ([splan] if splan is not None else [])
-    norms_of, *sampled_of = solve_planned(plans)
+    norms_of, *sampled_of = solve_planned(plans, lanczos.solve_bytes)
     out.update(norms_of[0])
     if G > 1:
         out.update(_group_keys(norms_of[1]))

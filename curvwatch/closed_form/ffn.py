@@ -33,11 +33,11 @@ from ._operator import (
     _check_kinds,
     _rows_times,
     dense_blocks,
+    norms_with_a_linear_pair,
     run_parts,
     select_rows,
-    spectral_norms,
 )
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
+from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
 from .settings import Lanczos
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
@@ -314,25 +314,16 @@ def ffn(
         out["outer/W2W2"] = o
         out["functional/W2W2"] = torch.zeros_like(o)
         out["hessian/W2W2"] = o
-    if relu and "W1W1" in iterative:
-        # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run
-        iterative.remove("W1W1")
-        zero = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
-        if "outer" in kinds or "hessian" in kinds:
-            o = spectral_norms(op, ["W1W1"], kinds=["outer"], lanczos=lz)
-            for k in kinds:
-                if k != "functional":
-                    out[f"{k}/W1W1"], out[f"residual/{k}/W1W1"] = o["outer/W1W1"], o["residual/outer/W1W1"]
-        if "functional" in kinds:
-            out["functional/W1W1"] = zero
-    if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lz))
-    if samples is not None:
+    splan = None
+    if samples is not None:  # the sampled keys' Gram columns first: no Lanczos basis is held yet
         sop = with_sampled(op, SampledCurvature.of_tokens(samples))
         blocks = {"W_1": "W1", "W_2": "W2"}
         diagonal = [p for p in pairs if p in ("W1W1", "W2W2")]
         scale = {blocks[nm]: D for nm, D in pre.items()}
-        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale=scale, linear=("W2W2",)))  # F linear in W_2
+        splan = sampled_plan(sop, [(diagonal, None, ("W2W2",))], lanczos=lz, scale=scale)  # F linear in W_2
+    # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run. The engine's
+    # runs and the sampled keys' in one solve
+    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, kinds=kinds, lanczos=lz, extra=splan))
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:

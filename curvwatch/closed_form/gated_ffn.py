@@ -46,11 +46,11 @@ from ._operator import (
     _check_kinds,
     _rows_times,
     dense_blocks,
+    norms_with_a_linear_pair,
     run_parts,
     select_rows,
-    spectral_norms,
 )
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_norms, with_sampled
+from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
 from .ffn import activation_derivatives, activation_value
 from .settings import Lanczos
 
@@ -362,24 +362,16 @@ def gated_ffn(
     if "W2W2" in pairs:
         o = hk[0].clamp_min(0)  # ||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b); F is linear in W_down
         out["outer/W2W2"], out["functional/W2W2"], out["hessian/W2W2"] = o, torch.zeros_like(o), o
-    if "W3W3" in iterative:
-        # F is linear in W_up: H_f(W3W3) = 0 exactly, the Hessian block is its outer part (one Lanczos run)
-        iterative.remove("W3W3")
-        if "outer" in kinds or "hessian" in kinds:
-            o = spectral_norms(op, ["W3W3"], kinds=["outer"], lanczos=lz)
-            for k in kinds:
-                if k != "functional":
-                    out[f"{k}/W3W3"], out[f"residual/{k}/W3W3"] = o["outer/W3W3"], o["residual/outer/W3W3"]
-        if "functional" in kinds:
-            out["functional/W3W3"] = torch.zeros((), dtype=Y3.dtype, device=Y3.device)
-    if iterative:
-        out.update(spectral_norms(op, iterative, kinds=kinds, lanczos=lz))
-    if samples is not None:
+    splan = None
+    if samples is not None:  # the sampled keys' Gram columns first: no Lanczos basis is held yet
         sop = with_sampled(op, SampledCurvature.of_tokens(samples))
         blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
         diagonal = [p for p in pairs if p in ("W1W1", "W3W3", "W2W2")]
         scale = {blocks[nm]: D for nm, D in pre.items()}
-        out.update(sampled_norms(sop, diagonal, lanczos=lz, scale=scale, linear=("W2W2", "W3W3")))  # F linear in them
+        splan = sampled_plan(sop, [(diagonal, None, ("W2W2", "W3W3"))], lanczos=lz, scale=scale)  # F linear in them
+    # F is linear in W_up: H_f(W3W3) = 0 exactly, the Hessian block is its outer part (one Lanczos run). The engine's
+    # runs and the sampled keys' in one solve
+    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", kinds=kinds, lanczos=lz, extra=splan))
     kept = keep.unsqueeze(-1)  # (B, L, 1)
     n_kept = f * (B * L if row_mask is None else keep.sum())
     off, pos = Z_g < GATE_OFF, Z_g > 0  # (B, L, f)

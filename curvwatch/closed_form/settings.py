@@ -91,6 +91,11 @@ class Lanczos:
         warm_start: A :class:`WarmStart` kept between calls, or ``None`` for cold starts.
         warn: Warn (:class:`LanczosWarning`) when a norm stops at ``max_iter`` above ``tol``. The monitor turns
             this off and reports convergence through its own keys instead.
+        solve_bytes: Most bytes of Lanczos bases one kernel call holds at once so that its runs share their stopping
+            tests (one host read per round of tests for all of them, a sync on a GPU); runs beyond it are solved one
+            after the other. ``None``: ``_operator.SOLVE_BYTES`` (1 GiB). The monitor passes each block's own
+            estimate of its bases (:meth:`~curvwatch.capture.CapturedBlock.basis_bytes`, which its memory windows
+            already count), at least that.
 
     Example:
         >>> Lanczos().max_iter, Lanczos(tol=1e-6).tol, EXACT.max_iter is None
@@ -106,6 +111,7 @@ class Lanczos:
     max_basis: int | None = 16
     warm_start: WarmStart | None = None
     warn: bool = True
+    solve_bytes: int | None = None
 
     def __post_init__(self) -> None:
         tol = self.tol
@@ -121,6 +127,13 @@ class Lanczos:
             raise ValueError(
                 f"Invalid max_basis={self.max_basis!r}. Must be an int >= 4 (Lanczos vectors held per norm), or None "
                 "to hold up to max_iter."
+            )
+        if self.solve_bytes is not None and (
+            isinstance(self.solve_bytes, bool) or not isinstance(self.solve_bytes, int) or self.solve_bytes < 0
+        ):
+            raise ValueError(
+                f"Invalid solve_bytes={self.solve_bytes!r}. Must be an int >= 0 (bytes of Lanczos bases held at once), "
+                "or None for the default (1 GiB)."
             )
         if self.warm_start is not None and not isinstance(self.warm_start, WarmStart):
             raise ValueError(
