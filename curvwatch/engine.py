@@ -430,9 +430,7 @@ class Engine:
         warm = self.warm.setdefault(block.spec.name, WarmStart())
         if kind.iterative and not len(warm):
             out.cold.add(block.spec.name)
-        # a kernel's Lanczos runs share their stopping tests' host reads while their bases stay within what this
-        # block's memory estimate counts for them (at least the default budget)
-        solve = max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, vectors_held(self.lanczos.max_iter, max_basis)))
+        solve = _solve_bytes(block, dtype, vectors_held(self.lanczos.max_iter, max_basis))
         lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm, solve_bytes=solve)
         kwargs = dict(
             lanczos=lanczos,
@@ -455,7 +453,7 @@ class Engine:
         if held > 4 and bases >= block.evaluation_bytes(dtype, max_iter, max_basis) - bases:
             # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
             self.basis_limit = max(4, held // 2)
-            solve = max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, self.basis_limit))
+            solve = _solve_bytes(block, dtype, self.basis_limit)
             kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit, solve_bytes=solve)
             retry = f"holding at most {self.basis_limit} Lanczos vectors per norm (was {held})"
         else:
@@ -470,6 +468,13 @@ class Engine:
             stacklevel=3,
         )
         return block.evaluate(**kwargs)
+
+
+def _solve_bytes(block: CapturedBlock, dtype: torch.dtype, vectors: int | None) -> int | None:
+    """The block kernel's ``Lanczos.solve_bytes``: its runs share their stopping tests' host reads while their bases
+    stay within what the block's memory estimate counts for them (:meth:`CapturedBlock.basis_bytes` at ``vectors``
+    held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are unbounded."""
+    return None if vectors is None else max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, vectors))
 
 
 def _run_together(calls: list, device: torch.device) -> list[tuple[Any, Exception | None]]:
