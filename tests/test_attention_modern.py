@@ -233,6 +233,37 @@ def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run
             assert_close_report(together[key], value, 1e-8, name=key)
 
 
+@pytest.mark.parametrize("H_kv", [4, 2], ids=["G1", "GQA"])
+def test_the_vv_run_joins_the_kernels_solve_with_the_values_of_a_solve_of_its_own(H_kv, monkeypatch):
+    """The ``VV`` norm's Lanczos run (``G = 1``: the ``d x d`` Gram's ``lambda_max``, by Lanczos for ``d > 256``, forced
+    here; ``G > 1``: the grouped outer part) joins the kernel's one ``solve`` with its other runs (their stopping tests
+    share host reads; it used to be a solve of its own before them, on the LLaMA-style 2-layer benchmark 6 reads per
+    layer in a chain with the others' 7); with ``solve_bytes=0`` it is solved alone, with the same keys (float64,
+    tight Lanczos)."""
+    from curvwatch.closed_form import _operator
+
+    monkeypatch.setattr(attention_module.AttentionOperator, "vv_exact", staticmethod(lambda d, max_iter: False))
+    X, W, kw = _inputs(_case(H=4, H_kv=H_kv, mode="grad", rotary="half", r=2), seed=3)
+    solves = []
+    inner = _operator.solve
+    monkeypatch.setattr(_operator, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
+    pairs = ["VV", "QQ", "KK"]
+
+    def keys(solve_bytes):
+        solves.clear()
+        lanczos = Lanczos(tol=1e-10, max_iter=400, solve_bytes=solve_bytes)
+        return multi_head_attention(X, **W, **kw, lanczos=lanczos, terms=False, pairs=pairs)
+
+    together = keys(None)
+    assert len(solves) == 1 and solves[0] >= 2, solves  # the VV run with the others
+    apart = keys(0)
+    assert len(solves) >= 2 and solves[0] == 1, solves  # the VV run first, alone
+    assert set(together) == set(apart) and any("VV" in k for k in apart)
+    for key, value in apart.items():
+        if not key.startswith("residual/"):
+            assert_close_report(together[key], value, 1e-8, name=key)
+
+
 def _modern_kwargs() -> tuple:
     X, W, kw = _inputs(_case(d_K=4, rotary="half", r=4, window=3, pad=True, H=4, H_kv=4), seed=5)
     return X, W, kw

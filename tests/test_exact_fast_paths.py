@@ -8,8 +8,8 @@ import torch
 from curvwatch.closed_form import ffn, layernorm, multi_head_attention
 from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
 from curvwatch.closed_form._masks import keep_masks
-from curvwatch.closed_form._operator import spectral_norms
-from curvwatch.closed_form.attention import AttentionOperator, _group_keys, _grouped_vv, _GroupView, _vv_gram_run
+from curvwatch.closed_form._operator import solve_planned, spectral_norms
+from curvwatch.closed_form.attention import AttentionOperator, _group_keys, _grouped_vv_plan, _GroupView, _vv_gram_run
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form.settings import EXACT
 from tests.utils import TOL, assert_close_report
@@ -74,8 +74,8 @@ def test_attention_vv_matvec_matches_the_formed_factor():
 
 def test_grouped_vv_run_equals_the_group_views_lanczos():
     """Grouped-query attention (``G = 3``): ``outer/VV/g*`` from the stacked run of :func:`_grouped_vv_run` (one
-    product for every layer's groups in a terms-only evaluation) equals the norms of the group view's own operator
-    products, and both equal the dense block's largest eigenvalue."""
+    product for every layer's groups in a terms-only evaluation; planned, :func:`_grouped_vv_plan`) equals the norms
+    of the group view's own operator products, and both equal the dense block's largest eigenvalue."""
     gen = torch.Generator().manual_seed(4)
     B, L, d, H, H_kv, k, m = 2, 5, 6, 6, 2, 3, 4
     X = _rand(gen, B, L, d)
@@ -86,7 +86,7 @@ def test_grouped_vv_run_equals_the_group_views_lanczos():
     op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, m), None)
     op.set_cotangent(_rand(gen, B, L, m), torch.rand(B, generator=gen, dtype=DT) + 0.1)
     tight = EXACT.replace(tol=1e-10, max_iter=None, max_basis=None)
-    new = _grouped_vv(_GroupView(op), tight)
+    new = solve_planned([_grouped_vv_plan(_GroupView(op), tight)])[0]
     old = _group_keys(spectral_norms(_GroupView(op), ["VV"], kinds=("outer",), lanczos=tight))
     for j in range(H_kv):
         key = f"outer/VV/g{j}"

@@ -9,7 +9,7 @@ import torch
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch import engine as engine_module
 from curvwatch.closed_form import _lanczos, _lockstep
-from curvwatch.closed_form._lockstep import Lockstep, gathered, solved_together
+from curvwatch.closed_form._lockstep import Lockstep, gathered, made_together, solved_together
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
@@ -209,4 +209,26 @@ def test_a_shared_run_steps_once_per_round_and_an_error_reaches_only_its_own_eva
     assert len(set(steps)) == 1 and len(steps) == lock.rounds  # one run, one step per round
     (a, ea), (b, eb), (c, ec) = Lockstep().run([lambda: norm(1.0), lambda: norm(-1.0), lambda: norm(3.0)])
     assert round(a, 9) == 5.0 and round(c, 9) == 15.0 and ea is None and ec is None
+    assert b is None and isinstance(eb, FloatingPointError)  # its own error, not the shared run's
+
+
+def test_a_shared_run_solved_with_an_evaluations_own_runs_fails_alone():
+    """A shared run (:func:`made_together`) solved in one ``solve`` with runs of the evaluation's own (their stopping
+    tests share host reads): when its product raises, it ends alone; the other runs of every evaluation finish, each
+    evaluation gets its part of the shared run solved again alone (:meth:`Shared.solved`), and the error reaches only
+    the evaluation whose own request raises it."""
+    M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
+
+    def norms(scale: float) -> tuple[float, float]:
+        shared = made_together(_shared_run, torch.tensor(scale, dtype=DT))
+        own = _lanczos.LanczosRun(lambda v: v @ (M * 2), (), 3, dtype=DT, device=M.device)
+        _lanczos.solve([shared.run, own])
+        assert own.error is None
+        run, i = shared.solved()
+        return round(float(run.norm[i]), 9), round(float(own.norm), 9)
+
+    (a, ea), (b, eb) = Lockstep().run([lambda: norms(1.0), lambda: norms(2.0)])
+    assert (a, b, ea, eb) == ((5.0, 10.0), (10.0, 10.0), None, None)
+    (a, ea), (b, eb), (c, ec) = Lockstep().run([lambda: norms(1.0), lambda: norms(-1.0), lambda: norms(3.0)])
+    assert a == (5.0, 10.0) and c == (15.0, 10.0) and ea is None and ec is None
     assert b is None and isinstance(eb, FloatingPointError)  # its own error, not the shared run's

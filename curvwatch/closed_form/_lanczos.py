@@ -154,11 +154,11 @@ def solve_groups(groups: Sequence[Sequence[LanczosRun]]) -> list[Exception | Non
 
 
 class SharedRunError(RuntimeError):
-    """Raised by :func:`solve` in every evaluation holding a run that several hold (one run for the requests of
-    several evaluations, :func:`~curvwatch.closed_form._lockstep.gathered`) when that run's product raised (the
-    error is its ``__cause__``). The run is dead; each evaluation may solve its own part again alone
-    (:func:`~curvwatch.closed_form._lockstep.solved_together`), so that an error reaches only the evaluation whose
-    own product raises it."""
+    """The :attr:`~LanczosRun.error` of a run that several evaluations hold (one run for the requests of several
+    evaluations, :func:`~curvwatch.closed_form._lockstep.gathered`) when that run's product raised (the error is its
+    ``__cause__``). The run is dead; each evaluation solves its own part again alone
+    (:meth:`~curvwatch.closed_form._lockstep.Shared.solved`), so that an error reaches only the evaluation whose own
+    product raises it."""
 
 
 def _shared_error(err: Exception) -> SharedRunError:
@@ -190,24 +190,28 @@ class Rounds:
         """One product of every live run, the due stopping tests in one host read; returns the groups that ended
         (every run done, or one raised: ``(key, exception or None)``), which leave. A run that several groups hold
         (one run for the requests of several evaluations, see :func:`~curvwatch.closed_form._lockstep.gathered`)
-        advances once per round; an error it raises ends every group that holds it, as a :class:`SharedRunError`."""
+        advances once per round; an error it raises ends that run alone (its :attr:`~LanczosRun.error`, a
+        :class:`SharedRunError`): the groups holding it go on with their other runs, and each holder solves its own
+        part again (:meth:`~curvwatch.closed_form._lockstep.Shared.solved`)."""
         owners: dict[int, tuple[LanczosRun, list]] = {}  # id(run) -> (run, keys of the groups holding it)
         for key, (runs, _) in self.groups.items():
             for r in runs:
                 if not r.done:
                     owners.setdefault(id(r), (r, []))[1].append(key)
 
-        def attempt(keys: list, fn, *args) -> bool:  # whether it ran: some group holding the run has no error yet
+        def attempt(keys: list, run: LanczosRun, fn, *args) -> bool:  # whether it ran (a holder has no error yet)
             live = [key for key in keys if self.groups[key][1] is None]
             if live:
                 try:
                     fn(*args)
                 except Exception as err:
-                    for key in live:  # several holders: each may solve its own part again (SharedRunError)
-                        self.groups[key][1] = err if len(keys) == 1 else _shared_error(err)
-            return bool(live)
+                    if len(keys) == 1:
+                        self.groups[live[0]][1] = err
+                    else:  # several holders: the run ends alone, each holder solves its own part again
+                        run.fail(_shared_error(err))
+            return bool(live) and run.error is None
 
-        stepped = [(keys, r) for r, keys in owners.values() if attempt(keys, r.step)]
+        stepped = [(keys, r) for r, keys in owners.values() if attempt(keys, r, r.step)]
         due = [(keys, r) for keys, r in stepped if r.due and any(self.groups[k][1] is None for k in keys)]
         if due:
             parts = [r.host_parts() for _, r in due]
@@ -215,7 +219,7 @@ class Rounds:
             host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
             ends = np.cumsum([p.numel() for p in parts])[:-1]
             for (keys, r), part in zip(due, np.split(host, ends), strict=True):
-                attempt(keys, r.check, part.reshape(r.host_shape))
+                attempt(keys, r, r.check, part.reshape(r.host_shape))
         if owners:
             self.clock += 1
         ended = [(key, error) for key, (runs, error) in self.groups.items()
@@ -236,6 +240,7 @@ class LanczosRun:
         norm: ``batch_shape``, the largest |eigenvalue| (the largest eigenvalue with ``algebraic``).
         ritz: ``(*batch_shape, n)``, its Ritz vector.
         rel_residual: ``batch_shape``, the relative residual of the returned Ritz value when its member stopped.
+        error: ``None``, or why the run ended without them (a shared run whose product raised, :meth:`fail`).
     """
 
     def __init__(self, matvec, batch_shape, n, *, dtype, device, tol=1e-6, max_iter=None, max_basis=None, v0=None,
@@ -244,6 +249,7 @@ class LanczosRun:
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, tuple(batch_shape), n, dtype, device
         self.tol, self.pass_live, self.algebraic = tol, pass_live, algebraic
         self.done, self.due = False, False
+        self.error: Exception | None = None  # why a shared run ended without its results (:meth:`fail`)
         if n <= 0:
             self.done = True
             self.norm = self.rel_residual = torch.zeros(batch_shape, dtype=dtype, device=device)
@@ -309,6 +315,10 @@ class LanczosRun:
         self.scale = torch.zeros((self.b, 1, 1), dtype=dtype, device=device)  # max |alpha|, beta so far
         self.breakdown = 10 * torch.finfo(dtype).eps  # beta below this times scale: the Krylov space is exhausted
         self.inf = torch.full((), torch.inf, dtype=dtype, device=device)
+
+    def fail(self, error: Exception) -> None:
+        """End the run without results (a shared run whose product raised, see :class:`Rounds`)."""
+        self.done, self.due, self.error = True, False, error
 
     # -- one step on the device ------------------------------------------------------------------------------------
 

@@ -42,13 +42,14 @@ import contextvars
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._lanczos import LOCKSTEP, LanczosRun, Rounds, SharedRunError, solve
+from ._lanczos import LOCKSTEP, LanczosRun, Rounds, solve
 
-__all__ = ["GATHER_BYTES", "Lockstep", "gathered", "solved_together"]
+__all__ = ["GATHER_BYTES", "Lockstep", "Shared", "gathered", "made_together", "solved_together"]
 
 #: A gathered call (:func:`gathered`) stacks the inputs of at most this many bytes (or one request's, if larger): the
 #: evaluations of a window hold their captured tensors anyway, the stacked copy and the function's temporaries come on
@@ -91,22 +92,46 @@ def gathered(fn: Callable[..., Any], *tensors: torch.Tensor, take: Callable[[Any
     return meet(fn, tensors, settings, take)
 
 
+@dataclass
+class Shared:
+    """A request's part of a Lanczos run that the requests of a :class:`Lockstep` share (:func:`made_together`): the
+    ``run`` (not solved yet) and the request's index ``i`` in its batch. Solve the run (alone, or with other runs in
+    one :func:`~curvwatch.closed_form._lanczos.solve`), then read the part from :meth:`solved`."""
+
+    run: LanczosRun
+    i: int
+    fn: Callable[..., LanczosRun]
+    tensors: tuple[torch.Tensor, ...]
+    settings: dict[str, Hashable]
+
+    def solved(self) -> tuple[LanczosRun, int]:
+        """``(run, i)`` once the run was solved; if its product raised (its ``error``, a
+        :class:`~curvwatch.closed_form._lanczos.SharedRunError`), this request's part solved again alone, so that an
+        error reaches only the evaluation whose own product raises it (as one at a time)."""
+        if self.run.error is None:
+            return self.run, self.i
+        run, i = _alone(self.fn, self.tensors, self.settings, _member)
+        solve([run])
+        return run, i
+
+
+def made_together(fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **settings: Hashable) -> Shared:
+    """The Lanczos run ``fn(*stacked, **settings)`` of every request that meets (:func:`gathered` with a leading
+    dimension, one run whose batch starts with it), made but not solved: the caller solves it, with runs of its own if
+    it likes (their stopping tests then share host reads), and reads its part from :meth:`Shared.solved`."""
+    run, i = gathered(fn, *tensors, take=_member, **settings)
+    return Shared(run, i, fn, tensors, settings)
+
+
 def solved_together(
     fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **settings: Hashable
 ) -> tuple[LanczosRun, int]:
-    """``(run, i)``: the Lanczos run ``fn(*stacked, **settings)`` of every request that meets (:func:`gathered` with a
-    leading dimension, one run whose batch starts with it), solved, and this request's index in it.
-
-    If the shared run's product raises (:class:`~curvwatch.closed_form._lanczos.SharedRunError`), this request's part
-    is solved again alone: an error then reaches only the evaluation whose own product raises it (as one at a time).
-    """
-    run, i = gathered(fn, *tensors, take=_member, **settings)
-    try:
-        solve([run])
-    except SharedRunError:
-        run, i = _alone(fn, tensors, settings, _member)
-        solve([run])
-    return run, i
+    """``(run, i)``: the Lanczos run ``fn(*stacked, **settings)`` of every request that meets (:func:`made_together`),
+    solved, and this request's index in it (:meth:`Shared.solved`: its part solved again alone if the shared run's
+    product raised)."""
+    shared = made_together(fn, *tensors, **settings)
+    solve([shared.run])
+    return shared.solved()
 
 
 def _member(run: Any, i: int) -> tuple[Any, int]:

@@ -44,20 +44,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
+from typing import Any
 
 import torch
 
 from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
 from ._lanczos import LanczosRun
-from ._lockstep import gathered, solved_together
+from ._lockstep import Shared, gathered, made_together
 from ._masks import attention_masks, split_heads
 from ._operator import (
     ALL_ROWS,
     KINDS,
     BlockOperator,
     ParamInfo,
+    Planned,
     _check_kinds,
     _rows_times,
     dense_blocks,
@@ -66,7 +68,6 @@ from ._operator import (
     run_parts,
     select_rows,
     solve_planned,
-    spectral_norms,
     spectral_plan,
 )
 from ._qk_norm import check_qk_norm
@@ -529,6 +530,22 @@ class AttentionOperator(BlockOperator):
         """Whether :meth:`outer_vv_norm` takes the ``d x d`` eigen-decomposition (else Lanczos)."""
         return d <= 256 or max_iter is None
 
+    def vv_gram_plan(self, lanczos: Lanczos) -> Planned:
+        """The Lanczos run of :meth:`outer_vv_norm`'s ``lambda_max`` per head where :meth:`vv_exact` says Lanczos, as
+        a :class:`Planned` (the kernel solves it with its other runs: their stopping tests share host reads): one run
+        for the blocks of a Lockstep that meet here (:func:`made_together`; every layer's, in a terms-only
+        evaluation). Its ``finish`` gives ``(lambda_max, relative residual)``, ``(H,)`` each."""
+        start = _warm_start(lanczos, ("VV", "gram"), (self.H, self.Xkv.shape[-1]), self)
+        shared = made_together(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, start, tol=lanczos.tol,
+                               max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+
+        def finish(runs: list[LanczosRun]) -> tuple[torch.Tensor, torch.Tensor]:
+            run, i = shared.solved()
+            _keep_start(lanczos, ("VV", "gram"), run.ritz[i])
+            return run.norm[i], run.rel_residual[i]
+
+        return _planned_shared(shared, finish)
+
     def outer_vv_norm(
         self,
         lanczos: Lanczos,
@@ -544,18 +561,12 @@ class AttentionOperator(BlockOperator):
         ``(H,)``.
         """
         if gram is None:
-            d = self.Xkv.shape[-1]
-            if self.vv_exact(d, lanczos.max_iter):
+            if self.vv_exact(self.Xkv.shape[-1], lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
-            else:  # one run for the blocks of a Lockstep that meet here (every layer's, in a terms-only evaluation)
-                start = _warm_start(lanczos, ("VV", "gram"), (self.H, d), self)
-                run, i = solved_together(_vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, start,
-                                         tol=lanczos.tol, max_iter=lanczos.max_iter,
-                                         max_basis=lanczos.max_basis)  # fmt: skip
-                _keep_start(lanczos, ("VV", "gram"), run.ritz[i])
-                gram = run.norm[i]
+            else:
+                gram, rel = solve_planned([self.vv_gram_plan(lanczos)], lanczos.solve_bytes)[0]
                 if info is not None:
-                    info["rel_residual"] = run.rel_residual[i]
+                    info["rel_residual"] = rel
         gram = gram.clamp_min(0)
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
@@ -669,27 +680,48 @@ def _group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {re.sub(r"/h(\d+)$", r"/g\1", k): v for k, v in out.items()}
 
 
-def _grouped_vv(gv: _GroupView, lanczos: Lanczos) -> dict[str, torch.Tensor]:
-    """``VV/g{j}`` for ``G > 1``: the outer part by Lanczos (a sum of Kronecker products, no closed-form norm),
-    ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the total is the outer part. With an output projection, one run
-    for the blocks of a Lockstep that meet here (:func:`_grouped_vv_run`; every layer's, in a terms-only evaluation)."""
+def _grouped_vv_plan(gv: _GroupView, lanczos: Lanczos) -> Planned:
+    """``VV/g{j}`` for ``G > 1`` as a :class:`Planned` (the kernel solves it with its other runs): the outer part by
+    Lanczos (a sum of Kronecker products, no closed-form norm), ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the
+    total is the outer part. With an output projection, one run for the blocks of a Lockstep that meet here
+    (:func:`_grouped_vv_run`, :func:`made_together`; every layer's, in a terms-only evaluation). Its ``finish`` gives
+    the keys."""
     op = gv.op
+
+    def keys_of(norms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, v in _group_keys(norms).items():
+            out[key] = out[key.replace("outer/", "hessian/", 1)] = v
+            if not key.startswith("residual/"):
+                out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
+        return out
+
     if op.W_O is None:
-        norms = spectral_norms(gv, ["VV"], kinds=("outer",), lanczos=lanczos)
-    else:
-        start = _warm_start(lanczos, ("VV", "grouped"), (op.H_kv, op.Xkv.shape[-1] * op.d_V), op)
-        run, i = solved_together(_grouped_vv_run, op.A, op.c, op.row_keep, op.Xkv, op.W_O, start, groups=op.G,
-                                 tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+        plan = spectral_plan([(gv, ["VV"])], kinds=("outer",), lanczos=lanczos)
+        inner = plan.finish
+        plan.finish = lambda runs: keys_of(inner(runs)[0])
+        return plan
+    start = _warm_start(lanczos, ("VV", "grouped"), (op.H_kv, op.Xkv.shape[-1] * op.d_V), op)
+    shared = made_together(_grouped_vv_run, op.A, op.c, op.row_keep, op.Xkv, op.W_O, start, groups=op.G,
+                           tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+
+    def finish(runs: list[LanczosRun]) -> dict[str, torch.Tensor]:
+        run, i = shared.solved()
         _keep_start(lanczos, ("VV", "grouped"), run.ritz[i])
         keys = head_keys(gv, "outer/VV", ("V",))
         norms = dict(zip(keys, run.norm[i].unbind(), strict=True))
         norms.update(zip([f"residual/{k}" for k in keys], run.rel_residual[i].unbind(), strict=True))
-    out = {}
-    for key, v in _group_keys(norms).items():
-        out[key] = out[key.replace("outer/", "hessian/", 1)] = v
-        if not key.startswith("residual/"):
-            out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
-    return out
+        return keys_of(norms)
+
+    return _planned_shared(shared, finish)
+
+
+def _planned_shared(shared: Shared, finish: Callable[[list[LanczosRun]], Any]) -> Planned:
+    """A run made already (:func:`made_together`, shared by the blocks of a Lockstep that meet) as a one-run
+    :class:`Planned`: its maker returns it, its bytes are its basis's at most."""
+    run = shared.run
+    size = 0 if run.done else run.b * run.cap * run.n * run.dtype.itemsize
+    return Planned([(lambda: run, size)], finish)
 
 
 def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *given: torch.Tensor, scale: float,
@@ -1076,28 +1108,35 @@ def _attention(
             q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
             s_parts = [(q_diag, _QueryView, ()), (g_diag, _GroupView, ("VV",))]
         splan = sampled_plan(sop, s_parts, lanczos=lanczos, scale=precondition)
+    vv_plan = None
     if G == 1:
-        if "VV" in pairs:
-            info: dict = {}
-            vv = op.outer_vv_norm(lanczos, gram=sq.get("vv"), wo2=sq.get("wo"), info=info)
-            zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
-            rel = info["rel_residual"].unbind() if "rel_residual" in info else None  # found by Lanczos (d > 256)
-            for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
-                out[f"outer/{key}"] = v
-                out[f"functional/{key}"] = zero
-                out[f"hessian/{key}"] = v
-                if rel is not None:
-                    out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = rel[h]
+        if "VV" in pairs and not vv_exact:  # the d x d Gram's lambda_max by Lanczos (d > 256)
+            vv_plan = op.vv_gram_plan(lanczos)
         views = [(op, iterative)]
     else:  # grouped-query attention: blocks with Q per query head, the others per kv group
         qv, gv = _QueryView(op), _GroupView(op)
         if "VV" in pairs:
-            out.update(_grouped_vv(gv, lanczos))
+            vv_plan = _grouped_vv_plan(gv, lanczos)
         views = [(qv, [p for p in iterative if p in QUERY_PAIRS]), (gv, [p for p in iterative if p in GROUP_PAIRS])]
-    # the engine's runs (the query view's and the group view's with grouped-query attention) and the sampled keys' in
-    # shared solves (their stopping tests share host reads), within lanczos.solve_bytes of bases
+    # the VV run, the engine's runs (the query view's and the group view's with grouped-query attention) and the
+    # sampled keys' in shared solves (their stopping tests share host reads), within lanczos.solve_bytes of bases
     plans = [spectral_plan(views, kinds=kinds, lanczos=lanczos)] + ([splan] if splan is not None else [])
-    norms_of, *sampled_of = solve_planned(plans, lanczos.solve_bytes)
+    solved = solve_planned(([vv_plan] if vv_plan is not None else []) + plans, lanczos.solve_bytes)
+    vv_of = solved.pop(0) if vv_plan is not None else None
+    norms_of, *sampled_of = solved
+    if G == 1 and "VV" in pairs:
+        gram, rel = (sq.get("vv"), None) if vv_plan is None else vv_of
+        vv = op.outer_vv_norm(lanczos, gram=gram, wo2=sq.get("wo"))
+        zero = torch.zeros((), dtype=X3.dtype, device=X3.device)
+        rel = None if rel is None else rel.unbind()
+        for h, (key, v) in enumerate(zip(hk("VV"), vv.unbind(), strict=True)):
+            out[f"outer/{key}"] = v
+            out[f"functional/{key}"] = zero
+            out[f"hessian/{key}"] = v
+            if rel is not None:
+                out[f"residual/outer/{key}"] = out[f"residual/hessian/{key}"] = rel[h]
+    elif G > 1 and "VV" in pairs:
+        out.update(vv_of)
     out.update(norms_of[0])
     if G > 1:
         out.update(_group_keys(norms_of[1]))
