@@ -262,7 +262,7 @@ class CapturedBlock:
         if X is None:
             return 0
         B, L, d = X.shape
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         n = KINDS[self.spec.kind].work_elements(B, L, d, self.params)
         return self._sampled_factor() * n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
 
@@ -277,7 +277,7 @@ class CapturedBlock:
             return 0
         numel = KINDS[self.spec.kind].basis_numel(self.params)
         rows = 18 if self._sampled_factor() > 1 else 6
-        return rows * vectors * numel * torch.empty((), dtype=dtype).element_size()
+        return rows * vectors * numel * dtype.itemsize
 
     def _sampled_factor(self) -> int:
         """2 where the block holds ``output_samples`` (its evaluation computes the real-loss keys too), else 1."""
