@@ -453,13 +453,15 @@ class Engine:
         if held > 4 and bases >= block.evaluation_bytes(dtype, max_iter, max_basis) - bases:
             # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
             self.basis_limit = max(4, held // 2)
-            solve = _solve_bytes(block, dtype, self.basis_limit)
-            kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit, solve_bytes=solve)
+            kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit)
             retry = f"holding at most {self.basis_limit} Lanczos vectors per norm (was {held})"
         else:
             self.token_limit = max(1, min(self.token_limit, block.tokens) // 2)
             block = block.truncate(self.token_limit)
             retry = f"on {self.token_limit} tokens"
+        # the retry holds one run's basis at a time (a kernel's runs in solves of their own: more host reads, the
+        # same numbers); later evaluations share solves again, within the estimate at the lower limits
+        kwargs["lanczos"] = kwargs["lanczos"].replace(solve_bytes=0)
         warnings.warn(
             f"CurvatureMonitor ran out of memory evaluating block '{block.spec.name}' {what} ({message}). Freed "
             f"it and retrying {retry}; later evaluations keep this lower limit. Pass a smaller max_tokens or a "
