@@ -683,24 +683,10 @@ def _group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _grouped_vv_plan(gv: _GroupView, lanczos: Lanczos) -> Planned:
     """``VV/g{j}`` for ``G > 1`` as a :class:`Planned` (the kernel solves it with its other runs): the outer part by
     Lanczos (a sum of Kronecker products, no closed-form norm), ``H_f(VV) = 0`` (``F`` is linear in ``W_V``), so the
-    total is the outer part. With an output projection, one run for the blocks of a Lockstep that meet here
-    (:func:`_grouped_vv_run`, :func:`made_together`; every layer's, in a terms-only evaluation). Its ``finish`` gives
-    the keys."""
+    total is the outer part: one run for the blocks of a Lockstep that meet here (:func:`_grouped_vv_run`,
+    :func:`made_together`; every layer's, in a terms-only evaluation). Its ``finish`` gives the keys. (``G > 1`` means
+    several heads, hence an output projection: an operator without one has a single head.)"""
     op = gv.op
-
-    def keys_of(norms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for key, v in _group_keys(norms).items():
-            out[key] = out[key.replace("outer/", "hessian/", 1)] = v
-            if not key.startswith("residual/"):
-                out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
-        return out
-
-    if op.W_O is None:
-        plan = spectral_plan([(gv, ["VV"])], kinds=("outer",), lanczos=lanczos)
-        inner = plan.finish
-        plan.finish = lambda runs: keys_of(inner(runs)[0])
-        return plan
     start = _warm_start(lanczos, ("VV", "grouped"), (op.H_kv, op.Xkv.shape[-1] * op.d_V), op)
     shared = made_together(_grouped_vv_run, op.A, op.c, op.row_keep, op.Xkv, op.W_O, start, groups=op.G,
                            tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
@@ -711,7 +697,12 @@ def _grouped_vv_plan(gv: _GroupView, lanczos: Lanczos) -> Planned:
         keys = head_keys(gv, "outer/VV", ("V",))
         norms = dict(zip(keys, run.norm[i].unbind(), strict=True))
         norms.update(zip([f"residual/{k}" for k in keys], run.rel_residual[i].unbind(), strict=True))
-        return keys_of(norms)
+        out = {}
+        for key, v in _group_keys(norms).items():
+            out[key] = out[key.replace("outer/", "hessian/", 1)] = v
+            if not key.startswith("residual/"):
+                out[key.replace("outer/", "functional/", 1)] = torch.zeros_like(v)
+        return out
 
     return _planned_shared(shared, finish)
 
