@@ -21,9 +21,10 @@ evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of 
 CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
 
 Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda]
-[--engine-only] [--tiers full,terms] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of captured
-blocks, no Trainer and no real-loss keys; ``--tiers``: the evaluations counted on CPU, e.g. ``--n-layer 12 --tiers
-terms``: the terms-only evaluation at GPT-2-small's depth, whose blocks meet in gathered calls).
+[--engine-only] [--tiers full,terms] [--reads] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of
+captured blocks, no Trainer and no real-loss keys; ``--tiers``: the evaluations counted on CPU, e.g. ``--n-layer 12
+--tiers terms``: the terms-only evaluation at GPT-2-small's depth, whose blocks meet in gathered calls; ``--reads``:
+which Lanczos runs each stopping-test read of the full evaluation served, and each run's steps, :class:`ReadLabels`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,70 @@ def count_host_reads(counter: OpCounter):
             setattr(torch.Tensor, name, fn)
 
 
+class ReadLabels:
+    """Which Lanczos runs each stopping-test read served (``--reads``): while :attr:`active`, every
+    :class:`~curvwatch.closed_form._lanczos.LanczosRun` made is labelled (its product's function, batch shape and
+    dimension), its steps counted, and every :func:`~curvwatch.closed_form._lanczos.to_host` read records the labels
+    of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a row are solved
+    one after the other (a chain of reads)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.reads: list[Counter[str]] = []  # per read: label -> runs tested
+        self.runs: Counter[str] = Counter()  # label -> runs made
+        self.steps: Counter[str] = Counter()  # label -> Lanczos steps
+
+    @staticmethod
+    def label(run) -> str:
+        fn = run.matvec
+        while hasattr(fn, "func"):  # functools.partial
+            fn = fn.func
+        name = getattr(fn, "__qualname__", type(fn).__name__).replace(".<locals>", "")
+        return f"{name} {tuple(run.batch_shape)} n={run.n}"
+
+    @contextlib.contextmanager
+    def patched(self):
+        from curvwatch.closed_form import _lanczos
+
+        run_cls, to_host = _lanczos.LanczosRun, _lanczos.to_host
+        init, step, check = run_cls.__init__, run_cls.step, run_cls.check
+        rec = self
+
+        def init_(run, *args, **kwargs):
+            init(run, *args, **kwargs)
+            run._bench_label = rec.label(run)
+            if rec.active:
+                rec.runs[run._bench_label] += 1
+
+        def step_(run):
+            if rec.active:
+                rec.steps[run._bench_label] += 1
+            step(run)
+
+        def to_host_(t):
+            if rec.active:
+                rec.reads.append(Counter())
+            return to_host(t)
+
+        def check_(run, ab):
+            if rec.active and rec.reads:
+                rec.reads[-1][run._bench_label] += 1
+            check(run, ab)
+
+        run_cls.__init__, run_cls.step, run_cls.check, _lanczos.to_host = init_, step_, check_, to_host_
+        try:
+            yield self
+        finally:
+            run_cls.__init__, run_cls.step, run_cls.check, _lanczos.to_host = init, step, check, to_host
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "reads": len(self.reads),
+            "runs": {k: {"made": self.runs[k], "steps": self.steps[k]} for k in self.runs},
+            "per_read": [dict(c) for c in self.reads],
+        }
+
+
 def build_model(arch: str, n_layer: int, vocab: int, L_seq: int) -> torch.nn.Module:
     """A model of GPT-2-small width built from a config (no download): curvwatch's GPT or a HF LLaMA."""
     if arch == "gpt":
@@ -138,8 +203,8 @@ class LitLM(L.LightningModule):
 class StepProbe(Callback):
     """Counts the operators and host syncs of step ``at`` (from its batch start to its end) and times every step."""
 
-    def __init__(self, at: int, device: torch.device) -> None:
-        self.at, self.device = at, device
+    def __init__(self, at: int, device: torch.device, labels: ReadLabels | None = None) -> None:
+        self.at, self.device, self.labels = at, device, labels
         self.counter: OpCounter | None = None
         self._stack: contextlib.ExitStack | None = None
         self.times: list[float] = []
@@ -155,6 +220,8 @@ class StepProbe(Callback):
             self._stack = contextlib.ExitStack()
             self._stack.enter_context(self.counter)
             self._stack.enter_context(count_host_reads(self.counter))
+            if self.labels is not None:
+                self.labels.active = True
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -165,16 +232,18 @@ class StepProbe(Callback):
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+            if self.labels is not None:
+                self.labels.active = False
 
 
 def run(model_fn, monitor: CurvatureMonitor | None, steps: int, at: int, batch: int, L_seq: int, vocab: int,
-        device: torch.device, precision: str) -> StepProbe:  # fmt: skip
+        device: torch.device, precision: str, labels: ReadLabels | None = None) -> StepProbe:  # fmt: skip
     torch.manual_seed(0)
     model = LitLM(model_fn())
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, vocab, (batch * steps, L_seq + 1), generator=g)
     data = DataLoader(TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=batch)
-    probe = StepProbe(at, device)
+    probe = StepProbe(at, device, labels)
     callbacks: list[Callback] = [probe] + ([monitor] if monitor is not None else [])
     trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, precision=precision, logger=False,
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
@@ -206,10 +275,17 @@ def count(args) -> dict[str, Any]:
     for name, make in variants().items():
         if name != "off" and name not in args.tiers.split(","):
             continue
-        probe = run(model_fn, make(), 3, 2, args.batch, args.seq, args.vocab, device, "32-true")
+        labels = ReadLabels() if getattr(args, "reads", False) and name == "full" else None
+        with labels.patched() if labels is not None else contextlib.nullcontext():
+            probe = run(model_fn, make(), 3, 2, args.batch, args.seq, args.vocab, device, "32-true", labels)
         out[name] = {"ops": probe.counter.total, "syncs": probe.counter.syncs,
                      "top": probe.counter.ops.most_common(12)}  # fmt: skip
         print(f"{name}: {out[name]['ops']} operators, {out[name]['syncs']} host syncs", file=sys.stderr)
+        if labels is not None:
+            out["full_reads"] = labels.summary()
+            print(f"full: {len(labels.reads)} stopping-test reads; the runs each served:", file=sys.stderr)
+            for i, served in enumerate(labels.reads, 1):
+                print(f"  {i:4d} " + "; ".join(f"{k} x{v}" for k, v in served.items()), file=sys.stderr)
     for name in [n for n in ("full", "terms") if n in out]:
         out[f"{name}_per_layer"] = {
             "ops": (out[name]["ops"] - out["off"]["ops"]) / args.n_layer,
@@ -304,6 +380,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "(no Trainer, no real-loss keys) instead of the whole monitor in a Lightning run",
     )
     p.add_argument("--tiers", default="full,terms", help="CPU counts: the evaluations counted (full, terms)")
+    p.add_argument(
+        "--reads",
+        action="store_true",
+        help="CPU, whole monitor: label which Lanczos runs each stopping-test read of the full evaluation served "
+        "(and each run's steps)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"

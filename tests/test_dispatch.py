@@ -163,3 +163,39 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
         ops, reads = count(lambda lz, call=call, p=precondition: call(lz, output_samples=S, precondition=p))
         assert ops - ops0 <= max_ops, (name, ops - ops0)
         assert reads - reads0 <= max_reads, (name, reads - reads0)
+
+
+def test_read_labels_name_the_runs_each_stopping_test_read_served():
+    """``bench_dispatch --reads`` (:class:`~benchmarks.bench_dispatch.ReadLabels`): two runs solved together share their
+    reads (each read names both), a third solved after them has reads of its own; the steps counted are the runs'
+    products, and nothing is recorded while inactive (outside the counted step)."""
+    from benchmarks.bench_dispatch import ReadLabels
+    from curvwatch.closed_form import _lanczos
+
+    M = torch.diag(torch.linspace(1.0, 2.0, 40, dtype=torch.float64))
+
+    def run(width: int) -> _lanczos.LanczosRun:
+        def mv(v: torch.Tensor) -> torch.Tensor:
+            return v @ M
+
+        return _lanczos.LanczosRun(mv, (width,), 40, dtype=M.dtype, device=M.device, tol=1e-8, max_iter=12)
+
+    labels = ReadLabels()
+    with labels.patched():
+        _lanczos.solve([run(1)])  # inactive: not recorded
+        labels.active = True
+        pair = [run(1), run(2)]
+        _lanczos.solve(pair)
+        shared = len(labels.reads)
+        _lanczos.solve([run(3)])
+        labels.active = False
+    assert _lanczos.LanczosRun.step.__name__ == "step" and _lanczos.to_host.__name__ == "to_host"  # restored
+    one, two, three = (f"test_read_labels_name_the_runs_each_stopping_test_read_served.run.mv ({w},) n=40"
+                       for w in (1, 2, 3))  # fmt: skip
+    assert shared >= 2 and all(set(r) <= {one, two} and r for r in labels.reads[:shared])
+    assert any(set(r) == {one, two} for r in labels.reads[:shared])  # one read for both
+    assert len(labels.reads) > shared and all(set(r) == {three} for r in labels.reads[shared:])
+    assert labels.runs == {one: 1, two: 1, three: 1}
+    assert labels.steps[one] == labels.steps[two] == 12 == labels.steps[three]  # max_iter, tol out of reach
+    summary = labels.summary()
+    assert summary["reads"] == len(labels.reads) and summary["runs"][three] == {"made": 1, "steps": 12}
