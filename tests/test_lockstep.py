@@ -9,7 +9,7 @@ import torch
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch import engine as engine_module
 from curvwatch.closed_form import _lanczos, _lockstep
-from curvwatch.closed_form._lockstep import Lockstep, gathered, made_together, solved_together
+from curvwatch.closed_form._lockstep import Lockstep, gathered, made_together
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
@@ -186,12 +186,14 @@ def _shared_run(scales: torch.Tensor) -> _lanczos.LanczosRun:
 
 
 def test_a_shared_run_steps_once_per_round_and_an_error_reaches_only_its_own_evaluation():
-    """A run that several evaluations hold (:func:`solved_together`) advances once per round for all of them; when its
+    """A run that several evaluations hold (:func:`made_together`) advances once per round for all of them; when its
     product raises, each evaluation solves its own part again alone, so the error reaches only the evaluation whose
     own product raises it (as evaluated one at a time)."""
 
     def norm(scale: float) -> float:
-        run, i = solved_together(_shared_run, torch.tensor(scale, dtype=DT))
+        shared = made_together(_shared_run, torch.tensor(scale, dtype=DT))
+        _lanczos.solve([shared.run])
+        run, i = shared.solved()
         return float(run.norm[i])
 
     steps = []

@@ -12,7 +12,7 @@ ends.
 The evaluations meet in their exact pieces too: a kernel that calls :func:`gathered` parks with its request, and when
 every evaluation has parked, the requests of the same function and shapes (every layer's, in a model whose blocks
 repeat) are answered by **one** call on their inputs stacked along a new leading dimension: the dispatched operators
-of one call for all of them. A Lanczos run built by such a call (:func:`solved_together`) serves every request that
+of one call for all of them. A Lanczos run built by such a call (:func:`made_together`) serves every request that
 met: one product and one step per round for all layers' operators.
 
 Exactly one thread runs at any time (the others wait on semaphores), so nothing here is concurrent: the kernels need
@@ -49,7 +49,7 @@ import torch
 
 from ._lanczos import LOCKSTEP, LanczosRun, Rounds, solve
 
-__all__ = ["GATHER_BYTES", "Lockstep", "Shared", "gathered", "made_together", "solved_together"]
+__all__ = ["GATHER_BYTES", "Lockstep", "Shared", "gathered", "made_together"]
 
 #: A gathered call (:func:`gathered`) stacks the inputs of at most this many bytes (or one request's, if larger): the
 #: evaluations of a window hold their captured tensors anyway, the stacked copy and the function's temporaries come on
@@ -121,17 +121,6 @@ def made_together(fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **setti
     it likes (their stopping tests then share host reads), and reads its part from :meth:`Shared.solved`."""
     run, i = gathered(fn, *tensors, take=_member, **settings)
     return Shared(run, i, fn, tensors, settings)
-
-
-def solved_together(
-    fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **settings: Hashable
-) -> tuple[LanczosRun, int]:
-    """``(run, i)``: the Lanczos run ``fn(*stacked, **settings)`` of every request that meets (:func:`made_together`),
-    solved, and this request's index in it (:meth:`Shared.solved`: its part solved again alone if the shared run's
-    product raised)."""
-    shared = made_together(fn, *tensors, **settings)
-    solve([shared.run])
-    return shared.solved()
 
 
 def _member(run: Any, i: int) -> tuple[Any, int]:

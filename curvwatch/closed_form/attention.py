@@ -551,22 +551,19 @@ class AttentionOperator(BlockOperator):
         lanczos: Lanczos,
         gram: torch.Tensor | None = None,
         wo2: torch.Tensor | None = None,
-        info: dict | None = None,
     ) -> torch.Tensor:
         """Exact ``||H_o(VV)||`` per head (``G = 1``): ``lambda_max(sum_b c_b (A X_kv)_b^T (A X_kv)_b) ||W_O^h||^2``.
 
         ``gram`` (that ``lambda_max``, ``(H,)``) and ``wo2`` (``||W_O^h||^2``) may be passed when the caller
-        computed them already (in one batched eigen-decomposition with its other norms). When the ``d x d``
-        eigenvalue is found by Lanczos (see :meth:`vv_exact`), ``info`` (a dict) receives its ``"rel_residual"``
-        ``(H,)``.
+        computed them already (in one batched eigen-decomposition with its other norms, or by the Lanczos run of
+        :meth:`vv_gram_plan` solved with its other runs, which also gives the relative residuals). Otherwise the ``d x
+        d`` eigenvalue is found here, by Lanczos where :meth:`vv_exact` says so.
         """
         if gram is None:
             if self.vv_exact(self.Xkv.shape[-1], lanczos.max_iter):
                 gram = gram_lambda_max(self.vv_factor())[0]
             else:
-                gram, rel = solve_planned([self.vv_gram_plan(lanczos)], lanczos.solve_bytes)[0]
-                if info is not None:
-                    info["rel_residual"] = rel
+                gram = solve_planned([self.vv_gram_plan(lanczos)], lanczos.solve_bytes)[0][0]
         gram = gram.clamp_min(0)
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
