@@ -338,9 +338,11 @@ def test_sampled_keys_match_dense_reference_and_leave_the_other_keys_bitwise(ker
 @pytest.mark.parametrize("kernel, case", [CASES[0], CASES[2], CASES[4], CASES[7], CASES[8], CASES[9]], ids=_ids)
 def test_members_share_one_product_per_step_with_the_per_member_values(kernel, case, monkeypatch):
     """The Lanczos members of the sampled keys (full sample and halves, plain and preconditioned) share operator
-    products: at most ``MEMBER_ROWS`` rows each, so one or two sampled-curvature applications per Lanczos product of
-    a run (6 or 12 rows), where the per-member path (``STACK_MEMBERS = False``) applies it once per member (3 or 6).
-    Same values as that path (both EXACT: round-off). The grouped-query cases run through the query and group views."""
+    products: at most ``MEMBER_ROWS`` rows each, so two sampled-curvature applications per pair and Lanczos product
+    (12 rows: two kinds, three estimates, two variants; the attention's pairs whose blocks share a shape are rows of
+    one run, ``STACK_PAIRS``), where the per-member path (``STACK_MEMBERS = False``) applies it once per member (6
+    per pair): at most half as many. Same values as that path (both EXACT: round-off). The grouped-query cases run
+    through the query and group views."""
     monkeypatch.setattr(sampled, "GRAM_STEPS", 0)  # every sampled key through Lanczos members
     prob = PROBLEMS[kernel](case)
     counts = {"products": 0, "curvature": 0}
@@ -361,11 +363,13 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
     monkeypatch.setattr(sampled.SampledCurvature, "__call__", call)
     kw = dict(lanczos=EXACT, output_samples=prob.samples, precondition=prob.precondition)
     stacked = prob.call(**kw)
-    assert counts["products"] > 0 and counts["curvature"] <= 2 * counts["products"], counts
+    stacked_counts = dict(counts)
+    assert counts["products"] > 0, counts
     monkeypatch.setattr(sampled, "STACK_MEMBERS", False)
     counts.update(products=0, curvature=0)
     apart = prob.call(**kw)
     assert counts["curvature"] >= 3 * counts["products"], counts  # >= 3 estimates per product
+    assert 2 * stacked_counts["curvature"] <= counts["curvature"], (stacked_counts, counts)
     assert set(stacked) == set(apart)
     for key, value in apart.items():
         if not key.startswith("residual/"):
@@ -385,11 +389,13 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     share one ``solve`` (the attention's with its own runs), so that their stopping tests share host reads; the keys
     are those of one solve per run (float64, tight Lanczos, ``CONVERGED``), and every Gram product is made before any
     run (no Gram temporaries beside a Lanczos basis). Over ``SOLVE_BYTES`` of bases the sampled runs go one at a time,
-    each made when its solve starts."""
+    each made when its solve starts. (One run per pair: ``STACK_PAIRS`` off; with it, pairs whose blocks stack share
+    one run, tested below.)"""
     from curvwatch.closed_form import _operator
 
     if gram_steps is not None:
         monkeypatch.setattr(sampled, "GRAM_STEPS", gram_steps)
+    monkeypatch.setattr(sampled, "STACK_PAIRS", False)
     solves, events, made = [], [], []  # the runs of each solve, what happened in order, the sampled runs
     inner_solve, inner_columns, inner_run = _operator.solve, sampled._gram_columns, sampled._norm_run
 
@@ -440,6 +446,61 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     assert all(events[i + 1] == "solve" for i, e in enumerate(events) if e == "run"), events
     for key in sampled_keys:
         assert_close_report(capped[key], apart[key], CONVERGED, name=key)
+
+
+@pytest.mark.parametrize(
+    "kernel, case, gram_steps, stacked_runs",
+    [(*CASES[4], None, 1), (*CASES[4], 0, 2), (*CASES[5], None, 2), (*CASES[6], None, 1), (*CASES[7], None, 1),
+     (*CASES[7], 0, 1)],
+    ids=lambda v: v if isinstance(v, str) else None,
+)  # fmt: skip
+def test_the_attentions_qq_and_kk_sampled_members_share_one_run_with_the_values_of_a_run_each(
+    kernel, case, gram_steps, stacked_runs, monkeypatch
+):
+    """``STACK_PAIRS``: the sampled keys' Lanczos members of the attention's ``QQ`` and ``KK`` (and ``VV`` where it has
+    members, ``GRAM_STEPS = 0``, and ``W_V`` has the shape of ``W_Q``) are rows of one run (``_members_matvec`` with
+    several blocks: each block's ``D`` and Gram columns, 0/1 row masks where two blocks' rows share a product): one
+    Lanczos step per step for all of them where each pair's run took its own. Pairs that cannot share a run stay
+    apart (``pre=("W_K",)``: ``KK`` has preconditioned members, ``QQ`` none; ``d_V != d_K``: ``VV`` alone). The keys
+    equal those of a run per pair (float64, tight Lanczos, ``CONVERGED``)."""
+    if gram_steps is not None:
+        monkeypatch.setattr(sampled, "GRAM_STEPS", gram_steps)
+    runs, products = [], [0]
+    inner = sampled._norm_run
+
+    def spy(op, emb, mv, kinds, *args, **kwargs):
+        def counted(u, live=None):
+            products[0] += 1
+            return mv(u, live)
+
+        runs.append(len(kinds))
+        return inner(op, emb, counted, kinds, *args, **kwargs)
+
+    monkeypatch.setattr(sampled, "_norm_run", spy)
+    prob = PROBLEMS[kernel](case)
+
+    def keys(flag: bool) -> dict:
+        monkeypatch.setattr(sampled, "STACK_PAIRS", flag)
+        runs.clear()
+        products[0] = 0
+        lanczos = Lanczos(tol=1e-11, max_iter=400, warm_start=None)
+        return prob.call(lanczos=lanczos, output_samples=prob.samples, precondition=prob.precondition)
+
+    apart, apart_runs, apart_products = keys(False), list(runs), products[0]
+    together = keys(True)
+    assert len(apart_runs) >= 2 and len(runs) == stacked_runs, (apart_runs, runs)
+    assert sum(runs) == sum(apart_runs)  # the same members, as rows of fewer runs
+    if stacked_runs == 1:
+        assert products[0] < apart_products, (products[0], apart_products)
+    sampled_keys = [k for k in apart if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
+    assert sampled_keys and set(together) == set(apart)
+    for key in sampled_keys:
+        assert_close_report(together[key], apart[key], CONVERGED, name=key)
+    # every row of a run in one product (both blocks' paths, their D and Gram columns, in one operator call)
+    monkeypatch.setattr(sampled, "MEMBER_ROWS", 64)
+    one_product = keys(True)
+    for key in sampled_keys:
+        assert_close_report(one_product[key], apart[key], CONVERGED, name=key)
 
 
 @pytest.mark.parametrize("kernel, case", CASES[:4], ids=_ids)
@@ -537,7 +598,8 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
     out = prob.call(lanczos=Lanczos(tol=1e-10), output_samples=prob.samples, precondition=prob.precondition)
     linear = {"ffn": ("W2W2",), "gated_ffn": ("W2W2", "W3W3"), "self_attention": ("VV",)}[kernel]
     assert runs and all(set(kinds) == {"hessian"} for kinds in runs), runs
-    assert len(runs) == len({b.key for b in prob.blocks} - set(linear)), runs
+    # a run per block with a functional term; the attention's QQ and KK in one (STACK_PAIRS: their blocks stack)
+    assert len(runs) == (1 if kernel == "self_attention" else len({b.key for b in prob.blocks} - set(linear))), runs
     # one member per estimate (full sample, two halves) and preconditioning of each block with a functional term
     members = sum(3 * (2 if b.arg in prob.precondition else 1) for b in prob.blocks if b.key not in linear)
     assert sum(map(len, runs)) == members, runs
@@ -796,7 +858,7 @@ def test_sharpness_members_take_their_gauss_newton_part_from_the_gram_columns(ke
     inner = sampled._members_matvec
 
     def spy(*args, **kwargs):
-        served.append(args[7] is not None if len(args) > 7 else kwargs.get("columns") is not None)
+        served.append(any(A is not None for _, _, A in args[1]))  # blocks: [(X, D, columns)]
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(sampled, "_members_matvec", spy)
@@ -828,7 +890,7 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
     inner_columns, inner_norms = sampled._members_matvec, sampled._norm_run
 
     def spy_columns(*args, **kwargs):
-        columns.append(args[7])
+        columns.append([A for _, _, A in args[1]])  # per stacked block (blocks: [(X, D, columns)])
         return inner_columns(*args, **kwargs)
 
     def spy_norms(*args, **kwargs):
@@ -850,7 +912,11 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
     assert starts and all(v0 is None for v0 in starts)
     gram = keys(True)
     pairs = list(zip(columns, starts, strict=True))  # one product per run, made in the same order
-    given = [(A, v0) for A, v0 in pairs[len(pairs) // 2 :] if v0 is not None]
+    given = []  # (a block's columns, its members' starts): a run's start holds its stacked blocks' rows in order
+    for As, v0 in pairs[len(pairs) // 2 :]:
+        if v0 is not None:
+            r = v0.shape[0] // len(As)
+            given += [(A, v0[g * r : (g + 1) * r]) for g, A in enumerate(As)]
     assert given, "no sharpness members started at the Gauss-Newton direction"
     k = prob.samples.shape[0]
     for A, v0 in given:  # A (H, k B, size), v0 (P E, H, size): the plain members first, full sample then halves

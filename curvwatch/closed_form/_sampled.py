@@ -49,6 +49,7 @@ from ._operator import (
     pair_matvec,
     run_basis_bytes,
     solve_planned,
+    stackable,
 )
 from .settings import Lanczos
 
@@ -393,8 +394,9 @@ class _PairJob:
     """One diagonal pair of :func:`sampled_plan`: its part (view) and block, its variants' prefixes, ``raw`` keys
     ``{name: ((P, E, H) values, relative residuals)}`` (the Gram's, then its run's), the Gram ``columns`` and the
     sharpness members' ``tops`` until its run's product takes them, and, where it has a Lanczos run (``planned``),
-    that run's keys ``names`` (``m`` kinds per member), warm-start ``key``, settings ``members`` and whether it
-    starts at vectors of its own (``own_start``: nothing kept for the next evaluation)."""
+    that run's keys ``names`` (``m`` kinds per member), warm-start ``key``, settings ``members``, whether it
+    starts at vectors of its own (``own_start``: nothing kept for the next evaluation), and which of the plan's runs
+    (``run``) and which of that run's rows (``rows``) are the pair's (pairs that stack share a run)."""
 
     part: int
     pair: str
@@ -409,6 +411,8 @@ class _PairJob:
     key: tuple | None = None
     members: Lanczos | None = None
     own_start: bool = False
+    run: int = -1
+    rows: slice | None = None
 
 
 def sampled_plan(
@@ -479,21 +483,47 @@ def sampled_plan(
                     A = None
             jobs.append(_PairJob(part, pair_name, X, prefixes, raw, A, tops))
     A = tops = None
+    # the jobs with Lanczos members, in runs: consecutive pairs of one part whose blocks stack (STACK_PAIRS: the
+    # attention's QQ and KK, one product per step for both) share a run, the others have one each
+    groups: list[list[_PairJob]] = []
     for job in jobs:
-        X, prefixes, A, tops = job.block, job.prefixes, job.columns, job.tops
-        job.columns = job.tops = None  # (the run's product holds the columns from here on)
-        view, viewed, stack_ok = views[job.part]
-        names = [nm for nm in SAMPLED_NAMES if nm not in job.raw]
-        if not names:
+        job.names = [nm for nm in SAMPLED_NAMES if nm not in job.raw]
+        if not job.names:
+            job.columns = job.tops = None
             continue
+        last = groups[-1][-1] if groups else None
+        view, viewed, stack_ok = views[job.part]
+        if (
+            STACK_PAIRS
+            and stack_ok
+            and last is not None
+            and last.part == job.part
+            and last.names == job.names
+            and last.prefixes == job.prefixes
+            and (last.columns is None) == (job.columns is None)
+            and bool(last.tops) == bool(job.tops)
+            and stackable(viewed, [g.pair for g in groups[-1]] + [job.pair])
+        ):
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    for group in groups:
+        job = group[0]
+        prefixes, names = job.prefixes, job.names
+        view, viewed, stack_ok = views[job.part]
         kinds_one = tuple({"ggn": "outer", "sharpness": "hessian"}[nm] for nm in names)
         m = len(kinds_one)
-        # run r = i E + e (variant i, estimate e) owns the rows m r ... m r + m - 1 (its kinds)
+        # run r = (g P + i) E + e (the group's pair g, variant i, estimate e) owns the rows m r ... m r + m - 1
         if stack_ok:  # the members as rows of few products (MEMBER_ROWS rows each)
-            D = scale[X] if len(prefixes) > 1 else None
             # with the Gram columns held, the Gauss-Newton part of each product is A W A^T (see _members_matvec)
-            emb, mv = _members_matvec(op, X, curvature, E, D, kinds_one, view, A if GRAM_SHARPNESS else None)
+            blocks = [
+                (g.block, scale[g.block] if len(prefixes) > 1 else None, g.columns if GRAM_SHARPNESS else None)
+                for g in group
+            ]
+            emb, mv = _members_matvec(op, blocks, curvature, E, kinds_one, view)
+            del blocks
         else:
+            X = job.block
             runs = [pair_matvec(wrap(o, prefix, X, view), (X, X), kinds_one) for prefix in prefixes for o in ops]
             emb = runs[0][0]
 
@@ -504,22 +534,26 @@ def sampled_plan(
                     pieces.append(f(u[rows], None if live is None else live[rows]))
                 return torch.cat(pieces)
 
-        kinds = kinds_one * (len(prefixes) * E)
-        key = ("sharpness", job.pair, tuple(prefixes), E) + (() if m == 2 else kinds_one)
+        kinds = kinds_one * (len(prefixes) * E * len(group))
+        pair = "+".join(g.pair for g in group)
+        key = ("sharpness", pair, tuple(prefixes), E) + (() if m == 2 else kinds_one)
         # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
         members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if split else lanczos
-        # (P E, H, size): member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts at its
-        # estimate's top Gauss-Newton direction
-        v0 = None if not tops or m != 1 else torch.cat(tops)
+        # (P E, H, size) per pair: member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts
+        # at its estimate's top Gauss-Newton direction
+        v0 = None if not job.tops or m != 1 else torch.cat([t for g in group for t in g.tops])
         # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
         make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
         makers.append((make, run_basis_bytes(len(kinds), emb, members, viewed.dtype)))
-        job.planned, job.names, job.m, job.key, job.members = True, names, m, key, members
-        job.own_start = v0 is not None
-        del mv, A, tops, v0, make
+        rows = m * len(prefixes) * E
+        for g_index, g in enumerate(group):
+            g.columns = g.tops = None  # (the run's product holds the columns from here on)
+            g.planned, g.m, g.key, g.members = True, m, key, members
+            g.own_start, g.run, g.rows = v0 is not None, len(makers) - 1, slice(g_index * rows, (g_index + 1) * rows)
+        del mv, v0, make
 
     def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
-        made = iter(runs)
+        read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # run -> (values, residuals), each read once
         outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
         spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
         withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
@@ -527,9 +561,13 @@ def sampled_plan(
             part, pair_name, X, prefixes, raw, m = job.part, job.pair, job.block, job.prefixes, job.raw, job.m
             out, view = outs[part], views[part][0]
             if job.planned:
-                run = next(made)
-                vals, rel = (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
-                run.matvec = None  # (its product's tensors, the Gram columns among them)
+                if job.run not in read:
+                    run = runs[job.run]
+                    read[job.run] = (
+                        (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
+                    )
+                    run.matvec = None  # (its product's tensors, the Gram columns among them)
+                vals, rel = (t[job.rows] for t in read[job.run])
                 P = len(prefixes)
                 for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
                     raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
@@ -587,105 +625,153 @@ SOLVE_PAIRS = True
 STACK_MEMBERS = True
 
 
+#: One Lanczos run for the sampled keys of the consecutive diagonal pairs of a part whose blocks stack
+#: (:func:`~._operator.stackable`: the attention's ``QQ`` and ``KK``, one head-diagonal operator, blocks of one shape):
+#: one Lanczos step per step for their members (:func:`_members_matvec`; the products stay one per block where its
+#: rows fill one, :data:`MEMBER_ROWS`), where each pair's run took its own. ``False``: one run per pair (the
+#: benchmark's "before").
+STACK_PAIRS = True
+
+
 #: At most this many rows per operator product of the stacked members (:func:`_members_matvec`): the rows of the
 #: engine's own largest product (attention's ``QQ`` and ``KK``, three kinds each), so that a product's temporaries (the
 #: attention's ``(B, H, L, L)`` tangents per row) stay within what the engine's evaluation of the block takes anyway.
+#: (12, the attention's ``QQ`` and ``KK`` members in one product, cut 5% of one attention block's operators at the
+#: issue's GPU shape and raised its peak memory by 32%: session 21.)
 MEMBER_ROWS = 6
 
 
 def _members_matvec(
     op: BlockOperator,
-    X: str,
+    blocks: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]],
     curvature: SampledCurvature,
     E: int,
-    D: torch.Tensor | None,
     kinds_one: Sequence[str],
     view: Callable[[BlockOperator], BlockOperator] = lambda o: o,
-    columns: torch.Tensor | None = None,
 ):
-    """``(emb, mv)`` for the Lanczos members of the sampled keys of block ``XX``, in few operator products.
+    """``(emb, mv)`` for the Lanczos members of the sampled keys of the diagonal blocks ``XX`` of ``blocks``, in few
+    operator products.
 
-    The members are ``(variant i, estimate e)``: ``i = 0`` plain and, with ``D`` (``P^{-1/2}`` in the base operator's
-    layout of ``X``, as :class:`Preconditioned` takes it), ``i = 1`` preconditioned; ``e = 0`` the full sample and,
-    with ``E = 3``, ``e = 1, 2`` its halves (as :meth:`SampledCurvature.halves`). Member ``r = i E + e`` owns the rows
-    ``m r ... m r + m - 1`` (``m`` = ``len(kinds_one)``): the layout of one :func:`pair_matvec` per member,
-    concatenated. The estimates differ only in their samples' weights (``1/k`` on all, or ``1/k_a`` on one half's),
-    applied per row (:meth:`SampledCurvature.per_row`), and the preconditioned rows are scaled by ``D`` on the way in
-    and out: so up to :data:`MEMBER_ROWS` rows of any members share **one** product, the same numbers as one product
-    per member in the dispatched operators of one (only the arithmetic grows with the rows). ``view`` maps an
-    operator to the one the block is read from (the grouped-query views); it must be head-diagonal and have
-    ``apply_masked`` (one pass over every row: the curvature sees every row, in order).
+    ``blocks``: ``[(X, D, columns)]``, one or more blocks of one shape and headedness (:func:`~._operator.stackable`:
+    the attention's ``Q`` and ``K``), each with ``D`` (``P^{-1/2}`` in the base operator's layout of ``X``, as
+    :class:`Preconditioned` takes it; given for all of them or for none) and ``columns`` (below; for all or none).
+    The members are ``(block b, variant i, estimate e)``: ``i = 0`` plain and, with ``D``, ``i = 1`` preconditioned;
+    ``e = 0`` the full sample and, with ``E = 3``, ``e = 1, 2`` its halves (as :meth:`SampledCurvature.halves`).
+    Member ``r = (b P + i) E + e`` (``P`` variants) owns the rows ``m r ... m r + m - 1`` (``m`` =
+    ``len(kinds_one)``): the layout of one :func:`pair_matvec` per member, concatenated. The estimates differ only in
+    their samples' weights (``1/k`` on all, or ``1/k_a`` on one half's), applied per row
+    (:meth:`SampledCurvature.per_row`); the preconditioned rows are scaled by their block's ``D`` on the way in and
+    out, and the rows of block ``b`` perturb ``X_b`` alone and read ``X_b`` (0/1 row masks, as
+    :func:`~._operator.stacked_matvec`): so up to :data:`MEMBER_ROWS` rows of any members share **one** product, the
+    same numbers as one product per member in the dispatched operators of one (only the arithmetic grows with the
+    rows). ``view`` maps an operator to the one the blocks are read from (the grouped-query views); it must be
+    head-diagonal and have ``apply_masked`` (one pass over every row: the curvature sees every row, in order).
 
-    With ``columns``, the samples' Gram columns ``A`` ``(H, k B, size)`` of block ``X`` (:func:`_gram_columns`; only
+    With ``columns``, the samples' Gram columns ``A`` ``(H, k B, size)`` of the block (:func:`_gram_columns`; only
     ``"hessian"`` kinds), a product is the operator's **functional** part plus the Gauss-Newton part from the columns:
     ``J_X^T C_e J_X v = sum_c w_{e,c} A_c <A_c, v>`` per head, ``w_{e,c}`` the member's weight of column ``c``'s sample
     (column ``j B + b`` is sample ``j``): the same numbers, without the operator's first-order pass and the sampled
-    curvature (two ``(H, rows, k B)`` products against ``A`` instead).
+    curvature (two ``(H, rows, k B)`` products against each block's ``A`` instead).
     """
+    if len({D is None for _, D, _ in blocks}) > 1 or len({A is None for _, _, A in blocks}) > 1:
+        raise ValueError("The stacked blocks take D and columns all or none.")
     k, h, _ = curvature.counts
     # (E, k) sample weights of each estimate, made on the device (no host table to copy)
     estimates = [torch.full((k,), 1 / k, dtype=op.dtype, device=op.device)]
     if E == 3:
         first = (torch.arange(k, device=op.device) < h).to(op.dtype)
         estimates += [first / h, (1 - first) / (k - h)]
-    emb = _Embedding(view(op), [X])
-    info = view(op).params[X]
+    names = [X for X, _, _ in blocks]
+    emb = _Embedding(view(op), names[:1])
+    info = view(op).params[names[0]]
     layout = (emb.H, *info.shape) if info.headed else tuple(info.shape)  # a tangent row (head-diagonal operator)
-    D = None if D is None else D.reshape(layout)  # the view's layout (same entries, same order)
-    labels = [(i, e, kind) for i in range(1 if D is None else 2) for e in range(E) for kind in kinds_one]
-    if columns is not None:
+    Ds = [None if D is None else D.reshape(layout) for _, D, _ in blocks]  # the view's layout (same entries, order)
+    labels = [(b, i, e, kind) for b in range(len(blocks)) for i in range(1 if Ds[0] is None else 2) for e in range(E)
+              for kind in kinds_one]  # fmt: skip
+    gram = blocks[0][2] is not None
+    if gram:
         if set(kinds_one) != {"hessian"}:
             raise ValueError(f"Gram columns serve the 'hessian' members only, not {kinds_one}.")
-        B = columns.shape[1] // k  # (the columns of sample j are j B ... j B + B - 1)
+        B = blocks[0][2].shape[1] // k  # (the columns of sample j are j B ... j B + B - 1)
         column_weights = [w.repeat_interleave(B) for w in estimates]  # (k B,) per estimate
 
     def product(rows_of):  # one product for these rows
         n = len(rows_of)
         W = None
-        if columns is None:
+        if not gram:
             rows = _rows([kind for *_, kind in rows_of], 1, emb)
-            weights = torch.stack([estimates[e] for _, e, _ in rows_of])  # (n, k)
+            weights = torch.stack([estimates[e] for _, _, e, _ in rows_of])  # (n, k)
             member_op = view(with_sampled(op, curvature.per_row(weights)))
         else:  # the operator's functional part; the Gauss-Newton part from the columns
             rows = _rows(["functional"] * n, 1, emb)
             member_op = view(op)
-            W = torch.stack([column_weights[e] for _, e, _ in rows_of])  # (n, k B)
-        plain = sum(1 for i, _, _ in rows_of if i == 0)  # the plain rows come first (the labels stay in order)
-
-        def scale_in(t: torch.Tensor) -> torch.Tensor:  # t: the Lanczos vectors (its basis's: not changed)
-            if plain == n:
-                return t
-            if plain == 0:
-                return t * D
-            t = t.clone()
-            t[plain:].mul_(D)
-            return t
-
-        def scale_out(t: torch.Tensor) -> torch.Tensor:  # t: the product's own result, scaled in place
-            t = t if t.is_contiguous() else t.contiguous()  # (an expanded result could not be written in place)
-            if plain < n:
-                (t if plain == 0 else t[plain:]).mul_(D)
-            return t
+            W = torch.stack([column_weights[e] for _, _, e, _ in rows_of])  # (n, k B)
+        present = list(dict.fromkeys(b for b, *_ in rows_of))
+        # the preconditioned rows, as runs [start, stop) of consecutive rows of one block (the labels stay in order)
+        scaled: list[tuple[int, int, int]] = []
+        for r, (b, i, _, _) in enumerate(rows_of):
+            if i == 0:
+                continue
+            if scaled and scaled[-1][0] == b and scaled[-1][2] == r:
+                scaled[-1] = (b, scaled[-1][1], r + 1)
+            else:
+                scaled.append((b, r, r + 1))
+        # (n, 1, ...) 0/1 masks of each block's rows where several blocks share the product, made once per row set
+        masks = None
+        if len(present) > 1:
+            masks = {b: torch.tensor([float(rb == b) for rb, *_ in rows_of], dtype=op.dtype, device=op.device)
+                     .reshape(n, *(1,) * len(layout)) for b in present}  # fmt: skip
+        outputs = [names[b] for b in present]
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            v = scale_in(u.reshape(n, *layout))
-            out = apply_kinds(member_op, {X: v}, [X], rows)[X]
-            if W is not None:  # + sum_c w_c A_c <A_c, v> per head, through (H, n, k B) coefficients
-                coeff = torch.bmm(v.reshape(n, emb.H, emb.n).transpose(0, 1), columns.mT).mul_(W)
-                out = out.contiguous()
-                out.view(n, emb.H, emb.n).add_(torch.bmm(coeff, columns).transpose(0, 1))
-            return scale_out(out).reshape(n, emb.H, emb.n)
+            v = u.reshape(n, *layout)  # (the Lanczos vectors, its basis's: not changed)
+            if scaled:
+                v = v.clone()
+                for b, start, stop in scaled:
+                    v[start:stop].mul_(Ds[b])
+            tangent = {names[b]: v if masks is None else v * masks[b] for b in present}
+            out = apply_kinds(member_op, tangent, outputs, rows)
+            total = None
+            for b in present:
+                o = out[names[b]]
+                if W is not None:  # + sum_c w_c A_c <A_c, v> per head, through (H, n, k B) coefficients
+                    A = blocks[b][2]
+                    coeff = torch.bmm(tangent[names[b]].reshape(n, emb.H, emb.n).transpose(0, 1), A.mT).mul_(W)
+                    o = o.contiguous()
+                    o.view(n, emb.H, emb.n).add_(torch.bmm(coeff, A).transpose(0, 1))
+                if masks is None:
+                    total = o
+                elif total is None:
+                    total = o * masks[b]
+                else:
+                    total = total.addcmul_(o, masks[b])
+            if scaled:
+                total = total if total.is_contiguous() else total.contiguous()  # (an expanded result: not in place)
+                for b, start, stop in scaled:
+                    total[start:stop].mul_(Ds[b])
+            return total.reshape(n, emb.H, emb.n)
 
         return mv
 
     def make(rows_of):
-        chunks = [rows_of[i : i + MEMBER_ROWS] for i in range(0, len(rows_of), MEMBER_ROWS)]
+        # products of at most MEMBER_ROWS rows; a block's rows go to one product where they fit (a product of two
+        # blocks' rows runs the operator's paths of both: it pays only where it saves a product)
+        chunks: list[list] = []
+        for b in dict.fromkeys(b for b, *_ in rows_of):
+            mine = [row for row in rows_of if row[0] == b]
+            if chunks and len(chunks[-1]) + len(mine) <= MEMBER_ROWS:
+                chunks[-1] += mine
+            else:
+                chunks += [mine[i : i + MEMBER_ROWS] for i in range(0, len(mine), MEMBER_ROWS)]
         products = [product(c) for c in chunks]
         if len(products) == 1:
             return products[0]
+        bounds = [0]
+        for c in chunks:
+            bounds.append(bounds[-1] + len(c))
 
         def mv(u: torch.Tensor) -> torch.Tensor:
-            return torch.cat([f(u[i * MEMBER_ROWS : (i + 1) * MEMBER_ROWS]) for i, f in enumerate(products)])
+            return torch.cat([f(u[a:z]) for f, a, z in zip(products, bounds[:-1], bounds[1:], strict=True)])
 
         return mv
 
