@@ -352,6 +352,23 @@ class AttentionOperator(BlockOperator):
         heads = self.H if name == "Q" else self.H_kv
         return torch.zeros((n, heads, *self.params[name].shape), dtype=self.dtype, device=self.device)
 
+    def _bh(self, name: str, transpose: bool = False) -> torch.Tensor:
+        """The shared ``(B, H, p, q)`` tensor ``self.<name>`` (``transpose``: its ``.mT``) as the ``(B H, p, q)``
+        operand of :func:`_left` / :func:`_right`, made once per operator and tensor (a view where the strides allow,
+        as :func:`_as`): every Lanczos product reads the same few (``KsT``, ``Vv``, ``Kk``, ``A``, ...), and remaking
+        the view dispatched one or two operators per matmul (issue 23). A cached cotangent that is replaced
+        (:meth:`set_cotangent`) is a new tensor: its view is made again."""
+        cache = self.__dict__.setdefault("_bh_views", {})
+        S = getattr(self, name)
+        hit = cache.get((name, transpose))
+        if hit is not None and hit[0] is S:
+            return hit[1]
+        S4 = S.mT if transpose else S
+        B, H, p, q = S4.shape
+        view = _as(S4, (0, 1, 2, 3), (B * H, p, q))
+        cache[(name, transpose)] = (S, view)
+        return view
+
     # ---- first order -------------------------------------------------------------------------
     def jvp(self, tangent):
         """Per-head output tangents ``dF_h`` ``(n, B, H, L, d_V)`` plus intermediates reused by the HVP.
@@ -368,9 +385,9 @@ class AttentionOperator(BlockOperator):
         dP, dK = self._fwd(dQ0, "q", dnq), self._rep(self._fwd(dK0, "k", dnk))
         dT = None  # (n, B, H, L, L_kv), already scaled by s
         if dP is not None:
-            dT = _right(dP, self.KsT)
+            dT = _right(dP, self._bh("KsT"))
         if dK is not None:
-            t = _left(self.Ps, dK.mT)
+            t = _left(self._bh("Ps"), dK.mT)
             dT = t if dT is None else dT.add_(t)
         r = dA = None
         if dT is not None:
@@ -378,9 +395,9 @@ class AttentionOperator(BlockOperator):
             dA = (dT - r).mul_(A)  # softmax JVP
         dF = None
         if dA is not None:
-            dF = _right(dA, self.Vv)
+            dF = _right(dA, self._bh("Vv"))
         if dV is not None:
-            dF = _left(self.A, dV) if dF is None else dF.add_(_left(self.A, dV))
+            dF = _left(self._bh("A"), dV) if dF is None else dF.add_(_left(self._bh("A"), dV))
         if self.q_rows is None:  # the pre-norm tangents serve only the QK-norm's second derivative
             dQ0 = dK0 = None
         return dF, (dP, dK, dV, dT, r, dA, dQ0, dK0)
@@ -403,33 +420,37 @@ class AttentionOperator(BlockOperator):
             ``{name: (n, heads, d_in, k)}`` for the names in ``outputs`` (``H`` heads for Q, ``H_kv`` for K, V;
             ``(n, p, d_K)`` for N1, N2).
         """
-        X, A, g_h = self.X, self.A1, self.g_h
+        X, A = self.X, self.A1
         dP, dK, dV, dT, r, dA, dQ0, dK0 = inter if second_order else (None,) * 8
         ref = u if u is not None else next((t for t in inter if t is not None), None)
         out = {}
         if "V" in outputs:
-            mV = None if u is None else _left(self.A.mT, u)
+            mV = None if u is None else _left(self._bh("A", True), u)
             if dA is not None:
-                mV = _right(dA.mT, g_h) if mV is None else mV.add_(_right(dA.mT, g_h))
+                g3 = self._bh("g_h")
+                mV = _right(dA.mT, g3) if mV is None else mV.add_(_right(dA.mT, g3))
             out["V"] = self._zero_out(ref.shape[0], "V") if mV is None else _xtm(self.Xkv, self._grp(mV))
         if any(nm in outputs for nm in ("Q", "K", "N1", "N2")):
             # hA = d/dA of <u, A V> + <G_A, dA> + <g_h, A dV>; the middle term is G_A*(dT - r) - rG*dT
             hA = None
             if dT is not None:
                 hA = (self.GmR1 * dT).addcmul_(self.G_A1, r, value=-1.0)
-            for t in (None if u is None else _right(u, self.Vv.mT), None if dV is None else _left(g_h, dV.mT)):
+            for t in (
+                None if u is None else _right(u, self._bh("Vv", True)),
+                None if dV is None else _left(self._bh("g_h"), dV.mT),
+            ):
                 if t is not None:
                     hA = t if hA is None else hA.add_(t)
             G2 = None
             if hA is not None:  # softmax VJP, in place on the temporary hA
                 G2 = hA.sub_(torch.linalg.vecdot(A, hA).unsqueeze(-1)).mul_(A)
-            sides = (("Q", "N1", G2, self.Kk, dK), ("K", "N2", None if G2 is None else G2.mT, self.P, dP))
+            sides = (("Q", "N1", G2, "Kk", dK), ("K", "N2", None if G2 is None else G2.mT, "P", dP))
             for name, norm, left, right, Gam in sides:
                 if name not in outputs and norm not in outputs:
                     continue
-                m = None if left is None else _right(left, right)
+                m = None if left is None else _right(left, self._bh(right))
                 if Gam is not None:  # the bilinear term of T in (P, K)
-                    t = _left(self.Gamma if name == "Q" else self.Gamma.mT, Gam)
+                    t = _left(self._bh("Gamma", name == "K"), Gam)
                     m = t if m is None else m.add_(t)
                 side = "q" if name == "Q" else "k"
                 if name == "K":
@@ -933,7 +954,8 @@ def _left(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, q, r = T.shape
     p = S.shape[-2]
-    out = torch.bmm(_as(S, (0, 1, 2, 3), (B * H, p, q)), _as(T, (1, 2, 3, 0, 4), (B * H, q, n * r)))
+    S3 = S if S.dim() == 3 else _as(S, (0, 1, 2, 3), (B * H, p, q))  # (a (B H, p, q) operand: AttentionOperator._bh)
+    out = torch.bmm(S3, _as(T, (1, 2, 3, 0, 4), (B * H, q, n * r)))
     return _unflat(out, (B, H, p, n, r), (3, 0, 1, 2, 4))
 
 
@@ -945,7 +967,8 @@ def _right(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, p, q = T.shape
     r = S.shape[-1]
-    out = torch.bmm(_as(T, (1, 2, 0, 3, 4), (B * H, n * p, q)), _as(S, (0, 1, 2, 3), (B * H, q, r)))
+    S3 = S if S.dim() == 3 else _as(S, (0, 1, 2, 3), (B * H, q, r))  # (a (B H, q, r) operand: AttentionOperator._bh)
+    out = torch.bmm(_as(T, (1, 2, 0, 3, 4), (B * H, n * p, q)), S3)
     return _unflat(out, (B, H, n, p, r), (2, 0, 1, 3, 4))
 
 
