@@ -549,7 +549,8 @@ def sampled_plan(
         for g_index, g in enumerate(group):
             g.columns = g.tops = None  # (the run's product holds the columns from here on)
             g.planned, g.m, g.key, g.members = True, m, key, members
-            g.own_start, g.run, g.rows = v0 is not None, len(makers) - 1, slice(g_index * rows, (g_index + 1) * rows)
+            g.own_start, g.run = v0 is not None, len(makers) - 1
+            g.rows = None if len(group) == 1 else slice(g_index * rows, (g_index + 1) * rows)  # (None: every row)
         del mv, v0, make
 
     def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
@@ -567,7 +568,7 @@ def sampled_plan(
                         (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
                     )
                     run.matvec = None  # (its product's tensors, the Gram columns among them)
-                vals, rel = (t[job.rows] for t in read[job.run])
+                vals, rel = read[job.run] if job.rows is None else (t[job.rows] for t in read[job.run])
                 P = len(prefixes)
                 for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
                     raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
@@ -716,6 +717,7 @@ def _members_matvec(
                 scaled[-1] = (b, scaled[-1][1], r + 1)
             else:
                 scaled.append((b, r, r + 1))
+        whole = scaled[0][0] if len(scaled) == 1 and scaled[0][1:] == (0, n) else None  # (no slices then)
         # (n, 1, ...) 0/1 masks of each block's rows where several blocks share the product, made once per row set
         masks = None
         if len(present) > 1:
@@ -725,7 +727,9 @@ def _members_matvec(
 
         def mv(u: torch.Tensor) -> torch.Tensor:
             v = u.reshape(n, *layout)  # (the Lanczos vectors, its basis's: not changed)
-            if scaled:
+            if whole is not None:  # every row preconditioned, by one block's D
+                v = v * Ds[whole]
+            elif scaled:
                 v = v.clone()
                 for b, start, stop in scaled:
                     v[start:stop].mul_(Ds[b])
@@ -747,8 +751,11 @@ def _members_matvec(
                     total = total.addcmul_(o, masks[b])
             if scaled:
                 total = total if total.is_contiguous() else total.contiguous()  # (an expanded result: not in place)
-                for b, start, stop in scaled:
-                    total[start:stop].mul_(Ds[b])
+                if whole is not None:
+                    total.mul_(Ds[whole])
+                else:
+                    for b, start, stop in scaled:
+                        total[start:stop].mul_(Ds[b])
             return total.reshape(n, emb.H, emb.n)
 
         return mv
