@@ -806,7 +806,7 @@ def test_gram_path_holds_its_columns_once():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(sampled, "_gram_columns", labelled(sampled._gram_columns, "columns"))
-            mp.setattr(sampled, "_gram_ggn", labelled(sampled._gram_ggn, "gram"))
+            mp.setattr(sampled, "_gram_matrices", labelled(sampled._gram_matrices, "gram"))
             ffn(X, W1, W2, activation="gelu", grad_output=G * 1e-2, lanczos=Lanczos(), output_samples=S * 1e-2,
                 precondition=P)  # fmt: skip
     events = prof.profiler.kineto_results.events()

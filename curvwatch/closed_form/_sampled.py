@@ -303,7 +303,7 @@ def check_precondition(
     return {name: p.rsqrt() for name, p in out.items()}
 
 
-#: The Gauss-Newton keys come from the samples' Gram matrix (:func:`_gram_ggn`: exact, one operator product per
+#: The Gauss-Newton keys come from the samples' Gram matrix (:func:`_gram_eigen`: exact, one operator product per
 #: column) instead of Lanczos members where its ``k B`` columns (samples times kept sequences) are at most this many
 #: times the Lanczos members they replace (every member of a block whose own functional term is zero, else the GGN
 #: ones), and at most ``max_basis`` times (memory: the columns ``A``, ``(k B, H, n)``, then take no more than the
@@ -330,7 +330,7 @@ GRAM_CHUNK = 16
 GRAM_SHARPNESS = True
 
 #: Where a pair's Gram columns are made and its sharpness members run (a block with its own functional term), each
-#: member starts at the top eigenvector of its estimate's sampled Gauss-Newton block (:func:`_gram_ggn`'s
+#: member starts at the top eigenvector of its estimate's sampled Gauss-Newton block (:func:`_gram_eigen`'s
 #: ``vectors``: exact, from the Gram matrix) instead of the last evaluation's Ritz vector (plus, either way, the
 #: solver's noise of the start's own norm, ``_lanczos.WARM_NOISE``). The samples are new at every evaluation, so the
 #: last Ritz vector is of another matrix; the Gauss-Newton direction is of this one. Side by side, with 10 AdamW steps
@@ -360,7 +360,7 @@ def sampled_norms(
     preconditioned ones those of :class:`Preconditioned` ``(op, {X: D})``. The sharpness keys run in one batched
     Lanczos for the largest *algebraic* eigenvalue (``lanczos_max_abs(algebraic=True)``), warm-started under the key
     ``("sharpness", XX, prefixes, estimates, "hessian")``. The GGN keys come from the samples' Gram matrix where it is
-    small (:func:`_gram_ggn`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
+    small (:func:`_gram_eigen`: ``k B`` at most :data:`GRAM_STEPS` (and ``max_basis``) times the Lanczos members it
     replaces, no ``view`` or one whose ``gram_columns`` hold ``X``; exact eigenvalues, ``residual/...`` 0), and the
     sharpness members then start at their estimate's top Gauss-Newton direction instead (:data:`GRAM_START`; no warm
     start kept), else they join the same Lanczos run (two members per estimate, warm-start key ``("sharpness", XX,
@@ -445,6 +445,23 @@ def sampled_plan(
     # pair's Lanczos run, then all the runs in one solve (SOLVE_PAIRS: their stopping tests share host reads). So no
     # Gram product's temporaries meet a Lanczos basis.
     jobs: list[_PairJob] = []
+    # (job, Gram matrix, columns where its top eigenvectors are wanted, scale, their list) per pair and variant
+    grams: list = []
+    job_gram: dict[int, list[torch.Tensor]] = {}  # job -> its (E, H) Gram eigenvalues per variant
+    linear_jobs: set[int] = set()  # the jobs of pairs in which F is linear (their sharpness is their GGN)
+    gram_bytes = 0  # the largest pair's Gram columns: the Gram matrices decomposed at once stay within them
+
+    def flush() -> None:  # the Gram matrices' eigenvalues (and the members' start vectors) of grams, in one batch
+        if not grams:
+            return
+        for (j, _, _, _, tops), (values, top) in zip(
+            grams, _gram_eigen(grams, curvature, split, op.dtype), strict=True
+        ):
+            job_gram[j].append(values)
+            if top is not None:
+                tops.append(top)
+        grams.clear()
+
     makers: list = []  # (make a run, its basis's bytes), in the order of the jobs with a run
     views = []  # per part: (view, the viewed operator, whether its members stack)
     for part, (pairs, view, linear) in enumerate(parts):
@@ -472,17 +489,27 @@ def sampled_plan(
             gram = gram_ok and (gram_blocks is None or X in gram_blocks) and columns <= gram_limit * replaced
             A = tops = None
             if gram:
+                job_gram[len(jobs)] = []
                 A = _gram_columns(op, X, curvature, view)
                 tops = [] if GRAM_START and pair_name not in linear else None  # the sharpness members' starts
-                ggn = torch.stack(
-                    _gram_ggn(A, curvature, [scale.get(X) if p else None for p in prefixes], split, vectors=tops)
-                )
-                raw["ggn"] = (ggn, torch.zeros_like(ggn))
+                scales = [scale.get(X) if p else None for p in prefixes]
+                gram_bytes = max(gram_bytes, A.numel() * A.element_size())
+                for G, D in zip(_gram_matrices(A, curvature, scales), scales, strict=True):
+                    if grams and sum(g.numel() for _, g, *_ in grams) * 8 + G.numel() * 8 > gram_bytes:
+                        flush()  # (the matrices decomposed at once stay within the largest pair's columns)
+                    grams.append((len(jobs), G, None if tops is None else A, D, tops))
                 if pair_name in linear:  # F linear in X: the Hessian block is its outer part (no members)
-                    raw["sharpness"] = raw["ggn"]
                     A = None
+                    linear_jobs.add(len(jobs))
             jobs.append(_PairJob(part, pair_name, X, prefixes, raw, A, tops))
     A = tops = None
+    flush()  # the Gram matrices left
+    for j, values in job_gram.items():
+        ggn = torch.stack(values)  # (P, E, H)
+        jobs[j].raw["ggn"] = (ggn, torch.zeros_like(ggn))
+        if j in linear_jobs:  # F linear in X: its sharpness is its GGN
+            jobs[j].raw["sharpness"] = jobs[j].raw["ggn"]
+    job_gram.clear()
     # the jobs with Lanczos members, in runs: consecutive pairs of one part whose blocks stack (STACK_PAIRS: the
     # attention's QQ and KK, one product per step for both) share a run, the others have one each
     groups: list[list[_PairJob]] = []
@@ -788,7 +815,7 @@ def _members_matvec(
 class _Columns:
     """A stand-in output curvature that ignores the tangent: row ``r`` of a batch gets column ``start + r`` of the
     samples, ``r' = j B + b`` -> ``sigma_{j,b}`` on sequence ``b`` (zero on the others), so an operator's outer part
-    returns ``J_X^T sigma_{j,b}``, the columns of ``A`` with ``J_X^T C J_X = A A^T / k`` (:func:`_gram_ggn`)."""
+    returns ``J_X^T sigma_{j,b}``, the columns of ``A`` with ``J_X^T C J_X = A A^T / k`` (:func:`_gram_eigen`)."""
 
     def __init__(self, sigma: torch.Tensor, start: int, stop: int):
         self.sigma, self.start, self.stop = sigma, start, stop
@@ -830,28 +857,16 @@ def _gram_columns(
     return A
 
 
-def _gram_ggn(
-    A: torch.Tensor,
-    curvature: SampledCurvature,
-    scales: Sequence[torch.Tensor | None],
-    split: bool,
-    vectors: list[torch.Tensor] | None = None,
+def _gram_matrices(
+    A: torch.Tensor, curvature: SampledCurvature, scales: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    """The largest eigenvalues of the sampled Gauss-Newton block ``J_X^T C J_X = A A^T / k`` (and of ``D (.) D`` for
-    each ``D`` of ``scales`` that is not None, in the layout of the block's tangent rows), ``(E, H)`` each: with
-    ``split`` the full sample and its two halves (``E = 3``, as :meth:`SampledCurvature.halves`), else the full
-    sample only.
+    """The Gram matrices ``A^T D^2 A / k`` of the sampled Gauss-Newton block ``J_X^T C J_X = A A^T / k`` (and of its
+    preconditioned ``D (.) D``), ``(H, k B, k B)`` float64 per entry of ``scales`` (``D`` in the layout of the block's
+    tangent rows, None for 1): their nonzero eigenvalues are the block's (:func:`_gram_eigen`).
 
-    ``A`` ``(H, k B, size)``: the columns of :func:`_gram_columns`. The nonzero eigenvalues are those of the ``(k B,
-    k B)`` Gram matrix ``A^T A / k`` per head, and a half's are those of its diagonal block (``j < k/2``, the first
-    ``(k/2) B`` columns) times ``k / k_a``: exact eigenvalues (``eigvalsh``, float64) instead of the Lanczos runs of
-    every estimate and preconditioning. The Gram matrix is built a chunk of rows at a time (no scaled copy of ``A``).
-
-    With ``vectors`` (a list), the top eigenvectors of each estimate's Gauss-Newton block are appended to it, ``(E,
-    H, size)`` per entry of ``scales``, unnormalised, in the layout of ``A``'s rows: ``D A_S u`` for the top
-    eigenvector ``u`` of the estimate's Gram block (columns ``S``), ``D`` that entry's scale (1 where None).
-    """
-    k, B = curvature.sigma.shape[:2]
+    ``A`` ``(H, k B, size)``: the columns of :func:`_gram_columns`. Built a chunk of rows at a time (no scaled copy of
+    ``A``)."""
+    k = curvature.sigma.shape[0]
     H, n, size = A.shape
     out = []
     for D in scales:
@@ -861,21 +876,76 @@ def _gram_ggn(
             stop = min(n, start + GRAM_CHUNK)
             rows = A[:, start:stop] if D2 is None else A[:, start:stop] * D2
             G[:, start:stop] = torch.bmm(rows, A.mT).double() / k
-        _, ka, kb = curvature.counts
-        half = ka * B  # sample j = r // B: the first half's columns come first
-        blocks = [(slice(None), 1.0)] + ([(slice(None, half), k / ka), (slice(half, None), k / kb)] if split else [])
-        values, tops = [], []
-        for cols, factor in blocks:
-            if vectors is None:
-                values.append(torch.linalg.eigvalsh(G[:, cols, cols])[:, -1] * factor)
-                continue
-            lam, U = torch.linalg.eigh(G[:, cols, cols])
-            values.append(lam[:, -1] * factor)
-            v = torch.bmm(U[:, None, :, -1].to(A.dtype), A[:, cols]).squeeze(1)  # (H, size): A_S u
-            tops.append(v if D is None else v * D.reshape(-1, size))
-        out.append(torch.stack(values).to(A.dtype))
-        if vectors is not None:
-            vectors.append(torch.stack(tops))
+        out.append(G)
+    return out
+
+
+def _gram_eigen(
+    items: Sequence[tuple],
+    curvature: SampledCurvature,
+    split: bool,
+    dtype: torch.dtype,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The largest eigenvalues of sampled Gauss-Newton blocks from their Gram matrices, all in one batch.
+
+    ``items``: ``(label, G, A, D, ...)`` each (the label and what follows ``D`` are the caller's): ``G`` ``(H, k B, k
+    B)`` of :func:`_gram_matrices` (all of one ``k B``), ``A`` its columns where the top eigenvectors are wanted (else
+    None), ``D`` its scale (None: 1). Per item ``(values, tops)``: ``values`` ``(E, H)`` in ``dtype``: with ``split``
+    the full sample and its two halves (``E = 3``, as :meth:`SampledCurvature.halves`), else the full sample only; a
+    half's eigenvalues are those of its diagonal block of ``G`` (``j < k/2``, the first ``(k/2) B`` columns) times ``k
+    / k_a``. ``tops`` ``(E, H, size)``: the top eigenvector of each estimate's Gauss-Newton block, unnormalised, in
+    the layout of ``A``'s rows: ``D A_S u`` for the top eigenvector ``u`` of the estimate's Gram block (columns
+    ``S``).
+
+    Exact eigenvalues (float64) instead of the Lanczos runs of every estimate and preconditioning. Every item's
+    matrices go through one ``eigh`` (the halves, when of one size, through a second): on a GPU each call on small
+    matrices costs milliseconds whatever the batch (issue 23: 791 calls took 2.8 s), and a kernel call has up to
+    three pairs x two preconditionings x three estimates of them (:func:`sampled_plan` batches them while the
+    matrices stay within the largest pair's Gram columns: all of them at realistic sizes).
+    """
+    k, B = curvature.sigma.shape[:2]
+    _, ka, kb = curvature.counts
+    n = items[0][1].shape[-1]
+    half = ka * B  # sample j = r // B: the first half's columns come first
+    G = items[0][1] if len(items) == 1 else torch.cat([item[1] for item in items])  # (S, k B, k B)
+    S = G.shape[0]
+    want = any(item[2] is not None for item in items)
+
+    def tops_of(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # (top eigenvalues, their vectors)
+        if not want:
+            return torch.linalg.eigvalsh(M)[:, -1], None
+        lam, U = torch.linalg.eigh(M)
+        return lam[:, -1], U[..., -1]
+
+    lam, U = tops_of(G)
+    values = [lam]
+    vecs = None
+    if want:  # every estimate's top eigenvector in the k B columns (zero outside its half): (E, S, k B)
+        vecs = torch.zeros((3 if split else 1, S, n), dtype=G.dtype, device=G.device)
+        vecs[0] = U
+    if split:
+        first, second = G[:, :half, :half], G[:, half:, half:]
+        if half * 2 == n:  # halves of one size: one call for both
+            lam_h, U_h = tops_of(torch.cat([first, second]))
+            values += [lam_h[:S] * (k / ka), lam_h[S:] * (k / kb)]
+            U_a, U_b = (None, None) if U_h is None else (U_h[:S], U_h[S:])
+        else:
+            (lam_a, U_a), (lam_b, U_b) = tops_of(first), tops_of(second)
+            values += [lam_a * (k / ka), lam_b * (k / kb)]
+        if vecs is not None:
+            vecs[1, :, :half] = U_a
+            vecs[2, :, half:] = U_b
+    values = torch.stack(values).to(dtype)  # (E, S)
+    out = []
+    start = 0
+    for _, g, A, D, *_ in items:
+        H = g.shape[0]
+        top = None
+        if A is not None:  # (H, E, k B) @ (H, k B, size): A_S u per estimate
+            top = torch.bmm(vecs[:, start : start + H].transpose(0, 1).to(A.dtype), A).transpose(0, 1)
+            top = top if D is None else top * D.reshape(-1, A.shape[-1])
+        out.append((values[:, start : start + H], top))
+        start += H
     return out
 
 
