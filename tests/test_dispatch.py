@@ -126,7 +126,8 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     -> 4,273 / 2, with gram_steps=0 7,445 -> 6,405 / 2 and 8,004 -> 7,264 / 2, FFN unchanged (side by side with a
     worktree of the session's start; ceilings lowered to about 15% above). Then the Gram matrices' eigenvalues of a
     call in batches (``_gram_eigen``: 18 / 12 / 18 ``eigh`` calls -> 4 / 2 / 2): 3,955 / 2, FFN 1,910 / 2, GQA 4,144 /
-    2."""
+    2; the keys of every pair and variant debiased at once (``sampled_plan``'s finish): 3,760 / 2, FFN 1,812 / 2, GQA
+    3,953 / 2; with gram_steps=0 6,210 / 2, 4,115 / 2, 7,073 / 2."""
     from curvwatch.closed_form import _sampled
 
     if gram_steps is not None:

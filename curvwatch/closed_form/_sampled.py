@@ -41,7 +41,6 @@ from ._operator import (
     _norm_results,
     _norm_run,
     _pair_blocks,
-    _put_heads,
     _rows,
     _skip_dead_kinds,
     apply_kinds,
@@ -583,56 +582,63 @@ def sampled_plan(
     def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
         read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # run -> (values, residuals), each read once
         outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
-        spreads: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] = []  # (part, keys, spread, has data) per pair
-        withheld: list[tuple[int, list[str], torch.Tensor]] = []  # (part, keys, unresolved) of the debiased values
         for job in jobs:
-            part, pair_name, X, prefixes, raw, m = job.part, job.pair, job.block, job.prefixes, job.raw, job.m
-            out, view = outs[part], views[part][0]
-            if job.planned:
-                if job.run not in read:
-                    run = runs[job.run]
-                    read[job.run] = (
-                        (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
-                    )
-                    run.matvec = None  # (its product's tensors, the Gram columns among them)
-                vals, rel = read[job.run] if job.rows is None else (t[job.rows] for t in read[job.run])
-                P = len(prefixes)
-                for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
-                    raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
-            for name in SAMPLED_NAMES:  # every variant at once
-                vals, rel = raw[name]
-                value, spread = vals[:, 0], None
-                if split:
-                    full, a, b = vals.unbind(1)
-                    value, spread = debias(full, a, b, counts, psd=name == "ggn")
-                    spread = spread + extrapolated_residual(vals.movedim(1, 0), rel.movedim(1, 0), counts, value)
-                    # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
-                    unresolved = spread > SPREAD_LIMIT  # (P, H)
-                    value = value.masked_fill(unresolved, torch.nan)
-                for i, (prefix, v, r) in enumerate(zip(prefixes, value.unbind(), rel.amax(1).unbind(), strict=True)):
-                    keys = head_keys(wrap(op, prefix, X, view), f"{prefix}{name}/{pair_name}", (X,))
-                    _put_heads(out, keys, v, r)
-                    if split:
-                        withheld.append((part, keys, unresolved[i]))
-                if spread is not None and name == "sharpness":  # the plain variant's (prefix "")
-                    # 0/0 is "no data": no key (decided below, for every pair in one host read)
-                    heads = head_keys(wrap(op, "", X, view), f"sharpness_spread/{pair_name}", (X,))
-                    spreads.append((part, heads, spread[0], torch.isfinite(spread[0]) & (value[0] != 0)))
-        if spreads and _INPUTS_CHECKED.get():
+            if not job.planned:
+                continue
+            if job.run not in read:
+                run = runs[job.run]
+                read[job.run] = (
+                    (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
+                )
+                run.matvec = None  # (its product's tensors, the Gram columns among them)
+            vals, rel = read[job.run] if job.rows is None else (t[job.rows] for t in read[job.run])
+            P, m = len(job.prefixes), job.m
+            for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
+                job.raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
+        if not jobs:
+            return outs
+        # every pair and variant of a name at once: (E, sum of P H) values, the plain variants (prefix "") first, the
+        # keys in that order
+        order = [(job, i) for i in range(2) for job in jobs if i < len(job.prefixes)]
+        keys: list[tuple[int, str]] = []  # (part, key with {} for the name) of each column
+        for job, i in order:
+            prefix = job.prefixes[i]
+            heads = head_keys(wrap(op, prefix, job.block, views[job.part][0]), f"{prefix}{{}}/{job.pair}", (job.block,))
+            keys += [(job.part, k) for k in heads]
+        n_plain = sum(job.raw["ggn"][0].shape[-1] for job in jobs)  # (the plain variants' columns)
+        withheld: list[tuple[list[tuple[int, str]], torch.Tensor]] = []  # (keys, unresolved) of the debiased values
+        spread_keys, spread = [(part, k.format("sharpness_spread")) for part, k in keys[:n_plain]], None
+        for name in SAMPLED_NAMES:
+            vals = torch.cat([job.raw[name][0][i] for job, i in order], 1)
+            rel = torch.cat([job.raw[name][1][i] for job, i in order], 1)
+            named = [(part, k.format(name)) for part, k in keys]
+            value = vals[0]
+            if split:
+                value, width = debias(*vals.unbind(), counts, psd=name == "ggn")
+                width = width + extrapolated_residual(vals, rel, counts, value)
+                # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
+                unresolved = width > SPREAD_LIMIT
+                value = value.masked_fill(unresolved, torch.nan)
+                withheld.append((named, unresolved))
+                if name == "sharpness":  # the plain variants': 0/0 is "no data", no key (decided below)
+                    width, plain = width[:n_plain], value[:n_plain]
+                    spread = (width, torch.isfinite(width) & (plain != 0))
+            for (part, k), v, r in zip(named, value.unbind(), rel.amax(0).unbind(), strict=True):
+                outs[part][k] = v
+                outs[part][f"residual/{k}"] = r
+        if spread is not None and _INPUTS_CHECKED.get():
             # the monitor's engine: NaN marks "no data" and its logbook drops the key in its one read of every value
             # (the unresolved values are NaN already)
-            for part, heads, spread, ok in spreads:
-                _put_heads(outs[part], heads, torch.where(ok, spread, torch.nan))
-        elif spreads:  # one host read: which spreads have data, which values are unresolved
-            flags = torch.cat([s[3].reshape(-1) for s in spreads] + [w[2].reshape(-1) for w in withheld]).tolist()
-            keep = iter(flags)
-            for part, heads, spread, _ in spreads:
-                for h, k in enumerate(heads):
-                    if next(keep):
-                        outs[part][k] = spread[h]
-            for part, heads, _ in withheld:
-                for k in heads:
-                    if next(keep):
+            for (part, k), v in zip(spread_keys, torch.where(spread[1], spread[0], torch.nan).unbind(), strict=True):
+                outs[part][k] = v
+        elif spread is not None:  # one host read: which spreads have data, which values are unresolved
+            flags = iter(torch.cat([spread[1]] + [u for _, u in withheld]).tolist())
+            for (part, k), v in zip(spread_keys, spread[0].unbind(), strict=True):
+                if next(flags):
+                    outs[part][k] = v
+            for named, _ in withheld:
+                for part, k in named:
+                    if next(flags):
                         del outs[part][k]
         return outs
 
