@@ -617,6 +617,37 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
             assert_close_report(out[key], value, CONVERGED, name=key)
 
 
+@pytest.mark.parametrize("k, split", [(4, True), (5, True), (3, False)])
+def test_gram_eigenvalues_of_several_blocks_in_one_batch_equal_each_blocks_dense_ones(k, split):
+    """``_gram_eigen``: the Gram matrices (``_gram_matrices``) of blocks with different head counts and scales,
+    decomposed in one batch (the full samples' in one ``eigh``, the halves' in a second when of one size, ``k`` odd:
+    one each), give each block's top eigenvalue of ``D A_S A_S^T D / k_S`` per estimate (``S``: all samples, the first
+    ``k // 2``, the others) and its top eigenvector ``D A_S u`` (float64, to 1e-10 against ``eigvalsh`` / ``eigh`` of
+    the dense ``size x size`` blocks)."""
+    g = torch.Generator().manual_seed(0)
+    B = 2
+    curvature = sampled.SampledCurvature(torch.randn(k, B, 1, 3, generator=g, dtype=DT))
+    _, ka, kb = curvature.counts
+    blocks = [(torch.randn(3, k * B, 7, generator=g, dtype=DT), torch.rand(3, 7, generator=g, dtype=DT) + 0.5),
+              (torch.randn(1, k * B, 7, generator=g, dtype=DT), None)]  # fmt: skip
+    items = []
+    for j, (A, D) in enumerate(blocks):
+        (G,) = sampled._gram_matrices(A, curvature, [D])
+        items.append((j, G, A, D))
+    out = sampled._gram_eigen(items, curvature, split, DT)
+    estimates = [(slice(None), k)] + ([(slice(None, ka * B), ka), (slice(ka * B, None), kb)] if split else [])
+    for (A, D), (values, tops) in zip(blocks, out, strict=True):
+        assert values.shape == (len(estimates), A.shape[0]) and tops.shape == (len(estimates), *A.shape[::2])
+        for e, (cols, count) in enumerate(estimates):
+            M = A[:, cols].mT @ A[:, cols] / count  # (H, size, size): J^T C_S J of the estimate
+            if D is not None:
+                M = D[:, :, None] * M * D[:, None, :]
+            lam, U = torch.linalg.eigh(M)
+            assert_close_report(values[e], lam[:, -1], 1e-10, name=f"values {e}")
+            v = tops[e] / tops[e].norm(dim=-1, keepdim=True)  # (unnormalised, sign free)
+            assert_close_report((v * U[..., -1]).sum(-1).abs(), torch.ones(A.shape[0], dtype=DT), 1e-10, name=f"{e}")
+
+
 def test_pairs_select_the_sampled_keys():
     """Only the diagonal pairs asked for; W2W2 alone (exact otherwise, no operator) still gets its keys."""
     prob = _ffn_problem(CASES[0][1])
