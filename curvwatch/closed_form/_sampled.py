@@ -510,7 +510,7 @@ def sampled_plan(
             jobs[j].raw["sharpness"] = jobs[j].raw["ggn"]
     job_gram.clear()
     # the jobs with Lanczos members, in runs: consecutive pairs of one part whose blocks stack (STACK_PAIRS: the
-    # attention's QQ and KK, one product per step for both) share a run, the others have one each
+    # attention's QQ and KK, one Lanczos step per step for both) share a run, the others have one each
     groups: list[list[_PairJob]] = []
     for job in jobs:
         job.names = [nm for nm in SAMPLED_NAMES if nm not in job.raw]
