@@ -81,7 +81,8 @@ def test_terms_only_evaluation_of_a_deep_model_meets_in_gathered_calls(monkeypat
 # one view each, the Lanczos step's transposed basis once): full 4,876.5 -> 4,418.5 per layer (ceiling was 6,400); the
 # FFN products' shared operands expanded into one bmm (_common.shared_times): 4,112.5; a row mask's view made once per
 # rank (_operator.RowMask): 4,049.5. Session 21 (the attention's QQ and KK sampled members in one run, its shared
-# matmul operands' views made once per operator): 4,041.5 -> 3,905.5 (ceiling lowered to about 15% above).
+# matmul operands' views made once per operator): 4,041.5 -> 3,905.5 (ceiling lowered to about 15% above); every
+# Lanczos member's Ritz vector taken when it stops and thick restarts in slices (for merged runs): 3,962.
 FULL_SYNCS_PER_LAYER = 11
 FULL_OPS_PER_LAYER = 4_500
 TERMS_OPS_PER_LAYER = 410
@@ -127,7 +128,9 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     worktree of the session's start; ceilings lowered to about 15% above). Then the Gram matrices' eigenvalues of a
     call in batches (``_gram_eigen``: 18 / 12 / 18 ``eigh`` calls -> 4 / 2 / 2): 3,955 / 2, FFN 1,910 / 2, GQA 4,144 /
     2; the keys of every pair and variant debiased at once (``sampled_plan``'s finish): 3,760 / 2, FFN 1,812 / 2, GQA
-    3,953 / 2; with gram_steps=0 6,210 / 2, 4,115 / 2, 7,073 / 2."""
+    3,953 / 2; with gram_steps=0 6,210 / 2, 4,115 / 2, 7,073 / 2. Then a kernel's own run and its sampled run as one
+    Lanczos run (``_operator.MERGE_RUNS``; every member's Ritz vector taken when it stops, thick restarts in four slices
+    of the members): 3,531 / 2, FFN 1,347 / 2, GQA 3,569 / 2; with gram_steps=0 5,964 / 2, 3,328 / 2, 6,673 / 2."""
     from curvwatch.closed_form import _sampled
 
     if gram_steps is not None:

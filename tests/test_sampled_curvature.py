@@ -503,6 +503,45 @@ def test_the_attentions_qq_and_kk_sampled_members_share_one_run_with_the_values_
         assert_close_report(one_product[key], apart[key], CONVERGED, name=key)
 
 
+@pytest.mark.parametrize("kernel, case", [CASES[i] for i in (0, 2, 4, 6, 8)], ids=_ids)
+def test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_give_the_keys_of_a_run_each(
+    kernel, case, monkeypatch
+):
+    """``_operator.MERGE_RUNS``: the runs of one solve whose vectors have one shape (a kernel's own run and its sampled
+    members' run) are one Lanczos run, each member with its own start, tolerance and end of the spectrum (the sampled
+    members algebraic, at ``MEMBER_TOL``): every key, and every warm-start vector kept for the next evaluation, is the
+    one of a run each, to the bit (float64; two evaluations, the second warm-started), with fewer runs made."""
+    from curvwatch.closed_form import _lanczos, _operator
+
+    made = []
+    inner = _lanczos.LanczosRun.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(_lanczos.LanczosRun, "__init__", counted)
+    prob = PROBLEMS[kernel](case)
+
+    def evaluations(flag: bool):
+        monkeypatch.setattr(_operator, "MERGE_RUNS", flag)
+        made.clear()
+        warm = WarmStart()
+        kw = dict(lanczos=Lanczos(warm_start=warm), output_samples=prob.samples, precondition=prob.precondition)
+        return [prob.call(**kw), prob.call(**kw)], dict(warm._vectors), list(made)
+
+    apart, apart_warm, apart_made = evaluations(False)
+    merged, merged_warm, merged_made = evaluations(True)
+    assert "_MergedRun" in merged_made and len(merged_made) < len(apart_made), (merged_made, apart_made)
+    for one, other in zip(apart, merged, strict=True):
+        assert set(one) == set(other)
+        for key, value in one.items():
+            assert torch.equal(value, other[key]) or (value.isnan().all() and other[key].isnan().all()), key
+    assert set(apart_warm) == set(merged_warm)
+    for key, value in apart_warm.items():
+        assert torch.equal(value, merged_warm[key]), key
+
+
 @pytest.mark.parametrize("kernel, case", CASES[:4], ids=_ids)
 def test_the_ffns_own_and_sampled_runs_share_one_solve_within_solve_bytes(kernel, case, monkeypatch):
     """The FFN kernels (plain and gated; ReLU's and the gated ``W3W3``'s outer-only runs included) solve their own

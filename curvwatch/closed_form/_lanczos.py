@@ -31,6 +31,12 @@ WARM_NOISE = 1.0
 # sharpen its Ritz value.
 CHECK_EVERY = 4
 
+# A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
+# temporary is then an eighth of the basis, not half (a run merged from several, solve_planned's, restarts all of them
+# at once: at GPT-2-small width the FFN's own and sampled rows, 680 MiB at once). Every member is its own bmm row:
+# the same numbers.
+RESTART_CHUNKS = 4
+
 
 def to_host(t: torch.Tensor) -> np.ndarray:
     """The solver's one device-to-host read per stopping test: ``t`` as a float64 numpy array (a sync off the CPU)."""
@@ -232,6 +238,10 @@ class Rounds:
 class LanczosRun:
     """One batched Lanczos run (the arguments of :func:`lanczos_max_abs`) as a state machine driven by :func:`solve`.
 
+    ``tol`` and ``algebraic`` may also be host arrays of ``batch_shape``, one per member, and ``start`` the unit start
+    vectors ``(*batch_shape, n)`` made by :func:`start_vectors` (``v0`` and ``seed`` then unread): the members of
+    several runs merged into one (:func:`~curvwatch.closed_form._operator.solve_planned`), each as in a run of its own.
+
     :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
     restart couplings), which decides convergence on the host, restarts or finishes.
@@ -244,10 +254,16 @@ class LanczosRun:
     """
 
     def __init__(self, matvec, batch_shape, n, *, dtype, device, tol=1e-6, max_iter=None, max_basis=None, v0=None,
-                 seed=0, both_ends=True, pass_live=False, algebraic=False):  # fmt: skip
+                 seed=0, both_ends=True, pass_live=False, algebraic=False, start=None):  # fmt: skip
         device = torch.device(device)
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, tuple(batch_shape), n, dtype, device
-        self.tol, self.pass_live, self.algebraic = tol, pass_live, algebraic
+        self.pass_live = pass_live
+        # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by solve_planned)
+        self.tol = (
+            tol if np.isscalar(tol) else np.array(np.broadcast_to(np.asarray(tol, dtype=float), self.batch_shape))
+        )
+        self.alg_h = np.array(np.broadcast_to(np.asarray(algebraic, dtype=bool), self.batch_shape))
+        self.algebraic = bool(self.alg_h.all())
         self.done, self.due = False, False
         self.error: Exception | None = None  # why a shared run ended without its results (:meth:`fail`)
         if n <= 0:
@@ -266,24 +282,11 @@ class LanczosRun:
                 "more), or None for no limit."
             )
         self.k_max, self.cap = k_max, cap
-        # start vectors drawn on the device (no host tensor copied over)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        noise = torch.randn((*batch_shape, n), generator=gen, dtype=dtype, device=device)
-        tiny = torch.finfo(dtype).tiny
-        if v0 is None:
-            v = noise
-        else:
-            # a warm start keeps its direction and gets noise of its own norm (see WARM_NOISE); a zero v0 (an
-            # exactly-zero block last time) is then a cold start
-            v = v0.to(dtype=dtype, device=device)
-            v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny) + noise * (
-                WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
-            )
-        v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
-        # which members must resolve both ends, a host mask (no read of a device value)
-        both = False if algebraic else both_ends
-        both = both.detach().to("cpu").numpy() if isinstance(both, torch.Tensor) else np.asarray(both)
-        self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape)
+        # the start vectors (start: made by start_vectors already, for the merged members of several runs)
+        v = start_vectors(self.batch_shape, n, dtype, device, v0, seed) if start is None else start
+        # which members must resolve both ends, a host mask (no read of a device value); never an algebraic one
+        both = both_ends.detach().to("cpu").numpy() if isinstance(both_ends, torch.Tensor) else np.asarray(both_ends)
+        self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape) & ~self.alg_h
         # Inside, the batch is flat: vectors are (b, 1, n) rows and the basis (b, size, n), so that every product of the
         # step is one torch.bmm/baddbmm (a matmul over several batch dimensions dispatches ~6 operators: expands,
         # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size]. On
@@ -367,7 +370,7 @@ class LanczosRun:
         """Eigen-decompose every member's projected matrix (``ab``: the float64 host copy of :meth:`host_parts`, a
         numpy array), freeze the members that converged, and finish, restart or go on. All on the host: nothing
         here reads a device value or dispatches a device operator."""
-        size, dtype, device, algebraic, tol = len(self.alphas), self.dtype, self.device, self.algebraic, self.tol
+        size, dtype, device, alg, tol = len(self.alphas), self.dtype, self.device, self.alg_h, self.tol
         a, beta_h = ab[..., :size], ab[..., 2 * size - 1]
         T = np.zeros((*ab.shape[:-1], size, size))
         diag = np.arange(size)
@@ -382,7 +385,10 @@ class LanczosRun:
             T[..., :k, k] = arr
             T[..., k, :k] = arr
         evals, evecs = np.linalg.eigh(T)  # ascending
-        idx = (evals if algebraic else np.abs(evals)).argmax(-1)[..., None]
+        follow = (
+            evals if alg.all() else np.abs(evals) if not alg.any() else np.where(alg[..., None], evals, np.abs(evals))
+        )
+        idx = follow.argmax(-1)[..., None]
         theta_now = np.take_along_axis(evals, idx, -1)[..., 0]
         resid = np.abs(beta_h[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
         # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
@@ -409,16 +415,16 @@ class LanczosRun:
         converged = converged & (~self.both_h | (settled & (size > 1)))
         self.live = live & ~(exhausted | converged)
         done = not self.live.any() or self.j + 1 == self.k_max
-        # algebraic: a member takes its Ritz vector when it stops. Its later steps are zero (alpha = beta = 0), and
-        # with a negative theta those zero Ritz values would outrank it at the end.
-        take = (live if done else live & ~self.live) if algebraic else None
-        if done or (take is not None and take.any()):
+        # A member takes its Ritz vector when it stops, from the steps it took: its later steps are zero (alpha = beta
+        # = 0; with a negative theta those zero Ritz values would outrank an algebraic member's at the end), and the
+        # vector is then the same whatever other members share the run (solve_planned's merged runs).
+        take = live if done else live & ~self.live
+        if take.any():
             # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
             y = np.take_along_axis(evecs, idx[..., None, :], -1)[..., 0]  # (*batch_shape, size)
             y = _to_device(y.reshape(self.b, 1, size), dtype, device)
             new = torch.bmm(y, self.basis).view(*self.batch_shape, self.n)
-            self.ritz = new if take is None else torch.where(_to_device(take[..., None], None, device), new,
-                                                             self.ritz)  # fmt: skip
+            self.ritz = new if take.all() else torch.where(_to_device(take[..., None], None, device), new, self.ritz)
         if done:
             self._finish()
             return
@@ -438,10 +444,12 @@ class LanczosRun:
         k_lo = max(1, self.cap // 4)
         keep = np.concatenate([np.arange(k_lo), np.arange(size - k_lo, size)])
         Y = evecs[..., keep].reshape(b, size, 2 * k_lo)  # host
-        kept = torch.bmm(_to_device(Y, dtype, device).mT, self.basis)  # (b, 2 k_lo, n), a temporary
-        k = kept.shape[-2]
-        self.buf[:, :k] = kept
-        del kept
+        Yt = _to_device(Y, dtype, device).mT
+        k = 2 * k_lo
+        # the kept vectors (b, k, n), half the basis, a temporary: made RESTART_CHUNKS slices of the members at a time
+        step = -(-b // RESTART_CHUNKS)
+        for lo in range(0, b, step):
+            self.buf[lo : lo + step, :k] = torch.bmm(Yt[lo : lo + step], self.basis[lo : lo + step])
         self.size = k
         self.basis = self.buf.narrow(1, 0, k)
         arrow = beta_h.reshape(b, 1) * Y[:, -1, :] * self.live.reshape(b, 1)  # (b, k); 0 for stopped members
@@ -488,8 +496,33 @@ class LanczosRun:
         self.done = True
         theta = _to_device(self.theta, self.dtype, self.device)
         self.rel_residual = _to_device(self.rel, self.dtype, self.device)
-        self.norm = theta if self.algebraic else theta.abs()
+        self.norm = (
+            theta
+            if self.algebraic
+            else theta.abs()
+            if not self.alg_h.any()
+            else torch.where(_to_device(self.alg_h, None, self.device), theta, theta.abs())
+        )
         self.buf = self.basis = self.v = self.w = self.alphas = self.betas = self.arrow = None
+
+
+def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device: torch.device | str,
+                  v0: torch.Tensor | None = None, seed: int = 0) -> torch.Tensor:  # fmt: skip
+    """The unit start vectors ``(*batch_shape, n)`` of a :class:`LanczosRun`: random, drawn on the device (no host
+    tensor copied over), or the direction of ``v0`` plus noise of its own norm (:data:`WARM_NOISE`; a zero ``v0``, an
+    exactly-zero block last time, is then a cold start)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    noise = torch.randn((*batch_shape, n), generator=gen, dtype=dtype, device=device)
+    tiny = torch.finfo(dtype).tiny
+    if v0 is None:
+        v = noise
+    else:
+        v = v0.to(dtype=dtype, device=device)
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny) + noise * (
+            WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
+        )
+    return v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
 
 
 def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:

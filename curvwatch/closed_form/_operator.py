@@ -14,6 +14,7 @@ contracted second derivatives, never from autograd. This module turns such an op
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._lanczos import LanczosRun, solve
+from ._lanczos import LanczosRun, solve, start_vectors
 from .settings import Lanczos
 
 KINDS = ("outer", "functional", "hessian")
@@ -503,11 +504,136 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
             (more, size, _), units = units[0], units[1:]
             group += more
             total += size
-        made = [(i, make()) for i, make in group]
-        solve([run for _, run in made])
+        made, solved = _made(group)
+        solve(solved)
+        for run in solved:
+            if isinstance(run, _MergedRun):
+                run.matvec = None  # (its members' products, and what they hold: the parts' finish reads results only)
         for i, run in made:
             runs[i].append(run)
     return [plan.finish(r) for plan, r in zip(plans, runs, strict=True)]
+
+
+#: Runs of one solve whose vectors have one shape (the attention's own ``QQ``+``KK`` run and its sampled members'
+#: run, both ``(rows, H, d d_K)``; the FFN's and its sampled run) become **one** :class:`LanczosRun`
+#: (:func:`_made`): one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17 dispatched operators) per
+#: step for all of their rows instead of one per run, and their stopping tests in one host copy. Each member keeps its
+#: own start, tolerance and end of the spectrum (the sampled members are algebraic, at a tighter tolerance); every row
+#: of a Lanczos run is its own recurrence, so the keys are those of one run each, to the bit on CPU
+#: (tests/test_engine.py). ``False``: one run per maker (the benchmark's "before").
+MERGE_RUNS = True
+
+
+class _MergedRun(LanczosRun):
+    """The rows of several :func:`_norm_run` runs as one :class:`LanczosRun` (:data:`MERGE_RUNS`)."""
+
+
+@dataclass
+class _RunPart:
+    """One maker's rows of a :class:`_MergedRun`: its results as its own run's (``norm``, ``rel_residual``, ``ritz``,
+    ``error``), read once the merged run is solved. ``ritz`` is a copy (a warm-start store keeps it: not the merged
+    run's other rows)."""
+
+    run: LanczosRun
+    rows: slice
+    matvec: Any = None
+
+    @property
+    def norm(self) -> torch.Tensor:
+        return self.run.norm[self.rows]
+
+    @property
+    def rel_residual(self) -> torch.Tensor:
+        return self.run.rel_residual[self.rows]
+
+    @property
+    def ritz(self) -> torch.Tensor:
+        return self.run.ritz[self.rows].clone()
+
+    @property
+    def error(self) -> Exception | None:
+        return self.run.error
+
+
+def _norm_run_arguments(make) -> dict[str, Any] | None:
+    """The arguments of a maker that is ``functools.partial(_norm_run, ...)`` by name, else None."""
+    if not isinstance(make, functools.partial) or make.func is not _norm_run:
+        return None
+    bound = inspect.signature(_norm_run).bind(*make.args, **make.keywords)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
+    """The runs of one solve, made: ``([(plan, run or part)], the runs to solve)``. With :data:`MERGE_RUNS` the
+    :func:`_norm_run` makers whose vectors have one shape, dtype, device and ``max_iter``/``max_basis`` make one
+    :class:`_MergedRun` (their rows in order; each maker gets a :class:`_RunPart`); the others make their own runs."""
+    specs = [_norm_run_arguments(make) if MERGE_RUNS else None for _, make in group]
+
+    def shape(a: dict[str, Any]) -> tuple:
+        op, emb, lz = a["op"], a["emb"], a["lanczos"]
+        return emb.H, emb.n, op.dtype, op.device, lz.max_iter, lz.max_basis
+
+    clusters: dict[tuple, list[int]] = {}
+    for j, a in enumerate(specs):
+        if a is not None:
+            clusters.setdefault(shape(a), []).append(j)
+    made: list = [None] * len(group)
+    solved: list[LanczosRun] = []
+    for members in clusters.values():
+        if len(members) < 2:
+            continue
+        parts = _merged_run([specs[j] for j in members])
+        solved.append(parts[0].run)
+        for j, part in zip(members, parts, strict=True):
+            made[j] = (group[j][0], part)
+    for j, (i, make) in enumerate(group):
+        if made[j] is None:
+            made[j] = (i, make())
+            solved.append(made[j][1])
+    return made, solved
+
+
+def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
+    """One :class:`_MergedRun` of the rows of several :func:`_norm_run` argument sets (one vector shape): each with the
+    start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or noise, seed 0), its
+    tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its rows (and their
+    live mask)."""
+    first = specs[0]
+    op, emb, lz = first["op"], first["emb"], first["lanczos"]
+    starts, tols, algebraic, both, sizes = [], [], [], [], []
+    for a in specs:
+        shape = (len(a["kinds"]), emb.H)
+        v0, warm = a["v0"], a["lanczos"].warm_start
+        if v0 is None and warm is not None:
+            v0 = warm.get(a["key"], (*shape, emb.n), op.dtype, op.device)
+        starts.append(start_vectors(shape, emb.n, op.dtype, op.device, v0))
+        tols.append(np.full(shape, a["lanczos"].tol))
+        algebraic.append(np.full(shape, bool(a["algebraic"])))
+        both.append(np.broadcast_to(_both_ends(a["kinds"], diagonal=a["diagonal"]), shape))
+        sizes.append(len(a["kinds"]))
+    bounds = np.cumsum([0, *sizes]).tolist()
+    mvs = [a["mv"] for a in specs]
+
+    def mv(u: torch.Tensor, live=None) -> torch.Tensor:
+        return torch.cat([f(u[lo:hi], None if live is None else live[lo:hi])
+                          for f, lo, hi in zip(mvs, bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
+
+    run = _MergedRun(
+        mv,
+        (bounds[-1], emb.H),
+        emb.n,
+        dtype=op.dtype,
+        device=op.device,
+        tol=np.concatenate(tols),
+        max_iter=lz.max_iter,
+        max_basis=lz.max_basis,
+        pass_live=True,
+        both_ends=np.concatenate(both),
+        algebraic=np.concatenate(algebraic),
+        start=torch.cat(starts),
+    )
+    return [_RunPart(run, slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def norms_with_a_linear_pair(
