@@ -327,9 +327,10 @@ def sampled_setting_table(
     one full evaluation with the real-loss keys (16 samples, AdamW rules, ``max_tokens`` 512) under each value of
     ``settings``, side by side on the same captures (each repeat a new capture: new samples, as at a later
     evaluation), CPU time of one thread (median of ``repeats``, interleaved in alternating order), its dispatched
-    operators, and the steps of the sampled Lanczos runs (``(rows x heads, steps): runs``). With ``train``, that many
-    AdamW steps (lr 1e-3) before each capture: the warm starts are then an earlier state's, as at an evaluation every
-    ``train`` steps (without, every capture is of the same weights and a warm start is nearly the answer). Held-out
+    operators, and the steps of the runs holding sampled members (``(sampled rows x heads, steps): runs``). With
+    ``train``, that many AdamW steps (lr 1e-3) before each capture: the warm starts are then an earlier state's, as at
+    an evaluation every ``train`` steps (without, every capture is of the same weights and a warm start is nearly the
+    answer). Held-out
     Hugging Face GPT-2, random tokens. An unknown ``name`` raises."""
     import collections
 
@@ -348,9 +349,9 @@ def sampled_setting_table(
     current: list[float | None] = [None]
     finish = _lanczos.LanczosRun._finish
 
-    def counted(run) -> None:  # the sampled runs are the algebraic ones
-        if run.algebraic and current[0] is not None:
-            steps[current[0]][(math.prod(run.batch_shape), run.j + 1)] += 1
+    def counted(run) -> None:  # the sampled members are the algebraic ones (in a run merged with a kernel's own)
+        if run.alg_h.any() and current[0] is not None:
+            steps[current[0]][(int(run.alg_h.sum()), run.j + 1)] += 1
         finish(run)
 
     for group in adam.param_groups if train else ():

@@ -102,7 +102,9 @@ def test_sampled_setting_table_times_each_setting_and_restores_it():
     assert [r[0] for r in rows] == ["| 0", "| 12"]
     ops = [int(r[2]) for r in rows]
     assert all(n > 0 for n in ops) and ops[1] < ops[0]  # the Gram path: fewer operators than every key by Lanczos
-    assert "(12, " in rows[0][3]  # GRAM_STEPS 0: ggn and sharpness members in one run, 12 rows
+    # GRAM_STEPS 0: ggn and sharpness members, 12 rows per pair; the FFN's W1W1 and W2W2 (vectors of one size) in one
+    # run with its own rows (_operator.MERGE_RUNS): 24 sampled rows
+    assert "(24, " in rows[0][3]
     with pytest.raises(ValueError, match="Unknown sampled setting"):
         bench_sharpness.sampled_setting_table("DEBIAS", [0, 1], width=32, B=2, L=16, vocab=64)
 

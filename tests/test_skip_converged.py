@@ -90,6 +90,9 @@ def test_converged_kinds_are_not_computed(case, monkeypatch):
         if hasattr(cls, method):
             monkeypatch.setattr(cls, method, counting(getattr(cls, method)))
     monkeypatch.setattr(_operator, "LanczosRun", Counting)
+    # one run per maker: the products are counted per run (a merged run's product calls each member run's operator,
+    # _operator.MERGE_RUNS, tested in tests/test_sampled_curvature.py)
+    monkeypatch.setattr(_operator, "MERGE_RUNS", False)
     # a stopping test every step: kinds of these small blocks converge a few steps apart, which tests every
     # CHECK_EVERY steps would often merge
     monkeypatch.setattr(_lanczos, "CHECK_EVERY", 1)

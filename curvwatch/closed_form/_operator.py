@@ -507,7 +507,7 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
         made, solved = _made(group)
         solve(solved)
         for run in solved:
-            if isinstance(run, _MergedRun):
+            if getattr(run, "merged", False):
                 run.matvec = None  # (its members' products, and what they hold: the parts' finish reads results only)
         for i, run in made:
             runs[i].append(run)
@@ -524,15 +524,11 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
 MERGE_RUNS = True
 
 
-class _MergedRun(LanczosRun):
-    """The rows of several :func:`_norm_run` runs as one :class:`LanczosRun` (:data:`MERGE_RUNS`)."""
-
-
 @dataclass
 class _RunPart:
-    """One maker's rows of a :class:`_MergedRun`: its results as its own run's (``norm``, ``rel_residual``, ``ritz``,
-    ``error``), read once the merged run is solved. ``ritz`` is a copy (a warm-start store keeps it: not the merged
-    run's other rows)."""
+    """One maker's rows of a merged run (:func:`_merged_run`): its results as its own run's (``norm``,
+    ``rel_residual``, ``ritz``, ``error``), read once the merged run is solved. ``ritz`` is a copy (a warm-start store
+    keeps it: not the merged run's other rows)."""
 
     run: LanczosRun
     rows: slice
@@ -567,7 +563,8 @@ def _norm_run_arguments(make) -> dict[str, Any] | None:
 def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
     """The runs of one solve, made: ``([(plan, run or part)], the runs to solve)``. With :data:`MERGE_RUNS` the
     :func:`_norm_run` makers whose vectors have one shape, dtype, device and ``max_iter``/``max_basis`` make one
-    :class:`_MergedRun` (their rows in order; each maker gets a :class:`_RunPart`); the others make their own runs."""
+    :class:`LanczosRun` (:func:`_merged_run`: their rows in order; each maker gets a :class:`_RunPart`); the others
+    make their own runs."""
     specs = [_norm_run_arguments(make) if MERGE_RUNS else None for _, make in group]
 
     def shape(a: dict[str, Any]) -> tuple:
@@ -595,10 +592,10 @@ def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
 
 
 def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
-    """One :class:`_MergedRun` of the rows of several :func:`_norm_run` argument sets (one vector shape): each with the
-    start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or noise, seed 0), its
-    tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its rows (and their
-    live mask)."""
+    """One :class:`LanczosRun` (``merged``) of the rows of several :func:`_norm_run` argument sets (one vector shape):
+    each with the start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or noise, seed
+    0), its tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its rows (and
+    their live mask)."""
     first = specs[0]
     op, emb, lz = first["op"], first["emb"], first["lanczos"]
     starts, tols, algebraic, both, sizes = [], [], [], [], []
@@ -619,7 +616,7 @@ def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
         return torch.cat([f(u[lo:hi], None if live is None else live[lo:hi])
                           for f, lo, hi in zip(mvs, bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
 
-    run = _MergedRun(
+    run = LanczosRun(
         mv,
         (bounds[-1], emb.H),
         emb.n,
@@ -633,6 +630,7 @@ def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
         algebraic=np.concatenate(algebraic),
         start=torch.cat(starts),
     )
+    run.merged = True
     return [_RunPart(run, slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
