@@ -519,8 +519,9 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
 #: (:func:`_made`): one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17 dispatched operators) per
 #: step for all of their rows instead of one per run, and their stopping tests in one host copy. Each member keeps its
 #: own start, tolerance and end of the spectrum (the sampled members are algebraic, at a tighter tolerance); every row
-#: of a Lanczos run is its own recurrence, so the keys are those of one run each, to the bit on CPU
-#: (tests/test_engine.py). ``False``: one run per maker (the benchmark's "before").
+#: of a Lanczos run is its own recurrence, so the keys and warm starts are those of one run each, to the bit on CPU
+#: (tests/test_sampled_curvature.py, ``test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_...``).
+#: ``False``: one run per maker (the benchmark's "before").
 MERGE_RUNS = True
 
 
