@@ -264,6 +264,16 @@ def _ids(param):
     return case_id(param) if isinstance(param, dict) else param
 
 
+def _assert_sampled_keys_close(got: dict, ref: dict, tol: float) -> list[str]:
+    """``got`` has ``ref``'s keys, and each of ``ref``'s sampled keys (``ggn``, ``sharpness`` and their
+    ``precond_`` variants; some) is within ``tol`` of it in ``got``; returns those keys."""
+    keys = [k for k in ref if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
+    assert keys and set(got) == set(ref)
+    for key in keys:
+        assert_close_report(got[key], ref[key], tol, name=key)
+    return keys
+
+
 def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
     ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each debiased as the kernels do
@@ -434,10 +444,7 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     runs = len(made)
     assert runs >= 2 and sampled_per_solve() == [runs], (solves, events)  # one solve, all the sampled runs
     assert "columns" not in events[events.index("run") :], events
-    sampled_keys = [k for k in apart if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
-    assert sampled_keys and set(together) == set(apart)
-    for key in sampled_keys:
-        assert_close_report(together[key], apart[key], CONVERGED, name=key)
+    sampled_keys = _assert_sampled_keys_close(together, apart, CONVERGED)
     # over SOLVE_BYTES of bases: one sampled run at a time again, each made when its solve starts
     monkeypatch.setattr(_operator, "SOLVE_BYTES", 1)
     capped = keys(True)
@@ -492,10 +499,7 @@ def test_the_attentions_qq_and_kk_sampled_members_share_one_run_with_the_values_
     assert sum(runs) == sum(apart_runs)  # the same members, as rows of fewer runs
     if stacked_runs == 1:
         assert products[0] < apart_products, (products[0], apart_products)
-    sampled_keys = [k for k in apart if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
-    assert sampled_keys and set(together) == set(apart)
-    for key in sampled_keys:
-        assert_close_report(together[key], apart[key], CONVERGED, name=key)
+    sampled_keys = _assert_sampled_keys_close(together, apart, CONVERGED)
     # every row of a run in one product (both blocks' paths, their D and Gram columns, in one operator call)
     monkeypatch.setattr(sampled, "MEMBER_ROWS", 64)
     one_product = keys(True)
@@ -943,10 +947,7 @@ def test_sharpness_members_take_their_gauss_newton_part_from_the_gram_columns(ke
     served.clear()
     gram = keys(True)
     assert not any(served_before) and any(served), (served_before, served)
-    sampled_keys = [k for k in whole if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
-    assert sampled_keys and set(gram) == set(whole)
-    for key in sampled_keys:
-        assert_close_report(gram[key], whole[key], CONVERGED, name=key)
+    _assert_sampled_keys_close(gram, whole, CONVERGED)
 
 
 @pytest.mark.parametrize("kernel, case", [CASES[i] for i in (0, 2, 4, 8)], ids=_ids)
@@ -1000,7 +1001,4 @@ def test_sharpness_members_start_at_their_estimates_top_gauss_newton_direction(k
             Mv = torch.einsum("hcs,hc->hs", As, torch.einsum("hcs,hs->hc", As, v))
             resid = (Mv - top[:, None] * v).norm(dim=-1) / (top * v.norm(dim=-1)).clamp_min(1e-300)
             assert float(resid.max()) < 1e-8, (e, resid)
-    sampled_keys = [k for k in warm if k.split("/")[0] in ("sharpness", "precond_sharpness", "ggn", "precond_ggn")]
-    assert sampled_keys and set(gram) == set(warm)
-    for key in sampled_keys:
-        assert_close_report(gram[key], warm[key], CONVERGED, name=key)
+    _assert_sampled_keys_close(gram, warm, CONVERGED)

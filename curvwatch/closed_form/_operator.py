@@ -556,9 +556,15 @@ def _norm_run_arguments(make) -> dict[str, Any] | None:
     """The arguments of a maker that is ``functools.partial(_norm_run, ...)`` by name, else None."""
     if not isinstance(make, functools.partial) or make.func is not _norm_run:
         return None
-    bound = inspect.signature(_norm_run).bind(*make.args, **make.keywords)
+    bound = _norm_run_signature().bind(*make.args, **make.keywords)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+@functools.cache
+def _norm_run_signature() -> inspect.Signature:
+    """:func:`_norm_run`'s signature, read once (every solve of every evaluation binds its makers' arguments)."""
+    return inspect.signature(_norm_run)
 
 
 def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
@@ -602,9 +608,7 @@ def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
     starts, tols, algebraic, both, sizes = [], [], [], [], []
     for a in specs:
         shape = (len(a["kinds"]), emb.H)
-        v0, warm = a["v0"], a["lanczos"].warm_start
-        if v0 is None and warm is not None:
-            v0 = warm.get(a["key"], (*shape, emb.n), op.dtype, op.device)
+        v0 = _norm_run_v0(a["op"], a["emb"], a["kinds"], a["key"], a["lanczos"], a["v0"])
         starts.append(start_vectors(shape, emb.n, op.dtype, op.device, v0))
         tols.append(np.full(shape, a["lanczos"].tol))
         algebraic.append(np.full(shape, bool(a["algebraic"])))
@@ -745,11 +749,9 @@ def _norm_run(
     """The batched Lanczos run ``(len(kinds), H)`` of ``mv``, warm-started from ``lanczos.warm_start`` (or from
     ``v0`` ``(len(kinds), H, n)``, when given); with ``algebraic`` it finds the largest eigenvalues instead of the
     norms (drive it with :func:`solve`)."""
-    warm = lanczos.warm_start
-    shape = (len(kinds), emb.H, emb.n)
     return LanczosRun(
         mv,
-        shape[:2],
+        (len(kinds), emb.H),
         emb.n,
         dtype=op.dtype,
         device=op.device,
@@ -757,10 +759,18 @@ def _norm_run(
         max_iter=lanczos.max_iter,
         max_basis=lanczos.max_basis,
         pass_live=True,
-        v0=v0 if v0 is not None else None if warm is None else warm.get(key, shape, op.dtype, op.device),
+        v0=_norm_run_v0(op, emb, kinds, key, lanczos, v0),
         both_ends=_both_ends(kinds, diagonal=diagonal),
         algebraic=algebraic,
     )
+
+
+def _norm_run_v0(op, emb, kinds, key, lanczos: Lanczos, v0: torch.Tensor | None) -> torch.Tensor | None:
+    """The start of a :func:`_norm_run` (and of its rows in a merged run, :func:`_merged_run`): ``v0`` when given, else
+    the warm start stored under ``key`` if it has the run's shape ``(len(kinds), H, n)``, else None (noise)."""
+    if v0 is not None or lanczos.warm_start is None:
+        return v0
+    return lanczos.warm_start.get(key, (len(kinds), emb.H, emb.n), op.dtype, op.device)
 
 
 def _norm_results(run: LanczosRun, key, lanczos: Lanczos) -> tuple[torch.Tensor, torch.Tensor]:
