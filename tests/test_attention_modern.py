@@ -205,8 +205,10 @@ def test_grouped_query_blocks_collect_every_query_head_of_the_group():
 
 def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run_at_a_time(monkeypatch):
     """With ``G > 1`` the Lanczos runs of the query view (``QQ``, ``VQ``, ``QK`` per query head) and of the group view
-    (``KK``, ``VK`` per kv group) go to one ``solve`` (their stopping tests share host reads): the same keys as one
-    solve per run (float64, tight Lanczos; the stopping tests fall on the same steps)."""
+    (``KK``, ``VK`` per kv group) go to one ``solve`` (their stopping tests share host reads), where the runs of one
+    vector size are one run (``_operator.MERGE_RUNS``: the views' head counts differ, so a flat run of their members):
+    the same keys, to the bit, as the unmerged runs of that solve, and as one solve per run (float64, tight Lanczos; the
+    stopping tests fall on the same steps)."""
     from curvwatch.closed_form import _operator
 
     X, W, kw = _inputs(_case(H=4, H_kv=2, mode="grad", rotary="half", r=2), seed=3)
@@ -216,7 +218,14 @@ def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run
     tight = dict(lanczos=Lanczos(tol=1e-10, max_iter=400), terms=False, kinds=("outer", "functional", "hessian"))
     pairs = ["QQ", "KK", "VQ", "VK", "QK"]
     together = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
-    assert solves == [max(solves)] and max(solves) >= 4, solves  # one solve: both views' runs
+    assert len(solves) == 1, solves  # one solve: both views' runs
+    merged = solves.pop()
+    monkeypatch.setattr(_operator, "MERGE_RUNS", False)
+    unmerged = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
+    assert len(solves) == 1 and solves[0] >= 4 and merged < solves[0], (merged, solves)
+    assert set(unmerged) == set(together)
+    for key, value in unmerged.items():
+        assert torch.equal(value, together[key]), key
 
     inner_plan = _operator.spectral_plan
 

@@ -130,7 +130,10 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     2; the keys of every pair and variant debiased at once (``sampled_plan``'s finish): 3,760 / 2, FFN 1,812 / 2, GQA
     3,953 / 2; with gram_steps=0 6,210 / 2, 4,115 / 2, 7,073 / 2. Then a kernel's own run and its sampled run as one
     Lanczos run (``_operator.MERGE_RUNS``; every member's Ritz vector taken when it stops, thick restarts in four slices
-    of the members): 3,531 / 2, FFN 1,347 / 2, GQA 3,569 / 2; with gram_steps=0 5,964 / 2, 3,328 / 2, 6,673 / 2."""
+    of the members): 3,531 / 2, FFN 1,347 / 2, GQA 3,569 / 2; with gram_steps=0 5,964 / 2, 3,328 / 2, 6,673 / 2.
+    Session 22, the grouped-query kernel's query-view and group-view runs as one flat run (``_operator._merged_run``):
+    GQA 3,377 / 2, with gram_steps=0 6,481 / 2 (the call without samples 18,137 -> 17,927); every ceiling lowered to
+    about 15% above."""
     from curvwatch.closed_form import _sampled
 
     if gram_steps is not None:
@@ -164,15 +167,19 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
 
     kernels = {
         "attention": (lambda lz, **kw: multi_head_attention(X, *W, H, grad_output=G, causal=True, lanczos=lz, **kw),
-                      P_attn, *((4_700, 4) if gram_steps is None else (7_400, 4))),
+                      P_attn, *((4_100, 4) if gram_steps is None else (6_900, 4))),
         "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn,
-                *((2_300, 4) if gram_steps is None else (5_000, 4))),
+                *((1_550, 4) if gram_steps is None else (3_850, 4))),
         "gqa": (lambda lz, **kw: multi_head_attention(X, W[0], Wkv[0], Wkv[1], W[3], H, n_kv_heads=2, grad_output=G,
                                                       causal=True, lanczos=lz, **kw),
-                P_gqa, *((4_950, 4) if gram_steps is None else (8_400, 4))),
+                P_gqa, *((3_900, 4) if gram_steps is None else (7_500, 4))),
     }  # fmt: skip
+    # the calls without samples (the engine's own runs), measured in session 22: attention 12,508, FFN 4,656, GQA
+    # 17,927 (18,137 before its query-view and group-view runs were one run); ceilings about 15% above
+    own = {"attention": 14_400, "ffn": 5_350, "gqa": 20_600}
     for name, (call, precondition, max_ops, max_reads) in kernels.items():
         ops0, reads0 = count(call)
+        assert ops0 <= own[name], (name, ops0)
         ops, reads = count(lambda lz, call=call, p=precondition: call(lz, output_samples=S, precondition=p))
         assert ops - ops0 <= max_ops, (name, ops - ops0)
         assert reads - reads0 <= max_reads, (name, reads - reads0)

@@ -514,8 +514,10 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
     return [plan.finish(r) for plan, r in zip(plans, runs, strict=True)]
 
 
-#: Runs of one solve whose vectors have one shape (the attention's own ``QQ``+``KK`` run and its sampled members'
-#: run, both ``(rows, H, d d_K)``; the FFN's and its sampled run) become **one** :class:`LanczosRun`
+#: Runs of one solve whose vectors have one size (the attention's own ``QQ``+``KK`` run and its sampled members'
+#: run, both ``(rows, H, d d_K)``; the FFN's and its sampled run; the grouped-query attention's query-view runs,
+#: ``(rows, H, d d_K)``, with its group-view runs, ``(rows, G, d d_K)``, as members of a flat run) become **one**
+#: :class:`LanczosRun`
 #: (:func:`_made`): one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17 dispatched operators) per
 #: step for all of their rows instead of one per run, and their stopping tests in one host copy. Each member keeps its
 #: own start, tolerance and end of the spectrum (the sampled members are algebraic, at a tighter tolerance); every row
@@ -533,19 +535,26 @@ class _RunPart:
 
     run: LanczosRun
     rows: slice
+    shape: tuple[int, int]  # the maker's own batch, (len(kinds), H): its rows' view of a flat run's members
     matvec: Any = None
 
     @property
     def norm(self) -> torch.Tensor:
-        return self.run.norm[self.rows]
+        return self._own(self.run.norm)
 
     @property
     def rel_residual(self) -> torch.Tensor:
-        return self.run.rel_residual[self.rows]
+        return self._own(self.run.rel_residual)
 
     @property
     def ritz(self) -> torch.Tensor:
-        return self.run.ritz[self.rows].clone()
+        return self._own(self.run.ritz).clone()
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """This maker's members of the run's ``t`` (``batch_shape`` leading), shaped as its own run's."""
+        mine = t[self.rows]
+        flat = len(self.run.batch_shape) == 1  # (a flat run's members; else rows of a (rows, H) run: shaped already)
+        return mine.view(*self.shape, *t.shape[1:]) if flat else mine
 
     @property
     def error(self) -> Exception | None:
@@ -569,14 +578,14 @@ def _norm_run_signature() -> inspect.Signature:
 
 def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
     """The runs of one solve, made: ``([(plan, run or part)], the runs to solve)``. With :data:`MERGE_RUNS` the
-    :func:`_norm_run` makers whose vectors have one shape, dtype, device and ``max_iter``/``max_basis`` make one
+    :func:`_norm_run` makers whose vectors have one size, dtype, device and ``max_iter``/``max_basis`` make one
     :class:`LanczosRun` (:func:`_merged_run`: their rows in order; each maker gets a :class:`_RunPart`); the others
     make their own runs."""
     specs = [_norm_run_arguments(make) if MERGE_RUNS else None for _, make in group]
 
     def shape(a: dict[str, Any]) -> tuple:
         op, emb, lz = a["op"], a["emb"], a["lanczos"]
-        return emb.H, emb.n, op.dtype, op.device, lz.max_iter, lz.max_basis
+        return emb.n, op.dtype, op.device, lz.max_iter, lz.max_basis
 
     clusters: dict[tuple, list[int]] = {}
     for j, a in enumerate(specs):
@@ -599,44 +608,60 @@ def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
 
 
 def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
-    """One :class:`LanczosRun` (``merged``) of the rows of several :func:`_norm_run` argument sets (one vector shape):
-    each with the start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or noise, seed
-    0), its tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its rows (and
-    their live mask)."""
+    """One :class:`LanczosRun` (``merged``) of the rows of several :func:`_norm_run` argument sets (one vector size
+    ``n``): each with the start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or
+    noise, seed 0), its tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its
+    rows (and their live mask). Makers of one head count ``H`` are rows of a ``(rows, H)`` run; makers of several (the
+    grouped-query attention's query view, ``H`` heads, and group view, ``G`` kv groups) are members of a flat one, each
+    maker's ``(rows, H)`` members a slice of it (every member is its own recurrence: the same numbers)."""
     first = specs[0]
     op, emb, lz = first["op"], first["emb"], first["lanczos"]
-    starts, tols, algebraic, both, sizes = [], [], [], [], []
+    heads = {a["emb"].H for a in specs}
+    flat = len(heads) > 1
+    starts, tols, algebraic, both, shapes = [], [], [], [], []
     for a in specs:
-        shape = (len(a["kinds"]), emb.H)
+        shape = (len(a["kinds"]), a["emb"].H)
         v0 = _norm_run_v0(a["op"], a["emb"], a["kinds"], a["key"], a["lanczos"], a["v0"])
         starts.append(start_vectors(shape, emb.n, op.dtype, op.device, v0))
         tols.append(np.full(shape, a["lanczos"].tol))
         algebraic.append(np.full(shape, bool(a["algebraic"])))
         both.append(np.broadcast_to(_both_ends(a["kinds"], diagonal=a["diagonal"]), shape))
-        sizes.append(len(a["kinds"]))
+        shapes.append(shape)
+
+    def cat(parts: Sequence, join) -> Any:  # the makers' (rows, H) arrays as the run's batch: flat, or rows stacked
+        return join([p.reshape(-1, *p.shape[2:]) for p in parts] if flat else parts)
+
+    sizes = [r * h if flat else r for r, h in shapes]
     bounds = np.cumsum([0, *sizes]).tolist()
     mvs = [a["mv"] for a in specs]
 
     def mv(u: torch.Tensor, live=None) -> torch.Tensor:
-        return torch.cat([f(u[lo:hi], None if live is None else live[lo:hi])
-                          for f, lo, hi in zip(mvs, bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
+        out = []
+        for f, shape, lo, hi in zip(mvs, shapes, bounds[:-1], bounds[1:], strict=True):
+            if flat:
+                w = f(u[lo:hi].view(*shape, emb.n), None if live is None else live[lo:hi].reshape(shape))
+                out.append(w.reshape(hi - lo, emb.n))
+            else:
+                out.append(f(u[lo:hi], None if live is None else live[lo:hi]))
+        return torch.cat(out)
 
     run = LanczosRun(
         mv,
-        (bounds[-1], emb.H),
+        (bounds[-1],) if flat else (bounds[-1], emb.H),
         emb.n,
         dtype=op.dtype,
         device=op.device,
-        tol=np.concatenate(tols),
+        tol=cat(tols, np.concatenate),
         max_iter=lz.max_iter,
         max_basis=lz.max_basis,
         pass_live=True,
-        both_ends=np.concatenate(both),
-        algebraic=np.concatenate(algebraic),
-        start=torch.cat(starts),
+        both_ends=cat(both, np.concatenate),
+        algebraic=cat(algebraic, np.concatenate),
+        start=cat(starts, torch.cat),
     )
     run.merged = True
-    return [_RunPart(run, slice(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [_RunPart(run, slice(lo, hi), shape)
+            for lo, hi, shape in zip(bounds[:-1], bounds[1:], shapes, strict=True)]  # fmt: skip
 
 
 def norms_with_a_linear_pair(
