@@ -98,10 +98,11 @@ def count_host_reads(counter: OpCounter):
 
 class ReadLabels:
     """Which Lanczos runs each stopping-test read served (``--reads``): while :attr:`active`, every
-    :class:`~curvwatch.closed_form._lanczos.LanczosRun` made is labelled (its product's function, batch shape and
-    dimension), its steps counted, and every :func:`~curvwatch.closed_form._lanczos.to_host` read records the labels
-    of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a row are solved
-    one after the other (a chain of reads)."""
+    :class:`~curvwatch.closed_form._lanczos.LanczosRun` that steps is labelled at its first step (its product's
+    function, batch shape and dimension; a run merged from several, ``merge_runs``, as ``merged[...]`` of theirs: those
+    never step themselves), its steps counted, and every :func:`~curvwatch.closed_form._lanczos.to_host` read records
+    the labels of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a row are
+    solved one after the other (a chain of reads)."""
 
     def __init__(self) -> None:
         self.active = False
@@ -115,6 +116,8 @@ class ReadLabels:
         while hasattr(fn, "func"):  # functools.partial
             fn = fn.func
         name = getattr(fn, "__qualname__", type(fn).__name__).replace(".<locals>", "")
+        if run.parts:
+            name = "merged[" + " + ".join(ReadLabels.label(part).rsplit(" n=", 1)[0] for part, _, _ in run.parts) + "]"
         return f"{name} {tuple(run.batch_shape)} n={run.n}"
 
     @contextlib.contextmanager
@@ -122,17 +125,14 @@ class ReadLabels:
         from curvwatch.closed_form import _lanczos
 
         run_cls, to_host = _lanczos.LanczosRun, _lanczos.to_host
-        init, step, check = run_cls.__init__, run_cls.step, run_cls.check
+        step, check = run_cls.step, run_cls.check
         rec = self
-
-        def init_(run, *args, **kwargs):
-            init(run, *args, **kwargs)
-            run._bench_label = rec.label(run)
-            if rec.active:
-                rec.runs[run._bench_label] += 1
 
         def step_(run):
             if rec.active:
+                if getattr(run, "_bench_label", None) is None:  # its first step
+                    run._bench_label = rec.label(run)
+                    rec.runs[run._bench_label] += 1
                 rec.steps[run._bench_label] += 1
             step(run)
 
@@ -142,15 +142,15 @@ class ReadLabels:
             return to_host(t)
 
         def check_(run, ab):
-            if rec.active and rec.reads:
+            if rec.active and rec.reads and getattr(run, "_bench_label", None):
                 rec.reads[-1][run._bench_label] += 1
             check(run, ab)
 
-        run_cls.__init__, run_cls.step, run_cls.check, _lanczos.to_host = init_, step_, check_, to_host_
+        run_cls.step, run_cls.check, _lanczos.to_host = step_, check_, to_host_
         try:
             yield self
         finally:
-            run_cls.__init__, run_cls.step, run_cls.check, _lanczos.to_host = init, step, check, to_host
+            run_cls.step, run_cls.check, _lanczos.to_host = step, check, to_host
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -578,3 +578,78 @@ def test_solve_bytes_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match=f"Invalid solve_bytes={bad!r}. Must be an int >= 0"):
         Lanczos(solve_bytes=bad)
     assert Lanczos(solve_bytes=0).solve_bytes == 0 and Lanczos().solve_bytes is None
+
+
+@pytest.mark.parametrize("max_basis", [None, 6], ids=["no-restart", "restarts"])
+def test_merged_runs_give_each_run_its_own_results_to_the_bit(max_basis):
+    """``merge_runs``: runs of one vector size but different batches (``(2, 3)`` and ``(1, 3)`` rows of one head count,
+    stacked; a ``(4,)`` run, flat), tolerances, ends of the spectrum and products (with and without the live mask) are
+    one run; after ``split_results`` each run holds the norms, residuals and Ritz vectors it has when solved alone, to
+    the bit (float64). A run whose members all stopped gets no more products, and a warm-start store keeps a copy of a
+    merged run's vectors, not a view of all of them."""
+    n = 40
+    g = torch.Generator().manual_seed(0)
+
+    def operators(*shape):
+        M = torch.randn(*shape, n, n, generator=g, dtype=torch.float64)
+        return M + M.mT
+
+    Ms = [operators(2, 3), operators(1, 3), operators(4)]
+    Ms[2][1] = torch.diag(torch.linspace(-1.0, 1.0, n, dtype=torch.float64))  # (one member's spectrum symmetric)
+    calls = [0, 0, 0]
+
+    def run_of(i: int, pass_live: bool) -> _lanczos.LanczosRun:
+        M = Ms[i]
+
+        def mv(v, live=None):
+            calls[i] += 1
+            return (M @ v.unsqueeze(-1)).squeeze(-1)
+
+        settings = [dict(tol=1e-9, both_ends=True), dict(tol=1e-3, algebraic=True), dict(tol=1e-6, both_ends=False)][i]
+        return _lanczos.LanczosRun(mv, M.shape[:-2], n, dtype=M.dtype, device=M.device, max_iter=60,
+                                   max_basis=max_basis, pass_live=pass_live, **settings)  # fmt: skip
+
+    alone = [run_of(i, pass_live=i != 1) for i in range(3)]
+    _lanczos.solve(alone)
+    steps_alone = [r.j for r in alone]
+    calls[:] = [0, 0, 0]
+    runs = [run_of(i, pass_live=i != 1) for i in range(3)]
+    assert all(_lanczos.mergeable(r) for r in runs)
+    merged = _lanczos.merge_runs(runs)
+    assert merged.batch_shape == (sum(r.b for r in runs),)  # the batches differ: flat
+    _lanczos.solve([merged])
+    _lanczos.split_results(merged)
+    for one, own in zip(alone, runs, strict=True):
+        assert own.done and own.error is None
+        for name in ("norm", "rel_residual", "ritz"):
+            assert torch.equal(getattr(one, name), getattr(own, name)), name
+    assert calls == [j + 1 for j in steps_alone], (calls, steps_alone)  # each run's products: as many as alone
+    assert merged.j > min(steps_alone)  # so the earliest run's products did stop while the others went on
+    stacked = _lanczos.merge_runs([run_of(0, True), run_of(1, False)])
+    assert stacked.batch_shape == (3, 3)  # one head count: rows stacked
+    warm = WarmStart()
+    warm.dtype = torch.float64  # (kept as they are: no conversion copies them)
+    warm.put("k", runs[0].ritz)
+    kept = warm._vectors["k"]
+    assert torch.equal(kept, runs[0].ritz) and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+
+
+def test_a_run_several_evaluations_hold_or_one_already_stepped_is_not_merged(monkeypatch):
+    """A ``made_together`` run that the blocks of a window share (``holders`` > 1) steps in each holder's solve, so no
+    solve merges it into a run of its own; nor a run already stepped. ``_operator._made`` merges the others."""
+    from curvwatch.closed_form import _operator
+
+    M = torch.diag(torch.arange(1.0, 9.0, dtype=torch.float64))
+
+    def run() -> _lanczos.LanczosRun:
+        return _lanczos.LanczosRun(lambda v: v @ M, (1, 2), 8, dtype=M.dtype, device=M.device, tol=1e-8)
+
+    shared, stepped, a, b = run(), run(), run(), run()
+    shared.holders = 2
+    stepped.step()
+    assert not _lanczos.mergeable(shared) and not _lanczos.mergeable(stepped) and _lanczos.mergeable(a)
+    made, solved = _operator._made([(0, lambda r=r: r) for r in (shared, stepped, a, b)])
+    assert [r for _, r in made] == [shared, stepped, a, b]
+    assert len(solved) == 3 and [p[0] for p in solved[0].parts] == [a, b] and solved[1:] == [shared, stepped]
+    monkeypatch.setattr(_operator, "MERGE_RUNS", False)
+    assert _operator._made([(0, lambda: a)])[1] == [a]

@@ -386,6 +386,12 @@ def test_members_share_one_product_per_step_with_the_per_member_values(kernel, c
             assert_close_report(stacked[key], value, RTOL, name=key)
 
 
+def _solved_runs(runs: list) -> list:
+    """The runs a ``solve`` steps, a merged run (``_lanczos.merge_runs``, ``_operator.MERGE_RUNS``) as the runs merged
+    into it: which runs share a solve, whether or not they share a run."""
+    return [r for run in runs for r in ([part[0] for part in run.parts] if run.parts else [run])]
+
+
 @pytest.mark.parametrize(
     "kernel, case, gram_steps",
     [(*CASES[0], 0), (*CASES[2], 0), (*CASES[4], None), (*CASES[4], 0), (*CASES[7], None), (*CASES[8], None)],
@@ -410,7 +416,7 @@ def test_the_pairs_sampled_runs_are_solved_together_with_the_values_of_one_run_a
     inner_solve, inner_columns, inner_run = _operator.solve, sampled._gram_columns, sampled._norm_run
 
     def spy_solve(runs):
-        solves.append(list(runs))  # (held: no id of a freed run is reused)
+        solves.append(_solved_runs(runs))  # (held: no id of a freed run is reused)
         events.append("solve")
         return inner_solve(runs)
 
@@ -515,16 +521,16 @@ def test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_give_the_key
     members' run) are one Lanczos run, each member with its own start, tolerance and end of the spectrum (the sampled
     members algebraic, at ``MEMBER_TOL``): every key, and every warm-start vector kept for the next evaluation, is the
     one of a run each, to the bit (float64; two evaluations, the second warm-started), with fewer runs made."""
-    from curvwatch.closed_form import _lanczos, _operator
+    from curvwatch.closed_form import _operator
 
-    made = []
-    inner = _lanczos.LanczosRun.__init__
+    made = []  # the runs each solve steps: "merged" (of several runs' members) or "run"
+    inner = _operator.solve
 
-    def counted(self, *args, **kwargs):
-        made.append("merged" if kwargs.get("start") is not None else "run")  # (a merged run gets its members' starts)
-        inner(self, *args, **kwargs)
+    def counted(runs):
+        made.extend("merged" if run.parts else "run" for run in runs)
+        return inner(runs)
 
-    monkeypatch.setattr(_lanczos.LanczosRun, "__init__", counted)
+    monkeypatch.setattr(_operator, "solve", counted)
     prob = PROBLEMS[kernel](case)
 
     def evaluations(flag: bool):
@@ -560,7 +566,7 @@ def test_the_ffns_own_and_sampled_runs_share_one_solve_within_solve_bytes(kernel
     inner_solve, inner_run = _operator.solve, sampled._norm_run
 
     def spy_solve(runs):
-        solves.append(list(runs))
+        solves.append(_solved_runs(runs))
         return inner_solve(runs)
 
     def spy_run(*args, **kwargs):

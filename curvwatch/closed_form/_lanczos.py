@@ -253,6 +253,13 @@ class LanczosRun:
         error: ``None``, or why the run ended without them (a shared run whose product raised, :meth:`fail`).
     """
 
+    #: How many evaluations hold the run (:func:`~curvwatch.closed_form._lockstep.made_together` sets it): a run held by
+    #: several steps in every holder's solve, so no one solve may merge it into a run of its own (:func:`merge_runs`).
+    holders = 1
+    #: The runs merged into this one (:func:`merge_runs`): ``[(run, first member, end)]``; ``None`` for a run of its
+    #: own.
+    parts: list | None = None
+
     def __init__(self, matvec, batch_shape, n, *, dtype, device, tol=1e-6, max_iter=None, max_basis=None, v0=None,
                  seed=0, both_ends=True, pass_live=False, algebraic=False, start=None):  # fmt: skip
         device = torch.device(device)
@@ -294,12 +301,11 @@ class LanczosRun:
         # vectors written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
         # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
         self.b = math.prod(self.batch_shape)
-        cpu = _on_cpu(device)
-        self.buf = torch.empty((self.b, cap if cpu else min(cap, 8), n), dtype=dtype, device=device)
-        self.buf[:, 0] = v.reshape(self.b, n)
+        # the unit start vectors (*batch_shape, n), until the first step allocates the basis (a run made but not stepped
+        # holds no basis: merge_runs takes the starts of several into one run)
+        self.start: torch.Tensor | None = v
+        self.buf = self.basis = self.v = None  # (b, capacity, n), its first size vectors, the current one: first step
         self.size = 1
-        self.basis = self.buf.narrow(1, 0, 1)
-        self.v = self.basis  # the current vector, (b, 1, n): the basis's last
         # T = tridiag(alphas, betas), plus after a thick restart the couplings ``arrow`` (b, 1, k) of the k kept Ritz
         # vectors with the first new vector (T is then an arrowhead followed by a tridiagonal tail); each alpha and
         # beta a (b, 1, 1) tensor
@@ -315,9 +321,8 @@ class LanczosRun:
         self.j = 0
         self.phase = 0  # steps before this run's first: stopping tests fall on the rounds of a Rounds clock
         self.w = self.beta = None
-        self.scale = torch.zeros((self.b, 1, 1), dtype=dtype, device=device)  # max |alpha|, beta so far
+        self.scale = self.inf = None  # max |alpha|, beta so far, (b, 1, 1); an infinity: at the first step
         self.breakdown = 10 * torch.finfo(dtype).eps  # beta below this times scale: the Krylov space is exhausted
-        self.inf = torch.full((), torch.inf, dtype=dtype, device=device)
 
     def fail(self, error: Exception) -> None:
         """End the run without results (a shared run whose product raised, see :class:`Rounds`)."""
@@ -329,6 +334,8 @@ class LanczosRun:
         """One product and its full re-orthogonalisation (two classical Gram-Schmidt passes, "twice is enough");
         sets :attr:`due` when the stopping test must run before the next step. About 20 dispatched operators besides
         the product's own, none reading a device value."""
+        if self.buf is None:
+            self._allocate()
         v = self.v.view(*self.batch_shape, self.n)
         w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
         w = w.reshape(self.b, 1, self.n)
@@ -350,6 +357,19 @@ class LanczosRun:
         self.due = last or self.full or (self.j + 1 + self.phase) % CHECK_EVERY == 0
         if not self.due:
             self._next()
+
+    def _allocate(self) -> None:
+        """The basis buffer, its first vector the start (on CPU room for every vector: the pages are touched as they are
+        written; elsewhere 8 vectors, doubled as needed), and the step's device scalars: a run made to be merged
+        (:func:`merge_runs`) never dispatches them."""
+        cap = self.cap if _on_cpu(self.device) else min(self.cap, 8)
+        self.buf = torch.empty((self.b, cap, self.n), dtype=self.dtype, device=self.device)
+        self.buf[:, 0] = self.start.reshape(self.b, self.n)
+        self.start = None
+        self.basis = self.buf.narrow(1, 0, 1)
+        self.v = self.basis  # the current vector, (b, 1, n): the basis's last
+        self.scale = torch.zeros((self.b, 1, 1), dtype=self.dtype, device=self.device)
+        self.inf = torch.full((), torch.inf, dtype=self.dtype, device=self.device)
 
     def host_parts(self) -> torch.Tensor:
         """``(b, 1, m)``: the alphas, the betas kept so far, the current beta (and the restart couplings), what the
@@ -503,7 +523,84 @@ class LanczosRun:
             if not self.alg_h.any()
             else torch.where(_to_device(self.alg_h, None, self.device), theta, theta.abs())
         )
-        self.buf = self.basis = self.v = self.w = self.alphas = self.betas = self.arrow = None
+        self.buf = self.basis = self.v = self.w = self.alphas = self.betas = self.arrow = self.start = None
+
+
+def mergeable(run: LanczosRun) -> bool:
+    """Whether :func:`merge_runs` may take ``run``: made, never stepped, not done, held by one evaluation."""
+    return not run.done and run.start is not None and run.holders == 1
+
+
+def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
+    """One run of the members of several :func:`mergeable` runs whose vectors have one size, dtype and device and whose
+    ``max_iter`` and ``max_basis`` agree: one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17
+    dispatched operators) per step for all of them, one stopping test. Each member keeps its run's start vector,
+    tolerance, ``algebraic`` and ends of the spectrum, and its product is its run's ``matvec`` on its rows; every member
+    is its own recurrence, so the numbers are those of the runs solved apart, to the bit on CPU. Runs whose batches
+    share their trailing dimensions (``(rows, H)`` of one ``H``) are rows of a ``(sum of rows, H)`` run; others (the
+    grouped-query attention's query view, ``H`` heads, and group view, ``G`` kv groups) members of a flat one. Solve the
+    returned run, then :func:`split_results` hands each run its results."""
+    first = runs[0]
+    n, same = first.n, len({r.batch_shape[1:] for r in runs}) == 1
+
+    def members(r: LanczosRun, a):  # a run's (*batch_shape, ...) array as the merged run's leading dimension
+        return a if same else a.reshape(r.b, *a.shape[len(r.batch_shape) :])
+
+    def joined(arrays: list, join):
+        return join([members(r, a) for r, a in zip(runs, arrays, strict=True)])
+
+    sizes = [r.batch_shape[0] if same else r.b for r in runs]
+    bounds = np.cumsum([0, *sizes]).tolist()
+    parts = list(zip(runs, bounds[:-1], bounds[1:], strict=True))
+
+    def mv(u: torch.Tensor, live=None) -> torch.Tensor:
+        out = []
+        for r, lo, hi in parts:
+            if live is not None and not live[lo:hi].any():  # a run whose members all stopped: zero rows, no product
+                out.append(torch.zeros_like(u[lo:hi]))
+                continue
+            x = u[lo:hi] if same else u[lo:hi].view(*r.batch_shape, n)
+            alive = None if live is None else live[lo:hi] if same else live[lo:hi].reshape(r.batch_shape)
+            w = r.matvec(x, alive) if r.pass_live else r.matvec(x)
+            out.append(w if same else w.reshape(hi - lo, n))
+        return torch.cat(out)
+
+    tols = [np.broadcast_to(np.asarray(r.tol, dtype=float), r.batch_shape) for r in runs]
+    run = LanczosRun(
+        mv,
+        (bounds[-1], *first.batch_shape[1:]) if same else (bounds[-1],),
+        n,
+        dtype=first.dtype,
+        device=first.device,
+        tol=joined(tols, np.concatenate),
+        max_iter=first.k_max,
+        max_basis=first.cap,
+        pass_live=True,
+        both_ends=joined([r.both_h for r in runs], np.concatenate),
+        algebraic=joined([r.alg_h for r in runs], np.concatenate),
+        start=joined([r.start for r in runs], torch.cat),
+    )
+    for r in runs:
+        r.start = None  # (the merged run holds the starts)
+    run.parts = parts
+    return run
+
+
+def split_results(run: LanczosRun) -> None:
+    """Each run merged into ``run`` (:func:`merge_runs`), solved, gets its members' results as if solved alone
+    (``norm``, ``rel_residual``, ``ritz``: views of ``run``'s, a warm-start store copies the vectors it keeps,
+    :meth:`~.settings.WarmStart.put`; or ``error``); ``run``'s product (and what it holds) is released."""
+    for r, lo, hi in run.parts:
+        r.done, r.matvec = True, None
+        if run.error is not None:
+            r.error = run.error
+            continue
+        rows = len(run.batch_shape) == len(r.batch_shape)  # (its rows of a (rows, ...) run: shaped already)
+        r.norm, r.rel_residual, r.ritz = (
+            t[lo:hi] if rows else t[lo:hi].view(*r.batch_shape, *t.shape[1:])
+            for t in (run.norm, run.rel_residual, run.ritz)
+        )
+    run.matvec = run.parts = None
 
 
 def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device: torch.device | str,

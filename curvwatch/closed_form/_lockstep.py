@@ -120,6 +120,7 @@ def made_together(fn: Callable[..., LanczosRun], *tensors: torch.Tensor, **setti
     dimension, one run whose batch starts with it), made but not solved: the caller solves it, with runs of its own if
     it likes (their stopping tests then share host reads), and reads its part from :meth:`Shared.solved`."""
     run, i = gathered(fn, *tensors, take=_member, **settings)
+    run.holders = run.batch_shape[0]  # (one per request that met: a run of several is merged into no solve's own)
     return Shared(run, i, fn, tensors, settings)
 
 

@@ -14,7 +14,6 @@ contracted second derivatives, never from autograd. This module turns such an op
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._lanczos import LanczosRun, solve, start_vectors
+from ._lanczos import LanczosRun, merge_runs, mergeable, solve, split_results
 from .settings import Lanczos
 
 KINDS = ("outer", "functional", "hessian")
@@ -507,8 +506,8 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
         made, solved = _made(group)
         solve(solved)
         for run in solved:
-            if getattr(run, "merged", False):
-                run.matvec = None  # (its members' products, and what they hold: the parts' finish reads results only)
+            if run.parts:
+                split_results(run)  # (and releases the merged product: the plans' finish reads results only)
         for i, run in made:
             runs[i].append(run)
     return [plan.finish(r) for plan, r in zip(plans, runs, strict=True)]
@@ -516,152 +515,31 @@ def solve_planned(plans: Sequence[Planned], budget: int | None = None) -> list[A
 
 #: Runs of one solve whose vectors have one size (the attention's own ``QQ``+``KK`` run and its sampled members'
 #: run, both ``(rows, H, d d_K)``; the FFN's and its sampled run; the grouped-query attention's query-view runs,
-#: ``(rows, H, d d_K)``, with its group-view runs, ``(rows, G, d d_K)``, as members of a flat run) become **one**
-#: :class:`LanczosRun`
-#: (:func:`_made`): one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17 dispatched operators) per
-#: step for all of their rows instead of one per run, and their stopping tests in one host copy. Each member keeps its
-#: own start, tolerance and end of the spectrum (the sampled members are algebraic, at a tighter tolerance); every row
-#: of a Lanczos run is its own recurrence, so the keys and warm starts are those of one run each, to the bit on CPU
-#: (tests/test_sampled_curvature.py, ``test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_...``).
-#: ``False``: one run per maker (the benchmark's "before").
+#: ``(rows, H, d d_K)``, its group-view runs, ``(rows, G, d d_K)``, and its grouped ``VV`` run) become **one**
+#: :class:`LanczosRun` (:func:`~._lanczos.merge_runs`): one Lanczos step (two Gram-Schmidt passes, the norm, the next
+#: vector: ~17 dispatched operators) per step for all of their members instead of one per run, and their stopping tests
+#: in one host copy. Each member keeps its own start, tolerance and end of the spectrum (the sampled members are
+#: algebraic, at a tighter tolerance); every member of a Lanczos run is its own recurrence, so the keys and warm starts
+#: are those of one run each, to the bit on CPU (tests/test_sampled_curvature.py,
+#: ``test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_...``). A run that several evaluations hold (a
+#: ``made_together`` run of a window of several blocks) is never merged. ``False``: one run per maker (the benchmark's
+#: "before").
 MERGE_RUNS = True
 
 
-@dataclass
-class _RunPart:
-    """One maker's rows of a merged run (:func:`_merged_run`): its results as its own run's (``norm``,
-    ``rel_residual``, ``ritz``, ``error``), read once the merged run is solved. ``ritz`` is a copy (a warm-start store
-    keeps it: not the merged run's other rows)."""
-
-    run: LanczosRun
-    rows: slice
-    shape: tuple[int, int]  # the maker's own batch, (len(kinds), H): its rows' view of a flat run's members
-    matvec: Any = None
-
-    @property
-    def norm(self) -> torch.Tensor:
-        return self._own(self.run.norm)
-
-    @property
-    def rel_residual(self) -> torch.Tensor:
-        return self._own(self.run.rel_residual)
-
-    @property
-    def ritz(self) -> torch.Tensor:
-        return self._own(self.run.ritz).clone()
-
-    def _own(self, t: torch.Tensor) -> torch.Tensor:
-        """This maker's members of the run's ``t`` (``batch_shape`` leading), shaped as its own run's."""
-        mine = t[self.rows]
-        flat = len(self.run.batch_shape) == 1  # (a flat run's members; else rows of a (rows, H) run: shaped already)
-        return mine.view(*self.shape, *t.shape[1:]) if flat else mine
-
-    @property
-    def error(self) -> Exception | None:
-        return self.run.error
-
-
-def _norm_run_arguments(make) -> dict[str, Any] | None:
-    """The arguments of a maker that is ``functools.partial(_norm_run, ...)`` by name, else None."""
-    if not isinstance(make, functools.partial) or make.func is not _norm_run:
-        return None
-    bound = _norm_run_signature().bind(*make.args, **make.keywords)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-@functools.cache
-def _norm_run_signature() -> inspect.Signature:
-    """:func:`_norm_run`'s signature, read once (every solve of every evaluation binds its makers' arguments)."""
-    return inspect.signature(_norm_run)
-
-
 def _made(group: Sequence[tuple[int, Callable[[], LanczosRun]]]):
-    """The runs of one solve, made: ``([(plan, run or part)], the runs to solve)``. With :data:`MERGE_RUNS` the
-    :func:`_norm_run` makers whose vectors have one size, dtype, device and ``max_iter``/``max_basis`` make one
-    :class:`LanczosRun` (:func:`_merged_run`: their rows in order; each maker gets a :class:`_RunPart`); the others
-    make their own runs."""
-    specs = [_norm_run_arguments(make) if MERGE_RUNS else None for _, make in group]
-
-    def shape(a: dict[str, Any]) -> tuple:
-        op, emb, lz = a["op"], a["emb"], a["lanczos"]
-        return emb.n, op.dtype, op.device, lz.max_iter, lz.max_basis
-
-    clusters: dict[tuple, list[int]] = {}
-    for j, a in enumerate(specs):
-        if a is not None:
-            clusters.setdefault(shape(a), []).append(j)
-    made: list = [None] * len(group)
-    solved: list[LanczosRun] = []
-    for members in clusters.values():
-        if len(members) < 2:
-            continue
-        parts = _merged_run([specs[j] for j in members])
-        solved.append(parts[0].run)
-        for j, part in zip(members, parts, strict=True):
-            made[j] = (group[j][0], part)
-    for j, (i, make) in enumerate(group):
-        if made[j] is None:
-            made[j] = (i, make())
-            solved.append(made[j][1])
-    return made, solved
-
-
-def _merged_run(specs: Sequence[dict[str, Any]]) -> list[_RunPart]:
-    """One :class:`LanczosRun` (``merged``) of the rows of several :func:`_norm_run` argument sets (one vector size
-    ``n``): each with the start its own run would draw (:func:`~._lanczos.start_vectors`: its ``v0``, warm start or
-    noise, seed 0), its tolerance, ``algebraic`` and ends of the spectrum; the product applies each one's ``mv`` to its
-    rows (and their live mask). Makers of one head count ``H`` are rows of a ``(rows, H)`` run; makers of several (the
-    grouped-query attention's query view, ``H`` heads, and group view, ``G`` kv groups) are members of a flat one, each
-    maker's ``(rows, H)`` members a slice of it (every member is its own recurrence: the same numbers)."""
-    first = specs[0]
-    op, emb, lz = first["op"], first["emb"], first["lanczos"]
-    heads = {a["emb"].H for a in specs}
-    flat = len(heads) > 1
-    starts, tols, algebraic, both, shapes = [], [], [], [], []
-    for a in specs:
-        shape = (len(a["kinds"]), a["emb"].H)
-        v0 = _norm_run_v0(a["op"], a["emb"], a["kinds"], a["key"], a["lanczos"], a["v0"])
-        starts.append(start_vectors(shape, emb.n, op.dtype, op.device, v0))
-        tols.append(np.full(shape, a["lanczos"].tol))
-        algebraic.append(np.full(shape, bool(a["algebraic"])))
-        both.append(np.broadcast_to(_both_ends(a["kinds"], diagonal=a["diagonal"]), shape))
-        shapes.append(shape)
-
-    def cat(parts: Sequence, join) -> Any:  # the makers' (rows, H) arrays as the run's batch: flat, or rows stacked
-        return join([p.reshape(-1, *p.shape[2:]) for p in parts] if flat else parts)
-
-    sizes = [r * h if flat else r for r, h in shapes]
-    bounds = np.cumsum([0, *sizes]).tolist()
-    mvs = [a["mv"] for a in specs]
-
-    def mv(u: torch.Tensor, live=None) -> torch.Tensor:
-        out = []
-        for f, shape, lo, hi in zip(mvs, shapes, bounds[:-1], bounds[1:], strict=True):
-            if flat:
-                w = f(u[lo:hi].view(*shape, emb.n), None if live is None else live[lo:hi].reshape(shape))
-                out.append(w.reshape(hi - lo, emb.n))
-            else:
-                out.append(f(u[lo:hi], None if live is None else live[lo:hi]))
-        return torch.cat(out)
-
-    run = LanczosRun(
-        mv,
-        (bounds[-1],) if flat else (bounds[-1], emb.H),
-        emb.n,
-        dtype=op.dtype,
-        device=op.device,
-        tol=cat(tols, np.concatenate),
-        max_iter=lz.max_iter,
-        max_basis=lz.max_basis,
-        pass_live=True,
-        both_ends=cat(both, np.concatenate),
-        algebraic=cat(algebraic, np.concatenate),
-        start=cat(starts, torch.cat),
-    )
-    run.merged = True
-    return [_RunPart(run, slice(lo, hi), shape)
-            for lo, hi, shape in zip(bounds[:-1], bounds[1:], shapes, strict=True)]  # fmt: skip
+    """The runs of one solve, made: ``([(plan, run)], the runs to solve)``. With :data:`MERGE_RUNS` the
+    :func:`~._lanczos.mergeable` runs whose vectors have one size, dtype and device and whose ``max_iter`` and
+    ``max_basis`` agree are solved as one (:func:`~._lanczos.merge_runs`; :func:`solve_planned` hands each its results);
+    the others as they are."""
+    made = [(i, make()) for i, make in group]
+    clusters: dict[tuple, list[LanczosRun]] = {}
+    for _, run in made:
+        if MERGE_RUNS and mergeable(run):
+            clusters.setdefault((run.n, run.dtype, run.device, run.k_max, run.cap), []).append(run)
+    solved = [merge_runs(runs) for runs in clusters.values() if len(runs) > 1]
+    merged = {id(r) for run in solved for r, _, _ in run.parts}
+    return made, solved + [run for _, run in made if id(run) not in merged]
 
 
 def norms_with_a_linear_pair(
@@ -774,9 +652,11 @@ def _norm_run(
     """The batched Lanczos run ``(len(kinds), H)`` of ``mv``, warm-started from ``lanczos.warm_start`` (or from
     ``v0`` ``(len(kinds), H, n)``, when given); with ``algebraic`` it finds the largest eigenvalues instead of the
     norms (drive it with :func:`solve`)."""
+    warm = lanczos.warm_start
+    shape = (len(kinds), emb.H, emb.n)
     return LanczosRun(
         mv,
-        (len(kinds), emb.H),
+        shape[:2],
         emb.n,
         dtype=op.dtype,
         device=op.device,
@@ -784,18 +664,10 @@ def _norm_run(
         max_iter=lanczos.max_iter,
         max_basis=lanczos.max_basis,
         pass_live=True,
-        v0=_norm_run_v0(op, emb, kinds, key, lanczos, v0),
+        v0=v0 if v0 is not None else None if warm is None else warm.get(key, shape, op.dtype, op.device),
         both_ends=_both_ends(kinds, diagonal=diagonal),
         algebraic=algebraic,
     )
-
-
-def _norm_run_v0(op, emb, kinds, key, lanczos: Lanczos, v0: torch.Tensor | None) -> torch.Tensor | None:
-    """The start of a :func:`_norm_run` (and of its rows in a merged run, :func:`_merged_run`): ``v0`` when given, else
-    the warm start stored under ``key`` if it has the run's shape ``(len(kinds), H, n)``, else None (noise)."""
-    if v0 is not None or lanczos.warm_start is None:
-        return v0
-    return lanczos.warm_start.get(key, (len(kinds), emb.H, emb.n), op.dtype, op.device)
 
 
 def _norm_results(run: LanczosRun, key, lanczos: Lanczos) -> tuple[torch.Tensor, torch.Tensor]:

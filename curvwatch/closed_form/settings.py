@@ -65,10 +65,13 @@ class WarmStart:
 
     def put(self, key: Hashable, vectors: torch.Tensor) -> None:
         """Store the Ritz vectors of the norm ``key`` (detached; floating ones in :attr:`dtype` where that is
-        smaller)."""
+        smaller; a copy where they are part of a larger tensor, e.g. a run's members merged with others', so that the
+        store holds only its own)."""
         v = vectors.detach()
         if v.is_floating_point() and v.element_size() > self.dtype.itemsize:
             v = v.to(self.dtype)
+        elif v.untyped_storage().nbytes() > v.numel() * v.element_size():
+            v = v.clone()
         self._vectors[key] = v
 
     def clear(self) -> None:
