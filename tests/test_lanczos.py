@@ -585,8 +585,9 @@ def test_merged_runs_give_each_run_its_own_results_to_the_bit(max_basis):
     """``merge_runs``: runs of one vector size but different batches (``(2, 3)`` and ``(1, 3)`` rows of one head count,
     stacked; a ``(4,)`` run, flat), tolerances, ends of the spectrum and products (with and without the live mask) are
     one run; after ``split_results`` each run holds the norms, residuals and Ritz vectors it has when solved alone, to
-    the bit (float64). A run whose members all stopped gets no more products, and a warm-start store keeps a copy of a
-    merged run's vectors, not a view of all of them."""
+    the bit (float64). The runs merged no longer hold their start vectors (the merged run does: at GPT-2-small width
+    a second copy was 40-80 MiB of a block's peak), a run whose members all stopped gets no more products, and a
+    warm-start store keeps a copy of a merged run's vectors, not a view of all of them."""
     n = 40
     g = torch.Generator().manual_seed(0)
 
@@ -617,6 +618,7 @@ def test_merged_runs_give_each_run_its_own_results_to_the_bit(max_basis):
     assert all(_lanczos.mergeable(r) for r in runs)
     merged = _lanczos.merge_runs(runs)
     assert merged.batch_shape == (sum(r.b for r in runs),)  # the batches differ: flat
+    assert all(r.start is None and r.ritz is None for r in runs)  # the starts held once, by the merged run
     _lanczos.solve([merged])
     _lanczos.split_results(merged)
     for one, own in zip(alone, runs, strict=True):

@@ -581,7 +581,7 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
         start=joined([r.start for r in runs], torch.cat),
     )
     for r in runs:
-        r.start = None  # (the merged run holds the starts)
+        r.start = r.ritz = None  # (the merged run holds the starts; a run's ritz is its start until it is solved)
     run.parts = parts
     return run
 
