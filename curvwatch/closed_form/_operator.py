@@ -444,8 +444,8 @@ class Planned:
     """Lanczos runs planned but not made yet (:func:`solve_planned` makes and solves them).
 
     Attributes:
-        makers: ``[(make, bytes)]``: ``make()`` makes one run (its basis is allocated then), ``bytes`` its basis at
-            most (:func:`run_basis_bytes`).
+        makers: ``[(make, bytes)]``: ``make()`` makes one run (its basis is allocated at its first step), ``bytes``
+            its basis at most (:func:`run_basis_bytes`).
         finish: ``finish(runs)``: the plan's results from its runs, solved, in the order of ``makers``.
         together: Its runs always in one solve, whatever their bytes (the engine's own keys, as they always were);
             otherwise each run may be solved apart from the others once the solve's budget (:func:`solve_planned`)

@@ -568,7 +568,8 @@ def sampled_plan(
         # (P E, H, size) per pair: member i E + e (kinds_one is ("hessian",) where the Gram made the GGN keys) starts
         # at its estimate's top Gauss-Newton direction
         v0 = None if not job.tops or m != 1 else torch.cat([t for g in group for t in g.tops])
-        # the run is made when its solve starts (its basis is allocated then): a lone solve keeps one basis at a time
+        # the run is made when its solve starts (its basis allocated at its first step): a lone solve keeps one basis at
+        # a time
         make = functools.partial(_norm_run, viewed, emb, mv, kinds, key, True, members, algebraic=True, v0=v0)
         makers.append((make, run_basis_bytes(len(kinds), emb, members, viewed.dtype)))
         rows = m * len(prefixes) * E
