@@ -112,13 +112,19 @@ class ReadLabels:
 
     @staticmethod
     def label(run) -> str:
-        fn = run.matvec
-        while hasattr(fn, "func"):  # functools.partial
-            fn = fn.func
-        name = getattr(fn, "__qualname__", type(fn).__name__).replace(".<locals>", "")
+        return f"{ReadLabels._product(run)} n={run.n}"
+
+    @staticmethod
+    def _product(run) -> str:
+        """``"function (batch)"`` of a run's product; a merged run's as ``merged[...]`` of its runs'."""
         if run.parts:
-            name = "merged[" + " + ".join(ReadLabels.label(part).rsplit(" n=", 1)[0] for part, _, _ in run.parts) + "]"
-        return f"{name} {tuple(run.batch_shape)} n={run.n}"
+            name = "merged[" + " + ".join(ReadLabels._product(part) for part, _, _ in run.parts) + "]"
+        else:
+            fn = run.matvec
+            while hasattr(fn, "func"):  # functools.partial
+                fn = fn.func
+            name = getattr(fn, "__qualname__", type(fn).__name__).replace(".<locals>", "")
+        return f"{name} {tuple(run.batch_shape)}"
 
     @contextlib.contextmanager
     def patched(self):

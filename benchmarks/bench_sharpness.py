@@ -330,8 +330,7 @@ def sampled_setting_table(
     operators, and the steps of the runs holding sampled members (``(sampled rows x heads, steps): runs``). With
     ``train``, that many AdamW steps (lr 1e-3) before each capture: the warm starts are then an earlier state's, as at
     an evaluation every ``train`` steps (without, every capture is of the same weights and a warm start is nearly the
-    answer). Held-out
-    Hugging Face GPT-2, random tokens. An unknown ``name`` raises."""
+    answer). Held-out Hugging Face GPT-2, random tokens. An unknown ``name`` raises."""
     import collections
 
     from benchmarks.bench_dispatch import OpCounter

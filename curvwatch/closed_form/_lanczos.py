@@ -32,8 +32,8 @@ WARM_NOISE = 1.0
 CHECK_EVERY = 4
 
 # A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
-# temporary is then an eighth of the basis, not half (a run merged from several, solve_planned's, restarts all of them
-# at once: at GPT-2-small width the FFN's own and sampled rows, 680 MiB at once). Every member is its own bmm row:
+# temporary is then an eighth of the basis, not half (a run merged from several, merge_runs, restarts all of them at
+# once: at GPT-2-small width the FFN's own and sampled rows, 680 MiB at once). Every member is its own bmm row:
 # the same numbers.
 RESTART_CHUNKS = 4
 
@@ -240,7 +240,7 @@ class LanczosRun:
 
     ``tol`` and ``algebraic`` may also be host arrays of ``batch_shape``, one per member, and ``start`` the unit start
     vectors ``(*batch_shape, n)`` made by :func:`start_vectors` (``v0`` and ``seed`` then unread): the members of
-    several runs merged into one (:func:`~curvwatch.closed_form._operator.solve_planned`), each as in a run of its own.
+    several runs merged into one (:func:`merge_runs`), each as in a run of its own.
 
     :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
@@ -265,7 +265,7 @@ class LanczosRun:
         device = torch.device(device)
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, tuple(batch_shape), n, dtype, device
         self.pass_live = pass_live
-        # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by solve_planned)
+        # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by merge_runs)
         self.tol = (
             tol if np.isscalar(tol) else np.array(np.broadcast_to(np.asarray(tol, dtype=float), self.batch_shape))
         )
@@ -405,10 +405,7 @@ class LanczosRun:
             T[..., :k, k] = arr
             T[..., k, :k] = arr
         evals, evecs = np.linalg.eigh(T)  # ascending
-        follow = (
-            evals if alg.all() else np.abs(evals) if not alg.any() else np.where(alg[..., None], evals, np.abs(evals))
-        )
-        idx = follow.argmax(-1)[..., None]
+        idx = np.where(alg[..., None], evals, np.abs(evals)).argmax(-1)[..., None]  # (host numpy: no device operator)
         theta_now = np.take_along_axis(evals, idx, -1)[..., 0]
         resid = np.abs(beta_h[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
         # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
@@ -437,7 +434,7 @@ class LanczosRun:
         done = not self.live.any() or self.j + 1 == self.k_max
         # A member takes its Ritz vector when it stops, from the steps it took: its later steps are zero (alpha = beta
         # = 0; with a negative theta those zero Ritz values would outrank an algebraic member's at the end), and the
-        # vector is then the same whatever other members share the run (solve_planned's merged runs).
+        # vector is then the same whatever other members share the run (merge_runs).
         take = live if done else live & ~self.live
         if take.any():
             # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
