@@ -517,10 +517,11 @@ def test_the_attentions_qq_and_kk_sampled_members_share_one_run_with_the_values_
 def test_a_kernels_own_and_sampled_runs_merged_into_one_lanczos_run_give_the_keys_of_a_run_each(
     kernel, case, monkeypatch
 ):
-    """``_operator.MERGE_RUNS``: the runs of one solve whose vectors have one shape (a kernel's own run and its sampled
-    members' run) are one Lanczos run, each member with its own start, tolerance and end of the spectrum (the sampled
-    members algebraic, at ``MEMBER_TOL``): every key, and every warm-start vector kept for the next evaluation, is the
-    one of a run each, to the bit (float64; two evaluations, the second warm-started), with fewer runs made."""
+    """``_operator.MERGE_RUNS``: the runs of one solve whose vectors have one size (a kernel's own run and its sampled
+    members' run; the grouped-query views' runs) are one Lanczos run, each member with its own start, tolerance and end
+    of the spectrum (the sampled members algebraic, at ``MEMBER_TOL``): every key, and every warm-start vector kept for
+    the next evaluation, is the one of a run each, to the bit (float64; two evaluations, the second warm-started), with
+    fewer runs stepped."""
     from curvwatch.closed_form import _operator
 
     made = []  # the runs each solve steps: "merged" (of several runs' members) or "run"
