@@ -84,9 +84,11 @@ NO_STATE_YET = "the optimizer has no second-moment state yet (before its first s
 # A cross-entropy gradient row g = w (p - t) sums to zero; rows summing to more than this fraction of their
 # absolute sum are not cross-entropy ones (float32 round-off is ~1e-7; bfloat16 logits ~1e-3).
 _CE_ROW_SUM = 1e-2
-# Elements per chunk of rows of the (rows, vocabulary) float64 temporaries of loss_weights and LogitSampler: 2^19
-# (4 MiB each; a chunk holds about six at once, ~24 MiB, whatever the batch, the kept tokens or the vocabulary).
-_CHUNK = 2**19
+# Elements per chunk of rows of the (rows, vocabulary) float64 temporaries of loss_weights and LogitSampler: 2^20
+# (8 MiB each; a chunk holds about four at once, ~31 MiB measured, whatever the batch, the kept tokens or the
+# vocabulary). Each chunk costs ~35 dispatched operators (a kernel launch each on a GPU): at 512 kept tokens and a
+# 50K vocabulary, 26 chunks.
+_CHUNK = 2**20
 
 
 def _row_chunks(n: int, width: int) -> range:
@@ -250,40 +252,83 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
     with a gradient into ``active`` ``(N,)``, calls ``on_chunk(start, p)``, and returns the device tensors ``(residual
     of the hard-label fit squared, gradient norm squared, any decisive row, any chunk whose decisive rows do not sum to
     zero)`` and whether a chunk was read as cross-entropy plus a term in logsumexp. With ``per_chunk`` each chunk whose
-    rows do not sum to zero is read that way (a host read per chunk); else every chunk as hard labels (no host read)."""
+    rows do not sum to zero is read that way (a host read per chunk); else every chunk as hard labels (no host read).
+
+    A chunk only reduces its rows to seven numbers each (:func:`_row_stats`); the weights and the fit's residual are
+    computed from them for all rows at once after the loop (:func:`_fit_rows`): a chunk costs ~20 dispatched operators
+    (it was ~80 with the per-row arithmetic in the loop: 52 chunks at 512 kept tokens and a 50K vocabulary), and no
+    residual table is made."""
     N, V = g_all.shape
-    resid2 = norm2 = torch.zeros((), dtype=torch.float64, device=g_all.device)
-    decisive_any = flagged = torch.zeros((), dtype=torch.bool, device=g_all.device)
+    stats = torch.empty((N, 7), dtype=torch.float64, device=g_all.device)
+    lse_rows = None  # rows read as cross-entropy plus a term in logsumexp (per_chunk), else hard labels everywhere
     lse_term = False
+    step = _chunk_rows(V)
     for i in _row_chunks(N, V):
-        z, g = z_all[i : i + _chunk_rows(V)].double(), g_all[i : i + _chunk_rows(V)].float().double()
-        p, y, rest, act, decisive, absum = _ce_rows(z, g)
-        off_label = ((g.sum(-1).abs() > _CE_ROW_SUM * absum) & decisive).any()
-        off_label_only = per_chunk and bool(off_label)
-        flagged = flagged | off_label
-        if off_label_only:  # a term f(logsumexp z) adds f' p to the gradient: the label is where g falls short of s p
-            lse_term = True
-            y, rest, decisive = _lse_term_labels(p, g, act)
+        p = torch.softmax(z_all[i : i + step], -1, dtype=torch.float64)  # float64: 1 - p_y of confident rows
+        g = g_all[i : i + step]
+        y = g.argmin(-1, keepdim=True)  # the hard label: the only negative entry
+        if per_chunk:
+            row = _row_stats(p, g, y)
+            act = row[:, 3] > 0
+            decisive = act & ((1 - row[:, 1]).clamp_min(0) > 1e-3)
+            if bool(((row[:, 2].abs() > _CE_ROW_SUM * row[:, 3]) & decisive).any()):
+                # a term f(logsumexp z) adds f' p to the gradient: the label is where g falls short of s p
+                lse_term = True
+                y = _lse_term_labels(p, g.double(), act)[0][:, None]
+                lse_rows = torch.zeros(N, dtype=torch.bool, device=g.device) if lse_rows is None else lse_rows
+                lse_rows[i : i + step] = True
+        stats[i : i + step] = _row_stats(p, g, y)
         if on_chunk is not None:
             on_chunk(i, p)
-        # w_n = sum_{c != y} g_c / sum_{c != y} p_c: the entries off the label are w p_c, accurate where p_y rounds
-        off = g.sum(-1) - g.gather(1, y[:, None])[:, 0]
-        wc = torch.where(act & (rest > 0), off / rest.clamp_min(1e-300), torch.zeros_like(off))
-        r = g - wc[:, None] * p  # the residual of the hard-label fit w (p - e_y) ...
-        if off_label_only:  # ... off the label only, where the label's entry is free (it also carries the f' p_y)
-            short = (wc * p.gather(1, y[:, None])[:, 0] - g.gather(1, y[:, None])[:, 0]).clamp_max(0)
-            r.scatter_(1, y[:, None], short[:, None])  # (a label entry above s p_y is no cross-entropy's)
-        else:
-            r.scatter_add_(1, y[:, None], wc[:, None])  # ... + w e_y
-        # the decisive rows' sums by a 0/1 weight, not a boolean index (which reads its count: a sync on a GPU)
-        keep = decisive.to(g.dtype)
-        resid2 = resid2 + (r.square().sum(-1) * keep).sum()
-        norm2 = norm2 + (g.square().sum(-1) * keep).sum()
-        decisive_any = decisive_any | decisive.any()
-        w[i : i + _chunk_rows(V)] = wc.float()
-        active[i : i + _chunk_rows(V)] = act
-        del z, g, p, r
-    return resid2, norm2, decisive_any, flagged, lse_term
+        del p, g
+    w_all, act, resid2, decisive = _fit_rows(stats, lse_rows)
+    w.copy_(w_all)
+    active.copy_(act)
+    gn2 = stats[:, 4].square()
+    norm2 = torch.dot(gn2, decisive.to(gn2.dtype))
+    flagged = ((stats[:, 2].abs() > _CE_ROW_SUM * stats[:, 3]) & decisive).any()
+    return torch.dot(resid2, decisive.to(resid2.dtype)), norm2, decisive.any(), flagged, lse_term
+
+
+def _row_stats(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
+    """``(rows, 7)`` float64 per row of a chunk: ``g_y``, ``p_y``, ``sum g``, ``sum |g|``, ``||g||``, ``<g, p>``,
+    ``||p||``, for float64 probabilities ``p``, gradient rows ``g`` (any float dtype: reduced in float64 without a
+    copy) and labels ``y`` ``(rows, 1)``: what :func:`_fit_rows` needs of the ``(rows, V)`` tables."""
+    f64 = torch.float64
+    return torch.cat(
+        [
+            g.gather(1, y).to(f64),
+            p.gather(1, y),
+            torch.sum(g, -1, keepdim=True, dtype=f64),
+            torch.linalg.vector_norm(g, 1, -1, keepdim=True, dtype=f64),
+            torch.linalg.vector_norm(g, 2, -1, keepdim=True, dtype=f64),
+            (g * p).sum(-1, keepdim=True),
+            torch.linalg.vector_norm(p, 2, -1, keepdim=True),
+        ],
+        1,
+    )
+
+
+def _fit_rows(stats: Tensor, lse_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(w, active, squared residual, decisive)`` ``(N,)`` each of the hard-label fit ``g = w (p - e_y)`` (rows in
+    ``lse_rows``: of ``g = s p - w e_y``, the label's entry free) from :func:`_row_stats`' columns, for all rows at
+    once. With ``S = sum_{c != y} g_c`` and ``1 - p_y``, ``w = S / (1 - p_y)`` (the entries off the label are ``w p_c``,
+    accurate where ``p_y`` rounds); the residual ``||g - w (p - e_y)||^2 = ||g||^2 - 2 w (<g, p> - g_y) + w^2 (||p||^2
+    - 2 p_y + 1)`` from the row's reductions (float64: its cancellation is ~1e-16 of ``||g||^2``, the fit's test is
+    at 1e-4 of it). Rows with a gradient (``active``) and enough mass off the label (``decisive``, ``1 - p_y > 1e-3``)
+    decide the fit: in a confident row the autograd gradient rounds ``p_y - 1``, to 0 where ``p_y`` rounds to 1."""
+    g_y, p_y, g_sum, g_abs, g_norm, gp, p_norm = stats.unbind(1)
+    act = g_abs > 0
+    rest = (1 - p_y).clamp_min(0)
+    decisive = act & (rest > 1e-3)
+    w = torch.where(act & (rest > 0), (g_sum - g_y) / rest.clamp_min(1e-300), 0.0)
+    gn2, pn2 = g_norm.square(), p_norm.square()
+    resid2 = gn2 - 2 * w * (gp - g_y) + w.square() * (pn2 - 2 * p_y + 1)
+    if lse_rows is not None:  # off the label as above; the label's entry is min(w p_y - g_y, 0) (above s p_y: no CE's)
+        short = (w * p_y - g_y).clamp_max(0)
+        lse = gn2 - 2 * w * gp + w.square() * pn2 - (g_y - w * p_y).square() + short.square()
+        resid2 = torch.where(lse_rows, lse, resid2)
+    return w.float(), act, resid2.clamp_min(0), decisive
 
 
 def loss_weights(
@@ -599,7 +644,7 @@ class LogitSampler:
             starts = _row_chunks(*self.z.shape)
             if len(starts) == 1:
                 self._one = self._tables(0)
-                self._set_norms(self._one[3].float())  # (N,) sqrt(tr H)
+                self._set_norms(self._one[3][:, 0].sqrt().float())  # (N,) sqrt(tr H)
             elif norms:  # only the norms (tr H_n = 1 - ||p_n||^2 = sum_c p_c (1 - p_c)), not every chunk's tables
                 self._set_norms(torch.cat([self._trace(i) for i in starts]).sqrt().float())
             # else: input_draws reads them in its one pass over the tables
@@ -616,7 +661,7 @@ class LogitSampler:
         return p.mul_(1 - p).sum(-1)
 
     def _tables(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(p, cumsum(q), coef, sqrt(tr H))`` of the rows of the chunk starting at ``i``, float64."""
+        """:func:`_tables_of` the rows of the chunk starting at ``i``, float64."""
         return _tables_of(self._softmax(i))
 
     def _softmax(self, i: int) -> Tensor:
@@ -650,11 +695,11 @@ class LogitSampler:
         u = torch.rand((n, 1), generator=generator, device=self.z.device, dtype=torch.float64)
         for i in _row_chunks(n, V):
             rows = slice(i, i + _chunk_rows(V))
-            p, cdf, coef, _ = self._one if self._one is not None else self._tables(i)
+            p, cdf, sq, total = self._one if self._one is not None else self._tables(i)
             c = torch.searchsorted(cdf, u[rows] * cdf[:, -1:]).clamp_max(V - 1)  # (rows, 1): c ~ q
             r = -p
             r.scatter_add_(1, c, torch.ones_like(c, dtype=r.dtype))  # e_c - p
-            flat[rows] = (r * (scale[rows] * sign[rows] * coef.gather(1, c))).to(out.dtype)
+            flat[rows] = (r * (scale[rows] * sign[rows] * _coefs(sq, total, c))).to(out.dtype)
         return out
 
     def input_draws(
@@ -688,7 +733,7 @@ class LogitSampler:
             if i not in plan.traces:
                 plan.chunk(i, self._one[0] if self._one is not None else self._softmax(i))
         if self.unit is None:
-            self._set_norms(torch.cat([plan.traces[i] for i in _row_chunks(n, V)]).float())
+            self._set_norms(torch.cat([plan.traces[i] for i in _row_chunks(n, V)]).sqrt().float())
         return plan.draws(self.root / max(self.unit, 1e-30))
 
 
@@ -718,17 +763,18 @@ class InputDraws:
         self.classes = torch.empty((n, samples), dtype=torch.long, device=device)
         self.coefs = torch.empty((n, samples), dtype=torch.float64, device=device)
         self.pw = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=device)  # p_n W
-        self.traces: dict[int, Tensor] = {}  # chunk start -> sqrt(tr H_n) of its rows
+        self.traces: dict[int, Tensor] = {}  # chunk start -> tr H_n of its rows
         self.weight, self.V, self.samples = weight, V, samples
 
     def chunk(self, i: int, p: Tensor) -> None:
         """Read the chunk of rows starting at ``i`` from its softmax ``p`` (float64)."""
-        p, cdf, coef, root_trace = _tables_of(p)
+        p, cdf, sq, total = _tables_of(p)
         rows = slice(i, i + p.shape[0])
-        c = torch.searchsorted(cdf, self.u[rows] * cdf[:, -1:]).clamp_max(self.V - 1)  # (rows, samples): c ~ q
-        self.classes[rows], self.coefs[rows] = c, coef.gather(1, c)
-        self.pw[rows] = p.to(self.weight.dtype) @ self.weight
-        self.traces[i] = root_trace
+        # (rows, samples): c ~ q, written in place (out=: no copy)
+        c = torch.searchsorted(cdf, self.u[rows] * cdf[:, -1:], out=self.classes[rows]).clamp_max_(self.V - 1)
+        self.coefs[rows] = _coefs(sq, total, c)
+        torch.mm(p.to(self.weight.dtype), self.weight, out=self.pw[rows])
+        self.traces[i] = total[:, 0]
 
     def draws(self, scale: Tensor) -> Iterator[Tensor]:
         """``(r / unit) W`` per sample, with ``scale`` ``(N, 1)`` = ``sqrt(w) / unit`` (as draw_into's)."""
@@ -738,13 +784,24 @@ class InputDraws:
 
 
 def _tables_of(p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(p, cumsum(q), coef, sqrt(tr H))`` of rows of float64 probabilities ``p`` (:class:`LogitSampler`)."""
+    """``(p, cdf, ||e_c - p||^2, tr H)`` of rows of float64 probabilities ``p`` (:class:`LogitSampler`): ``cdf`` the
+    running sum of ``||a_c||^2 = p_c ||e_c - p||^2``, ``q`` up to its row's total (``tr H``, ``(rows, 1)``): a class
+    ``c ~ q`` is ``searchsorted(cdf, u cdf[:, -1:])``, its coefficient :func:`_coefs`. ~10 dispatched operators per
+    chunk (the normalised ``q`` and a ``(rows, V)`` table of coefficients cost 11 more, and two more tables' memory)."""
     # ||e_c - p||^2 = (1 - p_c)^2 + sum_{c' != c} p_c'^2, in float64 (confident rows cancel)
-    sq = (1 - p).square() + (p.square().sum(-1, keepdim=True) - p.square()).clamp_min(0)
+    p2 = p.square()
+    sq = (1 - p).square_().add_((p2.sum(-1, keepdim=True) - p2).clamp_min_(0))
+    del p2
     a2 = p * sq  # ||a_c||^2
     total = a2.sum(-1, keepdim=True)  # tr H_n
-    q = torch.where(total > 0, a2 / total.clamp_min(1e-300), p)
-    return p, q.cumsum(-1), (total / sq.clamp_min(1e-300)).sqrt(), total[:, 0].sqrt()  # coef = sqrt(p_c / q_c)
+    # a row with tr H = 0 (a one-hot p) draws a zero row whatever its class: its coefficient is 0
+    return p, a2.cumsum_(-1), sq, total
+
+
+def _coefs(sq: Tensor, total: Tensor, c: Tensor) -> Tensor:
+    """``sqrt(p_c / q_c) = sqrt(tr H / ||e_c - p||^2)`` at the drawn classes ``c`` ``(rows, j)``, from
+    :func:`_tables_of`' ``sq`` and ``total`` (float64)."""
+    return (total / sq.gather(1, c).clamp_min(1e-300)).sqrt()
 
 
 # -- optimizers --------------------------------------------------------------------------------------
