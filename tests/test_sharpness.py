@@ -106,11 +106,13 @@ def test_total_weight_of_a_linear_logits_module_reads_two_logits_per_row():
     assert not {e.name for e in prof.events()} & {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 
 
-def test_total_weight_takes_every_float32_row_at_once_and_half_precision_rows_in_chunks():
-    """The whole batch's weight of many rows at a 50K vocabulary: float32 rows in one pass (a fixed number of
-    dispatched operators, not ~20 per 10-row chunk: at B 8, L 1024 the other rows were 717 chunks), bfloat16 rows
-    (bf16-mixed logits) in float32 chunks; both the weights' sum (1e-5; bfloat16: the bfloat16 gradient's own
-    rounding, 1e-2), with ignored rows and a linear logits module."""
+def test_total_weight_takes_every_row_at_once_in_any_dtype():
+    """The whole batch's weight of many rows at a 50K vocabulary from four entries per row: float32 and bfloat16 rows
+    (bf16-mixed logits) in one pass each (a fixed number of dispatched operators whatever the rows: at B 8, L 1024 the
+    other rows were 717 chunks of ~20 operators, and until session 23 bfloat16 rows still took float32 chunks, ~5,000
+    operators for 7,680 rows); the weights' sum to 1e-6 (float32; the sum of the entries off the label, before, was
+    ~3e-5 off at 7,680 rows) and 1e-2 (bfloat16: the gradient's own rounding), with ignored rows, rows of confident
+    predictions, and a linear logits module."""
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.sharpness import LinearLogits, total_weight
 
@@ -121,20 +123,24 @@ def test_total_weight_takes_every_float32_row_at_once_and_half_precision_rows_in
     labels = torch.randint(0, V, (N,), generator=g0)
     labels[:5] = -100
     per_row = torch.linspace(0.5, 2.0, N)
-    z = lin(h).detach()
-    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    z0 = lin(h).detach()
+    g0 = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z0)
     expected = float(per_row[5:].double().sum())
-    counts = []
-    for rows in (20, N):
-        counter = OpCounter()
-        with counter:
-            got = total_weight(z[:rows], g[:rows])
-        counts.append(counter.total)
-        assert abs(got - float(per_row[5:rows].double().sum())) <= 1e-5 * expected
-    assert counts[0] == counts[1] <= 40, counts  # (6 chunks of 10 rows took ~120)
-    assert abs(total_weight(LinearLogits(h, lin.weight, lin.bias), g) - expected) <= 1e-5 * expected
-    gb = g.bfloat16()  # chunks of 2 x 10 rows in float32
-    assert abs(total_weight(z.bfloat16(), gb) - expected) <= 1e-2 * expected
+    assert abs(total_weight(LinearLogits(h, lin.weight, lin.bias), g0) - expected) <= 1e-6 * expected
+    z = z0.clone()
+    z[5:10, 0] += torch.tensor([5.0, 10.0, 15.0, 20.0, 30.0])  # ever more confident rows (p_y up to 1 - 1e-13)
+    labels[5:10] = 0
+    g = _grad(lambda t: (F.cross_entropy(t, labels, reduction="none") * per_row).sum(), z)
+    for dtype in (torch.float32, torch.bfloat16):
+        counts = []
+        for rows in (20, N):
+            counter = OpCounter()
+            with counter:
+                got = total_weight(z[:rows].to(dtype), g[:rows].to(dtype))
+            counts.append(counter.total)
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            assert abs(got - float(per_row[5:rows].double().sum())) <= tol * expected, (dtype, rows, got)
+        assert counts[0] == counts[1] <= 30, (dtype, counts)  # (6 chunks of 10 rows took ~120)
 
 
 def test_linear_logits_entries_are_the_logits_in_chunks_of_rows(monkeypatch):
