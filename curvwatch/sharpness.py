@@ -292,8 +292,9 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
 
 def _row_stats(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
     """``(rows, 7)`` float64 per row of a chunk: ``g_y``, ``p_y``, ``sum g``, ``sum |g|``, ``||g||``, ``<g, p>``,
-    ``||p||``, for float64 probabilities ``p``, gradient rows ``g`` (any float dtype: reduced in float64 without a
-    copy) and labels ``y`` ``(rows, 1)``: what :func:`_fit_rows` needs of the ``(rows, V)`` tables."""
+    ``||p||``, for float64 probabilities ``p``, gradient rows ``g`` (any float dtype: each reduction converts it to
+    float64 itself, a transient chunk-sized buffer at most; no copy is held) and labels ``y`` ``(rows, 1)``: what
+    :func:`_fit_rows` needs of the ``(rows, V)`` tables."""
     f64 = torch.float64
     return torch.cat(
         [
@@ -540,9 +541,8 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
     reduction over the vocabulary: all rows at once in any dtype, with no ``(rows, V)`` temporary (the sum of the
     entries off the label, before, took a float32 copy of bfloat16 rows, in chunks: ~5,000 dispatched operators for
     the 7,680 rows of a batch of 8 x 1024 left out of 512 kept tokens; its float32 sum was 3e-5 off where this is
-    3e-8). A linear
-    logits module's two logits are two dot products of its input (:class:`LinearLogits`), so this costs ``O(rows
-    d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
+    3e-8). A linear logits module's two logits are two dot products of its input (:class:`LinearLogits`), so this
+    costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
 
     Example:
         >>> z = torch.randn(6, 5)
