@@ -86,8 +86,8 @@ NO_STATE_YET = "the optimizer has no second-moment state yet (before its first s
 _CE_ROW_SUM = 1e-2
 # Elements per chunk of rows of the (rows, vocabulary) float64 temporaries of loss_weights and LogitSampler: 2^20
 # (8 MiB each; a chunk holds about four at once, ~31 MiB measured, whatever the batch, the kept tokens or the
-# vocabulary). Each chunk costs ~35 dispatched operators (a kernel launch each on a GPU): at 512 kept tokens and a
-# 50K vocabulary, 26 chunks.
+# vocabulary). Each chunk costs ~43 dispatched operators (a kernel launch each on a GPU; ~90 per chunk of 2^19 before
+# session 23): at 512 kept tokens and a 50K vocabulary, 26 chunks.
 _CHUNK = 2**20
 
 
@@ -256,7 +256,7 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
 
     A chunk only reduces its rows to seven numbers each (:func:`_row_stats`); the weights and the fit's residual are
     computed from them for all rows at once after the loop (:func:`_fit_rows`): a chunk costs ~20 dispatched operators
-    (it was ~80 with the per-row arithmetic in the loop: 52 chunks at 512 kept tokens and a 50K vocabulary), and no
+    (it was ~57 with the per-row arithmetic in the loop: 52 chunks at 512 kept tokens and a 50K vocabulary), and no
     residual table is made."""
     N, V = g_all.shape
     stats = torch.empty((N, 7), dtype=torch.float64, device=g_all.device)
