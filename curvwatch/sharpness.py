@@ -540,9 +540,10 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
     ``p_y`` near 0 (an untrained model: 0.2% on the total of 7,680 such rows, measured). Four entries per row and no
     reduction over the vocabulary: all rows at once in any dtype, with no ``(rows, V)`` temporary (the sum of the
     entries off the label, before, took a float32 copy of bfloat16 rows, in chunks: ~5,000 dispatched operators for
-    the 7,680 rows of a batch of 8 x 1024 left out of 512 kept tokens; its float32 sum was 3e-5 off where this is
-    3e-8). A linear logits module's two logits are two dot products of its input (:class:`LinearLogits`), so this
-    costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
+    7,680 rows, about the 7,168 a batch of 8 x 1024 leaves outside its kept sequence; its float32 sum was 3e-5 off
+    where this is 3e-8). A linear logits module's two logits are two dot products of its input
+    (:class:`LinearLogits`), so this costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows
+    without a gradient weigh 0.
 
     Example:
         >>> z = torch.randn(6, 5)
