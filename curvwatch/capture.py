@@ -173,7 +173,7 @@ class CaptureError(RuntimeError):
 def _keep_sample(rec: _Record, j: int, samples: int, t: Tensor, max_tokens: int) -> None:
     """Write sample ``j`` of ``samples``, the first tokens of a ``(B, L, d_out)`` sampled output gradient, into the
     record's float32 buffer (made at the first): the samples are held once, not as clones that :meth:`Capture.blocks`
-    stacked into a second copy (at the GPU shape, 512 kept tokens of width 768, 16 samples: 25 MiB per block)."""
+    stacked into a second copy (at the GPU shape, 512 kept tokens of width 768, 16 samples: 24 MiB per block)."""
     k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
     src = t if (k, l) == tuple(t.shape[:2]) else t[:k, :l]
     if rec.samples is None:
