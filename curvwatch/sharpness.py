@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -267,27 +267,25 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
         p = torch.softmax(z_all[i : i + step], -1, dtype=torch.float64)  # float64: 1 - p_y of confident rows
         g = g_all[i : i + step]
         y = g.argmin(-1, keepdim=True)  # the hard label: the only negative entry
+        row = _row_stats(p, g, y)
         if per_chunk:
-            row = _row_stats(p, g, y)
-            act = row[:, 3] > 0
-            decisive = act & ((1 - row[:, 1]).clamp_min(0) > 1e-3)
-            if bool(((row[:, 2].abs() > _CE_ROW_SUM * row[:, 3]) & decisive).any()):
+            fit = _fit_rows(row, None)
+            if bool(fit.off_label.any()):
                 # a term f(logsumexp z) adds f' p to the gradient: the label is where g falls short of s p
                 lse_term = True
-                y = _lse_term_labels(p, g.double(), act)[0][:, None]
+                y = _lse_term_labels(p, g.double(), fit.active)[0][:, None]
                 lse_rows = torch.zeros(N, dtype=torch.bool, device=g.device) if lse_rows is None else lse_rows
                 lse_rows[i : i + step] = True
-        stats[i : i + step] = _row_stats(p, g, y)
+                row = _row_stats(p, g, y)
+        stats[i : i + step] = row
         if on_chunk is not None:
             on_chunk(i, p)
-        del p, g
-    w_all, act, resid2, decisive = _fit_rows(stats, lse_rows)
-    w.copy_(w_all)
-    active.copy_(act)
-    gn2 = stats[:, 4].square()
-    norm2 = torch.dot(gn2, decisive.to(gn2.dtype))
-    flagged = ((stats[:, 2].abs() > _CE_ROW_SUM * stats[:, 3]) & decisive).any()
-    return torch.dot(resid2, decisive.to(resid2.dtype)), norm2, decisive.any(), flagged, lse_term
+        del p, g, row
+    fit = _fit_rows(stats, lse_rows)
+    w.copy_(fit.w)
+    active.copy_(fit.active)
+    keep = fit.decisive.to(stats.dtype)
+    return torch.dot(fit.resid2, keep), torch.dot(fit.norm2, keep), fit.decisive.any(), fit.off_label.any(), lse_term
 
 
 def _row_stats(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
@@ -310,18 +308,36 @@ def _row_stats(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
     )
 
 
-def _fit_rows(stats: Tensor, lse_rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(w, active, squared residual, decisive)`` ``(N,)`` each of the hard-label fit ``g = w (p - e_y)`` (rows in
+class _Fit(NamedTuple):
+    """:func:`_fit_rows`' per-row results, ``(N,)`` each."""
+
+    w: Tensor  # the weight, float32
+    active: Tensor  # a gradient at all
+    resid2: Tensor  # the fit's squared residual
+    norm2: Tensor  # ||g||^2
+    decisive: Tensor  # :func:`_label_mass`
+    off_label: Tensor  # a decisive row that does not sum to zero (no cross-entropy's alone)
+
+
+def _label_mass(p_y: Tensor, g_abs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(active, 1 - p_y, decisive)`` per row from the label's probability and ``sum |g|``: the rows with a gradient,
+    and those with enough mass off the label (``1 - p_y > 1e-3``) to decide the hard-label fit and whether the rows sum
+    to zero (in a confident row the autograd gradient rounds ``p_y - 1``, to 0 where ``p_y`` rounds to 1, and its sum
+    says nothing)."""
+    act = g_abs > 0
+    rest = (1 - p_y).clamp_min(0)
+    return act, rest, act & (rest > 1e-3)
+
+
+def _fit_rows(stats: Tensor, lse_rows: Tensor | None) -> _Fit:
+    """The hard-label fit ``g = w (p - e_y)`` of every row (:class:`_Fit`; rows in
     ``lse_rows``: of ``g = s p - w e_y``, the label's entry free) from :func:`_row_stats`' columns, for all rows at
     once. With ``S = sum_{c != y} g_c`` and ``1 - p_y``, ``w = S / (1 - p_y)`` (the entries off the label are ``w p_c``,
     accurate where ``p_y`` rounds); the residual ``||g - w (p - e_y)||^2 = ||g||^2 - 2 w (<g, p> - g_y) + w^2 (||p||^2
     - 2 p_y + 1)`` from the row's reductions (float64: its cancellation is ~1e-16 of ``||g||^2``, the fit's test is
-    at 1e-4 of it). Rows with a gradient (``active``) and enough mass off the label (``decisive``, ``1 - p_y > 1e-3``)
-    decide the fit: in a confident row the autograd gradient rounds ``p_y - 1``, to 0 where ``p_y`` rounds to 1."""
+    at 1e-4 of it). The decisive rows decide the fit (:func:`_label_mass`)."""
     g_y, p_y, g_sum, g_abs, g_norm, gp, p_norm = stats.unbind(1)
-    act = g_abs > 0
-    rest = (1 - p_y).clamp_min(0)
-    decisive = act & (rest > 1e-3)
+    act, rest, decisive = _label_mass(p_y, g_abs)
     w = torch.where(act & (rest > 0), (g_sum - g_y) / rest.clamp_min(1e-300), 0.0)
     gn2, pn2 = g_norm.square(), p_norm.square()
     resid2 = gn2 - 2 * w * (gp - g_y) + w.square() * (pn2 - 2 * p_y + 1)
@@ -329,7 +345,8 @@ def _fit_rows(stats: Tensor, lse_rows: Tensor | None) -> tuple[Tensor, Tensor, T
         short = (w * p_y - g_y).clamp_max(0)
         lse = gn2 - 2 * w * gp + w.square() * pn2 - (g_y - w * p_y).square() + short.square()
         resid2 = torch.where(lse_rows, lse, resid2)
-    return w.float(), act, resid2.clamp_min(0), decisive
+    off_label = (g_sum.abs() > _CE_ROW_SUM * g_abs) & decisive
+    return _Fit(w.float(), act, resid2.clamp_min(0), gn2, decisive, off_label)
 
 
 def loss_weights(
@@ -498,16 +515,13 @@ def _lse_term_labels(p: Tensor, g: Tensor, act: Tensor) -> tuple[Tensor, Tensor,
 
 def _ce_rows(z: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(p, y, 1 - p_y, active, decisive, |g| row sums)`` of a chunk of float64 logits and gradient rows
-    (:func:`loss_weights`): the softmax, the hard label (the only negative entry), the rows with a gradient, and those
-    with enough mass off the
-    label (``1 - p_y > 1e-3``) to decide whether the rows sum to zero (in a confident row the autograd gradient rounds
-    ``p_y - 1``, to 0 when ``p_y`` rounds to 1, and its sum says nothing)."""
+    (:func:`loss_weights`' soft-target fits): the softmax, the hard label (the only negative entry) and
+    :func:`_label_mass`."""
     absum = g.abs().sum(-1)
-    act = absum > 0
     p = torch.softmax(z, -1)  # float64: 1 - p_y of confident rows
     y = g.argmin(-1)
-    rest = (1 - p.gather(1, y[:, None])[:, 0]).clamp_min(0)
-    return p, y, rest, act, act & (rest > 1e-3), absum
+    act, rest, decisive = _label_mass(p.gather(1, y[:, None])[:, 0], absum)
+    return p, y, rest, act, decisive, absum
 
 
 def _affine_residual(p: Tensor, g: Tensor, y: Tensor) -> Tensor:

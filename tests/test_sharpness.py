@@ -210,7 +210,8 @@ def test_hard_label_fit_from_row_statistics_equals_the_fit_on_the_whole_rows():
         act = g.abs().sum(-1) > 0
         if zloss:
             y = torch.where(lse[:, None], _lse_term_labels(p, g, act)[0][:, None], y)
-        w, active, resid2, decisive = _fit_rows(_row_stats(p, g.float() if not zloss else g, y), lse if zloss else None)
+        fit = _fit_rows(_row_stats(p, g.float() if not zloss else g, y), lse if zloss else None)
+        w, active, resid2, decisive = fit.w, fit.active, fit.resid2, fit.decisive
         gd = g.float().double() if not zloss else g  # the statistics read float32 rows as they are
         p_y, g_y = p.gather(1, y)[:, 0], gd.gather(1, y)[:, 0]
         rest = (1 - p_y).clamp_min(0)
