@@ -18,7 +18,8 @@ L 128, as the issue that set the ceilings measured it.
 
 ``--device cuda`` also times, side by side in one process, the plain step and the step with a full / terms-only
 evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of each (GPT-2-small shape by default on
-CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW).
+CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW), and prints issue 23's goals 1-3 met or not (:func:`goals`; goal 3
+from the monitor's own schedule on a clock of the measured costs).
 
 Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda]
 [--engine-only] [--tiers full,terms] [--reads] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of
@@ -47,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from curvwatch import Cadence, CurvatureMonitor
+from curvwatch.schedule import simulate
 
 NAME = "bench_dispatch"
 _SYNC_OPS = ("aten._local_scalar_dense.default",)
@@ -349,22 +351,58 @@ def timings(args) -> dict[str, Any]:
             steps = (args.full_repeats if name == "full" else args.repeats) + 2
             probe = run(model_fn, make(), steps, -1, args.batch, args.seq, args.vocab, device, args.precision)
             t = probe.times[2:]  # step 0 (a full evaluation in every monitored variant) and one warm-up step out
-            res.setdefault(name, {"times": [], "peak": []})
+            res.setdefault(name, {"times": [], "peak": [], "first": []})
             res[name]["times"] += t
+            res[name]["first"].append(probe.times[0])
             res[name]["peak"].append(max(probe.peak))
             print(f"round {round_} {name}: median {statistics.median(t) * 1e3:.1f} ms", file=sys.stderr)
     plain = statistics.median(res["off"]["times"])
     for name in ("full", "terms"):
         med = statistics.median(res[name]["times"])
         res[name]["steps"] = (med - plain) / plain  # the evaluation's cost in plain training steps
+    # step 0's cold full evaluation (every monitored variant's step 0), less the plain run's step 0
+    res["full"]["first_steps"] = statistics.median(
+        (f - o) / plain for f, o in zip(res["full"]["first"], res["off"]["first"], strict=True)
+    )
     res["plain_ms"] = plain * 1e3
     for name in res:
         if isinstance(res[name], dict):
             res[name]["median_ms"] = statistics.median(res[name]["times"]) * 1e3
             res[name]["peak_gib"] = max(res[name]["peak"]) / 2**30
-            del res[name]["times"]
+            del res[name]["times"], res[name]["first"]
     res["extra_peak_fraction"] = {n: res[n]["peak_gib"] / res["off"]["peak_gib"] - 1 for n in ("full", "terms")}
+    res["goals"] = goals(res)
+    for line in res["goals"]["lines"]:
+        print(line, file=sys.stderr)
     return res
+
+
+def goals(res: dict[str, Any]) -> dict[str, Any]:
+    """Issue 23's goals 1-3 from measured costs (``res``: :func:`timings`' numbers, costs in plain training steps):
+    1. a full evaluation <= 10 steps, a terms-only one <= 0.25; 2. extra peak memory <= 15% of the plain run's;
+    3. the defaults on a 2,000-step run (the monitor's own :class:`~curvwatch.schedule.Schedule`, on a clock of these
+    costs: :func:`~curvwatch.schedule.simulate`): a terms-only evaluation every 10 steps, a full one at least every
+    500, within 5% of the training time."""
+    full, terms, first = res["full"]["steps"], res["terms"]["steps"], res["full"]["first_steps"]
+    peak = max(res["extra_peak_fraction"].values())
+    run = simulate(2000, 1.0, full, terms, first_seconds=max(first, full))
+    met = {
+        "1_full": full <= 10,
+        "1_terms": terms <= 0.25,
+        "2_memory": peak <= 0.15,
+        "3_cadence": run["max_gap"] <= 10 and run["max_full_gap"] <= 500 and run["overhead"] <= 0.05,
+    }
+    word = {True: "met", False: "NOT met"}
+    fulls = f"{run['full'][:8]}{' ...' if len(run['full']) > 8 else ''}"
+    lines = [
+        f"goal 1: full evaluation {full:.2f} training steps (<= 10: {word[met['1_full']]}), terms-only {terms:.3f} "
+        f"(<= 0.25: {word[met['1_terms']]}); step 0's cold one {first:.2f}",
+        f"goal 2: extra peak memory {100 * peak:.1f}% of the plain run's (<= 15%: {word[met['2_memory']]})",
+        f"goal 3: the defaults on 2,000 steps: full evaluations at {fulls}"
+        f" (longest gap {run['max_full_gap']}, <= 500), {len(run['terms'])} terms-only (longest gap without any "
+        f"evaluation {run['max_gap']}, <= 10), overhead {100 * run['overhead']:.2f}% (<= 5%): {word[met['3_cadence']]}",
+    ]
+    return {"met": met, "cadence_2000": run, "lines": lines}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -237,14 +237,14 @@ class Monitor:
         full_due, terms_due = self.schedule.due(step)
         if not (full_due or terms_due):
             return False
-        full_ok, terms_ok = self.schedule.affordable(self._ranks().max)
         # a due full evaluation the budget cannot afford falls back to terms only where those are due too
-        terms_only = not (full_due and full_ok)
-        if terms_only and not (terms_due and terms_ok):
+        tier = self.schedule.decide(step, self._ranks().max)
+        if tier is None:
             if "budget_info" not in self.engine.warned:
                 self.engine.warned.add("budget_info")
                 rank_zero_info(self.schedule.budget_note(step, full_due))
             return False
+        terms_only = tier == "terms"
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()
         logits = None if terms_only else self.real_loss.module
@@ -311,7 +311,7 @@ class Monitor:
             self._capture_step, self._capture, self._open_error, self._capture_terms_only
         )  # fmt: skip
         self.close()
-        self.schedule.last_step = step
+        self.schedule.evaluated(step, terms_only)
         # more backward passes than the accumulation the factor undoes (a Hugging Face Trainer captures the first of
         # its gradient_accumulation_steps and scales it): micro-batches the monitor cannot scale for
         if capture is not None and capture.backwards > max(1, self.accumulate_grad_batches):

@@ -18,6 +18,15 @@ terms-only seconds so far plus one more stay within :data:`DEFAULT_TERMS_OVERHEA
 full tier's budget then counts the full evaluations' seconds only, so the default costs at most the sum of the two
 budgets. A terms cadence the user chose (an int) shares ``max_overhead`` with the full tier, as before.
 
+The default schedule also keeps a floor under the full tier (:data:`DEFAULT_MAX_GAP`): where no full evaluation
+would otherwise come within that many steps of the last one, a step of the terms grid (every
+``terms_every_n_train_steps``; without a terms tier, the full grid) is due for a full evaluation, affordable while the
+whole monitor, both tiers, stays within :data:`DEFAULT_TOTAL_OVERHEAD` of the training seconds. The run's first full
+evaluation (step 0, made whatever it costs) is not counted there: it would hold the floor back for the whole first
+stretch of a run (a full evaluation of 10 training steps at step 0 alone is 5% of the first 200). So a model whose
+full evaluation costs 2-10 training steps, more than the 1% budget allows every 200 steps, still gets one every 500
+steps within 5% (:func:`simulate`).
+
 Example:
     >>> schedule = Schedule(every_n_train_steps=20)
     >>> schedule.due(0), schedule.due(5), schedule.due(10), schedule.due(20)  # (full, terms only)
@@ -28,6 +37,8 @@ Example:
     (200, 0.01)
     >>> Schedule().terms_every_n_train_steps, Schedule().terms_overhead  # terms only: every 10 steps within 4%
     (10, 0.04)
+    >>> Schedule().max_gap, Schedule().total_overhead  # and a full evaluation every 500 steps within 5% in all
+    (500, 0.05)
 """
 
 from __future__ import annotations
@@ -40,11 +51,14 @@ import torch
 
 __all__ = [
     "DEFAULT_EVERY",
+    "DEFAULT_MAX_GAP",
     "DEFAULT_OVERHEAD",
     "DEFAULT_TERMS_EVERY",
     "DEFAULT_TERMS_OVERHEAD",
+    "DEFAULT_TOTAL_OVERHEAD",
     "EXPENSIVE",
     "Schedule",
+    "simulate",
 ]
 
 #: The default cadence and its budget.
@@ -56,6 +70,12 @@ DEFAULT_OVERHEAD = 0.01
 #: terms_keys="warnings"); on larger models every 10 steps costs less than it (docs/performance.md section 3).
 DEFAULT_TERMS_EVERY = 10
 DEFAULT_TERMS_OVERHEAD = 0.04
+#: The default schedule's floor under the full tier: a full evaluation at least every DEFAULT_MAX_GAP steps while the
+#: whole monitor (both tiers, the run's first full evaluation aside) stays within DEFAULT_TOTAL_OVERHEAD of the
+#: training time, the sum of the two budgets above (issue 23: on a 2,000-step run of a model whose full evaluation
+#: costs 10 training steps and a terms-only one 0.25, the 1% budget alone gave one full evaluation per ~1,000 steps).
+DEFAULT_MAX_GAP = 500
+DEFAULT_TOTAL_OVERHEAD = 0.05
 #: A chosen cadence whose evaluations take more than this fraction of the training time is reported once, after
 #: at least MEASURED_STEPS steps (the first steps' times include start-up).
 EXPENSIVE = 0.1
@@ -78,7 +98,8 @@ class Schedule:
             :data:`DEFAULT_TERMS_OVERHEAD`; ``None``: none.
         max_overhead: Largest fraction of the training time the evaluations may take; ``"auto"`` (default): the
             default budget with the default cadence, none with a chosen one (whose cost is then reported when it
-            is expensive); ``None``: a fixed schedule, no budget.
+            is expensive); ``None``: a fixed schedule, no budget. The default (the default cadence and ``"auto"``)
+            also keeps the full tier's floor: :attr:`max_gap`, :attr:`total_overhead` (module docstring).
 
     Raises:
         ValueError: If an argument is invalid.
@@ -122,7 +143,14 @@ class Schedule:
         else:
             self.max_overhead = None if max_overhead is None else float(max_overhead)
         self.note_cost = auto and self.chosen  # report once what a chosen cadence costs when it is expensive
+        # the floor under the default schedule's full tier (None: no floor)
+        default = auto and not self.chosen
+        self.max_gap: int | None = DEFAULT_MAX_GAP if default else None
+        self.total_overhead: float | None = DEFAULT_TOTAL_OVERHEAD if default else None
         self.last_step = -1  # the last step evaluated
+        self.last_full_step = -1  # the last step of a full evaluation
+        self.full_runs = 0  # full evaluations so far
+        self.first_seconds = 0.0  # the run's first full evaluation's seconds (not counted by the floor)
         self.eval_seconds = 0.0  # seconds spent evaluating and logging, over the run and across resumes
         self.train_seconds = 0.0  # wall time minus eval_seconds, over the run and across resumes
         self.last_eval_seconds = 0.0  # cost of the last full evaluation, the next one's price
@@ -158,8 +186,18 @@ class Schedule:
             self.last_terms_seconds = seconds + (self.last_terms_seconds if extra else 0.0)
         else:
             self.last_eval_seconds = seconds + (self.last_eval_seconds if extra else 0.0)
+            self.full_runs += 0 if extra else 1
+            if self.full_runs == 1:
+                self.first_seconds += seconds
         if not extra:
             self.runs += 1
+
+    def evaluated(self, step: int, terms_only: bool) -> None:
+        """Record that ``step`` was evaluated (``terms_only``: by the terms tier): no step is due twice, and the
+        floor counts its gap from the last full evaluation."""
+        self.last_step = step
+        if not terms_only:
+            self.last_full_step = step
 
     @property
     def overhead_fraction(self) -> float:
@@ -173,32 +211,66 @@ class Schedule:
         """``(full due, terms-only due)`` at ``step``, before the budget; neither for a step already evaluated."""
         if step <= self.last_step:
             return False, False
-        full = step % self.every_n_train_steps == 0
+        full = step % self.every_n_train_steps == 0 or self.gap_due(step)
         terms = self.terms_every_n_train_steps is not None and step % self.terms_every_n_train_steps == 0
         return full, terms
 
-    def affordable(self, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[bool, bool]:
+    def gap_due(self, step: int) -> bool:
+        """Whether the floor makes ``step`` due for a full evaluation: a step of the terms grid (without a terms tier,
+        the full grid) after which the next one would leave more than :attr:`max_gap` steps since the last full
+        evaluation."""
+        if self.max_gap is None or self.last_full_step < 0:
+            return False
+        grid = self.terms_every_n_train_steps or self.every_n_train_steps
+        return step % grid == 0 and step - self.last_full_step + grid > self.max_gap
+
+    def affordable(
+        self, agree: Callable[[torch.Tensor], torch.Tensor] | None = None, step: int | None = None
+    ) -> tuple[bool, bool]:
         """Whether one more (full, terms-only) evaluation keeps within ``max_overhead``.
 
         Args:
             agree: Reduces a float64 tensor by max across ranks (so every rank takes the same decision), or
                 ``None`` on one process.
+            step: The step about to be evaluated: a full evaluation the floor makes due there (:meth:`gap_due`) is
+                also affordable within :attr:`total_overhead` of the whole monitor.
         """
         self.update()
         if (self.max_overhead is None and self.terms_overhead is None) or self.runs == 0:
             return True, True
         # evaluations so far plus the one about to run (priced as the last one of its kind) must fit the budget
         (full_spent, full_budget), (terms_spent, terms_budget) = self._tiers()
+        total_spent = self.eval_seconds - self.first_seconds + self.last_eval_seconds  # (the floor's: both tiers)
         spent = torch.tensor(
-            [full_spent + self.last_eval_seconds, terms_spent + self.last_terms_seconds, -self.train_seconds],
+            [full_spent + self.last_eval_seconds, terms_spent + self.last_terms_seconds, -self.train_seconds,
+             total_spent],
             dtype=torch.float64,
-        )
+        )  # fmt: skip
         if agree is not None:
             spent = agree(spent).cpu()  # the slowest rank's evaluations, the least training
         train = float(-spent[2])
         full = full_budget is None or float(spent[0]) <= full_budget * train
+        if not full and step is not None and self.total_overhead is not None and self.gap_due(step):
+            full = float(spent[3]) <= self.total_overhead * train
         terms = terms_budget is None or float(spent[1]) <= terms_budget * train
         return full, terms
+
+    def decide(self, step: int, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str | None:
+        """The evaluation to make at ``step``: ``"full"``, ``"terms"`` or ``None`` (not due, or over budget). A due full
+        evaluation the budget cannot afford falls back to terms only where those are due too. A step due for neither
+        asks no budget (so the ranks run no collective on it).
+
+        Args:
+            step: The optimizer step about to run.
+            agree: As in :meth:`affordable`.
+        """
+        full_due, terms_due = self.due(step)
+        if not (full_due or terms_due):
+            return None
+        full_ok, terms_ok = self.affordable(agree, step=step)
+        if full_due and full_ok:
+            return "full"
+        return "terms" if terms_due and terms_ok else None
 
     def _tiers(self) -> tuple[tuple[float, float | None], tuple[float, float | None]]:
         """``((seconds, budget) of the full tier, (seconds, budget) of the terms tier)``: with the terms tier's own
@@ -256,6 +328,9 @@ class Schedule:
             "terms_seconds": self.terms_seconds,
             "last_step": self.last_step,
             "runs": self.runs,
+            "last_full_step": self.last_full_step,
+            "full_runs": self.full_runs,
+            "first_seconds": self.first_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -266,3 +341,61 @@ class Schedule:
         self.last_terms_seconds = float(state.get("last_terms_seconds", 0.0))
         self.terms_seconds = float(state.get("terms_seconds", 0.0))
         self.runs = int(state.get("runs", 0))
+        # (checkpoints before the floor: its gap counted from the last step evaluated, the first evaluation not known)
+        self.last_full_step = int(state.get("last_full_step", self.last_step))
+        self.full_runs = int(state.get("full_runs", 1 if self.runs else 0))
+        self.first_seconds = float(state.get("first_seconds", 0.0))
+
+
+def simulate(
+    steps: int,
+    step_seconds: float,
+    full_seconds: float,
+    terms_seconds: float,
+    *,
+    first_seconds: float | None = None,
+    schedule: Schedule | None = None,
+) -> dict[str, Any]:
+    """What a schedule decides on a run of ``steps`` optimizer steps whose evaluations cost these seconds: the same
+    decisions (:meth:`Schedule.decide`) and charges as a monitored run, on a clock that advances ``step_seconds`` per
+    step (no training, no evaluation). Costs in training steps: ``step_seconds=1``.
+
+    Args:
+        steps: Optimizer steps of the run (``0 .. steps - 1``).
+        step_seconds: One training step without the monitor.
+        full_seconds, terms_seconds: One full / terms-only evaluation, logging included.
+        first_seconds: The run's first full evaluation (step 0's is cold: its Lanczos has no warm start); default
+            ``full_seconds``.
+        schedule: Default: ``Schedule()``, the monitor's defaults.
+
+    Returns:
+        ``{"full": [steps], "terms": [steps], "max_full_gap": int, "max_gap": int, "overhead": float}``: the steps of
+        each tier, the longest stretch without a full evaluation (to the run's end included) and without any, and
+        the monitor's seconds over the training seconds.
+
+    Example:
+        >>> r = simulate(2000, 1.0, 10.0, 0.25)  # a full evaluation of 10 training steps, a terms-only one of 0.25
+        >>> r["full"], r["max_gap"], round(r["overhead"], 4)
+        ([0, 500, 1000, 1500], 10, 0.0445)
+    """
+    s = Schedule() if schedule is None else schedule
+    evaluated: dict[str, list[int]] = {"full": [], "terms": []}
+    for step in range(steps):
+        tier = s.decide(step)
+        if tier is not None:
+            first = tier == "full" and not evaluated["full"] and first_seconds is not None
+            s.charge(first_seconds if first else full_seconds if tier == "full" else terms_seconds, tier == "terms")
+            s.evaluated(step, tier == "terms")
+            evaluated[tier].append(step)
+        s.train_seconds += step_seconds
+
+    def longest(at: list[int]) -> int:
+        ends = [0, *at, steps] if not at or at[0] != 0 else [*at, steps]
+        return max(b - a for a, b in zip(ends[:-1], ends[1:], strict=True))
+
+    return {
+        **evaluated,
+        "max_full_gap": longest(evaluated["full"]),
+        "max_gap": longest(sorted(evaluated["full"] + evaluated["terms"])),
+        "overhead": s.eval_seconds / max(s.train_seconds, 1e-12),
+    }

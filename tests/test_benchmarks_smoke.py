@@ -125,3 +125,16 @@ def test_warm_store_table_measures_both_settings_and_restores_it():
     lines = bench_sharpness.sampled_setting_table("GRAM_START", [False, True], width=32, B=2, L=16, vocab=64,
                                                   repeats=1, train=2)  # fmt: skip
     assert "2 AdamW steps before each capture" in lines[0] and len(lines) == 5
+
+
+def test_bench_cadence_table(tmp_path):
+    """The cadence table: the monitor's schedule on a clock of given costs, with and without the floor."""
+    from benchmarks import bench_cadence
+
+    out = tmp_path / "cadence.json"
+    rows = bench_cadence.main(["--costs", "10/0.25", "600/18", "--out", str(out)])
+    assert json.loads(out.read_text()) == rows
+    by = {(r["costs"], r["schedule"]): r for r in rows}
+    assert by[("10/0.25", "floor")]["full_steps"] == [0, 500, 1000, 1500]
+    assert by[("10/0.25", "1% only")]["full_steps"] == [0]
+    assert by[("600/18", "floor")]["full_steps"] == [0] and by[("600/18", "floor")]["max_gap"] > 10

@@ -679,7 +679,9 @@ def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     monitor = CurvatureMonitor(
         every_n_train_steps=1, max_overhead=0.01, terms_every_n_train_steps=2, max_tokens=16, log_heatmap=False
     )
-    monkeypatch.setattr(monitor.schedule, "affordable", lambda agree=None: (monitor.book.evaluations == 0, True))
+    monkeypatch.setattr(
+        monitor.schedule, "affordable", lambda agree=None, step=None: (monitor.book.evaluations == 0, True)
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
@@ -701,12 +703,28 @@ def test_default_terms_tier_every_10_steps_within_its_own_budget(tmp_path, monke
     assert s.terms_seconds - s.last_terms_seconds <= 0.04 * s.train_seconds
     # the same run with the budget out of the way: every 10th step is a terms-only evaluation
     free = CurvatureMonitor(log_level="all", max_tokens=16, log_heatmap=False)
-    monkeypatch.setattr(free.schedule, "affordable", lambda agree=None: (True, True))
+    monkeypatch.setattr(free.schedule, "affordable", lambda agree=None, step=None: (True, True))
     trainer = make_trainer(tmp_path / "free", free, max_steps=31)
     trainer.fit(TinyLM(), loader(n=64))
     logged = curv_rows(read_rows(trainer))
     assert sorted(logged) == [0, 10, 20, 30] and free.book.terms_evaluations == 3
     assert "curv/summary/terms_evaluations" in logged[30] and "curv/layer0/attn/term/x_norm" in logged[10]
+
+
+def test_default_floor_makes_a_terms_step_a_full_evaluation_after_the_gap(tmp_path):
+    """The default schedule's floor through the callback: a terms-grid step ``max_gap`` steps after the last full
+    evaluation is a full one (here a gap of 20 and no limit on the total, so that a tiny model's costs do not decide;
+    ``tests/test_schedule.py`` holds the budgets)."""
+    monitor = CurvatureMonitor(max_tokens=16, log_heatmap=False)
+    s = monitor.schedule
+    s.max_gap, s.total_overhead, s.terms_overhead = 20, 1e9, 1e9
+    trainer = make_trainer(tmp_path, monitor, max_steps=31)
+    trainer.fit(TinyLM(), loader(n=64))
+    logged = curv_rows(read_rows(trainer))
+    assert sorted(logged) == [0, 10, 20, 30]
+    assert [k for k in sorted(logged) if MAX_KEY in logged[k]] == [0, 20]  # full at 0 and at the gap; 10, 30 terms
+    assert (s.last_full_step, s.last_step, s.full_runs) == (20, 30, 2)
+    assert monitor.book.evaluations == 2 and monitor.book.terms_evaluations == 2
 
 
 def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):

@@ -229,3 +229,23 @@ def test_read_labels_name_the_runs_each_stopping_test_read_served():
     assert labels.steps[one] == labels.steps[two] == 12 == labels.steps[three]  # max_iter, tol out of reach
     summary = labels.summary()
     assert summary["reads"] == len(labels.reads) and summary["runs"][three] == {"made": 1, "steps": 12}
+
+
+def test_the_gpu_benchmark_reads_issue_23s_goals_from_its_measured_costs():
+    """``bench_dispatch --device cuda`` prints goals 1-3 met or not from its timings (:func:`goals`; no GPU needed to
+    check the reading): the issue's own H200 figures meet none, its goals' limits meet all."""
+    from benchmarks.bench_dispatch import goals
+
+    def res(full, terms, first, plain_peak, full_peak):
+        return {
+            "full": {"steps": full, "first_steps": first},
+            "terms": {"steps": terms},
+            "extra_peak_fraction": {"full": full_peak / plain_peak - 1, "terms": 0.0},
+        }
+
+    before = goals(res(600.0, 18.0, 540.0, 9.6, 18.7))  # issue 23's table
+    assert not any(before["met"].values()) and before["cadence_2000"]["full"] == [0]
+    assert "goal 1: full evaluation 600.00 training steps (<= 10: NOT met)" in before["lines"][0]
+    at_goals = goals(res(10.0, 0.25, 10.0, 9.6, 11.0))
+    assert all(at_goals["met"].values()), at_goals["lines"]
+    assert at_goals["cadence_2000"]["full"] == [0, 500, 1000, 1500] and "met" in at_goals["lines"][2]
