@@ -8,6 +8,9 @@ so a change that adds dispatches per Lanczos step or a read per block fails here
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -249,3 +252,19 @@ def test_the_gpu_benchmark_reads_issue_23s_goals_from_its_measured_costs():
     at_goals = goals(res(10.0, 0.25, 10.0, 9.6, 11.0))
     assert all(at_goals["met"].values()), at_goals["lines"]
     assert at_goals["cadence_2000"]["full"] == [0, 500, 1000, 1500] and "met" in at_goals["lines"][2]
+
+
+def test_the_gpu_timing_path_runs_on_cpu(tmp_path):
+    """``bench_dispatch``'s timing path (``--device cuda`` in ``gpu_scale.sh``) end to end on CPU (``--time``): the
+    three runs, the costs in training steps and the goals printed, so that a GPU session does not find its bugs. One
+    GPT-2-small-width layer at a toy batch; peak memory is CUDA's only (NaN here: goal 2 reads not met)."""
+    from benchmarks import bench_dispatch
+
+    out = tmp_path / "t.json"
+    argv = ["--time", "--n-layer", "1", "--d-model", "64", "--seq", "16", "--batch", "1", "--vocab", "64", "--repeats",
+            "1", "--full-repeats", "1", "--precision", "32-true", "--out", str(out)]  # fmt: skip
+    res = bench_dispatch.main(argv)
+    assert res["full"]["steps"] > 0 and res["plain_ms"] > 0 and math.isfinite(res["full"]["first_steps"])
+    assert res["goals"]["met"]["2_memory"] is False and len(res["goals"]["lines"]) == 3
+    assert res["goals"]["cadence_2000"]["full"][0] == 0
+    assert json.loads(out.read_text())["goals"]["met"] == res["goals"]["met"]
