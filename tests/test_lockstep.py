@@ -172,6 +172,40 @@ def test_lockstep_hands_each_evaluation_its_own_error_and_result():
     assert lock.rounds >= 1
 
 
+def test_lockstep_threads_are_kept_and_reused_between_runs():
+    """A thread per evaluation would start (~0.3 ms here) at every evaluation: the carriers park between runs and the
+    next run takes them, an evaluation that raised included; each evaluation still runs in its caller's context."""
+    import contextvars
+    import threading
+
+    from curvwatch.closed_form import _lockstep
+
+    tag = contextvars.ContextVar("tag", default="unset")
+    M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
+
+    def norm(scale):
+        value = float(_lanczos.lanczos_max_abs(lambda v: v @ (M * scale), (), 3, dtype=DT, device=M.device)[0])
+        return value, tag.get(), threading.current_thread().name
+
+    def broken():
+        raise ValueError("induced")
+
+    def carriers():
+        return sum(t.name == "curvwatch-lockstep" and t.is_alive() for t in threading.enumerate())
+
+    lock = Lockstep()
+    lock.run([lambda: norm(1.0), lambda: norm(2.0), broken])  # (warms the pool: three carriers)
+    before, idle = carriers(), len(_lockstep._IDLE)
+    assert idle >= 3
+    for k in range(3):
+        tag.set(f"run {k}")
+        results = lock.run([lambda: norm(1.0), broken, lambda: norm(3.0)])
+        seen = [(round(r[0][0], 9), r[0][1]) if r[0] else type(r[1]) for r in results]
+        assert seen == [(5.0, f"run {k}"), ValueError, (15.0, f"run {k}")]
+        assert results[0][0][2] == "curvwatch-lockstep"  # (on a carrier, not the caller's thread)
+    assert carriers() == before and len(_lockstep._IDLE) == idle  # none started, none lost
+
+
 def _shared_run(scales: torch.Tensor) -> _lanczos.LanczosRun:
     """One run for every request: member ``i`` is ``diag(3, -5, 1) * scales[i]``; a negative scale raises in the
     product."""

@@ -23,7 +23,9 @@ steps, so it may stop a few products earlier or later, within its tolerance. Thr
 the kernels' call chains (engine -> adapter -> kernel -> ``spectral_norms`` -> ``solve``) stay plain functions.
 
 Thread-local state does not follow a thread: each evaluation runs in a copy of the caller's ``contextvars`` context and
-inside ``setup()`` (the engine passes ``torch.no_grad`` and, on CUDA, the caller's device and stream).
+inside ``setup()`` (the engine passes ``torch.no_grad`` and, on CUDA, the caller's device and stream). The threads
+are kept between evaluations (:class:`_Carrier`, parked on a semaphore; a thread's start cost more than the terms-only
+evaluation of a small block).
 
 Example:
     >>> import torch
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
@@ -174,8 +177,54 @@ class _Abandoned(Exception):
     """Raised in a parked evaluation when the caller of :meth:`Lockstep.run` stopped (an error of its own)."""
 
 
+class _Carrier:
+    """A daemon thread that runs one evaluation at a time (:class:`_Worker`), parked in :data:`_IDLE` between them.
+
+    Starting a thread costs ~0.3 ms on the 2-core machine these counts come from (a join ~0.05 ms): a terms-only
+    evaluation of the tiny demo model took 2.2 training steps with a new thread per block against 1.2 with none
+    (docs/performance.md section 5), so the threads are kept and reused.
+    """
+
+    def __init__(self) -> None:
+        self.job: _Worker | None = None
+        self.wake = threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="curvwatch-lockstep")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.wake.acquire()
+            job, self.job = self.job, None
+            if job is None:  # (retired: the idle pool was full)
+                return
+            job.context.run(job._main)
+
+
+#: Parked carriers, reused by the next evaluations (at most LOCKSTEP_IDLE kept); emptied in a forked child, where the
+#: threads do not exist.
+_IDLE: list[_Carrier] = []
+_IDLE_LOCK = threading.Lock()
+LOCKSTEP_IDLE = 64
+os.register_at_fork(after_in_child=_IDLE.clear)
+
+
+def _carrier() -> _Carrier:
+    with _IDLE_LOCK:
+        if _IDLE:
+            return _IDLE.pop()
+    return _Carrier()
+
+
+def _park(carrier: _Carrier) -> None:
+    with _IDLE_LOCK:
+        if len(_IDLE) < LOCKSTEP_IDLE:
+            _IDLE.append(carrier)
+            return
+    carrier.wake.release()  # (no job: its loop returns)
+
+
 class _Worker:
-    """One evaluation as a thread that runs only while the caller waits for it (:meth:`resume`)."""
+    """One evaluation on a carrier thread that runs only while the caller waits for it (:meth:`resume`)."""
 
     def __init__(self, fn: Callable[[], Any], setup: Callable[[], contextlib.AbstractContextManager]) -> None:
         self.fn, self.setup = fn, setup
@@ -186,12 +235,21 @@ class _Worker:
         self.answer: Any = None  # returned by that call
         self.reply: BaseException | None = None  # raised in the evaluation when it goes on
         self.done = False
+        self.started = False
+        self.context = contextvars.copy_context()  # the caller's, copied: the evaluation runs in it
         self._go, self._parked = threading.Semaphore(0), threading.Semaphore(0)
-        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._main,), daemon=True)
+        self._carrier: _Carrier | None = None
+
+    def start(self) -> None:
+        """Hand the evaluation to a carrier thread (it waits for :meth:`resume`)."""
+        self._carrier = _carrier()
+        self._carrier.job = self
+        self.started = True
+        self._carrier.wake.release()
 
     def _main(self) -> None:
         self._go.acquire()
-        LOCKSTEP.set(self.meet)  # in this thread's own copy of the context
+        LOCKSTEP.set(self.meet)  # in this evaluation's own copy of the context
         GATHER.set(self.gather)
         try:
             with self.setup():
@@ -201,6 +259,8 @@ class _Worker:
         finally:
             self.fn = None  # a kept error's traceback reaches this frame: it must not hold the evaluation's inputs
             self.done = True
+            carrier, self._carrier = self._carrier, None
+            _park(carrier)  # (before the caller goes on: its next evaluation may take this carrier)
             self._parked.release()
 
     def meet(self, runs: Sequence) -> None:
@@ -255,7 +315,7 @@ class Lockstep:
 
         try:
             for i, w in enumerate(workers):
-                w.thread.start()
+                w.start()
                 go_on(i)
             # gathered calls first (every evaluation that will make the same request has parked on it: they run the
             # same code), then rounds: one product per live run, the due stopping tests in one read; an evaluation
@@ -271,15 +331,13 @@ class Lockstep:
                     workers[i].runs, workers[i].reply = None, error
                     go_on(i)
             self.rounds = rounds.clock
-        finally:  # after an error of the caller's own (KeyboardInterrupt) too: unwind every parked evaluation
+        finally:  # after an error of the caller's own (KeyboardInterrupt) too: unwind every parked evaluation (each
+            # then ends, and its carrier is parked again)
             for w in workers:
-                if w.thread.is_alive() and (w.runs is not None or w.request is not None):
+                if w.started and not w.done and (w.runs is not None or w.request is not None):
                     w.runs = w.request = None
                     w.reply = _Abandoned("the caller of Lockstep.run stopped")
                     w.resume()
-            for w in workers:
-                if w.thread.ident is not None:
-                    w.thread.join()
         return [(w.result, w.error) for w in workers]
 
     @staticmethod
