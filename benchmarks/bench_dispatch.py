@@ -21,8 +21,9 @@ evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of 
 CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW), and prints issue 23's goals 1-3 met or not (:func:`goals`; goal 3
 from the monitor's own schedule on a clock of the measured costs).
 
-Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda]
-[--engine-only] [--tiers full,terms] [--reads] [--out PATH]`` (``--engine-only``: one warm ``Engine.evaluate`` of
+Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--d-model 768]
+[--engine-only] [--tiers full,terms] [--reads] [--time] [--out PATH]`` (``--time``: the timing path on CPU, a smoke
+test of what ``--device cuda`` runs; ``--engine-only``: one warm ``Engine.evaluate`` of
 captured blocks, no Trainer and no real-loss keys; ``--tiers``: the evaluations counted on CPU, e.g. ``--n-layer 12
 --tiers terms``: the terms-only evaluation at GPT-2-small's depth, whose blocks meet in gathered calls; ``--reads``:
 which Lanczos runs each stopping-test read of the full evaluation served, and each run's steps, :class:`ReadLabels`).

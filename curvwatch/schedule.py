@@ -66,8 +66,9 @@ DEFAULT_EVERY = 200
 DEFAULT_OVERHEAD = 0.01
 #: The default terms-only cadence and its own budget (``terms_every_n_train_steps="auto"``): the warning rules'
 #: leads on the instability suite hold at every 10 steps (docs/instability.md). The budget binds only where a
-#: terms-only evaluation costs more than 0.4 training steps (the suite's d = 64 models: 0.32-0.36 with the default
-#: terms_keys="warnings"); on larger models every 10 steps costs less than it (docs/performance.md section 3).
+#: terms-only evaluation costs more than 0.4 training steps (the suite's d = 64 models with the default
+#: terms_keys="warnings": 0.32-0.36 in session 10, 0.54-0.62 on session 24's machine); on larger models every 10 steps
+#: costs less than it (docs/performance.md section 3).
 DEFAULT_TERMS_EVERY = 10
 DEFAULT_TERMS_OVERHEAD = 0.04
 #: The default schedule's floor under the full tier: a full evaluation at least every DEFAULT_MAX_GAP steps while the
