@@ -180,9 +180,9 @@ class _Abandoned(Exception):
 class _Carrier:
     """A daemon thread that runs one evaluation at a time (:class:`_Worker`), parked in :data:`_IDLE` between them.
 
-    Starting a thread costs ~0.3 ms on the 2-core machine these counts come from (a join ~0.05 ms): a terms-only
-    evaluation of the tiny demo model took 2.2 training steps with a new thread per block against 1.2 with none
-    (docs/performance.md section 5), so the threads are kept and reused.
+    Starting a thread costs ~0.3 ms on the 2-core machine these counts come from (a join ~0.05 ms; a hand-over between
+    two parked threads ~0.01 ms): with a new thread per block, a terms-only evaluation of the demo-shaped GPT took
+    9.0-9.7 ms, 8.3 ms with the threads kept (docs/performance.md section 5).
     """
 
     def __init__(self) -> None:
