@@ -54,7 +54,7 @@ from curvwatch.metrics import select_pairs
 from curvwatch.options import Precision, choice
 from curvwatch.sharpness import StabilityRule, stability_keys
 
-__all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation"]
+__all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation", "signal_plan"]
 
 #: The monitor's Lanczos settings: every norm of the demo and of a 6-layer d = 384 GPT converged within them, to
 #: true errors <= 1.7e-3 (docs/performance.md).
@@ -230,7 +230,7 @@ class Engine:
         dtype = _DTYPES[self.dtype]
         signals = terms_only and signal_pairs is not None
         # a signals evaluation: each block's exact pairs; blocks with nothing to compute are left out
-        plans = {b.spec.name: _signal_plan(b, signal_pairs) for b in captured} if signals else {}
+        plans = {b.spec.name: signal_plan(b.spec.kind, signal_pairs) for b in captured} if signals else {}
         if signals:
             captured = [b for b in captured if plans[b.spec.name] is not None]
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
@@ -540,10 +540,11 @@ def _merge(out: Evaluation, part: Evaluation) -> None:
     out.cold.update(part.cold)
 
 
-def _signal_plan(block: CapturedBlock, signal_pairs: Collection[str]) -> tuple[str, ...] | None:
-    """The exact pairs ``block`` computes in a signals evaluation, or ``None`` when it has nothing to compute there
-    (no signal keys, none of its exact pairs read by the rules)."""
-    kind = KINDS[block.spec.kind]
+def signal_plan(kind_name: str, signal_pairs: Collection[str]) -> tuple[str, ...] | None:
+    """The exact pairs a block of kind ``kind_name`` computes in a signals evaluation, or ``None`` when it has nothing
+    to compute there (no signal keys, none of its exact pairs read by the rules): such a block is neither evaluated
+    nor captured (:meth:`curvwatch.monitor.Monitor.open`)."""
+    kind = KINDS[kind_name]
     pairs = tuple(p for p in kind.exact_pairs if p in signal_pairs)
     return pairs if pairs or kind.signal_kwargs is not None else None
 

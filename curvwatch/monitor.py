@@ -53,7 +53,7 @@ from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarn
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, resolve
-from curvwatch.engine import BlockError, Engine
+from curvwatch.engine import BlockError, Engine, signal_plan
 from curvwatch.engine import Evaluation as Result
 from curvwatch.logbook import Logbook, LogError, drop_no_data, flatten
 from curvwatch.options import OnError, TermsKeys
@@ -248,8 +248,11 @@ class Monitor:
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()
         logits = None if terms_only else self.real_loss.module
+        specs = self._specs
+        if terms_only and self._signal_pairs is not None:  # a signals evaluation: the blocks with something to compute
+            specs = [spec for spec in specs if signal_plan(spec.kind, self._signal_pairs) is not None]
         try:
-            capture = Capture(self._specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits)
+            capture = Capture(specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits)
             if logits is not None:
                 capture.on_logits_grad = self._sample_from_grad
             self._capture = self._stack.enter_context(capture)

@@ -711,6 +711,40 @@ def test_default_terms_tier_every_10_steps_within_its_own_budget(tmp_path, monke
     assert "curv/summary/terms_evaluations" in logged[30] and "curv/layer0/attn/term/x_norm" in logged[10]
 
 
+def test_a_signals_evaluation_captures_only_the_blocks_it_evaluates(tmp_path, monkeypatch):
+    """With ``terms_keys="warnings"`` (default) a terms-only evaluation hooks and copies only the blocks that have
+    something to compute (attention, LayerNorms; an FFN only where a rule reads its ``W2W2``): an FFN's input, output
+    gradient and weights are not copied for nothing. The keys are those of capturing every block."""
+    from curvwatch.rules import RuleSet
+
+    captured: list[list[str]] = []
+
+    class Recording(Capture):
+        def __init__(self, specs, *args, **kwargs):
+            captured.append([s.name for s in specs])
+            super().__init__(specs, *args, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "Capture", Recording)
+    rows = {}
+    for w2w2 in (0.0, 1.0):
+        captured.clear()
+        monitor = CurvatureMonitor(
+            every_n_train_steps=100, terms_every_n_train_steps=2, max_overhead=None,
+            warning_rules=RuleSet(w2w2_growth=w2w2), max_tokens=16, log_heatmap=False, log_level="all",
+        )  # fmt: skip
+        trainer = make_trainer(tmp_path / str(w2w2), monitor, max_steps=3)
+        torch.manual_seed(0)
+        trainer.fit(TinyLM(), loader())
+        full, terms = captured  # step 0 full, step 2 terms-only
+        assert any("ffn" in n for n in full)
+        assert any("attn" in n for n in terms) and any("ln" in n for n in terms)
+        assert any("ffn" in n for n in terms) == (w2w2 > 0)
+        rows[w2w2] = curv_rows(read_rows(trainer))[2]
+    # the blocks both evaluations share log the same keys and numbers
+    shared = {k: v for k, v in rows[1.0].items() if "ffn" not in k and "summary" not in k}
+    assert shared and all(rows[0.0][k] == v for k, v in shared.items())
+
+
 def test_default_floor_makes_a_terms_step_a_full_evaluation_after_the_gap(tmp_path):
     """The default schedule's floor through the callback: a terms-grid step ``max_gap`` steps after the last full
     evaluation is a full one (here a gap of 20 and no limit on the total, so that a tiny model's costs do not decide;
