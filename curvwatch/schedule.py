@@ -283,6 +283,8 @@ class Schedule:
     def budget_note(self, step: int, full_due: bool) -> str:
         """The one-time line when a due step is skipped by a budget (``full_due``: a full evaluation was due)."""
         full, terms = self._tiers()
+        # a step the floor alone made due for a full evaluation is a terms-only step that its budget skipped too
+        full_due = full_due and (step % self.every_n_train_steps == 0 or self.terms_every_n_train_steps is None)
         if full_due or self.terms_overhead is None:
             (spent, budget), name = full, "max_overhead"
             fix = "pass every_n_train_steps=... (or cadence=curvwatch.Cadence(max_overhead=None)) for a fixed schedule"

@@ -174,5 +174,8 @@ def test_the_floor_affords_within_the_total_and_the_ranks_agree_on_it():
     assert s.decide(500) == "full" and s.decide(400) == "terms" and s.decide(405) is None  # (400: full due, over 1%)
     s.train_seconds = 430.0  # 22 > 21.5: over the total, the due terms-only evaluation instead (12.25 <= 17.2)
     assert s.decide(500) == "terms"
+    s.train_seconds = 300.0  # neither: the one-time note names the terms-only budget (the step is on its grid)
+    assert s.decide(500) is None and "the terms-only budget=0.04" in s.budget_note(500, full_due=True)
+    assert "max_overhead=0.01" in s.budget_note(600, full_due=True)
     s.train_seconds = 500.0  # another rank spent more (the max across ranks decides)
     assert s.affordable(lambda t: t + torch.tensor([0.0, 0.0, 0.0, 5.0], dtype=torch.float64), step=500)[0] is False
