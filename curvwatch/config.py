@@ -54,9 +54,9 @@ class Cadence:
             the overhead budget (``max_overhead``), and at least every 500 steps while the whole monitor stays within 5%
             of the training time (the floor of :mod:`curvwatch.schedule`). A chosen cadence is honoured as it is; when
             its evaluations take over 10% of the training time the monitor says so once, with what each costs. One
-            evaluation costs a fixed amount of work (capped by ``max_tokens``), about 15 training steps of the tiny demo
-            model (32-40 with the real-loss keys of ``sharpness``, ``docs/sharpness.md``) and fewer on larger ones
-            (``docs/performance.md`` section 3).
+            evaluation costs a fixed amount of work (capped by ``max_tokens``): on a 2-core CPU about 80-100 training
+            steps of the tiny demo model with the real-loss keys of ``sharpness`` (~20 without them,
+            ``docs/sharpness.md``) and fewer on larger ones (``docs/performance.md`` section 3).
         terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a full
             evaluation, numbers that need no Lanczos over Hessian products (``terms_keys`` says which): by default what
             the warning rules read. ``"auto"`` (default): every 10 steps within a budget of its own, 4% of the training
