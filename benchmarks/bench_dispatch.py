@@ -392,7 +392,8 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
     500, within 5% of the training time."""
     full, terms, first = res["full"]["steps"], res["terms"]["steps"], res["full"]["first_steps"]
     peak = max(res["extra_peak_fraction"].values())
-    run = simulate(2000, 1.0, full, terms, first_seconds=max(first, full))
+    # (a cost measured below zero, timing noise of a cheap evaluation, priced as free)
+    run = simulate(2000, 1.0, max(full, 0.0), max(terms, 0.0), first_seconds=max(first, full, 0.0))
     met = {
         "1_full": full <= 10,
         "1_terms": terms <= 0.25,
