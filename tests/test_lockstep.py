@@ -204,6 +204,23 @@ def test_lockstep_threads_are_kept_and_reused_between_runs():
         assert seen == [(5.0, f"run {k}"), ValueError, (15.0, f"run {k}")]
         assert results[0][0][2] == "curvwatch-lockstep"  # (on a carrier, not the caller's thread)
     assert carriers() == before and len(_lockstep._IDLE) == idle  # none started, none lost
+    # a parked carrier keeps nothing of its last evaluation alive (its result here)
+    import gc
+    import time
+    import weakref
+
+    class Result:
+        pass
+
+    results = lock.run([lambda: Result(), lambda: Result()])
+    refs = [weakref.ref(result) for result, _ in results]
+    del results
+    for _ in range(100):  # (the carrier lets go as it parks, just after handing the result over)
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            break
+        time.sleep(0.01)
+    assert [ref() for ref in refs] == [None, None]
 
 
 def _shared_run(scales: torch.Tensor) -> _lanczos.LanczosRun:

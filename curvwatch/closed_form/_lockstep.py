@@ -198,6 +198,7 @@ class _Carrier:
             if job is None:  # (retired: the idle pool was full)
                 return
             job.context.run(job._main)
+            del job  # a parked carrier holds no evaluation (its result, its context)
 
 
 #: Parked carriers, reused by the next evaluations (at most LOCKSTEP_IDLE kept); emptied in a forked child, where the
