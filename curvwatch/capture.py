@@ -177,19 +177,26 @@ def _sample_slot(rec: _Record, j: int, samples: int, t: Tensor, max_tokens: int)
     ``_foreach_copy_``: the samples are held once, not as clones that :meth:`Capture.blocks` stacked into a second
     copy (at the GPU shape, 512 kept tokens of width 768, 16 samples: 24 MiB per block), in one dispatched operator
     per pass instead of two to four per block."""
-    k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
-    src = t if (k, l) == tuple(t.shape[:2]) else t.as_strided((k, l, *t.shape[2:]), t.stride(), t.storage_offset())
+    src = _first_tokens(t, max_tokens)
     if rec.samples is None:
         rec.samples = torch.empty((samples, *src.shape), dtype=torch.float32, device=src.device)
         rec.slots = rec.samples.unbind(0)
     return rec.slots[j], src
 
 
+def _first_tokens(t: Tensor, max_tokens: int) -> Tensor:
+    """The first tokens (:func:`token_slice`) of a ``(B, L, ...)`` tensor: ``t`` itself when every token is kept, else
+    one view (``t[:k, :l]`` took two)."""
+    k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
+    if (k, l) == tuple(t.shape[:2]):
+        return t
+    return t.as_strided((k, l, *t.shape[2:]), t.stride(), t.storage_offset())
+
+
 def _keep(t: Tensor, max_tokens: int) -> Tensor:
     """Detached copy of the first tokens of a ``(B, L, ...)`` tensor."""
-    k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
-    with torch.no_grad():  # (a clone without autograd history; no slicing views when every token is kept)
-        return (t if (k, l) == tuple(t.shape[:2]) else t[:k, :l]).clone()
+    with torch.no_grad():  # (a clone without autograd history)
+        return _first_tokens(t, max_tokens).clone()
 
 
 @dataclass
