@@ -134,6 +134,7 @@ class Monitor:
 
         self.model: nn.Module | None = None
         self._specs: list[BlockSpec] = []
+        self._terms_specs: list[BlockSpec] = []  # the blocks a terms-only evaluation captures (setup)
         self._block_info: dict[str, tuple[str, int | None, float | None]] = {}  # name -> (kind, layer, eps)
         self._coverage: list[dict[str, str]] = []
         self._read_params: Callable[[BlockSpec], dict[str, Any]] | None = None
@@ -184,6 +185,12 @@ class Monitor:
         self._specs = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
         self._coverage = report.coverage_rows(self._specs, model)
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
+        # a signals evaluation (terms_keys="warnings") captures only the blocks with something to compute
+        self._terms_specs = (
+            self._specs
+            if self._signal_pairs is None
+            else [spec for spec in self._specs if signal_plan(spec.kind, self._signal_pairs) is not None]
+        )
         status = self.real_loss.resolve(model, sharding.real_loss_support(read_params))
         self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
@@ -248,10 +255,8 @@ class Monitor:
         self._capture_step, self._capture_terms_only, self._open_error = step, terms_only, None
         self._stack = ExitStack()
         logits = None if terms_only else self.real_loss.module
-        specs = self._specs
-        if terms_only and self._signal_pairs is not None:  # a signals evaluation: the blocks with something to compute
-            specs = [spec for spec in specs if signal_plan(spec.kind, self._signal_pairs) is not None]
         try:
+            specs = self._terms_specs if terms_only else self._specs
             capture = Capture(specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits)
             if logits is not None:
                 capture.on_logits_grad = self._sample_from_grad
