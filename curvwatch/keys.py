@@ -98,7 +98,7 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "sharpness/{XY}[/{head}]",
         "largest algebraic eigenvalue (may be negative) of `J_Xᵀ C J_X + H_f(XX)`: the block of the real loss's "
         "Hessian, without the second-order part of the layers downstream of the block; no value where "
-        "`sharpness_spread/XY` is above 0.5 (too uncertain: named once; the same for the `ggn` and `precond_` keys "
+        "`sharpness_spread/XY` is above 1 (too uncertain: named once; the same for the `ggn` and `precond_` keys "
         "by their own uncertainty)",
     ),
     KeySpec(
@@ -108,7 +108,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec("precond_sharpness/{XY}[/{head}]", "`sharpness/XY` of `P^{-1/2} (·) P^{-1/2}`"),
     KeySpec(
         "sharpness_spread/{XY}[/{head}]",
-        "uncertainty of `sharpness/XY` relative to it: the half-sample estimates' half-difference plus half the "
+        "uncertainty of `sharpness/XY` relative to it: two standard errors of the debiased estimate over the "
+        "samples (delta method; with fewer than 4 samples the half-sample estimates' half-difference) plus half the "
         "debiasing correction plus the Lanczos members' error carried through it (`k ≥ 2` samples; none for a zero "
         "sharpness; docs/sharpness.md)",
     ),

@@ -1053,7 +1053,7 @@ def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, 
 def unresolved_keys(flat: Mapping[tuple[str, str], float], limit: float | None = None) -> list[str]:
     """``"block pair[/head]"`` of every sharpness the kernels withheld as unresolved: a logged ``sharpness_spread``
     above ``limit`` (default :data:`~curvwatch.closed_form._sampled.SPREAD_LIMIT`) whose ``sharpness`` key has no
-    value (the estimate's uncertainty is larger than half the value: docs/sharpness.md, "Unresolved keys").
+    value (the estimate's uncertainty is larger than the value: docs/sharpness.md, "Unresolved keys").
 
     Example:
         >>> unresolved_keys({("layer0/ffn", "sharpness_spread/W2W2"): 3.1, ("layer0/ffn", "sharpness/W1W1"): 0.2,
@@ -1294,8 +1294,8 @@ class RealLoss:
         warn_once(
             "sharpness_unresolved",
             f"CurvatureMonitor gives no sharpness/... (nor its stability/... ratio) for {', '.join(found[:4])}{more}: "
-            f"the estimate's uncertainty (sharpness_spread, still logged) is above {SPREAD_LIMIT:.0%} of it, where "
-            "the value can be off by several times. The Monte-Carlo Gauss-Newton estimate has (samples x kept "
+            f"the estimate's uncertainty (sharpness_spread, still logged) is above {SPREAD_LIMIT:.0%} of it: the "
+            "value is not known to within its own size. The Monte-Carlo Gauss-Newton estimate has (samples x kept "
             "sequences) independent columns, too few for blocks this large; more samples "
             f"(Sharpness(samples={4 * self.samples}): 4x the sampling's cost) or more kept sequences (max_tokens=, "
             "shorter sequences) narrow it; with one long kept sequence an FFN's W2 may stay unresolved even so "

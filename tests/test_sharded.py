@@ -241,7 +241,15 @@ def test_fsdp2_logs_the_ddp_real_loss_keys_under_adamw(tmp_path):
     assert fsdp2["param_types"] == ["DTensor"] and ddp["param_types"] == ["Parameter"]  # really sharded
     assert sorted(fsdp2["logged"], key=int) == sorted(ddp["logged"], key=int) == ["0", "2", "4"]
     counts = {s: sum(_real_loss(k) for k in n) for s, n in ddp["logged"].items()}
-    assert counts == {"0": 53, "2": 108, "4": 108}  # the keys FSDP2 lacked before (53 at step 0, 108 after)
+    # the keys FSDP2 lacked before (53 at step 0, 108 after); at step 4, since session 25's wider spread (two standard
+    # errors), layer 1's preconditioned W2W2 is unresolved (its own uncertainty above SPREAD_LIMIT; the plain one's,
+    # sharpness_spread/W2W2, reads 1.01): its precond_ggn, precond_sharpness and stability keys are withheld, in FSDP2
+    # alike (the key sets are compared below)
+    assert counts == {"0": 53, "2": 108, "4": 105}
+    step4 = set(ddp["logged"]["4"])
+    assert {k for k in ddp["logged"]["2"] if _real_loss(k) and k not in step4} == {
+        f"curv/layer1/ffn/{name}/W2W2" for name in ("precond_ggn", "precond_sharpness", "stability")
+    }
     assert "curv/layer0/attn/precond_sharpness/QQ/h0" in ddp["logged"]["2"]
     assert "curv/layer1/ffn/stability/W2W2" in ddp["logged"]["2"]
     _assert_same_numbers(fsdp2["logged"]["0"], ddp["logged"]["0"], "FSDP2 vs DDP (AdamW) at step 0")
@@ -263,7 +271,10 @@ def test_fsdp2_logs_the_ddp_real_loss_keys_under_adamw(tmp_path):
     sgd = {step: sorted(numbers) for step, numbers in unscored[0]["logged"].items()}
     assert sorted(sgd, key=int) == ["0", "2", "4"]
     assert not any(_real_loss(k) for k in sgd["0"]) and "curv/layer1/attn/hessian/QQ/h0" in sgd["0"]
-    assert sum(_real_loss(k) for k in sgd["2"]) == sum(_real_loss(k) for k in sgd["4"]) == 76
+    # 76 real-loss keys at both steps before session 25; its wider spread (two standard errors) withholds a few of
+    # this 16-token run's FFN keys: layer 1's ggn/W1W1 at step 2; layer 0's ggn/W1W1 and layer 1's ggn/W2W2,
+    # sharpness/W2W2 and stability/W2W2 at step 4
+    assert sum(_real_loss(k) for k in sgd["2"]) == 75 and sum(_real_loss(k) for k in sgd["4"]) == 72
     for result in unscored:
         assert result["states"]["end"] == {"evaluations": 3, "skipped": 0, "last_step": 4}
         assert [bool(numbers) for numbers in result["agreed"]] == [False, True, True]

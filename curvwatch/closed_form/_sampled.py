@@ -391,7 +391,8 @@ def sampled_norms(
 @dataclass
 class _PairJob:
     """One diagonal pair of :func:`sampled_plan`: its part (view) and block, its variants' prefixes, ``raw`` keys
-    ``{name: ((P, E, H) values, relative residuals)}`` (the Gram's, then its run's), the Gram ``columns`` and the
+    ``{name: ((P, E, H) values, relative residuals)}`` (the Gram's, then its run's) and their ``shares`` (with the
+    debiasing: ``{name: (P, E, k, H)}``, :func:`debias`), the Gram ``columns`` and the
     sharpness members' ``tops`` until its run's product takes them, and, where it has a Lanczos run (``planned``),
     that run's keys ``names`` (``m`` kinds per member), warm-start ``key``, settings ``members``, whether it
     starts at vectors of its own (``own_start``: nothing kept for the next evaluation), and which of the plan's runs
@@ -412,6 +413,8 @@ class _PairJob:
     own_start: bool = False
     run: int = -1
     rows: slice | None = None
+    # name -> (P, E, k, H): each sample's part of each member's value at its top vector (debias's shares)
+    shares: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def sampled_plan(
@@ -430,6 +433,12 @@ def sampled_plan(
     scale = {} if scale is None else scale
     curvature = getattr(op, "sampled", None)
     split = DEBIAS and curvature is not None and curvature.k >= 2
+    # the debiased keys' noise from each sample's part of the members' values (debias's shares): halves of >= 2
+    shared = split and min(curvature.counts[1:]) >= 2
+    if shared:  # (3, k): each estimate's sample weights (the full sample's 1/k, a half's 1/k_a on its own samples)
+        n_all, n_a, n_b = curvature.counts
+        first = (torch.arange(n_all, device=op.device) < n_a).to(op.dtype)
+        weights = torch.stack([torch.full_like(first, 1 / n_all), first / n_a, (1 - first) / n_b])
     # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
     ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
     counts = curvature.counts if split else None
@@ -446,17 +455,17 @@ def sampled_plan(
     jobs: list[_PairJob] = []
     # (job, Gram matrix, columns where its top eigenvectors are wanted, scale, their list) per pair and variant
     grams: list = []
-    job_gram: dict[int, list[torch.Tensor]] = {}  # job -> its (E, H) Gram eigenvalues per variant
+    job_gram: dict[int, list[tuple]] = {}  # job -> its ((E, H) Gram eigenvalues, (E, k, H) shares) per variant
     linear_jobs: set[int] = set()  # the jobs of pairs in which F is linear (their sharpness is their GGN)
     gram_bytes = 0  # the largest pair's Gram columns: the Gram matrices decomposed at once stay within them
 
     def flush() -> None:  # the Gram matrices' eigenvalues (and the members' start vectors) of grams, in one batch
         if not grams:
             return
-        for (j, _, _, _, tops), (values, top) in zip(
+        for (j, _, _, _, tops), (values, top, shares) in zip(
             grams, _gram_eigen(grams, curvature, split, op.dtype), strict=True
         ):
-            job_gram[j].append(values)
+            job_gram[j].append((values, shares))
             if top is not None:
                 tops.append(top)
         grams.clear()
@@ -504,10 +513,14 @@ def sampled_plan(
     A = tops = None
     flush()  # the Gram matrices left
     for j, values in job_gram.items():
-        ggn = torch.stack(values)  # (P, E, H)
+        ggn = torch.stack([v for v, _ in values])  # (P, E, H)
         jobs[j].raw["ggn"] = (ggn, torch.zeros_like(ggn))
+        if split:
+            jobs[j].shares["ggn"] = torch.stack([sh for _, sh in values])  # (P, E, k, H)
         if j in linear_jobs:  # F linear in X: its sharpness is its GGN
             jobs[j].raw["sharpness"] = jobs[j].raw["ggn"]
+            if split:
+                jobs[j].shares["sharpness"] = jobs[j].shares["ggn"]
     job_gram.clear()
     # the jobs with Lanczos members, in runs: consecutive pairs of one part whose blocks stack (STACK_PAIRS: the
     # attention's QQ and KK, one Lanczos step per step for both) share a run, the others have one each
@@ -581,7 +594,7 @@ def sampled_plan(
         del mv, v0, make
 
     def finish(runs: list) -> list[dict[str, torch.Tensor]]:  # the keys, from the solved runs (in order)
-        read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # run -> (values, residuals), each read once
+        read: dict[int, tuple[torch.Tensor, ...]] = {}  # run -> (values, residuals, Ritz vectors), each read once
         outs: list[dict[str, torch.Tensor]] = [{} for _ in parts]
         for job in jobs:
             if not job.planned:
@@ -590,12 +603,18 @@ def sampled_plan(
                 run = runs[job.run]
                 read[job.run] = (
                     (run.norm, run.rel_residual) if job.own_start else _norm_results(run, job.key, job.members)
-                )
+                ) + (run.ritz,)
                 run.matvec = None  # (its product's tensors, the Gram columns among them)
-            vals, rel = read[job.run] if job.rows is None else (t[job.rows] for t in read[job.run])
+            vals, rel, ritz = read[job.run] if job.rows is None else (t[job.rows] for t in read[job.run])
             P, m = len(job.prefixes), job.m
             for j, name in enumerate(job.names):  # kind j of run i E + e is row m (i E + e) + j
                 job.raw[name] = (vals[j::m].view(P, E, -1), rel[j::m].view(P, E, -1))
+            if shared:  # each sample's part of each member's value at its Ritz vector: (P, E, m, k, H)
+                D = scale[job.block] if len(job.prefixes) > 1 else None
+                shares = _member_shares(op, job.block, curvature, ritz, views[job.part][0], D, weights, m)
+                for j, name in enumerate(job.names):
+                    job.shares[name] = shares[:, :, j]
+        read.clear()
         if not jobs:
             return outs
         # every pair and variant of a name at once: (E, sum of P H) values, the plain variants (prefix "") first, the
@@ -615,7 +634,8 @@ def sampled_plan(
             named = [(part, k.format(name)) for part, k in keys]
             value = vals[0]
             if split:
-                value, width = debias(*vals.unbind(), counts, psd=name == "ggn")
+                shares = torch.cat([job.shares[name][i] for job, i in order], -1) if shared else None  # (E, k, .)
+                value, width = debias(*vals.unbind(), counts, psd=name == "ggn", shares=shares)
                 width = width + extrapolated_residual(vals, rel, counts, value)
                 # unresolved: no value (NaN, "no data"); a spread of 0/0 (every estimate 0) is a resolved 0
                 unresolved = width > SPREAD_LIMIT
@@ -838,6 +858,63 @@ class _Columns:
         return u.reshape(dF.shape)
 
 
+class _Recorder:
+    """A stand-in output curvature that records the coefficients ``a_{n,j,b,h} = <sigma_{j,b,h}, dF_{n,b,h}>`` of
+    the tangent rows ``n`` it is applied to (summed over a kv group of ``group`` heads where the operator mixes them,
+    as :class:`SampledCurvature` does), ``(n, k, B, H / group)`` in :attr:`coefficients`, and returns zero: an
+    operator's outer part through it is ``J_X`` applied to the rows, read against the samples."""
+
+    def __init__(self, sigma: torch.Tensor):
+        self.sigma = sigma  # (k, B, H, n), SampledCurvature.sigma
+        self.coefficients: list[torch.Tensor] = []
+
+    def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
+        k, B, H, X = self.sigma.shape
+        n = dF.shape[0]
+        a = torch.einsum("nbhx,kbhx->nkbh", dF.reshape(n, B, H, X), self.sigma.to(dF.dtype))
+        if group > 1:
+            a = a.reshape(n, k, B, H // group, group).sum(-1)
+        self.coefficients.append(a)
+        return torch.zeros_like(dF)
+
+
+def _member_shares(
+    op: BlockOperator,
+    X: str,
+    curvature: SampledCurvature,
+    ritz: torch.Tensor,
+    view: Callable[[BlockOperator], BlockOperator],
+    D: torch.Tensor | None,
+    weights: torch.Tensor,
+    m: int,
+) -> torch.Tensor:
+    """``(P, E, m, k, H)``: sample ``j``'s part ``w_{e,j} sum_b <sigma_{j,b}, J_X D_i v>^2`` of the Gauss-Newton
+    quotient of each Lanczos member ``(variant i, estimate e, kind)`` at its unit Ritz vector ``v`` (:func:`debias`'s
+    ``shares``; the block's own functional part is exact and has none), ``w_{e,j}`` = ``weights[e, j]`` the
+    estimate's sample weight (``1/k`` on all, ``1/k_a`` on one half's: :meth:`SampledCurvature.counts`), ``D_0 = 1``
+    and ``D_1 = D`` (``P = 2``; ``D`` None: ``P = 1``).
+
+    ``ritz`` ``(P E m, H, size)``: the members' Ritz vectors in the rows' order of :func:`sampled_plan` (row ``m (i E
+    + e) + kind``); ``view``: maps the operator to the one the block is read from; ``D``: the block's ``P^{-1/2}`` in
+    the base operator's layout (the view's: same entries, order). Products of at most :data:`MEMBER_ROWS` rows (the
+    members' own) through the operator's outer part (:class:`_Recorder`), the preconditioned rows scaled on the way
+    in."""
+    E, k = weights.shape
+    v = ritz / ritz.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ritz.dtype).tiny)  # (a zero vector: no share)
+    if D is not None:
+        v[E * m :] *= D.reshape(v.shape[1:])
+    recorder = _Recorder(curvature.sigma)
+    member_op = view(with_sampled(op, recorder))
+    products = range(0, v.shape[0], MEMBER_ROWS)
+    for start in products:
+        rows = v[start : start + MEMBER_ROWS]
+        pair_matvec(member_op, (X, X), ("outer",) * rows.shape[0])[1](rows)
+    if len(recorder.coefficients) != len(products):  # (an operator applies its output curvature once per product)
+        raise RuntimeError(f"{len(recorder.coefficients)} applications of the output curvature in {len(products)}")
+    q = torch.cat(recorder.coefficients).square().sum(2)  # (P E m, k, H)
+    return q.view(-1, E, m, k, q.shape[-1]) * weights.view(1, E, 1, k, 1)
+
+
 def _gram_columns(
     op: BlockOperator,
     X: str,
@@ -902,7 +979,10 @@ def _gram_eigen(
     half's eigenvalues are those of its diagonal block of ``G`` (``j < k/2``, the first ``(k/2) B`` columns) times ``k
     / k_a``. ``tops`` ``(E, H, size)``: the top eigenvector of each estimate's Gauss-Newton block, unnormalised, in
     the layout of ``A``'s rows: ``D A_S u`` for the top eigenvector ``u`` of the estimate's Gram block (columns
-    ``S``).
+    ``S``). With ``split``, a third entry ``shares`` ``(E, k, H)``: sample ``j``'s part of each estimate's value at
+    its top eigenvector (:func:`debias`'s ``shares``), ``lambda_e sum_b u_{j B + b}^2`` (the unit top eigenvector
+    ``v`` of the estimate's block ``sum_c w_c (D A_c) (D A_c)^T`` has ``w_c <D A_c, v>^2 = lambda_e u_c^2``); else
+    None.
 
     Exact eigenvalues (float64) instead of the Lanczos runs of every estimate and preconditioning. Every item's
     matrices go through one ``eigh`` (the halves, when of one size, through a second): on a GPU each call on small
@@ -916,7 +996,7 @@ def _gram_eigen(
     half = ka * B  # sample j = r // B: the first half's columns come first
     G = items[0][1] if len(items) == 1 else torch.cat([item[1] for item in items])  # (S, k B, k B)
     S = G.shape[0]
-    want = any(item[2] is not None for item in items)
+    want = split or any(item[2] is not None for item in items)  # (the shares need the eigenvectors too)
 
     def tops_of(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # (top eigenvalues, their vectors)
         if not want:
@@ -942,7 +1022,11 @@ def _gram_eigen(
         if vecs is not None:
             vecs[1, :, :half] = U_a
             vecs[2, :, half:] = U_b
-    values = torch.stack(values).to(dtype)  # (E, S)
+    values = torch.stack(values)  # (E, S) float64
+    shares = None
+    if split:  # (E, k, S): lambda_e sum_b u_{j B + b}^2 (zero outside a half's own samples)
+        shares = vecs.square().view(3, S, k, B).sum(-1).transpose(1, 2).mul_(values[:, None]).to(dtype)
+    values = values.to(dtype)
     out = []
     start = 0
     for _, g, A, D, *_ in items:
@@ -951,7 +1035,7 @@ def _gram_eigen(
         if A is not None:  # (H, E, k B) @ (H, k B, size): A_S u per estimate
             top = torch.bmm(vecs[:, start : start + H].transpose(0, 1).to(A.dtype), A).transpose(0, 1)
             top = top if D is None else top * D.reshape(-1, A.shape[-1])
-        out.append((values[:, start : start + H], top))
+        out.append((values[:, start : start + H], top, None if shares is None else shares[..., start : start + H]))
         start += H
     return out
 
@@ -998,21 +1082,35 @@ def _richardson_q(counts: tuple[int, int, int]) -> float:
 #: How far beyond the extrapolation's own correction the reported uncertainty reaches (see :func:`debias`).
 SPREAD_FACTOR = 0.5
 
-#: A debiased key is given a value only where its relative uncertainty (:func:`debias`'s spread plus the members'
-#: error, ``sharpness_spread``) is at most this: beyond it the extrapolation's correction exceeds the estimate
-#: itself (the plain ``k``-sample value is more than about twice the debiased one), where first-order Richardson is
-#: outside its range and the value can be off by several times. Measured (``python -m benchmarks.bench_sharpness
-#: --bias``, held-out HF GPT-2, ``sharpness/W2W2``): with 8 kept sequences of 64 tokens, ``k = 16``, spreads
-#: 0.60-1.78 and errors 10-73%; ``k = 64``: spreads 0.28-0.58, errors 1-15% (median); with **one** kept sequence of
-#: 512 tokens (``k B`` = 16 columns, a long-context model's case; d 32 and d 64) spreads 2.1-5.1 and values 2.7-4.1x
-#: the exact ones (the plain value 16-38x). Such a key gets no value (NaN, "no data", in the engine; left out of a
-#: direct call's result), its ``sharpness_spread`` is still logged, and the monitor names it once
-#: (:func:`curvwatch.sharpness.unresolved_keys`).
-SPREAD_LIMIT = 0.5
+#: The reported uncertainty's noise term is this many standard errors of the debiased estimate (:func:`debias`'s
+#: ``shares``: the delta method over the samples, ``k - 2`` degrees of freedom, where the halves' difference, which
+#: it replaced in session 25, had one). Measured (session 25, ``python -m benchmarks.bench_sharpness --bias --width
+#: 32 64 128 --ks 16,64 --seeds 3``: held-out HF GPT-2, ``W2W2`` of both layers and ``VV/h0``: 54 estimates): the
+#: spread with 2 standard errors covered the exact value in 54 of 54, with the halves' half-difference in 44 (it
+#: missed 10 of the 18 ``VV/h0`` ones, whose debiased values read up to 26% off). Without the correction's part,
+#: one standard error alone covered 42 (a ``/tmp`` script on the same samples' Gram columns).
+NOISE_SE = 2.0
+
+#: A debiased key is given a value only where its relative uncertainty (:func:`debias`'s spread plus the members' error,
+#: ``sharpness_spread``) is at most this: beyond it the value is not known to within its own size (the extrapolation's
+#: correction alone is then above twice the estimate, or two standard errors above it). Measured (session 25, the 54
+#: estimates of :data:`NOISE_SE`): at ``k = 16`` every ``W2W2`` estimate (errors 11-89%) is above it and every ``VV/h0``
+#: one (errors 0-26%, each within its spread) below; at ``k = 64``, 13 of the 18 ``W2W2`` estimates (errors 0-36%, each
+#: within its spread) are below it, and every ``VV/h0`` one. (Until session 25: 0.5 on the halves' half-difference plus
+#: the correction's part, which withheld 8 of those 18 at ``k = 64``.) With **one** kept sequence of 512 tokens (``k B``
+#: = 16 columns, a long-context model's case; d 32 and d 64) the values read 2.7-4.1x the exact ones (the plain value
+#: 16-38x). Such a key gets no value (NaN, "no data", in the engine; left out of a direct call's result), its
+#: ``sharpness_spread`` is still logged, and the monitor names it once (:func:`curvwatch.sharpness.unresolved_keys`).
+SPREAD_LIMIT = 1.0
 
 
 def debias(
-    full: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts: tuple[int, int, int], psd: bool = False
+    full: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    counts: tuple[int, int, int],
+    psd: bool = False,
+    shares: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate, relative uncertainty)`` of a largest eigenvalue from its Monte-Carlo values on ``k`` samples
     (``full``) and on the two halves (``a``, ``b``), with their sample counts ``counts = (k, k_a, k_b)``.
@@ -1020,14 +1118,23 @@ def debias(
     The largest eigenvalue of a ``k``-sample estimate of a matrix is biased upward, for a well-separated top
     eigenvalue by ``c / k + O(k^-2)``. Richardson extrapolation removes the ``c / k`` term: with ``h`` the mean of
     ``1/k_a`` and ``1/k_b``, ``c = (mean(a, b) - full) / (h - 1/k)`` and the estimate is ``full - c / k``
-    (``2 full - mean(a, b)`` for equal halves). The uncertainty is the half-difference of the halves (their noise,
-    carried into the estimate) plus ``SPREAD_FACTOR`` times the correction ``c / k`` (the bias left when it is not
-    exactly ``c / k``), relative to ``|estimate|``.
+    (``2 full - mean(a, b)`` for equal halves). The uncertainty is its noise plus ``SPREAD_FACTOR`` times the
+    correction ``c / k`` (the bias left when it is not exactly ``c / k``), relative to ``|estimate|``. The noise:
+    with ``shares``, ``NOISE_SE`` standard errors by the delta method over the samples (below); without, the
+    half-difference of the halves (one degree of freedom).
+
+    The delta method: each estimate's value is, to first order in its samples, its quotient at its top vector
+    ``v_e``, ``sum_j s_{e,j}`` plus the block's exact own part, with ``s_{e,j} = w_{e,j} sum_b <J^T sigma_{j,b},
+    v_e>^2`` (``shares``; 0 outside a half's samples). So the estimate is ``sum_j t_j`` plus a constant, ``t_j = (1 +
+    q) s_{full,j} - (q / 2) (s_{a,j} + s_{b,j})``, independent over ``j`` and alike within a half: its variance is
+    ``sum over the halves of n_h var_h(t)``.
 
     Args:
         full, a, b: ``(H,)`` the values per head.
         counts: ``(k, k_a, k_b)``.
         psd: The matrix is positive semi-definite (the Gauss-Newton block): the estimate is at least 0.
+        shares: ``(3, k, H)`` the samples' parts ``s_{e,j}`` of the full sample's and the halves' values (both halves
+            of at least 2 samples), or None.
 
     Example:
         >>> lam, c = 2.0, 8.0  # truth and bias constant: value(k) = lam + c / k
@@ -1036,9 +1143,16 @@ def debias(
         >>> round(float(est), 6), round(float(spread), 3)
         (2.0, 0.125)
     """
-    correction = ((a + b) / 2 - full) * _richardson_q(counts)  # c / k
+    q = _richardson_q(counts)
+    correction = ((a + b) / 2 - full) * q  # c / k
     est = full - correction
     if psd:
         est = est.clamp_min(0)
-    width = (a - b).abs() / 2 + SPREAD_FACTOR * correction.abs()
+    if shares is None:
+        noise = (a - b).abs() / 2
+    else:
+        ka = counts[1]
+        t = (1 + q) * shares[0] - (q / 2) * (shares[1] + shares[2])  # (k, H)
+        noise = NOISE_SE * (t[:ka].var(0) * ka + t[ka:].var(0) * (counts[0] - ka)).sqrt()
+    width = noise + SPREAD_FACTOR * correction.abs()
     return est, width / est.abs()  # inf or nan where the estimate is 0 (the caller logs none)
