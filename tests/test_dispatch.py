@@ -137,8 +137,8 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     Session 22, the grouped-query kernel's query-view, group-view and grouped ``VV`` runs as one run
     (``_lanczos.merge_runs``): GQA 3,373 / 2, with gram_steps=0 6,477 / 2 (the call without samples 18,137 -> 17,682);
     every ceiling lowered to about 15% above. Session 25, the debiased keys' standard errors (``_member_shares``: one
-    more product of the members' Ritz vectors per pair, read against the samples): attention 3,533 -> 3,755 / 2, FFN
-    1,349 -> 1,456 / 2, GQA 3,373 -> 3,594 / 2; with gram_steps=0 5,966 -> 6,392, 3,331 -> 3,529, 6,477 -> 6,934 (side
+    more product of the members' Ritz vectors per pair, read against the samples): attention 3,533 -> 3,747 / 2, FFN
+    1,349 -> 1,452 / 2, GQA 3,373 -> 3,586 / 2; with gram_steps=0 5,966 -> 6,368, 3,331 -> 3,513, 6,477 -> 6,910 (side
     by side with a worktree of 231d759; ceilings kept: 6-9% above now)."""
     from curvwatch.closed_form import _sampled
 

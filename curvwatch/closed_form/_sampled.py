@@ -871,7 +871,9 @@ class _Recorder:
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
         k, B, H, X = self.sigma.shape
         n = dF.shape[0]
-        a = torch.einsum("nbhx,kbhx->nkbh", dF.reshape(n, B, H, X), self.sigma.to(dF.dtype))
+        s = self.sigma.permute(1, 2, 0, 3).reshape(B * H, k, X)  # a view (see SampledCurvature.__init__)
+        a = torch.bmm(dF.reshape(n, B, H, X).permute(1, 2, 0, 3).reshape(B * H, n, X), s.mT.to(dF.dtype))
+        a = a.view(B, H, n, k).permute(2, 3, 0, 1)  # (n, k, B, H)
         if group > 1:
             a = a.reshape(n, k, B, H // group, group).sum(-1)
         self.coefficients.append(a)
