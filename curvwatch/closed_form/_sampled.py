@@ -1135,8 +1135,8 @@ def debias(
         full, a, b: ``(H,)`` the values per head.
         counts: ``(k, k_a, k_b)``.
         psd: The matrix is positive semi-definite (the Gauss-Newton block): the estimate is at least 0.
-        shares: ``(3, k, H)`` the samples' parts ``s_{e,j}`` of the full sample's and the halves' values (both halves
-            of at least 2 samples), or None.
+        shares: ``(3, k, H)`` the samples' parts ``s_{e,j}`` of the full sample's and the halves' values, or None
+            (or a half of one sample: the halves' half-difference then).
 
     Example:
         >>> lam, c = 2.0, 8.0  # truth and bias constant: value(k) = lam + c / k
@@ -1150,7 +1150,7 @@ def debias(
     est = full - correction
     if psd:
         est = est.clamp_min(0)
-    if shares is None:
+    if shares is None or min(counts[1:]) < 2:  # (a half of one sample has no variance to read)
         noise = (a - b).abs() / 2
     else:
         ka = counts[1]
