@@ -217,12 +217,13 @@ def cost_table(repeats: int) -> list[str]:
     return [f"| {k} | {statistics.median(v) * 1e3:.1f} |" for k, v in times.items()]
 
 
-def _adam_gpt2(width: int, vocab: int, B: int, L: int):
-    """``(model, x, y, block specs, logits module, AdamW)``: the held-out GPT-2 of :func:`held_out_gpt2` after one
-    AdamW step (its second moments exist, so the stability rules precondition)."""
+def _adam_gpt2(width: int, vocab: int, B: int, L: int, device: str = "cpu"):
+    """``(model, x, y, block specs, logits module, AdamW)``: the held-out GPT-2 of :func:`held_out_gpt2` on
+    ``device`` after one AdamW step (its second moments exist, so the stability rules precondition)."""
     from curvwatch.sharpness import find_logits_module
 
     model, x, y = held_out_gpt2(width, vocab=vocab, B=B, L=L)
+    model, x, y = model.to(device), x.to(device), y.to(device)
     specs = find_blocks(model)
     _, head = find_logits_module(model)
     adam = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -245,23 +246,39 @@ def _sampled_capture(model, x, y, specs, head, adam, real, seed: int):
     return blocks, real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0]
 
 
-def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, repeats: int = 1) -> list[str]:
+def cost_share(
+    width: int = 64,
+    B: int = 8,
+    L: int = 128,
+    vocab: int = 50_257,
+    repeats: int = 1,
+    samples: int = 16,
+    device: str = "cpu",
+) -> list[str]:
     """The real-loss part of a full evaluation at a 50K vocabulary: time and dispatched operators of one evaluation
-    without sampling (capture, ``Engine.evaluate``) and with it (16 samples, ``sample_outputs`` before the backward,
-    AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of ``repeats``),
-    float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its share is
-    ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens."""
+    without sampling (capture, ``Engine.evaluate``) and with it (``samples`` samples, ``sample_outputs`` before the
+    backward, AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of
+    ``repeats``), float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its
+    share is ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens. On ``device`` "cpu" the
+    seconds are this process's CPU time (one thread: the shared machine's load aside); on a GPU wall-clock seconds
+    with the device synchronised at each reading (issue 24's goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.sharpness import RealLoss
 
-    model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
+    model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L, device)
     real, engine = RealLoss(), Engine()
     # new samples at every evaluation, as in training (with the same samples every time the warm starts were the last
     # answers of the same matrices, and the Lanczos members looked cheaper than they are: session 15)
     seeds = itertools.count()
+    cuda = torch.device(device).type == "cuda"
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return time.process_time()
 
     def one(mode: str, counters: tuple[OpCounter, OpCounter] | None = None) -> dict[str, float]:
-        clock = time.process_time  # CPU time of this (single-threaded) process: the shared machine's load aside
         sample_ops, eval_ops = counters or (contextlib.nullcontext(), contextlib.nullcontext())
         t0 = clock()
         with Capture(specs, max_tokens=512, logits_module=None if mode == "plain" else head) as cap:
@@ -269,7 +286,8 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
             t1 = clock()
             if mode != "plain":
                 with sample_ops:
-                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(next(seeds)))
+                    generator = torch.Generator(device=device).manual_seed(next(seeds))
+                    cap.sample_outputs(loss, samples, generator=generator)
             t2 = clock()
             loss.backward()
         t3 = clock()
@@ -294,10 +312,11 @@ def cost_share(width: int = 64, B: int = 8, L: int = 128, vocab: int = 50_257, r
     off, on = (med[m]["sampling"] + med[m]["evaluate"] for m in ("plain", "real"))
     ops_off, ops_on = (sum(c.total for c in ops[m]) for m in ("plain", "real"))
     part, ops_part = on - off, ops_on - ops_off
+    where = f"{torch.cuda.get_device_name(device)}, wall-clock seconds" if cuda else "CPU time of one thread"
     return [
-        f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}, max_tokens 512, 16 samples, AdamW rules; CPU time "
-        f"of one thread, median of {repeats}",
-        "| | CPU time (s) | operators |",
+        f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}, max_tokens 512, {samples} samples, AdamW rules; "
+        f"{where}, median of {repeats}",
+        f"| | {'time' if cuda else 'CPU time'} (s) | operators |",
         "| --- | --- | --- |",
         f"| training step (forward + backward, captured) | {med['plain']['step']:.2f} | - |",
         f"| full evaluation without real-loss keys | {off:.2f} | {ops_off} |",
@@ -718,6 +737,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--batch", type=int, default=8, help="--cost, --bias: sequences per batch")
     parser.add_argument("--repeats", type=int, default=1, help="--cost: evaluations per mode (the median)")
+    parser.add_argument("--samples", type=int, nargs="+", default=[16], help="--cost: sample counts, one table each")
+    parser.add_argument("--device", default="cpu", help="--cost: the device (cuda: wall-clock seconds)")
     parser.add_argument("--tol", type=float, default=1e-6, help="--bias: Lanczos / ARPACK relative tolerance")
     parser.add_argument("--estimators", action="store_true", help="alternative estimators on the W2 blocks")
     parser.add_argument("--own", action="store_true", help="--bias: also layer 0's FFN W1W1 (with its own term)")
@@ -783,7 +804,11 @@ def main(argv=None) -> int:
             args.out.write_text(text + "\n")
         return 0
     if args.cost:
-        text = "\n".join(cost_share(args.width[0], B=args.batch, L=args.seq or 128, repeats=args.repeats))
+        text = "\n\n".join(
+            "\n".join(cost_share(args.width[0], B=args.batch, L=args.seq or 128, repeats=args.repeats, samples=k,
+                                 device=args.device))
+            for k in args.samples
+        )  # fmt: skip
         print(text)
         if args.out:
             args.out.write_text(text + "\n")

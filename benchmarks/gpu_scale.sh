@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's GPU check, one command (each step under its own time limit; ~8 minutes in all on one H200):
+# Issues 23 and 24's GPU check, one command (each step under its own time limit; ~10 minutes in all on one H200):
 #
 #   bash benchmarks/gpu_scale.sh      # writes gpu_scale.log and JSON files to $OUT (else benchmarks/results/gpu)
 #
@@ -10,7 +10,10 @@
 #    GPT-2-small-shaped curvwatch GPT (12 layers, d 768, 12 heads, vocabulary 50304, B 8, L 1024, bf16-mixed, AdamW)
 #    and on a LLaMA-style HF LlamaForCausalLM (12 layers, d 768, 12 / 4 heads, ff 2048, vocabulary 32000) built from
 #    a config (the machine's own transformers). Each prints issue 23's goals 1-3 met or not (goal 3: the monitor's
-#    default schedule on a clock of the measured costs, curvwatch.schedule.simulate).
+#    default schedule on a clock of the measured costs, curvwatch.schedule.simulate);
+# 3. benchmarks/bench_sharpness.py --cost --device cuda: issue 24's goal 2 on a GPU, the real-loss part of a full
+#    evaluation (held-out HF GPT-2, 2 layers, d 768, vocabulary 50257, B 8, L 128) at 16 and at 64 samples (64: what
+#    goal 1's 15% needs on the W2 blocks), wall-clock seconds and operators, side by side in one process.
 # It uses the machine's own python3 (its PyTorch, Lightning, transformers); curvwatch comes from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +24,6 @@ step 150 tests $py -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     "tests/test_reliability.py::test_mixed_precision_computed_in_float32"
 step 170 dispatch_gpt $py -m benchmarks.bench_dispatch --device cuda --arch gpt --out "$out/dispatch_gpt.json"
 step 170 dispatch_llama $py -m benchmarks.bench_dispatch --device cuda --arch llama --out "$out/dispatch_llama.json"
+step 150 real_loss_cost $py -m benchmarks.bench_sharpness --cost --device cuda --width 768 --batch 8 --seq 128 \
+    --samples 16 64 --repeats 2 --out "$out/real_loss_cost.md"
 exit $status

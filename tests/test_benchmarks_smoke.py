@@ -109,6 +109,22 @@ def test_sampled_setting_table_times_each_setting_and_restores_it():
         bench_sharpness.sampled_setting_table("DEBIAS", [0, 1], width=32, B=2, L=16, vocab=64)
 
 
+def test_cost_share_table_counts_the_real_loss_part_at_a_given_sample_count():
+    """``bench_sharpness --cost [--samples K ...] [--device D]`` (its GPU run is a step of ``gpu_scale.sh``): the
+    table names its sample count, and the real-loss part costs operators, more with more samples (on CPU here)."""
+    from benchmarks import bench_sharpness
+
+    parts = []
+    for k in (4, 8):
+        lines = bench_sharpness.cost_share(width=32, B=2, L=16, vocab=64, repeats=1, samples=k)
+        assert f"{k} samples" in lines[0] and "CPU time of one thread" in lines[0]
+        row = next(line for line in lines if line.startswith("| real-loss part"))
+        parts.append(int(row.split("**")[3].split(" ")[0]))
+        sampling = next(line for line in lines if line.startswith("| of which the sampling"))
+        assert int(sampling.rsplit("|", 2)[1]) > 0
+    assert 0 < parts[0] < parts[1], parts
+
+
 def test_warm_store_table_measures_both_settings_and_restores_it():
     """``bench_sharpness --warm-store``: the store's MiB with ``GRAM_START`` off and on (on: the sampled keys keep
     nothing, the engine's keys the same), and the setting restored; ``--train`` takes AdamW steps between captures."""
