@@ -82,7 +82,6 @@ class SampledCurvature:
             memory = memory.contiguous()
         self.sigma = memory.permute(2, 0, 1, 3)
         self.k = sigma.shape[0]
-        self.record: list[torch.Tensor] | None = None  # a list: each call appends its coefficients <sigma_j, dF>
         # (n, k) weights of each tangent row's samples (:meth:`per_row`); None: 1/k for every row and sample
         self.row_weights: torch.Tensor | None = None
 
@@ -113,6 +112,17 @@ class SampledCurvature:
         new.row_weights = weights
         return new
 
+    def estimate_weights(self, E: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """``E`` tensors ``(k,)``: each estimate's sample weights, made on ``device`` (no host table to copy): ``1/k``
+        on every sample (the full sample) and, with ``E = 3``, ``1/k_a`` on the first half's samples and ``1/k_b`` on
+        the others' (:meth:`halves`), 0 elsewhere."""
+        k, ka, kb = self.counts
+        weights = [torch.full((k,), 1 / k, dtype=dtype, device=device)]
+        if E == 3:
+            first = (torch.arange(k, device=device) < ka).to(dtype)
+            weights += [first / ka, (1 - first) / kb]
+        return weights
+
     @property
     def counts(self) -> tuple[int, int, int]:
         """``(k, k_a, k_b)``: the samples, and those of the two halves (:meth:`halves`: the first ``k // 2``, the
@@ -125,6 +135,18 @@ class SampledCurvature:
         h = self.counts[1]
         return SampledCurvature(self.sigma[:h]), SampledCurvature(self.sigma[h:])
 
+    def _samples(self) -> torch.Tensor:
+        """``(B H, k, size)``: the samples per sequence and unit, a view (see ``__init__``)."""
+        k, B, H, X = self.sigma.shape
+        return self.sigma.permute(1, 2, 0, 3).reshape(B * H, k, X)
+
+    def coefficients(self, dF: torch.Tensor, samples: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B H, n, k)``: ``<sigma_{j,b,h}, dF_{n,b,h}>`` of the tangents ``dF`` (as :meth:`__call__` takes them),
+        by one ``bmm`` against :meth:`_samples` (``samples``, where the caller holds it already)."""
+        _, B, H, X = self.sigma.shape
+        s = self._samples() if samples is None else samples
+        return torch.bmm(dF.reshape(dF.shape[0], B, H, X).permute(1, 2, 0, 3).reshape(B * H, dF.shape[0], X), s.mT)
+
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
         """``u = C dF`` for tangents ``dF`` ``(n, B, H, ...)`` (or ``(n, B L, m)`` with ``H = 1``), same shape.
 
@@ -134,10 +156,8 @@ class SampledCurvature:
         """
         k, B, H, X = self.sigma.shape
         n = dF.shape[0]
-        s = self.sigma.permute(1, 2, 0, 3).reshape(B * H, k, X)  # a view (see __init__)
-        a = torch.bmm(dF.reshape(n, B, H, X).permute(1, 2, 0, 3).reshape(B * H, n, X), s.mT)  # (B H, n, k)
-        if self.record is not None:
-            self.record.append(a.view(B, H, n, k).permute(2, 3, 0, 1))  # (n, k, B, H)
+        s = self._samples()
+        a = self.coefficients(dF, s)  # (B H, n, k)
         if group > 1:
             a = a.view(B, H // group, group, n, k).sum(2, keepdim=True).expand(B, H // group, group, n, k)
             a = a.reshape(B * H, n, k)
@@ -433,12 +453,10 @@ def sampled_plan(
     scale = {} if scale is None else scale
     curvature = getattr(op, "sampled", None)
     split = DEBIAS and curvature is not None and curvature.k >= 2
-    # the debiased keys' noise from each sample's part of the members' values (debias's shares): halves of >= 2
-    shared = split and min(curvature.counts[1:]) >= 2
-    if shared:  # (3, k): each estimate's sample weights (the full sample's 1/k, a half's 1/k_a on its own samples)
-        n_all, n_a, n_b = curvature.counts
-        first = (torch.arange(n_all, device=op.device) < n_a).to(op.dtype)
-        weights = torch.stack([torch.full_like(first, 1 / n_all), first / n_a, (1 - first) / n_b])
+    # the debiased keys' noise from each sample's part of the members' values (debias's shares)
+    shared = split and _has_shares(curvature.counts)
+    if shared:  # (3, k): each estimate's sample weights
+        weights = torch.stack(curvature.estimate_weights(3, op.dtype, op.device))
     # the estimates: the full sample, and with k >= 2 its two halves (independent, each unbiased)
     ops = [op, *(with_sampled(op, c) for c in curvature.halves())] if split else [op]
     counts = curvature.counts if split else None
@@ -515,11 +533,11 @@ def sampled_plan(
     for j, values in job_gram.items():
         ggn = torch.stack([v for v, _ in values])  # (P, E, H)
         jobs[j].raw["ggn"] = (ggn, torch.zeros_like(ggn))
-        if split:
+        if shared:
             jobs[j].shares["ggn"] = torch.stack([sh for _, sh in values])  # (P, E, k, H)
         if j in linear_jobs:  # F linear in X: its sharpness is its GGN
             jobs[j].raw["sharpness"] = jobs[j].raw["ggn"]
-            if split:
+            if shared:
                 jobs[j].shares["sharpness"] = jobs[j].shares["ggn"]
     job_gram.clear()
     # the jobs with Lanczos members, in runs: consecutive pairs of one part whose blocks stack (STACK_PAIRS: the
@@ -730,12 +748,8 @@ def _members_matvec(
     """
     if len({D is None for _, D, _ in blocks}) > 1 or len({A is None for _, _, A in blocks}) > 1:
         raise ValueError("The stacked blocks take D and columns all or none.")
-    k, h, _ = curvature.counts
-    # (E, k) sample weights of each estimate, made on the device (no host table to copy)
-    estimates = [torch.full((k,), 1 / k, dtype=op.dtype, device=op.device)]
-    if E == 3:
-        first = (torch.arange(k, device=op.device) < h).to(op.dtype)
-        estimates += [first / h, (1 - first) / (k - h)]
+    k = curvature.k
+    estimates = curvature.estimate_weights(E, op.dtype, op.device)  # (k,) sample weights of each estimate
     names = [X for X, _, _ in blocks]
     emb = _Embedding(view(op), names[:1])
     info = view(op).params[names[0]]
@@ -860,22 +874,20 @@ class _Columns:
 
 class _Recorder:
     """A stand-in output curvature that records the coefficients ``a_{n,j,b,h} = <sigma_{j,b,h}, dF_{n,b,h}>`` of
-    the tangent rows ``n`` it is applied to (summed over a kv group of ``group`` heads where the operator mixes them,
-    as :class:`SampledCurvature` does), ``(n, k, B, H / group)`` in :attr:`coefficients`, and returns zero: an
-    operator's outer part through it is ``J_X`` applied to the rows, read against the samples."""
+    the tangent rows ``n`` it is applied to (:meth:`SampledCurvature.coefficients`, summed over a kv group of
+    ``group`` heads where the operator mixes them, as :class:`SampledCurvature` does), ``(n, k, B, H / group)`` in
+    :attr:`coefficients`, and returns zero: an operator's outer part through it is ``J_X`` applied to the rows, read
+    against the samples."""
 
-    def __init__(self, sigma: torch.Tensor):
-        self.sigma = sigma  # (k, B, H, n), SampledCurvature.sigma
+    def __init__(self, curvature: SampledCurvature):
+        self.curvature = curvature
         self.coefficients: list[torch.Tensor] = []
 
     def __call__(self, dF: torch.Tensor, group: int = 1) -> torch.Tensor:
-        k, B, H, X = self.sigma.shape
-        n = dF.shape[0]
-        s = self.sigma.permute(1, 2, 0, 3).reshape(B * H, k, X)  # a view (see SampledCurvature.__init__)
-        a = torch.bmm(dF.reshape(n, B, H, X).permute(1, 2, 0, 3).reshape(B * H, n, X), s.mT.to(dF.dtype))
-        a = a.view(B, H, n, k).permute(2, 3, 0, 1)  # (n, k, B, H)
+        k, B, H, _ = self.curvature.sigma.shape
+        a = self.curvature.coefficients(dF).view(B, H, -1, k).permute(2, 3, 0, 1)  # (n, k, B, H)
         if group > 1:
-            a = a.reshape(n, k, B, H // group, group).sum(-1)
+            a = a.reshape(*a.shape[:3], H // group, group).sum(-1)
         self.coefficients.append(a)
         return torch.zeros_like(dF)
 
@@ -905,7 +917,7 @@ def _member_shares(
     v = ritz / ritz.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ritz.dtype).tiny)  # (a zero vector: no share)
     if D is not None:
         v[E * m :] *= D.reshape(v.shape[1:])
-    recorder = _Recorder(curvature.sigma)
+    recorder = _Recorder(curvature)
     member_op = view(with_sampled(op, recorder))
     products = range(0, v.shape[0], MEMBER_ROWS)
     for start in products:
@@ -981,7 +993,8 @@ def _gram_eigen(
     half's eigenvalues are those of its diagonal block of ``G`` (``j < k/2``, the first ``(k/2) B`` columns) times ``k
     / k_a``. ``tops`` ``(E, H, size)``: the top eigenvector of each estimate's Gauss-Newton block, unnormalised, in
     the layout of ``A``'s rows: ``D A_S u`` for the top eigenvector ``u`` of the estimate's Gram block (columns
-    ``S``). With ``split``, a third entry ``shares`` ``(E, k, H)``: sample ``j``'s part of each estimate's value at
+    ``S``). With ``split`` and halves of at least 2 samples (:func:`_has_shares`), a third entry ``shares`` ``(E, k,
+    H)``: sample ``j``'s part of each estimate's value at
     its top eigenvector (:func:`debias`'s ``shares``), ``lambda_e sum_b u_{j B + b}^2`` (the unit top eigenvector
     ``v`` of the estimate's block ``sum_c w_c (D A_c) (D A_c)^T`` has ``w_c <D A_c, v>^2 = lambda_e u_c^2``); else
     None.
@@ -998,7 +1011,8 @@ def _gram_eigen(
     half = ka * B  # sample j = r // B: the first half's columns come first
     G = items[0][1] if len(items) == 1 else torch.cat([item[1] for item in items])  # (S, k B, k B)
     S = G.shape[0]
-    want = split or any(item[2] is not None for item in items)  # (the shares need the eigenvectors too)
+    shared = split and _has_shares(curvature.counts)
+    want = shared or any(item[2] is not None for item in items)  # (the shares need the eigenvectors too)
 
     def tops_of(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # (top eigenvalues, their vectors)
         if not want:
@@ -1026,7 +1040,7 @@ def _gram_eigen(
             vecs[2, :, half:] = U_b
     values = torch.stack(values)  # (E, S) float64
     shares = None
-    if split:  # (E, k, S): lambda_e sum_b u_{j B + b}^2 (zero outside a half's own samples)
+    if shared:  # (E, k, S): lambda_e sum_b u_{j B + b}^2 (zero outside a half's own samples)
         shares = vecs.square().view(3, S, k, B).sum(-1).transpose(1, 2).mul_(values[:, None]).to(dtype)
     values = values.to(dtype)
     out = []
@@ -1072,6 +1086,12 @@ def extrapolated_residual(
     q = _richardson_q(counts)
     err = residuals * values.abs()
     return ((1 + q) * err[0] + q / 2 * (err[1] + err[2])) / estimate.abs()
+
+
+def _has_shares(counts: tuple[int, int, int]) -> bool:
+    """Whether :func:`debias` reads its noise from ``shares`` for the sample counts ``(k, k_a, k_b)``: both halves of
+    at least 2 samples (a half of one has no variance to read); else the halves' half-difference."""
+    return min(counts[1:]) >= 2
 
 
 def _richardson_q(counts: tuple[int, int, int]) -> float:
@@ -1150,7 +1170,7 @@ def debias(
     est = full - correction
     if psd:
         est = est.clamp_min(0)
-    if shares is None or min(counts[1:]) < 2:  # (a half of one sample has no variance to read)
+    if shares is None or not _has_shares(counts):  # (a half of one sample has no variance to read)
         noise = (a - b).abs() / 2
     else:
         ka = counts[1]
