@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from curvwatch import Cadence, Evaluation, Monitor, Sharpness, Warnings
-from curvwatch.data import AdditionDataModule, IGNORE_INDEX, VOCAB_SIZE, sequence_length
+from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataModule, sequence_length
 from curvwatch.models.gpt import GPT, GPTConfig
 
 STEPS = 4
@@ -33,8 +33,12 @@ STEPS = 4
 #: name -> (arch, optimizer, monitor settings, call before_backward)
 CASES: dict[str, tuple[str, str, dict[str, Any], bool]] = {
     "gpt_full": ("gpt", "adamw", {"every_n_train_steps": 1}, True),
-    "gpt_full_verify": ("gpt_math", "adamw", {"every_n_train_steps": 1, "sharpness": Sharpness(verify_every_n_evals=2)},
-                        True),
+    "gpt_full_verify": (
+        "gpt_math",
+        "adamw",
+        {"every_n_train_steps": 1, "sharpness": Sharpness(verify_every_n_evals=2)},
+        True,
+    ),
     "gpt_full_sgd": ("gpt", "sgd", {"every_n_train_steps": 1}, False),
     "gpt_no_sharpness": ("gpt", "adamw", {"every_n_train_steps": 1, "sharpness": False}, False),
     "gpt_terms_all": ("gpt", "adamw", {"every_n_train_steps": 100, "terms_keys": "all"}, False),
@@ -48,8 +52,17 @@ def _model(arch: str) -> torch.nn.Module:
     block = sequence_length(3)
     if arch in ("gpt", "gpt_math"):  # gpt_math: attention by explicit matmuls (the in-run check's double backward)
         attention = "math" if arch == "gpt_math" else "sdpa"
-        return GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=block, n_layer=2, n_head=4, d_model=64, norm="pre",
-                             attention=attention))
+        return GPT(
+            GPTConfig(
+                vocab_size=VOCAB_SIZE,
+                block_size=block,
+                n_layer=2,
+                n_head=4,
+                d_model=64,
+                norm="pre",
+                attention=attention,
+            )
+        )
     from examples.demo import build_model, model_config
 
     s = {"n_digits": 3, "n_layer": 2, "n_head": 4, "n_query_groups": 2, "d_model": 64, "norm": "pre"}
