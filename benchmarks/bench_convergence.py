@@ -24,16 +24,15 @@ worst error, and the CPU seconds the evaluations took. ``--baseline REV`` replay
 another commit (checked out in a temporary git worktree) in the same run, side by side.
 
 Run ``python -m benchmarks.bench_convergence [--archs gpt llama] [--seeds 0 1 2] [--steps 1200] [--every 10]
-[--baseline REV] [--quick] [--out PATH]`` (recorded states are reused when present; ``--record-only``, ``--rerecord``).
+[--baseline REV] [--quick] [--threads 1] [--out PATH]`` (recorded states are reused when present: ``--states-dir``,
+``--record-only``, ``--rerecord``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -155,8 +154,8 @@ def tight_reference(blocks: Sequence[CapturedBlock]) -> tuple[dict, dict]:
     return reference, spread
 
 
-def states_path(arch: str, seed: int, steps: int, every: int) -> Path:
-    return STATES_DIR / f"{arch}_seed{seed}_steps{steps}_every{every}.pt"
+def states_path(folder: Path, arch: str, seed: int, steps: int, every: int) -> Path:
+    return folder / f"{arch}_seed{seed}_steps{steps}_every{every}.pt"
 
 
 # -- replaying -------------------------------------------------------------------------------------------------------
@@ -212,8 +211,16 @@ def summarise(replays: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "cpu_seconds": sum(rp["seconds"][setup] for rp in replays),
             "max_reference_spread": max((r[8] for r in rows), default=0.0),
             "wrong_norms": [
-                {"run": r[0], "step": r[1], "key": f"{r[2]}/{r[3]}", "got": r[4], "reference": r[5], "error": r[6],
-                 "rel_residual": r[7]} for r in wrong
+                {
+                    "run": r[0],
+                    "step": r[1],
+                    "key": f"{r[2]}/{r[3]}",
+                    "got": r[4],
+                    "reference": r[5],
+                    "error": r[6],
+                    "rel_residual": r[7],
+                }
+                for r in wrong
             ],  # fmt: skip
         }
     return out
@@ -233,9 +240,17 @@ def table(summaries: dict[str, dict[str, dict[str, Any]]]) -> str:
     return markdown_table(header, rows)
 
 
+def cost_table(costs: dict[str, dict[str, Any]]) -> str:
+    """The markdown table: code x evaluation x (operators per layer, host syncs per layer, CPU seconds)."""
+    from benchmarks.common import markdown_table
+
+    rows = [[code, tier, f"{c[tier]['ops_per_layer']:.1f}", f"{c[tier]['syncs_per_layer']:.1f}",
+             f"{c[tier]['cpu_seconds']:.1f}"] for code, c in costs.items() for tier in ("cold", "warm")]  # fmt: skip
+    return markdown_table(["code", "evaluation", "operators / layer", "host syncs / layer", "CPU s"], rows)
+
+
 def replay_all(paths: Sequence[Path], resume_at: Sequence[int]) -> dict[str, Any]:
     """:func:`replay` of every recording in ``paths``, summarised."""
-    torch.set_num_threads(1)
     replays = []
     for path in paths:
         recording = torch.load(path, weights_only=False)
@@ -245,20 +260,49 @@ def replay_all(paths: Sequence[Path], resume_at: Sequence[int]) -> dict[str, Any
     return summarise(replays)
 
 
-def _baseline(rev: str, paths: Sequence[Path], resume_at: Sequence[int]) -> dict[str, Any]:
-    """:func:`replay_all` with the code of commit ``rev``: this file run in a subprocess whose ``curvwatch`` is a
-    temporary git worktree of ``rev``."""
+def cost(d_model: int = 768, n_layer: int = 2, batch: int = 2, seq: int = 128, vocab: int = 50304) -> dict[str, Any]:
+    """Operators, host syncs and CPU seconds of one cold and one warm :meth:`Engine.evaluate` (no real-loss keys) of
+    ``bench_dispatch``'s GPT (default: 2 layers of GPT-2-small width, B 2, L 128), counted as ``bench_dispatch``
+    counts them: the cold one is a run's first evaluation (or the first after a resume), the warm one the next."""
+    from benchmarks.bench_dispatch import OpCounter, build_model, count_host_reads
+    from curvwatch.adapters import find_blocks
+    from curvwatch.capture import Capture
+
+    torch.manual_seed(0)
+    model = build_model("gpt", n_layer, vocab, seq, d_model)
+    idx = torch.randint(0, vocab, (batch, seq + 1))
+    engine, specs = Engine(), find_blocks(model)
+    out: dict[str, Any] = {"shape": {"d_model": d_model, "n_layer": n_layer, "batch": batch, "seq": seq}}
+    for tier in ("cold", "warm"):
+        with Capture(specs, engine.token_limit) as capture:
+            logits = model(idx[:, :-1])
+            F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1)).backward()
+        model.zero_grad()
+        blocks = capture.blocks()
+        counter = OpCounter()
+        start = time.process_time()
+        with counter, count_host_reads(counter):
+            engine.evaluate(blocks)
+        seconds = time.process_time() - start
+        out[tier] = {"ops_per_layer": counter.total / n_layer, "syncs_per_layer": counter.syncs / n_layer,
+                     "cpu_seconds": seconds}  # fmt: skip
+        print(f"  cost {tier}: {out[tier]}", file=sys.stderr, flush=True)
+    return out
+
+
+def _baseline(rev: str, extra: Sequence[str]) -> dict[str, Any]:
+    """This benchmark's results with the code of commit ``rev``: this file run (``--replay-only`` and ``extra``) in a
+    subprocess whose ``curvwatch`` is a temporary git worktree of ``rev``."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
                        capture_output=True)  # fmt: skip
         try:
             out = Path(tmp) / "baseline.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--replay-only", "--out", str(out),
-                   "--resume-at", *map(str, resume_at), "--states", *map(str, paths)]  # fmt: skip
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--replay-only", "--out", str(out), *extra]
             env = {**os.environ, "PYTHONPATH": str(tree)}
             subprocess.run(cmd, check=True, cwd=tree, env=env)
-            return json.loads(out.read_text())["summary"]["this tree"]
+            return json.loads(out.read_text())["codes"]["this tree"]
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
 
@@ -269,16 +313,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=1200, help="training steps (the task is learned by ~1,200)")
     p.add_argument("--every", type=int, default=10, help="evaluate every this many steps")
-    p.add_argument("--resume-at", nargs="*", type=int, default=None,
-                   help="steps at which the 'resumed' set-up loads a checkpoint [a quarter, half, three quarters]")
+    p.add_argument(
+        "--resume-at",
+        nargs="*",
+        type=int,
+        default=None,
+        help="steps at which the 'resumed' set-up loads a checkpoint [a quarter, half, three quarters]",
+    )
     p.add_argument("--baseline", default=None, help="also replay with this commit's code (a git worktree)")
     p.add_argument("--quick", action="store_true", help="one GPT seed, 60 steps (a smoke run)")
     p.add_argument("--record-only", action="store_true")
     p.add_argument("--rerecord", action="store_true", help="record again even where states are saved")
     p.add_argument("--replay-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--states", nargs="*", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cost", action="store_true",
+                   help="also count the operators, host syncs and CPU seconds of a cold and a warm evaluation of "
+                   "bench_dispatch's 2-layer GPT of GPT-2-small width")  # fmt: skip
+    p.add_argument("--no-replay", action="store_true", help="skip the replay (with --cost: the cost alone)")
+    p.add_argument("--states-dir", type=Path, default=STATES_DIR, help="where recordings are kept [%(default)s]")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.archs, args.seeds, args.steps = ["gpt"], [0], 60
     resume_at = args.resume_at
@@ -288,23 +345,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.replay_only:
         paths = args.states
     else:
-        torch.set_num_threads(1)
         paths = []
         for arch in args.archs:
             for seed in args.seeds:
-                path = states_path(arch, seed, args.steps, args.every)
+                path = states_path(args.states_dir, arch, seed, args.steps, args.every)
                 if args.rerecord or not path.exists():
                     print(f"recording {arch} seed {seed}", file=sys.stderr, flush=True)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(record(arch, seed, args.steps, args.every), path)
                 paths.append(path)
-    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "resume_at": resume_at,
-                              "states": [str(p) for p in paths], "summary": {}}  # fmt: skip
+    codes: dict[str, dict[str, Any]] = {}
     if not args.record_only:
         if args.baseline:
-            result["summary"][f"baseline {args.baseline}"] = _baseline(args.baseline, paths, resume_at)
-        result["summary"]["this tree"] = replay_all(paths, resume_at)
-        print(table(result["summary"]))
+            extra = [*(["--threads", str(args.threads)] if args.threads else []), *(["--cost"] if args.cost else []),
+                     *(["--no-replay"] if args.no_replay else []), "--resume-at", *map(str, resume_at),
+                     "--states", *map(str, paths)]  # fmt: skip
+            codes[f"baseline {args.baseline}"] = _baseline(args.baseline, extra)
+        codes["this tree"] = {}
+        if not args.no_replay:
+            codes["this tree"]["summary"] = replay_all(paths, resume_at)
+        if args.cost:
+            codes["this tree"]["cost"] = cost()
+        summaries = {code: c["summary"] for code, c in codes.items() if "summary" in c}
+        if summaries:
+            print(table(summaries))
+        costs = {code: c["cost"] for code, c in codes.items() if "cost" in c}
+        if costs:
+            print(cost_table(costs))
+    result: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "resume_at": resume_at,
+                              "states": [str(p) for p in paths], "codes": codes}  # fmt: skip
     if args.out or not args.replay_only:
         from benchmarks.common import write_json
 
