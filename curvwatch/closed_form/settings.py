@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT", "Lanczos", "LanczosWarning", "WarmStart"]
+__all__ = ["EXACT", "PARTS", "Lanczos", "LanczosWarning", "WarmStart"]
+
+#: The Hessian parts whose block norms the kernels compute: the outer (Gauss-Newton) part, the functional part and
+#: their sum, the Hessian.
+PARTS = ("outer", "functional", "hessian")
 
 
 class LanczosWarning(UserWarning):

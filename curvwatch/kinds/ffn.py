@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, register_kind
+from curvwatch.names import KeySpec
 
 # the keys every FFN kind reports (the gated one too)
 ACTIVITY_KEYS = (

@@ -5,9 +5,9 @@ Blocks are named as in Meta's LLaMA code: ``W1`` = ``W_gate``, ``W3`` = ``W_up``
 
 from __future__ import annotations
 
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, register_kind
 from curvwatch.kinds.ffn import ACTIVITY_KEYS
+from curvwatch.names import KeySpec
 
 KIND = register_kind(
     BlockKind(

@@ -2,7 +2,7 @@
 
 :func:`true_sharpness` runs Lanczos on the live graph's Hessian restricted to one weight block (everything
 downstream of the block included), for the monitor's ``verify_every_n_evals``; ``verify/ratio/XX`` then says how
-far the closed-form view (:mod:`curvwatch.sharpness`) is from the truth on the user's own model.
+far the closed-form view (:mod:`curvwatch.realloss`) is from the truth on the user's own model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from curvwatch.sharpness import param_positions
+from curvwatch.realloss.stability import param_positions
 
 __all__ = ["VERIFIED", "true_sharpness"]
 
