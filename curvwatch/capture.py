@@ -46,7 +46,7 @@ back (:meth:`Capture.store_samples`): each block of a kind that takes them then 
 ``(k, B, L, d_out)``, cut to the same tokens as ``X``. The capture ignores the gradients of those passes
 (:func:`monitor_passes`).
 
-Padded positions count as tokens and are stored as they are; :meth:`CapturedBlock.reference_inputs` zeroes
+Padded positions count as tokens and are stored as they are; :func:`curvwatch.engine.kernel.kernel_inputs` zeroes
 their rows of ``X`` and ``grad_output`` before a closed form sees them (the closed forms also mask them), so
 no statistic, ``term/x_norm`` included, depends on what a padded position holds.
 
@@ -311,8 +311,9 @@ class Capture:
             (:func:`curvwatch.sharding.full_params`, ...); the capture then keeps no weights and each
             :class:`CapturedBlock` reads its own through ``params_fn`` when evaluated. ``None`` (default): a
             snapshot of each block's weights is taken in the forward pass.
-        logits_module: The module whose output is the logits (:func:`curvwatch.sharpness.find_logits_module`):
-            its output and the block outputs are kept for :meth:`sample_outputs`. ``None``: no sampling.
+        logits_module: The module whose output is the logits (:func:`curvwatch.realloss.logits.find_logits_module`):
+            its output and the block outputs are kept for the real-loss sampler
+            (:func:`curvwatch.realloss.sampling.sample_outputs`). ``None``: no sampling.
 
     Raises:
         ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
@@ -359,7 +360,7 @@ class Capture:
         #: Backward passes through the logits while the capture was open, the sampled ones not counted (more than one:
         #: micro-batches under manual optimization; the first one is the one captured and sampled).
         self.backwards = 0
-        #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
+        #: Called with the logits' gradient during the backward when the sampler was not called before
         #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
         self.on_logits_grad: Callable[[Tensor], None] | None = None
 

@@ -75,8 +75,6 @@ def _group(cls: type) -> type:
                     f"Its fields are {fields}."
                 )
         init(self, *args, **kwargs)
-
-    def __post_init__(self) -> None:
         try:
             self.check()
         except ValueError as err:
@@ -85,7 +83,6 @@ def _group(cls: type) -> type:
             raise ValueError(f"Invalid curvwatch.{cls.__name__}{text}") from None
 
     cls.__init__ = __init__
-    cls.__post_init__ = __post_init__
     return cls
 
 

@@ -1,6 +1,6 @@
 """Model-wide curvature summaries: pure functions from per-block result dicts to named numbers.
 
-Every function here takes plain numbers (``float`` or 0-d tensors) keyed as :meth:`CapturedBlock.evaluate`
+Every function here takes plain numbers (``float`` or 0-d tensors) keyed as :func:`~curvwatch.engine.kernel.evaluate_block`
 keys them, relative to a block (``"hessian/QQ/h0"``, ``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns
 new ``dict[str, float]``. Nothing here sees a ``Trainer``, a hook or a logger.
 

@@ -92,7 +92,7 @@ class BlockKind:
         input_only_keys: Whether the kernel reports statistics of ``X`` alone, which are still worth logging
             when only ``grad_output`` is non-finite (LayerNorm variances: a collapse that caused the NaN).
         sampled: Whether the kernel takes ``output_samples`` (sampled output gradients of the real loss,
-            :mod:`curvwatch.sharpness`) and ``precondition``, and then returns ``ggn/...`` and ``sharpness/...``.
+            :mod:`curvwatch.realloss`) and ``precondition``, and then returns ``ggn/...`` and ``sharpness/...``.
         label: A human name for messages and docs (``"LayerNorm"``).
         doc: One line for the docs' table of kinds.
     """

@@ -69,7 +69,7 @@ def backward_hooks_note(model: nn.Module) -> str | None:
     """What to tell the user at set-up when ``model`` has backward hooks of its own (module full backward hooks,
     backward pre-hooks, global module backward hooks), else ``None``.
 
-    The sampled backward passes (:meth:`curvwatch.capture.Capture.sample_outputs`) run from the logits to the block
+    The sampled backward passes (:func:`curvwatch.realloss.sampling.sample_outputs`) run from the logits to the block
     outputs, through every hook on that path: no PyTorch API runs a backward pass without them. Every
     :class:`~curvwatch.capture.Capture` (a second monitor's too) ignores these passes; a user's hooks cannot, and
     tensor hooks (``Tensor.register_hook``) cannot be seen at set-up at all.

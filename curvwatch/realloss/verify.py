@@ -45,7 +45,7 @@ def true_sharpness(
 
     For each block and diagonal pair of :data:`VERIFIED` (attention: head 0 and kv group 0), Lanczos on
     ``v -> d/dtheta <grad_theta loss, v>`` over the pair's elements of the module parameters (mapped by
-    :func:`curvwatch.sharpness.param_index_map`): everything downstream included, the full batch. Expensive (a
+    :func:`curvwatch.realloss.stability.param_index_map`): everything downstream included, the full batch. Expensive (a
     backward with ``create_graph`` and up to ``max_iter`` double-backward products per pair): the monitor's opt-in
     ``verify_every_n_evals``.
 

@@ -15,8 +15,8 @@ from torch import Tensor
 _CE_ROW_SUM = 1e-2
 # Elements per chunk of rows of the (rows, vocabulary) float64 temporaries of loss_weights and LogitSampler: 2^20
 # (8 MiB each; a chunk holds about four at once, ~31 MiB measured, whatever the batch, the kept tokens or the
-# vocabulary). Each chunk costs ~43 dispatched operators (a kernel launch each on a GPU; ~90 per chunk of 2^19 before
-# session 23): at 512 kept tokens and a 50K vocabulary, 26 chunks.
+# vocabulary). Each chunk costs ~43 dispatched operators (a kernel launch each on a GPU): at 512 kept tokens and a 50K
+# vocabulary, 26 chunks.
 _CHUNK = 2**20
 
 
@@ -128,8 +128,7 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
 
     A chunk only reduces its rows to seven numbers each (:func:`_row_stats`); the weights and the fit's residual are
     computed from them for all rows at once after the loop (:func:`_fit_rows`): a chunk costs ~20 dispatched operators
-    (it was ~57 with the per-row arithmetic in the loop: 52 chunks at 512 kept tokens and a 50K vocabulary), and no
-    residual table is made."""
+    and no residual table is made."""
     N, V = g_all.shape
     stats = torch.empty((N, 7), dtype=torch.float64, device=g_all.device)
     lse_rows = None  # rows read as cross-entropy plus a term in logsumexp (per_chunk), else hard labels everywhere
@@ -285,7 +284,7 @@ def loss_weights(
     w = torch.zeros(N, device=g_all.device)
     active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
     # every chunk read as hard labels, and whether some chunk's rows do not sum to zero, in one host read at the end
-    # (a read per chunk was 52 syncs per evaluation at 512 kept tokens and a 50K vocabulary)
+    # (not one per chunk: 52 chunks at 512 kept tokens and a 50K vocabulary)
     resid2, norm2, decisive_any, flagged, _ = _hard_label_pass(z_all, g_all, w, active, False, on_chunk)
     fit, decisive_any, flagged = torch.stack(
         [resid2.sqrt() <= _HARD_FIT * norm2.sqrt(), decisive_any, flagged]
@@ -301,6 +300,25 @@ def loss_weights(
         return w, LossKind.CROSS_ENTROPY, LSE_TERM_NOTE if lse_term else None
     # not hard labels: a second pass over the rows tells a scaling of the logits from soft targets (only here: the
     # hard-label case, the usual one, does not pay for these fits)
+    _refuse_scaled_or_soft(z_all, g_all)
+    n_active = int(active.sum()) if count is None else count() if callable(count) else count
+    w = active.float() / max(n_active, 1)
+    return (
+        w,
+        LossKind.CROSS_ENTROPY,
+        (
+            f"soft targets of the label-smoothing form: assumed a mean over the {n_active} rows with a gradient "
+            "(PyTorch's 'mean'; pass loss='soft_sum' for a sum, loss='soft_batchmean' for a division by the "
+            "logits' first dimension)"
+        ),
+    )
+
+
+def _refuse_scaled_or_soft(z_all: Tensor, g_all: Tensor) -> None:
+    """The second pass of :func:`loss_weights` over ``(N, V)`` logits and gradient rows that are not hard labels: an
+    error if the gradient is a hard-label cross-entropy's of scaled logits (a temperature, a soft-capping after the
+    module) or of soft targets other than label smoothing, else nothing (label smoothing)."""
+    N, V = g_all.shape
     slope = None  # of log g_c in z_c off the label, in the first chunk with hard-label rows (1: softmax of z)
     smooth2 = off2 = torch.zeros((), dtype=torch.float64, device=g_all.device)  # the label-smoothing fit's
     for i in _row_chunks(N, V):
@@ -336,17 +354,6 @@ def loss_weights(
             "loss='soft_mean' (divided by the rows of the logits: cross_entropy with probability targets, or "
             "kl_div 'batchmean' of (tokens, V) logits) or loss='soft_sum'; or sharpness=False."
         )
-    n_active = int(active.sum()) if count is None else count() if callable(count) else count
-    w = active.float() / max(n_active, 1)
-    return (
-        w,
-        LossKind.CROSS_ENTROPY,
-        (
-            f"soft targets of the label-smoothing form: assumed a mean over the {n_active} rows with a gradient "
-            "(PyTorch's 'mean'; pass loss='soft_sum' for a sum, loss='soft_batchmean' for a division by the "
-            "logits' first dimension)"
-        ),
-    )
 
 
 #: The error of a gradient at the logits that no cross-entropy (with or without a term in logsumexp) explains.
@@ -423,12 +430,10 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
     (both terms non-negative: no cancellation). Autograd's ``g_y = w (p_y - 1)`` from a float32 ``p_y`` is within
     ``6e-8 w`` of the truth, so ``w`` is too, whatever ``p_y`` (a confident row's ``w`` is its second term); bfloat16
     gradients round ``g_y`` to 0.4%, which averages out over rows of different ``p_y`` but not where every row has
-    ``p_y`` near 0 (an untrained model: 0.2% on the total of 7,680 such rows, measured). Four entries per row and no
-    reduction over the vocabulary: all rows at once in any dtype, with no ``(rows, V)`` temporary (the sum of the
-    entries off the label, before, took a float32 copy of bfloat16 rows, in chunks: ~5,000 dispatched operators for
-    7,680 rows, about the 7,168 a batch of 8 x 1024 leaves outside its kept sequence; its float32 sum was 3e-5 off
-    where this is 3e-8). A linear logits module's two logits are two dot products of its input
-    (:class:`LinearLogits`), so this costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows
+    ``p_y`` near 0 (an untrained model: 0.2% on the total of 7,680 such rows). Four entries per row and no reduction
+    over the vocabulary: all rows at once in any dtype, with no ``(rows, V)`` temporary and no float32 sum over the
+    vocabulary (3e-8 relative where a sum of the entries off the label is 3e-5). A linear logits module's two logits
+    are two dot products of its input (:class:`LinearLogits`), so this costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows
     without a gradient weigh 0.
 
     Example:
