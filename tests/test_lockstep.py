@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import curvwatch.engine.core as engine_module
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
-from curvwatch import engine as engine_module
 from curvwatch.closed_form import _lanczos, _lockstep
 from curvwatch.closed_form._lockstep import Lockstep, gathered, made_together
 from curvwatch.closed_form.attention import AttentionOperator

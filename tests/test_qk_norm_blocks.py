@@ -20,7 +20,7 @@ from curvwatch.closed_form import Lanczos, multi_head_attention
 from curvwatch.closed_form._qk_norm_blocks import NORM_PAIRS
 from curvwatch.closed_form.attention import ATTENTION_PAIRS
 from curvwatch.closed_form.settings import EXACT
-from curvwatch.realloss import sample_outputs
+from curvwatch.realloss import RealLoss, sample_outputs
 from curvwatch.realloss.stability import param_index_map
 from curvwatch.reference._core import _attention_blocked, _modern_attention
 from tests import zoo
@@ -319,7 +319,10 @@ def test_real_loss_sharpness_and_adam_stability_of_the_norm_blocks_on_qwen3():
         sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=["N1N1", "N2N2"])
-    result = engine.evaluate(cap.blocks(), rules={attn.name: rule}).results[attn.name]
+    real_loss = RealLoss()
+    evaluation = engine.evaluate(cap.blocks(), precondition=real_loss.preconditioners(opt, cap.blocks()))
+    real_loss.finish(evaluation)  # the stability ratios of the optimizer's rule
+    result = evaluation.results[attn.name]
     for pair in ("N1N1", "N2N2"):
         for key in (f"sharpness/{pair}", f"precond_sharpness/{pair}", f"stability/{pair}"):
             assert key in result, (key, sorted(result))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
-import re
 import os
+import re
 import warnings
 from types import SimpleNamespace
 
