@@ -18,7 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,20 +73,44 @@ class Alert:
 
 
 class Notices:
-    """The monitor's one-time notices (:class:`CurvatureNotice`): each key is said once per run, on the rank where it
-    comes up; the keys said are kept in checkpoints (:meth:`state_dict`), so a resumed run does not repeat them."""
+    """The monitor's notices (:class:`CurvatureNotice`), most of them said once per run: each key is said once, on the
+    rank where it comes up; the keys said are kept in checkpoints (:meth:`state_dict`), so a resumed run does not
+    repeat them.
 
-    def __init__(self) -> None:
+    Args:
+        owner: The name of the class the user built (``"Monitor"``, ``"CurvatureMonitor"``, ``"CurvatureCallback"``):
+            the messages, written about ``CurvatureMonitor``, name it instead.
+    """
+
+    def __init__(self, owner: str = "CurvatureMonitor") -> None:
         self.said: set[str] = set()
+        self.owner = owner
+        #: Where :meth:`info` lines go (a monitor prints them on rank zero).
+        self.print: Callable[[str], None] = logging.getLogger("curvwatch").info
 
     def __contains__(self, key: str) -> bool:
         return key in self.said
+
+    def named(self, message: str) -> str:
+        """``message`` naming :attr:`owner` where it names ``CurvatureMonitor``."""
+        return message if self.owner == "CurvatureMonitor" else message.replace("CurvatureMonitor", self.owner)
 
     def once(self, key: str, message: str, stacklevel: int = 3) -> None:
         """Warn ``message`` as a :class:`CurvatureNotice` the first time ``key`` comes up."""
         if key not in self.said:
             self.said.add(key)
-            warnings.warn(message, CurvatureNotice, stacklevel=stacklevel)
+            warnings.warn(self.named(message), CurvatureNotice, stacklevel=stacklevel)
+
+    def info(self, key: str, message: str) -> None:
+        """Print ``message`` (:attr:`print`) the first time ``key`` comes up: what a user should know about the numbers
+        of a healthy run, which is not worth a warning."""
+        if key not in self.said:
+            self.said.add(key)
+            self.print(self.named(message))
+
+    def say(self, message: str, stacklevel: int = 3) -> None:
+        """Warn ``message`` as a :class:`CurvatureNotice`, every time."""
+        warnings.warn(self.named(message), CurvatureNotice, stacklevel=stacklevel)
 
     def mark(self, key: str) -> bool:
         """Record ``key`` as said without warning; returns whether it was new (for notices given another way)."""

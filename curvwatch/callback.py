@@ -108,8 +108,9 @@ class CurvatureMonitor(Callback):
             model's own predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the
             kernels add the block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns
             it into an edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a
-            logits module is found (set-up table row ``sharpness``); ``True``: required (error in ``setup`` otherwise);
-            ``False``: off.
+            logits module is found (set-up table row ``sharpness``); ``True``: required (an error at set-up where it
+            cannot work: no logits module found, FSDP1; and at the first full evaluation whose logits module gave no
+            logits or no gradient); ``False``: off.
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and of
             the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
@@ -169,6 +170,8 @@ class CurvatureMonitor(Callback):
             sharpness=sharpness, warning_rules=warning_rules, cadence=cadence, evaluation=evaluation,
             on_error=on_error, log_heatmap=log_heatmap, verbose=verbose, log_level=log_level,
         )  # fmt: skip
+        self.monitor.notices.owner = type(self).__name__
+        self.monitor.no_loggers_hint = "the Trainer has no logger; give it one, e.g. Trainer(logger=WandbLogger())"
         s = self.monitor.settings
         self.every_n_train_steps = self.monitor.schedule.every_n_train_steps
         self.max_overhead = self.monitor.schedule.max_overhead

@@ -217,13 +217,16 @@ class Sharpness:
 
     Args:
         enabled: The curvature of the real training loss (:mod:`curvwatch.realloss`): on full evaluations,
-            ``sharpness_samples`` extra backward passes from the logits (labels sampled from the model's own
+            ``samples`` extra backward passes from the logits (labels sampled from the model's own
             predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the kernels add the
             block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns it into an
             edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a logits module
-            is found (set-up table row ``sharpness``); ``True``: required (error in ``setup`` otherwise); ``False``:
-            off.
-        samples: Sampled output gradients per evaluation (each one backward pass from the logits).
+            is found (set-up table row ``sharpness``); ``True``: required (an error at set-up where it cannot work: no
+            logits module found, FSDP1; and at the first full evaluation whose logits module gave no logits or no
+            gradient); ``False``: off.
+        samples: Sampled output gradients per evaluation (each one backward pass from the logits), at least 2: the
+            uncertainty of the estimate (``sharpness_spread``) compares two halves of them, and a key whose spread
+            exceeds its value is withheld. The estimate's relative noise falls like ``1/sqrt(samples)``.
         loss: The loss at the logits: ``"auto"`` (softmax cross-entropy, recognised from its gradient; anything else is
             an error naming the options), ``"cross_entropy"``, ``"mse"`` (mean over every element), or soft targets
             (distillation KL, mixup) with their reduction: ``"soft_batchmean"`` (divided by the logits' first
@@ -246,7 +249,7 @@ class Sharpness:
     def check(self) -> None:
         if self.enabled not in (True, False, "auto"):
             raise ValueError(f"Invalid enabled={self.enabled!r}. Must be True, False or 'auto'.")
-        check_int("samples", self.samples, 1)
+        check_int("samples", self.samples, 2, hint=": the uncertainty (sharpness_spread) compares two halves")
         choice("loss", self.loss, LossKind)
         if self.logits_module is not None and not isinstance(self.logits_module, str):
             raise ValueError(

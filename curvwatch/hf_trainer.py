@@ -41,6 +41,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from curvwatch.config import check_names
 from curvwatch.monitor import Monitor
 
 __all__ = ["CurvatureCallback"]
@@ -59,7 +60,13 @@ class CurvatureCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, log: Any = None, **settings: Any) -> None:
+        check_names(settings, type(self).__name__)
         self.monitor = Monitor(None, log=log, **settings)
+        self.monitor.notices.owner = type(self).__name__
+        self.monitor.no_loggers_hint = (
+            "no log= was given and TrainingArguments.report_to has no 'wandb' (or W&B has no run); set "
+            "report_to='wandb', or pass log= (a W&B run, a logger or a callable fn(metrics, step))"
+        )
         self.monitor.grad_factor = self._grad_factor
         self._log_given = log is not None
         self._hook: Any = None

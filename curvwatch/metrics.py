@@ -1,8 +1,9 @@
 """Model-wide curvature summaries: pure functions from per-block result dicts to named numbers.
 
-Every function here takes plain numbers (``float`` or 0-d tensors) keyed as :func:`~curvwatch.engine.kernel.evaluate_block`
-keys them, relative to a block (``"hessian/QQ/h0"``, ``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns
-new ``dict[str, float]``. Nothing here sees a ``Trainer``, a hook or a logger.
+Every function here takes plain numbers (``float`` or 0-d tensors) keyed as
+:func:`~curvwatch.engine.kernel.evaluate_block` keys them, relative to a block (``"hessian/QQ/h0"``,
+``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns new ``dict[str, float]``. Nothing here sees a ``Trainer``,
+a hook or a logger.
 
 Structure of the keys (see ``docs/metrics.md``): ``{part}/{pair}[/h{head}]`` with ``part`` one of
 ``hessian`` (``H = H_o + H_f``), ``outer`` (Gauss-Newton ``H_o``) and ``functional`` (``H_f``), and ``pair``

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
-from curvwatch.alerts import Alert, CurvatureNotice, CurvatureWarning, Notices
+from curvwatch.alerts import Alert, CurvatureWarning, Notices
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, check_names, resolve
@@ -98,7 +98,8 @@ class Monitor:
                                  s.cadence.max_overhead)  # fmt: skip
         x, r = s.evaluation, s.sharpness
         #: The one-time notices given (checkpointed): every part of the monitor says its notices through it.
-        self.notices = Notices()
+        self.notices = Notices(owner=type(self).__name__)
+        self.notices.print = rank_zero_info
         self.real_loss = RealLoss(r.enabled, r.samples, r.loss, r.logits_module, notices=self.notices)
         self.engine = Engine(
             lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),
@@ -128,6 +129,11 @@ class Monitor:
                 "back-propagated loss is divided by (1 without gradient accumulation)."
             )
         self.optimizer, self.loggers = optimizer, sinks.as_loggers(log)
+        #: What to tell a user whose monitor has no logger (a shell says it in its own terms).
+        self.no_loggers_hint = (
+            "log=None; pass log=wandb.run (after wandb.init()), a Lightning or Fabric logger, or a callable "
+            "fn(metrics, step)"
+        )
         self.accumulate_grad_batches, self.grad_scaler = accumulate_grad_batches, grad_scaler
         #: the factor undoing the loss scaling of the captured step (a shell may replace it)
         self.grad_factor: Callable[[], float] = self._default_grad_factor
@@ -209,14 +215,20 @@ class Monitor:
         self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or verbose:
-            rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
+            rank_zero_info(f"{self.notices.owner} blocks:\n" + report.coverage_text(self._coverage))
         if verbose or not status.startswith("on") or self.real_loss.hooks_note:
-            rank_zero_info(f"CurvatureMonitor real-loss sharpness: {status}")
+            rank_zero_info(f"{self.notices.owner} real-loss sharpness: {status}")
 
     def start(self) -> None:
         """Start the overhead clock; define the headline metrics and put the block table in the loggers."""
         self._started = True
         self.schedule.start()
+        if self._is_zero() and not self.loggers:
+            self.notices.once(
+                "no_loggers",
+                f"CurvatureMonitor has nowhere to write its numbers: {self.no_loggers_hint}. They are computed and "
+                "kept in .latest (the headline keys) and summary_text() only.",
+            )
         if self._is_zero():
             sinks.define_wandb_metrics(self.loggers, self.book.metric_summaries(self._block_info))
             sinks.log_config(self.loggers, self._coverage, report.coverage_text(self._coverage))
@@ -345,6 +357,8 @@ class Monitor:
                 "curvature (automatic optimization's accumulate_grad_batches is scaled back, manual micro-batches "
                 "cannot be).",
             )
+        if capture is not None and capture.logits_module is not None and not terms_only and not capture.sampled:
+            self.real_loss.not_sampled(capture, step)  # raises with sharpness=True
         self._evaluate_and_log(step, capture, open_error, terms_only, optimizer or self.optimizer)
 
     def close(self) -> None:
@@ -396,7 +410,7 @@ class Monitor:
             top: How many of the most curved blocks to list.
         """
         book = self.book
-        return report.summary_text(
+        text = report.summary_text(
             evaluations=book.evaluations,
             terms_evaluations=book.terms_evaluations if book.count_terms else None,
             skipped=book.skipped,
@@ -411,6 +425,7 @@ class Monitor:
             tol=self.tol,
             top=top,
         )
+        return self.notices.named(text)
 
     # -- orchestration ----------------------------------------------------------------------------------
 
@@ -505,7 +520,7 @@ class Monitor:
                 sinks.wandb_alert(self.loggers, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
         if s.verbose:
             line = report.progress_line(step, entry.summary, entry.norms, len(entry.fired), elapsed, terms_only)
-            rank_zero_info(line)
+            rank_zero_info(self.notices.named(line))
 
     def _skip(self, step: int, error: BaseException | None) -> None:
         """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""
@@ -515,18 +530,17 @@ class Monitor:
                 raise error.error
             if error is not None:
                 raise error
-            raise RuntimeError(f"CurvatureMonitor: {what} at step {step} (on_error='raise').")
+            raise RuntimeError(f"{self.notices.owner}: {what} at step {step} (on_error='raise').")
         key = f"{self.log_key_prefix}summary/skipped_evaluations"
         self.latest["summary/skipped_evaluations"] = float(self.book.skipped)
         if not self._is_zero():
             return
         sinks.log_quietly(self.loggers, {key: float(self.book.skipped)}, step)
-        warnings.warn(
+        self.notices.say(
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
             f"{key}={self.book.skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
             "the failing block out.",
-            CurvatureNotice,
-            stacklevel=2,
+            stacklevel=3,
         )
 
 

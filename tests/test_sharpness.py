@@ -1017,3 +1017,28 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     s = (1 + 2 * heavy * logits.detach().reshape(-1, V).logsumexp(-1)) / (B * L)
     scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
     assert len(scales) == 1 and scales.pop() == pytest.approx(float(s.sum() / s[:L].sum()), rel=1e-5)
+
+
+def test_near_uniform_predictions_cannot_tell_label_smoothing_and_say_so():
+    """While the predictions off the label are near uniform (initialisation), a label-smoothed cross-entropy's
+    gradient is a hard-label one of weight (1 - eps) w: the weights read 0.9x with eps = 0.1, so the loss weights say
+    they cannot tell (loss="auto"), and say nothing once the predictions tell them apart or the loss is stated."""
+    from curvwatch.realloss.weights import HIDDEN_SMOOTHING, loss_weights
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 50, (64,), generator=gen)
+    for scale, smoothing in ((1e-3, 0.1), (1e-3, 0.0), (3.0, 0.0)):
+        z = (scale * torch.randn(64, 50, generator=gen, dtype=torch.float64)).requires_grad_()
+        (g,) = torch.autograd.grad(F.cross_entropy(z, y, label_smoothing=smoothing), z)
+        w, kind, note = loss_weights(z.detach(), g, "auto")
+        if scale < 1:  # near uniform: read as hard labels, the note names the smoothing it cannot see
+            assert kind.value == "cross_entropy" and note is not None and "label smoothing up to eps" in note
+            assert float(w.sum()) == pytest.approx(1 - smoothing, rel=1e-3)
+            assert loss_weights(z.detach(), g, "cross_entropy")[2] is None  # stated: no note
+        else:  # trained-like predictions: hard labels are told apart from smoothing; no note
+            assert note is None and float(w.sum()) == pytest.approx(1.0, rel=1e-6)
+    # a smoothing the predictions can show is read as such (the mean over the rows), not as hard labels
+    z = (3.0 * torch.randn(64, 50, generator=gen, dtype=torch.float64)).requires_grad_()
+    (g,) = torch.autograd.grad(F.cross_entropy(z, y, label_smoothing=2 * HIDDEN_SMOOTHING), z)
+    w, _, note = loss_weights(z.detach(), g, "auto")
+    assert "label-smoothing form" in note and float(w.sum()) == pytest.approx(1.0, rel=1e-6)

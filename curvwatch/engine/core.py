@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import gc
 import traceback
-import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from curvwatch.adapters import UnsupportedBlockError
-from curvwatch.alerts import CurvatureNotice, Notices
+from curvwatch.alerts import Notices
 from curvwatch.capture import CapturedBlock, nonfinite_inputs
 from curvwatch.closed_form import _operator
 from curvwatch.closed_form._common import inputs_checked
@@ -284,8 +283,8 @@ class Engine:
 
         A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
         (:func:`~curvwatch.engine.memory.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated
-        one after the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no large
-        products, so its blocks form groups of :data:`LOCKSTEP_BLOCKS` (one parked thread each). Sharded blocks
+        one after the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds
+        no large products, so its blocks form groups of :data:`LOCKSTEP_BLOCKS` (one parked thread each). Sharded blocks
         (weights read as full tensors when evaluated) and ``lockstep=False``: one block at a time.
         """
         if not self.lockstep or any(b.params_fn is not None for b in captured):
@@ -461,12 +460,11 @@ class Engine:
         # the retry holds one run's basis at a time (a kernel's runs in solves of their own: more host reads, the
         # same numbers); later evaluations share solves again, within the estimate at the lower limits
         kwargs["lanczos"] = kwargs["lanczos"].replace(solve_bytes=0)
-        warnings.warn(
+        self.notices.say(
             f"CurvatureMonitor ran out of memory evaluating block '{block.spec.name}' {what} ({message}). Freed "
             f"it and retrying {retry}; later evaluations keep this lower limit. Pass a smaller max_tokens or a "
             "memory_budget_mb to avoid the retry.",
-            CurvatureNotice,
-            stacklevel=3,
+            stacklevel=4,
         )
         return evaluate_block(block, **kwargs)
 
@@ -474,7 +472,8 @@ class Engine:
 def _solve_bytes(block: CapturedBlock, dtype: torch.dtype, vectors: int | None) -> int | None:
     """The block kernel's ``Lanczos.solve_bytes``: its runs share their stopping tests' host reads while their bases
     stay within what the block's memory estimate counts for them (:func:`~curvwatch.engine.memory.basis_bytes` at
-    ``vectors`` held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are unbounded."""
+    ``vectors`` held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are
+    unbounded."""
     return None if vectors is None else max(_operator.SOLVE_BYTES, basis_bytes(block, dtype, vectors))
 
 

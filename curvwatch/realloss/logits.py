@@ -92,7 +92,8 @@ def backward_hooks_note(model: nn.Module) -> str | None:
     return (
         f"the model has backward hooks (on {', '.join(repr(n) for n in hooked[:3])}"
         + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
-        + "): the sampled backward passes (sharpness_samples per evaluation) run through them too, as they do "
-        "through tensor hooks on the path; pass sharpness=False if your hooks must see only the training's own "
-        "backward"
+        + "): on every full evaluation the sampled backward passes run through the hooks between the logits and the "
+        "blocks once per sample (Sharpness.samples passes), and a tensor hook on the logits themselves runs once more "
+        "when the loss's gradient at the logits is read before the backward (Monitor.before_backward); pass "
+        "sharpness=False if your hooks must see only the training's own backward"
     )

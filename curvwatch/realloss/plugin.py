@@ -36,7 +36,7 @@ from curvwatch.realloss.stability import (
     stability_rule,
 )
 from curvwatch.realloss.verify import VERIFIED, true_sharpness
-from curvwatch.realloss.weights import LossKind
+from curvwatch.realloss.weights import HIDDEN_SMOOTHING_NOTE, LossKind
 
 __all__ = ["SAMPLED_PREFIXES", "RealLoss", "unresolved_keys"]
 
@@ -70,7 +70,8 @@ class RealLoss:
     (:meth:`preconditioners`) and finishes the evaluation's keys (:meth:`finish`).
 
     Args:
-        enabled: ``True`` (an error in :meth:`resolve` if it cannot work), ``False``, or ``"auto"`` (on when a
+        enabled: ``True`` (an error in :meth:`resolve` if it cannot work, and in :meth:`not_sampled`), ``False``, or
+            ``"auto"`` (on when a
             logits module is found and the strategy can run the sampled passes: not FSDP1; the set-up table says
             which).
         samples: Sampled output gradients per evaluation (one backward pass from the logits each).
@@ -96,8 +97,11 @@ class RealLoss:
     ) -> None:
         if enabled not in (True, False, "auto"):
             raise ValueError(f"Invalid sharpness={enabled!r}. Must be True, False or 'auto'.")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"Invalid sharpness_samples={samples!r}. Must be an int >= 1 (default 16).")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
+            raise ValueError(
+                f"Invalid samples={samples!r}. Must be an int >= 2 (default 16): the uncertainty of the estimate "
+                "(sharpness_spread) compares two halves of the samples."
+            )
         try:
             self.loss = LossKind(loss)
         except ValueError:
@@ -107,6 +111,7 @@ class RealLoss:
         self.enabled, self.samples, self.logits_name, self.seed = enabled, samples, logits_module, int(seed)
         self.notices = Notices() if notices is None else notices
         self.module: nn.Module | None = None  # set by resolve when on
+        self.logits_path = ""  # its dotted name
         self.hooks_note: str | None = None  # set by resolve: backward hooks the sampled passes run through
         self.status = "off"
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
@@ -139,6 +144,7 @@ class RealLoss:
             return self.status
         try:
             name, self.module = find_logits_module(model, self.logits_name)
+            self.logits_path = name
         except ValueError as err:
             if self.enabled is True or self.logits_name is not None:
                 raise
@@ -192,8 +198,12 @@ class RealLoss:
                 f"sampling the output gradients raised {type(err).__name__}: {err}",
             )
             return
-        if sampled.note:
-            self.notices.once("sharpness_note", f"CurvatureMonitor (real-loss sharpness): {sampled.note}.")
+        if sampled.note:  # once per kind of note (the first words tell them apart)
+            key, text = f"sharpness_note:{sampled.note[:24]}", f"CurvatureMonitor (real-loss sharpness): {sampled.note}."
+            if sampled.note.startswith(HIDDEN_SMOOTHING_NOTE[:24]):  # expected near initialisation: said, not warned
+                self.notices.info(key, text)
+            else:
+                self.notices.once(key, text)
         if sampled.unsampled:
             self.notices.once(
                 "sharpness_unsampled",
@@ -203,6 +213,27 @@ class RealLoss:
             )
         if verify and sampled.blocks and loss is not None:
             self._verify(capture, loss, factor, sampled.unsampled)
+
+    def not_sampled(self, capture: Capture, step: int) -> None:
+        """Say why a full evaluation has no real-loss keys when no sampling happened during its step (the logits
+        module gave no logits, or no gradient reached them); with ``enabled=True`` (required), raise instead.
+
+        Raises:
+            ValueError: With ``enabled=True``.
+        """
+        why = (
+            "produced no output with gradient tracking on this step"
+            if capture.logits is None and capture.logits_input is None
+            else "received no gradient in the backward of this step"
+        )
+        message = (
+            f"CurvatureMonitor has no real-loss keys (sharpness/..., stability/...) at step {step}: the logits module "
+            f"'{self.logits_path}' {why}. Pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the module "
+            "whose output the loss reads, or sharpness=False."
+        )
+        if self.enabled is True:
+            raise ValueError(self.notices.named("sharpness=True: " + message))
+        self.notices.once("sharpness_not_sampled", message)
 
     def _verify(self, capture: Capture, loss: Tensor, factor: float, unsampled: list[str]) -> None:
         """The in-run check's true block sharpness of the sampled blocks, kept for :meth:`finish`."""

@@ -121,10 +121,11 @@ def soft_divisor(kind: LossKind, shape: tuple[int, ...]) -> int:
 def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, per_chunk: bool, on_chunk):
     """One pass of :func:`loss_weights` over ``(N, V)`` logits and gradient rows, a chunk at a time (float64
     temporaries of one chunk: memory bounded by ``_CHUNK``): writes the hard-label weights into ``w`` and the rows
-    with a gradient into ``active`` ``(N,)``, calls ``on_chunk(start, p)``, and returns the device tensors ``(residual
-    of the hard-label fit squared, gradient norm squared, any decisive row, any chunk whose decisive rows do not sum to
-    zero)`` and whether a chunk was read as cross-entropy plus a term in logsumexp. With ``per_chunk`` each chunk whose
-    rows do not sum to zero is read that way (a host read per chunk); else every chunk as hard labels (no host read).
+    with a gradient into ``active`` ``(N,)``, calls ``on_chunk(start, p)``, and returns ``(residual of the hard-label
+    fit squared, gradient norm squared, any decisive row, any chunk whose decisive rows do not sum to zero, whether a
+    chunk was read as cross-entropy plus a term in logsumexp, the label smoothing the fit cannot tell from hard labels
+    (:func:`_hidden_smoothing`))``, all but the fifth device tensors. With ``per_chunk`` each chunk whose rows do not
+    sum to zero is read that way (a host read per chunk); else every chunk as hard labels (no host read).
 
     A chunk only reduces its rows to seven numbers each (:func:`_row_stats`); the weights and the fit's residual are
     computed from them for all rows at once after the loop (:func:`_fit_rows`): a chunk costs ~20 dispatched operators
@@ -156,7 +157,26 @@ def _hard_label_pass(z_all: Tensor, g_all: Tensor, w: Tensor, active: Tensor, pe
     w.copy_(fit.w)
     active.copy_(fit.active)
     keep = fit.decisive.to(stats.dtype)
-    return torch.dot(fit.resid2, keep), torch.dot(fit.norm2, keep), fit.decisive.any(), fit.off_label.any(), lse_term
+    smoothing = _hidden_smoothing(stats, fit.w, keep, V)
+    resid2, norm2 = torch.dot(fit.resid2, keep), torch.dot(fit.norm2, keep)
+    return resid2, norm2, fit.decisive.any(), fit.off_label.any(), lse_term, smoothing
+
+
+def _hidden_smoothing(stats: Tensor, w: Tensor, keep: Tensor, V: int) -> Tensor:
+    """The largest label smoothing ``eps`` the hard-label fit of the ``keep`` rows cannot tell from hard labels (0-d).
+
+    A smoothed cross-entropy row is ``g = w ((p - e_y) - eps (u - e_y))`` with ``u`` the uniform distribution: where
+    the predictions off the label are uniform (near initialisation), ``u - e_y`` is parallel to ``p - e_y`` and the
+    row is a hard-label row of weight ``(1 - eps) w``. Its part off that direction has norm ``w eps |u - e_y|
+    sin(theta)``; the fit accepts it while that stays within :data:`_HARD_FIT` of ``|g|``, i.e. for ``eps`` up to the
+    value returned (from :func:`_row_stats`' columns: ``<u - e_y, p - e_y> = 1 - p_y``)."""
+    p_y, p_norm = stats[:, 1], stats[:, 6]
+    pe2 = (p_norm.square() - 2 * p_y + 1).clamp_min(0)  # |p - e_y|^2
+    ue2 = (V - 1) / V  # |u - e_y|^2
+    cos2 = (1 - p_y).square() / (ue2 * pe2).clamp_min(1e-300)
+    w2 = w.double().square() * keep
+    off = torch.dot(w2, (1 - cos2).clamp_min(0)) * ue2
+    return _HARD_FIT * (torch.dot(w2, pe2) / off.clamp_min(1e-300)).sqrt()
 
 
 def _row_stats(p: Tensor, g: Tensor, y: Tensor) -> Tensor:
@@ -285,19 +305,22 @@ def loss_weights(
     active = torch.zeros(N, dtype=torch.bool, device=g_all.device)
     # every chunk read as hard labels, and whether some chunk's rows do not sum to zero, in one host read at the end
     # (not one per chunk: 52 chunks at 512 kept tokens and a 50K vocabulary)
-    resid2, norm2, decisive_any, flagged, _ = _hard_label_pass(z_all, g_all, w, active, False, on_chunk)
-    fit, decisive_any, flagged = torch.stack(
-        [resid2.sqrt() <= _HARD_FIT * norm2.sqrt(), decisive_any, flagged]
+    resid2, norm2, decisive_any, flagged, _, smoothing = _hard_label_pass(z_all, g_all, w, active, False, on_chunk)
+    fit, decisive_any, flagged, smoothing = torch.stack(
+        [resid2.sqrt() <= _HARD_FIT * norm2.sqrt(), decisive_any, flagged, smoothing]
     ).tolist()
     lse_term = False  # rows that do not sum to zero, read as cross-entropy plus a term in logsumexp (z-loss)
     if flagged:  # (rare: a z-loss) the rows again, each chunk read as its rows need (a host read per chunk)
-        resid2, norm2, decisive_any, _, lse_term = _hard_label_pass(z_all, g_all, w, active, True, None)
+        resid2, norm2, decisive_any, _, lse_term, _ = _hard_label_pass(z_all, g_all, w, active, True, None)
         fit, decisive_any = bool(resid2.sqrt() <= _HARD_FIT * norm2.sqrt()), bool(decisive_any)
     fits = fit or not decisive_any
     if lse_term and not fits:
         raise ValueError(_NOT_CE.format(""))
     if fits:
-        return w, LossKind.CROSS_ENTROPY, LSE_TERM_NOTE if lse_term else None
+        note = LSE_TERM_NOTE if lse_term else None
+        if note is None and kind is LossKind.AUTO and decisive_any and smoothing >= HIDDEN_SMOOTHING:
+            note = HIDDEN_SMOOTHING_NOTE.format(min(smoothing, 1.0))
+        return w, LossKind.CROSS_ENTROPY, note
     # not hard labels: a second pass over the rows tells a scaling of the logits from soft targets (only here: the
     # hard-label case, the usual one, does not pay for these fits)
     _refuse_scaled_or_soft(z_all, g_all)
@@ -363,6 +386,18 @@ _NOT_CE = (
     "sharpness=curvwatch.Sharpness(loss='mse') for a squared error, Sharpness(logits_module='<name>') if the module "
     "found is not the one the loss reads (a final soft-capping or scaling after it changes the loss's curvature), or "
     "sharpness=False."
+)
+
+#: Label smoothing the hard-label fit may miss before :func:`loss_weights` says so (:func:`_hidden_smoothing`): a
+#: smoothing below it reads the weights at most this much low.
+HIDDEN_SMOOTHING = 0.05
+
+#: :func:`loss_weights`' note when its predictions cannot tell hard labels from label smoothing (``loss="auto"``).
+HIDDEN_SMOOTHING_NOTE = (
+    "assumed hard labels, but the predictions off the label are too close to uniform (as near initialisation) to tell "
+    "them from label smoothing up to eps = {:.2g}: with label smoothing eps the real-loss keys read (1 - eps) of their "
+    "value until the predictions move away from uniform (the loss form is read again at every evaluation). Pass "
+    "Sharpness(loss='cross_entropy') to state the loss and silence this"
 )
 
 #: :func:`loss_weights`' note when the rows are a cross-entropy's plus a term in ``logsumexp(z)`` (a z-loss).
@@ -433,8 +468,8 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
     ``p_y`` near 0 (an untrained model: 0.2% on the total of 7,680 such rows). Four entries per row and no reduction
     over the vocabulary: all rows at once in any dtype, with no ``(rows, V)`` temporary and no float32 sum over the
     vocabulary (3e-8 relative where a sum of the entries off the label is 3e-5). A linear logits module's two logits
-    are two dot products of its input (:class:`LinearLogits`), so this costs ``O(rows d)`` instead of recomputing ``(rows, vocabulary)`` logits; rows
-    without a gradient weigh 0.
+    are two dot products of its input (:class:`LinearLogits`), so this costs ``O(rows d)`` instead of recomputing
+    ``(rows, vocabulary)`` logits; rows without a gradient weigh 0.
 
     Example:
         >>> z = torch.randn(6, 5)

@@ -165,7 +165,8 @@ def real_loss_top(
             ``W_2``, ``W_V``; saves its Hessian-vector products).
         tol: ARPACK's relative tolerance.
         loss: ``"cross_entropy"`` (weights read from the gradient at the logits) or a soft-target reduction
-            (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``), as for :func:`curvwatch.realloss.weights.loss_weights`.
+            (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``), as for
+            :func:`curvwatch.realloss.weights.loss_weights`.
 
     Returns:
         ``{"ggn": lambda_max(ggn), "sharpness": lambda_max(ggn + own), "n": weights}``.
