@@ -892,7 +892,9 @@ def test_no_data_and_scaled_logits_reach_the_logger_as_no_value(tmp_path):
             return F.cross_entropy((self(idx[:, :-1]) / 4).reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
 
     for module, why in ((Ignored(), "carry no loss weight"), (Scaled(), "logits_module=")):
-        monitor = CurvatureMonitor(every_n_train_steps=1, log_level="all", evaluation=Evaluation(max_tokens=7), sharpness=Sharpness(samples=2))  # fmt: skip
+        monitor = CurvatureMonitor(
+            every_n_train_steps=1, log_level="all", evaluation=Evaluation(max_tokens=7), sharpness=Sharpness(samples=2)
+        )
         trainer = make_trainer(tmp_path / why[:5], monitor, max_steps=1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CurvatureNotice)

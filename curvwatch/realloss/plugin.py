@@ -199,7 +199,8 @@ class RealLoss:
             )
             return
         if sampled.note:  # once per kind of note (the first words tell them apart)
-            key, text = f"sharpness_note:{sampled.note[:24]}", f"CurvatureMonitor (real-loss sharpness): {sampled.note}."
+            key = f"sharpness_note:{sampled.note[:24]}"
+            text = f"CurvatureMonitor (real-loss sharpness): {sampled.note}."
             if sampled.note.startswith(HIDDEN_SMOOTHING_NOTE[:24]):  # expected near initialisation: said, not warned
                 self.notices.info(key, text)
             else:
