@@ -69,7 +69,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
-from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.settings import PARTS, Lanczos
 from curvwatch.kinds import KINDS
 from curvwatch.sharpness import (
     LSE_TERM_NOTE,
@@ -339,7 +339,7 @@ class CapturedBlock:
         lanczos: Lanczos | None = None,
         dtype: torch.dtype = torch.float64,
         pairs: Sequence[str] | None = None,
-        kinds: Sequence[str] = ("outer", "functional", "hessian"),
+        parts: Sequence[str] = PARTS,
         precondition: dict[str, Tensor] | None = None,
         signals: bool = False,
     ):
@@ -351,7 +351,7 @@ class CapturedBlock:
             dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
             pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
                 W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
-            kinds: iterative norms to compute (attention, FFN): a subset of ``("outer", "functional",
+            parts: Hessian parts of the iterative norms (attention, FFN): a subset of ``("outer", "functional",
                 "hessian")``.
             precondition: ``{weight name: P}`` in the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``), for
                 the ``precond_sharpness/...`` keys of a block with ``output_samples``; ``None``: none.
@@ -371,7 +371,7 @@ class CapturedBlock:
         kind = KINDS[self.spec.kind]
         kwargs = self.reference_inputs(dtype)
         if kind.iterative:
-            kwargs.update(lanczos=lanczos, kinds=kinds)
+            kwargs.update(lanczos=lanczos, parts=parts)
             if pairs is not None:
                 kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
         if "output_samples" in kwargs and precondition is not None:

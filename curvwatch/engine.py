@@ -45,10 +45,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import CurvatureNotice
 from curvwatch.capture import CapturedBlock, nonfinite_inputs, vectors_held
-from curvwatch.closed_form import _operator
-from curvwatch.closed_form._common import inputs_checked
-from curvwatch.closed_form._lockstep import Lockstep
-from curvwatch.closed_form.settings import Lanczos, WarmStart
+from curvwatch.closed_form.settings import Lanczos, WarmStart, inputs_checked
+from curvwatch.closed_form.solver import plan as _operator
+from curvwatch.closed_form.solver.lockstep import Lockstep
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
 from curvwatch.options import Precision, choice
@@ -436,7 +435,7 @@ class Engine:
             lanczos=lanczos,
             dtype=dtype,
             pairs=(kind.exact_pairs if signals is None else signals) if terms_only else self._kernel_pairs,
-            kinds=self.kinds,
+            parts=self.kinds,
             precondition=None if rule is None else rule.precondition,
             signals=signals is not None,
         )

@@ -1061,7 +1061,7 @@ def unresolved_keys(flat: Mapping[tuple[str, str], float], limit: float | None =
         ['layer0/ffn W2W2']
     """
     if limit is None:
-        from curvwatch.closed_form._sampled import SPREAD_LIMIT as limit
+        from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT as limit
     out = []
     for (block, key), value in flat.items():
         if key.startswith("sharpness_spread/") and value > limit:
@@ -1288,7 +1288,7 @@ class RealLoss:
         found = unresolved_keys(flat)
         if not found:
             return
-        from curvwatch.closed_form._sampled import SPREAD_LIMIT
+        from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
         more = f" and {len(found) - 4} more" if len(found) > 4 else ""
         warn_once(

@@ -50,26 +50,8 @@ from typing import Any
 
 import torch
 
-from ._common import as_batched, check_like, check_weight, gram_lambda_max, output_cotangent
-from ._lanczos import LanczosRun
-from ._lockstep import Shared, gathered, made_together
+from ._common import as_batched, check_like, check_weight, output_cotangent
 from ._masks import attention_masks, split_heads
-from ._operator import (
-    ALL_ROWS,
-    KINDS,
-    BlockOperator,
-    ParamInfo,
-    Planned,
-    _check_kinds,
-    _rows_times,
-    dense_blocks,
-    full_norms,
-    head_keys,
-    run_parts,
-    select_rows,
-    solve_planned,
-    spectral_plan,
-)
 from ._qk_norm import check_qk_norm
 from ._qk_norm_blocks import (
     NORM_PAIRS,
@@ -80,13 +62,6 @@ from ._qk_norm_blocks import (
     precondition_shapes,
     qk_norm_norms,
 )
-from ._sampled import (
-    SampledCurvature,
-    check_output_samples,
-    check_precondition,
-    sampled_plan,
-    with_sampled,
-)
 from .bounds import (
     _attention_bound_table,
     _grouped_attention_bound_tables,
@@ -94,7 +69,14 @@ from .bounds import (
     softmax_jacobian_norm,
 )
 from .rotary import apply_rotary, check_rotary
-from .settings import Lanczos
+from .settings import PARTS, Lanczos, check_parts
+from .solver.lanczos import LanczosRun, start_vectors
+from .solver.linalg import gram_lambda_max
+from .solver.lockstep import Shared, gathered, made_together
+from .solver.operator import ALL_ROWS, BlockOperator, ParamInfo, dense_blocks, head_keys, rows_times, run_parts, select_rows
+from .solver.plan import Planned, full_norms, solve_planned, spectral_plan
+from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
+from .solver.sampled_plan import sampled_plan
 
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
 # with grouped-query attention: pairs with a query block are per query head (h{i}), the others per kv group (g{j})
@@ -134,9 +116,9 @@ class AttentionOperator(BlockOperator):
         qk_norm: a :class:`QKNorm` (from :func:`check_qk_norm`) or None.
 
     Attributes:
-        sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` (``of_heads``) applied by
+        sampled: a :class:`~curvwatch.closed_form.solver.sampled.SampledCurvature` (``of_heads``) applied by
             :meth:`_outer_cotangent` instead of ``c`` (set on a copy by
-            :func:`~curvwatch.closed_form._sampled.with_sampled`), or None.
+            :func:`~curvwatch.closed_form.solver.sampled.with_sampled`), or None.
     """
 
     suffix_heads = True
@@ -531,8 +513,8 @@ class AttentionOperator(BlockOperator):
         if dF is None:
             n = next(iter(tangent.values())).shape[0]
             return {nm: self._zero_out(n, nm) for nm in outputs}
-        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dF, mix), outer_mask)
-        inter = (None,) * 8 if func_mask is None else tuple(_rows_times(t, func_mask) for t in inter)
+        u = None if outer_mask is None else rows_times(self._outer_cotangent(dF, mix), outer_mask)
+        inter = (None,) * 8 if func_mask is None else tuple(rows_times(t, func_mask) for t in inter)
         return self.pull(inter, u=u, second_order=func_mask is not None, outputs=outputs)
 
     # ---- exact pieces (G = 1) ----------------------------------------------------------------
@@ -783,7 +765,7 @@ def _probabilities(P: torch.Tensor, K: torch.Tensor, scale: float, keep: torch.T
 
 def _warm_start(lanczos: Lanczos, key: tuple, shape: tuple[int, int], op: AttentionOperator) -> torch.Tensor:
     """The start vectors ``shape`` of a gathered run's request: the Ritz vectors kept under ``key`` in the block's
-    ``lanczos.warm_start``, or zeros (a cold start, :class:`LanczosRun`'s ``v0``)."""
+    ``lanczos.warm_start``, or zeros (a cold start, :func:`start_vectors`'s ``v0``)."""
     warm = None if lanczos.warm_start is None else lanczos.warm_start.get(key, shape, op.dtype, op.device)
     return torch.zeros(shape, dtype=op.dtype, device=op.device) if warm is None else warm
 
@@ -837,8 +819,8 @@ def _grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X:
         out = torch.bmm(XfT, T).view(m, d, H_kv, d_V)  # sum_b X_b^T T_b
         return out.permute(0, 2, 1, 3).reshape(m, H_kv, d * d_V)
 
-    return LanczosRun(mv, (m, H_kv), d * d_V, dtype=A.dtype, device=A.device, tol=tol, max_iter=max_iter,
-                      max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
+    return LanczosRun(mv, start_vectors((m, H_kv), d * d_V, A.dtype, A.device, start), tol=tol, max_iter=max_iter,
+                      max_basis=max_basis, both_ends=False)  # fmt: skip
 
 
 def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
@@ -891,8 +873,8 @@ def _vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: to
         s = torch.bmm(torch.bmm(t, A3T), A3)  # (m B H, 1, L_kv)
         return torch.bmm(s.view(m, B, H, L_kv).permute(0, 2, 1, 3).reshape(m, H, B * L_kv), Xf)  # sum_b X_b^T s_bh
 
-    return LanczosRun(mv, (m, H), d, dtype=Aw.dtype, device=Aw.device, tol=tol, max_iter=max_iter,
-                      max_basis=max_basis, both_ends=False, v0=start)  # fmt: skip
+    return LanczosRun(mv, start_vectors((m, H), d, Aw.dtype, Aw.device, start), tol=tol, max_iter=max_iter,
+                      max_basis=max_basis, both_ends=False)  # fmt: skip
 
 
 def _strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -1020,7 +1002,7 @@ def _attention(
     lanczos,
     dense,
     single,
-    kinds=KINDS,
+    parts=PARTS,
     terms=True,
     window=None,
     scale=None,
@@ -1074,7 +1056,7 @@ def _attention(
             raise ValueError(f"Unknown attention pair {p!r}; choose from {ATTENTION_PAIRS + ('QKV',) + NORM_PAIRS}.")
     n_pairs = norm_pairs(op, pairs)  # those of a QK-norm with parameters: N1N1, N2N2, N1N2
     pairs = tuple(p for p in pairs if p not in NORM_PAIRS)
-    kinds = _check_kinds(kinds)
+    parts = check_parts(parts)
 
     def hk(base):  # per-query-head keys
         return [base] if single else [f"{base}/h{h}" for h in range(H)]
@@ -1131,7 +1113,7 @@ def _attention(
         views = [(qv, [p for p in iterative if p in QUERY_PAIRS]), (gv, [p for p in iterative if p in GROUP_PAIRS])]
     # the VV run, the engine's runs (the query view's and the group view's with grouped-query attention) and the
     # sampled keys' in shared solves (their stopping tests share host reads), within lanczos.solve_bytes of bases
-    plans = [spectral_plan(views, kinds=kinds, lanczos=lanczos)] + ([splan] if splan is not None else [])
+    plans = [spectral_plan(views, parts=parts, lanczos=lanczos)] + ([splan] if splan is not None else [])
     solved = solve_planned(([vv_plan] if vv_plan is not None else []) + plans, lanczos.solve_bytes)
     vv_of = solved.pop(0) if vv_plan is not None else None
     norms_of, *sampled_of = solved
@@ -1153,9 +1135,9 @@ def _attention(
         out.update(_group_keys(norms_of[1]))
     if full:
         if G == 1:
-            out.update(full_norms(op, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos))
+            out.update(full_norms(op, ["Q", "K", "V"], "QKV", parts=parts, lanczos=lanczos))
         else:
-            out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", kinds=kinds, lanczos=lanczos)))
+            out.update(_group_keys(full_norms(gv, ["Q", "K", "V"], "QKV", parts=parts, lanczos=lanczos)))
     if sampled_of:
         out.update(sampled_of[0][0])
         if G > 1:
@@ -1176,7 +1158,7 @@ def _attention(
             out.update(_group_keys(dense_blocks(gv, GROUP_PAIRS, full=("Q", "K", "V"))))
     if n_pairs or dense:  # the QK-norm parameters' blocks, after every other key (which they leave unchanged)
         norm_pre = block_precondition(op, precondition or {})
-        out.update(qk_norm_norms(op, n_pairs, kinds=kinds, lanczos=lanczos, dense=dense, sampled_op=sop,
+        out.update(qk_norm_norms(op, n_pairs, parts=parts, lanczos=lanczos, dense=dense, sampled_op=sop,
                                  precondition=norm_pre))  # fmt: skip
     lanczos.warn_unconverged(out, "self_attention" if single else "multi_head_attention")
     return out
@@ -1313,7 +1295,7 @@ def self_attention(
     rotary_interleaved: bool = False,
     qk_norm: dict | None = None,
     pairs=None,
-    kinds=KINDS,
+    parts=PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
     terms: bool | str = True,
@@ -1336,7 +1318,7 @@ def self_attention(
             queries and keys, per-head QK-norm with its weights as blocks ``N1``, ``N2``); one head without ``W_O``.
         pairs: subset of ``("VV", "QQ", "KK", "VQ", "VK", "QK", "QKV")`` (default all; with a QK-norm that has
             weights also ``"N1N1"``, ``"N2N2"``, ``"N1N2"``).
-        kinds: which iterative norms to compute, a subset of ``("outer", "functional", "hessian")``
+        parts: which iterative norms to compute, a subset of ``("outer", "functional", "hessian")``
             (each costs its own Lanczos run; ``outer/VV`` is exact and always returned with ``VV``).
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
             ``Lanczos()``: relative residual 1e-3, at most 100 steps and 16 vectors held per norm, a
@@ -1370,7 +1352,7 @@ def self_attention(
         Hessian except the second-order part of the layers downstream of ``F``, which ``C`` leaves out (negative
         where ``H_f`` dominates with negative curvature); with ``precondition`` holding ``W_X``, ``precond_ggn/XX``
         and ``precond_sharpness/XX``, the same of ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each. All by
-        Lanczos (VV too), whatever ``kinds``.
+        Lanczos (VV too), whatever ``parts``.
 
     Raises:
         ValueError: on shape mismatches, unless exactly one of ``target`` / ``grad_output`` is given, on
@@ -1414,7 +1396,7 @@ def self_attention(
         lanczos=Lanczos() if lanczos is None else lanczos,
         dense=dense,
         single=True,
-        kinds=kinds,
+        parts=parts,
         terms=terms,
         **_modern_options(window, scale, rotary, rotary_interleaved, qk_norm, W_Q.shape[-1], X3),
         output_samples=output_samples,
@@ -1452,7 +1434,7 @@ def multi_head_attention(
     memory: torch.Tensor | None = None,
     memory_padding_mask: torch.Tensor | None = None,
     pairs=None,
-    kinds=KINDS,
+    parts=PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
     terms: bool | str = True,
@@ -1476,7 +1458,7 @@ def multi_head_attention(
             ``h`` reads kv head ``h // (H / H_kv)`` (Hugging Face's ``repeat_kv``, litgpt's query groups). ``None``:
             ``H``, plain multi-head attention (``H_kv = H`` gives bit-identical numbers).
         b_Q: ``(H d_K,)``; b_K: ``(H_kv d_K,)``; b_V: ``(H_kv d_V,)``; b_O: ``(m,)``; optional.
-        target, grad_output, output_curvature, pairs, kinds, lanczos, terms, dense: as in :func:`self_attention`
+        target, grad_output, output_curvature, pairs, parts, lanczos, terms, dense: as in :func:`self_attention`
             (default ``c = 2/(L m)``); ``pairs`` may also name ``"N1N1"``, ``"N2N2"``, ``"N1N2"`` (the QK-norm
             parameters' blocks; in the default), left out where the call's ``qk_norm`` lacks that norm's parameters.
         causal: query ``i`` sees keys ``j <= i`` (also across, in cross-attention).
@@ -1518,10 +1500,10 @@ def multi_head_attention(
         The keys of :func:`self_attention` suffixed by head or group. With ``H_kv = H``: ``/h{i}`` for everything,
         e.g. ``hessian/QQ/h0``, ``term/softmax_jac_norm/h1``, ``bound/VQ/h0``. With ``H_kv < H``:
 
-        * ``{kind}/QQ/h{i}``, ``{kind}/VQ/h{i}``, ``{kind}/QK/h{i}`` (``i < H``): the blocks of query head ``i``'s
+        * ``{part}/QQ/h{i}``, ``{part}/VQ/h{i}``, ``{part}/QK/h{i}`` (``i < H``): the blocks of query head ``i``'s
           ``W_Q`` with itself and with its group's ``W_V`` and ``W_K``;
-        * ``{kind}/KK/g{j}``, ``{kind}/VV/g{j}``, ``{kind}/VK/g{j}`` (``j < H_kv``): the blocks of kv head ``j``'s
-          ``W_K``, ``W_V``, collecting every query head that reads them; ``{kind}/QKV/g{j}``: the whole Hessian of
+        * ``{part}/KK/g{j}``, ``{part}/VV/g{j}``, ``{part}/VK/g{j}`` (``j < H_kv``): the blocks of kv head ``j``'s
+          ``W_K``, ``W_V``, collecting every query head that reads them; ``{part}/QKV/g{j}``: the whole Hessian of
           group ``j``'s weights in block order ``Q`` (its ``G`` query heads in order), ``K``, ``V``;
         * ``term/...`` per query head (``/h{i}``) except ``term/wk_norm/g{j}``, ``term/wv_norm/g{j}``;
           ``bound/...`` as the blocks; ``outer/VV/g{j}`` by Lanczos (no closed-form norm when heads share ``W_V``).
@@ -1537,7 +1519,7 @@ def multi_head_attention(
         that pair's other keys: ``/h{i}`` with ``H_kv = H``; with ``H_kv < H`` ``QQ/h{i}`` per query head and
         ``VV/g{j}``, ``KK/g{j}`` per kv group (blocks of the head's ``W_Q`` slice, the group's ``W_K``, ``W_V`` slices).
 
-        With a ``qk_norm`` that has parameters: ``{kind}/N1N1``, ``{kind}/N2N2``, ``{kind}/N1N2`` (and
+        With a ``qk_norm`` that has parameters: ``{part}/N1N1``, ``{part}/N2N2``, ``{part}/N1N2`` (and
         ``residual/...``, ``dense/...``), without head suffix: the blocks of the query norm's parameters ``N1`` (weight
         ``gamma_q``, then bias ``beta_q`` for a LayerNorm with bias; ``(p d_K)`` rows in that order) and the key
         norm's ``N2``, each shared by all heads, so the Gauss-Newton part collects every head's output (cross-head
@@ -1640,7 +1622,7 @@ def multi_head_attention(
         lanczos=Lanczos() if lanczos is None else lanczos,
         dense=dense,
         single=False,
-        kinds=kinds,
+        parts=parts,
         terms=terms,
         **_modern_options(window, scale, rotary, rotary_interleaved, qk_norm, d_K, X3),
         memory=M3,

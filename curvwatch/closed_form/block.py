@@ -18,11 +18,12 @@ import torch
 
 from ._common import as_batched, check_weight, output_cotangent
 from ._masks import keep_masks, split_heads
-from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
 from .attention import AttentionOperator
 from .ffn import activation_derivatives
 from .layernorm import LayerNormRows
-from .settings import Lanczos
+from .settings import PARTS, Lanczos, check_parts
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks
+from .solver.plan import spectral_norms
 
 BLOCK_NAMES = ("V", "Q", "K", "W1", "W2")
 BLOCK_PAIRS = tuple(a + b for i, a in enumerate(BLOCK_NAMES) for b in BLOCK_NAMES[i:])
@@ -251,7 +252,7 @@ def transformer_block(
     grad_output: torch.Tensor | None = None,
     output_curvature: float | None = None,
     pairs=None,
-    kinds=KINDS,
+    parts=PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -268,7 +269,7 @@ def transformer_block(
         causal: causal attention mask.
         target / grad_output / output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
-        kinds: subset of ``("outer", "functional", "hessian")``.
+        parts: subset of ``("outer", "functional", "hessian")``.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`, default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` blocks ``(n_X, n_Y)``.
 
@@ -307,7 +308,7 @@ def transformer_block(
         if q not in BLOCK_PAIRS:
             raise ValueError(f"Unknown block pair {q!r}; choose from {BLOCK_PAIRS}.")
     lz = Lanczos() if lanczos is None else lanczos
-    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), lanczos=lz)
+    out = spectral_norms(op, pairs, parts=check_parts(parts), lanczos=lz)
     for name, ln in (("ln1", op.ln1), ("ln2", op.ln2)):
         s_min = ln.s.min()
         out[f"term/{name}_inv_std_max"] = 1.0 / s_min

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ._common import gram_lambda_max
+from .solver.linalg import gram_lambda_max
 
 
 def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:

@@ -16,29 +16,13 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import (
-    as_batched,
-    check_like,
-    check_row_mask,
-    check_weight,
-    gram_lambda_max,
-    output_cotangent,
-    shared_times,
-    times_shared,
-)
-from ._operator import (
-    KINDS,
-    BlockOperator,
-    ParamInfo,
-    _check_kinds,
-    _rows_times,
-    dense_blocks,
-    norms_with_a_linear_pair,
-    run_parts,
-    select_rows,
-)
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
-from .settings import Lanczos
+from ._common import as_batched, check_like, check_row_mask, check_weight, output_cotangent
+from .settings import PARTS, Lanczos, check_parts
+from .solver.linalg import gram_lambda_max, shared_times, times_shared
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
+from .solver.plan import norms_with_a_linear_pair
+from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
+from .solver.sampled_plan import sampled_plan
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -99,8 +83,8 @@ class FFNOperator(BlockOperator):
         act2_is_zero: True for ReLU (``act'' = 0``: the W1W1 functional term vanishes and is skipped).
 
     Attributes:
-        sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` applied as the output curvature
-            instead of ``c`` (set on a copy by :func:`~curvwatch.closed_form._sampled.with_sampled`), or None.
+        sampled: a :class:`~curvwatch.closed_form.solver.sampled.SampledCurvature` applied as the output curvature
+            instead of ``c`` (set on a copy by :func:`~curvwatch.closed_form.solver.sampled.with_sampled`), or None.
     """
 
     supports_subsets = True
@@ -158,10 +142,10 @@ class FFNOperator(BlockOperator):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
         dZ, dHid, dW2, dS = self._tangents(tangent, output=outer_mask is not None)
-        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dS), outer_mask)
+        u = None if outer_mask is None else rows_times(self._outer_cotangent(dS), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, False, outputs)
-        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZ, dHid, dW2)), True, outputs)
+        return self._pull(u, *(rows_times(t, func_mask) for t in (dZ, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dS: torch.Tensor) -> torch.Tensor:
         """``u = C dS`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token (0 on dropped ones) or the
@@ -208,7 +192,7 @@ def ffn(
     output_curvature: float | None = None,
     row_mask: torch.Tensor | None = None,
     pairs=None,
-    kinds=KINDS,
+    parts=PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
     output_samples: torch.Tensor | None = None,
@@ -225,7 +209,7 @@ def ffn(
             :func:`curvwatch.closed_form.self_attention` (``c = 2/(L m)``).
         row_mask: ``(B, L)`` bool, True = token included.
         pairs: subset of ``("W1W1", "W2W2", "W1W2")``.
-        kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
+        parts: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
             ``Lanczos()``: tol 1e-3, at most 100 steps and 16 vectors held per norm, a warning if one does not
             converge).
@@ -248,7 +232,7 @@ def ffn(
         ``J_X^T C J_X + H_f,XX`` (the block of the loss Hessian, except the second-order part of the layers
         downstream of ``S``, which ``C`` leaves out; negative when ``H_f`` dominates with negative curvature);
         with ``precondition`` holding ``W_X``, ``precond_ggn/XX`` and ``precond_sharpness/XX``, the same of
-        ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``kinds``).
+        ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``parts``).
 
     Raises:
         ValueError: on invalid shapes or options, ``output_samples`` / ``precondition`` with ``target``, or
@@ -300,7 +284,7 @@ def ffn(
     for p in pairs:
         if p not in FFN_PAIRS:
             raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
-    kinds = _check_kinds(kinds)
+    parts = check_parts(parts)
     op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu) if need_op else None
     out: dict[str, torch.Tensor] = {}
     # every exact norm in one call (one eigvalsh per Gram size); masked tokens excluded from the statistics
@@ -323,7 +307,7 @@ def ffn(
         splan = sampled_plan(sop, [(diagonal, None, ("W2W2",))], lanczos=lz, scale=scale)  # F linear in W_2
     # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run. The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, kinds=kinds, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, parts=parts, lanczos=lz, extra=splan))
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:

@@ -29,30 +29,14 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import (
-    as_batched,
-    check_like,
-    check_row_mask,
-    check_weight,
-    gram_lambda_max,
-    output_cotangent,
-    shared_times,
-    times_shared,
-)
-from ._operator import (
-    KINDS,
-    BlockOperator,
-    ParamInfo,
-    _check_kinds,
-    _rows_times,
-    dense_blocks,
-    norms_with_a_linear_pair,
-    run_parts,
-    select_rows,
-)
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
+from ._common import as_batched, check_like, check_row_mask, check_weight, output_cotangent
 from .ffn import activation_derivatives, activation_value
-from .settings import Lanczos
+from .settings import PARTS, Lanczos, check_parts
+from .solver.linalg import gram_lambda_max, shared_times, times_shared
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
+from .solver.plan import norms_with_a_linear_pair
+from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
+from .solver.sampled_plan import sampled_plan
 
 __all__ = [
     "GATED_ACTIVATIONS",
@@ -190,10 +174,10 @@ class GatedFFNOperator(BlockOperator):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
         dZg, dZu, dHid, dW2, dF = self._tangents(tangent, output=outer_mask is not None)
-        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dF), outer_mask)
+        u = None if outer_mask is None else rows_times(self._outer_cotangent(dF), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, None, False, outputs)
-        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZg, dZu, dHid, dW2)), True, outputs)
+        return self._pull(u, *(rows_times(t, func_mask) for t in (dZg, dZu, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dF: torch.Tensor) -> torch.Tensor:
         """``u = C dF`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token or the sampled curvature."""
@@ -243,7 +227,7 @@ def gated_ffn(
     output_curvature: float | None = None,
     row_mask: torch.Tensor | None = None,
     pairs=None,
-    kinds=KINDS,
+    parts=PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
     output_samples: torch.Tensor | None = None,
@@ -264,7 +248,7 @@ def gated_ffn(
             (``c = 2/(L m)``).
         row_mask: ``(B, L)`` bool (``(L,)`` unbatched), True = token included.
         pairs: subset of ``("W1W1", "W3W3", "W2W2", "W1W3", "W1W2", "W3W2")``.
-        kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
+        parts: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` for the six pairs (small sizes only).
         output_samples: ``(k, B, L, m)`` (``(k, L, m)`` unbatched), grad_output mode only: ``k`` sampled gradients
@@ -275,7 +259,7 @@ def gated_ffn(
             of a positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
 
     Returns:
-        0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{kind}/XY`` for the Lanczos
+        0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{part}/XY`` for the Lanczos
         ones; ``W2W2`` is exact, ``functional/W2W2 = functional/W3W3 = 0`` exactly), and the statistics
         over the kept tokens: ``gate_saturation`` (fraction of gate pre-activations below ``GATE_OFF = -4``,
         where the gate is off and passes almost no gradient), ``dead_fraction`` (hidden units whose gate is
@@ -289,10 +273,10 @@ def gated_ffn(
         eigenvalue of ``J_X^T C J_X + H_f,XX`` (the loss Hessian's block without the second-order part of the
         layers downstream of ``F``; ``H_f,XX`` the functional block with ``G = grad_output``, zero for ``W3W3`` and
         ``W2W2``), with ``precondition`` holding that weight ``precond_ggn/XX`` and ``precond_sharpness/XX``, the
-        same of ``P^{-1/2} (.) P^{-1/2}``, and ``residual/...`` of each (Lanczos, whatever ``kinds``).
+        same of ``P^{-1/2} (.) P^{-1/2}``, and ``residual/...`` of each (Lanczos, whatever ``parts``).
 
     Raises:
-        ValueError: on an unknown ``activation``, pair or kind, inconsistent shapes, unless exactly one of
+        ValueError: on an unknown ``activation``, pair or part, inconsistent shapes, unless exactly one of
             ``target`` and ``grad_output`` is given, on ``output_samples`` / ``precondition`` with ``target``, and
             on ``precondition`` without ``output_samples``.
 
@@ -327,7 +311,7 @@ def gated_ffn(
             raise ValueError(
                 f"Unknown gated-MLP pair {p!r}; choose from {GATED_FFN_PAIRS} (W1 = gate, W3 = up, W2 = down)."
             )
-    kinds = _check_kinds(kinds)
+    parts = check_parts(parts)
     iterative = [p for p in pairs if p != "W2W2"]
     samples = check_output_samples(
         output_samples, target=target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
@@ -371,7 +355,7 @@ def gated_ffn(
         splan = sampled_plan(sop, [(diagonal, None, ("W2W2", "W3W3"))], lanczos=lz, scale=scale)  # F linear in them
     # F is linear in W_up: H_f(W3W3) = 0 exactly, the Hessian block is its outer part (one Lanczos run). The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", kinds=kinds, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", parts=parts, lanczos=lz, extra=splan))
     kept = keep.unsqueeze(-1)  # (B, L, 1)
     n_kept = f * (B * L if row_mask is None else keep.sum())
     off, pos = Z_g < GATE_OFF, Z_g > 0  # (B, L, f)
