@@ -306,7 +306,9 @@ class CapturedBlock:
         return 2 if "output_samples" in self.inputs else 1
 
     def reference_inputs(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included).
+        """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included), grouped as
+        the kernel takes them (:attr:`~curvwatch.kinds.BlockKind.prepare`); the ground truths of
+        :mod:`curvwatch.reference` take the same.
 
         Args:
             dtype: Cast floating tensors to it (``None``: keep the captured dtype). Masks stay bool.
@@ -374,7 +376,7 @@ class CapturedBlock:
             kwargs.update(lanczos=lanczos, parts=parts)
             if pairs is not None:
                 kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
-        if "output_samples" in kwargs and precondition is not None:
+        if "output_samples" in self.inputs and precondition is not None:
             kwargs["precondition"] = _cast(precondition, dtype)
         if signals and kind.signal_kwargs:
             kwargs.update(kind.signal_kwargs)
