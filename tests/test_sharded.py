@@ -381,7 +381,8 @@ def test_capture_reading_at_evaluation_keeps_no_weights_and_gives_the_same_numbe
             assert float(actual.results[block][key]) == float(value), f"{block} {key}"
     # a deferred block used directly (evaluate, reference checks) reads its weights itself
     kwargs, expected_kwargs = deferred[0].reference_inputs(), snapshot[0].reference_inputs()
-    assert kwargs.keys() == expected_kwargs.keys() and torch.equal(kwargs["W_Q"], expected_kwargs["W_Q"])
+    assert kwargs.keys() == expected_kwargs.keys()
+    assert torch.equal(kwargs["weights"].W_Q, expected_kwargs["weights"].W_Q)
 
 
 @pytest.mark.parametrize("raise_errors", [False, True])

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ._common import as_batched, check_weight, output_cotangent
-from ._masks import keep_masks, split_heads
+from .masks import keep_masks, split_heads
 from .attention import AttentionOperator, HeadWeights
 from .ffn import activation_derivatives
 from .inputs import OutputLoss

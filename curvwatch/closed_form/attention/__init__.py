@@ -7,6 +7,7 @@
 * :mod:`~.layout`: the tensor layouts of the operator's products.
 """
 
+from .._qk_norm_blocks import NORM_PAIRS
 from .kernels import multi_head_attention, self_attention
 from .operator import ATTENTION_PAIRS, GROUP_PAIRS, QUERY_PAIRS, AttentionOperator, HeadWeights, softmax_jvp
 from .views import GroupView, QueryView, group_keys
@@ -23,4 +24,5 @@ __all__ = [
     "ATTENTION_PAIRS",
     "QUERY_PAIRS",
     "GROUP_PAIRS",
+    "NORM_PAIRS",
 ]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .._common import as_batched, check_like, check_weight, output_cotangent
-from .._masks import attention_masks, split_heads
+from ..masks import attention_masks, split_heads
 from .._qk_norm import check_qk_norm
 from .._qk_norm_blocks import NORM_PAIRS, block_precondition, norm_pairs, precondition_shapes, qk_norm_norms
 from ..inputs import AttentionStructure, AttentionWeights, OutputLoss

@@ -38,7 +38,7 @@ tangents and cotangents are in :mod:`curvwatch.closed_form._qk_norm_blocks`.
 
 The other parts live beside this module: the grouped-query views in :mod:`~.views`, the kernels in :mod:`~.kernels`,
 the bound terms in :mod:`~.terms`, the products' tensor layouts in :mod:`~.layout`; ``R`` in
-:mod:`curvwatch.closed_form.rotary`, ``N`` in ``_qk_norm``, head splitting and the masks in ``_masks``, the bounds in
+:mod:`curvwatch.closed_form.rotary`, ``N`` in ``_qk_norm``, head splitting and the masks in ``masks``, the bounds in
 :mod:`curvwatch.closed_form.bounds`.
 """
 
