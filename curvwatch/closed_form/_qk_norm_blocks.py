@@ -35,7 +35,7 @@ import torch
 
 from .solver.operator import BlockOperator, ParamInfo, dense_blocks, pair_blocks
 from .solver.plan import spectral_norms
-from .solver.sampled_plan import sampled_norms
+from .solver.sampled_keys import sampled_norms
 
 #: The block pairs of the QK-norm parameters.
 NORM_PAIRS = ("N1N1", "N2N2", "N1N2")

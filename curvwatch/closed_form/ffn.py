@@ -23,7 +23,7 @@ from .solver.linalg import gram_lambda_max, shared_times, times_shared
 from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
 from .solver.plan import norms_with_a_linear_pair
 from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
-from .solver.sampled_plan import sampled_plan
+from .solver.sampled_keys import sampled_plan
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -290,7 +290,7 @@ def loss_cotangent(F, loss: OutputLoss, keep: torch.Tensor, shape: tuple[int, in
 
 
 def token_sampled_plan(op, samples, pairs, blocks: dict[str, str], pre: dict, linear: tuple[str, ...], lanczos):
-    """The sampled keys' plan (:func:`~.solver.sampled_plan.sampled_plan`) of a token-wise block (FFN, gated FFN):
+    """The sampled keys' plan (:func:`~.solver.sampled_keys.sampled_plan`) of a token-wise block (FFN, gated FFN):
     its diagonal pairs of ``pairs`` with the samples ``(k, B, L, m)`` as output curvature, ``pre`` (``D`` per weight
     argument) renamed to the operator's ``blocks``, ``linear`` the pairs whose functional block is zero; None without
     samples."""

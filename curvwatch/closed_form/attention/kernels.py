@@ -52,7 +52,7 @@ from ..settings import PARTS, Lanczos, check_parts
 from ..solver.operator import dense_blocks
 from ..solver.plan import full_norms, solve_planned, spectral_plan
 from ..solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
-from ..solver.sampled_plan import sampled_plan
+from ..solver.sampled_keys import sampled_plan
 from .operator import ATTENTION_PAIRS, GROUP_PAIRS, QUERY_PAIRS, AttentionOperator, HeadWeights
 from .terms import Forward, Suffixes, signal_terms, spectral_norms_of, terms_and_bounds
 from .views import GroupView, QueryView, group_keys, grouped_vv_plan

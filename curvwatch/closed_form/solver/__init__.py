@@ -9,7 +9,7 @@ the outer and functional parts) and asks this package for norms:
 * :mod:`~.operator`: the operator interface and the symmetric matvecs of its blocks (:func:`pair_matvec`), dense
   blocks for tests;
 * :mod:`~.plan`: runs planned, made and solved together (:func:`spectral_plan`, :func:`solve_planned`);
-* :mod:`~.sampled`, :mod:`~.sampled_plan`, :mod:`~.gram`, :mod:`~.members`, :mod:`~.debiasing`: the Monte-Carlo output
+* :mod:`~.sampled`, :mod:`~.sampled_keys`, :mod:`~.gram`, :mod:`~.members`, :mod:`~.debiasing`: the Monte-Carlo output
   curvature of the real-loss keys, their plan, the exact Gram path, the members' products and the few-sample bias;
 * :mod:`~.linalg`: small dense helpers (exact spectral norms, products with a shared factor).
 """
@@ -23,7 +23,7 @@ from .members import member_shares, members_matvec
 from .operator import BlockOperator, Embedding, ParamInfo, dense_blocks, head_keys, pair_matvec, stacked_matvec
 from .plan import SOLVE_BYTES, Planned, full_norms, solve_planned, spectral_norms, spectral_plan
 from .sampled import Preconditioned, SampledCurvature, check_output_samples, check_precondition, with_sampled
-from .sampled_plan import sampled_norms, sampled_plan
+from .sampled_keys import sampled_norms, sampled_plan
 
 __all__ = [
     # Lanczos

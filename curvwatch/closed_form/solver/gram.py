@@ -114,7 +114,7 @@ def gram_eigen(
     Exact eigenvalues (float64) instead of the Lanczos runs of every estimate and preconditioning. Every item's
     matrices go through one ``eigh`` (the halves, when of one size, through a second): on a GPU each call on small
     matrices costs milliseconds whatever the batch, and a kernel call has up to three pairs x two preconditionings x
-    three estimates of them (:func:`~.sampled_plan.sampled_plan` batches them while the matrices stay within the
+    three estimates of them (:func:`~.sampled_keys.sampled_plan` batches them while the matrices stay within the
     largest pair's Gram columns: all of them at realistic sizes).
     """
     k, B = curvature.sigma.shape[:2]

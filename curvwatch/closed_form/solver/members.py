@@ -235,7 +235,7 @@ def member_shares(
     estimate's sample weight (``1/k`` on all, ``1/k_a`` on one half's: :meth:`SampledCurvature.counts`), ``D_0 = 1``
     and ``D_1 = D`` (``P = 2``; ``D`` None: ``P = 1``).
 
-    ``ritz`` ``(P E m, H, size)``: the members' Ritz vectors in the rows' order of :func:`~.sampled_plan.sampled_plan` (row ``m (i E
+    ``ritz`` ``(P E m, H, size)``: the members' Ritz vectors in the rows' order of :func:`~.sampled_keys.sampled_plan` (row ``m (i E
     + e) + kind``); ``view``: maps the operator to the one the block is read from; ``D``: the block's ``P^{-1/2}`` in
     the base operator's layout (the view's: same entries, order). Products of at most :data:`MEMBER_ROWS` rows (the
     members' own) through the operator's outer part (:class:`Recorder`), the preconditioned rows scaled on the way

@@ -172,7 +172,7 @@ def norms_with_a_linear_pair(
     """:func:`spectral_norms` of ``pairs`` where the functional block of the diagonal pair ``linear`` is exactly zero
     (the FFN's ``W1W1`` under ReLU, the gated FFN's ``W3W3``: ``F`` linear in that weight): one outer-only run for it,
     its ``hessian`` keys the outer part and its ``functional`` key 0. The runs and those of ``extra`` (the sampled
-    keys' :func:`~.sampled_plan.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads, within
+    keys' :func:`~.sampled_keys.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads, within
     ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last."""
     iterative = [p for p in pairs if p != linear]
     zero = linear is not None and linear in pairs

@@ -22,7 +22,7 @@ Each operator applies its output curvature at one line (``FFNOperator.apply``, `
 :class:`SampledCurvature`. The norms then run through the pair machinery on a copy of the operator
 (:func:`with_sampled`), under the grouped-query views where needed, with :class:`Preconditioned` wrapping the base
 operator. This module holds the curvature, the wrappers and the checks of the kernels' arguments;
-:mod:`~.sampled_plan` plans the keys' Lanczos runs, :mod:`~.gram` the exact Gram path, :mod:`~.members` the
+:mod:`~.sampled_keys` plans the keys' Lanczos runs, :mod:`~.gram` the exact Gram path, :mod:`~.members` the
 members' products and :mod:`~.debiasing` the few-sample bias.
 """
 
