@@ -551,7 +551,9 @@ def test_bounds_hold_on_split_attention_shared_by_a_group(L):
     W_Q = torch.cat([W_Q1, 0.5 * W_Q1], dim=1)  # two query heads, both splitting 1/2-1/2
     W_K, W_V, W_O = torch.eye(2, dtype=DT), torch.eye(2, dtype=DT), torch.eye(4, 2, dtype=DT) + 0.1
     out = multi_head_attention(
-        X, AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=2, n_kv_heads=1), loss=OutputLoss(target=torch.zeros(L, 2, dtype=DT)),
+        X,
+        AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=2, n_kv_heads=1),
+        loss=OutputLoss(target=torch.zeros(L, 2, dtype=DT)),
         lanczos=EXACT,
     )  # fmt: skip
     _assert_bounds_hold(out, rtol=1e-12, expected=_n_bounds(2, 1))
@@ -675,7 +677,8 @@ def test_default_lanczos_at_a_realistic_grouped_rotary_size(monkeypatch):
     monkeypatch.setattr(attention_module.AttentionOperator, "apply", counted)
     t0 = time.perf_counter()
     out = multi_head_attention(
-        X, AttentionWeights(w(d, H * d_K), w(d, H_kv * d_K), w(d, H_kv * d_K), w(H * d_K, d), n_heads=H, n_kv_heads=H_kv),
+        X,
+        AttentionWeights(w(d, H * d_K), w(d, H_kv * d_K), w(d, H_kv * d_K), w(H * d_K, d), n_heads=H, n_kv_heads=H_kv),
         loss=OutputLoss(grad_output=G), structure=AttentionStructure(causal=True, rotary=(emb.cos(), emb.sin())),
     )  # fmt: skip
     elapsed = time.perf_counter() - t0

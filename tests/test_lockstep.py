@@ -8,12 +8,12 @@ import torch
 
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch import engine as engine_module
-from curvwatch.closed_form.solver import lanczos as _lanczos
-from curvwatch.closed_form.solver import lockstep as _lockstep
-from curvwatch.closed_form.solver.lockstep import Lockstep, gathered, made_together
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver import lockstep as _lockstep
+from curvwatch.closed_form.solver.lockstep import Lockstep, gathered, made_together
 from curvwatch.engine import Engine
 from curvwatch.rules import RuleSet
 from tests.test_engine import _captured as captured_gpt

@@ -299,7 +299,7 @@ def _assert_sampled_keys_close(got: dict, ref: dict, tol: float) -> list[str]:
 def _reference(prob: Problem, block: Block, G: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Dense ``lambda_max`` of ``J^T C J`` (``ggn``) and ``J^T C J + H_f`` (``sharpness``), and of their
     ``P^{-1/2} (.) P^{-1/2}`` where the problem preconditions the block's weight, each debiased as the kernels do
-    (:func:`~curvwatch.closed_form._sampled.debias` of the values with all samples and with each half; ``raw``: the
+    (:func:`~curvwatch.closed_form.solver.debias` of the values with all samples and with each half; ``raw``: the
     plain ones); plus ``H_f`` itself and the dense GGN of all samples."""
     G = prob.G if G is None else G
     F0 = block.forward(block.W0)
