@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import torch
 
 from ._common import as_batched, check_weight, output_cotangent
-from .masks import keep_masks, split_heads
 from .attention import AttentionOperator, HeadWeights
 from .ffn import activation_derivatives
 from .inputs import OutputLoss
 from .layernorm import LayerNormRows
+from .masks import keep_masks, split_heads
 from .settings import PARTS, Lanczos, check_parts
 from .solver.operator import BlockOperator, ParamInfo, dense_blocks
 from .solver.plan import spectral_norms
@@ -256,7 +256,7 @@ def transformer_block(
         activation: ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``.
         eps: LayerNorm epsilon.
         causal: causal attention mask.
-        loss: the loss at the block output ``Z`` ``(L, d)`` or ``(B, L, d)`` (:class:`~curvwatch.closed_form.OutputLoss`:
+        loss: the loss at the block output ``Z`` ``(L, d)`` or ``(B, L, d)`` (:class:`~.inputs.OutputLoss`:
             ``target`` or ``grad_output``, ``output_curvature`` default ``c = 2/(L d)``; no ``output_samples``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
         parts: subset of ``("outer", "functional", "hessian")``.

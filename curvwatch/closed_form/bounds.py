@@ -120,8 +120,8 @@ def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
     ``||S||_F^2 = sum_j r_j w_j - 2 (sum_j a_j r_j - ||J a||^2) + p_2 sum_j r_j``.
 
     Near one-hot rows every term is tiny, so ``1 - a_top``, ``sum_{l != top} a_l^2`` and ``a_top - p_2`` are
-    formed from the other entries, never as differences of numbers close to 1 (an earlier closed form in
-    powers of ``a`` cancelled catastrophically there and under-estimated the norm by 1e7).
+    formed from the other entries, never as differences of numbers close to 1 (the closed form in powers of
+    ``a`` cancels catastrophically there and can under-estimate the norm by orders of magnitude).
 
     Args:
         A: ``(..., L, L)``.

@@ -40,9 +40,10 @@ def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tens
     if activation == "relu":
         zero = torch.zeros_like(Z)
         # act' = 1[Z > 0] (0 at NaN) in Z's dtype: heaviside(Z, 0) is bitwise (Z > 0).to(Z.dtype) in one kernel
-        # (2.4 vs 7.6 us at 8 x 32). It has no autograd formula, so it reads Z detached when Z requires grad.
+        # (the comparison and the cast are two). It has no autograd formula, so it reads Z detached when Z requires
+        # grad.
         pos = torch.heaviside(Z.detach() if Z.requires_grad else Z, zero)
-        # torch.relu: one kernel (1.8 us at 8 x 32 vs 9 us for Z * (Z > 0).to(Z.dtype)); equal to that product
+        # torch.relu: one kernel (Z * (Z > 0).to(Z.dtype) is three); equal to that product
         # except +0 (not -0) for Z < 0 and 0 (not NaN) for Z = -inf
         return torch.relu(Z), pos, zero
     if activation == "gelu":

@@ -137,7 +137,8 @@ class Lanczos:
             this off and reports convergence through its own keys instead.
         solve_bytes: Most bytes of Lanczos bases one kernel call holds at once so that its runs share their stopping
             tests (one host read per round of tests for all of them, a sync on a GPU); runs beyond it are solved one
-            after the other. ``None``: :data:`~curvwatch.closed_form.solver.plan.SOLVE_BYTES` (1 GiB). The monitor passes each block's own
+            after the other. ``None``: :data:`~.solver.plan.SOLVE_BYTES` (1 GiB). The monitor passes each block's
+            own
             estimate of its bases (:meth:`~curvwatch.capture.CapturedBlock.basis_bytes`, which its memory windows
             already count), at least that.
 

@@ -33,7 +33,11 @@ from curvwatch.reference.common import (
 )
 
 __all__ = [
-    "attention_blocked", "attention_forward", "blocked_logits", "multi_head_attention_blocks", "self_attention_blocks",
+    "attention_blocked",
+    "attention_forward",
+    "blocked_logits",
+    "multi_head_attention_blocks",
+    "self_attention_blocks",
 ]
 
 ATTENTION_PAIRS = (("V", "V"), ("Q", "Q"), ("K", "K"), ("V", "Q"), ("V", "K"), ("Q", "K"))
@@ -330,8 +334,10 @@ def multi_head_attention_blocks(
     structure = AttentionStructure() if structure is None else structure
     Xb, batched = as_batched("X", X)
     plain = AttentionStructure(causal=structure.causal, key_padding_mask=structure.key_padding_mask)
-    modern = weights.n_kv_heads is not None or weights.qk_norm is not None or any(
-        getattr(structure, f.name) is not getattr(plain, f.name) for f in dataclasses.fields(plain)
+    modern = (
+        weights.n_kv_heads is not None
+        or weights.qk_norm is not None
+        or any(getattr(structure, f.name) is not getattr(plain, f.name) for f in dataclasses.fields(plain))
     )
     if modern:
         return _modern_attention_blocks(Xb, batched, weights, loss, structure)

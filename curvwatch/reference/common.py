@@ -13,8 +13,20 @@ from curvwatch.closed_form.inputs import OutputLoss
 from curvwatch.closed_form.settings import PARTS
 
 __all__ = [
-    "as_batched", "batched_mask", "check_choice", "check_loss", "check_tensor", "dense_blocks", "dense_to_norms",
-    "describe", "full_matrix", "layer_norm", "output_loss", "pair_keys", "spectral_norm", "with_columns",
+    "as_batched",
+    "batched_mask",
+    "check_choice",
+    "check_loss",
+    "check_tensor",
+    "dense_blocks",
+    "dense_to_norms",
+    "describe",
+    "full_matrix",
+    "layer_norm",
+    "output_loss",
+    "pair_keys",
+    "spectral_norm",
+    "with_columns",
 ]
 
 
@@ -39,8 +51,7 @@ def as_batched(name: str, X: Tensor) -> tuple[Tensor, bool]:
         raise ValueError(f"Invalid {name}: expected a torch.Tensor, got {type(X).__name__}.")
     if X.ndim not in (2, 3):
         raise ValueError(
-            f"Invalid {name} shape {tuple(X.shape)}. Expected (L, d) or (B, L, d); "
-            f"add or remove a batch dimension."
+            f"Invalid {name} shape {tuple(X.shape)}. Expected (L, d) or (B, L, d); add or remove a batch dimension."
         )
     if not X.is_floating_point():
         raise ValueError(f"Invalid {name} dtype {X.dtype}. Expected a floating dtype (use float64).")
@@ -67,10 +78,8 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"Invalid {name}={value!r}. Must be one of {list(allowed)}.")
 
 
-
 def describe(value: object) -> str:
     return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-
 
 
 def check_loss(loss: OutputLoss) -> OutputLoss:
@@ -100,12 +109,10 @@ def layer_norm(X: Tensor, eps: float, weight: Tensor | None = None, bias: Tensor
     return Y
 
 
-
 def with_columns(W: Tensor, block: Tensor, start: int) -> Tensor:
     """``W`` with columns ``start:start + block.shape[1]`` replaced by ``block`` (a head's slice)."""
     stop = start + block.shape[1]
     return torch.cat([W[:, :start], block, W[:, stop:]], dim=1)
-
 
 
 def output_loss(
@@ -222,12 +229,9 @@ def full_matrix(mats: dict[str, dict[tuple[str, str], Tensor]], order: Sequence[
     """``{part}/{order joined}{suffix}``: the block matrix of the blocks in ``order``."""
     name = "".join(order)
     return {
-        f"{part}/{name}{suffix}": torch.cat(
-            [torch.cat([mats[part][X, Y] for Y in order], dim=1) for X in order], dim=0
-        )
+        f"{part}/{name}{suffix}": torch.cat([torch.cat([mats[part][X, Y] for Y in order], dim=1) for X in order], dim=0)
         for part in PARTS
     }
-
 
 
 def spectral_norm(M: Tensor) -> Tensor:

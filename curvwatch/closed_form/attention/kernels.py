@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from .._common import as_batched, check_like, check_weight, output_cotangent
-from ..masks import attention_masks, split_heads
 from .._qk_norm import check_qk_norm
 from .._qk_norm_blocks import NORM_PAIRS, block_precondition, norm_pairs, precondition_shapes, qk_norm_norms
 from ..inputs import AttentionStructure, AttentionWeights, OutputLoss
+from ..masks import attention_masks, split_heads
 from ..rotary import check_rotary
 from ..settings import PARTS, Lanczos, check_parts
 from ..solver.operator import dense_blocks
@@ -257,8 +257,12 @@ def _one_head_call(X, weights: AttentionWeights, loss: OutputLoss, structure: At
     heads = HeadWeights(W_Q.unsqueeze(0), W_K.unsqueeze(0), W_V.unsqueeze(0))
     options = _modern_options(structure, weights.qk_norm, W_Q.shape[-1], X3)
     # "W_Q" -> "Q": (1, d, d_K); "qk_norm.weight_q" stays, (d_K,)
-    pre = {(nm[-1] if nm.startswith("W_") else nm): (D.unsqueeze(0) if nm.startswith("W_") else D) for nm, D in pre.items()}
-    return _Call(X3, batched, heads, None, loss, structure, **options, memory=None, **what, single=True, precondition=pre)
+    pre = {
+        (nm[-1] if nm.startswith("W_") else nm): (D.unsqueeze(0) if nm.startswith("W_") else D) for nm, D in pre.items()
+    }
+    return _Call(
+        X3, batched, heads, None, loss, structure, **options, memory=None, **what, single=True, precondition=pre
+    )
 
 
 def _heads_call(X, weights: AttentionWeights, loss: OutputLoss, structure: AttentionStructure, precondition,

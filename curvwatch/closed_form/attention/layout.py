@@ -73,7 +73,7 @@ def lmul(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, q, r = T.shape
     p = S.shape[-2]
-    S3 = S if S.dim() == 3 else as_view(S, (0, 1, 2, 3), (B * H, p, q))  # (a (B H, p, q) operand: AttentionOperator._bh)
+    S3 = S if S.dim() == 3 else as_view(S, (0, 1, 2, 3), (B * H, p, q))  # (as AttentionOperator._bh)
     out = torch.bmm(S3, as_view(T, (1, 2, 3, 0, 4), (B * H, q, n * r)))
     return unflat(out, (B, H, p, n, r), (3, 0, 1, 2, 4))
 
@@ -86,7 +86,7 @@ def rmul(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """
     n, B, H, p, q = T.shape
     r = S.shape[-1]
-    S3 = S if S.dim() == 3 else as_view(S, (0, 1, 2, 3), (B * H, q, r))  # (a (B H, q, r) operand: AttentionOperator._bh)
+    S3 = S if S.dim() == 3 else as_view(S, (0, 1, 2, 3), (B * H, q, r))  # (as AttentionOperator._bh)
     out = torch.bmm(as_view(T, (1, 2, 0, 3, 4), (B * H, n * p, q)), S3)
     return unflat(out, (B, H, n, p, r), (2, 0, 1, 3, 4))
 

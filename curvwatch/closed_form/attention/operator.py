@@ -76,7 +76,6 @@ def softmax_jvp(A: torch.Tensor, dT: torch.Tensor) -> torch.Tensor:
     return A * (dT - (A * dT).sum(-1, keepdim=True))
 
 
-
 @dataclass(frozen=True, eq=False)
 class HeadWeights:
     """The attention's weights split per head, as :class:`AttentionOperator` reads them.
@@ -170,7 +169,7 @@ class AttentionOperator(BlockOperator):
         self.W_Q, self.W_K, self.W_V, self.W_O = W_Q, W_K, W_V, W_O
         self.row_keep = row_keep.to(X.dtype)  # (B, L)
         self.q_rows = self.k_rows = None  # QK-norm row products at the pre-norm queries and keys
-        self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (see curvwatch.closed_form._qk_norm_blocks)
+        self.q_affine = self.k_affine = None  # the QK-norm parameters as blocks N1, N2 (.._qk_norm_blocks)
         if probs_only and memory is None and qk_norm is None:
             # the attention alone (what the warnings' terms read; no products): one gathered call for the blocks of
             # a Lockstep that meet here
@@ -228,7 +227,7 @@ class AttentionOperator(BlockOperator):
     # ---- the maps in front of P and K (QK-norm, then rotary) ---------------------------------------
     def _fwd(self, d0: torch.Tensor | None, side: str, dn: torch.Tensor | None = None) -> torch.Tensor | None:
         """Tangent of the pre-norm queries (keys) ``dQ0`` -> ``dP = R(J_N dQ0)``; ``dn``: a tangent at the norm's
-        output (its parameters moving, :func:`~curvwatch.closed_form._qk_norm_blocks.affine_tangent`), ``dP = R(dn)``."""
+        output (its parameters moving, :func:`~.._qk_norm_blocks.affine_tangent`), ``dP = R(dn)``."""
         rows = self.q_rows if side == "q" else self.k_rows
         if d0 is None and dn is None:
             return None
@@ -338,8 +337,9 @@ class AttentionOperator(BlockOperator):
 
     def _bh(self, name: str, transpose: bool = False) -> torch.Tensor:
         """The shared ``(B, H, p, q)`` tensor ``self.<name>`` (``transpose``: its ``.mT``) as the ``(B H, p, q)``
-        operand of :func:`~.layout.lmul` / :func:`~.layout.rmul`, made once per operator and tensor (a view where the strides allow,
-        as :func:`~.layout.as_view`): every Lanczos product reads the same few (``KsT``, ``Vv``, ``Kk``, ``A``, ...), and
+        operand of :func:`~.layout.lmul` / :func:`~.layout.rmul`, made once per operator and tensor (a view where the
+        strides allow, as :func:`~.layout.as_view`): every Lanczos product reads the same few (``KsT``, ``Vv``, ``Kk``,
+        ``A``, ...), and
         remaking the view would dispatch one or two operators per matmul. A cached cotangent that is replaced
         (:meth:`set_cotangent`) is a new tensor: its view is made again."""
         cache = self.__dict__.setdefault("_bh_views", {})
@@ -623,7 +623,6 @@ def _probabilities(P: torch.Tensor, K: torch.Tensor, scale: float, keep: torch.T
     return torch.nan_to_num(torch.softmax(T, dim=-1), nan=0.0)
 
 
-
 def warm_start(lanczos: Lanczos, key: tuple, shape: tuple[int, int], op: AttentionOperator) -> torch.Tensor:
     """The start vectors ``shape`` of a gathered run's request: the Ritz vectors kept under ``key`` in the block's
     ``lanczos.warm_start``, or zeros (a cold start, :func:`start_vectors`'s ``v0``)."""
@@ -637,12 +636,10 @@ def keep_start(lanczos: Lanczos, key: tuple, ritz: torch.Tensor) -> None:
         lanczos.warm_start.put(key, ritz)
 
 
-
 def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
     """``A`` ``(..., B, H, L, L_kv)`` with row ``i`` of sequence ``b`` scaled by ``sqrt(c_b)`` (``c`` ``(..., B)``) and
     by ``row_keep`` ``(..., B, L)`` (0 on padded rows)."""
     return A * (c.sqrt().unsqueeze(-1) * row_keep).unsqueeze(-2).unsqueeze(-1)
-
 
 
 def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, start: torch.Tensor, *,
@@ -676,8 +673,6 @@ def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: tor
 
     return LanczosRun(mv, start_vectors((m, H), d, Aw.dtype, Aw.device, start), tol=tol, max_iter=max_iter,
                       max_basis=max_basis, both_ends=False)  # fmt: skip
-
-
 
 
 def planned_shared(shared: Shared, finish: Callable[[list[LanczosRun]], Any]) -> Planned:

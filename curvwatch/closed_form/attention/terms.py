@@ -19,7 +19,13 @@ from ..solver.lockstep import gathered
 from .operator import AttentionOperator
 
 __all__ = [
-    "Forward", "Suffixes", "exact_norms", "head_softmax_norm", "spectral_norms_of", "signal_terms", "terms_and_bounds",
+    "Forward",
+    "Suffixes",
+    "exact_norms",
+    "head_softmax_norm",
+    "spectral_norms_of",
+    "signal_terms",
+    "terms_and_bounds",
 ]
 
 

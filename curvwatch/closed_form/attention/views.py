@@ -123,7 +123,6 @@ class QueryView(BlockOperator):
         return x.transpose(1, 2).flatten(1, 2)  # group g of row (i, s) -> head (g, s)
 
 
-
 def group_keys(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keys ``.../h{j}`` of a :class:`GroupView` (its unit ``j`` is a kv group) renamed ``.../g{j}``."""
     return {re.sub(r"/h(\d+)$", r"/g\1", k): v for k, v in out.items()}

@@ -11,8 +11,22 @@ import numpy as np
 import torch
 
 __all__ = [
-    "CHECK_EVERY", "LOCKSTEP", "OVERTAKE_K", "RESTART_CHUNKS", "WARM_NOISE", "LanczosRun", "Rounds", "SharedRunError",
-    "lanczos_max_abs", "merge_runs", "mergeable", "solve", "solve_groups", "split_results", "start_vectors", "to_host",
+    "CHECK_EVERY",
+    "LOCKSTEP",
+    "OVERTAKE_K",
+    "RESTART_CHUNKS",
+    "WARM_NOISE",
+    "LanczosRun",
+    "Rounds",
+    "SharedRunError",
+    "lanczos_max_abs",
+    "merge_runs",
+    "mergeable",
+    "solve",
+    "solve_groups",
+    "split_results",
+    "start_vectors",
+    "to_host",
 ]
 
 #: The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
@@ -117,7 +131,7 @@ def lanczos_max_abs(
     return run.norm, run.ritz
 
 
-#: Inside a :class:`~curvwatch.closed_form.solver.lockstep.Lockstep` evaluation: the function :func:`solve` hands its runs
+#: Inside a :class:`~.lockstep.Lockstep` evaluation: the function :func:`solve` hands its runs
 #: to, to be solved together with the other evaluations' runs.
 LOCKSTEP: ContextVar[Callable[[Sequence[LanczosRun]], None] | None] = ContextVar("curvwatch_lockstep", default=None)
 
@@ -127,9 +141,9 @@ def solve(runs: Sequence[LanczosRun]) -> None:
 
     Every run takes one product per round; the runs whose stopping test is due read their small projected matrices
     in **one** device-to-host copy (:func:`to_host`) for all of them, so the host waits on the device once per test
-    round, however many runs (pairs, kinds, blocks) there are. The runs then hold their results
+    round, however many runs (pairs, parts, blocks) there are. The runs then hold their results
     (:attr:`LanczosRun.norm`, :attr:`~LanczosRun.ritz`, :attr:`~LanczosRun.rel_residual`). Inside a
-    :class:`~curvwatch.closed_form.solver.lockstep.Lockstep` evaluation the runs are solved together with the other
+    :class:`~.lockstep.Lockstep` evaluation the runs are solved together with the other
     evaluations' runs.
     """
     meet = LOCKSTEP.get()
@@ -156,9 +170,9 @@ def solve_groups(groups: Sequence[Sequence[LanczosRun]]) -> list[Exception | Non
 
 class SharedRunError(RuntimeError):
     """The :attr:`~LanczosRun.error` of a run that several evaluations hold (one run for the requests of several
-    evaluations, :func:`~curvwatch.closed_form.solver.lockstep.gathered`) when that run's product raised (the error is its
+    evaluations, :func:`~.lockstep.gathered`) when that run's product raised (the error is its
     ``__cause__``). The run is dead; each evaluation solves its own part again alone
-    (:meth:`~curvwatch.closed_form.solver.lockstep.Shared.solved`), so that an error reaches only the evaluation whose own
+    (:meth:`~.lockstep.Shared.solved`), so that an error reaches only the evaluation whose own
     product raises it."""
 
 
@@ -190,10 +204,10 @@ class Rounds:
     def round(self) -> list[tuple[Any, Exception | None]]:
         """One product of every live run, the due stopping tests in one host read; returns the groups that ended
         (every run done, or one raised: ``(key, exception or None)``), which leave. A run that several groups hold
-        (one run for the requests of several evaluations, see :func:`~curvwatch.closed_form.solver.lockstep.gathered`)
+        (one run for the requests of several evaluations, see :func:`~.lockstep.gathered`)
         advances once per round; an error it raises ends that run alone (its :attr:`~LanczosRun.error`, a
         :class:`SharedRunError`): the groups holding it go on with their other runs, and each holder solves its own
-        part again (:meth:`~curvwatch.closed_form.solver.lockstep.Shared.solved`)."""
+        part again (:meth:`~.lockstep.Shared.solved`)."""
         owners: dict[int, tuple[LanczosRun, list]] = {}  # id(run) -> (run, keys of the groups holding it)
         for key, (runs, _) in self.groups.items():
             for r in runs:
@@ -247,7 +261,7 @@ class LanczosRun:
         error: ``None``, or why the run ended without them (a shared run whose product raised, :meth:`fail`).
     """
 
-    #: How many evaluations hold the run (:func:`~curvwatch.closed_form.solver.lockstep.made_together` sets it): a run held by
+    #: How many evaluations hold the run (:func:`~.lockstep.made_together` sets it): a run held by
     #: several steps in every holder's solve, so no one solve may merge it into a run of its own (:func:`merge_runs`).
     holders = 1
     #: The runs merged into this one (:func:`merge_runs`): ``[(run, first member, end)]``; ``None`` for a run of its
@@ -291,8 +305,9 @@ class LanczosRun:
         # step is one torch.bmm/baddbmm (a matmul over several batch dimensions dispatches ~6 operators: expands,
         # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size]. On
         # CPU the buffer has room for all its vectors from the start: torch.empty does not touch its pages, so only the
-        # vectors written cost memory, and no growth copies the basis (doubling costs ~125 ms per run of 20 steps at
-        # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
+        # vectors written cost memory, and no growth copies the basis (a doubling buffer copies it at every growth,
+        # a large cost at millions of weights). On other devices an allocation is memory at once, so the capacity
+        # doubles instead.
         self.b = math.prod(self.batch_shape)
         # the unit start vectors (*batch_shape, n), until the first step allocates the basis (a run made but not stepped
         # holds no basis: merge_runs takes the starts of several into one run)
@@ -575,7 +590,7 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
 def split_results(run: LanczosRun) -> None:
     """Each run merged into ``run`` (:func:`merge_runs`), solved, gets its members' results as if solved alone
     (``norm``, ``rel_residual``, ``ritz``: views of ``run``'s, a warm-start store copies the vectors it keeps,
-    :meth:`~curvwatch.closed_form.settings.WarmStart.put`; or ``error``); ``run``'s product (and what it holds) is released."""
+    :meth:`~..settings.WarmStart.put`; or ``error``); ``run``'s product (and what it holds) is released."""
     for r, lo, hi in run.merged:
         r.done, r.matvec = True, None
         if run.error is not None:

@@ -230,16 +230,16 @@ def member_shares(
     m: int,
 ) -> torch.Tensor:
     """``(P, E, m, k, H)``: sample ``j``'s part ``w_{e,j} sum_b <sigma_{j,b}, J_X D_i v>^2`` of the Gauss-Newton
-    quotient of each Lanczos member ``(variant i, estimate e, kind)`` at its unit Ritz vector ``v`` (:func:`~.debiasing.debias`'s
-    ``shares``; the block's own functional part is exact and has none), ``w_{e,j}`` = ``weights[e, j]`` the
-    estimate's sample weight (``1/k`` on all, ``1/k_a`` on one half's: :meth:`SampledCurvature.counts`), ``D_0 = 1``
-    and ``D_1 = D`` (``P = 2``; ``D`` None: ``P = 1``).
+    quotient of each Lanczos member ``(variant i, estimate e, name n)`` at its unit Ritz vector ``v``
+    (:func:`~.debiasing.debias`'s ``shares``; the block's own functional part is exact and has none), ``w_{e,j}`` =
+    ``weights[e, j]`` the estimate's sample weight (``1/k`` on all, ``1/k_a`` on one half's:
+    :meth:`SampledCurvature.counts`), ``D_0 = 1`` and ``D_1 = D`` (``P = 2``; ``D`` None: ``P = 1``).
 
-    ``ritz`` ``(P E m, H, size)``: the members' Ritz vectors in the rows' order of :func:`~.sampled_keys.sampled_plan` (row ``m (i E
-    + e) + kind``); ``view``: maps the operator to the one the block is read from; ``D``: the block's ``P^{-1/2}`` in
-    the base operator's layout (the view's: same entries, order). Products of at most :data:`MEMBER_ROWS` rows (the
-    members' own) through the operator's outer part (:class:`Recorder`), the preconditioned rows scaled on the way
-    in."""
+    ``ritz`` ``(P E m, H, size)``: the members' Ritz vectors in the rows' order of
+    :func:`~.sampled_keys.sampled_plan` (row ``m (i E + e) + n``); ``view``: maps the operator to the one the block
+    is read from; ``D``: the block's ``P^{-1/2}`` in the base operator's layout (the view's: same entries, order).
+    Products of at most :data:`MEMBER_ROWS` rows (the members' own) through the operator's outer part
+    (:class:`Recorder`), the preconditioned rows scaled on the way in."""
     E, k = weights.shape
     v = ritz / ritz.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(ritz.dtype).tiny)  # (a zero vector: no share)
     if D is not None:

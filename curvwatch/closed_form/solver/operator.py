@@ -21,8 +21,22 @@ import torch
 from ..settings import PARTS
 
 __all__ = [
-    "ALL_ROWS", "BlockOperator", "Embedding", "ParamInfo", "RowMask", "apply_parts", "dense_blocks", "head_keys",
-    "pair_blocks", "pair_matvec", "part_rows", "rows_times", "run_parts", "select_rows", "skip_dead_parts", "stackable",
+    "ALL_ROWS",
+    "BlockOperator",
+    "Embedding",
+    "ParamInfo",
+    "RowMask",
+    "apply_parts",
+    "dense_blocks",
+    "head_keys",
+    "pair_blocks",
+    "pair_matvec",
+    "part_rows",
+    "rows_times",
+    "run_parts",
+    "select_rows",
+    "skip_dead_parts",
+    "stackable",
     "stacked_matvec",
 ]
 
@@ -206,8 +220,8 @@ ALL_ROWS = torch.ones(())
 
 
 def _row_masks(rows: tuple[list[int], list[int], list[int]], n: int, dtype, device):
-    """``(outer_mask, func_mask, n)`` of the row sets ``(outer, functional, hessian)`` of :func:`part_rows` (host lists):
-    ``None`` where no row needs the part, :data:`ALL_ROWS` where every row does, else a 0/1 ``(n,)``
+    """``(outer_mask, func_mask, n)`` of the row sets ``(outer, functional, hessian)`` of :func:`part_rows` (host
+    lists): ``None`` where no row needs the part, :data:`ALL_ROWS` where every row does, else a 0/1 ``(n,)``
     :class:`RowMask`."""
     ro, rf, rt = rows
 

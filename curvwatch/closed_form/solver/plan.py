@@ -32,8 +32,17 @@ from .operator import (
 )
 
 __all__ = [
-    "SOLVE_BYTES", "Planned", "full_norms", "norm_results", "norm_run", "norms_with_a_linear_pair", "put_heads",
-    "run_basis_bytes", "solve_planned", "spectral_norms", "spectral_plan",
+    "SOLVE_BYTES",
+    "Planned",
+    "full_norms",
+    "norm_results",
+    "norm_run",
+    "norms_with_a_linear_pair",
+    "put_heads",
+    "run_basis_bytes",
+    "solve_planned",
+    "spectral_norms",
+    "spectral_plan",
 ]
 
 
@@ -172,8 +181,8 @@ def norms_with_a_linear_pair(
     """:func:`spectral_norms` of ``pairs`` where the functional block of the diagonal pair ``linear`` is exactly zero
     (the FFN's ``W1W1`` under ReLU, the gated FFN's ``W3W3``: ``F`` linear in that weight): one outer-only run for it,
     its ``hessian`` keys the outer part and its ``functional`` key 0. The runs and those of ``extra`` (the sampled
-    keys' :func:`~.sampled_keys.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads, within
-    ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last."""
+    keys' :func:`~.sampled_keys.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads,
+    within ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last."""
     iterative = [p for p in pairs if p != linear]
     zero = linear is not None and linear in pairs
     outer = zero and ("outer" in parts or "hessian" in parts)
@@ -336,5 +345,3 @@ def full_norms(
     for i, part in enumerate(parts):
         put_heads(out, head_keys(op, f"{part}/{label}", names), vals[i], rel[i])
     return out
-
-
