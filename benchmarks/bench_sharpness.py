@@ -44,8 +44,9 @@ from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset
-from curvwatch.engine import Engine
+from curvwatch.engine import Engine, evaluate_block
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.realloss import sample_outputs
 from curvwatch.reference.real_loss import real_loss_blocks
 
 TIGHT = Lanczos(tol=1e-8, max_iter=200, max_basis=None, warn=False)
@@ -121,15 +122,15 @@ def _lam(M: torch.Tensor) -> float:
 def monitor_sharpness(model, x, y, k: int, seed: int) -> dict[str, dict[str, float]]:
     """The monitor's path: capture with k sampled output gradients, the engine in float64 (tight Lanczos)."""
     specs = find_blocks(model)
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     _, logits_module = find_logits_module(model)
     with Capture(specs, max_tokens=10**6, logits_module=logits_module) as cap:
         loss, _ = _loss_fn(x, y)(model)
-        cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+        sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
         loss.backward()
     model.zero_grad()
-    engine = Engine(lanczos=TIGHT, dtype="float64", kinds=("outer", "functional", "hessian"))
+    engine = Engine(lanczos=TIGHT, dtype="float64", parts=("outer", "functional", "hessian"))
     return engine.evaluate(cap.blocks()).results
 
 
@@ -171,7 +172,8 @@ def accuracy_table(build, checkpoints, ks, seeds, n_eval: int) -> list[str]:
 def cost_table(repeats: int) -> list[str]:
     """One evaluation of the demo-size model without and with 16 samples (SGD: two Lanczos members per pair; AdamW:
     four, with the preconditioned pair), interleaved, float32, the monitor's defaults."""
-    from curvwatch.sharpness import RealLoss, find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
+    from curvwatch.realloss.plugin import RealLoss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=11, n_layer=2, n_head=4, d_model=64, dropout=0.0))
@@ -194,7 +196,7 @@ def cost_table(repeats: int) -> list[str]:
                 loss, _ = _loss_fn(x, y)(model)
                 t1 = time.perf_counter()
                 if mode != "plain":
-                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+                    sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0))
                 t2 = time.perf_counter()
                 loss.backward()
             t3 = time.perf_counter()
@@ -219,7 +221,7 @@ def cost_table(repeats: int) -> list[str]:
 def _adam_gpt2(width: int, vocab: int, B: int, L: int, device: str = "cpu"):
     """``(model, x, y, block specs, logits module, AdamW)``: the held-out GPT-2 of :func:`held_out_gpt2` on
     ``device`` after one AdamW step (its second moments exist, so the stability rules precondition)."""
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     model, x, y = held_out_gpt2(width, vocab=vocab, B=B, L=L)
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -238,7 +240,7 @@ def _sampled_capture(model, x, y, specs, head, adam, real, seed: int):
     ``seed``, ``max_tokens`` 512) and the real-loss rules of ``real`` for ``adam`` (no optimizer step)."""
     with Capture(specs, max_tokens=512, logits_module=head) as cap:
         loss, _ = _full_ce(x, y)(model)
-        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+        sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(seed))
         loss.backward()
     model.zero_grad()
     blocks = cap.blocks()
@@ -262,7 +264,7 @@ def cost_share(
     seconds are this process's CPU time (one thread: the shared machine's load aside); on a GPU wall-clock seconds
     with the device synchronised at each reading (issue 24's goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
     from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.sharpness import RealLoss
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L, device)
     real, engine = RealLoss(), Engine()
@@ -286,7 +288,7 @@ def cost_share(
             if mode != "plain":
                 with sample_ops:
                     generator = torch.Generator(device=device).manual_seed(next(seeds))
-                    cap.sample_outputs(loss, samples, generator=generator)
+                    sample_outputs(cap, loss, samples, generator=generator)
             t2 = clock()
             loss.backward()
         t3 = clock()
@@ -354,7 +356,7 @@ def sampled_setting_table(
 
     if name not in ("GRAM_STEPS", "MEMBER_TOL"):
         raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS or MEMBER_TOL.")
-    from curvwatch.sharpness import RealLoss
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
     real, engines = RealLoss(), {m: Engine() for m in settings}
@@ -429,7 +431,7 @@ def warm_store(width: int = 768, B: int = 2, L: int = 128, vocab: int = 50_257) 
     """The engine's warm-start store (held on the model's device between evaluations) after two full evaluations with
     the real-loss keys (16 samples, AdamW rules, new samples each): MiB of the engine's own keys and of the sampled
     keys'. Held-out Hugging Face GPT-2, 2 layers."""
-    from curvwatch.sharpness import RealLoss
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
     engine = Engine()
@@ -485,14 +487,14 @@ def bias_rows(
     exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
     // 64)`` heads, ``B`` sequences of ``L`` tokens; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV``
     of head 0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe
-    is evaluated alone (``block.evaluate(pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
+    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
     ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
     exact value by ARPACK at the same ``tol``."""
     import copy
 
     from curvwatch.closed_form.solver import debiasing
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     heads = max(4, width // 64)
     model, x, y = held_out_gpt2(width, layers, heads=heads, B=B, L=L)
@@ -521,13 +523,13 @@ def bias_rows(
             for seed in range(seeds):
                 with Capture(specs, max_tokens=max_tokens, logits_module=head) as cap:
                     loss, _ = _full_ce(x, y)(model)
-                    cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                    sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                     loss.backward()
                 model.zero_grad()
                 blocks = {b.spec.name: b for b in cap.blocks()}
                 for block, pair, _, cols in probes:
                     t0 = time.perf_counter()
-                    res = blocks[block].evaluate(lanczos=lanczos, pairs=(pair,), parts=("outer",))
+                    res = evaluate_block(blocks[block], lanczos=lanczos, pairs=(pair,), parts=("outer",))
                     seconds = time.perf_counter() - t0
                     suffix = "/h0" if cols is not None else ""
                     rows.append(dict(
@@ -562,8 +564,8 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
     """
     import copy
 
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     model, x, y = held_out_gpt2(width, layers, heads=max(4, width // 64), L=L)
     m64 = copy.deepcopy(model).double()
@@ -589,7 +591,7 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
         for seed in range(seeds):
             with Capture(specs, max_tokens=10**6, logits_module=head) as cap:
                 loss, _ = _full_ce(x, y)(model)
-                cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                 loss.backward()
             model.zero_grad()
             blocks = {b.spec.name: b for b in cap.blocks()}

@@ -24,7 +24,6 @@ _LAZY = {
     "Evaluation": "curvwatch.config",
     "Warnings": "curvwatch.config",
     "Sharpness": "curvwatch.config",
-    "LegacyThresholds": "curvwatch.alerts",
     # model discovery
     "BlockSpec": "curvwatch.adapters",
     "find_blocks": "curvwatch.adapters",
@@ -48,7 +47,6 @@ __all__ = [
     "Evaluation",
     "Warnings",
     "Sharpness",
-    "LegacyThresholds",
     # model discovery
     "BlockSpec",
     "find_blocks",

@@ -82,7 +82,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         monitor = self.monitor
         monitor.reset()  # each train() starts a fresh record; a resumed one loads its checkpoint's next
         if "monitor_state" in vars(self):  # transformers rebuilt this callback from the checkpoint's JSON
-            monitor.engine.warn_once(
+            monitor.notices.once(
                 "hf_rebuilt",
                 "CurvatureCallback was rebuilt by transformers from the checkpoint "
                 "(restore_callback_states_from_checkpoint=True) with default settings and no log=. Leave that "
@@ -107,10 +107,10 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         self._scaler_unseen = (
             bool(args.fp16)
             and getattr(optimizer, "scaler", None) is None
-            and (bool(args.deepspeed) or monitor._device().type != "cpu")
+            and (bool(args.deepspeed) or monitor.device.type != "cpu")
         )
         if self._scaler_unseen:
-            monitor.engine.warn_once(
+            monitor.notices.once(
                 "hf_fp16_scale",
                 "CurvatureCallback: fp16 training scales the loss, and this Trainer's loss scale is not visible to "
                 "callbacks (no GradScaler on the optimizer: DeepSpeed?). The logged curvature is multiplied by the "
@@ -140,7 +140,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self._pending is not None:  # no forward said it was the last micro-batch
             self._pending = None
-            self.monitor.engine.warn_once(
+            self.monitor.notices.once(
                 "hf_last_micro_batch",
                 "CurvatureCallback could not tell the last micro-batch of the step (accelerate's "
                 "GradientState.sync_gradients was never True during a forward): no evaluation this step. Is the "
@@ -178,7 +178,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         if labels is None and batch.get("labels") is not None:
             labels = batch["labels"][..., 1:] if self._shifts_labels else batch["labels"]
         if labels is None:
-            self.monitor.engine.warn_once(
+            self.monitor.notices.once(
                 "hf_items",
                 "CurvatureCallback: the model got num_items_in_batch but no labels (label smoothing or a "
                 "compute_loss_func computes the loss outside the model): the curvature logged is that of the "

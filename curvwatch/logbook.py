@@ -36,7 +36,7 @@ from torch import Tensor
 
 from curvwatch import keys as K
 from curvwatch import metrics as M
-from curvwatch.alerts import Alert, AlertMonitor
+from curvwatch.alerts import Alert
 from curvwatch.engine import NONFINITE, BlockError, Evaluation
 from curvwatch.kinds import KINDS
 from curvwatch.options import LogLevel, choice
@@ -113,7 +113,6 @@ class Logbook:
     Args:
         key_prefix: Prefix of every logged key (``"curv/"``).
         tol: Lanczos tolerance the residual summaries compare against.
-        alerts: The legacy spike/collapse rules, or ``None`` for none.
         rules: The suite's rules (:class:`curvwatch.rules.RuleSet`), or ``None`` for none.
         count_terms: Log ``summary/terms_evaluations`` (a terms-only cadence is set).
         log_level: Which keys reach the loggers: ``"summary"`` (default), ``"blocks"`` or ``"all"``
@@ -125,13 +124,12 @@ class Logbook:
         self,
         key_prefix: str = "",
         tol: float = 1e-2,
-        alerts: AlertMonitor | None = None,
         rules: RuleSet | None = None,
         count_terms: bool = False,
         log_level: str | LogLevel = LogLevel.SUMMARY,
         listeners: list[Any] | None = None,
     ) -> None:
-        self.key_prefix, self.tol, self.alerts_monitor, self.rules = key_prefix, tol, alerts, rules
+        self.key_prefix, self.tol, self.rules = key_prefix, tol, rules
         self.count_terms = count_terms
         self.log_level = choice("log_level", log_level, LogLevel)
         self.listeners: list[Any] = list(listeners or [])
@@ -144,14 +142,12 @@ class Logbook:
     @property
     def history(self) -> list[Alert]:
         """Every warning fired so far, oldest first."""
-        history = self.alerts_monitor.history if self.alerts_monitor else []
-        history = history + (self.rules.history if self.rules else [])
-        return sorted(history, key=lambda a: a.step)
+        return list(self.rules.history) if self.rules else []
 
     @property
     def fired(self) -> int:
         """How many warnings fired so far."""
-        return (self.alerts_monitor.fired if self.alerts_monitor else 0) + (self.rules.fired if self.rules else 0)
+        return self.rules.fired if self.rules else 0
 
     def record(
         self,
@@ -185,13 +181,6 @@ class Logbook:
         logged = {f"{p}{block}/{NONFINITE}": 1.0 for block in nonfinite}
         logged.update({f"{p}{block}/{k}": v for block, keys in per_block.items() for k, v in keys.items()})
         fired: list[Alert] = []
-        if self.alerts_monitor is not None:
-            collapse = {}
-            for block, result in results.items():
-                kind, _, eps = blocks[block]
-                if KINDS[kind].collapse_stats is not None:
-                    collapse[block] = KINDS[kind].collapse_stats(result, eps)
-            fired += self.alerts_monitor.update(step, norms=norms, layernorms=collapse)
         unprefixed = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
         if self.rules is not None:  # what the rules read
             fired += self.rules.update(step, unprefixed, full=not terms_only)
@@ -255,16 +244,14 @@ class Logbook:
                     out[f"{p}{name}/hessian/max"] = "max"
         return out
 
-    def rule_states(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The rule sets' states, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
-        return (self.alerts_monitor and self.alerts_monitor.state_dict(), self.rules and self.rules.state_dict())
+    def rule_states(self) -> dict[str, Any] | None:
+        """The rules' state, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
+        return self.rules and self.rules.state_dict()
 
-    def load_rule_states(self, states: tuple[dict[str, Any] | None, dict[str, Any] | None]) -> None:
-        """Rewind the rule sets to :meth:`rule_states`."""
-        if self.alerts_monitor is not None:
-            self.alerts_monitor.load_state_dict(states[0])
+    def load_rule_states(self, states: dict[str, Any] | None) -> None:
+        """Rewind the rules to :meth:`rule_states`."""
         if self.rules is not None:
-            self.rules.load_state_dict(states[1])
+            self.rules.load_state_dict(states)
 
     def headlines(self) -> dict[str, float]:
         """The headline summaries of the last evaluations (unprefixed keys)."""
@@ -293,7 +280,6 @@ class Logbook:
             "evaluations": self.evaluations,
             "terms_evaluations": self.terms_evaluations,
             "skipped": self.skipped,
-            "alerts": {} if self.alerts_monitor is None else self.alerts_monitor.state_dict(),
             "rules": None if self.rules is None else self.rules.state_dict(),
             "last_norms": dict(self.last_norms),
             "last_summary": dict(self.last_summary),
@@ -306,8 +292,6 @@ class Logbook:
         self.evaluations = int(state.get("evaluations", 0))
         self.terms_evaluations = int(state.get("terms_evaluations", 0))
         self.skipped = int(state.get("skipped", 0))
-        if self.alerts_monitor is not None:
-            self.alerts_monitor.load_state_dict(state.get("alerts", {}))
         if self.rules is not None:
             self.rules.load_state_dict(state.get("rules") or {})
         self.last_norms = dict(state.get("last_norms", {}))

@@ -47,17 +47,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from curvwatch import report, sharding, sinks
-from curvwatch import sharpness as sharp
 from curvwatch.adapters import BlockSpec, find_blocks
-from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarning
+from curvwatch.alerts import Alert, CurvatureNotice, CurvatureWarning, Notices
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, resolve
+from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, check_names, resolve
 from curvwatch.engine import BlockError, Engine, signal_plan
 from curvwatch.engine import Evaluation as Result
 from curvwatch.logbook import Logbook, LogError, drop_no_data, flatten
 from curvwatch.options import OnError, TermsKeys
 from curvwatch.ranks import Ranks
+from curvwatch.realloss import RealLoss
 from curvwatch.schedule import Schedule
 
 __all__ = ["Cadence", "Evaluation", "Monitor", "Sharpness", "Warnings"]
@@ -92,23 +92,26 @@ class Monitor:
         grad_scaler: Any = None,
         **settings: Any,
     ) -> None:
+        check_names(settings, type(self).__name__)
         s = self.settings = resolve(**settings)
         self.schedule = Schedule(s.cadence.every_n_train_steps, s.cadence.terms_every_n_train_steps,
                                  s.cadence.max_overhead)  # fmt: skip
         x, r = s.evaluation, s.sharpness
-        self.real_loss = sharp.RealLoss(r.enabled, r.samples, r.loss, r.logits_module)  # validates them
+        #: The one-time notices given (checkpointed): every part of the monitor says its notices through it.
+        self.notices = Notices()
+        self.real_loss = RealLoss(r.enabled, r.samples, r.loss, r.logits_module, notices=self.notices)
         self.engine = Engine(
-            lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),  # validates them
+            lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),
             dtype=x.dtype,
             pairs=s.pairs,
-            kinds=s.kinds,
+            parts=s.parts,
             max_tokens=x.max_tokens,
             memory_budget_mb=x.memory_budget_mb,
             raise_errors=s.on_error is OnError.RAISE,
             key_prefix=s.log_key_prefix,
+            notices=self.notices,
         )
-        self.alert_monitor = AlertMonitor(**vars(s.warnings.legacy))
-        self.book = Logbook(s.log_key_prefix, float(x.tol), self.alert_monitor if s.legacy else None, s.rules,
+        self.book = Logbook(s.log_key_prefix, float(x.tol), s.rules,
                             count_terms=self.schedule.terms_every_n_train_steps is not None,
                             log_level=s.log_level)  # fmt: skip
         self.log_level = self.book.log_level
@@ -141,7 +144,7 @@ class Monitor:
         self._started = False
         self._stack: ExitStack | None = None
         self._capture: Capture | None = None
-        self._capture_step: int | None = None
+        self._capture_step: int | None = None  # the step of the open capture (capturing)
         self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
         self._sample_seconds = 0.0  # the sampled backward passes of the open capture, charged with its evaluation
@@ -161,6 +164,17 @@ class Monitor:
     @property
     def max_iter(self) -> int:
         return self.settings.evaluation.max_iter
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a capture is open (a due step's hooks are in place until its optimizer step)."""
+        return self._capture_step is not None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters (CPU before :meth:`attach` or for a model without parameters)."""
+        param = next(self.model.parameters(), None) if self.model is not None else None
+        return torch.device("cpu") if param is None else param.device
 
     # -- set-up -----------------------------------------------------------------------------------------
 
@@ -247,8 +261,7 @@ class Monitor:
         # a due full evaluation the budget cannot afford falls back to terms only where those are due too
         tier = self.schedule.decide(step, self._ranks().max)
         if tier is None:
-            if "budget_info" not in self.engine.warned:
-                self.engine.warned.add("budget_info")
+            if self.notices.mark("budget_info"):
                 rank_zero_info(self.schedule.budget_note(step, full_due))
             return False
         terms_only = tier == "terms"
@@ -276,7 +289,7 @@ class Monitor:
         every = self.settings.sharpness.verify_every_n_evals
         verify = every is not None and self.book.evaluations % every == 0
         if verify and self._read_params is not None:
-            self.engine.warn_once(
+            self.notices.once(
                 "verify_sharded",
                 "CurvatureMonitor: verify_every_n_evals is not supported under sharded training (its Hessian-vector "
                 "products differentiate the loss by the parameters, which are sharded there): no verify/... keys. "
@@ -289,7 +302,7 @@ class Monitor:
         """The capture's hook on the logits' gradient: sample during the backward itself."""
         if self._capture is not None and not self._capture_terms_only:
             if self.settings.sharpness.verify_every_n_evals is not None:
-                self.engine.warn_once(
+                self.notices.once(
                     "verify_needs_loss",
                     "CurvatureMonitor: verify_every_n_evals needs the loss before its backward; call "
                     "monitor.before_backward(loss) before loss.backward() (Lightning with manual optimization: "
@@ -300,9 +313,9 @@ class Monitor:
     def _sample(self, loss: Tensor | None, grad_logits: Tensor | None, verify: bool) -> None:
         start = time.perf_counter()  # charged with the evaluation (summary/eval_time_s, the overhead budget)
         ranks = self._ranks()
-        self.real_loss.before_backward(
-            self._capture, loss, self.grad_factor(), self._capture_step, verify, self.engine.warn_once,
-            grad_logits=grad_logits, agree=self._agree if ranks.active else None,
+        self.real_loss.sample(
+            self._capture, loss, self.grad_factor(), self._capture_step, verify=verify, grad_logits=grad_logits,
+            agree=self._agree if ranks.active else None,
         )  # fmt: skip
         self._sample_seconds += time.perf_counter() - start
 
@@ -323,7 +336,7 @@ class Monitor:
         # more backward passes than the accumulation the factor undoes (a Hugging Face Trainer captures the first of
         # its gradient_accumulation_steps and scales it): micro-batches the monitor cannot scale for
         if capture is not None and capture.backwards > max(1, self.accumulate_grad_batches):
-            self.engine.warn_once(
+            self.notices.once(
                 "backward_passes",
                 f"CurvatureMonitor: step {step} ran {capture.backwards} backward passes before its optimizer step "
                 "(micro-batches under manual optimization?). The monitor reads the first one: every key of the "
@@ -344,9 +357,9 @@ class Monitor:
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's clock, the engine's lowered limits, the logbook and the one-time warnings given."""
+        """The schedule's clock, the engine's lowered limits, the logbook and the one-time notices given."""
         state = {**self.schedule.state_dict(), **self.engine.state_dict(), **self.book.state_dict()}
-        return {**state, "warned": sorted(self.engine.warned)}
+        return {**state, **self.notices.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -354,7 +367,7 @@ class Monitor:
         runs = self.book.evaluations + self.book.terms_evaluations + self.book.skipped  # checkpoints before "runs"
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
-        self.engine.warned = set(state_dict.get("warned", []))
+        self.notices.load_state_dict(state_dict)
         self.engine.warm.clear()  # Lanczos start vectors are not checkpointed: a cold start is only slower
 
     def reset(self) -> None:
@@ -409,16 +422,12 @@ class Monitor:
             factor /= float(scaler.get_scale())
         return factor
 
-    def _device(self) -> torch.device:
-        param = next(self.model.parameters(), None) if self.model is not None else None
-        return torch.device("cpu") if param is None else param.device
-
     def _ranks(self) -> Ranks:
         world = self.world_size
         if world is None:
             dist = torch.distributed
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return Ranks(world, self._device())
+        return Ranks(world, self.device)
 
     def _is_zero(self) -> bool:
         if self.is_global_zero is not None:
@@ -446,9 +455,9 @@ class Monitor:
             ready = not ranks.max(torch.tensor([float(error is not None)], dtype=torch.float64))[0] > 0
         if error is None and ready:
             try:
-                rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
-                evaluation = self.engine.evaluate(blocks, factor, terms_only, rules, self._signal_pairs)
-                self.real_loss.add_verified(evaluation.results)
+                precondition = self.real_loss.preconditioners(optimizer, blocks)
+                evaluation = self.engine.evaluate(blocks, factor, terms_only, precondition, self._signal_pairs)
+                self.real_loss.finish(evaluation)
                 flat = flatten(evaluation.results, keep_no_data=True)  # the same keys on every rank
             except Exception as err:
                 error = err
@@ -463,7 +472,7 @@ class Monitor:
         rule_states = self.book.rule_states()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
-            self.real_loss.note_unresolved(flat, self.engine.warn_once)
+            self.real_loss.note_unresolved(flat)
             self._log(step, flat, evaluation, elapsed, terms_only)
         except Exception as err:
             self.book.load_rule_states(rule_states)
@@ -489,7 +498,7 @@ class Monitor:
         )
         note = None if terms_only else self.schedule.cost_note(step)
         for key, message in notices + ([("cadence_cost", note)] if note is not None else []):
-            self.engine.warn_once(key, message)
+            self.notices.once(key, message)
         if s.warnings.warn:
             for alert in entry.fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)

@@ -140,7 +140,7 @@ def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = No
 
 def sharpness_row(status: str) -> dict[str, str]:
     """The set-up table's row of the real-loss keys (``sharpness/...``, ``stability/...``): on or off and why
-    (:meth:`curvwatch.sharpness.RealLoss.resolve`'s status, which says when ``stability/...`` starts).
+    (:meth:`curvwatch.realloss.RealLoss.resolve`'s status, which says when ``stability/...`` starts).
 
     Example:
         >>> sharpness_row("off (sharpness=False)")

@@ -24,6 +24,7 @@ from curvwatch.adapters import (
 )
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import evaluate_block, kernel_inputs
 from tests.utils import TOL, assert_close_report
 
 B, L, D, H = 3, 5, 8, 2
@@ -82,7 +83,7 @@ def ln_ref(X, eps, weight, bias):
 
 
 def reconstruct(block):
-    kw = block.reference_inputs(torch.float64)
+    kw = kernel_inputs(block, torch.float64)
     if block.spec.kind in ("attention", "cross_attention"):
         return mha_ref(kw["X"], kw["weights"], kw["structure"])
     if block.spec.kind == "ffn":
@@ -333,7 +334,7 @@ def test_unsupported_activation_and_mask_are_reported():
     reasons = {b.spec.name: b.reason for b in capture.blocks()}
     assert "neither causal nor empty" in reasons["layer0/attn"]
     with pytest.raises(RuntimeError, match="neither causal nor empty"):
-        capture.blocks()[0].evaluate(
+        evaluate_block(capture.blocks()[0], 
             lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64
         )
     with pytest.raises(ValueError, match="silu"):
@@ -418,8 +419,8 @@ def test_decoder_cross_attention_is_monitored_and_matches_the_reference():
     cross = capture.blocks()[-1]
     assert cross.reason is None and torch.equal(cross.inputs["memory_padding_mask"], padded)
     torch.testing.assert_close(cross.inputs["memory"], memory)
-    out = cross.evaluate(lanczos=EXACT, dtype=torch.float64)
-    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**cross.reference_inputs(torch.float64)))
+    out = evaluate_block(cross, lanczos=EXACT, dtype=torch.float64)
+    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**kernel_inputs(cross, torch.float64)))
     common = sorted(k for k in set(out) & set(expected) if k.split("/")[1] in ("QQ", "KK", "VV"))
     assert len(common) == 3 * 3 * H
     for key in common:

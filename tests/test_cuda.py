@@ -18,7 +18,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from curvwatch import CurvatureMonitor
+import curvwatch.engine.core as engine_core
+from curvwatch import Cadence, CurvatureMonitor
 from curvwatch.capture import CapturedBlock
 from curvwatch.closed_form import (
     AttentionStructure,
@@ -122,16 +123,16 @@ def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
 
 def test_monitor_on_a_cuda_model_evaluates_on_the_gpu(tmp_path, monkeypatch):
     seen: set[str] = set()
-    original = CapturedBlock.evaluate
+    original = engine_core.evaluate_block
 
     def evaluate(self, **kwargs):
         out = original(self, **kwargs)
         seen.update(v.device.type for v in out.values())
         return out
 
-    monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
+    monkeypatch.setattr(engine_core, "evaluate_block", evaluate)
     torch.manual_seed(0)
-    monitor = CurvatureMonitor(every_n_train_steps=1, max_overhead=None, log_heatmap=False)
+    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None))
     trainer = L.Trainer(
         accelerator="cuda", devices=1, max_steps=3, logger=CSVLogger(tmp_path, name="csv", version=0),
         callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from curvwatch._docgen import render_design
-from curvwatch.keys import KeySpec
+from curvwatch.names import KeySpec
 
 DESIGN = Path(__file__).parents[1] / "docs" / "design.md"
 

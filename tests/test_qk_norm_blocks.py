@@ -26,8 +26,9 @@ from curvwatch.closed_form import (
 )
 from curvwatch.closed_form.attention import ATTENTION_PAIRS, NORM_PAIRS
 from curvwatch.closed_form.settings import EXACT
+from curvwatch.realloss import sample_outputs
+from curvwatch.realloss.stability import param_index_map
 from curvwatch.reference.attention import attention_blocked, attention_forward
-from curvwatch.sharpness import param_index_map
 from tests import zoo
 from tests.cases import DT, case_id, rand
 from tests.test_attention_modern import _with
@@ -290,8 +291,9 @@ def test_real_loss_sharpness_and_adam_stability_of_the_norm_blocks_on_qwen3():
     ``precond_sharpness/N1N1``, ``N2N2`` and their ``stability/...`` ratios."""
     from curvwatch.capture import Capture
     from curvwatch.engine import Engine
+    from curvwatch.realloss.logits import find_logits_module
+    from curvwatch.realloss.stability import stability_rule
     from curvwatch.reference.real_loss import real_loss_blocks
-    from curvwatch.sharpness import find_logits_module, stability_rule
 
     tiny = zoo.hf_decoder("qwen3", impl="eager")
     tf = pytest.importorskip("transformers")
@@ -316,7 +318,7 @@ def test_real_loss_sharpness_and_adam_stability_of_the_norm_blocks_on_qwen3():
     assert why is None and {"qk_norm.weight_q", "qk_norm.weight_k"} <= set(rule.precondition)
     with Capture(specs, max_tokens=100, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=["N1N1", "N2N2"])
     result = engine.evaluate(cap.blocks(), rules={attn.name: rule}).results[attn.name]

@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning, Evaluation, Sharpness
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.engine import Engine
+from curvwatch.engine import Engine, evaluate_block
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.realloss import RealLoss, sample_outputs
 from curvwatch.reference.real_loss import real_loss_blocks
 from tests import zoo
 from tests.ddp_script import TinyLM, loader
@@ -69,7 +70,7 @@ def test_monitor_sharpness_converges_to_the_exact_gauss_newton_plus_own_term():
     by_name = {s.name: s for s in specs}
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = _loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     for block, weight, cols, key, tol in PROBES:
@@ -88,10 +89,12 @@ def test_kept_tokens_are_scaled_to_the_whole_batch():
     for max_tokens in (100, 6):
         with Capture(specs, max_tokens=max_tokens, logits_module=model.head) as cap:
             loss, _ = _loss_fn(model)
-            cap.sample_outputs(loss, 64, generator=torch.Generator().manual_seed(0))
+            sample_outputs(cap, loss, 64, generator=torch.Generator().manual_seed(0))
             loss.backward()
         blocks = cap.blocks()
-        out[max_tokens] = Engine(dtype="float64").evaluate(blocks).results
+        evaluation = Engine(dtype="float64").evaluate(blocks)
+        RealLoss().finish(evaluation)  # the kept tokens' keys scaled to the whole batch
+        out[max_tokens] = evaluation.results
         if max_tokens == 6:
             assert all(b.sample_scale == pytest.approx(3.0) for b in blocks if "output_samples" in b.inputs)
     full, one = out[100]["layer1/ffn"]["sharpness/W2W2"], out[6]["layer1/ffn"]["sharpness/W2W2"]
@@ -105,7 +108,7 @@ class _AdamLM(TinyLM):
 
 def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
     for module, source in ((TinyLM(n_layer=2), "sharpness"), (_AdamLM(n_layer=2), "precond_sharpness")):
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=4)
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=4))
         trainer = make_trainer(tmp_path / source, monitor, max_steps=5)
         with warnings.catch_warnings():
             warnings.simplefilter("error", CurvatureWarning)  # no warning on this healthy run
@@ -136,7 +139,7 @@ def test_callback_sharpness_off_and_errors(tmp_path):
     trainer.fit(TinyLM(), loader())
     assert not any("sharpness" in k or "stability" in k for k in curv_rows(read_rows(trainer))[0])
     with pytest.raises(ValueError, match="Invalid logits_module='nope'"):
-        make_trainer(tmp_path / "bad", CurvatureMonitor(logits_module="nope"), max_steps=1).fit(TinyLM(), loader())
+        make_trainer(tmp_path / "bad", CurvatureMonitor(sharpness=Sharpness(logits_module="nope")), max_steps=1).fit(TinyLM(), loader())
 
 
 class _MSELM(TinyLM):
@@ -147,13 +150,13 @@ class _MSELM(TinyLM):
 
 
 def test_callback_mse_needs_the_loss_named(tmp_path):
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=2))
     trainer = make_trainer(tmp_path / "auto", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="not a softmax cross-entropy.*loss='mse'"):
         trainer.fit(_MSELM(), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/summary/max_hessian" in row and not any("sharpness" in k for k in row)
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2, loss="mse")
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=2, loss="mse"))
     trainer = make_trainer(tmp_path / "mse", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="squared error: assumed the mean"):
         trainer.fit(_MSELM(), loader())
@@ -166,7 +169,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
     for k in (1, 2):
         torch.manual_seed(0)
         module = TinyLM(n_layer=1, lr=1e-9)
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=8, dtype="float64")
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8))
         trainer = make_trainer(tmp_path / str(k), monitor, max_steps=1, accumulate_grad_batches=k)
         batch = next(iter(loader(batch_size=4)))[0]
         same = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([batch, batch])), batch_size=4)
@@ -178,7 +181,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
 def test_reentrant_checkpointing_names_the_blocks_without_real_loss_keys(tmp_path):
     from tests.test_compat import _Model
 
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness=Sharpness(samples=2))
     trainer = make_trainer(tmp_path, monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="no real-loss keys for layer0/attn, layer0/ffn.*use_reentrant=False"):
         trainer.fit(_Model(checkpointing="reentrant"), loader())
@@ -200,9 +203,7 @@ class _MathLM(TinyLM):
 def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
     """The in-run check (Hessian-vector products) against torch.func's dense block Hessian of the same batch."""
     module = _MathLM()
-    monitor = CurvatureMonitor(
-        log_level="all", every_n_train_steps=1, sharpness_samples=8, verify_every_n_evals=2, dtype="float64"
-    )
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8, verify_every_n_evals=2))
     batch = next(iter(loader(batch_size=4)))[0].double().long()
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     state = {k: v.clone() for k, v in module.state_dict().items()}
@@ -258,11 +259,11 @@ def test_monitor_sharpness_on_litgpt_and_hugging_face_models(build, probes):
         return F.cross_entropy(z.reshape(-1, z.shape[-1]), idx.reshape(-1)), z
 
     specs = find_blocks(model)
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     with Capture(specs, max_tokens=100, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     by_name = {s.name: s for s in specs}
@@ -284,7 +285,7 @@ def test_monitor_sharpness_of_a_squared_error_loss():
     specs = find_blocks(model)
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, kind="mse", generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, kind="mse", generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     by_name = {s.name: s for s in specs}
@@ -324,8 +325,8 @@ def _held_out_w2_sharpness(width: int, **evaluate_kwargs):
     ``16``-sample estimate (``debias``'s ``full``)."""
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
     from curvwatch.closed_form.solver import debiasing, sampled_keys
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(width)
@@ -335,11 +336,11 @@ def _held_out_w2_sharpness(width: int, **evaluate_kwargs):
     model.float()
     with Capture(specs, max_tokens=512, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = _full_ce(x, y)(model)
-        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0))
         loss.backward()
     block = next(b for b in cap.blocks() if b.spec.name == "layer1/ffn")
     lanczos = Lanczos(tol=1e-6, max_iter=300)
-    default = block.evaluate(lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
+    default = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
     limit, debias, plain = debiasing.SPREAD_LIMIT, sampled_keys.debias, []
 
     def recorded(full, *args, psd=False, **kwargs):
@@ -350,7 +351,7 @@ def _held_out_w2_sharpness(width: int, **evaluate_kwargs):
     try:
         debiasing.SPREAD_LIMIT = math.inf  # the estimate's value, however uncertain
         sampled_keys.debias = recorded
-        after = block.evaluate(lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
+        after = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
     finally:
         debiasing.SPREAD_LIMIT, sampled_keys.debias = limit, debias
     (raw,) = plain
@@ -402,8 +403,8 @@ def test_the_spread_covers_the_exact_value_of_a_held_out_attention_head():
     import copy
 
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(32)
@@ -416,11 +417,11 @@ def test_the_spread_covers_the_exact_value_of_a_held_out_attention_head():
         for seed in range(3):
             with Capture(specs, max_tokens=512, logits_module=head) as cap:
                 loss, _ = _full_ce(x, y)(model)
-                cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                 loss.backward()
             model.zero_grad()
             block = next(b for b in cap.blocks() if b.spec.name == "layer0/attn")
-            out = block.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=300), pairs=("VV",), parts=("outer",))
+            out = evaluate_block(block, lanczos=Lanczos(tol=1e-6, max_iter=300), pairs=("VV",), parts=("outer",))
             got, spread = float(out["sharpness/VV/h0"]), float(out["sharpness_spread/VV/h0"])
             assert abs(got - exact) <= spread * got, (k, seed, got, exact, spread)
             assert spread < 1.0, (k, seed, spread)  # resolved: the key has a value at the defaults
@@ -435,8 +436,8 @@ def test_one_long_kept_sequence_leaves_the_large_blocks_unresolved():
     1.98x and 3.01: closer, still unresolved."""
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
     from curvwatch.closed_form.solver import debiasing
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(32, B=1, L=512)
@@ -449,17 +450,17 @@ def test_one_long_kept_sequence_leaves_the_large_blocks_unresolved():
     def evaluate(k: int) -> tuple[dict, dict]:
         with Capture(specs, max_tokens=512, logits_module=head) as cap:
             loss, _ = _full_ce(x, y)(model)
-            cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(0))
+            sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0))
             loss.backward()
         model.zero_grad()
         block = next(b for b in cap.blocks() if b.spec.name == "layer1/ffn")
         assert block.inputs["output_samples"].shape[:2] == (k, 1)  # one kept sequence
         lanczos = Lanczos(tol=1e-6, max_iter=300)
-        default = block.evaluate(lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
+        default = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
         limit = debiasing.SPREAD_LIMIT
         try:
             debiasing.SPREAD_LIMIT = math.inf
-            free = block.evaluate(lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
+            free = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
         finally:
             debiasing.SPREAD_LIMIT = limit
         return default, free
@@ -484,7 +485,7 @@ def test_unresolved_sharpness_keys_are_named_once_and_left_out(tmp_path):
     no block is flagged non-finite, and one notice names them with the fix."""
     from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=4)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=4))
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -139,7 +139,7 @@ class Lanczos:
             tests (one host read per round of tests for all of them, a sync on a GPU); runs beyond it are solved one
             after the other. ``None``: :data:`~.solver.plan.SOLVE_BYTES` (1 GiB). The monitor passes each block's
             own
-            estimate of its bases (:meth:`~curvwatch.capture.CapturedBlock.basis_bytes`, which its memory windows
+            estimate of its bases (:func:`~curvwatch.engine.memory.basis_bytes`, which its memory windows
             already count), at least that.
 
     Example:

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import Tensor
 
-from curvwatch.keys import KeySpec
+from curvwatch.names import KeySpec, is_diagonal_pair
 
 __all__ = ["KINDS", "BlockKind", "Summary", "grouped", "kind_of", "register_kind"]
 
@@ -92,12 +92,10 @@ class BlockKind:
         basis_numel: ``params -> int``, the elements of one Lanczos vector of the block (0 without Lanczos).
         keys: Rows of the key table for the kernel's keys (relative, prefixed): meaning and reduction.
         summaries: Model-wide summaries of this kind's keys.
-        collapse_stats: ``(result, eps) -> stats`` for the collapse warning (``var_min_over_eps``,
-            ``var_min``, ``inv_var_max``, ``eps``), or ``None`` for kinds that cannot collapse.
         input_only_keys: Whether the kernel reports statistics of ``X`` alone, which are still worth logging
             when only ``grad_output`` is non-finite (LayerNorm variances: a collapse that caused the NaN).
         sampled: Whether the kernel takes ``output_samples`` (sampled output gradients of the real loss,
-            :mod:`curvwatch.sharpness`; in its loss) and ``precondition``, and then returns ``ggn/...`` and
+            :mod:`curvwatch.realloss`; in its loss) and ``precondition``, and then returns ``ggn/...`` and
             ``sharpness/...``.
         label: A human name for messages and docs (``"LayerNorm"``).
         doc: One line for the docs' table of kinds.
@@ -119,7 +117,6 @@ class BlockKind:
     basis_numel: Callable[[Mapping[str, Any]], int] = lambda params: 0
     keys: tuple[KeySpec, ...] = ()
     summaries: tuple[Summary, ...] = ()
-    collapse_stats: Callable[[Mapping[str, float], float | None], dict[str, float]] | None = None
     input_only_keys: bool = False
     sampled: bool = False
     label: str = ""
@@ -127,8 +124,6 @@ class BlockKind:
     diagonal_pairs: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        from curvwatch.metrics import is_diagonal_pair
-
         object.__setattr__(self, "diagonal_pairs", tuple(p for p in self.pairs if is_diagonal_pair(p)))
 
     def kernel(self) -> Callable[..., dict[str, Tensor]]:

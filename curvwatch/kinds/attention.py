@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from curvwatch.closed_form.inputs import AttentionStructure, AttentionWeights
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, grouped, register_kind
+from curvwatch.names import KeySpec
 
 
 def _call_inputs(masks, key_padding_mask, kept):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from curvwatch.closed_form.inputs import FFNWeights
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, grouped, register_kind
+from curvwatch.names import KeySpec
 
 # the keys every FFN kind reports (the gated one too)
 ACTIVITY_KEYS = (

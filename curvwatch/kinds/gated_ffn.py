@@ -6,9 +6,9 @@ Blocks are named as in Meta's LLaMA code: ``W1`` = ``W_gate``, ``W3`` = ``W_up``
 from __future__ import annotations
 
 from curvwatch.closed_form.inputs import GatedFFNWeights
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, grouped, register_kind
 from curvwatch.kinds.ffn import ACTIVITY_KEYS
+from curvwatch.names import KeySpec
 
 KIND = register_kind(
     BlockKind(

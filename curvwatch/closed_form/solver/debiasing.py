@@ -64,7 +64,7 @@ NOISE_SE = 2.0
 #: spread) are below it, and every ``VV/h0`` one. With **one** kept sequence of 512 tokens (``k B`` = 16 columns, a
 #: long-context model's case; d 32 and d 64) the values read 2.7-4.1x the exact ones (the plain value 16-38x). Such a
 #: key gets no value (NaN, "no data", in the engine; left out of a direct call's result), its ``sharpness_spread`` is
-#: still logged, and the monitor names it once (:func:`curvwatch.sharpness.unresolved_keys`).
+#: still logged, and the monitor names it once (:func:`curvwatch.realloss.plugin.unresolved_keys`).
 SPREAD_LIMIT = 1.0
 
 

@@ -96,7 +96,7 @@ class Planned:
 #: Runs that could go to one :func:`solve` (:func:`solve_planned`) share it while their Lanczos bases together stay
 #: within this many bytes (a plan whose runs always go together, or one run, may hold more alone), unless the kernel's
 #: ``lanczos.solve_bytes`` says otherwise: the monitor's engine passes each block's own estimate of its bases
-#: (``CapturedBlock.basis_bytes``), at least this. At GPT-2-small width (d 768, 12 heads, 16 vectors) the attention's
+#: (``engine.memory.basis_bytes``), at least this. At GPT-2-small width (d 768, 12 heads, 16 vectors) the attention's
 #: engine run and its two sampled runs hold 3 x 216 MiB, the FFN's engine run 432 MiB and its sampled run 864 MiB
 #: (within the FFN's estimate, 2,592 MiB of bases: one solve); called directly, at d 4096 one sampled run alone holds
 #: 6 GiB, and there the sampled runs go one at a time.

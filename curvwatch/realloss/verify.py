@@ -2,7 +2,7 @@
 
 :func:`true_sharpness` runs Lanczos on the live graph's Hessian restricted to one weight block (everything
 downstream of the block included), for the monitor's ``verify_every_n_evals``; ``verify/ratio/XX`` then says how
-far the closed-form view (:mod:`curvwatch.sharpness`) is from the truth on the user's own model.
+far the closed-form view (:mod:`curvwatch.realloss`) is from the truth on the user's own model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from curvwatch.sharpness import param_positions
+from curvwatch.realloss.stability import param_positions
 
 __all__ = ["VERIFIED", "true_sharpness"]
 
@@ -45,7 +45,7 @@ def true_sharpness(
 
     For each block and diagonal pair of :data:`VERIFIED` (attention: head 0 and kv group 0), Lanczos on
     ``v -> d/dtheta <grad_theta loss, v>`` over the pair's elements of the module parameters (mapped by
-    :func:`curvwatch.sharpness.param_index_map`): everything downstream included, the full batch. Expensive (a
+    :func:`curvwatch.realloss.stability.param_index_map`): everything downstream included, the full batch. Expensive (a
     backward with ``create_graph`` and up to ``max_iter`` double-backward products per pair): the monitor's opt-in
     ``verify_every_n_evals``.
 

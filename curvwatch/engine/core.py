@@ -43,15 +43,16 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from curvwatch.adapters import UnsupportedBlockError
-from curvwatch.alerts import CurvatureNotice
-from curvwatch.capture import CapturedBlock, nonfinite_inputs, vectors_held
-from curvwatch.closed_form.settings import Lanczos, WarmStart, inputs_checked
+from curvwatch.alerts import CurvatureNotice, Notices
+from curvwatch.capture import CapturedBlock, nonfinite_inputs
+from curvwatch.closed_form.settings import PARTS, Lanczos, WarmStart, inputs_checked
 from curvwatch.closed_form.solver import plan as _operator
 from curvwatch.closed_form.solver.lockstep import Lockstep
+from curvwatch.engine.kernel import evaluate_block
+from curvwatch.engine.memory import basis_bytes, evaluation_bytes, vectors_held
 from curvwatch.kinds import KINDS
 from curvwatch.metrics import select_pairs
 from curvwatch.options import Precision, choice
-from curvwatch.sharpness import StabilityRule, stability_keys
 
 __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation", "signal_plan"]
 
@@ -69,20 +70,17 @@ LOCKSTEP_BLOCKS = 64
 NONFINITE = "skipped_nonfinite"
 
 
-def _preconditioner(rules: Mapping[str, StabilityRule] | None, name: str) -> dict[str, Tensor] | None:
-    """Block ``name``'s Adam preconditioner ``P`` as ``{"precondition[W]": P}`` for the engine's NaN/Inf read, or None.
+def _named_preconditioner(precondition: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
+    """A block's preconditioner ``{W: P}`` as ``{"precondition[W]": P}`` for the engine's NaN/Inf read, or None.
 
-    ``P = sqrt(v_hat) + eps`` is positive wherever it is finite (:func:`~curvwatch.sharpness.stability_rule` lifts
-    the zeros of ``eps = 0``), so the one finiteness read replaces the kernels' own check of it."""
-    rule = None if rules is None else rules.get(name)
-    if rule is None or not rule.precondition:
+    ``P`` (Adam's ``sqrt(v_hat) + eps``) is positive wherever it is finite, so the one finiteness read replaces the
+    kernels' own check of it."""
+    if not precondition:
         return None
-    return {f"precondition[{w}]": P for w, P in rule.precondition.items()}
+    return {f"precondition[{w}]": P for w, P in precondition.items()}
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-_PARTS = ("outer", "functional", "hessian")
-_SAMPLED = ("ggn/", "sharpness/", "precond_ggn/", "precond_sharpness/")  # the real-loss keys of the kernels
 
 
 @dataclass
@@ -97,6 +95,10 @@ class Evaluation:
         failed: ``{block: exception}`` for blocks whose closed form raised; left out alone.
         nonfinite: Blocks whose captured ``X`` or ``grad_output`` held NaN or Inf.
         cold: Blocks whose Lanczos runs started without warm-start vectors (first evaluation, resume).
+        sample_scales: ``{block: scale}`` of the blocks evaluated with ``output_samples``: the batch's total loss
+            weight over that of the tokens evaluated (:attr:`CapturedBlock.sample_scale
+            <curvwatch.capture.CapturedBlock.sample_scale>` after the engine's token cuts), by which the real-loss keys
+            of the evaluated tokens scale to the whole batch's.
     """
 
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -104,6 +106,7 @@ class Evaluation:
     failed: dict[str, BaseException] = field(default_factory=dict)
     nonfinite: list[str] = field(default_factory=list)
     cold: set[str] = field(default_factory=set)
+    sample_scales: dict[str, float] = field(default_factory=dict)
 
 
 class BlockError(Exception):
@@ -124,7 +127,7 @@ class Engine:
             convergence is reported through the results' ``residual/...`` keys, not warnings).
         dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
         pairs: ``"diagonal"``, ``"all"`` or pair names; the engine keeps exactly the keys of these pairs.
-        kinds: Iterative norms to compute: a subset of ``("outer", "functional", "hessian")``.
+        parts: The Hessian parts whose norms to compute: a subset of ``("outer", "functional", "hessian")``.
         max_tokens: Most token positions per block.
         memory_budget_mb: Most extra memory one block's closed form may take, or ``None``.
         raise_errors: Re-raise a block's closed-form error (as :class:`BlockError`) instead of leaving the block
@@ -134,6 +137,7 @@ class Engine:
             on a GPU), within :data:`LOCKSTEP_MEMORY` times the largest block's memory; ``False``: one block at a
             time (the same numbers where every run starts with the others; a run that joins later has its stopping
             tests on other steps, so it may stop a few products apart, within its tolerance).
+        notices: Where the one-time notices go (a monitor's; default: a record of the engine's own).
 
     Raises:
         ValueError: If an argument is invalid.
@@ -145,12 +149,13 @@ class Engine:
         lanczos: Lanczos | None = None,
         dtype: str = "float32",
         pairs: str | Sequence[str] = "diagonal",
-        kinds: Sequence[str] = _PARTS,
+        parts: Sequence[str] = PARTS,
         max_tokens: int = 512,
         memory_budget_mb: float | None = None,
         raise_errors: bool = False,
         key_prefix: str = "",
         lockstep: bool = True,
+        notices: Notices | None = None,
     ) -> None:
         self.lanczos = (MONITOR_LANCZOS if lanczos is None else lanczos).replace(warm_start=None, warn=False)
         self.dtype = choice("dtype", dtype, Precision).value  # the one check of the option set (options.py)
@@ -164,7 +169,7 @@ class Engine:
             self._kernel_pairs = tuple(dict.fromkeys(p for kind in KINDS.values() for p in kind.diagonal_pairs))
         else:
             self._kernel_pairs = self.pairs
-        self.kinds = tuple(kinds)
+        self.parts = tuple(parts)
         self.max_tokens = max_tokens
         self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self.raise_errors = raise_errors
@@ -173,7 +178,7 @@ class Engine:
         self.token_limit = max_tokens  # halved after an out-of-memory error
         self.basis_limit: int | None = self.lanczos.max_basis  # halved after an out-of-memory error the bases dominate
         self.warm: dict[str, WarmStart] = {}
-        self.warned: set[str] = set()  # one-time warnings given (kept in checkpoints by the caller)
+        self.notices = Notices() if notices is None else notices
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -190,12 +195,6 @@ class Engine:
         ]
         self.basis_limit = max(4, min(limits)) if limits else None
 
-    def warn_once(self, key: str, message: str) -> None:
-        """Warn the first time ``key`` comes up (on the rank where it happens)."""
-        if key not in self.warned:
-            self.warned.add(key)
-            warnings.warn(message, CurvatureNotice, stacklevel=3)
-
     # -- evaluation -----------------------------------------------------------------------------------
 
     def evaluate(
@@ -203,7 +202,7 @@ class Engine:
         captured: Sequence[CapturedBlock],
         grad_factor: float = 1.0,
         terms_only: bool = False,
-        rules: Mapping[str, StabilityRule] | None = None,
+        precondition: Mapping[str, Mapping[str, Tensor]] | None = None,
         signal_pairs: Collection[str] | None = None,
     ) -> Evaluation:
         """Closed forms of every capturable block, under ``torch.no_grad``.
@@ -212,8 +211,9 @@ class Engine:
             captured: The blocks of one step (``Capture.blocks()``).
             grad_factor: Multiplies every ``grad_output`` (undoes gradient accumulation and AMP loss scaling).
             terms_only: Ask the kernels for the exact pairs alone: no Lanczos over Hessian products.
-            rules: ``{block: StabilityRule}`` (:func:`curvwatch.sharpness.stability_rule`): a block with sampled
-                output gradients then also gets its preconditioned sharpness (Adam) and ``stability/...`` keys.
+            precondition: ``{block: {weight name: P}}``, the preconditioner of the optimizer updating the block in
+                the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``): a block with sampled output gradients then
+                also gets its preconditioned sharpness (``precond_sharpness/...``).
             signal_pairs: With ``terms_only``, a *signals* evaluation: each block computes only what the warning
                 rules read (its kind's ``signal_kwargs``) and those of its exact pairs named here
                 (:attr:`curvwatch.rules.RuleSet.exact_pairs`); a block with neither is left out of it (no keys,
@@ -235,7 +235,8 @@ class Engine:
         pending: Exception | None = None  # this rank's first error that ends the evaluation, raised after the loop
         # NaN/Inf in the captured tensors of every block and in the Adam preconditioners of their stability rules, in
         # one host read (the kernels then skip their own checks)
-        preconditioners = [_preconditioner(rules, b.spec.name) for b in captured]
+        precondition = precondition or {}
+        preconditioners = [_named_preconditioner(precondition.get(b.spec.name)) for b in captured]
         bad = nonfinite_inputs(captured, preconditioners)
         bad_inputs = dict(zip((b.spec.name for b in captured), bad, strict=True))
         with torch.no_grad(), inputs_checked():
@@ -253,7 +254,7 @@ class Engine:
                     calls = [
                         functools.partial(
                             self._evaluate_block, block, read_error, dtype, grad_factor, terms_only, Evaluation(),
-                            None if rules is None else rules.get(block.spec.name), plans.get(block.spec.name),
+                            precondition.get(block.spec.name), plans.get(block.spec.name),
                             bad_inputs[block.spec.name],
                         )
                         for block, read_error in blocks
@@ -281,8 +282,8 @@ class Engine:
         their Lanczos stopping tests share one host read).
 
         A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
-        (:meth:`CapturedBlock.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated one after
-        the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no large
+        (:func:`~curvwatch.engine.memory.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated
+        one after the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds no large
         products, so its blocks form groups of :data:`LOCKSTEP_BLOCKS` (one parked thread each). Sharded blocks
         (weights read as full tensors when evaluated) and ``lockstep=False``: one block at a time.
         """
@@ -290,7 +291,7 @@ class Engine:
             return [[b] for b in captured]
         if terms_only:  # (at most LOCKSTEP_BLOCKS at a time: one parked thread each)
             return [list(captured[i : i + LOCKSTEP_BLOCKS]) for i in range(0, len(captured), LOCKSTEP_BLOCKS)]
-        sizes = [b.truncate(self.token_limit).evaluation_bytes(dtype, self.lanczos.max_iter, self.basis_limit)
+        sizes = [evaluation_bytes(b.truncate(self.token_limit), dtype, self.lanczos.max_iter, self.basis_limit)
                  if b.reason is None else 0 for b in captured]  # fmt: skip
         limit = LOCKSTEP_MEMORY * max(sizes, default=0)
         if self.memory_budget_mb is not None:
@@ -314,7 +315,7 @@ class Engine:
         grad_factor: float,
         terms_only: bool,
         out: Evaluation,
-        rule: StabilityRule | None,
+        precondition: Mapping[str, Tensor] | None,
         signals: tuple[str, ...] | None,
         bad: list[str],
     ) -> Evaluation:
@@ -335,7 +336,7 @@ class Engine:
         kind = KINDS[block.spec.kind]
         if bad:
             out.nonfinite.append(name)
-            self.warn_once(
+            self.notices.once(
                 f"nonfinite:{name}",
                 f"CurvatureMonitor skips block '{name}': its captured {' and '.join(bad)} hold NaN or Inf "
                 f"(diverged training, or an overflow under mixed precision). Its numbers are left out and "
@@ -354,17 +355,15 @@ class Engine:
             )
         block, max_basis = self._fit_budget(block, dtype)
         try:
-            result = self._evaluate_one(block, dtype, terms_only, max_basis, out, rule, signals)
+            result = self._evaluate_one(block, dtype, terms_only, max_basis, out, precondition, signals)
         except Exception as err:
             if self.raise_errors:
                 raise BlockError(name, err) from err
             out.failed[name] = err
             return out
         result = {k: v for k, v in result.items() if not k.startswith("dense/")}
-        if block.sample_scale != 1.0:  # the kept tokens' real-loss curvature, scaled to the whole batch's
-            result = {k: v * block.sample_scale if k.startswith(_SAMPLED) else v for k, v in result.items()}
-        if rule is not None:
-            result.update(stability_keys(result, rule))
+        if "output_samples" in block.inputs:
+            out.sample_scales[name] = block.sample_scale
         out.results[name] = select_pairs(kind.qualify(result), self.pairs)
         if bad:
             out.results[name][NONFINITE] = 1.0
@@ -385,12 +384,12 @@ class Engine:
         max_iter = self.lanczos.max_iter
         budget = self.memory_budget_mb * 2**20
         held = vectors_held(max_iter, max_basis)
-        per_vector = block.basis_bytes(dtype, 1)
+        per_vector = basis_bytes(block, dtype, 1)
         if per_vector and held * per_vector > budget / 2:
             fit = max(4, int(budget / 2 // per_vector))
             if fit < held:
                 max_basis = fit
-                self.warn_once(
+                self.notices.once(
                     "memory_budget_basis",
                     f"CurvatureMonitor holds at most {fit} Lanczos vectors per norm of block '{block.spec.name}' "
                     f"(instead of {held}) to stay within memory_budget_mb={self.memory_budget_mb:g}: its bases "
@@ -399,14 +398,14 @@ class Engine:
                     "limited the same way without further warnings.",
                 )
         tokens = block.tokens
-        while tokens > 1 and block.truncate(tokens).evaluation_bytes(dtype, max_iter, max_basis) > budget:
+        while tokens > 1 and evaluation_bytes(block.truncate(tokens), dtype, max_iter, max_basis) > budget:
             tokens //= 2
         if tokens < block.tokens:
-            self.warn_once(
+            self.notices.once(
                 "memory_budget",
                 f"CurvatureMonitor evaluates block '{block.spec.name}' on {tokens} of {block.tokens} captured "
                 f"tokens to stay within memory_budget_mb={self.memory_budget_mb:g} (estimated "
-                f"{block.evaluation_bytes(dtype, max_iter, max_basis) / 2**20:.3g} MiB for all of them). "
+                f"{evaluation_bytes(block, dtype, max_iter, max_basis) / 2**20:.3g} MiB for all of them). "
                 "Raise memory_budget_mb or lower max_tokens to silence this; blocks over budget are shrunk the "
                 "same way without further warnings.",
             )
@@ -420,7 +419,7 @@ class Engine:
         terms_only: bool,
         max_basis: int | None,
         out: Evaluation,
-        rule: StabilityRule | None = None,
+        precondition: Mapping[str, Tensor] | None = None,
         signals: tuple[str, ...] | None = None,
     ) -> dict[str, Tensor]:
         """The closed form of one block; on out-of-memory: free, halve what dominates the block's memory
@@ -435,21 +434,21 @@ class Engine:
             lanczos=lanczos,
             dtype=dtype,
             pairs=(kind.exact_pairs if signals is None else signals) if terms_only else self._kernel_pairs,
-            parts=self.kinds,
-            precondition=None if rule is None else rule.precondition,
+            parts=self.parts,
+            precondition=precondition,
             signals=signals is not None,
         )
         try:
-            return block.evaluate(**kwargs)
+            return evaluate_block(block, **kwargs)
         except torch.OutOfMemoryError as err:
             message = str(err).split("\n", 1)[0]
         # outside the except clause: the traceback (and the tensors its frames hold) is gone
         _free_memory(block.inputs["X"].device)
         max_iter = self.lanczos.max_iter
         held = vectors_held(max_iter, max_basis)
-        bases = 0 if terms_only else block.basis_bytes(dtype, held)
+        bases = 0 if terms_only else basis_bytes(block, dtype, held)
         what = f"on {block.tokens} tokens"
-        if held > 4 and bases >= block.evaluation_bytes(dtype, max_iter, max_basis) - bases:
+        if held > 4 and bases >= evaluation_bytes(block, dtype, max_iter, max_basis) - bases:
             # the Lanczos bases dominate (wide FFNs): hold fewer vectors, same accuracy, more products
             self.basis_limit = max(4, held // 2)
             kwargs["lanczos"] = lanczos.replace(max_basis=self.basis_limit)
@@ -468,14 +467,14 @@ class Engine:
             CurvatureNotice,
             stacklevel=3,
         )
-        return block.evaluate(**kwargs)
+        return evaluate_block(block, **kwargs)
 
 
 def _solve_bytes(block: CapturedBlock, dtype: torch.dtype, vectors: int | None) -> int | None:
     """The block kernel's ``Lanczos.solve_bytes``: its runs share their stopping tests' host reads while their bases
-    stay within what the block's memory estimate counts for them (:meth:`CapturedBlock.basis_bytes` at ``vectors``
-    held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are unbounded."""
-    return None if vectors is None else max(_operator.SOLVE_BYTES, block.basis_bytes(dtype, vectors))
+    stay within what the block's memory estimate counts for them (:func:`~curvwatch.engine.memory.basis_bytes` at
+    ``vectors`` held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are unbounded."""
+    return None if vectors is None else max(_operator.SOLVE_BYTES, basis_bytes(block, dtype, vectors))
 
 
 def _run_together(calls: list, device: torch.device) -> list[tuple[Any, Exception | None]]:
@@ -537,6 +536,7 @@ def _merge(out: Evaluation, part: Evaluation) -> None:
     out.failed.update(part.failed)
     out.nonfinite.extend(part.nonfinite)
     out.cold.update(part.cold)
+    out.sample_scales.update(part.sample_scales)
 
 
 def signal_plan(kind_name: str, signal_pairs: Collection[str]) -> tuple[str, ...] | None:
