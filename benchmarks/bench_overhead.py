@@ -428,7 +428,7 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int, device: torch.devi
     fns = {"train_step": step}
     fns.update({b.spec.name: (lambda b=b: evaluate_block(b, dtype=torch.float32, **kw)) for b in blocks})
 
-    def hessian_only() -> None:  # CurvatureMonitor(kinds=("hessian",)): one Lanczos vector per product
+    def hessian_only() -> None:  # the hessian part only: one Lanczos vector per product
         for b in blocks:
             evaluate_block(b, dtype=torch.float32, parts=("hessian",), **kw)
 
@@ -622,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(b["by_kind_share"].items()))
                 print(
                     f"\n{r['model']}: one evaluation of {b['layers']} layer(s) = {b['evaluate_total_s']:.3g} s "
-                    f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with kinds=('hessian',): "
+                    f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with parts=('hessian',): "
                     f"{b['evaluate_total_s_hessian_kind_only']:.3g} s; terms only: "
                     f"{b['evaluate_total_s_terms_only']:.3g} s = {b['evaluate_total_steps_terms_only']:.3g} steps"
                 )

@@ -34,10 +34,12 @@ B, L, D, H = 3, 5, 8, 2
 # --------------------------------------------------------------------------------------------------
 
 
-def mha_ref(
-    X, W_Q, W_K, W_V, W_O, n_heads, b_Q, b_K, b_V, b_O, causal, key_padding_mask=None, memory=None,
-    memory_padding_mask=None,
-):  # fmt: skip
+def mha_ref(X, weights, structure):
+    """The attention output from the kernel's grouped inputs (``weights``, ``structure``), written out."""
+    W_Q, W_K, W_V, W_O, n_heads = weights.W_Q, weights.W_K, weights.W_V, weights.W_O, weights.n_heads
+    b_Q, b_K, b_V, b_O = weights.b_Q, weights.b_K, weights.b_V, weights.b_O
+    causal, key_padding_mask = structure.causal, structure.key_padding_mask
+    memory, memory_padding_mask = structure.memory, structure.memory_padding_mask
     B_, L_, _ = X.shape
     source = X if memory is None else memory  # cross-attention: keys and values from the memory
 
@@ -82,11 +84,14 @@ def ln_ref(X, eps, weight, bias):
 
 def reconstruct(block):
     kw = kernel_inputs(block, torch.float64)
-    kw.pop("grad_output")
     if block.spec.kind in ("attention", "cross_attention"):
-        return mha_ref(**kw)
+        return mha_ref(kw["X"], kw["weights"], kw["structure"])
+    if block.spec.kind == "ffn":
+        w = kw["weights"]
+        return ffn_ref(kw["Y"], w.W_1, w.W_2, w.b_1, w.b_2, kw["activation"], kw["residual"])
+    kw.pop("grad_output")
     kw.pop("row_mask")
-    return ffn_ref(**kw) if block.spec.kind == "ffn" else ln_ref(**kw)
+    return ln_ref(**kw)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -499,11 +499,12 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
 
 
 class LanczosSpy(Callback):
-    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``_lanczos.solve``, which every run
-    goes through: ``lanczos_max_abs`` and the kernels' lockstep runs in ``_operator``)."""
+    """Counts the Lanczos runs of the closed forms per optimizer step (wraps ``solver.lanczos.solve``, which every run
+    goes through: ``lanczos_max_abs`` and the kernels' runs in ``solver.plan``)."""
 
     def __init__(self, monkeypatch):
-        from curvwatch.closed_form import _lanczos, _operator
+        from curvwatch.closed_form.solver import lanczos as _lanczos
+        from curvwatch.closed_form.solver import plan as _plan
 
         self.runs: dict[int, int] = {}
         self.step = -1
@@ -514,7 +515,7 @@ class LanczosSpy(Callback):
             return original(runs)
 
         monkeypatch.setattr(_lanczos, "solve", spy)
-        monkeypatch.setattr(_operator, "solve", spy)
+        monkeypatch.setattr(_plan, "solve", spy)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step = trainer.global_step

@@ -98,10 +98,10 @@ def test_out_of_memory_halves_the_tokens_and_retries_once(monkeypatch):
 
 def test_each_block_lets_its_lanczos_runs_share_solves_within_its_basis_estimate(monkeypatch):
     """The engine passes every block's kernel ``solve_bytes``: the block's own estimate of its Lanczos bases (which the
-    memory windows and ``memory_budget_mb`` count), at least ``_operator.SOLVE_BYTES``; an out-of-memory retry solves
+    memory windows and ``memory_budget_mb`` count), at least ``plan.SOLVE_BYTES``; an out-of-memory retry solves
     one run at a time (``solve_bytes=0``), and later blocks share solves again within their estimate at the vectors
     the retry left."""
-    from curvwatch.closed_form import _operator
+    from curvwatch.closed_form.solver import plan
     from curvwatch.engine import MONITOR_LANCZOS, vectors_held
 
     seen, original = [], engine_core.evaluate_block
@@ -117,7 +117,7 @@ def test_each_block_lets_its_lanczos_runs_share_solves_within_its_basis_estimate
 
     monkeypatch.setattr(engine_core, "evaluate_block", spy)
     monkeypatch.setattr(engine_core, "evaluation_bytes", estimate)
-    monkeypatch.setattr(_operator, "SOLVE_BYTES", 1)  # below every block's estimate here
+    monkeypatch.setattr(plan, "SOLVE_BYTES", 1)  # below every block's estimate here
     with pytest.warns(UserWarning, match="holding at most 8 Lanczos vectors per norm"):
         Engine().evaluate(_captured())
     held = vectors_held(MONITOR_LANCZOS.max_iter, MONITOR_LANCZOS.max_basis)
@@ -129,7 +129,7 @@ def test_each_block_lets_its_lanczos_runs_share_solves_within_its_basis_estimate
     assert later and all(lz.max_basis == 8 and lz.solve_bytes == max(1, basis_bytes(b, torch.float32, 8))
                          for b, lz in later)  # fmt: skip
     # tiny blocks: the default budget
-    monkeypatch.setattr(_operator, "SOLVE_BYTES", 2**30)
+    monkeypatch.setattr(plan, "SOLVE_BYTES", 2**30)
     seen[:] = [None]  # (no induced error this time)
     Engine().evaluate(_captured())
     assert len(seen) > 1 and all(lz.solve_bytes == 2**30 for _, lz in seen[1:])
@@ -148,7 +148,7 @@ def test_preconditioners_are_checked_in_the_engines_one_read_not_per_kernel(monk
     import importlib
 
     from benchmarks.bench_dispatch import OpCounter, count_host_reads
-    from curvwatch.closed_form import _sampled
+    from curvwatch.closed_form.solver import sampled
     from curvwatch.realloss.logits import find_logits_module
 
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ def test_preconditioners_are_checked_in_the_engines_one_read_not_per_kernel(monk
         return capture.blocks()
 
     reads = []
-    check = _sampled.check_precondition
+    check = sampled.check_precondition
 
     def counted(*args, **kwargs):
         counter = OpCounter()
@@ -173,7 +173,7 @@ def test_preconditioners_are_checked_in_the_engines_one_read_not_per_kernel(monk
         reads.append(counter.syncs)
         return result
 
-    monkeypatch.setattr(_sampled, "check_precondition", counted)
+    monkeypatch.setattr(sampled, "check_precondition", counted)
     ffn_module = importlib.import_module("curvwatch.closed_form.ffn")  # (the package's ffn is the function)
     monkeypatch.setattr(ffn_module, "check_precondition", counted)  # imported by name there
     block = next(s for s in specs if s.kind == "ffn")

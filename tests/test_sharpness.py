@@ -803,28 +803,28 @@ def test_logits_scaled_after_the_logits_module_are_refused_by_name():
 def test_no_spread_or_heterogeneity_from_no_data():
     """A zero sharpness (no samples' weight, no gradient) logs no sharpness_spread (0/0), and all-zero norms no
     heterogeneity (log10 of 0): a number there would mean something."""
-    from curvwatch.closed_form import ffn
+    from curvwatch.closed_form import FFNWeights, OutputLoss, ffn
     from curvwatch.metrics import summarize
 
     gen = torch.Generator().manual_seed(0)
     Y, W_1, W_2 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 4), (4, 5), (5, 4)))
     zero = torch.zeros(2, 3, 4, dtype=torch.float64)
-    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
-              pairs=("W2W2",))  # fmt: skip
+    weights, no_samples = FFNWeights(W_1, W_2), torch.zeros(4, 2, 3, 4, dtype=torch.float64)
+    out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=no_samples), pairs=("W2W2",))
     assert float(out["sharpness/W2W2"]) == 0 and "sharpness_spread/W2W2" not in out
-    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64),
-              pairs=("W2W2",))  # fmt: skip
+    samples = torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64)
+    out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=samples), pairs=("W2W2",))
     assert float(out["sharpness_spread/W2W2"]) > 0
     # under the monitor's engine (inputs_checked) no host read decides it: NaN marks "no data", and the logbook's one
     # read of every value drops that key (not the block)
     from benchmarks.bench_dispatch import OpCounter, count_host_reads
-    from curvwatch.closed_form._common import inputs_checked
+    from curvwatch.closed_form import inputs_checked
     from curvwatch.logbook import flatten
 
     counter = OpCounter()
     with inputs_checked(), counter, count_host_reads(counter):  # (warn=False: no read of the residuals, as the monitor)
-        out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
-                  pairs=("W2W2",), lanczos=Lanczos(warn=False))  # fmt: skip
+        out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=no_samples), pairs=("W2W2",),
+                  lanczos=Lanczos(warn=False))  # fmt: skip
     assert counter.syncs == 0 and torch.isnan(out["sharpness_spread/W2W2"])
     flat = flatten({"layer0/ffn": out})
     assert ("layer0/ffn", "sharpness/W2W2") in flat and ("layer0/ffn", "sharpness_spread/W2W2") not in flat

@@ -44,10 +44,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import Notices
 from curvwatch.capture import CapturedBlock, nonfinite_inputs
-from curvwatch.closed_form import _operator
-from curvwatch.closed_form._common import inputs_checked
-from curvwatch.closed_form._lockstep import Lockstep
-from curvwatch.closed_form.settings import PARTS, Lanczos, WarmStart
+from curvwatch.closed_form.settings import PARTS, Lanczos, WarmStart, inputs_checked
+from curvwatch.closed_form.solver import plan as _operator
+from curvwatch.closed_form.solver.lockstep import Lockstep
 from curvwatch.engine.kernel import evaluate_block
 from curvwatch.engine.memory import basis_bytes, evaluation_bytes, vectors_held
 from curvwatch.kinds import KINDS

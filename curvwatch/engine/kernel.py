@@ -33,7 +33,9 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 def kernel_inputs(block: CapturedBlock, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """The keyword arguments of ``block``'s closed form (all of them, ``X``/``Y`` and weights included).
+    """The keyword arguments of ``block``'s closed form (all of them, ``X``/``Y`` and weights included), grouped as the
+    kernel takes them (:attr:`~curvwatch.kinds.BlockKind.prepare`); the ground truths of :mod:`curvwatch.reference`
+    take the same.
 
     Padded positions (the block's key padding or row mask) are zeroed in the input, the output gradient and the
     output samples: no statistic may see what a padded position holds.
@@ -104,10 +106,10 @@ def evaluate_block(
     kind = KINDS[block.spec.kind]
     kwargs = kernel_inputs(block, dtype)
     if kind.iterative:
-        kwargs.update(lanczos=lanczos, kinds=parts)
+        kwargs.update(lanczos=lanczos, parts=parts)
         if pairs is not None:
             kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
-    if "output_samples" in kwargs and precondition is not None:
+    if "output_samples" in block.inputs and precondition is not None:
         kwargs["precondition"] = _cast(precondition, dtype)
     if signals and kind.signal_kwargs:
         kwargs.update(kind.signal_kwargs)

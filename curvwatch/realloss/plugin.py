@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from curvwatch.alerts import Notices
 from curvwatch.capture import Capture, CapturedBlock, monitor_passes
-from curvwatch.closed_form._sampled import SPREAD_LIMIT
+from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 from curvwatch.engine import Evaluation
 from curvwatch.kinds import KINDS
 from curvwatch.realloss.logits import backward_hooks_note, find_logits_module

@@ -61,7 +61,7 @@ def true_sharpness(
     Raises:
         RuntimeError: If the graph has no double backward (fused attention kernels, e.g. SDPA's flash backend).
     """
-    from curvwatch.closed_form._lanczos import lanczos_max_abs
+    from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 
     params = list(dict.fromkeys(p for _, m in maps.values() for ps, _ in m.values() for p in ps))
     grads = torch.autograd.grad(loss, params, create_graph=True, retain_graph=True, allow_unused=True)
@@ -90,7 +90,7 @@ def true_sharpness(
 
             device = parts[0][0].device
             dtype = torch.float64 if parts[0][0].dtype == torch.float64 else torch.float32
-            value, _ = lanczos_max_abs(matvec, (1,), n, dtype=dtype, device=device, tol=tol,
+            value, _ = lanczos_max_abs(matvec, start_vectors((1,), n, dtype, device), tol=tol,
                                        max_iter=min(max_iter, n), algebraic=True)  # fmt: skip
             out.setdefault(block, {})[f"verify/hessian/{pair}"] = float(value.reshape(-1)[0])
     return out

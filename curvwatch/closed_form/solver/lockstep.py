@@ -1,11 +1,11 @@
 """Several evaluations whose Lanczos solves meet: one host read per stopping test for all of them.
 
-A block's closed form calls :func:`~curvwatch.closed_form._lanczos.solve` somewhere deep inside its kernel (the
+A block's closed form calls :func:`~.lanczos.solve` somewhere deep inside its kernel (the
 attention's ``QQ``/``KK`` norms, the FFN's ``W1W1``, ...), and every stopping test of a solve is a host read of device
 values (a sync on a GPU). Evaluated one after the other, a model's blocks pay one read per test *per block*.
 :class:`Lockstep` runs the evaluations of several blocks as cooperative threads instead: each runs until its kernel
 calls ``solve``, then parks with its runs. The runs of all parked evaluations advance together
-(:class:`~curvwatch.closed_form._lanczos.Rounds`: one product per run per round, the stopping tests of all of them in
+(:class:`~.lanczos.Rounds`: one product per run per round, the stopping tests of all of them in
 one read); an evaluation whose runs ended goes on at once, until it parks again (its new runs join the next round) or
 ends.
 
@@ -29,10 +29,10 @@ evaluation of a small block).
 
 Example:
     >>> import torch
-    >>> from curvwatch.closed_form._lanczos import lanczos_max_abs
+    >>> from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
     >>> def norm(scale):
     ...     M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=torch.float64)) * scale
-    ...     return float(lanczos_max_abs(lambda v: v @ M, (), 3, dtype=M.dtype, device=M.device)[0])
+    ...     return float(lanczos_max_abs(lambda v: v @ M, start_vectors((), 3, M.dtype, M.device))[0])
     >>> [round(r, 6) for r, _ in Lockstep().run([lambda: norm(1.0), lambda: norm(2.0)])]
     [5.0, 10.0]
 """
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._lanczos import LOCKSTEP, LanczosRun, Rounds, solve
+from .lanczos import LOCKSTEP, LanczosRun, Rounds, solve
 
 __all__ = ["GATHER_BYTES", "Lockstep", "Shared", "gathered", "made_together"]
 
@@ -99,7 +99,7 @@ def gathered(fn: Callable[..., Any], *tensors: torch.Tensor, take: Callable[[Any
 class Shared:
     """A request's part of a Lanczos run that the requests of a :class:`Lockstep` share (:func:`made_together`): the
     ``run`` (not solved yet) and the request's index ``i`` in its batch. Solve the run (alone, or with other runs in
-    one :func:`~curvwatch.closed_form._lanczos.solve`), then read the part from :meth:`solved`."""
+    one :func:`~.lanczos.solve`), then read the part from :meth:`solved`."""
 
     run: LanczosRun
     i: int
@@ -109,7 +109,7 @@ class Shared:
 
     def solved(self) -> tuple[LanczosRun, int]:
         """``(run, i)`` once the run was solved; if its product raised (its ``error``, a
-        :class:`~curvwatch.closed_form._lanczos.SharedRunError`), this request's part solved again alone, so that an
+        :class:`~.lanczos.SharedRunError`), this request's part solved again alone, so that an
         error reaches only the evaluation whose own product raises it (as one at a time)."""
         if self.run.error is None:
             return self.run, self.i
@@ -180,9 +180,8 @@ class _Abandoned(Exception):
 class _Carrier:
     """A daemon thread that runs one evaluation at a time (:class:`_Worker`), parked in :data:`_IDLE` between them.
 
-    Starting a thread costs ~0.3 ms on the 2-core machine these counts come from (a join ~0.05 ms; a hand-over between
-    two parked threads ~0.01 ms): with a new thread per block, a terms-only evaluation of the demo-shaped GPT took
-    9.0-9.7 ms, 8.3 ms with the threads kept (docs/performance.md section 5).
+    Starting a thread costs far more than a join or a hand-over between two parked threads, a noticeable share of a
+    terms-only evaluation of a small model: so the threads are kept between evaluations.
     """
 
     def __init__(self) -> None:

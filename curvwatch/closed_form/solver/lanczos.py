@@ -10,31 +10,49 @@ from typing import Any
 import numpy as np
 import torch
 
-# The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
-# OVERTAKE_K times its residual. Of 80 random trials with eigenvalues 1 and -0.95 above a cluster in [0, 0.9],
-# 7 of the first 60 stopped on -0.95 with K = 1, 1 of 80 with K = 3, none with K = 10; on the attention and
-# FFN Hessians tried, K = 10 cost no extra products at L = d = 512 and ~4% more on small blocks.
+__all__ = [
+    "CHECK_EVERY",
+    "LOCKSTEP",
+    "OVERTAKE_K",
+    "RESTART_CHUNKS",
+    "WARM_NOISE",
+    "LanczosRun",
+    "Rounds",
+    "SharedRunError",
+    "lanczos_max_abs",
+    "merge_runs",
+    "mergeable",
+    "solve",
+    "solve_groups",
+    "split_results",
+    "start_vectors",
+    "to_host",
+]
+
+#: The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
+#: ``OVERTAKE_K`` times its residual. With eigenvalues 1 and -0.95 above a cluster in [0, 0.9], K = 1 stops on -0.95
+#: in about one random start of ten, K = 10 in none of 80; on attention and FFN Hessians K = 10 costs no extra products
+#: at L = d = 512 and ~4% more on small blocks.
 OVERTAKE_K = 10.0
 
-# Norm of the noise mixed into a warm start, relative to the start vector's norm. A warm start is the last
-# evaluation's Ritz vector: near an eigenvector of the operator as it was. With little noise (1e-3, until issue 23) the
-# Krylov space stayed near the few directions that vector drifted into, and an indefinite norm whose other end had
-# grown since stopped "converged" on the old end: at the monitor's defaults over 12 training steps 11 of 744 norms
-# were more than 5% below a tight cold solve (worst -64%). With noise of the start vector's own norm the other
-# directions weigh what they weigh in a cold start, up to 1/sqrt(2), while the old vector keeps half its weight
-# (tests/test_lanczos.py: a perturbed operator whose other end is 1.5 against 1 returned 1.0 with 1e-3 and 0.1).
+#: Norm of the noise mixed into a warm start, relative to the start vector's norm. A warm start is the last
+#: evaluation's Ritz vector: near an eigenvector of the operator as it was. With little noise the Krylov space stays
+#: near the few directions that vector drifted into, and an indefinite norm whose other end has grown since stops
+#: "converged" on the old end. With noise of the start vector's own norm the other directions weigh what they weigh in
+#: a cold start, up to 1/sqrt(2), while the old vector keeps half its weight (tests/test_lanczos.py: a perturbed
+#: operator whose other end is 1.5 against 1 is found from the old top vector).
 WARM_NOISE = 1.0
 
-# The stopping test (a host-device sync: alpha and beta read by the host) runs every this many Lanczos steps, and at
-# a restart and at the last step. The same on every device, so that operator and sync counts measured on the CPU are
-# those of a GPU. A member that converged between two tests spends at most CHECK_EVERY - 1 more products, which only
-# sharpen its Ritz value.
+#: The stopping test (a host-device sync: alpha and beta read by the host) runs every this many Lanczos steps, and at
+#: a restart and at the last step. The same on every device, so that operator and sync counts measured on the CPU are
+#: those of a GPU. A member that converged between two tests spends at most ``CHECK_EVERY - 1`` more products, which
+#: only sharpen its Ritz value.
 CHECK_EVERY = 4
 
-# A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
-# temporary is then an eighth of the basis, not half (a run merged from several, merge_runs, restarts all of them at
-# once: at GPT-2-small width the FFN's own and sampled rows, 680 MiB at once). Every member is its own bmm row:
-# the same numbers.
+#: A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
+#: temporary is then an eighth of the basis, not half (a run merged from several, :func:`merge_runs`, restarts all of
+#: them at once: at GPT-2-small width the FFN's own and sampled rows are 680 MiB). Every member is its own bmm row: the
+#: same numbers.
 RESTART_CHUNKS = 4
 
 
@@ -45,17 +63,12 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 
 def lanczos_max_abs(
     matvec: Callable[[torch.Tensor], torch.Tensor],
-    batch_shape: tuple[int, ...],
-    n: int,
+    start: torch.Tensor,
     *,
-    dtype: torch.dtype,
-    device: torch.device,
     tol: float = 1e-6,
     max_iter: int | None = None,
     max_basis: int | None = None,
-    v0: torch.Tensor | None = None,
-    seed: int = 0,
-    both_ends: torch.Tensor | bool = True,
+    both_ends: torch.Tensor | np.ndarray | bool = True,
     pass_live: bool = False,
     info: dict | None = None,
     algebraic: bool = False,
@@ -72,10 +85,9 @@ def lanczos_max_abs(
 
     Args:
         matvec: maps ``(*batch_shape, n)`` to ``(*batch_shape, n)``; member ``b`` applies operator ``b``.
-        batch_shape: shape of the batch of independent operators.
-        n: dimension of each operator.
-        dtype: working dtype.
-        device: working device.
+        start: ``(*batch_shape, n)`` unit start vectors, one per operator of the batch (:func:`start_vectors`: seeded
+            Gaussian, or a warm start plus noise); their shape gives the batch and the dimension ``n``, their dtype
+            and device the working ones.
         tol: relative residual tolerance on the extreme Ritz value. ``0`` runs to ``max_iter``.
         max_iter: most Lanczos steps, i.e. products (default and upper limit: ``n``).
         max_basis: most basis vectors held per member (``>= 4``; default ``max_iter``: none is ever dropped).
@@ -83,8 +95,6 @@ def lanczos_max_abs(
             restarts thickly (Wu & Simon 2000), keeping the Ritz vectors of the ``max_basis // 4`` lowest and
             highest Ritz values and the residual direction, and goes on until it converges or ``max_iter``
             products were spent.
-        v0: optional start vectors ``(*batch_shape, n)`` (warm start), else seeded Gaussian.
-        seed: seed of the Gaussian start.
         both_ends: bool, or a ``batch_shape`` bool array or tensor; False where the spectrum is known to be one-sided
             (a Gauss-Newton block, PSD) or symmetric about zero (the ``[[0, B], [B^T, 0]]`` embedding of an
             off-diagonal block), where the largest-magnitude end alone decides.
@@ -109,20 +119,19 @@ def lanczos_max_abs(
 
     Example:
         >>> M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=torch.float64))
-        >>> val, _ = lanczos_max_abs(lambda v: v @ M, (), 3, dtype=torch.float64, device=torch.device("cpu"))
+        >>> val, _ = lanczos_max_abs(lambda v: v @ M, start_vectors((), 3, torch.float64, "cpu"))
         >>> round(float(val), 6)
         5.0
     """
-    run = LanczosRun(matvec, batch_shape, n, dtype=dtype, device=device, tol=tol, max_iter=max_iter,
-                     max_basis=max_basis, v0=v0, seed=seed, both_ends=both_ends, pass_live=pass_live,
-                     algebraic=algebraic)  # fmt: skip
+    run = LanczosRun(matvec, start, tol=tol, max_iter=max_iter, max_basis=max_basis, both_ends=both_ends,
+                     pass_live=pass_live, algebraic=algebraic)  # fmt: skip
     solve([run])
     if info is not None:
         info["rel_residual"] = run.rel_residual
     return run.norm, run.ritz
 
 
-#: Inside a :class:`~curvwatch.closed_form._lockstep.Lockstep` evaluation: the function :func:`solve` hands its runs
+#: Inside a :class:`~.lockstep.Lockstep` evaluation: the function :func:`solve` hands its runs
 #: to, to be solved together with the other evaluations' runs.
 LOCKSTEP: ContextVar[Callable[[Sequence[LanczosRun]], None] | None] = ContextVar("curvwatch_lockstep", default=None)
 
@@ -132,9 +141,9 @@ def solve(runs: Sequence[LanczosRun]) -> None:
 
     Every run takes one product per round; the runs whose stopping test is due read their small projected matrices
     in **one** device-to-host copy (:func:`to_host`) for all of them, so the host waits on the device once per test
-    round, however many runs (pairs, kinds, blocks) there are. The runs then hold their results
+    round, however many runs (pairs, parts, blocks) there are. The runs then hold their results
     (:attr:`LanczosRun.norm`, :attr:`~LanczosRun.ritz`, :attr:`~LanczosRun.rel_residual`). Inside a
-    :class:`~curvwatch.closed_form._lockstep.Lockstep` evaluation the runs are solved together with the other
+    :class:`~.lockstep.Lockstep` evaluation the runs are solved together with the other
     evaluations' runs.
     """
     meet = LOCKSTEP.get()
@@ -161,9 +170,9 @@ def solve_groups(groups: Sequence[Sequence[LanczosRun]]) -> list[Exception | Non
 
 class SharedRunError(RuntimeError):
     """The :attr:`~LanczosRun.error` of a run that several evaluations hold (one run for the requests of several
-    evaluations, :func:`~curvwatch.closed_form._lockstep.gathered`) when that run's product raised (the error is its
+    evaluations, :func:`~.lockstep.gathered`) when that run's product raised (the error is its
     ``__cause__``). The run is dead; each evaluation solves its own part again alone
-    (:meth:`~curvwatch.closed_form._lockstep.Shared.solved`), so that an error reaches only the evaluation whose own
+    (:meth:`~.lockstep.Shared.solved`), so that an error reaches only the evaluation whose own
     product raises it."""
 
 
@@ -195,10 +204,10 @@ class Rounds:
     def round(self) -> list[tuple[Any, Exception | None]]:
         """One product of every live run, the due stopping tests in one host read; returns the groups that ended
         (every run done, or one raised: ``(key, exception or None)``), which leave. A run that several groups hold
-        (one run for the requests of several evaluations, see :func:`~curvwatch.closed_form._lockstep.gathered`)
+        (one run for the requests of several evaluations, see :func:`~.lockstep.gathered`)
         advances once per round; an error it raises ends that run alone (its :attr:`~LanczosRun.error`, a
         :class:`SharedRunError`): the groups holding it go on with their other runs, and each holder solves its own
-        part again (:meth:`~curvwatch.closed_form._lockstep.Shared.solved`)."""
+        part again (:meth:`~.lockstep.Shared.solved`)."""
         owners: dict[int, tuple[LanczosRun, list]] = {}  # id(run) -> (run, keys of the groups holding it)
         for key, (runs, _) in self.groups.items():
             for r in runs:
@@ -238,9 +247,8 @@ class Rounds:
 class LanczosRun:
     """One batched Lanczos run (the arguments of :func:`lanczos_max_abs`) as a state machine driven by :func:`solve`.
 
-    ``tol`` and ``algebraic`` may also be host arrays of ``batch_shape``, one per member, and ``start`` the unit start
-    vectors ``(*batch_shape, n)`` made by :func:`start_vectors` (``v0`` and ``seed`` then unread): the members of
-    several runs merged into one (:func:`merge_runs`), each as in a run of its own.
+    ``tol`` and ``algebraic`` may also be host arrays of ``batch_shape``, one per member: the members of several runs
+    merged into one (:func:`merge_runs`), each as in a run of its own.
 
     :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
@@ -253,17 +261,17 @@ class LanczosRun:
         error: ``None``, or why the run ended without them (a shared run whose product raised, :meth:`fail`).
     """
 
-    #: How many evaluations hold the run (:func:`~curvwatch.closed_form._lockstep.made_together` sets it): a run held by
+    #: How many evaluations hold the run (:func:`~.lockstep.made_together` sets it): a run held by
     #: several steps in every holder's solve, so no one solve may merge it into a run of its own (:func:`merge_runs`).
     holders = 1
     #: The runs merged into this one (:func:`merge_runs`): ``[(run, first member, end)]``; ``None`` for a run of its
     #: own.
-    parts: list | None = None
+    merged: list | None = None
 
-    def __init__(self, matvec, batch_shape, n, *, dtype, device, tol=1e-6, max_iter=None, max_basis=None, v0=None,
-                 seed=0, both_ends=True, pass_live=False, algebraic=False, start=None):  # fmt: skip
-        device = torch.device(device)
-        self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, tuple(batch_shape), n, dtype, device
+    def __init__(self, matvec, start, *, tol=1e-6, max_iter=None, max_basis=None, both_ends=True, pass_live=False,
+                 algebraic=False):  # fmt: skip
+        batch_shape, n, dtype, device = tuple(start.shape[:-1]), start.shape[-1], start.dtype, start.device
+        self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, batch_shape, n, dtype, device
         self.pass_live = pass_live
         # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by merge_runs)
         self.tol = (
@@ -289,8 +297,7 @@ class LanczosRun:
                 "more), or None for no limit."
             )
         self.k_max, self.cap = k_max, cap
-        # the start vectors (start: made by start_vectors already, for the merged members of several runs)
-        v = start_vectors(self.batch_shape, n, dtype, device, v0, seed) if start is None else start
+        v = start
         # which members must resolve both ends, a host mask (no read of a device value); never an algebraic one
         both = both_ends.detach().to("cpu").numpy() if isinstance(both_ends, torch.Tensor) else np.asarray(both_ends)
         self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape) & ~self.alg_h
@@ -298,8 +305,9 @@ class LanczosRun:
         # step is one torch.bmm/baddbmm (a matmul over several batch dimensions dispatches ~6 operators: expands,
         # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size]. On
         # CPU the buffer has room for all its vectors from the start: torch.empty does not touch its pages, so only the
-        # vectors written cost memory, and no growth copies the basis (doubling cost 125 ms per run of 20 steps at
-        # n = 590k, batch 3). On other devices an allocation is memory at once, so the capacity doubles instead.
+        # vectors written cost memory, and no growth copies the basis (a doubling buffer copies it at every growth,
+        # a large cost at millions of weights). On other devices an allocation is memory at once, so the capacity
+        # doubles instead.
         self.b = math.prod(self.batch_shape)
         # the unit start vectors (*batch_shape, n), until the first step allocates the basis (a run made but not stepped
         # holds no basis: merge_runs takes the starts of several into one run)
@@ -341,8 +349,8 @@ class LanczosRun:
         w = w.reshape(self.b, 1, self.n)
         # Two passes always ("twice is enough", Giraud et al. 2005): the second is needed where the first cancelled
         # most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a second pass only
-        # below 0.1 ||w_before|| let them compound: a 60 x 60 operator with eigenvalues in [0.1, 3] run past
-        # convergence returned 21.7-25.7 (46-90 with max_basis=16) instead of 3), and deciding that is a read of a
+        # below 0.1 ||w_before|| lets them compound: a 60 x 60 operator with eigenvalues in [0.1, 3] run past
+        # convergence returns 21.7-25.7 (46-90 with max_basis=16) instead of 3), and deciding that is a read of a
         # device value.
         # The first pass's coefficient on v (the basis's last vector) is alpha = w.v.
         basis_t = self.basis.mT  # (one transposed view for both passes)
@@ -414,7 +422,7 @@ class LanczosRun:
         exhausted = beta_h <= self.breakdown * scale
         # converged: theta is accurate to tol and, where both ends matter, the Ritz value at the other end is either
         # accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and -0.95, the
-        # isolated smaller end converges first; stopping on it alone returned 0.95 in 15 of 40 trials)
+        # isolated smaller end converges first; stopping on it alone returns 0.95 in about a third of random starts)
         r_theta = np.take_along_axis(resid, idx, -1)[..., 0]
         converged = r_theta <= tol * np.abs(theta_now)
         # relative residual of the members iterating in this step (a stopped member keeps its last one); r / 0 = inf:
@@ -495,10 +503,10 @@ class LanczosRun:
         v = self.buf.narrow(1, size, 1)
         # A breakdown (beta at round-off level of the operator's scale: the Krylov space is exhausted) gives a zero
         # vector (w / inf), as for a stopped member, not w / beta: w is round-off then, and on a tiny operator its norm
-        # underflows (a collapsed LayerNorm's attention block in float32: beta = 0 for w != 0, and w / tiny gave
+        # underflows (a collapsed LayerNorm's attention block in float32: beta = 0 for w != 0, and w / tiny gives
         # Ritz values of 4e7 for an operator of norm 2e-9, then inf and NaN in T between two stopping tests).
-        # The stopping test then sees beta = 0: exhausted. (In place: torch.where with a broadcast condition and a
-        # scalar was 10x slower on CPU at n = 590k; the where here is on the batch-shaped betas only.)
+        # The stopping test then sees beta = 0: exhausted. (The where is on the batch-shaped betas and the division
+        # in place: a torch.where over the vectors with a broadcast condition is ~10x slower on CPU at n = 590k.)
         denom = torch.where(beta > self.scale * self.breakdown, beta, self.inf)
         torch.div(self.w, denom, out=v)
         if self.stopped is not None:
@@ -548,11 +556,11 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
 
     sizes = [r.batch_shape[0] if same else r.b for r in runs]
     bounds = np.cumsum([0, *sizes]).tolist()
-    parts = list(zip(runs, bounds[:-1], bounds[1:], strict=True))
+    merged = list(zip(runs, bounds[:-1], bounds[1:], strict=True))
 
     def mv(u: torch.Tensor, live=None) -> torch.Tensor:
         out = []
-        for r, lo, hi in parts:
+        for r, lo, hi in merged:
             if live is not None and not live[lo:hi].any():  # a run whose members all stopped: zero rows, no product
                 out.append(torch.zeros_like(u[lo:hi]))
                 continue
@@ -565,29 +573,25 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
     tols = [np.broadcast_to(np.asarray(r.tol, dtype=float), r.batch_shape) for r in runs]
     run = LanczosRun(
         mv,
-        (bounds[-1], *first.batch_shape[1:]) if same else (bounds[-1],),
-        n,
-        dtype=first.dtype,
-        device=first.device,
+        joined([r.start for r in runs], torch.cat),
         tol=joined(tols, np.concatenate),
         max_iter=first.k_max,
         max_basis=first.cap,
         pass_live=True,
         both_ends=joined([r.both_h for r in runs], np.concatenate),
         algebraic=joined([r.alg_h for r in runs], np.concatenate),
-        start=joined([r.start for r in runs], torch.cat),
     )
     for r in runs:
         r.start = r.ritz = None  # (the merged run holds the starts; a run's ritz is its start until it is solved)
-    run.parts = parts
+    run.merged = merged
     return run
 
 
 def split_results(run: LanczosRun) -> None:
     """Each run merged into ``run`` (:func:`merge_runs`), solved, gets its members' results as if solved alone
     (``norm``, ``rel_residual``, ``ritz``: views of ``run``'s, a warm-start store copies the vectors it keeps,
-    :meth:`~.settings.WarmStart.put`; or ``error``); ``run``'s product (and what it holds) is released."""
-    for r, lo, hi in run.parts:
+    :meth:`~..settings.WarmStart.put`; or ``error``); ``run``'s product (and what it holds) is released."""
+    for r, lo, hi in run.merged:
         r.done, r.matvec = True, None
         if run.error is not None:
             r.error = run.error
@@ -597,7 +601,7 @@ def split_results(run: LanczosRun) -> None:
             t[lo:hi] if rows else t[lo:hi].view(*r.batch_shape, *t.shape[1:])
             for t in (run.norm, run.rel_residual, run.ritz)
         )
-    run.matvec = run.parts = None
+    run.matvec = run.merged = None
 
 
 def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device: torch.device | str,
@@ -629,7 +633,7 @@ def _project_out(w: torch.Tensor, basis: torch.Tensor, basis_t: torch.Tensor) ->
     """One classical Gram-Schmidt pass: ``(w - c B, c)`` with ``c = w B^T``, for ``w`` ``(b, 1, n)``, a basis ``B``
     ``(b, j, n)`` and its transposed view ``basis_t`` = ``B.mT`` (made once for a step's two passes); two dispatched
     operators."""
-    # w B^T as a row-vector product, not B w: 7-10x faster on CPU (measured, batched n=32768)
+    # w B^T as a row-vector product, not B w: several times faster on CPU (batched, n = 32768)
     coeff = torch.bmm(w, basis_t)  # (b, 1, j)
     return torch.baddbmm(w, coeff, basis, alpha=-1), coeff
 
