@@ -45,7 +45,7 @@ from curvwatch.adapters import UnsupportedBlockError
 from curvwatch.alerts import Notices
 from curvwatch.capture import CapturedBlock, nonfinite_inputs
 from curvwatch.closed_form.settings import PARTS, Lanczos, WarmStart, inputs_checked
-from curvwatch.closed_form.solver import plan as _operator
+from curvwatch.closed_form.solver import plan
 from curvwatch.closed_form.solver.lockstep import Lockstep
 from curvwatch.engine.kernel import evaluate_block
 from curvwatch.engine.memory import basis_bytes, evaluation_bytes, vectors_held
@@ -277,7 +277,7 @@ class Engine:
         return out
 
     def _windows(self, captured: Sequence[CapturedBlock], dtype: torch.dtype, terms_only: bool):
-        """The blocks in consecutive groups evaluated together (:class:`~curvwatch.closed_form._lockstep.Lockstep`:
+        """The blocks in consecutive groups evaluated together (:class:`~curvwatch.closed_form.solver.lockstep.Lockstep`:
         their Lanczos stopping tests share one host read).
 
         A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
@@ -471,14 +471,14 @@ class Engine:
 def _solve_bytes(block: CapturedBlock, dtype: torch.dtype, vectors: int | None) -> int | None:
     """The block kernel's ``Lanczos.solve_bytes``: its runs share their stopping tests' host reads while their bases
     stay within what the block's memory estimate counts for them (:func:`~curvwatch.engine.memory.basis_bytes` at
-    ``vectors`` held per norm), at least ``_operator.SOLVE_BYTES``; ``None`` (that default) where the vectors are
+    ``vectors`` held per norm), at least ``plan.SOLVE_BYTES``; ``None`` (that default) where the vectors are
     unbounded."""
-    return None if vectors is None else max(_operator.SOLVE_BYTES, basis_bytes(block, dtype, vectors))
+    return None if vectors is None else max(plan.SOLVE_BYTES, basis_bytes(block, dtype, vectors))
 
 
 def _run_together(calls: list, device: torch.device) -> list[tuple[Any, Exception | None]]:
     """``[(result, exception or None)]`` of ``calls`` (block evaluations): one alone is called here, several run in a
-    :class:`~curvwatch.closed_form._lockstep.Lockstep` (on ``device`` and, on CUDA, the caller's stream).
+    :class:`~curvwatch.closed_form.solver.lockstep.Lockstep` (on ``device`` and, on CUDA, the caller's stream).
 
     ``calls`` is emptied: a kept error's traceback reaches this frame (the evaluation's caller), which must not hold
     the blocks' weights then (sharded training frees each block's before the next one's are read).
