@@ -266,7 +266,7 @@ def transformer_block(
         activation: ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``.
         eps: LayerNorm epsilon.
         causal: causal attention mask.
-        target / grad_output / output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
+        target, grad_output, output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
         kinds: subset of ``("outer", "functional", "hessian")``.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`, default ``Lanczos()``).

@@ -221,7 +221,7 @@ def ffn(
         W_1: ``(d, f)``; W_2: ``(f, m)`` (math convention); b_1 ``(f,)``, b_2 ``(m,)`` optional.
         activation: ``"relu"``, ``"gelu"`` (exact erf) or ``"gelu_tanh"``.
         residual: add ``Y`` to the output (needs ``m = d``; does not change the weight Hessian).
-        target / grad_output / output_curvature: loss convention as in
+        target, grad_output, output_curvature: loss convention as in
             :func:`curvwatch.closed_form.self_attention` (``c = 2/(L m)``).
         row_mask: ``(B, L)`` bool, True = token included.
         pairs: subset of ``("W1W1", "W2W2", "W1W2")``.

@@ -260,7 +260,7 @@ def gated_ffn(
         W_gate, W_up: ``(d, f)``; W_down: ``(f, m)`` (math convention: pass ``gate_proj.weight.T`` etc.);
             b_gate, b_up ``(f,)``, b_down ``(m,)`` optional.
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (Gemma) or ``"gelu"`` (exact erf).
-        target / grad_output / output_curvature: loss convention as in :func:`curvwatch.closed_form.ffn`
+        target, grad_output, output_curvature: loss convention as in :func:`curvwatch.closed_form.ffn`
             (``c = 2/(L m)``).
         row_mask: ``(B, L)`` bool (``(L,)`` unbatched), True = token included.
         pairs: subset of ``("W1W1", "W3W3", "W2W2", "W1W3", "W1W2", "W3W2")``.
