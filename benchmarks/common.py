@@ -195,6 +195,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        # the load of the machine when the run began: other jobs on it make absolute times drift
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -44,6 +44,7 @@ exclude_patterns = [
     "_inv",
     "_ext",
     "examples/README.txt",
+    "examples/GALLERY_HEADER.rst",
     "examples/*.py",
     "auto_examples/*.ipynb",
     "auto_examples/*.py",
