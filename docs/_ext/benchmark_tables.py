@@ -86,13 +86,12 @@ def jacobians(data: dict[str, Any]) -> list[Table]:
 def hvp(data: dict[str, Any]) -> list[Table]:
     rows = []
     for r in data["results"]:
-        m = r["methods"]
+        m, agrees = r["methods"], r.get("agrees", {})
 
-        def cell(name: str) -> str:
+        def cell(name: str, m: dict[str, Any] = m, agrees: dict[str, bool] = agrees) -> str:
             if name not in m:
                 return "-"
-            agree = r.get("agrees", {}).get(name, True)
-            return f"{_s(m[name]['median_s'])} ({_x(m[name]['ratio'])}){'' if agree else ' ✗ off'}"
+            return f"{_s(m[name]['median_s'])} ({_x(m[name]['ratio'])}){'' if agrees.get(name, True) else ' ✗ off'}"
 
         counts = r.get("hvp_counts_per_call", {})
         rows.append([r["size"], _s(m["curvwatch"]["median_s"]), cell("hvp_power"), cell("hvp_lanczos"),
@@ -103,9 +102,12 @@ def hvp(data: dict[str, Any]) -> list[Table]:
     tables = [(header, rows)]
     sdpa = data.get("sdpa")
     if sdpa:
-        routes = {"forward_over_reverse": "`torch.func.jvp(torch.func.grad(loss))`",
-                  "double_backward": "`torch.autograd.grad(..., create_graph=True)` twice",
-                  "curvlinops": "curvlinops `HessianLinearOperator @ v`", "curvwatch": "curvwatch on the captured `X`"}  # fmt: skip
+        routes = {
+            "forward_over_reverse": "`torch.func.jvp(torch.func.grad(loss))`",
+            "double_backward": "`torch.autograd.grad(..., create_graph=True)` twice",
+            "curvlinops": "curvlinops `HessianLinearOperator @ v`",
+            "curvwatch": "curvwatch on the captured `X`",
+        }
         srows = []
         for key, label in routes.items():
             res = sdpa.get(key) or {}
@@ -156,11 +158,38 @@ def demo_ranges(data: dict[str, Any]) -> list[Table]:
     return [(["key", f"range from step {after} on", "at step 0", "at the end"], rows)]
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def overhead(data: dict[str, Any]) -> list[Table]:
-    rows = []
+    tables = []
     for r in data["results"]:
-        rows.append([str(r.get(k, "-")) for k in ("model", "setting", "overhead", "cost_per_eval")])
-    return [(["model", "setting", "overhead", "cost per evaluation (training steps)"], rows)]
+        rows = []
+        d = r.get("defaults")
+        if d:
+            evals = ", ".join(str(e) for e in d["evaluations"])
+            terms = ", ".join(str(e) for e in d["terms_evaluations"])
+            rows.append([f"`CurvatureMonitor()` at its defaults, {d['steps']} steps",
+                         _pct(d["overhead"]), _pct(d["monitor_overhead_fraction"]),
+                         f"{evals} full, {terms} terms-only (per round)"])  # fmt: skip
+        for c, v in r["cadences"].items():
+            if v.get("status") == "derived":
+                continue
+            steps = v.get("cost_per_eval_steps")
+            rows.append([f"a full evaluation every {c} step(s)", _pct(v["overhead"]), "-",
+                         "-" if steps is None else f"{steps:.3g} training steps each"])  # fmt: skip
+        every_step = "a terms-only evaluation every step"
+        for key, label in (("warnings_only_every_step", f'{every_step} (`terms_keys="warnings"`)'),
+                           ("terms_only_every_step", f'{every_step} (`terms_keys="all"`)')):  # fmt: skip
+            v = r.get(key)
+            if v:
+                steps = v.get("cost_per_eval_steps")
+                rows.append([label, _pct(v["overhead"]), "-",
+                             "-" if steps is None else f"{steps:.3g} training steps each"])  # fmt: skip
+        name = f"{r['model']} model ({r.get('parameters', 0) / 1e3:.0f}k parameters, batch {r.get('batch_size')})"
+        tables.append(([name, "step time added", "monitor / training seconds", "evaluations"], rows))
+    return tables
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[Table]]] = {
