@@ -405,8 +405,7 @@ _DEFAULTS: dict[str, Any] = {
 # The unstable recipe: healthy training first (the default model and warmup to lr 5e-3; the loss falls from 2.1 to
 # its 1.73-nat plateau by step 70), then from step 100 a learning-rate re-warm without clipping (5e-3 -> 0.6 by step
 # 400, the instability suite's recipe) that grows the attention logits until the loss blows up. It runs the default
-# warning rules (the growth rules skip the first 100 steps); measured (README, "Cadence, cost and accuracy"): growth
-# fires at step 165, attention saturation at 195, the loss blows up at step 309.
+# warning rules (the growth rules skip the first 100 steps), which fire before the blow-up (the module docstring).
 _UNSTABLE: dict[str, Any] = {
     "lr_knots": ((0, 5e-4), (50, 5e-3), (100, 5e-3), (400, 0.6)),
     "grad_clip": 0.0,
