@@ -45,6 +45,7 @@ exclude_patterns = [
     "_ext",
     "examples/README.txt",
     "examples/GALLERY_HEADER.rst",
+    "sg_execution_times.rst",  # sphinx-gallery's timing page (its table loads scripts from CDNs): not published
     "examples/*.py",
     "auto_examples/*.ipynb",
     "auto_examples/*.py",

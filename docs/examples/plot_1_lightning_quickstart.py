@@ -115,5 +115,5 @@ plt.show()
 
 # %%
 # Early training grows every block's curvature by decades; the attention and FFN blocks then settle. The stability
-# ratio (the block's real-loss sharpness over the optimizer's threshold) touches 1 near the peak learning rate and
-# falls as the learning rate decays: :doc:`/dashboard` says how to read each key.
+# ratio (the block's real-loss sharpness over the optimizer's threshold) would read 1 or more where a block is past
+# the edge of stability for its learning rate: :doc:`/dashboard` says how to read each key.

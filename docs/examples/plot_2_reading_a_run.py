@@ -35,8 +35,8 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s +
 
 logged = defaultdict(list)
 monitor = Monitor(model, optimizer=optimizer, log=lambda metrics, step: [logged[k].append((step, v)) for k, v in
-                  metrics.items()], every_n_train_steps=25,
-                  cadence=Cadence(terms_every_n_train_steps=5, max_overhead=None))  # fmt: skip
+                  metrics.items()], every_n_train_steps=50,
+                  cadence=Cadence(terms_every_n_train_steps=10, max_overhead=None))  # fmt: skip
 
 batches = iter(data.train_dataloader())
 for step in range(STEPS):

@@ -114,6 +114,7 @@ for name, ax in (("curv/summary/signals/logit_bound_max", axes[1]), ("curv/summa
     ax.plot(steps, values, marker=".", lw=1)
     ax.set(ylabel=name.rsplit("/", 1)[1], yscale="log")
 axes[2].axhline(0.01, color="r", ls=":", lw=1)
+axes[2].set_ylim(1e-6, 1)  # after the blow-up some heads read far below (exactly one-hot)
 colors = {"growth": "tab:orange", "attn_saturation": "tab:red"}
 for ax in axes:
     for kind, alert in first.items():
