@@ -61,7 +61,6 @@ INVENTORIES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ),
         ],
     ),
-    "numpy": ("2", []),
     "transformers": (
         "5",
         [
