@@ -170,8 +170,11 @@ def overhead(data: dict[str, Any]) -> list[Table]:
         if d:
             evals = ", ".join(str(e) for e in d["evaluations"])
             terms = ", ".join(str(e) for e in d["terms_evaluations"])
+            spread = ", ".join(_pct(x["overhead"]) for x in d["rounds"])
+            own = ", ".join(_pct(x["monitor_overhead_fraction"]) for x in d["rounds"])
             rows.append([f"`CurvatureMonitor()` at its defaults, {d['steps']} steps",
-                         _pct(d["overhead"]), _pct(d["monitor_overhead_fraction"]),
+                         f"{_pct(d['overhead'])} (rounds: {spread})",
+                         f"{_pct(d['monitor_overhead_fraction'])} (rounds: {own})",
                          f"{evals} full, {terms} terms-only (per round)"])  # fmt: skip
         for c, v in r["cadences"].items():
             if v.get("status") == "derived":
