@@ -173,12 +173,15 @@ def command_line() -> str:
 
 
 def git_commit() -> str | None:
-    """The repository's commit (``+dirty`` when tracked files differ from it); ``None`` outside a git checkout."""
+    """The repository's commit (``+dirty`` when tracked files other than results differ from it); ``None`` outside a
+    git checkout."""
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True)  # fmt: skip
+        # result files are data, not code: a rewritten one does not make the measured tree dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True,
+                               check=True)  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
