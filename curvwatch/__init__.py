@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public names and the submodule that defines each. Imported lazily so that `import curvwatch`
 # stays cheap (no Lightning import) for users of the closed forms alone.
@@ -17,6 +17,7 @@ _LAZY = {
     "Monitor": "curvwatch.monitor",
     "CurvatureMonitor": "curvwatch.callback",
     "CurvatureCallback": "curvwatch.hf_trainer",
+    "hf_trainer": "curvwatch.hf_trainer",  # curvwatch.hf_trainer.CurvatureCallback after a plain `import curvwatch`
     "CurvatureWarning": "curvwatch.alerts",
     "CurvatureNotice": "curvwatch.alerts",
     # settings

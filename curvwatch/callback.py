@@ -269,7 +269,7 @@ class CurvatureMonitor(Callback):
 
     @property
     def coverage(self) -> list[dict[str, str]]:
-        """The set-up table: one row per monitored block and per part left out, with the reason."""
+        """The set-up table, one row per monitored block and per part left out, with the reason."""
         return self.monitor.coverage
 
     def summary_text(self, top: int = 5) -> str:

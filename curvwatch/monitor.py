@@ -139,7 +139,8 @@ class Monitor:
         self.grad_factor: Callable[[], float] = self._default_grad_factor
         self.world_size: int | None = None  # None: torch.distributed's
         self.is_global_zero: bool | None = None  # None: torch.distributed's rank 0
-        self.latest: dict[str, float] = {}  # the headline summaries and counters last logged (unprefixed keys)
+        #: the headline summaries and counters last logged (unprefixed keys)
+        self.latest: dict[str, float] = {}
 
         self.model: nn.Module | None = None
         self._specs: list[BlockSpec] = []
@@ -400,7 +401,7 @@ class Monitor:
 
     @property
     def coverage(self) -> list[dict[str, str]]:
-        """The set-up table: one row per monitored block and per part left out, with the reason."""
+        """The set-up table, one row per monitored block and per part left out, with the reason."""
         return [dict(r) for r in self._coverage]
 
     def summary_text(self, top: int = 5) -> str:

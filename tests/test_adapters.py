@@ -8,6 +8,7 @@ produced; ``grad_output`` is compared with the gradient retained on that same ou
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -347,12 +348,41 @@ def test_find_blocks_error_is_short_and_says_the_fix():
         find_blocks(model)
     msg = str(err.value)
     for part in (
-        "no known Transformer layer in Sequential",
-        "curvwatch.describe_layer(MyLayer, curvwatch.LayerDescription(",  # no module with submodules to name
+        "no known Transformer layer in Sequential: it holds only Linear x2, ReLU x1",
+        "curvwatch.describe_layer",
         "blocks=[BlockSpec",
     ):
         assert part in msg, part
-    assert len(msg) < 600 and msg.count("\n") <= 3  # was a wall of module paths and known types
+    assert "describe_layer(Sequential" not in msg  # a container is no layer to describe
+    assert len(msg) < 600 and msg.count("\n") <= 3
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)
+
+
+@pytest.mark.parametrize(
+    "model, classes",
+    [
+        (_MLP(), ("_MLP", "Linear x2", "ReLU x1")),
+        (nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)), ("Sequential", "Linear x2", "GELU x1")),
+        (nn.Sequential(_MLP(), _MLP()), ("Sequential", "_MLP")),
+    ],
+    ids=["mlp", "sequential", "repeated"],
+)
+def test_no_layer_message_names_only_classes_the_model_has(model, classes):
+    """A model without a Transformer layer is told about its own classes, never about a placeholder class."""
+    with pytest.raises(ValueError) as err:
+        find_blocks(model)
+    msg = str(err.value)
+    for name in classes:
+        assert name in msg, (name, msg)
+    own = {type(m).__name__ for m in model.modules()}
+    described = re.findall(r"describe_layer\((\w+)", msg)
+    assert all(name in own for name in described), (described, own)
+    assert "MyLayer" not in msg
 
 
 def test_find_blocks_validates_explicit_specs():
