@@ -14,7 +14,11 @@ import curvwatch
 import curvwatch.closed_form
 
 DOCS = Path(__file__).parents[1] / "docs"
-PUBLIC = {"curvwatch": curvwatch.__all__, "curvwatch.closed_form": curvwatch.closed_form.__all__}
+PUBLIC = {
+    "curvwatch": curvwatch.__all__,
+    "curvwatch.closed_form": curvwatch.closed_form.__all__,
+    "curvwatch.closed_form.solver": curvwatch.closed_form.solver.__all__,
+}
 
 
 def _benchmark_tables():

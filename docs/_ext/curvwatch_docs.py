@@ -27,7 +27,7 @@ from sphinx.util.docutils import SphinxDirective
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_MODULES = ("curvwatch", "curvwatch.closed_form")
+PUBLIC_MODULES = ("curvwatch", "curvwatch.closed_form", "curvwatch.closed_form.solver")
 
 
 def _public_names() -> list[str]:
