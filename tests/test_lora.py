@@ -21,6 +21,7 @@ from benchmarks.lora_merged import VOCAB, Adapted, compare, hf_adapted, litgpt_a
 from curvwatch import Sharpness
 from curvwatch.adapters import find_blocks
 from curvwatch.adapters.projections import UnsupportedWrapperError, read_projection
+from curvwatch.adapters.updates import kernel_updates
 from curvwatch.models.gpt import GPT, GPTConfig
 from curvwatch.report import weight_notes
 
@@ -259,3 +260,44 @@ def test_merged_and_disabled_peft_adapters_read_the_weight_the_forward_uses():
             layer.merge()
         p = read_projection(layer)
         torch.testing.assert_close(x @ p.W, layer(x), rtol=1e-12, atol=1e-12, msg=state)
+
+
+# --------------------------------------------------------------------------------------------------
+# Where each update lands in the kernels' arguments (the chain rule in the adapters' parameters reads it)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["llama-all-linear", "gpt2-conv1d-lora-bias", "litgpt-qv", "protocol"])
+def test_kernel_updates_rebuild_the_adapted_arguments(case):
+    if case.startswith("litgpt"):
+        pytest.importorskip("litgpt")
+    model = CASES[case]().model.double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or name.endswith(".B"):
+                p.normal_()
+    base = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "lora_B" in name or name.endswith(".B"):
+                p.zero_()
+    found = 0
+    for spec, plain in zip(find_blocks(model), find_blocks(base), strict=True):
+        updates = kernel_updates(spec)
+        adapted, weights = spec.adapter.read_params(spec), plain.adapter.read_params(plain)
+        for name, W in adapted.items():
+            if not (isinstance(W, torch.Tensor) and W.ndim == 2):
+                continue
+            rebuilt = weights[name].detach().clone()
+            for u in (u for u in updates if u.weight == name):
+                rebuilt[:, u.dest] += u.update.scale * (u.update.A @ u.update.B).detach()[:, u.source]
+                found += 1
+            torch.testing.assert_close(rebuilt, W.detach(), rtol=0, atol=0, msg=f"{case} {spec.name} {name}")
+    assert found >= 4
+
+
+def test_kernel_updates_refuse_dora():
+    model = CASES["llama-dora"]().model.double()
+    spec = find_blocks(model)[0]
+    with pytest.raises(UnsupportedWrapperError, match="DoRA r=4: its weight is not a frozen weight plus low-rank"):
+        kernel_updates(spec)

@@ -49,6 +49,7 @@ __all__ = [
     "projection_features",
     "read_projection",
     "recording",
+    "tracing",
     "weights_note",
 ]
 
@@ -160,6 +161,8 @@ class LowRankWrapper(Protocol):
 class _Log:
     compute: bool
     read: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # with tracing: (projection, offset) of each projection with updates, whose weight was read as its positions
+    traced: list[tuple[Projection, int]] | None = None
 
 
 _LOG: contextvars.ContextVar[_Log | None] = contextvars.ContextVar("curvwatch_projection_log", default=None)
@@ -179,6 +182,45 @@ def recording(compute: bool = True) -> Iterator[list[tuple[nn.Module, str]]]:
         yield log.read
     finally:
         _LOG.reset(token)
+
+
+#: The positions of a traced projection's weight entries start at a multiple of this (far above any weight value,
+#: exact in float64 for 8192 projections of up to 2^40 entries each).
+TRACE_STRIDE = 2.0**40
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[tuple[Projection, int]]]:
+    """Read every projection that has low-rank updates as the *positions* of its weight's entries: entry ``(i, c)``
+    of the ``k``-th such projection (``W`` ``(d_in, d_out)``) reads ``(k + 1) TRACE_STRIDE + i d_out + c`` (float64).
+    An adapter's ``read_params`` only re-indexes its projections' weights, so where each position lands in a kernel
+    argument says which entry of which projection it is (:func:`curvwatch.adapters.updates.kernel_updates`). Yields
+    ``[(projection, offset)]`` (offset ``(k + 1) TRACE_STRIDE``); no product is formed."""
+    log = _Log(compute=False, traced=[])
+    token = _LOG.set(log)
+    try:
+        yield log.traced
+    finally:
+        _LOG.reset(token)
+
+
+def _traced(p: Projection) -> Projection:
+    """``p``, or while :func:`tracing` and ``p`` has updates, ``p`` with its weight's positions as ``W``."""
+    log = _LOG.get()
+    if log is None or log.traced is None:
+        return p
+    if not p.factored:
+        raise UnsupportedWrapperError(
+            f"{p.label}: its weight is not a frozen weight plus low-rank updates (DoRA's magnitudes and column norms), "
+            "so the curvature in its parameters does not follow from the factors' chain rule."
+        )
+    if not p.updates:
+        return p
+    offset = int(TRACE_STRIDE) * (len(log.traced) + 1)
+    d_in, d_out = p.W.shape
+    W = torch.arange(d_in * d_out, dtype=torch.float64, device=p.W.device).add_(offset).view(d_in, d_out)
+    log.traced.append((p, offset))
+    return Projection(W, p.b, p.updates, p.label, p.factored)
 
 
 def weights_note(read_params, spec, names: dict[int, str]) -> str | None:
@@ -438,11 +480,11 @@ def read_projection(module: nn.Module, layout: str = "out_in") -> Projection:
     """
     key = _type_key(module)
     if key == PEFT_LORA:
-        return _peft_lora(module, layout)
+        return _traced(_peft_lora(module, layout))
     if key in (LITGPT_LORA, LITGPT_LORA_QKV):
-        return _litgpt_lora(module, layout)
+        return _traced(_litgpt_lora(module, layout))
     if isinstance(module, LowRankWrapper):
-        return _protocol(module, layout)
+        return _traced(_protocol(module, layout))
     if key.startswith("peft.") and key not in QUANTISED:
         raise UnsupportedWrapperError(
             f"{type(module).__name__} ({key}) is a peft tuner layer curvwatch does not read (LoRA and DoRA on "
