@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from curvwatch.adapters.base import UnsupportedBlockError, activation_name
+from curvwatch.adapters.base import BlockSpec, UnsupportedBlockError, activation_name
 
 __all__ = [
     "LowRank",
@@ -223,7 +223,9 @@ def _traced(p: Projection) -> Projection:
     return Projection(W, p.b, p.updates, p.label, p.factored)
 
 
-def weights_note(read_params, spec, names: dict[int, str]) -> str | None:
+def weights_note(
+    read_params: Callable[[BlockSpec], Mapping[str, Any]], spec: BlockSpec, names: Mapping[int, str]
+) -> str | None:
     """What a block's weights are made of, for the set-up table, or ``None`` for plain weights.
 
     Reads the block's structure once (:func:`recording` with ``compute=False``: no product is formed).
