@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 #: keys of a LoRA model against those of its merged copy: float64 closed forms and Lanczos to 1e-9 on both, so the
-#: differences are round-off (the issue's criterion is 1e-3)
+#: differences are round-off (1e-3 would pass a key one part in a thousand off)
 RTOL = 1e-6
 
 SMALL = dict(steps=3, batch=2, length=8, sharpness=Sharpness(samples=4))
