@@ -147,6 +147,7 @@ class Monitor:
         self._terms_specs: list[BlockSpec] = []  # the blocks a terms-only evaluation captures (setup)
         self._block_info: dict[str, tuple[str, int | None, float | None]] = {}  # name -> (kind, layer, eps)
         self._coverage: list[dict[str, str]] = []
+        self._rows: dict[str, dict[str, str]] = {}  # block -> its row of the set-up table
         self._read_params: Callable[[BlockSpec], dict[str, Any]] | None = None
         self._started = False
         self._stack: ExitStack | None = None
@@ -203,8 +204,13 @@ class Monitor:
             ValueError: If the model has no known block, or ``sharpness=True`` cannot work on it.
         """
         self.model, self._read_params = model, read_params
-        self._specs = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
-        self._coverage = report.coverage_rows(self._specs, model)
+        found = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
+        # what each block's weights are made of (adapters) and the blocks whose wrappers are not understood; sharded
+        # weights are read at evaluation only (a read is a collective there)
+        notes = report.weight_notes(found) if read_params is None else {}
+        self._coverage = report.coverage_rows(found, model, notes)
+        self._specs = [s for s in found if not notes.get(s.name, "").startswith("not monitored")]
+        self._rows = {s.name: _row_of(self._coverage, s) for s in self._specs}
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         # a signals evaluation (terms_keys="warnings") captures only the blocks with something to compute
         self._terms_specs = (
@@ -512,6 +518,7 @@ class Monitor:
         notices = report.evaluation_notices(
             step, evaluation.excluded, evaluation.failed, warm, self.tol, self.max_iter, s.log_key_prefix
         )
+        self._note_left_out(step, evaluation)
         note = None if terms_only else self.schedule.cost_note(step)
         for key, message in notices + ([("cadence_cost", note)] if note is not None else []):
             self.notices.once(key, message)
@@ -522,6 +529,19 @@ class Monitor:
         if s.verbose:
             line = report.progress_line(step, entry.summary, entry.norms, len(entry.fired), elapsed, terms_only)
             rank_zero_info(self.notices.named(line))
+
+    def _note_left_out(self, step: int, evaluation: Result) -> None:
+        """Say in the set-up table (:attr:`coverage`) which blocks an evaluation left out, the first time, and put
+        the table in the loggers again."""
+        reasons = {**evaluation.excluded, **{n: f"{type(e).__name__}: {e}" for n, e in evaluation.failed.items()}}
+        changed = False
+        for name, reason in reasons.items():
+            row = self._rows.get(name)
+            if row is not None and "left out" not in row["status"]:
+                row["status"] = f"{row['status']}; left out at step {step}: {reason}"
+                changed = True
+        if changed and self._started:
+            sinks.log_config(self.loggers, self._coverage, report.coverage_text(self._coverage))
 
     def _skip(self, step: int, error: BaseException | None) -> None:
         """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""
@@ -543,6 +563,12 @@ class Monitor:
             "the failing block out.",
             stacklevel=3,
         )
+
+
+def _row_of(rows: list[dict[str, str]], spec: BlockSpec) -> dict[str, str]:
+    """The set-up table's row of ``spec`` (the first with its layer, part and kind)."""
+    part = report.part_name(spec)
+    return next(r for r in rows if (r["layer"], r["part"], r["kind"]) == (str(spec.layer), part, spec.kind))
 
 
 def _eps(module: Any) -> float | None:

@@ -85,6 +85,7 @@ ADAPTERS: dict[type | str, Adapter] = {
     "transformers.models.gpt2.modeling_gpt2:GPT2Block": GPT2BlockAdapter(),
     "transformers.models.bert.modeling_bert:BertLayer": BertLayerAdapter(),
     "litgpt.model:Block": LitGPTBlockAdapter(),
+    "litgpt.lora:Block": LitGPTBlockAdapter(),
     "transformers.models.llama.modeling_llama:LlamaDecoderLayer": HFDecoderLayerAdapter(),
     "transformers.models.mistral.modeling_mistral:MistralDecoderLayer": HFDecoderLayerAdapter(),
     "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer": HFDecoderLayerAdapter(),
