@@ -144,7 +144,7 @@ def step_keys(
         loss(model, ids).backward()
     monitor.stop()
     optimizer.zero_grad()
-    return {k: v for k, v in rows.items() if not k.endswith(("eval_time_s", "overhead_fraction"))}, monitor
+    return {k: v for k, v in rows.items() if not k.endswith(("eval_time_s", "overhead"))}, monitor
 
 
 def is_curvature_key(key: str) -> bool:

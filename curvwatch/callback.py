@@ -69,7 +69,7 @@ class CurvatureMonitor(Callback):
       ``{p}summary/rms/inv_ms_max``, ``{p}summary/rms/ms_min``, ``{p}summary/rms/ms_min_over_eps``),
       ``{p}summary/eval_time_s``, ``{p}summary/evaluations``, ``{p}summary/skipped_evaluations``,
       ``{p}summary/skipped_blocks``, ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``,
-      ``{p}summary/overhead_fraction``, ``{p}summary/lanczos/rel_residual_max``, ``{p}summary/lanczos/unconverged``,
+      ``{p}summary/overhead``, ``{p}summary/lanczos/rel_residual_max``, ``{p}summary/lanczos/unconverged``,
       ``{p}summary/lanczos/norms``.
     - With ``terms_every_n_train_steps`` (on by default), terms-only evaluations log the per-block keys they
       compute, the kinds' summaries (``{p}summary/ln/...``), ``{p}summary/terms_eval_time_s`` and the counters (plus

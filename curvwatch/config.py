@@ -112,7 +112,7 @@ class Cadence:
             with the default cadence, none with a chosen one; ``None``: a fixed schedule; a number: that budget (with
             any cadence). A due step is evaluated only if the evaluations so far plus this one (priced as the last one)
             stay within this fraction of the time trained so far, so the effective period may grow beyond
-            ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction spent). Step 0 is always
+            ``every_n_train_steps`` (``curv/summary/overhead`` logs the fraction spent). Step 0 is always
             evaluated. With DDP the ranks agree through one all-reduce per due step.
     """
 

@@ -172,9 +172,10 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
         "derived",
     ),
     KeySpec(
-        "summary/overhead_fraction",
-        "seconds spent evaluating and logging so far / seconds of training so far (wall time minus the "
-        "monitor's); `max_overhead` keeps it at or below its value by skipping due steps",
+        "summary/overhead",
+        "the monitor's seconds per training second so far (its evaluations and logging over the wall time without "
+        "them): 0.01 is 1% of the training time, above 1 the monitor took longer than the training; `max_overhead` "
+        "keeps it at or below its value by skipping due steps",
         "derived",
     ),
     KeySpec("summary/evaluations", "full evaluations so far (this one included)", "derived"),
@@ -257,7 +258,7 @@ SUMMARY_LEVEL: frozenset[str] = frozenset(
         "summary/vv_qq_ratio/median", "summary/functional_outer/max", "summary/stability/max",
         "summary/stability/max_layer", "summary/ln/var_min_over_eps", "summary/rms/ms_min_over_eps",
         "summary/signals/softmax_jac_min", "summary/signals/logit_bound_max", "summary/signals/outer_vv_max",
-        "summary/eval_time_s", "summary/terms_eval_time_s", "summary/overhead_fraction", "summary/evaluations",
+        "summary/eval_time_s", "summary/terms_eval_time_s", "summary/overhead", "summary/evaluations",
         "summary/terms_evaluations", "summary/skipped_evaluations", "summary/skipped_blocks",
         "summary/nonfinite_blocks", "summary/warnings", "summary/lanczos/unconverged", "summary/heatmap",
         "summary/stability_heatmap", "summary/layers",

@@ -156,7 +156,7 @@ class Logbook:
         evaluation: Evaluation,
         blocks: Mapping[str, tuple[str, int | None, float | None]],
         elapsed: float,
-        overhead_fraction: float,
+        overhead: float,
         terms_only: bool,
     ) -> Entry:
         """Summaries, warnings and keys of one evaluation; the rule sets advance, the counters do not (:meth:`commit`).
@@ -167,7 +167,7 @@ class Logbook:
             evaluation: What the engine returned (its ``failed`` blocks are counted).
             blocks: Block name -> ``(kind, layer, eps)``: the block's kind, layer index and norm ``eps`` (or ``None``).
             elapsed: Seconds the evaluation took.
-            overhead_fraction: Fraction of the training time the monitor has spent.
+            overhead: Fraction of the training time the monitor has spent.
             terms_only: A terms-only evaluation.
         """
         results: dict[str, dict[str, float]] = {}
@@ -188,7 +188,7 @@ class Logbook:
         summary.update(M.signal_summaries(quantities))
 
         summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
-        summary["summary/overhead_fraction"] = overhead_fraction
+        summary["summary/overhead"] = overhead
         summary["summary/evaluations"] = float(self.evaluations + (0 if terms_only else 1))
         if self.count_terms:
             summary["summary/terms_evaluations"] = float(self.terms_evaluations + (1 if terms_only else 0))

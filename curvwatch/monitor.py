@@ -505,7 +505,7 @@ class Monitor:
     def _log(self, step: int, flat, evaluation: Result, elapsed: float, terms_only: bool = False) -> None:
         """Log one evaluation's (reduced) numbers (:class:`~curvwatch.logbook.Logbook`), count it, then warn."""
         s = self.settings
-        overhead = self.schedule.overhead_fraction
+        overhead = self.schedule.overhead
         entry = self.book.record(step, flat, evaluation, self._block_info, elapsed, overhead, terms_only)
         zero = self._is_zero()
         if zero:

@@ -200,8 +200,9 @@ class Schedule:
             self.last_full_step = step
 
     @property
-    def overhead_fraction(self) -> float:
-        """Seconds spent evaluating so far / training seconds so far."""
+    def overhead(self) -> float:
+        """The monitor's seconds per training second so far: its evaluations and logging over the training wall time
+        without them (0.01: 1% of the training time; above 1: the monitor took longer than the training)."""
         self.update()
         return self.eval_seconds / max(self.train_seconds, 1e-9)
 

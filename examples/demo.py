@@ -901,7 +901,7 @@ class DemoResult:
     warnings: int = 0  # CurvatureWarnings fired
     monitor_seconds: float = 0.0  # spent evaluating and logging (both tiers), the monitor's cost
     monitor_terms_seconds: float = 0.0  # the part of it spent on terms-only evaluations
-    overhead_fraction: float = 0.0  # monitor_seconds / (training wall time - monitor_seconds)
+    overhead: float = 0.0  # monitor_seconds / (training wall time - monitor_seconds)
     evaluations: tuple[int, int] = (0, 0)  # full and terms-only evaluations
     # the monitor's set-up table: a row per monitored block and per part left out ({"layer", "part", "kind", "status"})
     coverage: list[dict[str, str]] = field(default_factory=list)
@@ -1059,7 +1059,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         schedule = monitor.schedule
         result.monitor_seconds = schedule.eval_seconds
         result.monitor_terms_seconds = schedule.terms_seconds
-        result.overhead_fraction = schedule.overhead_fraction
+        result.overhead = schedule.overhead
         result.evaluations = (monitor.book.evaluations, monitor.book.terms_evaluations)
 
     loss_series = read_metrics(metrics_csv).get("train/loss")
@@ -1132,16 +1132,16 @@ def coverage_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
 
 def cost_line(result: DemoResult) -> str:
     """What the monitor cost, as one figure: its seconds as a fraction of the training's own seconds (the training
-    wall time less the monitor's), as ``summary/overhead_fraction`` counts it.
+    wall time less the monitor's), as ``summary/overhead`` counts it.
 
     Example:
         >>> r = DemoResult(Path("."), Path("m.csv"), 30.0, 0.1, 1.0, 100, True, monitor_seconds=10.0,
-        ...                monitor_terms_seconds=4.0, overhead_fraction=0.5, evaluations=(3, 7))
+        ...                monitor_terms_seconds=4.0, overhead=0.5, evaluations=(3, 7))
         >>> print(cost_line(r))
         monitor:    10.0 s = 50% of the training time (20.0 s): 3 full evaluations 6.0 s, 7 terms-only 4.0 s
                     (the demo's fixed, dense schedule; CurvatureMonitor() at its defaults keeps to 1% + 4%)
     """
-    fraction = result.overhead_fraction
+    fraction = result.overhead
     training = result.monitor_seconds / fraction if fraction > 0 else result.train_seconds - result.monitor_seconds
     full, terms = result.evaluations
     return (

@@ -429,7 +429,7 @@ def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog)
     assert "(or cadence=curvwatch.Cadence(max_overhead=None)) for a fixed schedule" in skips[0].getMessage()
     assert sorted(logged["loose"]) == [0, 1, 2, 3]
     assert sorted(logged["tight"]) == [0]  # step 0 always; afterwards the budget is spent
-    fractions = [row[f"{PREFIX}summary/overhead_fraction"] for row in logged["loose"].values()]
+    fractions = [row[f"{PREFIX}summary/overhead"] for row in logged["loose"].values()]
     assert all(float(f) > 0 for f in fractions)
 
 

@@ -53,12 +53,12 @@ def test_quick_run_writes_metrics(tmp_path, capsys):
     assert "curv_hessian/layer1/attn" in columns and not any("/h0" in c or "/term/" in c for c in columns)
     for plot in ("block_norms.png", "norm_stats.png", "stability.png", "heatmap.png", "stability_heatmap.png"):
         assert (tmp_path / "plots" / plot).is_file(), plot
-    assert summary["monitor_seconds"] > 0 and summary["overhead_fraction"] > 0
+    assert summary["monitor_seconds"] > 0 and summary["overhead"] > 0
     out = capsys.readouterr().out
     assert "curvwatch demo summary" in out and "exact-match accuracy" in out
     assert str(metrics) in out
-    # one cost figure, on one base: the monitor's seconds as a fraction of the training's (summary/overhead_fraction)
-    percent = f"{100 * summary['overhead_fraction']:.0f}% of the training time"
+    # one cost figure, on one base: the monitor's seconds as a fraction of the training's (summary/overhead)
+    percent = f"{100 * summary['overhead']:.0f}% of the training time"
     assert f" s = {percent} (" in out and f"): {summary['evaluations'][0]} full evaluations" in out
     assert " x the training time" not in out and "s run (" not in out
     # stdout is not a terminal here: no progress bar, one line per full evaluation instead

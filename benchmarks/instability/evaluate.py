@@ -135,7 +135,7 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
         cost = [r["terms_cost_steps"] for r in runs.values() if r["terms_cost_steps"] is not None]
         cadence[str(every)] = {
             **_per_run_scores(alarms, runs),
-            "overhead_fraction": (statistics.median(cost) / every) if cost else None,
+            "overhead": (statistics.median(cost) / every) if cost else None,
         }
     # the default: every 10 steps within 4% of training, i.e. the multiple of 10 each run's terms cost allows. The
     # traces record terms_keys="all"; the default computes only what the rules read ("warnings"), priced by
@@ -149,7 +149,7 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
     fractions = [cost_of[k] / every_of[k] for k in by_key if cost_of[k] is not None]
     cadence["auto"] = {
         **_per_run_scores(alarms, runs),
-        "overhead_fraction": statistics.median(fractions) if fractions else None,
+        "overhead": statistics.median(fractions) if fractions else None,
         "every": statistics.median(every_of.values()) if every_of else None,
         "every_range": [min(every_of.values()), max(every_of.values())] if every_of else None,
         "priced_by": "warnings" if costs and all(model_key(t["config"]["model"]) in costs for t in traces) else "all",
@@ -283,6 +283,6 @@ def print_tables(results: Mapping[str, Any]) -> None:
     rows = []
     for every, c in results["cadence"].items():
         leads = [v["lead"] for k, v in c["per_run"].items() if results["runs"][k]["onset"] is not None]
-        rows.append([every, _fmt(c["overhead_fraction"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
+        rows.append([every, _fmt(c["overhead"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
                      _fmt(c["false_alarms"]["held_out"]["per_1000"]), " ".join(_fmt(x) for x in leads)])  # fmt: skip
     print(markdown_table(header, rows))

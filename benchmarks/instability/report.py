@@ -157,7 +157,7 @@ def _cadence_table(results: Mapping[str, Any]) -> str:
               *[m for m in mechanism_rows(results)]]  # fmt: skip
     rows = []
     for every, c in results["cadence"].items():
-        cells = [every, _fmt(c["overhead_fraction"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
+        cells = [every, _fmt(c["overhead"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
                  _fmt(c["false_alarms"]["held_out"]["per_1000"])]  # fmt: skip
         for _, variants in mechanism_rows(results).items():
             cells.append(lead_cell(c["per_run"], runs, variants.get("unstable", [])))
@@ -403,7 +403,7 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         f"  tested equal): {_cost_text()}, measured side by side (`python -m benchmarks.instability.cost`). The",
         "  default (`terms_every_n_train_steps=\"auto\"`) runs them every 10 steps within 4% of training, which on",
         f"  these tiny models is every {_fmt(results['cadence'].get('auto', {}).get('every'))} steps (the `auto` row,",
-        f"  {_pct(results['cadence'].get('auto', {}).get('overhead_fraction'))} of training): attention "
+        f"  {_pct(results['cadence'].get('auto', {}).get('overhead'))} of training): attention "
         f"{_leads(results, 'auto', 'attn_logit')}, LLaMA attention {_leads(results, 'auto', 'attn_logit_llama')},",
         f"  re-warm {_leads(results, 'auto', 'rewarm')}, post-LN {_leads(results, 'auto', 'postln_depth')}. On",
         "  larger models a terms-only evaluation costs a smaller share of a step and every 10 steps costs less than",

@@ -9,9 +9,9 @@ With LoRA the optimizer steps the factors ``theta = (A, B)`` of the updates ``W 
 with ``H_W`` the block's operator in its weights (Gauss-Newton and functional parts, sampled output curvature or the
 stand-in) and ``K`` the curvature of ``W(theta)`` itself, bilinear in ``(A, B)``, contracted with the gradient of the
 loss in the adapted weight, ``G = dL/dW`` ``(d_in, d_out)``. The Gauss-Newton part is ``D^T J^T C J D``: ``K`` belongs
-to the functional part. :class:`AdaptedOperator` is that operator: a :class:`~._operator.BlockOperator` whose blocks
+to the functional part. :class:`AdaptedOperator` is that operator: a :class:`~curvwatch.closed_form.solver.BlockOperator` whose blocks
 are the adapters, each one flat vector ``theta = [vec(A), vec(B)]``, built on the block's operator and nothing else.
-So every solver of the package runs on it unchanged: :func:`~._sampled.sampled_norms` gives ``ggn/XX``,
+So every solver of the package runs on it unchanged: :func:`~curvwatch.closed_form.solver.sampled_norms` gives ``ggn/XX``,
 ``sharpness/XX`` and, with Adam's ``P = sqrt(v_hat) + eps`` of the adapter parameters as ``scale = P^{-1/2}``,
 ``precond_ggn/XX`` and ``precond_sharpness/XX`` of each adapter ``X`` (:func:`adapter_norms`); the stability ratio is
 then the optimizer's threshold applied to them, as for a plain weight.
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._operator import BlockOperator, ParamInfo, _rows_times
-from ._sampled import sampled_norms
+from .solver import BlockOperator, ParamInfo, sampled_norms
+from .solver.operator import rows_times
 from .settings import Lanczos
 
 __all__ = ["AdaptedOperator", "LowRankAdapter", "LowRankTarget", "adapter_norms"]
@@ -116,7 +116,7 @@ class AdaptedOperator(BlockOperator):
     The outer part is ``D^T H_o D``; the functional part ``D^T H_f D + K`` (``K`` needs each adapter's ``grad``).
 
     Args:
-        op: The block operator (its ``sampled`` curvature is this operator's: :func:`~._sampled.with_sampled` on an
+        op: The block operator (its ``sampled`` curvature is this operator's: :func:`~curvwatch.closed_form.solver.with_sampled` on an
             ``AdaptedOperator`` replaces the wrapped one's).
         adapters: ``name -> LowRankAdapter``; the names are this operator's blocks (pairs ``"XX"``).
         apply_kwargs: Extra keyword arguments of ``op.apply`` / ``op.apply_masked``: ``{"mix": "all"}`` for an
@@ -244,7 +244,7 @@ class AdaptedOperator(BlockOperator):
                                 names, n)  # fmt: skip
             if func_mask is not None:
                 for nm, k in self._curvature_of_w(tangent, names, n).items():
-                    pulled[nm] = pulled[nm] + _rows_times(k, func_mask)
+                    pulled[nm] = pulled[nm] + rows_times(k, func_mask)
             return pulled
 
         return masked
@@ -260,10 +260,10 @@ def adapter_norms(
 ) -> dict[str, torch.Tensor]:
     """``ggn/XX``, ``sharpness/XX`` (and, for the adapters in ``precondition``, ``precond_ggn/XX``,
     ``precond_sharpness/XX``) of each adapter ``X``, with their ``residual/...`` keys (and ``sharpness_spread/...``
-    with ``k >= 2`` samples), by :func:`~._sampled.sampled_norms` on :class:`AdaptedOperator`.
+    with ``k >= 2`` samples), by :func:`~curvwatch.closed_form.solver.sampled_norms` on :class:`AdaptedOperator`.
 
     Args:
-        op: The block operator with sampled output curvature (:func:`~._sampled.with_sampled`).
+        op: The block operator with sampled output curvature (:func:`~curvwatch.closed_form.solver.with_sampled`).
         adapters: ``name -> LowRankAdapter``; ``sharpness/XX`` needs each one's ``grad``.
         lanczos: The Lanczos settings.
         precondition: ``name -> P`` ``(size,)``: the diagonal of the optimizer's preconditioner of the adapter's
