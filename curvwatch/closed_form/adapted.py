@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .settings import Lanczos
 from .solver import BlockOperator, ParamInfo, sampled_norms
 from .solver.operator import rows_times
-from .settings import Lanczos
 
 __all__ = ["AdaptedOperator", "LowRankAdapter", "LowRankTarget", "adapter_norms"]
 
