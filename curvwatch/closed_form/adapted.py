@@ -9,10 +9,10 @@ With LoRA the optimizer steps the factors ``theta = (A, B)`` of the updates ``W 
 with ``H_W`` the block's operator in its weights (Gauss-Newton and functional parts, sampled output curvature or the
 stand-in) and ``K`` the curvature of ``W(theta)`` itself, bilinear in ``(A, B)``, contracted with the gradient of the
 loss in the adapted weight, ``G = dL/dW`` ``(d_in, d_out)``. The Gauss-Newton part is ``D^T J^T C J D``: ``K`` belongs
-to the functional part. :class:`AdaptedOperator` is that operator: a :class:`~curvwatch.closed_form.solver.BlockOperator` whose blocks
-are the adapters, each one flat vector ``theta = [vec(A), vec(B)]``, built on the block's operator and nothing else.
-So every solver of the package runs on it unchanged: :func:`~curvwatch.closed_form.solver.sampled_norms` gives ``ggn/XX``,
-``sharpness/XX`` and, with Adam's ``P = sqrt(v_hat) + eps`` of the adapter parameters as ``scale = P^{-1/2}``,
+to the functional part. :class:`AdaptedOperator` is that operator: a
+:class:`~curvwatch.closed_form.solver.BlockOperator` whose blocks are the adapters, each one flat vector ``theta = [vec(A), vec(B)]``, built on the block's operator and nothing else.
+So every solver of the package runs on it unchanged: :func:`~curvwatch.closed_form.solver.sampled_norms` gives
+``ggn/XX``, ``sharpness/XX`` and, with Adam's ``P = sqrt(v_hat) + eps`` of the adapter parameters as ``scale = P^{-1/2}``,
 ``precond_ggn/XX`` and ``precond_sharpness/XX`` of each adapter ``X`` (:func:`adapter_norms`); the stability ratio is
 then the optimizer's threshold applied to them, as for a plain weight.
 
@@ -116,8 +116,8 @@ class AdaptedOperator(BlockOperator):
     The outer part is ``D^T H_o D``; the functional part ``D^T H_f D + K`` (``K`` needs each adapter's ``grad``).
 
     Args:
-        op: The block operator (its ``sampled`` curvature is this operator's: :func:`~curvwatch.closed_form.solver.with_sampled` on an
-            ``AdaptedOperator`` replaces the wrapped one's).
+        op: The block operator (its ``sampled`` curvature is this operator's:
+            :func:`~curvwatch.closed_form.solver.with_sampled` on an ``AdaptedOperator`` replaces the wrapped one's).
         adapters: ``name -> LowRankAdapter``; the names are this operator's blocks (pairs ``"XX"``).
         apply_kwargs: Extra keyword arguments of ``op.apply`` / ``op.apply_masked``: ``{"mix": "all"}`` for an
             :class:`~curvwatch.closed_form.attention.AttentionOperator`, whose heads an adapter moves together (the

@@ -277,8 +277,8 @@ class Engine:
         return out
 
     def _windows(self, captured: Sequence[CapturedBlock], dtype: torch.dtype, terms_only: bool):
-        """The blocks in consecutive groups evaluated together (:class:`~curvwatch.closed_form.solver.lockstep.Lockstep`:
-        their Lanczos stopping tests share one host read).
+        """The blocks in consecutive groups evaluated together
+        (:class:`~curvwatch.closed_form.solver.lockstep.Lockstep`: their Lanczos stopping tests share one host read).
 
         A group holds at most :data:`LOCKSTEP_MEMORY` times the memory the largest block's evaluation alone takes
         (:func:`~curvwatch.engine.memory.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated
