@@ -318,7 +318,8 @@ def _table(
 
 #: Keys whose NaN is "no value" in :func:`flatten`, not a NaN block: a ``sharpness_spread`` of a sharpness of 0 (0/0),
 #: and the debiased real-loss keys too uncertain to report (``closed_form.solver.debiasing.SPREAD_LIMIT``; their
-#: ratios). The engine checked their inputs for NaN/Inf before (one read of every block), so a NaN here is the kernel's mark.
+#: ratios). The engine checked their inputs for NaN/Inf before (one read of every block), so a NaN here is the
+#: kernel's mark.
 NO_DATA_KEYS = ("sharpness_spread/", "sharpness/", "precond_sharpness/", "ggn/", "precond_ggn/", "stability/")
 
 
