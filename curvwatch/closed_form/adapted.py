@@ -13,7 +13,8 @@ to the functional part. :class:`AdaptedOperator` is that operator: a
 :class:`~curvwatch.closed_form.solver.BlockOperator` whose blocks are the adapters, each one flat vector
 ``theta = [vec(A), vec(B)]``, built on the block's operator and nothing else. So every solver of the package runs on it
 unchanged: :func:`~curvwatch.closed_form.solver.sampled_norms` gives ``ggn/XX``, ``sharpness/XX`` and, with Adam's
-``P = sqrt(v_hat) + eps`` of the adapter parameters as ``scale = P^{-1/2}``, ``precond_ggn/XX`` and ``precond_sharpness/XX`` of each adapter ``X`` (:func:`adapter_norms`); the stability ratio is
+``P = sqrt(v_hat) + eps`` of the adapter parameters as ``scale = P^{-1/2}``, ``precond_ggn/XX`` and
+``precond_sharpness/XX`` of each adapter ``X`` (:func:`adapter_norms`); the stability ratio is
 then the optimizer's threshold applied to them, as for a plain weight.
 
 An adapter may write several blocks of the operator (peft's LoRA on GPT-2's fused ``c_attn`` moves ``Q``, ``K`` and
