@@ -1,14 +1,16 @@
 # Two commands on a fresh machine; each sets up .venv on first use (idempotent: a second run installs nothing).
 #   make demo   the main job: train the small GPT on n-digit addition with the monitor attached
 #   make test   the test suite (what CI runs, via .ci/run)
-# Other targets: make setup (the environment alone), make docs-keys (rewrite docs/metrics.md's key tables).
+# Other targets: make docs (the documentation site, into build/docs; runs the example gallery), make setup (the
+# environment alone), make docs-keys (rewrite docs/metrics.md's key tables).
 
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup docs-keys
+.PHONY: demo test setup docs docs-keys
 
 setup: $(STAMP)
 
@@ -30,6 +32,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(PY) -m pytest -q $(ARGS)
+
+# The docs' own dependencies (the docs extra), on top of the main environment; again only when pyproject.toml changed.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -c .ci/constraints.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# Warnings are errors (nitpicky references included); the gallery's examples run on the CPU, a few minutes in all.
+docs: $(DOCS_STAMP)
+	WANDB_MODE=disabled WANDB_SILENT=true OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} \
+		$(PY) -m sphinx -b html -W --keep-going docs build/docs $(ARGS)
 
 docs-keys: $(STAMP)
 	$(PY) -m curvwatch.keys docs/metrics.md

@@ -31,6 +31,7 @@ from curvwatch import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX
+from curvwatch.engine import evaluate_block
 from examples.demo import GPTLitModule
 
 NAME = "bench_accuracy"
@@ -59,7 +60,7 @@ def evaluate(blocks: list, **kw: Any) -> dict[tuple[str, str], tuple[float, floa
     """``{(block, norm key): (norm, relative residual or None)}`` over the blocks' Lanczos and exact norms."""
     out = {}
     for b in blocks:
-        r = b.evaluate(pairs=PAIRS[b.spec.kind], **kw)
+        r = evaluate_block(b, pairs=PAIRS[b.spec.kind], **kw)
         for key, value in r.items():
             if key.split("/")[0] in ("outer", "functional", "hessian"):
                 res = r.get(f"residual/{key}")
@@ -72,7 +73,7 @@ def peak_bytes(blocks: list, **kw: Any) -> int:
     peak = 0
     for b in blocks:
         with PeakMemory() as mem:
-            b.evaluate(pairs=PAIRS[b.spec.kind], **kw)
+            evaluate_block(b, pairs=PAIRS[b.spec.kind], **kw)
         peak = max(peak, mem.peak)
     return peak
 

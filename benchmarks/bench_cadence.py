@@ -3,7 +3,7 @@
 The monitor's own :class:`~curvwatch.schedule.Schedule` decides every step of a ``--steps``-step run on a clock of
 the given costs (:func:`~curvwatch.schedule.simulate`: the decisions and charges of a monitored run, nothing
 trained), with its floor (a full evaluation at least every 500 steps within 5% of the training time in all) and
-without it (the 1% budget alone, the defaults before session 24). Costs are in plain training steps: ``FULL/TERMS``
+without it (the 1% budget alone). Costs are in plain training steps: ``FULL/TERMS``
 pairs, a full and a terms-only evaluation (step 0's full evaluation priced as a warm one unless ``--first`` says
 otherwise). Deterministic: no timing, no randomness; the costs to feed it come from ``bench_dispatch --device cuda``
 (which prints goal 3 from its own measured costs) or ``bench_overhead``.
@@ -14,23 +14,25 @@ Run ``python -m benchmarks.bench_cadence [--steps 2000] [--costs 10/0.25 550/17 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
+import torch
+
+from benchmarks.common import environment, write_json
 from curvwatch.schedule import Schedule, simulate
 
 NAME = "bench_cadence"
-#: (label, full, terms-only) in training steps: issue 23's goals, its H200 measurement before the work, the demo's
-#: costs on the 2-core CPU (docs/performance.md section 3, session 24: a full evaluation ~90 training steps, a
-#: terms-only one ~1.3 with its logging), and costs either side of the 1% budget's reach
+#: (label, full, terms-only) in training steps: costs either side of the 1% budget's reach, a terms-only evaluation at
+#: its 4% budget's edge (0.4 steps at every 10 steps), a small model on a CPU (a full evaluation of ~90 training
+#: steps, a terms-only one of ~1.3) and a GPU-sized evaluation of 600 / 18
 DEFAULT_COSTS = (
-    ("goal 1's limits", 10.0, 0.25),
-    ("half of them", 5.0, 0.125),
     ("a full evaluation of 2 steps", 2.0, 0.25),
+    ("of 5 steps", 5.0, 0.125),
+    ("of 10 steps", 10.0, 0.25),
     ("of 20 steps", 20.0, 0.25),
     ("terms-only at 0.4 steps (its budget's edge)", 10.0, 0.4),
-    ("H200, issue 23 before its work", 600.0, 18.0),
-    ("the demo on this CPU (session 24)", 90.0, 1.3),
+    ("a small model on a CPU", 90.0, 1.3),
+    ("600 / 18", 600.0, 18.0),
 )
 
 
@@ -67,9 +69,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"| {r['costs']} ({r['full_cost']:g} / {r['terms_cost']:g}) | {r['schedule']} | {fulls} | "
             f"{r['max_full_gap']} | {r['max_gap']} | {len(r['terms_steps'])} | {100 * r['overhead']:.2f}% |"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    config = {"steps": args.steps, "first": args.first, "costs": [list(c) for c in costs]}
+    path = write_json(NAME, {"name": NAME, "config": config, "environment": environment(torch.device("cpu")),
+                             "rows": rows}, args.out)  # fmt: skip
+    print(f"[bench_cadence] wrote {path}")
     return rows
 
 

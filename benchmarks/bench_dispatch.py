@@ -6,8 +6,8 @@ device, not by arithmetic. Both counts are the same on any device, so they are m
 * **operators**: every ATen operator the dispatcher runs below autograd (a ``TorchDispatchMode`` counts them);
 * **host syncs**: reads of a tensor's value by the host: ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``,
   ``bool(t)``), ``Tensor.tolist()`` and ``Tensor.numpy()`` calls (the solver's one device-to-host copy per stopping
-  test, :func:`curvwatch.closed_form._lanczos.to_host`, is one). On a CUDA device each one stops the host until the
-  GPU is done.
+  test, :func:`~curvwatch.closed_form.solver.lanczos.to_host`, is one). On a CUDA device each one stops the host
+  until the GPU is done.
 
 A small Lightning run trains the same model three times (same seed and data): without the monitor, with a full
 evaluation every step (``every_n_train_steps=1``, every default key, real-loss keys included) and with a terms-only
@@ -80,8 +80,8 @@ class OpCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def count_host_reads(counter: OpCounter):
     """Count ``tolist``/``numpy`` calls into ``counter.host_reads``: they read a tensor's memory without a dispatched
-    operator (the solver's one host copy per stopping test, :func:`curvwatch.closed_form._lanczos.to_host`, is one
-    ``numpy()`` call)."""
+    operator (the solver's one host copy per stopping test, :func:`~curvwatch.closed_form.solver.lanczos.to_host`, is
+    one ``numpy()`` call)."""
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
     def wrap(fn):
@@ -102,11 +102,11 @@ def count_host_reads(counter: OpCounter):
 
 class ReadLabels:
     """Which Lanczos runs each stopping-test read served (``--reads``): while :attr:`active`, every
-    :class:`~curvwatch.closed_form._lanczos.LanczosRun` that steps is labelled at its first step (its product's
+    :class:`~curvwatch.closed_form.solver.lanczos.LanczosRun` that steps is labelled at its first step (its product's
     function, batch shape and dimension; a run merged from several, ``merge_runs``, as ``merged[...]`` of theirs: those
-    never step themselves), its steps counted, and every :func:`~curvwatch.closed_form._lanczos.to_host` read records
-    the labels of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a row are
-    solved one after the other (a chain of reads)."""
+    never step themselves), its steps counted, and every :func:`~curvwatch.closed_form.solver.lanczos.to_host` read
+    records the labels of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a
+    row are solved one after the other (a chain of reads)."""
 
     def __init__(self) -> None:
         self.active = False
@@ -121,8 +121,8 @@ class ReadLabels:
     @staticmethod
     def _product(run) -> str:
         """``"function (batch)"`` of a run's product; a merged run's as ``merged[...]`` of its runs'."""
-        if run.parts:
-            name = "merged[" + " + ".join(ReadLabels._product(part) for part, _, _ in run.parts) + "]"
+        if run.merged:
+            name = "merged[" + " + ".join(ReadLabels._product(part) for part, _, _ in run.merged) + "]"
         else:
             fn = run.matvec
             while hasattr(fn, "func"):  # functools.partial
@@ -132,7 +132,7 @@ class ReadLabels:
 
     @contextlib.contextmanager
     def patched(self):
-        from curvwatch.closed_form import _lanczos
+        from curvwatch.closed_form.solver import lanczos as _lanczos
 
         run_cls, to_host = _lanczos.LanczosRun, _lanczos.to_host
         step, check = run_cls.step, run_cls.check

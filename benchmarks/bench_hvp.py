@@ -4,7 +4,7 @@ Every per-head block norm ``hessian/{VV,QQ,KK}/h{i}`` of one attention layer und
 ``||F - T||^2 / (L m)`` (curvwatch ``target=`` mode), at the same relative accuracy ``tol``, by
 
 * ``curvwatch``: :func:`curvwatch.closed_form.multi_head_attention` with ``pairs=["VV", "QQ", "KK"]``,
-  ``kinds=["hessian"]``, ``terms=False`` (the norms the baselines compute, nothing else);
+  ``parts=["hessian"]``, ``terms=False`` (the norms the baselines compute, nothing else);
 * ``hvp_power``: a lean ``torch.func.jvp(torch.func.grad(loss))`` (forward-over-reverse) HVP on the block's
   weight, power iteration stopped at a relative change of the Rayleigh quotient below ``tol`` (the rule of
   PyHessian and hessian-eigenthings), attention written as models do, ``softmax((X W_Q)(X W_K)^T/sqrt(d_K))``;
@@ -44,19 +44,19 @@ from benchmarks.common import (
     time_interleaved,
     write_json,
 )
-from curvwatch.closed_form import multi_head_attention
-from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form import AttentionWeights, OutputLoss, multi_head_attention
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.solver import lanczos_max_abs, start_vectors
 
 NAME = "bench_hvp"
 BLOCKS = ("VV", "QQ", "KK")
 METHODS = ("curvwatch", "hvp_power", "hvp_lanczos", "curvlinops", "curvwatch_hessian_only")
 LABELS = {
-    "curvwatch": "curvwatch multi_head_attention(pairs=[VV,QQ,KK], kinds=[hessian], terms=False): the norms only",
+    "curvwatch": "curvwatch multi_head_attention(pairs=[VV,QQ,KK], parts=[hessian], terms=False): the norms only",
     "hvp_power": "torch.func jvp(grad) HVP + power iteration (relative change < tol)",
     "hvp_lanczos": "torch.func jvp(grad) HVP + curvwatch's Lanczos (same stopping rule as curvwatch)",
     "curvlinops": "curvlinops HessianLinearOperator (defaults) + scipy eigsh(k=1, which='LM', tol)",
-    "curvwatch_hessian_only": "DIAGNOSTIC: the same public call with all three kinds and terms=True "
+    "curvwatch_hessian_only": "DIAGNOSTIC: the same public call with all three parts and terms=True "
     "(outer, functional and hessian norms, bound terms and bounds, as the callback logs them)",
 }
 BASELINES = ("hvp_power", "hvp_lanczos", "curvlinops")
@@ -158,18 +158,14 @@ class Problem:
         return v / v.norm()
 
     # -- methods --
-    def curvwatch(self, kinds=("hessian",), terms=False) -> dict[str, float]:
+    def curvwatch(self, parts=("hessian",), terms=False) -> dict[str, float]:
         W = self.W
         out = multi_head_attention(
             self.X,
-            W["Q"],
-            W["K"],
-            W["V"],
-            self.W_O,
-            self.s.H,
-            target=self.T,
+            AttentionWeights(W["Q"], W["K"], W["V"], self.W_O, n_heads=self.s.H),
+            loss=OutputLoss(target=self.T),
             pairs=list(BLOCKS),
-            kinds=kinds,
+            parts=parts,
             lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=None, warn=False),
             terms=terms,
         )
@@ -178,7 +174,7 @@ class Problem:
     def curvwatch_hessian_only(self) -> dict[str, float]:
         """DIAGNOSTIC (name kept for the JSON schema): what the callback computes per block, i.e. outer,
         functional and hessian norms plus the bound terms and corrected bounds, in one call."""
-        return self.curvwatch(kinds=("outer", "functional", "hessian"), terms=True)
+        return self.curvwatch(parts=("outer", "functional", "hessian"), terms=True)
 
     def _hvps(self) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor]]:
         res = []
@@ -215,9 +211,8 @@ class Problem:
                 calls[0] += 1
                 return hvp(v[0]).reshape(1, n)
 
-            val, _ = lanczos_max_abs(
-                mv, (1,), n, dtype=w0.dtype, device=self.device, tol=self.tol, max_iter=self.max_iter, seed=i
-            )
+            start = start_vectors((1,), n, w0.dtype, self.device, seed=i)
+            val, _ = lanczos_max_abs(mv, start, tol=self.tol, max_iter=self.max_iter)
             out[key] = float(val[0])
             count += calls[0]
         self.hvp_counts["hvp_lanczos"] = count
@@ -333,12 +328,8 @@ def sdpa_check(device: torch.device, L: int = 128, d: int = 64, d_K: int = 64, t
     try:
         out = multi_head_attention(
             captured["X"],
-            p.W["Q"],
-            p.W["K"],
-            p.W["V"],
-            p.W_O,
-            1,
-            target=p.T,
+            AttentionWeights(p.W["Q"], p.W["K"], p.W["V"], p.W_O, n_heads=1),
+            loss=OutputLoss(target=p.T),
             pairs=["QQ"],
             lanczos=Lanczos(tol=tol, max_iter=200, max_basis=None, warn=False),
         )
@@ -445,7 +436,7 @@ def ratio_table(rows: Sequence[dict[str, Any]]) -> str:
         "ratio",
         "max rel diff vs curvwatch",
         "HVPs (power / lanczos)",
-        "diagnostic: all three kinds (s)",
+        "diagnostic: all three parts (s)",
     ]
     body = []
     for r in rows:

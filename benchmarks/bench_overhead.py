@@ -56,6 +56,7 @@ from curvwatch import Cadence, CurvatureMonitor, Evaluation, find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset, sequence_length
+from curvwatch.engine import evaluate_block
 from curvwatch.models.gpt import GPTConfig
 from examples.demo import GPTLitModule, build_parser, resolve_settings
 
@@ -397,7 +398,7 @@ def bench_default(m: Model, seed: int, device: torch.device = CPU) -> dict[str, 
 
 
 def breakdown(m: Model, seed: int, repeats: int, layers: int, device: torch.device = CPU) -> dict[str, Any]:
-    """Time of one ``CapturedBlock.evaluate`` per sub-block of the first ``layers`` layers, vs a training step.
+    """Time of one ``evaluate_block`` per sub-block of the first ``layers`` layers, vs a training step.
 
     Uses the monitor's kwargs on one captured step of a fresh model; interleaved repeats, median.
     """
@@ -425,17 +426,17 @@ def breakdown(m: Model, seed: int, repeats: int, layers: int, device: torch.devi
     lanczos = Lanczos(tol=MONITOR_KWARGS["tol"], max_iter=MONITOR_KWARGS["max_iter"], max_basis=None, warn=False)
     kw = {"lanczos": lanczos, "pairs": pairs}
     fns = {"train_step": step}
-    fns.update({b.spec.name: (lambda b=b: b.evaluate(dtype=torch.float32, **kw)) for b in blocks})
+    fns.update({b.spec.name: (lambda b=b: evaluate_block(b, dtype=torch.float32, **kw)) for b in blocks})
 
-    def hessian_only() -> None:  # CurvatureMonitor(kinds=("hessian",)): one Lanczos vector per product
+    def hessian_only() -> None:  # the hessian part only: one Lanczos vector per product
         for b in blocks:
-            b.evaluate(dtype=torch.float32, kinds=("hessian",), **kw)
+            evaluate_block(b, dtype=torch.float32, parts=("hessian",), **kw)
 
     fns["all_blocks_hessian_kind_only"] = hessian_only
 
     def terms_only() -> None:  # CurvatureMonitor(terms_every_n_train_steps=...): the exact pairs, no Lanczos
         for b in blocks:
-            b.evaluate(dtype=torch.float32, pairs=("VV", "W2W2"))
+            evaluate_block(b, dtype=torch.float32, pairs=("VV", "W2W2"))
 
     fns["all_blocks_terms_only"] = terms_only
     t = time_interleaved(fns, device, repeats=repeats, min_repeats=1, warmup=0, min_time_s=0.0)
@@ -621,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(b["by_kind_share"].items()))
                 print(
                     f"\n{r['model']}: one evaluation of {b['layers']} layer(s) = {b['evaluate_total_s']:.3g} s "
-                    f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with kinds=('hessian',): "
+                    f"= {b['evaluate_total_steps']:.3g} training steps ({share}); with parts=('hessian',): "
                     f"{b['evaluate_total_s_hessian_kind_only']:.3g} s; terms only: "
                     f"{b['evaluate_total_s_terms_only']:.3g} s = {b['evaluate_total_steps_terms_only']:.3g} steps"
                 )

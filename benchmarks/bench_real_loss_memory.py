@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from curvwatch.realloss import sample_outputs
+
 
 def main(argv: list[str] | None = None) -> float:
     import transformers as tf
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> float:
         with Capture(find_blocks(model), max_tokens=max_tokens, logits_module=head) as cap:
             loss = loss_of_step()
             if mode == "sample":
-                cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+                sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0))
             loss.backward()
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     print(f"{mode} B={B} max_tokens={max_tokens}: peak RSS +{extra:.0f} MiB over two plain steps' peak "

@@ -42,7 +42,7 @@ from benchmarks.common import (
     time_interleaved,
     write_json,
 )
-from curvwatch.closed_form import ffn, layernorm, multi_head_attention
+from curvwatch.closed_form import AttentionWeights, FFNWeights, OutputLoss, ffn, layernorm, multi_head_attention
 from curvwatch.closed_form.settings import Lanczos
 
 NAME = "bench_scaling"
@@ -107,12 +107,8 @@ class Layer:
     def eval_attention(self) -> dict[str, torch.Tensor]:
         return multi_head_attention(
             self.X,
-            self.W_Q,
-            self.W_K,
-            self.W_V,
-            self.W_O,
-            self.p.H,
-            target=self.T,
+            AttentionWeights(self.W_Q, self.W_K, self.W_V, self.W_O, n_heads=self.p.H),
+            loss=OutputLoss(target=self.T),
             lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis, warn=False),
         )
 
@@ -122,9 +118,8 @@ class Layer:
     def eval_ffn(self) -> dict[str, torch.Tensor]:
         return ffn(
             self.X,
-            self.W_1,
-            self.W_2,
-            target=self.T,
+            FFNWeights(self.W_1, self.W_2),
+            loss=OutputLoss(target=self.T),
             lanczos=Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis, warn=False),
         )
 

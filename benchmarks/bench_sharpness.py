@@ -14,9 +14,8 @@ weights, mid-run, converged), for a few blocks ``XX`` (attention QQ/KK/VV of hea
 ``--bias`` instead measures the upward bias of the largest eigenvalue of a few-sample estimate on held-out models
 (Hugging Face GPT-2 built from a config, random tokens, all tokens kept, step 0) against the exact value by
 matrix-free ``torch.func`` products in float64 (:func:`curvwatch.reference.real_loss.real_loss_top`): relative error
-of ``sharpness/XX`` median / p90 / worst over seeds, before (the plain Monte-Carlo value,
-``curvwatch.closed_form._sampled.DEBIAS = False``) and after (debiased), and how often ``sharpness_spread`` covers
-the truth.
+of ``sharpness/XX`` median / p90 / worst over seeds, and how often ``sharpness_spread`` covers the truth
+(``--estimators`` compares the plain Monte-Carlo value and other estimators on the same samples).
 
 Run: ``python -m benchmarks.bench_sharpness [--quick] [--out benchmarks/results/sharpness.md]``;
 ``python -m benchmarks.bench_sharpness --bias --width 128 --ks 16,64 --seeds 3``;
@@ -45,8 +44,9 @@ from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.data import IGNORE_INDEX, VOCAB_SIZE, AdditionDataset
-from curvwatch.engine import Engine
+from curvwatch.engine import Engine, evaluate_block
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.realloss import sample_outputs
 from curvwatch.reference.real_loss import real_loss_blocks
 
 TIGHT = Lanczos(tol=1e-8, max_iter=200, max_basis=None, warn=False)
@@ -122,15 +122,15 @@ def _lam(M: torch.Tensor) -> float:
 def monitor_sharpness(model, x, y, k: int, seed: int) -> dict[str, dict[str, float]]:
     """The monitor's path: capture with k sampled output gradients, the engine in float64 (tight Lanczos)."""
     specs = find_blocks(model)
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     _, logits_module = find_logits_module(model)
     with Capture(specs, max_tokens=10**6, logits_module=logits_module) as cap:
         loss, _ = _loss_fn(x, y)(model)
-        cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+        sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
         loss.backward()
     model.zero_grad()
-    engine = Engine(lanczos=TIGHT, dtype="float64", kinds=("outer", "functional", "hessian"))
+    engine = Engine(lanczos=TIGHT, dtype="float64", parts=("outer", "functional", "hessian"))
     return engine.evaluate(cap.blocks()).results
 
 
@@ -172,7 +172,8 @@ def accuracy_table(build, checkpoints, ks, seeds, n_eval: int) -> list[str]:
 def cost_table(repeats: int) -> list[str]:
     """One evaluation of the demo-size model without and with 16 samples (SGD: two Lanczos members per pair; AdamW:
     four, with the preconditioned pair), interleaved, float32, the monitor's defaults."""
-    from curvwatch.sharpness import RealLoss, find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
+    from curvwatch.realloss.plugin import RealLoss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=11, n_layer=2, n_head=4, d_model=64, dropout=0.0))
@@ -195,7 +196,7 @@ def cost_table(repeats: int) -> list[str]:
                 loss, _ = _loss_fn(x, y)(model)
                 t1 = time.perf_counter()
                 if mode != "plain":
-                    cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+                    sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0))
                 t2 = time.perf_counter()
                 loss.backward()
             t3 = time.perf_counter()
@@ -220,7 +221,7 @@ def cost_table(repeats: int) -> list[str]:
 def _adam_gpt2(width: int, vocab: int, B: int, L: int, device: str = "cpu"):
     """``(model, x, y, block specs, logits module, AdamW)``: the held-out GPT-2 of :func:`held_out_gpt2` on
     ``device`` after one AdamW step (its second moments exist, so the stability rules precondition)."""
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     model, x, y = held_out_gpt2(width, vocab=vocab, B=B, L=L)
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -239,7 +240,7 @@ def _sampled_capture(model, x, y, specs, head, adam, real, seed: int):
     ``seed``, ``max_tokens`` 512) and the real-loss rules of ``real`` for ``adam`` (no optimizer step)."""
     with Capture(specs, max_tokens=512, logits_module=head) as cap:
         loss, _ = _full_ce(x, y)(model)
-        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+        sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(seed))
         loss.backward()
     model.zero_grad()
     blocks = cap.blocks()
@@ -263,7 +264,7 @@ def cost_share(
     seconds are this process's CPU time (one thread: the shared machine's load aside); on a GPU wall-clock seconds
     with the device synchronised at each reading (issue 24's goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
     from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.sharpness import RealLoss
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L, device)
     real, engine = RealLoss(), Engine()
@@ -287,7 +288,7 @@ def cost_share(
             if mode != "plain":
                 with sample_ops:
                     generator = torch.Generator(device=device).manual_seed(next(seeds))
-                    cap.sample_outputs(loss, samples, generator=generator)
+                    sample_outputs(cap, loss, samples, generator=generator)
             t2 = clock()
             loss.backward()
         t3 = clock()
@@ -339,10 +340,8 @@ def sampled_setting_table(
     repeats: int = 3,
     train: int = 0,
 ) -> list[str]:
-    """A setting of the sampled keys (``curvwatch.closed_form._sampled.<name>``: ``GRAM_STEPS``, where the
-    Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved;
-    ``GRAM_SHARPNESS`` (0 or 1), whether the sharpness members take their Gauss-Newton part from the Gram columns;
-    ``GRAM_START`` (0 or 1), whether they start at their top Gauss-Newton direction):
+    """A setting of the sampled keys (``curvwatch.closed_form.solver.sampled_keys.<name>``: ``GRAM_STEPS``, where
+    the Gauss-Newton keys come from the samples' Gram matrix; ``MEMBER_TOL``, how tight the Lanczos members are solved):
     one full evaluation with the real-loss keys (16 samples, AdamW rules, ``max_tokens`` 512) under each value of
     ``settings``, side by side on the same captures (each repeat a new capture: new samples, as at a later
     evaluation), CPU time of one thread (median of ``repeats``, interleaved in alternating order), its dispatched
@@ -353,19 +352,17 @@ def sampled_setting_table(
     import collections
 
     from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.closed_form import _lanczos, _sampled
+    from curvwatch.closed_form.solver import lanczos, sampled_keys
 
-    if name not in ("GRAM_STEPS", "MEMBER_TOL", "GRAM_SHARPNESS", "GRAM_START"):
-        raise ValueError(
-            f"Unknown sampled setting {name!r}; choose GRAM_STEPS, MEMBER_TOL, GRAM_SHARPNESS or GRAM_START."
-        )
-    from curvwatch.sharpness import RealLoss
+    if name not in ("GRAM_STEPS", "MEMBER_TOL"):
+        raise ValueError(f"Unknown sampled setting {name!r}; choose GRAM_STEPS or MEMBER_TOL.")
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
     real, engines = RealLoss(), {m: Engine() for m in settings}
     steps: dict[float, collections.Counter] = {m: collections.Counter() for m in settings}
     current: list[float | None] = [None]
-    finish = _lanczos.LanczosRun._finish
+    finish = lanczos.LanczosRun._finish
 
     def counted(run) -> None:  # the sampled members are the algebraic ones (in a run merged with a kernel's own)
         if run.alg_h.any() and current[0] is not None:
@@ -384,18 +381,18 @@ def sampled_setting_table(
         return _sampled_capture(model, x, y, specs, head, adam, real, seed)
 
     def one(m: float, blocks, rules, counter=None) -> float:
-        saved, current[0] = getattr(_sampled, name), m
-        setattr(_sampled, name, m)
+        saved, current[0] = getattr(sampled_keys, name), m
+        setattr(sampled_keys, name, m)
         t = time.process_time()
         try:
             with counter or contextlib.nullcontext():
                 engines[m].evaluate(blocks, rules=rules)
         finally:
-            setattr(_sampled, name, saved)
+            setattr(sampled_keys, name, saved)
             current[0] = None
         return time.process_time() - t
 
-    _lanczos.LanczosRun._finish = counted
+    lanczos.LanczosRun._finish = counted
     try:
         blocks, rules = capture(0)
         for m in settings:  # warm-up, and the warm starts of each setting's engine
@@ -415,7 +412,7 @@ def sampled_setting_table(
             one(m, blocks, rules, c)
             ops[m] = c.total
     finally:
-        _lanczos.LanczosRun._finish = finish
+        lanczos.LanczosRun._finish = finish
     kept = next(b.inputs["output_samples"].shape[1] for b in blocks if "output_samples" in b.inputs)
     lines = [
         f"HF GPT-2 d {width}, 2 layers, vocab {vocab}, B {B}, L {L}: {kept} kept sequences, k B = {16 * kept} Gram "
@@ -432,33 +429,25 @@ def sampled_setting_table(
 
 def warm_store(width: int = 768, B: int = 2, L: int = 128, vocab: int = 50_257) -> list[str]:
     """The engine's warm-start store (held on the model's device between evaluations) after two full evaluations with
-    the real-loss keys (16 samples, AdamW rules, new samples each), with ``GRAM_START`` off and on: MiB of the
-    engine's own keys and of the sampled keys'. Held-out Hugging Face GPT-2, 2 layers."""
-    from curvwatch.closed_form import _sampled
-    from curvwatch.sharpness import RealLoss
+    the real-loss keys (16 samples, AdamW rules, new samples each): MiB of the engine's own keys and of the sampled
+    keys'. Held-out Hugging Face GPT-2, 2 layers."""
+    from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L)
-    lines = [
+    engine = Engine()
+    for seed in (1, 2):
+        blocks, rules = _sampled_capture(model, x, y, specs, head, adam, RealLoss(), seed)
+        engine.evaluate(blocks, rules=rules)
+    size = {"engine": 0, "sharpness": 0}
+    for warm in engine.warm.values():
+        for key, v in warm._vectors.items():
+            size["sharpness" if key[0] == "sharpness" else "engine"] += v.numel() * v.element_size()
+    return [
         f"HF GPT-2 d {width}, 2 layers, B {B}, L {L}: warm-start store after two full evaluations (MiB)",
-        "| GRAM_START | engine keys | sampled keys |",
-        "| --- | --- | --- |",
+        "| engine keys | sampled keys |",
+        "| --- | --- |",
+        f"| {size['engine'] / 2**20:.3f} | {size['sharpness'] / 2**20:.3f} |",
     ]
-    saved = _sampled.GRAM_START
-    try:
-        for flag in (False, True):
-            _sampled.GRAM_START = flag
-            engine = Engine()
-            for seed in (1, 2):
-                blocks, rules = _sampled_capture(model, x, y, specs, head, adam, RealLoss(), seed)
-                engine.evaluate(blocks, rules=rules)
-            size = {"engine": 0, "sharpness": 0}
-            for warm in engine.warm.values():
-                for key, v in warm._vectors.items():
-                    size["sharpness" if key[0] == "sharpness" else "engine"] += v.numel() * v.element_size()
-            lines.append(f"| {int(flag)} | {size['engine'] / 2**20:.3f} | {size['sharpness'] / 2**20:.3f} |")
-    finally:
-        _sampled.GRAM_START = saved
-    return lines
 
 
 def held_out_gpt2(width: int, layers: int = 2, heads: int = 4, vocab: int = 256, B: int = 8, L: int = 64):
@@ -494,18 +483,18 @@ def bias_rows(
     own: bool = False,
     B: int = 8,
 ) -> list[dict]:
-    """Per block, ``k``, seed and estimator (before/after): the logged ``sharpness`` and ``sharpness_spread`` and the
+    """Per block, ``k`` and seed: the logged ``sharpness`` and ``sharpness_spread`` and the
     exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
     // 64)`` heads, ``B`` sequences of ``L`` tokens; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV``
     of head 0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe
-    is evaluated alone (``block.evaluate(pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
+    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
     ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
     exact value by ARPACK at the same ``tol``."""
     import copy
 
-    import curvwatch.closed_form._sampled as sampled
+    from curvwatch.closed_form.solver import debiasing
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     heads = max(4, width // 64)
     model, x, y = held_out_gpt2(width, layers, heads=heads, B=B, L=L)
@@ -528,34 +517,31 @@ def bias_rows(
     _, head = find_logits_module(model)
     lanczos = Lanczos(tol=tol, max_iter=300, max_basis=32, warn=False)
     rows = []
-    before, limit = sampled.DEBIAS, sampled.SPREAD_LIMIT
-    sampled.SPREAD_LIMIT = math.inf
+    limit, debiasing.SPREAD_LIMIT = debiasing.SPREAD_LIMIT, math.inf
     try:
         for k in ks:
             for seed in range(seeds):
                 with Capture(specs, max_tokens=max_tokens, logits_module=head) as cap:
                     loss, _ = _full_ce(x, y)(model)
-                    cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                    sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                     loss.backward()
                 model.zero_grad()
                 blocks = {b.spec.name: b for b in cap.blocks()}
-                for debias in (False, True):
-                    sampled.DEBIAS = debias
-                    for block, pair, _, cols in probes:
-                        t0 = time.perf_counter()
-                        res = blocks[block].evaluate(lanczos=lanczos, pairs=(pair,), kinds=("outer",))
-                        seconds = time.perf_counter() - t0
-                        suffix = "/h0" if cols is not None else ""
-                        rows.append(dict(
-                            width=width, layers=layers, B=B, L=L, block=block, pair=pair, n=exact[block, pair]["n"],
-                            k=k, seed=seed, debias=debias, exact=exact[block, pair]["sharpness"],
-                            logged=float(res[f"sharpness/{pair}{suffix}"]),
-                            spread=float(res.get(f"sharpness_spread/{pair}{suffix}", float("nan"))),
-                            seconds=seconds, exact_seconds=exact[block, pair]["seconds"],
-                        ))  # fmt: skip
-                        print(rows[-1], flush=True)
+                for block, pair, _, cols in probes:
+                    t0 = time.perf_counter()
+                    res = evaluate_block(blocks[block], lanczos=lanczos, pairs=(pair,), parts=("outer",))
+                    seconds = time.perf_counter() - t0
+                    suffix = "/h0" if cols is not None else ""
+                    rows.append(dict(
+                        width=width, layers=layers, B=B, L=L, block=block, pair=pair, n=exact[block, pair]["n"],
+                        k=k, seed=seed, exact=exact[block, pair]["sharpness"],
+                        logged=float(res[f"sharpness/{pair}{suffix}"]),
+                        spread=float(res.get(f"sharpness_spread/{pair}{suffix}", float("nan"))),
+                        seconds=seconds, exact_seconds=exact[block, pair]["seconds"],
+                    ))  # fmt: skip
+                    print(rows[-1], flush=True)
     finally:
-        sampled.DEBIAS, sampled.SPREAD_LIMIT = before, limit
+        debiasing.SPREAD_LIMIT = limit
     return rows
 
 
@@ -578,8 +564,8 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
     """
     import copy
 
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     model, x, y = held_out_gpt2(width, layers, heads=max(4, width // 64), L=L)
     m64 = copy.deepcopy(model).double()
@@ -605,7 +591,7 @@ def estimator_rows(width: int, ks, seeds: int, layers: int = 2, L: int = 64) -> 
         for seed in range(seeds):
             with Capture(specs, max_tokens=10**6, logits_module=head) as cap:
                 loss, _ = _full_ce(x, y)(model)
-                cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                 loss.backward()
             model.zero_grad()
             blocks = {b.spec.name: b for b in cap.blocks()}
@@ -682,16 +668,15 @@ def estimator_table(rows: list[dict]) -> list[str]:
 
 
 def bias_table(rows: list[dict]) -> list[str]:
-    """Markdown: relative error median / p90 / worst per block and ``k``, before and after, the coverage of
-    ``sharpness_spread`` (after), how many of the after values the monitor withholds (spread above
-    ``SPREAD_LIMIT``: no value at the defaults) and the seconds of one probe's evaluation (before / after) and of the
-    exact value."""
-    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+    """Markdown: relative error median / p90 / worst per block and ``k``, the coverage of ``sharpness_spread``, how
+    many of the values the monitor withholds (spread above ``SPREAD_LIMIT``: no value at the defaults) and the seconds
+    of one probe's evaluation and of the exact value."""
+    from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
     lines = [
-        "| model | block | parameters | exact | k | before: median / p90 / worst | after: median / p90 / worst | "
-        "after: spread covers | mean spread | withheld (spread > limit) | seconds: before / after / exact |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | block | parameters | exact | k | relative error: median / p90 / worst | spread covers | "
+        "mean spread | withheld (spread > limit) | seconds: estimate / exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def group(r):
@@ -700,20 +685,16 @@ def bias_table(rows: list[dict]) -> list[str]:
     for key in sorted({group(r) for r in rows}):
         width, layers, B, L, block, pair, k = key
         sel = [r for r in rows if group(r) == key]
-        cells, secs = [], []
-        for debias in (False, True):
-            e = sorted(abs(r["logged"] - r["exact"]) / r["exact"] for r in sel if r["debias"] == debias)
-            cells.append(f"{statistics.median(e):.2f} / {e[int(0.9 * (len(e) - 1) + 0.5)]:.2f} / {e[-1]:.2f}")
-            secs.append(statistics.median(r["seconds"] for r in sel if r["debias"] == debias))
-        after = [r for r in sel if r["debias"]]
-        covered = sum(abs(r["logged"] - r["exact"]) <= r["spread"] * abs(r["logged"]) for r in after)
-        spread = statistics.mean(r["spread"] for r in after)
-        withheld = sum(r["spread"] > SPREAD_LIMIT for r in after)  # no value at the defaults
+        e = sorted(abs(r["logged"] - r["exact"]) / r["exact"] for r in sel)
+        error = f"{statistics.median(e):.2f} / {e[int(0.9 * (len(e) - 1) + 0.5)]:.2f} / {e[-1]:.2f}"
+        seconds = statistics.median(r["seconds"] for r in sel)
+        covered = sum(abs(r["logged"] - r["exact"]) <= r["spread"] * abs(r["logged"]) for r in sel)
+        spread = statistics.mean(r["spread"] for r in sel)
+        withheld = sum(r["spread"] > SPREAD_LIMIT for r in sel)  # no value at the defaults
         lines.append(
             f"| d={width}, {layers} layers, {f'B={B}, ' if B != 8 else ''}L={L} | {block} {pair} | {sel[0]['n']:,} | "
-            f"{sel[0]['exact']:.4g} | {k} | {cells[0]} | {cells[1]} | {covered}/{len(after)} | {spread:.2f} | "
-            f"{withheld}/{len(after)} | "
-            f"{secs[0]:.1f} / {secs[1]:.1f} / {sel[0]['exact_seconds']:.1f} |"
+            f"{sel[0]['exact']:.4g} | {k} | {error} | {covered}/{len(sel)} | {spread:.2f} | {withheld}/{len(sel)} | "
+            f"{seconds:.1f} / {sel[0]['exact_seconds']:.1f} |"
         )
     return lines
 
@@ -724,7 +705,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--bias", action="store_true", help="the bias table on a held-out GPT-2 (see the docstring)")
     parser.add_argument("--cost", action="store_true", help="the real-loss share of a full evaluation, vocab 50,257")
-    parser.add_argument("--warm-store", action="store_true", help="MiB of the warm-start store, GRAM_START off and on")
+    parser.add_argument("--warm-store", action="store_true", help="MiB of the warm-start store")
     parser.add_argument("--width", type=int, nargs="+", default=[128], help="--bias: GPT-2 widths (n_embd)")
     parser.add_argument("--ks", default="16,64", help="--bias: sample counts, comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="--bias: seeds per k")
@@ -747,15 +728,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--sampled",
         default=None,
-        help="a setting of closed_form._sampled and its values side by side: GRAM_STEPS=4,12, MEMBER_TOL=1,0.2, "
-        "GRAM_SHARPNESS=0,1 or GRAM_START=0,1",
+        help="a setting of closed_form.solver.sampled_keys and its values side by side: GRAM_STEPS=4,12 or "
+        "MEMBER_TOL=1,0.2",
     )
     args = parser.parse_args(argv)
     if args.sampled:
         name, values = args.sampled.split("=")
-        cast = {"GRAM_STEPS": int, "GRAM_START": lambda v: bool(int(v)), "GRAM_SHARPNESS": lambda v: bool(int(v))}.get(
-            name, float
-        )
+        cast = int if name == "GRAM_STEPS" else float
         text = "\n".join(
             sampled_setting_table(
                 name,

@@ -8,6 +8,8 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -147,14 +149,57 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((a - e).norm() / e.norm().clamp_min(1e-300))
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; ``None`` where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it: ``python -m benchmarks.<name> <args>``."""
+    script = Path(sys.argv[0])
+    if script.suffix == ".py" and script.parent.name == "benchmarks":
+        head = f"python -m benchmarks.{script.stem}"
+    elif script.suffix == ".py" and script.parent.parent.name == "benchmarks":
+        head = f"python -m benchmarks.{script.parent.name}.{script.stem}"
+    else:
+        head = f"python {sys.argv[0]}"
+    return " ".join([head, *sys.argv[1:]])
+
+
+def git_commit() -> str | None:
+    """The repository's commit (``+dirty`` when tracked files other than results differ from it); ``None`` outside a
+    git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        # result files are data, not code: a rewritten one does not make the measured tree dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True,
+                               check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment(device: torch.device) -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on, with which command, at which commit."""
     env = {
+        "command": command_line(),
+        "commit": git_commit(),
+        "cpu_model": _cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        # the load of the machine when the run began: other jobs on it make absolute times drift
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         "timestamp_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from curvwatch.realloss import sample_outputs
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -57,7 +59,7 @@ def main() -> None:
             forward = len(gathers)
             gathers.clear()
             if samples:
-                capture.sample_outputs(loss, samples, generator=torch.Generator().manual_seed(1))
+                sample_outputs(capture, loss, samples, generator=torch.Generator().manual_seed(1))
             sampled = len(gathers)
             gathers.clear()
             loss.backward()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public names and the submodule that defines each. Imported lazily so that `import curvwatch`
 # stays cheap (no Lightning import) for users of the closed forms alone.
@@ -17,6 +17,7 @@ _LAZY = {
     "Monitor": "curvwatch.monitor",
     "CurvatureMonitor": "curvwatch.callback",
     "CurvatureCallback": "curvwatch.hf_trainer",
+    "hf_trainer": "curvwatch.hf_trainer",  # curvwatch.hf_trainer.CurvatureCallback after a plain `import curvwatch`
     "CurvatureWarning": "curvwatch.alerts",
     "CurvatureNotice": "curvwatch.alerts",
     # settings
@@ -24,7 +25,6 @@ _LAZY = {
     "Evaluation": "curvwatch.config",
     "Warnings": "curvwatch.config",
     "Sharpness": "curvwatch.config",
-    "LegacyThresholds": "curvwatch.alerts",
     # model discovery
     "BlockSpec": "curvwatch.adapters",
     "find_blocks": "curvwatch.adapters",
@@ -48,7 +48,6 @@ __all__ = [
     "Evaluation",
     "Warnings",
     "Sharpness",
-    "LegacyThresholds",
     # model discovery
     "BlockSpec",
     "find_blocks",

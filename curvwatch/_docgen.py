@@ -29,7 +29,6 @@ _PUBLIC = (
     "curvwatch.config:Evaluation",
     "curvwatch.config:Warnings",
     "curvwatch.config:Sharpness",
-    "curvwatch.alerts:LegacyThresholds",
     "curvwatch.callback:CurvatureMonitor",
     "curvwatch.hf_trainer:CurvatureCallback",
 )

@@ -69,7 +69,7 @@ class CurvatureMonitor(Callback):
       ``{p}summary/rms/inv_ms_max``, ``{p}summary/rms/ms_min``, ``{p}summary/rms/ms_min_over_eps``),
       ``{p}summary/eval_time_s``, ``{p}summary/evaluations``, ``{p}summary/skipped_evaluations``,
       ``{p}summary/skipped_blocks``, ``{p}summary/nonfinite_blocks``, ``{p}summary/warnings``,
-      ``{p}summary/overhead_fraction``, ``{p}summary/lanczos/rel_residual_max``, ``{p}summary/lanczos/unconverged``,
+      ``{p}summary/overhead``, ``{p}summary/lanczos/rel_residual_max``, ``{p}summary/lanczos/unconverged``,
       ``{p}summary/lanczos/norms``.
     - With ``terms_every_n_train_steps`` (on by default), terms-only evaluations log the per-block keys they
       compute, the kinds' summaries (``{p}summary/ln/...``), ``{p}summary/terms_eval_time_s`` and the counters (plus
@@ -103,24 +103,23 @@ class CurvatureMonitor(Callback):
         blocks: ``"auto"`` or a list of :class:`~curvwatch.BlockSpec` (see :func:`~curvwatch.find_blocks`).
         log_key_prefix: Prefix of every logged key.
         sharpness: ``"auto"`` (default), ``True``, ``False`` or a :class:`~curvwatch.Sharpness` with the samples, loss,
-            logits module and the in-run check. The curvature of the real training loss (:mod:`curvwatch.sharpness`): on
-            full evaluations, ``sharpness_samples`` extra backward passes from the logits (labels sampled from the
+            logits module and the in-run check. The curvature of the real training loss (:mod:`curvwatch.realloss`): on
+            full evaluations, ``Sharpness.samples`` extra backward passes from the logits (labels sampled from the
             model's own predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the
             kernels add the block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns
             it into an edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a
-            logits module is found (set-up table row ``sharpness``); ``True``: required (error in ``setup`` otherwise);
-            ``False``: off.
+            logits module is found (set-up table row ``sharpness``); ``True``: required (an error at set-up where it
+            cannot work: no logits module found, FSDP1; and at the first full evaluation whose logits module gave no
+            logits or no gradient); ``False``: off.
         warning_rules: Which warnings: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`, designed on the
             instability suite, ``docs/instability.md``: softmax saturation, growth of the attention-logit bound and of
             the exact value curvature, LayerNorm/RMSNorm collapse and its approach; no alarm on any stable control,
-            leads of 29-147 steps where a signal allows, with the default terms-only tier), ``"legacy"`` (the spike and
-            collapse rules configured by ``collapse_ratio`` ... ``cooldown``: they fire on healthy runs too), ``"all"``,
-            or a configured ``RuleSet``. A :class:`~curvwatch.Warnings` also sets ``warn`` and the legacy thresholds
-            (:class:`~curvwatch.alerts.LegacyThresholds`, declared once).
+            leads of 29-147 steps where a signal allows, with the default terms-only tier), ``"none"``, or a
+            configured ``RuleSet``. A :class:`~curvwatch.Warnings` also sets ``warn``.
         cadence: A :class:`~curvwatch.Cadence`: the terms-only tier (``terms_every_n_train_steps``) and the overhead
             budget (``max_overhead``).
         evaluation: A :class:`~curvwatch.Evaluation`: Lanczos ``tol``, ``max_iter``, ``max_basis``; ``dtype``,
-            ``pairs``, ``kinds``, ``max_tokens``, ``memory_budget_mb``, ``terms_keys``.
+            ``pairs``, ``parts``, ``max_tokens``, ``memory_budget_mb``, ``terms_keys``.
         on_error: ``"warn"``: an exception in an evaluation (capture hooks in forward or backward, summaries, loggers)
             skips it with a warning and training goes on (``{p}summary/skipped_evaluations`` counts them), a block whose
             closed form raises is left out alone; ``"raise"``: re-raise it. Out of memory in a closed form first frees
@@ -134,9 +133,6 @@ class CurvatureMonitor(Callback):
             ``WandbLogger``, a table of every block per evaluation (``{p}summary/layers``); ``"blocks"``: also every
             per-block key that is not per head nor a bound or term (727); ``"all"``: everything (7,303). Summaries,
             warnings, heatmaps and tables read the whole evaluation at every level (``docs/metrics.md``).
-        **flat: The flat kwargs of earlier versions (``max_tokens=256``, ``tol=1e-3``, ``spike_factor=5``,
-            ``sharpness_samples=8``...), still accepted and put in their group (:data:`curvwatch.config.FLAT_KWARGS`);
-            deprecated, prefer the groups.
 
     Raises:
         ValueError: If a kwarg is invalid (in ``__init__``, naming the fix), or in ``setup`` if the model has no block
@@ -168,13 +164,14 @@ class CurvatureMonitor(Callback):
         log_heatmap: bool = True,
         verbose: bool = False,
         log_level: str = "summary",
-        **flat: Any,
     ) -> None:
         self.monitor = Monitor(
             every_n_train_steps=every_n_train_steps, blocks=blocks, log_key_prefix=log_key_prefix,
             sharpness=sharpness, warning_rules=warning_rules, cadence=cadence, evaluation=evaluation,
-            on_error=on_error, log_heatmap=log_heatmap, verbose=verbose, log_level=log_level, **flat,
+            on_error=on_error, log_heatmap=log_heatmap, verbose=verbose, log_level=log_level,
         )  # fmt: skip
+        self.monitor.notices.owner = type(self).__name__
+        self.monitor.no_loggers_hint = "the Trainer has no logger; give it one, e.g. Trainer(logger=WandbLogger())"
         s = self.monitor.settings
         self.every_n_train_steps = self.monitor.schedule.every_n_train_steps
         self.max_overhead = self.monitor.schedule.max_overhead
@@ -226,7 +223,7 @@ class CurvatureMonitor(Callback):
         self.monitor.schedule.stop()  # the budget's clock stops with training (state_dict is stable afterwards)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.monitor._capture_step is not None:  # a capture left open by a step without optimizer step
+        if self.monitor.capturing:  # a capture left open by a step without optimizer step
             self.monitor.close()
         full_due, terms_due = self.monitor.schedule.due(trainer.global_step)
         if trainer.sanity_checking or not (full_due or terms_due):
@@ -239,7 +236,7 @@ class CurvatureMonitor(Callback):
         self.monitor.before_backward(loss)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self.monitor._capture_step is None:
+        if not self.monitor.capturing:
             return
         # every optimizer (manual optimization may have several): each block's weights are found in theirs
         self.monitor.before_optimizer_step(trainer.optimizers if len(trainer.optimizers) > 1 else optimizer)
@@ -272,7 +269,7 @@ class CurvatureMonitor(Callback):
 
     @property
     def coverage(self) -> list[dict[str, str]]:
-        """The set-up table: one row per monitored block and per part left out, with the reason."""
+        """The set-up table, one row per monitored block and per part left out, with the reason."""
         return self.monitor.coverage
 
     def summary_text(self, top: int = 5) -> str:

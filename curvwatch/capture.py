@@ -39,14 +39,14 @@ model's device, subsampled to at most ``max_tokens`` token positions:
   later positions); for bidirectional attention it is an approximation (the prefix's queries lose the
   keys after it).
 
-**Sampled output gradients** (the real loss's Gauss-Newton matrix, :mod:`curvwatch.sharpness`): given the module
-whose output is the logits, the capture also keeps the live block outputs and the logits of the recorded calls,
-and :meth:`Capture.sample_outputs` (called with the loss before the real backward, while the graph is alive)
-back-propagates ``k`` sampled logit gradients to every block output at once (``torch.autograd.grad`` with
-``retain_graph``: no parameter gradient is touched, the capture hooks ignore these passes); each block of a kind
-that takes them then holds ``"output_samples"`` ``(k, B, L, d_out)``, cut to the same tokens as ``X``.
+**Live outputs for the real loss** (:mod:`curvwatch.realloss`): given the module whose output is the logits, the
+capture also keeps the live block outputs and the logits of the recorded calls (:meth:`Capture.live_outputs`,
+:attr:`Capture.logits`), from which the real-loss sampler back-propagates sampled logit gradients and stores them
+back (:meth:`Capture.store_samples`): each block of a kind that takes them then holds ``"output_samples"``
+``(k, B, L, d_out)``, cut to the same tokens as ``X``. The capture ignores the gradients of those passes
+(:func:`monitor_passes`).
 
-Padded positions count as tokens and are stored as they are; :meth:`CapturedBlock.reference_inputs` zeroes
+Padded positions count as tokens and are stored as they are; :func:`curvwatch.engine.kernel.kernel_inputs` zeroes
 their rows of ``X`` and ``grad_output`` before a closed form sees them (the closed forms also mask them), so
 no statistic, ``term/x_norm`` included, depends on what a padded position holds.
 
@@ -62,29 +62,16 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
-from curvwatch.closed_form.settings import Lanczos
 from curvwatch.kinds import KINDS
-from curvwatch.sharpness import (
-    LSE_TERM_NOTE,
-    SOFT,
-    InputDraws,
-    LinearLogits,
-    LogitSampler,
-    LossKind,
-    _chunk_rows,
-    loss_weights,
-    soft_divisor,
-    total_weight,
-)
 
-__all__ = ["Capture", "CaptureError", "CapturedBlock"]
+__all__ = ["Capture", "CaptureError", "CapturedBlock", "LiveOutput", "first_tokens", "monitor_passes", "token_slice"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -136,11 +123,6 @@ def nonfinite_inputs(
     return [[n for n in ns if not next(finite)] for ns in names]
 
 
-def vectors_held(max_iter: int, max_basis: int | None) -> int:
-    """Lanczos vectors one norm holds at most: ``max_iter``, or fewer with ``max_basis`` (thick restarts)."""
-    return max_iter if max_basis is None else min(max_iter, max_basis)
-
-
 def token_slice(B: int, L: int, max_tokens: int) -> tuple[int, int]:
     """``(k, l)``: keep sequences ``[:k]`` and positions ``[:l]`` (see the module docstring).
 
@@ -151,6 +133,14 @@ def token_slice(B: int, L: int, max_tokens: int) -> tuple[int, int]:
     if L <= max_tokens:
         return min(B, max_tokens // L), L
     return 1, max_tokens
+
+
+class LiveOutput(NamedTuple):
+    """A block output kept alive in the graph for the sampled backward passes (:meth:`Capture.live_outputs`)."""
+
+    spec: BlockSpec
+    output: Tensor  # as the output module returned it (the adapter's layout)
+    batch_shape: tuple[int, int]  # (B, L) of the whole batch, before the token cut
 
 
 class CaptureError(RuntimeError):
@@ -170,21 +160,9 @@ class CaptureError(RuntimeError):
         self.error = error
 
 
-def _sample_slot(rec: _Record, j: int, samples: int, t: Tensor, max_tokens: int) -> tuple[Tensor, Tensor]:
-    """``(destination, source)`` of sample ``j`` of ``samples``: the record's float32 buffer's row ``j`` (the buffer
-    made at the first sample, its rows as views once) and the first tokens of the ``(B, L, d_out)`` sampled output
-    gradient ``t`` (one view). :meth:`Capture.sample_outputs` copies every block's sample of a pass in one
-    ``_foreach_copy_``: the samples are held once, not as clones that :meth:`Capture.blocks` stacked into a second
-    copy (at the GPU shape, 512 kept tokens of width 768, 16 samples: 24 MiB per block), in one dispatched operator
-    per pass instead of two to four per block."""
-    src = _first_tokens(t, max_tokens)
-    if rec.samples is None:
-        rec.samples = torch.empty((samples, *src.shape), dtype=torch.float32, device=src.device)
-        rec.slots = rec.samples.unbind(0)
-    return rec.slots[j], src
 
 
-def _first_tokens(t: Tensor, max_tokens: int) -> Tensor:
+def first_tokens(t: Tensor, max_tokens: int) -> Tensor:
     """The first tokens (:func:`token_slice`) of a ``(B, L, ...)`` tensor: ``t`` itself when every token is kept, else
     one view (``t[:k, :l]`` took two)."""
     k, l = token_slice(t.shape[0], t.shape[1], max_tokens)
@@ -196,7 +174,7 @@ def _first_tokens(t: Tensor, max_tokens: int) -> Tensor:
 def _keep(t: Tensor, max_tokens: int) -> Tensor:
     """Detached copy of the first tokens of a ``(B, L, ...)`` tensor."""
     with torch.no_grad():  # (a clone without autograd history)
-        return _first_tokens(t, max_tokens).clone()
+        return first_tokens(t, max_tokens).clone()
 
 
 @dataclass
@@ -265,121 +243,6 @@ class CapturedBlock:
         """Names of the captured float tensors holding NaN or Inf (``"X"``, ``"grad_output"``), one device sync."""
         return nonfinite_inputs([self])[0]
 
-    def evaluation_bytes(
-        self, dtype: torch.dtype = torch.float32, max_iter: int = 20, max_basis: int | None = None
-    ) -> int:
-        """Rough upper estimate of the extra memory :meth:`evaluate` allocates, in bytes.
-
-        With ``n_W`` the elements of one Lanczos vector of the block (its kind's ``basis_numel``: ``W_Q`` per
-        head group for attention, ``W_1`` for an FFN), the element size of ``dtype`` and ``k = min(max_iter,
-        max_basis)`` the Lanczos vectors held per norm: the kind's ``work_elements`` (attention ``32 B H L^2 +
-        64 B L d``, the per-head ``(B, H, L, L)`` tangents of the Lanczos products; FFN ``32 B L d_ff``; LayerNorm
-        ``16 B L d``) plus ``6 k n_W`` (the Lanczos bases: :meth:`basis_bytes`); with ``output_samples`` (the
-        real-loss keys) twice the work and three times the bases: the sampled keys' Lanczos members hold bases of
-        their own, solved together with the engine's (the attention's ``QQ`` and ``KK`` runs, 12 rows of ``n_W``
-        beside its own 6), beside the Gram columns and their products' rows. The factors bound the peaks measured on
-        CPU with the default diagonal pairs (docs/metrics.md, "Cost"); ``pairs="all"`` takes more.
-        """
-        X = self.inputs.get("X")
-        if X is None:
-            return 0
-        B, L, d = X.shape
-        itemsize = dtype.itemsize
-        n = KINDS[self.spec.kind].work_elements(B, L, d, self.params)
-        return self._sampled_factor() * n * itemsize + self.basis_bytes(dtype, vectors_held(max_iter, max_basis))
-
-    def basis_bytes(self, dtype: torch.dtype = torch.float32, vectors: int = 20) -> int:
-        """The Lanczos bases' share of :meth:`evaluation_bytes`: ``6 vectors n_W`` elements (0 without Lanczos),
-        three times that with ``output_samples`` (the sampled keys' runs, solved together with the engine's).
-
-        It does not depend on the tokens: only ``max_basis`` (thick restarts) bounds it. The engine lets a kernel's
-        runs share their stopping tests while their bases stay within it (``Lanczos.solve_bytes``).
-        """
-        if self.inputs.get("X") is None:
-            return 0
-        numel = KINDS[self.spec.kind].basis_numel(self.params)
-        rows = 18 if self._sampled_factor() > 1 else 6
-        return rows * vectors * numel * dtype.itemsize
-
-    def _sampled_factor(self) -> int:
-        """2 where the block holds ``output_samples`` (its evaluation computes the real-loss keys too), else 1."""
-        return 2 if "output_samples" in self.inputs else 1
-
-    def reference_inputs(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """The keyword arguments passed to the closed form (all of them, ``X``/``Y`` and weights included).
-
-        Args:
-            dtype: Cast floating tensors to it (``None``: keep the captured dtype). Masks stay bool.
-
-        Raises:
-            RuntimeError: If the block was not captured completely (``reason`` says why).
-        """
-        if self.reason is not None:
-            raise RuntimeError(f"Block {self.spec.name!r} cannot be evaluated: {self.reason}")
-        if self.params_fn is not None:
-            return self.with_params().reference_inputs(dtype)
-        kind = KINDS[self.spec.kind]
-        kwargs: dict[str, Any] = {kind.input_name: self.inputs["X"]}
-        kwargs.update(self.params)
-        kwargs.update({k: v for k, v in self.inputs.items() if k not in ("X", "grad_output")})
-        kwargs["grad_output"] = self.inputs.get("grad_output")
-        mask = kwargs[kind.mask_name] = self.inputs.get(kind.mask_name)
-        if mask is not None:  # padded rows carry no information: no statistic may see their values
-            padded = (mask if kind.mask_name == "key_padding_mask" else ~mask)[..., None]
-            for name in (kind.input_name, "grad_output", "output_samples"):
-                if isinstance(kwargs.get(name), Tensor):
-                    kwargs[name] = kwargs[name].masked_fill(padded, 0.0)
-        if dtype is not None:
-            kwargs = _cast(kwargs, dtype)
-        return kind.kernel_kwargs(kwargs)
-
-    def evaluate(
-        self,
-        *,
-        lanczos: Lanczos | None = None,
-        dtype: torch.dtype = torch.float64,
-        pairs: Sequence[str] | None = None,
-        kinds: Sequence[str] = ("outer", "functional", "hessian"),
-        precondition: dict[str, Tensor] | None = None,
-        signals: bool = False,
-    ):
-        """Run the closed form on the captured tensors.
-
-        Args:
-            lanczos: Settings of the iterative norms (attention, FFN; ``None``: the closed forms' default), its
-                ``warm_start`` kept between evaluations of this block.
-            dtype: ``torch.float32`` or ``torch.float64``; inputs and weights are cast to it.
-            pairs: block pairs to compute (attention: ``VV, QQ, KK, VQ, VK, QK, QKV``; FFN: ``W1W1, W2W2,
-                W1W2``); pairs of the other kind are ignored. ``None``: all of the kernel's pairs.
-            kinds: iterative norms to compute (attention, FFN): a subset of ``("outer", "functional",
-                "hessian")``.
-            precondition: ``{weight name: P}`` in the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``), for
-                the ``precond_sharpness/...`` keys of a block with ``output_samples``; ``None``: none.
-            signals: Pass the kind's :attr:`~curvwatch.kinds.BlockKind.signal_kwargs` too: only what the warning
-                rules read (and ``pairs``).
-
-        Returns:
-            ``dict[str, Tensor]`` of 0-d tensors keyed relative to the block (``"outer/QQ/h0"``, ...).
-
-        Raises:
-            ValueError: If ``dtype`` is not float32/float64, or the closed form does not support a setting
-                of the block (e.g. its activation).
-            RuntimeError: If the block was not captured completely (``reason`` says why).
-        """
-        if dtype not in _DTYPES:
-            raise ValueError(f"Invalid dtype={dtype}. Must be torch.float32 or torch.float64.")
-        kind = KINDS[self.spec.kind]
-        kwargs = self.reference_inputs(dtype)
-        if kind.iterative:
-            kwargs.update(lanczos=lanczos, kinds=kinds)
-            if pairs is not None:
-                kwargs["pairs"] = [p for p in dict.fromkeys(pairs) if p in kind.pairs]
-        if "output_samples" in kwargs and precondition is not None:
-            kwargs["precondition"] = _cast(precondition, dtype)
-        if signals and kind.signal_kwargs:
-            kwargs.update(kind.signal_kwargs)
-        return kind.kernel()(**kwargs)
-
 
 class _Record:
     """Mutable per-spec state filled by the hooks."""
@@ -390,10 +253,8 @@ class _Record:
         self.masks: Masks | None = None
         self.grad: Tensor | None = None
         self.output: Tensor | None = None  # the live block output (sampling only), released after sampling
-        # the sampled output gradients of the kept tokens, (k, B, L, d_out) float32, written one pass at a time
+        # the sampled output gradients of the kept tokens, (k, B, L, d_out) float32 (store_samples)
         self.samples: Tensor | None = None
-        self.slots: tuple[Tensor, ...] = ()  # its rows, one per sample (views)
-        self.n_samples = 0
         self.shape: tuple[int, int] | None = None  # (B, L) of the whole batch, before the token cut
         self.sample_scale = 1.0
         self.output_seen = False
@@ -413,58 +274,6 @@ def _cut(name: str, t: Tensor, k: int, l: int) -> Tensor:
     return t[:, :k, :l] if name == "output_samples" else t[:k, :l]
 
 
-def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ...]:
-    """Index of the logits rows of the kept sequences ``[:k]``, for logits ``(B, L, V)``, ``(L, B, V)`` or ``(B, V)``
-    (one row per sequence); every row when the layout is none of these."""
-    if lead in ((B, L), (B,)):
-        return (slice(0, k),)
-    if lead == (L, B):
-        return (slice(None), slice(0, k))
-    return (slice(None),)
-
-
-def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
-    """The index of the logits rows :func:`_kept_rows` leaves out (empty when it keeps every row)."""
-    *lead, last = rows
-    return (*lead, slice(last.stop, None)) if last.stop is not None else (slice(0, 0),)
-
-
-def _sampler(
-    kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
-    factor: float, positions: float, norms: bool = True, on_chunk=None,
-):  # fmt: skip
-    """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
-    kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
-    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand); ``on_chunk``: handed each chunk
-    of the kept rows' softmax (:func:`~curvwatch.sharpness.loss_weights`)."""
-    V = gz.shape[-1]
-    kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
-    everything = g_kept.shape[0] * V == gz.numel()
-    count = None  # what an assumed mean (label smoothing, squared error) runs over: the whole batch
-    if LossKind(kind) is LossKind.MSE:
-        count = gz.numel()
-    elif LossKind(kind) in SOFT:  # the reduction named by the user: the whole batch's divisor
-        count = soft_divisor(LossKind(kind), tuple(gz.shape))
-    elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
-        flat, step = gz.reshape(-1, V), _chunk_rows(V)
-
-        def count() -> int:  # only where loss_weights assumes a mean (label smoothing): hard labels need no count
-            return sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
-
-    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
-    total = float(w.sum())
-    if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
-        total += float(loss_weights(others.reshape(-1, V), gz[_other_rows(rows)].reshape(-1, V), kind)[0].sum())
-    elif not everything and note is not None:  # an assumed mean's weights sum to 1
-        total = 1.0
-    elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
-        total = float(loss_weights(gz, gz, loss_kind)[0].sum())
-    elif not everything:  # hard labels: add the other rows' weights, a chunk of rows at a time
-        total += total_weight(others, gz[_other_rows(rows)])
-    kept_weight = float(w.sum()) * positions
-    sampler = LogitSampler(kept, w * factor, loss_kind, norms=norms)
-    return sampler, (total / kept_weight if kept_weight > 0 else 1.0), note
 
 
 def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
@@ -491,18 +300,6 @@ def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
         }
 
 
-def _cast(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """Floating tensors in ``kwargs`` (nested dicts too) cast to ``dtype``; masks and settings unchanged."""
-    return {
-        k: v.to(dtype)
-        if isinstance(v, Tensor) and v.is_floating_point()
-        else _cast(v, dtype)
-        if isinstance(v, dict)
-        else v
-        for k, v in kwargs.items()
-    }
-
-
 class Capture:
     """Context manager that records block inputs and output gradients of one forward/backward.
 
@@ -514,8 +311,9 @@ class Capture:
             (:func:`curvwatch.sharding.full_params`, ...); the capture then keeps no weights and each
             :class:`CapturedBlock` reads its own through ``params_fn`` when evaluated. ``None`` (default): a
             snapshot of each block's weights is taken in the forward pass.
-        logits_module: The module whose output is the logits (:func:`curvwatch.sharpness.find_logits_module`):
-            its output and the block outputs are kept for :meth:`sample_outputs`. ``None``: no sampling.
+        logits_module: The module whose output is the logits (:func:`curvwatch.realloss.logits.find_logits_module`):
+            its output and the block outputs are kept for the real-loss sampler
+            (:func:`curvwatch.realloss.sampling.sample_outputs`). ``None``: no sampling.
 
     Raises:
         ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
@@ -550,26 +348,53 @@ class Capture:
         self._records = [_Record() for _ in specs]
         self._handles: list[Any] = []
         self._stance: Any = None  # the compiler stance set while the capture is open
-        self._logits: Tensor | None = None
-        # a linear logits module's input and the logits' gradient edge, instead of the logits (sampling only)
-        self._logits_input: Tensor | None = None
-        self._logits_edge: Any = None
-        self._logits_dtype: torch.dtype | None = None
-        self.sample_note: str | None = None  # what sample_outputs had to assume about the loss
-        self.unsampled: list[str] = []  # blocks of sampled kinds sample_outputs could not reach
-        self._sampled = False  # sample_outputs ran on this capture
-        self._n_sampled = 0  # the blocks it sampled
+        #: The logits of the first forward with gradient tracking (a module other than a plain linear one), else None.
+        self.logits: Tensor | None = None
+        #: A linear logits module's input, instead of the logits: its rows are recomputed when read.
+        self.logits_input: Tensor | None = None
+        #: The logits' place in the graph (``torch.autograd.graph.GradientEdge``) when only their input is kept.
+        self.logits_edge: Any = None
+        #: The logits' dtype when only their input is kept (autocast: the module ran in a lower precision).
+        self.logits_dtype: torch.dtype | None = None
+        self._sampled = False  # the real-loss sampler ran on this capture (mark_sampled)
         #: Backward passes through the logits while the capture was open, the sampled ones not counted (more than one:
         #: micro-batches under manual optimization; the first one is the one captured and sampled).
         self.backwards = 0
-        #: Called with the logits' gradient during the backward when :meth:`sample_outputs` was not called before
+        #: Called with the logits' gradient during the backward when the sampler was not called before
         #: it (a loop that does not hand the loss over): it samples there, while the graph below the logits lives.
         self.on_logits_grad: Callable[[Tensor], None] | None = None
 
     @property
     def sampled(self) -> bool:
-        """Whether :meth:`sample_outputs` ran on this capture (once per step: later calls keep its samples)."""
+        """Whether the real-loss sampler ran on this capture (once per step: later calls keep its samples)."""
         return self._sampled
+
+    # -- what the real-loss sampler reads and stores (curvwatch.realloss.sampling) --------------------
+
+    def mark_sampled(self) -> None:
+        """Record that the sampler ran: later forwards keep no logits, later backwards do not call
+        :attr:`on_logits_grad`."""
+        self._sampled = True
+
+    def live_outputs(self) -> list[LiveOutput]:
+        """The live outputs (graph tensors, kept while a logits module is given) of the blocks of kinds that take
+        sampled output gradients, captured without error so far, in spec order."""
+        return [
+            LiveOutput(spec, rec.output, rec.shape)
+            for spec, rec in zip(self.specs, self._records, strict=True)
+            if rec.output is not None and rec.error is None and rec.reason is None
+        ]
+
+    def sampleable(self) -> list[BlockSpec]:
+        """The blocks of kinds that take sampled output gradients and are not left out so far."""
+        records = zip(self.specs, self._records, strict=True)
+        return [spec for spec, rec in records if KINDS[spec.kind].sampled and rec.reason is None]
+
+    def store_samples(self, spec: BlockSpec, samples: Tensor, scale: float) -> None:
+        """Keep ``samples`` ``(k, B, L, d_out)`` (float32, cut to the captured tokens) as the block's
+        ``"output_samples"``, with the batch's total loss weight over the kept tokens' (``sample_scale``)."""
+        rec = self._records[self.specs.index(spec)]
+        rec.samples, rec.sample_scale = samples, float(scale)
 
     # -- context manager --------------------------------------------------------------------------
 
@@ -577,9 +402,9 @@ class Capture:
         if self._handles:
             raise RuntimeError("This Capture is already active; use a new Capture per step.")
         self._records = [_Record() for _ in self.specs]
-        self._logits = self._logits_input = self._logits_edge = None
+        self.logits = self.logits_input = self.logits_edge = None
         self._stance = torch.compiler.set_stance("force_eager")  # see the module docstring; restored in __exit__
-        self._sampled, self._n_sampled, self.backwards = False, 0, 0
+        self._sampled, self.backwards = False, 0
         try:
             if self.logits_module is not None:
                 self._handles.append(self.logits_module.register_forward_hook(self._on_logits))
@@ -601,11 +426,11 @@ class Capture:
 
     def __exit__(self, *exc: object) -> None:
         self._remove()
-        self._release()
+        self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
         """Drop the references to live graph tensors (block outputs, logits and their module's input)."""
-        self._logits = self._logits_input = self._logits_edge = None
+        self.logits = self.logits_input = self.logits_edge = None
         for rec in self._records:
             rec.output = None
 
@@ -684,7 +509,7 @@ class Capture:
         return type(output)(copy if item is out else item for item in output)
 
     def _has_logits(self) -> bool:
-        return self._logits is not None or self._logits_input is not None
+        return self.logits is not None or self.logits_input is not None
 
     def _on_logits(self, module, args, output) -> None:
         if not torch.is_grad_enabled():
@@ -706,10 +531,10 @@ class Capture:
         except Exception:  # never into the user's forward: the logits path below works for any module
             linear = False
         if linear:  # keep its input (saved by the module anyway) and the logits' place in the graph only
-            self._logits_input, self._logits_edge = h, get_gradient_edge(out)
-            self._logits_dtype = out.dtype
+            self.logits_input, self.logits_edge = h, get_gradient_edge(out)
+            self.logits_dtype = out.dtype
         else:  # any other module: keep the logits themselves (a logits-sized tensor)
-            self._logits = out
+            self.logits = out
 
     def _on_logits_grad(self, grad: Tensor) -> None:
         if _SAMPLING[0]:
@@ -728,186 +553,6 @@ class Capture:
             rec.fail("backward hook", err)
 
     # -- sampled output gradients --------------------------------------------------------------------
-
-    def sample_outputs(
-        self,
-        loss: Tensor | None,
-        samples: int,
-        *,
-        kind: str | LossKind = "auto",
-        factor: float = 1.0,
-        generator: torch.Generator | None = None,
-        grad_logits: Tensor | None = None,
-        agree: Callable[[bool], bool] | None = None,
-    ) -> int:
-        """Back-propagate ``samples`` sampled logit gradients to every kept block output (see the module docstring).
-
-        Call it with the loss after the forward and before its backward (Lightning's ``on_before_backward``).
-
-        Args:
-            loss: The loss tensor about to be back-propagated (its gradient at the logits gives the loss weights,
-                :func:`curvwatch.sharpness.loss_weights`).
-            samples: ``k``, the samples per block (one backward pass from the logits each).
-            kind: The loss at the logits: ``"auto"``, ``"cross_entropy"``, ``"mse"``, or soft targets with their
-                reduction, ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``
-                (:func:`~curvwatch.sharpness.loss_weights`).
-            factor: Multiplies the loss weights (undoes Lightning's accumulation and AMP factors of ``loss``).
-            generator: Random source for the sampled labels.
-            grad_logits: The loss's gradient at the logits, when called from the backward (:attr:`on_logits_grad`)
-                instead of before it; ``loss`` is then not used.
-            agree: Several ranks: called once on every rank, whatever happens locally, just before the sampled
-                passes, with whether this rank can run them; returns whether every rank can. Under FSDP2 each pass
-                all-gathers the weights of the layers it runs through (a collective), so either every rank runs
-                the ``samples`` passes or none does (the others then raise a ``RuntimeError`` saying so).
-
-        Returns:
-            The blocks that received samples.
-
-        Raises:
-            RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking), or
-                (with ``agree``) another rank cannot sample.
-            ValueError: If the loss at the logits is not of ``kind`` (:func:`~curvwatch.sharpness.loss_weights`).
-        """
-        if self._sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
-            self._release()
-            return self._n_sampled
-        z, h = self._logits, self._logits_input
-        live = [
-            (spec, rec)
-            for spec, rec in zip(self.specs, self._records, strict=True)
-            if rec.output is not None and rec.error is None and rec.reason is None
-        ]
-        diverged = counted = False
-        self._sampled = True
-        try:
-            ready: tuple[tuple[slice, ...], LogitSampler, Any] | None = None
-            error: Exception | None = None
-            try:
-                if z is None and h is None:
-                    raise RuntimeError(
-                        f"the logits module {type(self.logits_module).__name__} produced no output with gradient "
-                        "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the "
-                        "module whose output the loss reads"
-                    )
-                _SAMPLING[0] += 1
-                counted = True
-                if live:
-                    ready = self._prepare_sampling(z, h, live, loss, kind, factor, grad_logits, samples, generator)
-                    diverged = ready is None
-            except Exception as err:
-                ready, error = None, err
-            if agree is not None and not agree(ready is not None) and ready is not None:
-                raise RuntimeError(
-                    "another rank cannot sample its output gradients at this step (its own message says why); every "
-                    "rank skips the sampled backward passes, which run collectives under sharded training"
-                )
-            if error is not None:
-                raise error
-            if ready is None:  # no block output to sample, or a diverged loss (the engine flags the blocks)
-                return 0
-            rows, sampler, draws = ready
-            outputs = [rec.output for _, rec in live]
-            unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
-            for j, (start, cotangent) in enumerate(self._cotangents(z, rows, sampler, samples, generator, draws)):
-                grads = torch.autograd.grad(
-                    start, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True
-                )
-                slots = [
-                    (rec, *_sample_slot(rec, j, samples, spec.adapter.to_batch_first(spec, s), self.max_tokens))
-                    for (spec, rec), s in zip(live, grads, strict=True)
-                    if s is not None  # None: the block output does not reach the logits
-                ]
-                if slots:
-                    with torch.no_grad():  # every block's sample of this pass in one operator (float32, any dtype in)
-                        torch._foreach_copy_([d for _, d, _ in slots], [t for _, _, t in slots])
-                    for rec, _, _ in slots:
-                        rec.n_samples += 1
-            for _, rec in live:
-                if rec.n_samples == samples:
-                    rec.samples.mul_(unit)  # the draws were unit-sized (no underflow in low precision)
-        finally:
-            sampled = {id(rec) for _, rec in live if rec.n_samples == samples}
-            self.unsampled = (
-                []
-                if diverged
-                else [
-                    spec.name
-                    for spec, rec in zip(self.specs, self._records, strict=True)
-                    if KINDS[spec.kind].sampled and rec.reason is None and id(rec) not in sampled
-                ]
-            )
-            if counted:
-                _SAMPLING[0] -= 1
-            self._release()
-            self._n_sampled = len(sampled)
-        return len(sampled)
-
-    def _prepare_sampling(self, z: Tensor | None, h: Tensor | None, live, loss, kind, factor: float,
-                          grad_logits: Tensor | None, samples: int, generator):  # fmt: skip
-        """``(kept rows of the logits, LogitSampler, draws)`` of :meth:`sample_outputs` (the blocks' ``sample_scale``
-        set; ``draws``: the samples at a linear logits module's input, else ``None``), or ``None`` when the loss's
-        gradient at the logits is not finite (a diverged step)."""
-        if grad_logits is None:  # at the logits' edge: the logits of a linear module are not held
-            (gz,) = torch.autograd.grad(loss, z if z is not None else self._logits_edge, retain_graph=True)
-        else:  # called from the backward with the logits' gradient (on_logits_grad)
-            gz = grad_logits
-        # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
-        if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
-            return None
-        B, L = live[0][1].shape
-        k, l = token_slice(B, L, self.max_tokens)
-        rows = _kept_rows(tuple(gz.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
-        if z is not None:
-            kept, others = z.detach()[rows], z.detach()[_other_rows(rows)]
-        else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
-            kept = self._linear_logits(h.detach()[rows])
-            others = self._linear_logits(h.detach()[_other_rows(rows)])
-        plan = None  # a linear logits module's draws read the kept rows' softmax in the loss weights' pass
-        if z is None and LossKind(kind) is not LossKind.MSE:
-            weight = self.logits_module.weight.detach()
-            plan = InputDraws(kept.shape[0], kept.shape[1], weight, samples, generator)
-        on_chunk = None if plan is None else plan.chunk
-        sampler, scale, self.sample_note = _sampler(
-            kept, others, gz, rows, kind, factor, l / L, z is not None, on_chunk
-        )
-        del kept, others, gz  # a logits-sized gradient: not held through the sampled passes
-        draws = None
-        if z is None:  # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also
-            # the norms: a sampler of several chunks of rows knows its unit only then)
-            draws = sampler.input_draws(self.logits_module.weight.detach(), samples, generator, plan=plan)
-        if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
-            raise ValueError(
-                f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={self.max_tokens} "
-                "positions) carry no loss weight (ignored or padded sequences, a zero loss weight), so this step "
-                "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
-                "max_tokens"
-            )
-        for _, rec in live:
-            rec.sample_scale = scale
-        return rows, sampler, draws
-
-    def _linear_logits(self, h: Tensor) -> LinearLogits:
-        """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
-        module = self.logits_module
-        return LinearLogits(h.detach().reshape(-1, h.shape[-1]), module.weight, module.bias, self._logits_dtype)
-
-    def _cotangents(self, z: Tensor | None, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator,
-                    draws):  # fmt: skip
-        """``(start, cotangent)`` of each sampled backward pass: at the input ``h`` of a linear logits module, the
-        ``draws`` carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
-        tensor, so the extra memory does not grow with the batch); else at the logits, a logits-sized cotangent."""
-        h = self._logits_input
-        if z is None:
-            cotangent = torch.zeros_like(h)
-            kept = cotangent[rows]  # a view: the other rows stay zero
-            for draw in draws:
-                kept.copy_(draw.view(kept.shape))
-                yield h, cotangent
-            return
-        cotangent = torch.zeros_like(z)
-        for _ in range(samples):
-            sampler.draw_into(cotangent[rows], generator)
-            yield z, cotangent
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -954,7 +599,7 @@ class Capture:
         call_inputs, call_params = KINDS[spec.kind].from_call(rec.masks, kpm, tuple(X.shape[:2]))
         inputs = {"X": X, "grad_output": G, **call_inputs}
         scale = 1.0
-        if rec.n_samples and rec.n_samples == len(rec.samples):
+        if rec.samples is not None:
             inputs["output_samples"] = rec.samples  # (k, B, L, d_out), float32
             scale = rec.sample_scale
         params = {**(rec.params or {}), **call_params}

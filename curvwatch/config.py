@@ -1,4 +1,4 @@
-"""The monitor's settings: a few top-level kwargs and four groups, validated once, in one place.
+"""The monitor's settings: a few top-level kwargs and four groups, each validated where it is built.
 
 :class:`~curvwatch.CurvatureMonitor`, :class:`~curvwatch.Monitor` and the Hugging Face callback take the same
 settings: ``every_n_train_steps``, ``blocks``, ``log_key_prefix``, ``sharpness``, ``warning_rules``, ``on_error``,
@@ -6,45 +6,87 @@ settings: ``every_n_train_steps``, ``blocks``, ``log_key_prefix``, ``sharpness``
 
 * :class:`Cadence`: when to evaluate and how much of the training time it may take;
 * :class:`Evaluation`: what an evaluation computes and with which accuracy and memory;
-* :class:`Warnings`: which warning rules run, and the legacy rules' thresholds (:class:`LegacyThresholds`);
+* :class:`Warnings`: which warning rules run;
 * :class:`Sharpness`: the real-loss curvature (sampled backward passes from the logits).
 
-The flat kwargs of earlier versions (``max_tokens=256``, ``tol=1e-3``, ``spike_factor=5``...) are still accepted
-and go into their group (:data:`FLAT_KWARGS`), with a ``DeprecationWarning`` naming the group to use; passing one
-together with its group object is an error.
+A group checks its values when it is constructed, so a mistake is reported where it is written, naming the group;
+an unknown keyword gets a "did you mean". :func:`resolve` checks the top-level kwargs and assembles
+:class:`Settings`.
 
 Example:
     >>> settings = resolve(evaluation=Evaluation(max_tokens=256), sharpness=False)
     >>> settings.evaluation.max_tokens, settings.sharpness.enabled
     (256, False)
-    >>> resolve(evaluation=Evaluation(pairs=["XX"]))
+    >>> Evaluation(pairs=["XX"])
     Traceback (most recent call last):
     ...
-    ValueError: Invalid pairs=['XX']: unknown pair name 'XX'. Known pair names: ...
+    ValueError: Invalid curvwatch.Evaluation(pairs=['XX']): unknown pair name 'XX'. Known pair names: ...
+    >>> Evaluation(max_token=64)
+    Traceback (most recent call last):
+    ...
+    TypeError: curvwatch.Evaluation() got an unexpected keyword argument 'max_token'. Did you mean 'max_tokens'? ...
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import warnings
+import functools
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from curvwatch.alerts import LegacyThresholds
-from curvwatch.options import LogLevel, OnError, TermsKeys, WarningRules, check_int, check_number, choice, pairs_option
+from curvwatch.adapters import BlockSpec
+from curvwatch.closed_form.settings import PARTS, Lanczos
+from curvwatch.kinds import KINDS
+from curvwatch.options import (
+    LogLevel,
+    OnError,
+    Precision,
+    TermsKeys,
+    WarningRules,
+    check_int,
+    check_number,
+    choice,
+    pairs_option,
+)
+from curvwatch.realloss.weights import LossKind
 from curvwatch.rules import RuleSet
+from curvwatch.schedule import Schedule
 
-__all__ = [
-    "FLAT_KWARGS", "PARTS", "Cadence", "Evaluation", "LegacyThresholds", "Settings", "Sharpness", "Warnings",
-    "known_pairs", "resolve",
-]  # fmt: skip
-
-#: The iterative norms an evaluation may compute.
-PARTS = ("outer", "functional", "hessian")
+__all__ = ["Cadence", "Evaluation", "Settings", "Sharpness", "Warnings", "known_pairs", "resolve"]
 
 
+def _group(cls: type) -> type:
+    """A settings group: a frozen dataclass whose ``check()`` runs at construction, its errors naming the group, and
+    whose unknown keywords get a "did you mean"."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise TypeError(
+                    f"curvwatch.{cls.__name__}() got an unexpected keyword argument {name!r}.{hint} "
+                    f"Its fields are {fields}."
+                )
+        init(self, *args, **kwargs)
+        try:
+            self.check()
+        except ValueError as err:
+            found = re.match(r"Invalid (\w+=.*?)[.:] (.*)", str(err), re.S)
+            text = f"({found[1]}): {found[2]}" if found else f": {err}"
+            raise ValueError(f"Invalid curvwatch.{cls.__name__}{text}") from None
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_group
 @dataclass(frozen=True)
 class Cadence:
     """When the monitor evaluates and how much of the training time it may take.
@@ -70,7 +112,7 @@ class Cadence:
             with the default cadence, none with a chosen one; ``None``: a fixed schedule; a number: that budget (with
             any cadence). A due step is evaluated only if the evaluations so far plus this one (priced as the last one)
             stay within this fraction of the time trained so far, so the effective period may grow beyond
-            ``every_n_train_steps`` (``curv/summary/overhead_fraction`` logs the fraction spent). Step 0 is always
+            ``every_n_train_steps`` (``curv/summary/overhead`` logs the fraction spent). Step 0 is always
             evaluated. With DDP the ranks agree through one all-reduce per due step.
     """
 
@@ -78,7 +120,11 @@ class Cadence:
     terms_every_n_train_steps: int | str | None = "auto"
     max_overhead: float | str | None = "auto"
 
+    def check(self) -> None:
+        Schedule(self.every_n_train_steps, self.terms_every_n_train_steps, self.max_overhead)
 
+
+@_group
 @dataclass(frozen=True)
 class Evaluation:
     """What one evaluation computes, how accurately, and within which memory.
@@ -95,11 +141,11 @@ class Evaluation:
         dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.
         pairs: Block pairs kept: ``"diagonal"`` (``VV``, ``QQ``, ``KK``, ``W1W1``, ``W2W2``, ...), ``"all"`` or a list
             of names such as ``["VV", "QQ", "VQ", "W1W1"]``.
-        kinds: Which iterative norms to compute: a subset of ``("outer", "functional", "hessian")`` (default all three).
-            ``("hessian",)`` alone made an evaluation 2.2x (demo) to 2.9x (mid-size model) cheaper.
+        parts: Which Hessian parts' norms to compute: a subset of ``("outer", "functional", "hessian")`` (default all
+            three). ``("hessian",)`` alone makes an evaluation 2-3x cheaper.
         max_tokens: Token positions kept per block (first whole sequences; see :class:`~curvwatch.capture.Capture`).
         memory_budget_mb: Most extra memory, in MiB, one block's closed form may take (estimated by
-            :meth:`~curvwatch.capture.CapturedBlock.evaluation_bytes`): a block over it holds fewer Lanczos vectors per
+            :func:`~curvwatch.engine.memory.evaluation_bytes`): a block over it holds fewer Lanczos vectors per
             norm, then is evaluated on fewer tokens; one warning each. ``None``: no budget.
         terms_keys: What a terms-only evaluation computes. ``"warnings"`` (default): what the warning rules read, no
             more (attention: ``term/x_norm``, ``term/x_norm6``, ``term/wq_norm``, ``term/wk_norm``,
@@ -115,43 +161,72 @@ class Evaluation:
     max_basis: int | None = 16
     dtype: str = "float32"
     pairs: str | Sequence[str] = "diagonal"
-    kinds: Sequence[str] = PARTS
+    parts: Sequence[str] = PARTS
     max_tokens: int = 512
     memory_budget_mb: float | None = None
     terms_keys: str = "warnings"
 
+    def check(self) -> None:
+        Lanczos(tol=self.tol, max_iter=self.max_iter, max_basis=self.max_basis)
+        choice("dtype", self.dtype, Precision)
+        _check_pairs(self.pairs)
+        parts = (self.parts,) if isinstance(self.parts, str) else tuple(self.parts)
+        if not parts or any(p not in PARTS for p in parts):
+            raise ValueError(
+                f"Invalid parts={self.parts!r}. Must be a non-empty subset of {PARTS}, e.g. parts=('hessian',)."
+            )
+        check_int("max_tokens", self.max_tokens, 1)
+        check_number(
+            "memory_budget_mb", self.memory_budget_mb, low=0, allow_none=True,
+            hint="> 0 (MiB), or None for no budget",
+        )  # fmt: skip
+        choice("terms_keys", self.terms_keys, TermsKeys)
 
+
+@_group
 @dataclass(frozen=True)
 class Warnings:
     """Which warnings the monitor gives.
 
     Args:
-        rules: ``"suite"`` (default: :class:`curvwatch.rules.RuleSet`), ``"legacy"`` (spike and collapse, with
-            ``legacy``'s thresholds), ``"all"``, or a configured :class:`~curvwatch.rules.RuleSet`.
+        rules: ``"suite"`` (default: the rules of :class:`curvwatch.rules.RuleSet`, designed on the instability
+            suite), ``"none"``, or a configured :class:`~curvwatch.rules.RuleSet`.
         warn: Emit :class:`~curvwatch.CurvatureWarning` (and W&B alerts) when a rule fires. The monitor's notices
             about itself (unconverged norms, costs, blocks left out, skipped evaluations) are
             :class:`~curvwatch.CurvatureNotice`, a separate category, whatever ``warn``.
-        legacy: The legacy rules' thresholds.
     """
 
     rules: str | RuleSet = "suite"
     warn: bool = True
-    legacy: LegacyThresholds = field(default_factory=LegacyThresholds)
+
+    def check(self) -> None:
+        if not isinstance(self.rules, RuleSet):
+            choice("rules", self.rules, WarningRules)
+
+    def rule_set(self) -> RuleSet | None:
+        """The rules to run (a fresh :class:`~curvwatch.rules.RuleSet` for ``"suite"``), or ``None``."""
+        if isinstance(self.rules, RuleSet):
+            return self.rules
+        return RuleSet() if WarningRules(self.rules) is WarningRules.SUITE else None
 
 
+@_group
 @dataclass(frozen=True)
 class Sharpness:
-    """The curvature of the real training loss (:mod:`curvwatch.sharpness`).
+    """The curvature of the real training loss (:mod:`curvwatch.realloss`).
 
     Args:
-        enabled: The curvature of the real training loss (:mod:`curvwatch.sharpness`): on full evaluations,
-            ``sharpness_samples`` extra backward passes from the logits (labels sampled from the model's own
+        enabled: The curvature of the real training loss (:mod:`curvwatch.realloss`): on full evaluations,
+            ``samples`` extra backward passes from the logits (labels sampled from the model's own
             predictions) give each attention and FFN block its Monte-Carlo Gauss-Newton curvature; the kernels add the
             block's exact own second-order term (``sharpness/...``), and the optimizer's threshold turns it into an
             edge-of-stability ratio (``stability/...``; SGD, Adam, AdamW). ``"auto"`` (default): on when a logits module
-            is found (set-up table row ``sharpness``); ``True``: required (error in ``setup`` otherwise); ``False``:
-            off.
-        samples: Sampled output gradients per evaluation (each one backward pass from the logits).
+            is found (set-up table row ``sharpness``); ``True``: required (an error at set-up where it cannot work: no
+            logits module found, FSDP1; and at the first full evaluation whose logits module gave no logits or no
+            gradient); ``False``: off.
+        samples: Sampled output gradients per evaluation (each one backward pass from the logits), at least 2: the
+            uncertainty of the estimate (``sharpness_spread``) compares two halves of them, and a key whose spread
+            exceeds its value is withheld. The estimate's relative noise falls like ``1/sqrt(samples)``.
         loss: The loss at the logits: ``"auto"`` (softmax cross-entropy, recognised from its gradient; anything else is
             an error naming the options), ``"cross_entropy"``, ``"mse"`` (mean over every element), or soft targets
             (distillation KL, mixup) with their reduction: ``"soft_batchmean"`` (divided by the logits' first
@@ -171,19 +246,16 @@ class Sharpness:
     logits_module: str | None = None
     verify_every_n_evals: int | None = None
 
-
-#: Flat kwargs of earlier versions and the group field each one sets.
-FLAT_KWARGS: dict[str, tuple[str, str]] = {
-    "max_overhead": ("cadence", "max_overhead"),
-    "terms_every_n_train_steps": ("cadence", "terms_every_n_train_steps"),
-    **{name: ("evaluation", name) for name in (f.name for f in dataclasses.fields(Evaluation))},
-    "warn": ("warnings", "warn"),
-    **{name: ("legacy", name) for name in (f.name for f in dataclasses.fields(LegacyThresholds))},
-    "sharpness_samples": ("sharpness", "samples"),
-    "loss": ("sharpness", "loss"),
-    "logits_module": ("sharpness", "logits_module"),
-    "verify_every_n_evals": ("sharpness", "verify_every_n_evals"),
-}
+    def check(self) -> None:
+        if self.enabled not in (True, False, "auto"):
+            raise ValueError(f"Invalid enabled={self.enabled!r}. Must be True, False or 'auto'.")
+        check_int("samples", self.samples, 2, hint=": the uncertainty (sharpness_spread) compares two halves")
+        choice("loss", self.loss, LossKind)
+        if self.logits_module is not None and not isinstance(self.logits_module, str):
+            raise ValueError(
+                f"Invalid logits_module={self.logits_module!r}. Must be a module name such as 'lm_head', or None."
+            )
+        check_int("verify_every_n_evals", self.verify_every_n_evals, 1, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -201,29 +273,15 @@ class Settings:
     log_heatmap: bool
     verbose: bool
     log_level: LogLevel
-    rules: RuleSet | None  # the suite's rules (None: not run)
-    legacy: bool  # the legacy rules run
+    rules: RuleSet | None  # the warning rules run (None: none)
     terms_keys: TermsKeys
     pairs: str | tuple[str, ...]
-    kinds: tuple[str, ...]
+    parts: tuple[str, ...]
 
 
 def known_pairs() -> tuple[str, ...]:
     """Every block pair name some block kind computes (``VV``, ``QQ``, ``VQ``, ``W1W1``...)."""
-    from curvwatch.kinds import KINDS
-
     return tuple(dict.fromkeys(p for kind in KINDS.values() for p in kind.pairs))
-
-
-def _group(name: str, value: Any, cls: type) -> Any:
-    if value is None:
-        return cls()
-    if not isinstance(value, cls):
-        raise ValueError(
-            f"Invalid {name}={value!r}. Must be a curvwatch.{cls.__name__}(...) or None (the defaults), e.g. "
-            f"{name}=curvwatch.{cls.__name__}({dataclasses.fields(cls)[0].name}=...)."
-        )
-    return value
 
 
 def _check_pairs(pairs: Any) -> str | tuple[str, ...]:
@@ -242,6 +300,49 @@ def _check_pairs(pairs: Any) -> str | tuple[str, ...]:
     return checked
 
 
+def _as_group(name: str, value: Any, cls: type) -> Any:
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ValueError(
+            f"Invalid {name}={value!r}. Must be a curvwatch.{cls.__name__}(...) or None (the defaults), e.g. "
+            f"{name}=curvwatch.{cls.__name__}({dataclasses.fields(cls)[0].name}=...)."
+        )
+    return value
+
+
+#: The top-level kwargs (the signature of :func:`resolve`).
+TOP_LEVEL = (
+    "every_n_train_steps", "blocks", "log_key_prefix", "sharpness", "warning_rules", "cadence", "evaluation",
+    "on_error", "log_heatmap", "verbose", "log_level",
+)  # fmt: skip
+
+
+def check_names(names: Sequence[str], owner: str) -> None:
+    """Raise a ``TypeError`` with a "did you mean" for any of ``names`` that is not a top-level setting.
+
+    Args:
+        names: The keyword arguments given.
+        owner: The class they were given to, for the message (``"CurvatureMonitor"``).
+    """
+    for name in names:
+        if name not in TOP_LEVEL:
+            fields = {f.name: g for g in (Cadence, Evaluation, Warnings, Sharpness) for f in dataclasses.fields(g)}
+            close = difflib.get_close_matches(name, [*TOP_LEVEL, *fields], n=1)
+            hint = ""
+            if close and close[0] in TOP_LEVEL:
+                hint = f" Did you mean {close[0]!r}?"
+            elif close:
+                group = fields[close[0]].__name__
+                hint = f" Did you mean curvwatch.{group}({close[0]}=...)? Pass it as {group.lower()}=..."
+                if group == "Warnings":
+                    hint = f" Did you mean warning_rules=curvwatch.Warnings({close[0]}=...)?"
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {name!r}.{hint} Its settings are {list(TOP_LEVEL)}; the "
+                "rest go in curvwatch.Cadence, Evaluation, Warnings and Sharpness."
+            )
+
+
 def resolve(
     every_n_train_steps: int | None = None,
     blocks: Any = "auto",
@@ -254,45 +355,28 @@ def resolve(
     log_heatmap: bool = True,
     verbose: bool = False,
     log_level: str | LogLevel = "summary",
-    **flat: Any,
 ) -> Settings:
     """Validate the monitor's kwargs (see the module docstring) into :class:`Settings`.
 
     Raises:
-        ValueError: For an invalid or unknown kwarg, naming it, the value, what is allowed and the fix.
+        ValueError: For an invalid kwarg, naming it, the value, what is allowed and the fix.
     """
-    from curvwatch.adapters import BlockSpec
-
-    groups: dict[str, dict[str, Any]] = {g: {} for g in ("cadence", "evaluation", "warnings", "legacy", "sharpness")}
-    for name, value in flat.items():
-        if name not in FLAT_KWARGS:
-            close = difflib.get_close_matches(name, [*FLAT_KWARGS, *_TOP], n=3)
-            raise ValueError(
-                f"Unknown kwarg {name}={value!r}."
-                + (f" Did you mean {close}?" if close else "")
-                + f" The kwargs are {list(_TOP)}; the rest go in curvwatch.Cadence, Evaluation, Warnings, Sharpness."
-            )
-        group, key = FLAT_KWARGS[name]
-        groups[group][key] = value
-    if flat:
-        fixes = ", ".join(_FIX[FLAT_KWARGS[n][0]].format(FLAT_KWARGS[n][1]) for n in flat)
-        warnings.warn(
-            f"The flat kwargs {sorted(flat)} are deprecated; pass them in their group: {fixes}.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    explicit = {name for name, v in (("cadence", cadence), ("evaluation", evaluation), ("sharpness", sharpness))
-                if dataclasses.is_dataclass(v)}  # fmt: skip
-    cadence = _group("cadence", cadence, Cadence)
-    evaluation = _group("evaluation", evaluation, Evaluation)
+    cadence = _as_group("cadence", cadence, Cadence)
+    evaluation = _as_group("evaluation", evaluation, Evaluation)
     if isinstance(warning_rules, Warnings):
         warns = warning_rules
     elif isinstance(warning_rules, (str, RuleSet)):
-        warns = Warnings(rules=warning_rules)
+        try:
+            warns = Warnings(rules=warning_rules)
+        except ValueError:
+            raise ValueError(
+                f"Invalid warning_rules={warning_rules!r}. Must be 'suite', 'none', a curvwatch.rules.RuleSet or a "
+                "curvwatch.Warnings(...)."
+            ) from None
     else:
         raise ValueError(
-            f"Invalid warning_rules={warning_rules!r}. Must be 'suite', 'legacy', 'all', a curvwatch.rules.RuleSet "
-            "or a curvwatch.Warnings(...)."
+            f"Invalid warning_rules={warning_rules!r}. Must be 'suite', 'none', a curvwatch.rules.RuleSet or a "
+            "curvwatch.Warnings(...)."
         )
     if isinstance(sharpness, Sharpness):
         sharp = sharpness
@@ -300,26 +384,13 @@ def resolve(
         sharp = Sharpness(enabled=sharpness)
     else:
         raise ValueError(f"Invalid sharpness={sharpness!r}. Must be True, False, 'auto' or a curvwatch.Sharpness(...).")
-    for name, group in (("cadence", cadence), ("evaluation", evaluation), ("sharpness", sharp)):
-        if groups[name] and name in explicit:
-            raise ValueError(
-                f"Pass {sorted(groups[name])} inside {name}=curvwatch.{type(group).__name__}(...), not next to it."
-            )
-    if groups["legacy"]:
-        warns = dataclasses.replace(warns, legacy=dataclasses.replace(warns.legacy, **groups["legacy"]))
-    if groups["warnings"]:
-        warns = dataclasses.replace(warns, **groups["warnings"])
     if every_n_train_steps is not None:
         if cadence.every_n_train_steps is not None:
             raise ValueError(
                 "Pass every_n_train_steps once: as a kwarg or in cadence=curvwatch.Cadence(...), not both."
             )
-        groups["cadence"]["every_n_train_steps"] = every_n_train_steps
-    cadence = dataclasses.replace(cadence, **groups["cadence"])
-    evaluation = dataclasses.replace(evaluation, **groups["evaluation"])
-    sharp = dataclasses.replace(sharp, **groups["sharpness"])
-
-    # -- each value ----------------------------------------------------------------------------------
+        check_int("every_n_train_steps", every_n_train_steps, 1)
+        cadence = dataclasses.replace(cadence, every_n_train_steps=every_n_train_steps)
     if not (blocks == "auto" or (not isinstance(blocks, str) and isinstance(blocks, Sequence)
                                  and all(isinstance(b, BlockSpec) for b in blocks))):  # fmt: skip
         raise ValueError(
@@ -328,30 +399,7 @@ def resolve(
         )
     if not isinstance(log_key_prefix, str):
         raise ValueError(f"Invalid log_key_prefix={log_key_prefix!r}. Must be a str such as 'curv/'.")
-    check_int("max_tokens", evaluation.max_tokens, 1)
-    check_int("max_iter", evaluation.max_iter, 1)
-    kinds = (evaluation.kinds,) if isinstance(evaluation.kinds, str) else tuple(evaluation.kinds)
-    if not kinds or any(k not in PARTS for k in kinds):
-        raise ValueError(
-            f"Invalid kinds={kinds!r}. Must be a non-empty subset of {PARTS}. For example kinds=('hessian',)."
-        )
-    check_number(
-        "memory_budget_mb", evaluation.memory_budget_mb, low=0, allow_none=True,
-        hint="> 0 (MiB), or None for no budget",
-    )  # fmt: skip
-    pairs = _check_pairs(evaluation.pairs)
-    terms_keys = choice("terms_keys", evaluation.terms_keys, TermsKeys)
-    if isinstance(warns.rules, RuleSet):
-        rules: RuleSet | None = warns.rules
-        legacy = False
-    else:
-        which = choice("warning_rules", warns.rules, WarningRules)
-        rules = RuleSet() if which in (WarningRules.SUITE, WarningRules.ALL) else None
-        legacy = which in (WarningRules.LEGACY, WarningRules.ALL)
-    if not isinstance(warns.legacy, LegacyThresholds):
-        raise ValueError(f"Invalid legacy={warns.legacy!r}. Must be a curvwatch.LegacyThresholds(...).")
-    warns.legacy.check()
-    check_int("verify_every_n_evals", sharp.verify_every_n_evals, 1, allow_none=True)
+    parts = (evaluation.parts,) if isinstance(evaluation.parts, str) else tuple(evaluation.parts)
     return Settings(
         every_n_train_steps=cadence.every_n_train_steps,
         blocks=blocks,
@@ -364,25 +412,8 @@ def resolve(
         log_heatmap=bool(log_heatmap),
         verbose=bool(verbose),
         log_level=choice("log_level", log_level, LogLevel),
-        rules=rules,
-        legacy=legacy,
-        terms_keys=terms_keys,
-        pairs=pairs,
-        kinds=kinds,
+        rules=warns.rule_set(),
+        terms_keys=TermsKeys(evaluation.terms_keys),
+        pairs=_check_pairs(evaluation.pairs),
+        parts=parts,
     )
-
-
-#: How a flat kwarg of each group is passed now.
-_FIX = {
-    "cadence": "cadence=curvwatch.Cadence({}=...)",
-    "evaluation": "evaluation=curvwatch.Evaluation({}=...)",
-    "warnings": "warning_rules=curvwatch.Warnings({}=...)",
-    "legacy": "warning_rules=curvwatch.Warnings(rules='legacy', legacy=curvwatch.LegacyThresholds({}=...))",
-    "sharpness": "sharpness=curvwatch.Sharpness({}=...)",
-}
-
-#: The top-level kwargs (the signature of :func:`resolve`).
-_TOP = (
-    "every_n_train_steps", "blocks", "log_key_prefix", "sharpness", "warning_rules", "cadence", "evaluation",
-    "on_error", "log_heatmap", "verbose", "log_level",
-)  # fmt: skip

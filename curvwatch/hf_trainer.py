@@ -41,6 +41,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from curvwatch.config import check_names
 from curvwatch.monitor import Monitor
 
 __all__ = ["CurvatureCallback"]
@@ -59,7 +60,13 @@ class CurvatureCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, log: Any = None, **settings: Any) -> None:
+        check_names(settings, type(self).__name__)
         self.monitor = Monitor(None, log=log, **settings)
+        self.monitor.notices.owner = type(self).__name__
+        self.monitor.no_loggers_hint = (
+            "no log= was given and TrainingArguments.report_to has no 'wandb' (or W&B has no run); set "
+            "report_to='wandb', or pass log= (a W&B run, a logger or a callable fn(metrics, step))"
+        )
         self.monitor.grad_factor = self._grad_factor
         self._log_given = log is not None
         self._hook: Any = None
@@ -82,7 +89,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         monitor = self.monitor
         monitor.reset()  # each train() starts a fresh record; a resumed one loads its checkpoint's next
         if "monitor_state" in vars(self):  # transformers rebuilt this callback from the checkpoint's JSON
-            monitor.engine.warn_once(
+            monitor.notices.once(
                 "hf_rebuilt",
                 "CurvatureCallback was rebuilt by transformers from the checkpoint "
                 "(restore_callback_states_from_checkpoint=True) with default settings and no log=. Leave that "
@@ -107,10 +114,10 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         self._scaler_unseen = (
             bool(args.fp16)
             and getattr(optimizer, "scaler", None) is None
-            and (bool(args.deepspeed) or monitor._device().type != "cpu")
+            and (bool(args.deepspeed) or monitor.device.type != "cpu")
         )
         if self._scaler_unseen:
-            monitor.engine.warn_once(
+            monitor.notices.once(
                 "hf_fp16_scale",
                 "CurvatureCallback: fp16 training scales the loss, and this Trainer's loss scale is not visible to "
                 "callbacks (no GradScaler on the optimizer: DeepSpeed?). The logged curvature is multiplied by the "
@@ -140,7 +147,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self._pending is not None:  # no forward said it was the last micro-batch
             self._pending = None
-            self.monitor.engine.warn_once(
+            self.monitor.notices.once(
                 "hf_last_micro_batch",
                 "CurvatureCallback could not tell the last micro-batch of the step (accelerate's "
                 "GradientState.sync_gradients was never True during a forward): no evaluation this step. Is the "
@@ -178,7 +185,7 @@ class CurvatureCallback(TrainerCallback, ExportableState):
         if labels is None and batch.get("labels") is not None:
             labels = batch["labels"][..., 1:] if self._shifts_labels else batch["labels"]
         if labels is None:
-            self.monitor.engine.warn_once(
+            self.monitor.notices.once(
                 "hf_items",
                 "CurvatureCallback: the model got num_items_in_batch but no labels (label smoothing or a "
                 "compute_loss_func computes the loss outside the model): the curvature logged is that of the "

@@ -31,48 +31,17 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 
 __all__ = [
     "BLOCK_KEYS", "LAYER_KEYS", "SUMMARY_KEYS", "SUMMARY_LEVEL", "KeySpec", "block_level", "key_table", "layer_key",
     "markdown", "reduce_op", "spec_of", "summary_level",
 ]  # fmt: skip
 
-_REDUCTIONS = ("mean", "max", "min", "derived")
-_PLACEHOLDERS = {"{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+", "{part}": r"\w+"}
-_HEAD = re.compile(r"^[hg]\d+$")
+from curvwatch.kinds import KINDS
+from curvwatch.names import _HEAD, KeySpec
+
 # per-block categories logged only at log_level="all": bound terms and bounds, and the in-run cross-check
 _ALL_ONLY = ("bound", "term", "verify")
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """One row of the key table.
-
-    Args:
-        pattern: Key pattern, relative to the block (per-block keys) or to ``log_key_prefix`` (``summary/...``).
-        meaning: What the number is, one line (the docs' "meaning" column).
-        reduce: ``"mean"``, ``"max"``, ``"min"`` or ``"derived"`` (see the module docstring).
-        logged: False for keys the kernels return that the monitor does not log itself (``residual/...``: one per
-            Lanczos norm, logged as the block's ``lanczos/rel_residual_max``).
-    """
-
-    pattern: str
-    meaning: str
-    reduce: str = "mean"
-    logged: bool = True
-
-    def __post_init__(self) -> None:
-        if self.reduce not in _REDUCTIONS:
-            raise ValueError(f"Invalid reduce={self.reduce!r} for key {self.pattern!r}. Must be one of {_REDUCTIONS}.")
-
-    @functools.cached_property
-    def regex(self) -> re.Pattern[str]:
-        """The compiled pattern (whole key)."""
-        text = re.escape(self.pattern).replace(r"\[", "(?:").replace(r"\]", ")?")
-        for placeholder, rx in _PLACEHOLDERS.items():
-            text = text.replace(re.escape(placeholder), rx)
-        return re.compile(f"^{text}$")
 
 
 #: Per-block keys every kind with Hessian norms shares, and those the monitor derives per block.
@@ -203,9 +172,10 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
         "derived",
     ),
     KeySpec(
-        "summary/overhead_fraction",
-        "seconds spent evaluating and logging so far / seconds of training so far (wall time minus the "
-        "monitor's); `max_overhead` keeps it at or below its value by skipping due steps",
+        "summary/overhead",
+        "the monitor's seconds per training second so far (its evaluations and logging over the wall time without "
+        "them): 0.01 is 1% of the training time, above 1 the monitor took longer than the training; `max_overhead` "
+        "keeps it at or below its value by skipping due steps",
         "derived",
     ),
     KeySpec("summary/evaluations", "full evaluations so far (this one included)", "derived"),
@@ -288,7 +258,7 @@ SUMMARY_LEVEL: frozenset[str] = frozenset(
         "summary/vv_qq_ratio/median", "summary/functional_outer/max", "summary/stability/max",
         "summary/stability/max_layer", "summary/ln/var_min_over_eps", "summary/rms/ms_min_over_eps",
         "summary/signals/softmax_jac_min", "summary/signals/logit_bound_max", "summary/signals/outer_vv_max",
-        "summary/eval_time_s", "summary/terms_eval_time_s", "summary/overhead_fraction", "summary/evaluations",
+        "summary/eval_time_s", "summary/terms_eval_time_s", "summary/overhead", "summary/evaluations",
         "summary/terms_evaluations", "summary/skipped_evaluations", "summary/skipped_blocks",
         "summary/nonfinite_blocks", "summary/warnings", "summary/lanczos/unconverged", "summary/heatmap",
         "summary/stability_heatmap", "summary/layers",
@@ -340,7 +310,6 @@ def _pattern_level(pattern: str) -> str:
 
 def key_table() -> tuple[KeySpec, ...]:
     """Every key: the shared block keys, each registered kind's keys and summaries, the model-wide keys."""
-    from curvwatch.kinds import KINDS
 
     rows = list(BLOCK_KEYS)
     for kind in KINDS.values():
@@ -389,7 +358,6 @@ def markdown(rows: tuple[KeySpec, ...], level: str | None = None) -> str:
 
 def doc_sections() -> dict[str, str]:
     """The generated tables of ``docs/metrics.md``, by marker name: ``block``, ``summary`` and one per kind."""
-    from curvwatch.kinds import KINDS
 
     sections = {"block": markdown(BLOCK_KEYS), "layers": markdown(LAYER_KEYS, "summary")}
     summaries = list(SUMMARY_KEYS)

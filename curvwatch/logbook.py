@@ -36,7 +36,7 @@ from torch import Tensor
 
 from curvwatch import keys as K
 from curvwatch import metrics as M
-from curvwatch.alerts import Alert, AlertMonitor
+from curvwatch.alerts import Alert
 from curvwatch.engine import NONFINITE, BlockError, Evaluation
 from curvwatch.kinds import KINDS
 from curvwatch.options import LogLevel, choice
@@ -113,7 +113,6 @@ class Logbook:
     Args:
         key_prefix: Prefix of every logged key (``"curv/"``).
         tol: Lanczos tolerance the residual summaries compare against.
-        alerts: The legacy spike/collapse rules, or ``None`` for none.
         rules: The suite's rules (:class:`curvwatch.rules.RuleSet`), or ``None`` for none.
         count_terms: Log ``summary/terms_evaluations`` (a terms-only cadence is set).
         log_level: Which keys reach the loggers: ``"summary"`` (default), ``"blocks"`` or ``"all"``
@@ -125,13 +124,12 @@ class Logbook:
         self,
         key_prefix: str = "",
         tol: float = 1e-2,
-        alerts: AlertMonitor | None = None,
         rules: RuleSet | None = None,
         count_terms: bool = False,
         log_level: str | LogLevel = LogLevel.SUMMARY,
         listeners: list[Any] | None = None,
     ) -> None:
-        self.key_prefix, self.tol, self.alerts_monitor, self.rules = key_prefix, tol, alerts, rules
+        self.key_prefix, self.tol, self.rules = key_prefix, tol, rules
         self.count_terms = count_terms
         self.log_level = choice("log_level", log_level, LogLevel)
         self.listeners: list[Any] = list(listeners or [])
@@ -144,14 +142,12 @@ class Logbook:
     @property
     def history(self) -> list[Alert]:
         """Every warning fired so far, oldest first."""
-        history = self.alerts_monitor.history if self.alerts_monitor else []
-        history = history + (self.rules.history if self.rules else [])
-        return sorted(history, key=lambda a: a.step)
+        return list(self.rules.history) if self.rules else []
 
     @property
     def fired(self) -> int:
         """How many warnings fired so far."""
-        return (self.alerts_monitor.fired if self.alerts_monitor else 0) + (self.rules.fired if self.rules else 0)
+        return self.rules.fired if self.rules else 0
 
     def record(
         self,
@@ -160,7 +156,7 @@ class Logbook:
         evaluation: Evaluation,
         blocks: Mapping[str, tuple[str, int | None, float | None]],
         elapsed: float,
-        overhead_fraction: float,
+        overhead: float,
         terms_only: bool,
     ) -> Entry:
         """Summaries, warnings and keys of one evaluation; the rule sets advance, the counters do not (:meth:`commit`).
@@ -171,7 +167,7 @@ class Logbook:
             evaluation: What the engine returned (its ``failed`` blocks are counted).
             blocks: Block name -> ``(kind, layer, eps)``: the block's kind, layer index and norm ``eps`` (or ``None``).
             elapsed: Seconds the evaluation took.
-            overhead_fraction: Fraction of the training time the monitor has spent.
+            overhead: Fraction of the training time the monitor has spent.
             terms_only: A terms-only evaluation.
         """
         results: dict[str, dict[str, float]] = {}
@@ -185,13 +181,6 @@ class Logbook:
         logged = {f"{p}{block}/{NONFINITE}": 1.0 for block in nonfinite}
         logged.update({f"{p}{block}/{k}": v for block, keys in per_block.items() for k, v in keys.items()})
         fired: list[Alert] = []
-        if self.alerts_monitor is not None:
-            collapse = {}
-            for block, result in results.items():
-                kind, _, eps = blocks[block]
-                if KINDS[kind].collapse_stats is not None:
-                    collapse[block] = KINDS[kind].collapse_stats(result, eps)
-            fired += self.alerts_monitor.update(step, norms=norms, layernorms=collapse)
         unprefixed = {f"{block}/{k}": v for block, ks in per_block.items() for k, v in ks.items()}
         if self.rules is not None:  # what the rules read
             fired += self.rules.update(step, unprefixed, full=not terms_only)
@@ -199,7 +188,7 @@ class Logbook:
         summary.update(M.signal_summaries(quantities))
 
         summary["summary/terms_eval_time_s" if terms_only else "summary/eval_time_s"] = elapsed
-        summary["summary/overhead_fraction"] = overhead_fraction
+        summary["summary/overhead"] = overhead
         summary["summary/evaluations"] = float(self.evaluations + (0 if terms_only else 1))
         if self.count_terms:
             summary["summary/terms_evaluations"] = float(self.terms_evaluations + (1 if terms_only else 0))
@@ -255,16 +244,14 @@ class Logbook:
                     out[f"{p}{name}/hessian/max"] = "max"
         return out
 
-    def rule_states(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The rule sets' states, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
-        return (self.alerts_monitor and self.alerts_monitor.state_dict(), self.rules and self.rules.state_dict())
+    def rule_states(self) -> dict[str, Any] | None:
+        """The rules' state, to rewind them (:meth:`load_rule_states`) when an entry could not be logged."""
+        return self.rules and self.rules.state_dict()
 
-    def load_rule_states(self, states: tuple[dict[str, Any] | None, dict[str, Any] | None]) -> None:
-        """Rewind the rule sets to :meth:`rule_states`."""
-        if self.alerts_monitor is not None:
-            self.alerts_monitor.load_state_dict(states[0])
+    def load_rule_states(self, states: dict[str, Any] | None) -> None:
+        """Rewind the rules to :meth:`rule_states`."""
         if self.rules is not None:
-            self.rules.load_state_dict(states[1])
+            self.rules.load_state_dict(states)
 
     def headlines(self) -> dict[str, float]:
         """The headline summaries of the last evaluations (unprefixed keys)."""
@@ -293,7 +280,6 @@ class Logbook:
             "evaluations": self.evaluations,
             "terms_evaluations": self.terms_evaluations,
             "skipped": self.skipped,
-            "alerts": {} if self.alerts_monitor is None else self.alerts_monitor.state_dict(),
             "rules": None if self.rules is None else self.rules.state_dict(),
             "last_norms": dict(self.last_norms),
             "last_summary": dict(self.last_summary),
@@ -306,8 +292,6 @@ class Logbook:
         self.evaluations = int(state.get("evaluations", 0))
         self.terms_evaluations = int(state.get("terms_evaluations", 0))
         self.skipped = int(state.get("skipped", 0))
-        if self.alerts_monitor is not None:
-            self.alerts_monitor.load_state_dict(state.get("alerts", {}))
         if self.rules is not None:
             self.rules.load_state_dict(state.get("rules") or {})
         self.last_norms = dict(state.get("last_norms", {}))
@@ -333,8 +317,9 @@ def _table(
 
 
 #: Keys whose NaN is "no value" in :func:`flatten`, not a NaN block: a ``sharpness_spread`` of a sharpness of 0 (0/0),
-#: and the debiased real-loss keys too uncertain to report (``closed_form._sampled.SPREAD_LIMIT``; their ratios). The
-#: engine checked their inputs for NaN/Inf before (one read of every block), so a NaN here is the kernel's mark.
+#: and the debiased real-loss keys too uncertain to report (``closed_form.solver.debiasing.SPREAD_LIMIT``; their
+#: ratios). The engine checked their inputs for NaN/Inf before (one read of every block), so a NaN here is the
+#: kernel's mark.
 NO_DATA_KEYS = ("sharpness_spread/", "sharpness/", "precond_sharpness/", "ggn/", "precond_ggn/", "stability/")
 
 

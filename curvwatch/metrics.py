@@ -1,8 +1,9 @@
 """Model-wide curvature summaries: pure functions from per-block result dicts to named numbers.
 
-Every function here takes plain numbers (``float`` or 0-d tensors) keyed as :meth:`CapturedBlock.evaluate`
-keys them, relative to a block (``"hessian/QQ/h0"``, ``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns
-new ``dict[str, float]``. Nothing here sees a ``Trainer``, a hook or a logger.
+Every function here takes plain numbers (``float`` or 0-d tensors) keyed as
+:func:`~curvwatch.engine.kernel.evaluate_block` keys them, relative to a block (``"hessian/QQ/h0"``,
+``"outer/VV/h1"``, ``"ln/inv_var_max"``), and returns new ``dict[str, float]``. Nothing here sees a ``Trainer``,
+a hook or a logger.
 
 Structure of the keys (see ``docs/metrics.md``): ``{part}/{pair}[/h{head}]`` with ``part`` one of
 ``hessian`` (``H = H_o + H_f``), ``outer`` (Gauss-Newton ``H_o``) and ``functional`` (``H_f``), and ``pair``
@@ -33,8 +34,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from curvwatch.kinds import KINDS
+from curvwatch.names import _HEAD, _PAIR, is_diagonal_pair, pair_of
+
 __all__ = [
-    "PARTS",
     "block_derived",
     "block_norm",
     "block_norms",
@@ -54,42 +57,12 @@ __all__ = [
     "vv_qq_ratios",
 ]
 
-#: The Hessian parts a block reports, each a spectral norm per pair (and head).
-PARTS = ("hessian", "outer", "functional")
-
-_UNIT = re.compile(r"[A-Z][0-9]*")
-_PAIR = re.compile(r"^(?:[A-Z][0-9]*){2,}$")
-_HEAD = re.compile(r"^[hg](\d+)$")  # a query head h{i} or a key/value group g{j}
 _LAYER = re.compile(r"layer(\d+)")
 
 
 def to_float(value: float | torch.Tensor) -> float:
     """A Python float from a float or a 0-d (or one-element) tensor."""
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def pair_of(key: str) -> str | None:
-    """The block pair a key is about (``"QQ"`` in ``"bound/outer/QQ/h1"``), or ``None``.
-
-    Example:
-        >>> pair_of("bound/outer/QQ/h1"), pair_of("hessian/W1W2"), pair_of("term/inv_L3")
-        ('QQ', 'W1W2', None)
-    """
-    for part in key.split("/"):
-        if _PAIR.match(part):
-            return part
-    return None
-
-
-def is_diagonal_pair(pair: str) -> bool:
-    """Whether ``pair`` is one parameter with itself: ``QQ``, ``W1W1`` (not ``VQ``, ``QKV``).
-
-    Example:
-        >>> [is_diagonal_pair(p) for p in ("QQ", "W1W1", "VQ", "QKV")]
-        [True, True, False, False]
-    """
-    units = _UNIT.findall(pair)
-    return len(units) == 2 and units[0] == units[1] and "".join(units) == pair
 
 
 def select_pairs(
@@ -367,7 +340,6 @@ def kind_summaries(results: Mapping[str, Mapping[str, float | torch.Tensor]]) ->
         >>> kind_summaries({"a": {"ln/var_min": 2.0}, "b": {"ln/var_min": 0.5, "ln/inv_var_max": 3.0}})
         {'summary/ln/inv_var_max': 3.0, 'summary/ln/var_min': 0.5}
     """
-    from curvwatch.kinds import KINDS
 
     out: dict[str, float] = {}
     for kind in KINDS.values():

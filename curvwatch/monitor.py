@@ -47,17 +47,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from curvwatch import report, sharding, sinks
-from curvwatch import sharpness as sharp
 from curvwatch.adapters import BlockSpec, find_blocks
-from curvwatch.alerts import Alert, AlertMonitor, CurvatureNotice, CurvatureWarning
+from curvwatch.alerts import Alert, CurvatureWarning, Notices
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, resolve
+from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, check_names, resolve
 from curvwatch.engine import BlockError, Engine, signal_plan
 from curvwatch.engine import Evaluation as Result
 from curvwatch.logbook import Logbook, LogError, drop_no_data, flatten
 from curvwatch.options import OnError, TermsKeys
 from curvwatch.ranks import Ranks
+from curvwatch.realloss import RealLoss
 from curvwatch.schedule import Schedule
 
 __all__ = ["Cadence", "Evaluation", "Monitor", "Sharpness", "Warnings"]
@@ -92,23 +92,27 @@ class Monitor:
         grad_scaler: Any = None,
         **settings: Any,
     ) -> None:
+        check_names(settings, type(self).__name__)
         s = self.settings = resolve(**settings)
         self.schedule = Schedule(s.cadence.every_n_train_steps, s.cadence.terms_every_n_train_steps,
                                  s.cadence.max_overhead)  # fmt: skip
         x, r = s.evaluation, s.sharpness
-        self.real_loss = sharp.RealLoss(r.enabled, r.samples, r.loss, r.logits_module)  # validates them
+        #: The one-time notices given (checkpointed): every part of the monitor says its notices through it.
+        self.notices = Notices(owner=type(self).__name__)
+        self.notices.print = rank_zero_info
+        self.real_loss = RealLoss(r.enabled, r.samples, r.loss, r.logits_module, notices=self.notices)
         self.engine = Engine(
-            lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),  # validates them
+            lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),
             dtype=x.dtype,
             pairs=s.pairs,
-            kinds=s.kinds,
+            parts=s.parts,
             max_tokens=x.max_tokens,
             memory_budget_mb=x.memory_budget_mb,
             raise_errors=s.on_error is OnError.RAISE,
             key_prefix=s.log_key_prefix,
+            notices=self.notices,
         )
-        self.alert_monitor = AlertMonitor(**vars(s.warnings.legacy))
-        self.book = Logbook(s.log_key_prefix, float(x.tol), self.alert_monitor if s.legacy else None, s.rules,
+        self.book = Logbook(s.log_key_prefix, float(x.tol), s.rules,
                             count_terms=self.schedule.terms_every_n_train_steps is not None,
                             log_level=s.log_level)  # fmt: skip
         self.log_level = self.book.log_level
@@ -125,23 +129,30 @@ class Monitor:
                 "back-propagated loss is divided by (1 without gradient accumulation)."
             )
         self.optimizer, self.loggers = optimizer, sinks.as_loggers(log)
+        #: What to tell a user whose monitor has no logger (a shell says it in its own terms).
+        self.no_loggers_hint = (
+            "log=None; pass log=wandb.run (after wandb.init()), a Lightning or Fabric logger, or a callable "
+            "fn(metrics, step)"
+        )
         self.accumulate_grad_batches, self.grad_scaler = accumulate_grad_batches, grad_scaler
         #: the factor undoing the loss scaling of the captured step (a shell may replace it)
         self.grad_factor: Callable[[], float] = self._default_grad_factor
         self.world_size: int | None = None  # None: torch.distributed's
         self.is_global_zero: bool | None = None  # None: torch.distributed's rank 0
-        self.latest: dict[str, float] = {}  # the headline summaries and counters last logged (unprefixed keys)
+        #: the headline summaries and counters last logged (unprefixed keys)
+        self.latest: dict[str, float] = {}
 
         self.model: nn.Module | None = None
         self._specs: list[BlockSpec] = []
         self._terms_specs: list[BlockSpec] = []  # the blocks a terms-only evaluation captures (setup)
         self._block_info: dict[str, tuple[str, int | None, float | None]] = {}  # name -> (kind, layer, eps)
         self._coverage: list[dict[str, str]] = []
+        self._rows: dict[str, dict[str, str]] = {}  # block -> its row of the set-up table
         self._read_params: Callable[[BlockSpec], dict[str, Any]] | None = None
         self._started = False
         self._stack: ExitStack | None = None
         self._capture: Capture | None = None
-        self._capture_step: int | None = None
+        self._capture_step: int | None = None  # the step of the open capture (capturing)
         self._capture_terms_only = False  # the open capture is for a terms-only evaluation
         self._open_error: BaseException | None = None
         self._sample_seconds = 0.0  # the sampled backward passes of the open capture, charged with its evaluation
@@ -161,6 +172,17 @@ class Monitor:
     @property
     def max_iter(self) -> int:
         return self.settings.evaluation.max_iter
+
+    @property
+    def capturing(self) -> bool:
+        """Whether a capture is open (a due step's hooks are in place until its optimizer step)."""
+        return self._capture_step is not None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters (CPU before :meth:`attach` or for a model without parameters)."""
+        param = next(self.model.parameters(), None) if self.model is not None else None
+        return torch.device("cpu") if param is None else param.device
 
     # -- set-up -----------------------------------------------------------------------------------------
 
@@ -182,8 +204,13 @@ class Monitor:
             ValueError: If the model has no known block, or ``sharpness=True`` cannot work on it.
         """
         self.model, self._read_params = model, read_params
-        self._specs = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
-        self._coverage = report.coverage_rows(self._specs, model)
+        found = list(find_blocks(model, self.settings.blocks) if specs is None else specs)
+        # what each block's weights are made of (adapters) and the blocks whose wrappers are not understood; sharded
+        # weights are read at evaluation only (a read is a collective there)
+        notes = report.weight_notes(found) if read_params is None else {}
+        self._coverage = report.coverage_rows(found, model, notes)
+        self._specs = [s for s in found if not notes.get(s.name, "").startswith("not monitored")]
+        self._rows = {s.name: _row_of(self._coverage, s) for s in self._specs}
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         # a signals evaluation (terms_keys="warnings") captures only the blocks with something to compute
         self._terms_specs = (
@@ -195,14 +222,20 @@ class Monitor:
         self._coverage.append(report.sharpness_row(status))
         verbose = self.settings.verbose
         if any(r["status"] != "monitored" and r["layer"] != "-" for r in self._coverage) or verbose:
-            rank_zero_info("CurvatureMonitor blocks:\n" + report.coverage_text(self._coverage))
+            rank_zero_info(f"{self.notices.owner} blocks:\n" + report.coverage_text(self._coverage))
         if verbose or not status.startswith("on") or self.real_loss.hooks_note:
-            rank_zero_info(f"CurvatureMonitor real-loss sharpness: {status}")
+            rank_zero_info(f"{self.notices.owner} real-loss sharpness: {status}")
 
     def start(self) -> None:
         """Start the overhead clock; define the headline metrics and put the block table in the loggers."""
         self._started = True
         self.schedule.start()
+        if self._is_zero() and not self.loggers:
+            self.notices.once(
+                "no_loggers",
+                f"CurvatureMonitor has nowhere to write its numbers: {self.no_loggers_hint}. They are computed and "
+                "kept in .latest (the headline keys) and summary_text() only.",
+            )
         if self._is_zero():
             sinks.define_wandb_metrics(self.loggers, self.book.metric_summaries(self._block_info))
             sinks.log_config(self.loggers, self._coverage, report.coverage_text(self._coverage))
@@ -247,8 +280,7 @@ class Monitor:
         # a due full evaluation the budget cannot afford falls back to terms only where those are due too
         tier = self.schedule.decide(step, self._ranks().max)
         if tier is None:
-            if "budget_info" not in self.engine.warned:
-                self.engine.warned.add("budget_info")
+            if self.notices.mark("budget_info"):
                 rank_zero_info(self.schedule.budget_note(step, full_due))
             return False
         terms_only = tier == "terms"
@@ -276,7 +308,7 @@ class Monitor:
         every = self.settings.sharpness.verify_every_n_evals
         verify = every is not None and self.book.evaluations % every == 0
         if verify and self._read_params is not None:
-            self.engine.warn_once(
+            self.notices.once(
                 "verify_sharded",
                 "CurvatureMonitor: verify_every_n_evals is not supported under sharded training (its Hessian-vector "
                 "products differentiate the loss by the parameters, which are sharded there): no verify/... keys. "
@@ -289,7 +321,7 @@ class Monitor:
         """The capture's hook on the logits' gradient: sample during the backward itself."""
         if self._capture is not None and not self._capture_terms_only:
             if self.settings.sharpness.verify_every_n_evals is not None:
-                self.engine.warn_once(
+                self.notices.once(
                     "verify_needs_loss",
                     "CurvatureMonitor: verify_every_n_evals needs the loss before its backward; call "
                     "monitor.before_backward(loss) before loss.backward() (Lightning with manual optimization: "
@@ -300,9 +332,9 @@ class Monitor:
     def _sample(self, loss: Tensor | None, grad_logits: Tensor | None, verify: bool) -> None:
         start = time.perf_counter()  # charged with the evaluation (summary/eval_time_s, the overhead budget)
         ranks = self._ranks()
-        self.real_loss.before_backward(
-            self._capture, loss, self.grad_factor(), self._capture_step, verify, self.engine.warn_once,
-            grad_logits=grad_logits, agree=self._agree if ranks.active else None,
+        self.real_loss.sample(
+            self._capture, loss, self.grad_factor(), self._capture_step, verify=verify, grad_logits=grad_logits,
+            agree=self._agree if ranks.active else None,
         )  # fmt: skip
         self._sample_seconds += time.perf_counter() - start
 
@@ -323,7 +355,7 @@ class Monitor:
         # more backward passes than the accumulation the factor undoes (a Hugging Face Trainer captures the first of
         # its gradient_accumulation_steps and scales it): micro-batches the monitor cannot scale for
         if capture is not None and capture.backwards > max(1, self.accumulate_grad_batches):
-            self.engine.warn_once(
+            self.notices.once(
                 "backward_passes",
                 f"CurvatureMonitor: step {step} ran {capture.backwards} backward passes before its optimizer step "
                 "(micro-batches under manual optimization?). The monitor reads the first one: every key of the "
@@ -332,6 +364,8 @@ class Monitor:
                 "curvature (automatic optimization's accumulate_grad_batches is scaled back, manual micro-batches "
                 "cannot be).",
             )
+        if capture is not None and capture.logits_module is not None and not terms_only and not capture.sampled:
+            self.real_loss.not_sampled(capture, step)  # raises with sharpness=True
         self._evaluate_and_log(step, capture, open_error, terms_only, optimizer or self.optimizer)
 
     def close(self) -> None:
@@ -344,9 +378,9 @@ class Monitor:
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's clock, the engine's lowered limits, the logbook and the one-time warnings given."""
+        """The schedule's clock, the engine's lowered limits, the logbook and the one-time notices given."""
         state = {**self.schedule.state_dict(), **self.engine.state_dict(), **self.book.state_dict()}
-        return {**state, "warned": sorted(self.engine.warned)}
+        return {**state, **self.notices.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -354,7 +388,7 @@ class Monitor:
         runs = self.book.evaluations + self.book.terms_evaluations + self.book.skipped  # checkpoints before "runs"
         self.schedule.load_state_dict({"runs": runs, **state_dict})
         self.engine.load_state_dict(state_dict)
-        self.engine.warned = set(state_dict.get("warned", []))
+        self.notices.load_state_dict(state_dict)
         self.engine.warm.clear()  # Lanczos start vectors are not checkpointed: a cold start is only slower
 
     def reset(self) -> None:
@@ -373,7 +407,7 @@ class Monitor:
 
     @property
     def coverage(self) -> list[dict[str, str]]:
-        """The set-up table: one row per monitored block and per part left out, with the reason."""
+        """The set-up table, one row per monitored block and per part left out, with the reason."""
         return [dict(r) for r in self._coverage]
 
     def summary_text(self, top: int = 5) -> str:
@@ -383,7 +417,7 @@ class Monitor:
             top: How many of the most curved blocks to list.
         """
         book = self.book
-        return report.summary_text(
+        text = report.summary_text(
             evaluations=book.evaluations,
             terms_evaluations=book.terms_evaluations if book.count_terms else None,
             skipped=book.skipped,
@@ -398,6 +432,7 @@ class Monitor:
             tol=self.tol,
             top=top,
         )
+        return self.notices.named(text)
 
     # -- orchestration ----------------------------------------------------------------------------------
 
@@ -409,16 +444,12 @@ class Monitor:
             factor /= float(scaler.get_scale())
         return factor
 
-    def _device(self) -> torch.device:
-        param = next(self.model.parameters(), None) if self.model is not None else None
-        return torch.device("cpu") if param is None else param.device
-
     def _ranks(self) -> Ranks:
         world = self.world_size
         if world is None:
             dist = torch.distributed
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return Ranks(world, self._device())
+        return Ranks(world, self.device)
 
     def _is_zero(self) -> bool:
         if self.is_global_zero is not None:
@@ -446,9 +477,9 @@ class Monitor:
             ready = not ranks.max(torch.tensor([float(error is not None)], dtype=torch.float64))[0] > 0
         if error is None and ready:
             try:
-                rules = self.real_loss.stability_rules(optimizer, blocks, self.engine.warn_once)
-                evaluation = self.engine.evaluate(blocks, factor, terms_only, rules, self._signal_pairs)
-                self.real_loss.add_verified(evaluation.results)
+                precondition = self.real_loss.preconditioners(optimizer, blocks)
+                evaluation = self.engine.evaluate(blocks, factor, terms_only, precondition, self._signal_pairs)
+                self.real_loss.finish(evaluation)
                 flat = flatten(evaluation.results, keep_no_data=True)  # the same keys on every rank
             except Exception as err:
                 error = err
@@ -463,7 +494,7 @@ class Monitor:
         rule_states = self.book.rule_states()
         logging_start = time.perf_counter()
         try:  # after the collectives: a failure here is local, the other ranks cannot hang on it
-            self.real_loss.note_unresolved(flat, self.engine.warn_once)
+            self.real_loss.note_unresolved(flat)
             self._log(step, flat, evaluation, elapsed, terms_only)
         except Exception as err:
             self.book.load_rule_states(rule_states)
@@ -474,7 +505,7 @@ class Monitor:
     def _log(self, step: int, flat, evaluation: Result, elapsed: float, terms_only: bool = False) -> None:
         """Log one evaluation's (reduced) numbers (:class:`~curvwatch.logbook.Logbook`), count it, then warn."""
         s = self.settings
-        overhead = self.schedule.overhead_fraction
+        overhead = self.schedule.overhead
         entry = self.book.record(step, flat, evaluation, self._block_info, elapsed, overhead, terms_only)
         zero = self._is_zero()
         if zero:
@@ -487,16 +518,30 @@ class Monitor:
         notices = report.evaluation_notices(
             step, evaluation.excluded, evaluation.failed, warm, self.tol, self.max_iter, s.log_key_prefix
         )
+        self._note_left_out(step, evaluation)
         note = None if terms_only else self.schedule.cost_note(step)
         for key, message in notices + ([("cadence_cost", note)] if note is not None else []):
-            self.engine.warn_once(key, message)
+            self.notices.once(key, message)
         if s.warnings.warn:
             for alert in entry.fired:
                 warnings.warn(alert.message, CurvatureWarning, stacklevel=2)
                 sinks.wandb_alert(self.loggers, "curvwatch: " + alert.kind.replace("_", " "), alert.message)
         if s.verbose:
             line = report.progress_line(step, entry.summary, entry.norms, len(entry.fired), elapsed, terms_only)
-            rank_zero_info(line)
+            rank_zero_info(self.notices.named(line))
+
+    def _note_left_out(self, step: int, evaluation: Result) -> None:
+        """Say in the set-up table (:attr:`coverage`) which blocks an evaluation left out, the first time, and put
+        the table in the loggers again."""
+        reasons = {**evaluation.excluded, **{n: f"{type(e).__name__}: {e}" for n, e in evaluation.failed.items()}}
+        changed = False
+        for name, reason in reasons.items():
+            row = self._rows.get(name)
+            if row is not None and "left out" not in row["status"]:
+                row["status"] = f"{row['status']}; left out at step {step}: {reason}"
+                changed = True
+        if changed and self._started:
+            sinks.log_config(self.loggers, self._coverage, report.coverage_text(self._coverage))
 
     def _skip(self, step: int, error: BaseException | None) -> None:
         """Count a failed evaluation, then warn or raise (all ranks take the same branch)."""
@@ -506,19 +551,24 @@ class Monitor:
                 raise error.error
             if error is not None:
                 raise error
-            raise RuntimeError(f"CurvatureMonitor: {what} at step {step} (on_error='raise').")
+            raise RuntimeError(f"{self.notices.owner}: {what} at step {step} (on_error='raise').")
         key = f"{self.log_key_prefix}summary/skipped_evaluations"
         self.latest["summary/skipped_evaluations"] = float(self.book.skipped)
         if not self._is_zero():
             return
         sinks.log_quietly(self.loggers, {key: float(self.book.skipped)}, step)
-        warnings.warn(
+        self.notices.say(
             f"CurvatureMonitor skipped the evaluation at step {step}: {what}. Training continues; "
             f"{key}={self.book.skipped}. Pass on_error='raise' to get the traceback, or blocks=[...] to leave "
             "the failing block out.",
-            CurvatureNotice,
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def _row_of(rows: list[dict[str, str]], spec: BlockSpec) -> dict[str, str]:
+    """The set-up table's row of ``spec`` (the first with its layer, part and kind)."""
+    part = report.part_name(spec)
+    return next(r for r in rows if (r["layer"], r["part"], r["kind"]) == (str(spec.layer), part, spec.kind))
 
 
 def _eps(module: Any) -> float | None:

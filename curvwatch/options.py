@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
+from curvwatch.names import pair_of
+
 __all__ = [
     "LogLevel", "OnError", "PairSet", "Precision", "TermsKeys", "WarningRules",
     "check_int", "check_number", "choice", "pairs_option",
@@ -45,8 +47,7 @@ class WarningRules(str, Enum):
     """Which warning rules :class:`~curvwatch.CurvatureMonitor` runs."""
 
     SUITE = "suite"  # curvwatch.rules.RuleSet, designed on the instability suite
-    LEGACY = "legacy"  # curvwatch.alerts.AlertMonitor: spike and collapse
-    ALL = "all"
+    NONE = "none"
 
 
 class TermsKeys(str, Enum):
@@ -114,8 +115,6 @@ def check_number(
 
 def pairs_option(pairs: Any) -> str | tuple[str, ...]:
     """``"diagonal"``, ``"all"`` or a tuple of pair names; raises with the allowed forms otherwise."""
-    from curvwatch.metrics import pair_of
-
     if isinstance(pairs, str):
         try:
             return PairSet(pairs).value

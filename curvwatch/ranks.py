@@ -5,8 +5,8 @@ flag is all-reduced (a failure on any rank skips the evaluation on all ranks, so
 compared through their count and a checksum, then every number is combined by the reduction its row in the key
 table (:mod:`curvwatch.keys`) gives: the mean for norms, ratios and terms, the max (min) for extremes such as
 ``ln/inv_var_max`` (``ln/var_min_over_eps``). A key a rank has no value for (NaN: a real-loss key too uncertain
-on that rank's batch, ``closed_form._sampled.SPREAD_LIMIT``) is left out of that key's reduction; no value on any
-rank stays NaN, for the caller to drop. Every rank calls these functions at the same step, failed or not, so the
+on that rank's batch, ``closed_form.solver.debiasing.SPREAD_LIMIT``) is left out of that key's reduction; no value on
+any rank stays NaN, for the caller to drop. Every rank calls these functions at the same step, failed or not, so the
 collectives always match. On one process they return their input unchanged.
 """
 

@@ -12,9 +12,10 @@ from typing import Any
 import torch  # noqa: F401  (used by the doctests)
 
 from curvwatch.adapters import BlockSpec
+from curvwatch.adapters.projections import UnsupportedWrapperError, weights_note
 from curvwatch.alerts import Alert
 
-__all__ = ["coverage_rows", "coverage_text", "evaluation_notices", "progress_line", "summary_text"]
+__all__ = ["coverage_rows", "coverage_text", "evaluation_notices", "progress_line", "summary_text", "weight_notes"]
 
 
 def summary_text(
@@ -103,12 +104,48 @@ def summary_text(
     return "\n".join(lines)
 
 
-def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = None) -> list[dict[str, str]]:
-    """One row per monitored block and per part no block covers: ``{"layer", "part", "kind", "status"}``.
+def part_name(spec: BlockSpec) -> str:
+    """The ``part`` column of a block's row: its name without the layer (``"attn"`` of ``"layer0/attn"``)."""
+    return spec.name.split("/", 1)[-1]
+
+
+def weight_notes(specs: Sequence[BlockSpec]) -> dict[str, str]:
+    """``{block: status}`` of the blocks whose weights are not plain parameters, from one read of each block's
+    structure (:func:`~curvwatch.adapters.projections.weights_note`): ``"monitored (base + LoRA r=4 on q_proj, v_proj;
+    merged view)"`` for a block with adapters, ``"not monitored: <why>"`` for one whose wrapper is not understood.
+
+    Example:
+        >>> from curvwatch.adapters import find_blocks
+        >>> weight_notes(find_blocks(torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16)))
+        {}
+    """
+    out = {}
+    for s in specs:
+        owner = s.layer_module if s.layer_module is not None else s.module
+        names = {id(m): name for name, m in owner.named_modules()}
+        try:
+            note = weights_note(s.adapter.read_params, s, names)
+        except UnsupportedWrapperError as err:
+            out[s.name] = f"not monitored: {err}"
+            continue
+        if note is not None:
+            out[s.name] = f"monitored ({note})"
+    return out
+
+
+def coverage_rows(
+    specs: Sequence[BlockSpec], model: torch.nn.Module | None = None, notes: Mapping[str, str] | None = None
+) -> list[dict[str, str]]:
+    """One row per block and per part no block covers: ``{"layer", "part", "kind", "status"}``.
 
     The parts left out come from each layer's adapter (:meth:`~curvwatch.adapters.Adapter.unmonitored`), asked once
     per layer module, and, with ``model``, from the modules with parameters outside every monitored layer
     (embeddings, final norm, output head: layer ``"-"``).
+
+    Args:
+        specs: The blocks.
+        model: The model, to name what lies outside the layers.
+        notes: ``{block: status}`` for blocks whose status is not plain ``"monitored"`` (:func:`weight_notes`).
 
     Example:
         >>> from curvwatch.adapters import find_blocks
@@ -116,8 +153,10 @@ def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = No
         >>> [(r["part"], r["status"]) for r in rows][:2]
         [('attn', 'monitored'), ('ln_1', 'monitored')]
     """
+    notes = notes or {}
     rows = [
-        {"layer": str(s.layer), "part": s.name.split("/", 1)[-1], "kind": s.kind, "status": "monitored"} for s in specs
+        {"layer": str(s.layer), "part": part_name(s), "kind": s.kind, "status": notes.get(s.name, "monitored")}
+        for s in specs
     ]
     layers = {id(s.layer_module): s for s in specs if s.layer_module is not None}
     for s in layers.values():
@@ -140,7 +179,7 @@ def coverage_rows(specs: Sequence[BlockSpec], model: torch.nn.Module | None = No
 
 def sharpness_row(status: str) -> dict[str, str]:
     """The set-up table's row of the real-loss keys (``sharpness/...``, ``stability/...``): on or off and why
-    (:meth:`curvwatch.sharpness.RealLoss.resolve`'s status, which says when ``stability/...`` starts).
+    (:meth:`curvwatch.realloss.RealLoss.resolve`'s status, which says when ``stability/...`` starts).
 
     Example:
         >>> sharpness_row("off (sharpness=False)")

@@ -25,7 +25,7 @@ The rules:
   Hessian norms are not watched: they swing 10-100x between steps in healthy runs (saturated heads), so no
   rule fires on them.
 * ``"ln_collapse"``: a LayerNorm input's smallest row variance falls below ``collapse_ratio x eps`` for
-  ``collapse_patience`` consecutive evaluations (``ln/var_min_over_eps``), as in :mod:`curvwatch.alerts`.
+  ``collapse_patience`` consecutive evaluations (``ln/var_min_over_eps``).
 * ``"ln_variance_drop"``: the same ratio falls by more than ``variance_drop_decades`` within ``window_steps``
   while below ``variance_drop_ceiling``: the collapse on its way, before it arrives.
 
@@ -147,10 +147,13 @@ def block_quantities(metrics: Mapping[str, float]) -> dict[tuple[str, str], floa
             out[(block, "saturation")] = min(jac)[0]
         if "hessian/W2W2" in m:
             out[(block, "W2W2")] = m["hessian/W2W2"]
-        if "ln/var_min_over_eps" in m:
-            out[(block, "ln_ratio")] = m["ln/var_min_over_eps"]
-        elif "rms/ms_min_over_eps" in m:  # RMSNorm divides by sqrt(ms + eps): its mean square plays the variance
-            out[(block, "ln_ratio")] = m["rms/ms_min_over_eps"]
+        for stat in ("ln/var", "rms/ms"):  # RMSNorm divides by sqrt(ms + eps): its mean square plays the variance
+            if f"{stat}_min_over_eps" in m:
+                ratio = m[f"{stat}_min_over_eps"]
+                if m.get(f"{stat}_min") == 0 and not math.isfinite(ratio):
+                    ratio = 0.0  # a constant row under eps = 0: 0 / 0, and the norm's own output is NaN
+                out[(block, "ln_ratio")] = ratio
+                break
     return {
         k: float(v)
         for k, v in out.items()

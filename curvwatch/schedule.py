@@ -66,15 +66,14 @@ DEFAULT_EVERY = 200
 DEFAULT_OVERHEAD = 0.01
 #: The default terms-only cadence and its own budget (``terms_every_n_train_steps="auto"``): the warning rules'
 #: leads on the instability suite hold at every 10 steps (docs/instability.md). The budget binds only where a
-#: terms-only evaluation costs more than 0.4 training steps (the suite's d = 64 models with the default
-#: terms_keys="warnings": 0.32-0.36 in session 10, 0.54-0.62 on session 24's machine); on larger models every 10 steps
-#: costs less than it (docs/performance.md section 3).
+#: terms-only evaluation costs more than 0.4 training steps (the suite's d = 64 models on a 2-core CPU, where it costs
+#: about half a training step); on larger models every 10 steps costs less than it.
 DEFAULT_TERMS_EVERY = 10
 DEFAULT_TERMS_OVERHEAD = 0.04
 #: The default schedule's floor under the full tier: a full evaluation at least every DEFAULT_MAX_GAP steps while the
 #: whole monitor (both tiers, the run's first full evaluation aside) stays within DEFAULT_TOTAL_OVERHEAD of the
-#: training time, the sum of the two budgets above (issue 23: on a 2,000-step run of a model whose full evaluation
-#: costs 10 training steps and a terms-only one 0.25, the 1% budget alone gave one full evaluation per ~1,000 steps).
+#: training time, the sum of the two budgets above: on a 2,000-step run of a model whose full evaluation costs 10
+#: training steps and a terms-only one 0.25, the 1% budget alone allows one full evaluation per ~1,000 steps.
 DEFAULT_MAX_GAP = 500
 DEFAULT_TOTAL_OVERHEAD = 0.05
 #: A chosen cadence whose evaluations take more than this fraction of the training time is reported once, after
@@ -201,8 +200,9 @@ class Schedule:
             self.last_full_step = step
 
     @property
-    def overhead_fraction(self) -> float:
-        """Seconds spent evaluating so far / training seconds so far."""
+    def overhead(self) -> float:
+        """The monitor's seconds per training second so far: its evaluations and logging over the training wall time
+        without them (0.01: 1% of the training time; above 1: the monitor took longer than the training)."""
         self.update()
         return self.eval_seconds / max(self.train_seconds, 1e-9)
 

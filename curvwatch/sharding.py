@@ -7,7 +7,7 @@ batch's). So the capture keeps no weights there, and the engine reads each block
 while it evaluates that block (:attr:`curvwatch.capture.CapturedBlock.params_fn`), then frees them: the extra
 memory is about one block's weights plus its evaluation.
 
-The real-loss keys (:mod:`curvwatch.sharpness`) run extra backward passes from the logits: under FSDP2 they run as
+The real-loss keys (:mod:`curvwatch.realloss`) run extra backward passes from the logits: under FSDP2 they run as
 any backward does (FSDP2's hooks gather each layer's weights for its backward); under FSDP1 they cannot
 (:func:`real_loss_support`).
 
@@ -122,12 +122,12 @@ def summoned_params(root: Callable[[], nn.Module]) -> ParamReader:
 
 
 def real_loss_support(read_params: ParamReader | None) -> str | None:
-    """Why the sampled backward passes of the real-loss keys (:mod:`curvwatch.sharpness`) cannot run with this
+    """Why the sampled backward passes of the real-loss keys (:mod:`curvwatch.realloss`) cannot run with this
     reader of the weights, or ``None`` when they can.
 
     Under FSDP2 (:func:`full_params`) they can: each pass runs FSDP2's backward hooks as any backward does (each
     layer's weights all-gathered for its backward, resharded after), without touching a parameter gradient, so
-    every rank must run the same passes (:meth:`curvwatch.capture.Capture.sample_outputs` agrees on that first).
+    every rank must run the same passes (:func:`curvwatch.realloss.sampling.sample_outputs` agrees on that first).
     Under FSDP1 (:func:`summoned_params`) they cannot (:data:`FSDP1_REAL_LOSS`).
 
     Example:
@@ -190,8 +190,8 @@ def _fsdp1(strategy: Any) -> ParamReader:
 #: How the monitor runs under each sharding strategy, by class name (matched along the strategy's MRO): a function
 #: of the strategy that returns the :data:`ParamReader` (or raises ``ValueError`` with the reason), or the reason
 #: the strategy is refused. Strategies not listed (single device, DDP) snapshot the weights in the forward pass.
-#: ``FSDPStrategy`` (FSDP1): checked on one H200 by ``benchmarks/gpu_fsdp_check.sh`` (issue 26) and on 2 CPU
-#: processes under Lightning (``tests/test_sharded.py``).
+#: ``FSDPStrategy`` (FSDP1) is checked on a GPU by ``benchmarks/gpu_fsdp_check.sh`` and on 2 CPU processes under
+#: Lightning (``tests/test_sharded.py``).
 STRATEGIES: dict[str, Callable[[Any], ParamReader] | str] = {
     "ModelParallelStrategy": _model_parallel,
     "FSDPStrategy": _fsdp1,

@@ -8,7 +8,14 @@ from __future__ import annotations
 import torch
 
 from curvwatch import reference
-from curvwatch.closed_form import layernorm, multi_head_attention, transformer_block
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    OutputLoss,
+    layernorm,
+    multi_head_attention,
+    transformer_block,
+)
 from curvwatch.closed_form.settings import EXACT
 
 
@@ -30,21 +37,10 @@ def main() -> float:
     worst = 0.0
 
     print("== multi-head attention (target loss ||F - T||^2 / (L d)) ==")
-    att = multi_head_attention(
-        X,
-        params["W_Q"],
-        params["W_K"],
-        params["W_V"],
-        params["W_O"],
-        H,
-        target=target,
-        causal=True,
-        lanczos=EXACT,
-        dense=True,
-    )
-    ref = reference.multi_head_attention_blocks(
-        X, params["W_Q"], params["W_K"], params["W_V"], params["W_O"], H, target=target, causal=True
-    )
+    weights = AttentionWeights(params["W_Q"], params["W_K"], params["W_V"], params["W_O"], n_heads=H)
+    loss, structure = OutputLoss(target=target), AttentionStructure(causal=True)
+    att = multi_head_attention(X, weights, loss=loss, structure=structure, lanczos=EXACT, dense=True)
+    ref = reference.multi_head_attention_blocks(X, weights, loss=loss, structure=structure)
     for key, mat in ref.items():
         err = float((att[f"dense/{key}"] - mat).norm() / mat.norm().clamp_min(1e-300))
         worst = max(worst, err)
@@ -60,12 +56,8 @@ def main() -> float:
         print(f"  {key:32s} {float(ln[key]):.6g}")
 
     print("== whole pre-LN block (all 15 block pairs, per head) ==")
-    blk = transformer_block(
-        X, params, norm="pre", activation="gelu", target=target, causal=True, lanczos=EXACT, dense=True
-    )
-    blk_ref = reference.transformer_block_blocks(
-        X, params, norm="pre", activation="gelu", target=target, causal=True
-    )
+    blk = transformer_block(X, params, norm="pre", activation="gelu", causal=True, loss=loss, lanczos=EXACT, dense=True)
+    blk_ref = reference.transformer_block_blocks(X, params, norm="pre", activation="gelu", causal=True, loss=loss)
     for key, mat in blk_ref.items():
         worst = max(worst, float((blk[f"dense/{key}"] - mat).norm() / mat.norm().clamp_min(1e-300)))
     for key in sorted(k for k in blk if k.startswith("hessian/") and not k.endswith("/h1")):

@@ -405,8 +405,7 @@ _DEFAULTS: dict[str, Any] = {
 # The unstable recipe: healthy training first (the default model and warmup to lr 5e-3; the loss falls from 2.1 to
 # its 1.73-nat plateau by step 70), then from step 100 a learning-rate re-warm without clipping (5e-3 -> 0.6 by step
 # 400, the instability suite's recipe) that grows the attention logits until the loss blows up. It runs the default
-# warning rules (the growth rules skip the first 100 steps); measured (README, "Cadence, cost and accuracy"): growth
-# fires at step 165, attention saturation at 195, the loss blows up at step 309.
+# warning rules (the growth rules skip the first 100 steps), which fire before the blow-up (the module docstring).
 _UNSTABLE: dict[str, Any] = {
     "lr_knots": ((0, 5e-4), (50, 5e-3), (100, 5e-3), (400, 0.6)),
     "grad_clip": 0.0,
@@ -807,6 +806,43 @@ class FullRecord:
             self.last_full = entry
 
 
+class ProgressLines:
+    """One line per full evaluation on ``stream`` (a :class:`curvwatch.logbook.Logbook` listener): what a run whose
+    output is not a terminal prints in place of the progress bar.
+
+    ``loss`` is called for the training loss of the step (``None``: not known yet); the other numbers are the entry's
+    ``summary/...`` keys.
+
+    Example:
+        >>> import io
+        >>> from types import SimpleNamespace
+        >>> out = io.StringIO()
+        >>> lines = ProgressLines(steps=2000, loss=lambda: 1.93, stream=out)
+        >>> summary = {f"summary/{k}": v for k, v in
+        ...            {"max_hessian": 312.0, "stability/max": 0.41, "warnings": 0.0, "eval_time_s": 1.9}.items()}
+        >>> lines(SimpleNamespace(step=50, terms_only=False, summary=summary))
+        >>> lines(SimpleNamespace(step=60, terms_only=True, summary={}))  # terms-only: no line
+        >>> print(out.getvalue().rstrip())
+        [curvwatch demo] step   50/2000  loss 1.930  max_hessian 312  stability/max 0.41  warnings 0  eval 1.9 s
+    """
+
+    def __init__(self, steps: int, loss: Any, stream: Any = None) -> None:
+        self.steps, self.loss, self.stream = steps, loss, stream
+
+    def __call__(self, entry: Any) -> None:
+        if entry.terms_only:
+            return
+        s, loss = entry.summary, self.loss()
+        parts = [f"step {entry.step:>{len(str(self.steps))}}/{self.steps}"]
+        parts.append("loss -" if loss is None else f"loss {loss:.3f}")
+        for key in ("max_hessian", "stability/max"):
+            if f"summary/{key}" in s:
+                parts.append(f"{key} {s[f'summary/{key}']:.3g}")
+        parts.append(f"warnings {int(s.get('summary/warnings', 0))}")
+        timing = f"  eval {s['summary/eval_time_s']:.1f} s" if "summary/eval_time_s" in s else ""
+        print("[curvwatch demo] " + "  ".join(parts) + timing, file=self.stream or sys.stdout, flush=True)
+
+
 def plot_loss(series: dict[str, tuple[list[int], list[float]]], path: Path, title: str | None = None) -> bool:
     """Train/val loss (log scale) and validation accuracy. False if no loss was logged."""
     from matplotlib.figure import Figure
@@ -865,7 +901,7 @@ class DemoResult:
     warnings: int = 0  # CurvatureWarnings fired
     monitor_seconds: float = 0.0  # spent evaluating and logging (both tiers), the monitor's cost
     monitor_terms_seconds: float = 0.0  # the part of it spent on terms-only evaluations
-    overhead_fraction: float = 0.0  # monitor_seconds / (training wall time - monitor_seconds)
+    overhead: float = 0.0  # monitor_seconds / (training wall time - monitor_seconds)
     evaluations: tuple[int, int] = (0, 0)  # full and terms-only evaluations
     # the monitor's set-up table: a row per monitored block and per part left out ({"layer", "part", "kind", "status"})
     coverage: list[dict[str, str]] = field(default_factory=list)
@@ -969,6 +1005,14 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         default_root_dir=out_dir,
     )
 
+    if monitor is not None and not sys.stdout.isatty():  # no progress bar: a line per full evaluation instead
+
+        def train_loss() -> float | None:
+            value = trainer.callback_metrics.get("train/loss")
+            return None if value is None else float(value)
+
+        monitor.book.listeners.append(ProgressLines(s["steps"], train_loss))
+
     desc = f"{s['n_digits']}-digit addition | {model_desc} | {s['steps']} steps, batch {s['batch_size']}, " + (
         f"lr {s['lr']:g}, warmup {s['warmup_steps']}"
         if s["lr_knots"] is None
@@ -1015,7 +1059,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any], out_dir: Path, wandb_mode:
         schedule = monitor.schedule
         result.monitor_seconds = schedule.eval_seconds
         result.monitor_terms_seconds = schedule.terms_seconds
-        result.overhead_fraction = schedule.overhead_fraction
+        result.overhead = schedule.overhead
         result.evaluations = (monitor.book.evaluations, monitor.book.terms_evaluations)
 
     loss_series = read_metrics(metrics_csv).get("train/loss")
@@ -1087,22 +1131,23 @@ def coverage_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
 
 
 def cost_line(result: DemoResult) -> str:
-    """What the monitor cost: its seconds against the run's and the training's (``summary/overhead_fraction``).
+    """What the monitor cost, as one figure: its seconds as a fraction of the training's own seconds (the training
+    wall time less the monitor's), as ``summary/overhead`` counts it.
 
     Example:
         >>> r = DemoResult(Path("."), Path("m.csv"), 30.0, 0.1, 1.0, 100, True, monitor_seconds=10.0,
-        ...                monitor_terms_seconds=4.0, overhead_fraction=0.5, evaluations=(3, 7))
+        ...                monitor_terms_seconds=4.0, overhead=0.5, evaluations=(3, 7))
         >>> print(cost_line(r))
-        monitor:    10.0 s of the 30.0 s run (33%; 0.50 x the training time): 3 full evaluations 6.0 s, 7 terms 4.0 s
+        monitor:    10.0 s = 50% of the training time (20.0 s): 3 full evaluations 6.0 s, 7 terms-only 4.0 s
                     (the demo's fixed, dense schedule; CurvatureMonitor() at its defaults keeps to 1% + 4%)
     """
-    share = result.monitor_seconds / max(result.train_seconds, 1e-9)
+    fraction = result.overhead
+    training = result.monitor_seconds / fraction if fraction > 0 else result.train_seconds - result.monitor_seconds
     full, terms = result.evaluations
     return (
-        f"monitor:    {result.monitor_seconds:.1f} s of the {result.train_seconds:.1f} s run ({100 * share:.0f}%; "
-        f"{result.overhead_fraction:.2f} x the training time): {full} full evaluations "
-        f"{result.monitor_seconds - result.monitor_terms_seconds:.1f} s, {terms} terms "
-        f"{result.monitor_terms_seconds:.1f} s\n"
+        f"monitor:    {result.monitor_seconds:.1f} s = {100 * fraction:.0f}% of the training time "
+        f"({training:.1f} s): {full} full evaluations {result.monitor_seconds - result.monitor_terms_seconds:.1f} s, "
+        f"{terms} terms-only {result.monitor_terms_seconds:.1f} s\n"
         "            (the demo's fixed, dense schedule; CurvatureMonitor() at its defaults keeps to 1% + 4%)"
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from curvwatch.closed_form import OutputLoss
+
 DT = torch.float64
 
 ATTENTION_CASES = [
@@ -84,7 +86,9 @@ def batch_shape(case: dict) -> tuple[int, ...]:
     return (case["B"],) if case["B"] else ()
 
 
-def loss_kwargs(gen: torch.Generator, case: dict, out_shape: tuple[int, ...]) -> dict:
+def output_loss(gen: torch.Generator, case: dict, out_shape: tuple[int, ...]) -> OutputLoss:
+    """The case's loss at the block output ``out_shape``: a random target, or a random output gradient with
+    curvature 0.37."""
     if case["mode"] == "target":
-        return {"target": rand(gen, *out_shape)}
-    return {"grad_output": rand(gen, *out_shape), "output_curvature": 0.37}
+        return OutputLoss(target=rand(gen, *out_shape))
+    return OutputLoss(grad_output=rand(gen, *out_shape), output_curvature=0.37)

@@ -27,24 +27,24 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(autouse=True, scope="session")
 def _spread_limit_lifted():
-    """Every debiased real-loss key gets its value, however uncertain (``closed_form._sampled.SPREAD_LIMIT`` lifted
-    for the whole session, module-scoped fixtures included), unless the test is marked ``spread_limit``: the tiny
-    models and few samples of most tests give large spreads, and which keys a run withholds would change the key sets,
-    warnings and counts those tests are about. The limit itself is tested by the marked tests
+    """Every debiased real-loss key gets its value, however uncertain (``closed_form.solver.debiasing.SPREAD_LIMIT``
+    lifted for the whole session, module-scoped fixtures included), unless the test is marked ``spread_limit``: the
+    tiny models and few samples of most tests give large spreads, and which keys a run withholds would change the key
+    sets, warnings and counts those tests are about. The limit itself is tested by the marked tests
     (``test_sampled_curvature.py``, ``test_real_loss.py``); the 2-process scripts (``ddp_script.py``,
     ``fsdp_script.py``) run with it. Yields the shipped value."""
-    from curvwatch.closed_form import _sampled
+    from curvwatch.closed_form.solver import debiasing
 
-    shipped = _sampled.SPREAD_LIMIT
-    _sampled.SPREAD_LIMIT = float("inf")
+    shipped = debiasing.SPREAD_LIMIT
+    debiasing.SPREAD_LIMIT = float("inf")
     yield shipped
-    _sampled.SPREAD_LIMIT = shipped
+    debiasing.SPREAD_LIMIT = shipped
 
 
 @pytest.fixture(autouse=True)
 def _spread_limit_when_marked(request, monkeypatch, _spread_limit_lifted):
     """The shipped ``SPREAD_LIMIT`` in the tests marked ``spread_limit``."""
     if request.node.get_closest_marker("spread_limit") is not None:
-        from curvwatch.closed_form import _sampled
+        from curvwatch.closed_form.solver import debiasing
 
-        monkeypatch.setattr(_sampled, "SPREAD_LIMIT", _spread_limit_lifted)
+        monkeypatch.setattr(debiasing, "SPREAD_LIMIT", _spread_limit_lifted)

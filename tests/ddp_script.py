@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 if __package__ in (None, ""):  # run as a script: make `curvwatch` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import curvwatch.engine.core as engine_core
+from curvwatch import Cadence, Evaluation, Warnings
 from curvwatch.models.gpt import GPT, GPTConfig  # noqa: E402
 
 VOCAB, SEQ = 11, 8
@@ -70,20 +72,19 @@ def main(out_dir: str, fail_rank: int | None, max_overhead: float | None = None)
     from lightning.pytorch.loggers import CSVLogger
 
     from curvwatch import CurvatureMonitor
-    from curvwatch.capture import CapturedBlock
 
     torch.set_num_threads(1)
     if fail_rank is not None:
-        original = CapturedBlock.evaluate
+        original = engine_core.evaluate_block
 
         def evaluate(self, **kwargs):
             if int(os.environ.get("LOCAL_RANK", "0")) == fail_rank:
                 raise RuntimeError(f"induced failure on rank {fail_rank}")
             return original(self, **kwargs)
 
-        CapturedBlock.evaluate = evaluate
+        engine_core.evaluate_block = evaluate
     L.seed_everything(0, verbose=False)
-    monitor = CurvatureMonitor(max_overhead=max_overhead, every_n_train_steps=2, max_tokens=16, warn=False)
+    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=max_overhead), evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
     logger = CSVLogger(out_dir, name="ddp", version=0)
     trainer = L.Trainer(
         accelerator="cpu",

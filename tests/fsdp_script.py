@@ -57,7 +57,12 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `curvwatch` and `tests` importable from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curvwatch import sharding  # noqa: E402
+import curvwatch.engine.core as engine_core
+from curvwatch import (
+    Evaluation,
+    Warnings,
+    sharding,  # noqa: E402
+)
 from curvwatch.engine import Engine  # noqa: E402
 from curvwatch.ranks import Ranks  # noqa: E402
 
@@ -155,9 +160,8 @@ def _tensors(params: dict):
 
 def _fail(rank: int, block: str, at: int | None = None) -> None:
     """Make the closed form of ``block`` raise on ``rank`` only: at its ``at``-th evaluation (1-based), or at all."""
-    from curvwatch.capture import CapturedBlock
 
-    original, calls = CapturedBlock.evaluate, []
+    original, calls = engine_core.evaluate_block, []
 
     def evaluate(self, **kwargs):
         if int(os.environ.get("LOCAL_RANK", "0")) == rank and self.spec.name == block:
@@ -166,7 +170,7 @@ def _fail(rank: int, block: str, at: int | None = None) -> None:
                 raise RuntimeError(f"induced failure of {block} on rank {rank}")
         return original(self, **kwargs)
 
-    CapturedBlock.evaluate = evaluate
+    engine_core.evaluate_block = evaluate
 
 
 def sharded_lm(activation_checkpointing: bool = False, adamw: bool = False, unscored: tuple[int, int] | None = None):
@@ -324,7 +328,7 @@ def lightning_run(
     ledger.reset()
     L.seed_everything(0, verbose=False)
     # real-loss keys (sharpness="auto"): on under DDP and FSDP2, off under FSDP1 (the set-up line says why)
-    monitor = CurvatureMonitor(every_n_train_steps=2, max_tokens=16, warn=False, log_heatmap=False, log_level="all")
+    monitor = CurvatureMonitor(every_n_train_steps=2, log_heatmap=False, log_level="all", evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
     states = {}
 
     class Record(Callback):  # the monitor's state on this rank once restored
@@ -399,15 +403,7 @@ def plain_loop_fsdp2(out_dir: str, steps: int = 5) -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logged: dict[str, dict[str, float]] = {}
-    monitor = Monitor(
-        optimizer=optimizer,
-        log=lambda metrics, step: logged.setdefault(str(step), {}).update(metrics),
-        every_n_train_steps=2,
-        max_tokens=16,
-        warn=False,
-        log_heatmap=False,
-        log_level="all",
-    )
+    monitor = Monitor(optimizer=optimizer, log=lambda metrics, step: logged.setdefault(str(step), {}).update(metrics), every_n_train_steps=2, log_heatmap=False, log_level="all", evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
     monitor.attach(model, specs=specs, read_params=sharding.full_params)
     dataset = loader(n=40).dataset
     order = list(DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0))  # Lightning's

@@ -8,6 +8,7 @@ produced; ``grad_output`` is compared with the gradient retained on that same ou
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from curvwatch.adapters import (
 )
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import evaluate_block, kernel_inputs
 from tests.utils import TOL, assert_close_report
 
 B, L, D, H = 3, 5, 8, 2
@@ -33,10 +35,12 @@ B, L, D, H = 3, 5, 8, 2
 # --------------------------------------------------------------------------------------------------
 
 
-def mha_ref(
-    X, W_Q, W_K, W_V, W_O, n_heads, b_Q, b_K, b_V, b_O, causal, key_padding_mask=None, memory=None,
-    memory_padding_mask=None,
-):  # fmt: skip
+def mha_ref(X, weights, structure):
+    """The attention output from the kernel's grouped inputs (``weights``, ``structure``), written out."""
+    W_Q, W_K, W_V, W_O, n_heads = weights.W_Q, weights.W_K, weights.W_V, weights.W_O, weights.n_heads
+    b_Q, b_K, b_V, b_O = weights.b_Q, weights.b_K, weights.b_V, weights.b_O
+    causal, key_padding_mask = structure.causal, structure.key_padding_mask
+    memory, memory_padding_mask = structure.memory, structure.memory_padding_mask
     B_, L_, _ = X.shape
     source = X if memory is None else memory  # cross-attention: keys and values from the memory
 
@@ -80,12 +84,15 @@ def ln_ref(X, eps, weight, bias):
 
 
 def reconstruct(block):
-    kw = block.reference_inputs(torch.float64)
-    kw.pop("grad_output")
+    kw = kernel_inputs(block, torch.float64)
     if block.spec.kind in ("attention", "cross_attention"):
-        return mha_ref(**kw)
+        return mha_ref(kw["X"], kw["weights"], kw["structure"])
+    if block.spec.kind == "ffn":
+        w = kw["weights"]
+        return ffn_ref(kw["Y"], w.W_1, w.W_2, w.b_1, w.b_2, kw["activation"], kw["residual"])
+    kw.pop("grad_output")
     kw.pop("row_mask")
-    return ffn_ref(**kw) if block.spec.kind == "ffn" else ln_ref(**kw)
+    return ln_ref(**kw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,7 +335,7 @@ def test_unsupported_activation_and_mask_are_reported():
     reasons = {b.spec.name: b.reason for b in capture.blocks()}
     assert "neither causal nor empty" in reasons["layer0/attn"]
     with pytest.raises(RuntimeError, match="neither causal nor empty"):
-        capture.blocks()[0].evaluate(
+        evaluate_block(capture.blocks()[0], 
             lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64
         )
     with pytest.raises(ValueError, match="silu"):
@@ -341,12 +348,41 @@ def test_find_blocks_error_is_short_and_says_the_fix():
         find_blocks(model)
     msg = str(err.value)
     for part in (
-        "no known Transformer layer in Sequential",
-        "curvwatch.describe_layer(MyLayer, curvwatch.LayerDescription(",  # no module with submodules to name
+        "no known Transformer layer in Sequential: it holds only Linear x2, ReLU x1",
+        "curvwatch.describe_layer",
         "blocks=[BlockSpec",
     ):
         assert part in msg, part
-    assert len(msg) < 600 and msg.count("\n") <= 3  # was a wall of module paths and known types
+    assert "describe_layer(Sequential" not in msg  # a container is no layer to describe
+    assert len(msg) < 600 and msg.count("\n") <= 3
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)
+
+
+@pytest.mark.parametrize(
+    "model, classes",
+    [
+        (_MLP(), ("_MLP", "Linear x2", "ReLU x1")),
+        (nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)), ("Sequential", "Linear x2", "GELU x1")),
+        (nn.Sequential(_MLP(), _MLP()), ("Sequential", "_MLP")),
+    ],
+    ids=["mlp", "sequential", "repeated"],
+)
+def test_no_layer_message_names_only_classes_the_model_has(model, classes):
+    """A model without a Transformer layer is told about its own classes, never about a placeholder class."""
+    with pytest.raises(ValueError) as err:
+        find_blocks(model)
+    msg = str(err.value)
+    for name in classes:
+        assert name in msg, (name, msg)
+    own = {type(m).__name__ for m in model.modules()}
+    described = re.findall(r"describe_layer\((\w+)", msg)
+    assert all(name in own for name in described), (described, own)
+    assert "MyLayer" not in msg
 
 
 def test_find_blocks_validates_explicit_specs():
@@ -413,8 +449,8 @@ def test_decoder_cross_attention_is_monitored_and_matches_the_reference():
     cross = capture.blocks()[-1]
     assert cross.reason is None and torch.equal(cross.inputs["memory_padding_mask"], padded)
     torch.testing.assert_close(cross.inputs["memory"], memory)
-    out = cross.evaluate(lanczos=EXACT, dtype=torch.float64)
-    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**cross.reference_inputs(torch.float64)))
+    out = evaluate_block(cross, lanczos=EXACT, dtype=torch.float64)
+    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**kernel_inputs(cross, torch.float64)))
     common = sorted(k for k in set(out) & set(expected) if k.split("/")[1] in ("QQ", "KK", "VV"))
     assert len(common) == 3 * 3 * H
     for key in common:

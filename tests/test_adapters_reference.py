@@ -9,6 +9,7 @@ from curvwatch import reference
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import evaluate_block, kernel_inputs
 from tests.test_adapters import CASES, B, L
 from tests.utils import TOL, assert_close_report
 
@@ -23,7 +24,7 @@ ADAPTER_CASES = [
 
 
 def _reference_norms(block) -> dict[str, torch.Tensor]:
-    kwargs = block.reference_inputs(torch.float64)
+    kwargs = kernel_inputs(block, torch.float64)
     if block.spec.kind in ("attention", "cross_attention"):  # cross: keys and values from the memory
         return reference.dense_to_norms(reference.multi_head_attention_blocks(**kwargs))
     if block.spec.kind == "ffn":
@@ -54,7 +55,7 @@ def test_adapter_blocks_match_reference(case):
         assert block.reason is None, f"{block.spec.name}: {block.reason}"
         if block.spec.kind == "ffn" and block.params.get("activation") == "gelu_tanh":
             continue  # the reference module has exact-erf GELU only; gelu_tanh is tested in test_ffn.py
-        out = block.evaluate(lanczos=Lanczos(tol=0.0, max_iter=None, max_basis=None, warn=False), dtype=torch.float64)
+        out = evaluate_block(block, lanczos=Lanczos(tol=0.0, max_iter=None, max_basis=None, warn=False), dtype=torch.float64)
         expected = _reference_norms(block)
         common = sorted(set(out) & set(expected))
         assert len(common) >= 3, (block.spec.name, sorted(out))

@@ -9,10 +9,16 @@ import torch
 from torch.func import hessian, jacrev
 
 from curvwatch import reference
-from curvwatch.closed_form import multi_head_attention, self_attention
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    OutputLoss,
+    multi_head_attention,
+    self_attention,
+)
 from curvwatch.closed_form.attention import ATTENTION_PAIRS
 from curvwatch.closed_form.settings import EXACT, Lanczos
-from tests.cases import ATTENTION_CASES, DT, MHA_CASES, batch_shape, case_id, loss_kwargs, rand
+from tests.cases import ATTENTION_CASES, DT, MHA_CASES, batch_shape, case_id, output_loss, rand
 from tests.utils import TOL, assert_close_report
 
 
@@ -22,15 +28,16 @@ def _attention_inputs(case, seed=0):
     X = rand(gen, *bs, case["L"], case["d"])
     W_Q, W_K = rand(gen, case["d"], case["d_K"]), rand(gen, case["d"], case["d_K"])
     W_V = rand(gen, case["d"], case["d_V"])
-    kw = loss_kwargs(gen, case, (*bs, case["L"], case["d_V"]))
-    return X, W_Q, W_K, W_V, kw
+    loss = output_loss(gen, case, (*bs, case["L"], case["d_V"]))
+    return X, AttentionWeights(W_Q, W_K, W_V), loss
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=case_id)
 def test_self_attention_dense_blocks_match_autograd(case):
-    X, W_Q, W_K, W_V, kw = _attention_inputs(case)
-    ref = reference.self_attention_blocks(X, W_Q, W_K, W_V, causal=case["causal"], **kw)
-    out = self_attention(X, W_Q, W_K, W_V, causal=case["causal"], dense=True, lanczos=EXACT, **kw)
+    X, weights, loss = _attention_inputs(case)
+    structure = AttentionStructure(causal=case["causal"])
+    ref = reference.self_attention_blocks(X, weights, loss=loss, structure=structure)
+    out = self_attention(X, weights, loss=loss, structure=structure, dense=True, lanczos=EXACT)
     ref_norms = reference.dense_to_norms(ref)
     for key, mat in ref.items():
         if mat.ndim != 2:
@@ -53,13 +60,18 @@ def test_multi_head_attention_matches_autograd(case):
     )
     if case["bias"]:
         W.update(b_Q=rand(gen, H * d_K), b_K=rand(gen, H * d_K), b_V=rand(gen, H * d_V), b_O=rand(gen, m))
-    kw = loss_kwargs(gen, case, (*bs, L, m))
+    loss = output_loss(gen, case, (*bs, L, m))
+    kpm = None
     if case["pad"]:
         kpm = torch.zeros(B or 1, L, dtype=torch.bool)
         kpm[0, -1] = True
-        kw["key_padding_mask"] = kpm if B else kpm[0]
-    ref = reference.multi_head_attention_blocks(X, n_heads=H, causal=case["causal"], **W, **kw)
-    out = multi_head_attention(X, n_heads=H, causal=case["causal"], dense=True, lanczos=EXACT, **W, **kw)
+        kpm = kpm if B else kpm[0]
+    weights, structure = (
+        AttentionWeights(**W, n_heads=H),
+        AttentionStructure(causal=case["causal"], key_padding_mask=kpm),
+    )
+    ref = reference.multi_head_attention_blocks(X, weights, loss=loss, structure=structure)
+    out = multi_head_attention(X, weights, loss=loss, structure=structure, dense=True, lanczos=EXACT)
     ref_norms = reference.dense_to_norms(ref)
     checked = 0
     for key, mat in ref.items():
@@ -72,9 +84,9 @@ def test_multi_head_attention_matches_autograd(case):
 
 
 def test_tolerance_1e6_matches_eigvalsh_to_1e6():
-    X, W_Q, W_K, W_V, kw = _attention_inputs(dict(B=None, L=6, d=5, d_K=3, d_V=4, mode="grad"), seed=3)
-    exact = self_attention(X, W_Q, W_K, W_V, lanczos=EXACT, **kw)
-    approx = self_attention(X, W_Q, W_K, W_V, lanczos=Lanczos(tol=1e-6), **kw)
+    X, weights, loss = _attention_inputs(dict(B=None, L=6, d=5, d_K=3, d_V=4, mode="grad"), seed=3)
+    exact = self_attention(X, weights, loss=loss, lanczos=EXACT)
+    approx = self_attention(X, weights, loss=loss, lanczos=Lanczos(tol=1e-6))
     for key in exact:
         if key.startswith(("hessian/", "outer/", "functional/")):
             assert_close_report(approx[key], exact[key], TOL["lanczos"], name=key, atol=1e-12)
@@ -109,7 +121,8 @@ def test_functional_term_in_two_block_network_with_cross_entropy():
     H_down = hessian(downstream)(F1).reshape(L * d, L * d)
     J = jacrev(lambda wq, wk, wv: mha(X, wq, wk, wv, W1[3]), argnums=(0, 1, 2))(*W1[:3])
     Hfull = hessian(loss, argnums=(0, 1, 2))(*W1[:3])
-    out = multi_head_attention(X, *W1[:3], W1[3], H, grad_output=G, causal=True, dense=True, lanczos=EXACT)
+    out = multi_head_attention(X, AttentionWeights(*W1, n_heads=H), loss=OutputLoss(grad_output=G),
+                               structure=AttentionStructure(causal=True), dense=True, lanczos=EXACT)  # fmt: skip
     names = ["Q", "K", "V"]
     for h in range(H):
         sl = {
@@ -153,7 +166,8 @@ def _split_attention_instance(L: int, big: float = 40.0):
 @pytest.mark.parametrize("L", [4, 8, 16])
 def test_corrected_bounds_hold_on_split_attention_where_paper_bound_fails(L):
     X, W_Q, W_K, W_V = _split_attention_instance(L)
-    out = self_attention(X, W_Q, W_K, W_V, target=torch.zeros(L, 2, dtype=DT), lanczos=EXACT)
+    out = self_attention(X, AttentionWeights(W_Q, W_K, W_V), loss=OutputLoss(target=torch.zeros(L, 2, dtype=DT)),
+                         lanczos=EXACT)  # fmt: skip
     _assert_bounds_hold(out, rtol=1e-12)
     # the papers' uniform-attention factor ||dA/dT|| <= 1/L fails here: the queries split 1/2-1/2
     assert out["term/softmax_jac_norm"] > 1.0 / L
@@ -171,8 +185,9 @@ def test_corrected_bounds_hold_on_random_inputs(seed):
     scale = [0.1, 1.0, 3.0][seed % 3]
     X = rand(gen, B, L, d, scale=scale)
     W = [rand(gen, d, H * d_K), rand(gen, d, H * d_K), rand(gen, d, H * 2), rand(gen, H * 2, 3)]
-    kw = {"grad_output": rand(gen, B, L, 3)} if seed % 2 else {"target": rand(gen, B, L, 3)}
-    out = multi_head_attention(X, *W, H, causal=bool(seed % 4 == 1), lanczos=EXACT, **kw)
+    loss = OutputLoss(grad_output=rand(gen, B, L, 3)) if seed % 2 else OutputLoss(target=rand(gen, B, L, 3))
+    out = multi_head_attention(X, AttentionWeights(*W, n_heads=H), loss=loss,
+                               structure=AttentionStructure(causal=bool(seed % 4 == 1)), lanczos=EXACT)  # fmt: skip
     _assert_bounds_hold(out, rtol=1e-10)
 
 
@@ -182,7 +197,7 @@ def test_function_preserving_rescaling_breaks_paper_bound_not_ours():
     X, W_Q, W_K, W_V = rand(gen, 5, 3), rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 3, 3)
     T = rand(gen, 5, 3)
     for s in (1.0, 30.0, 300.0):
-        out = self_attention(X, s * W_Q, W_K / s, W_V, target=T, lanczos=EXACT)
+        out = self_attention(X, AttentionWeights(s * W_Q, W_K / s, W_V), loss=OutputLoss(target=T), lanczos=EXACT)
         assert out["hessian/QKV"] <= out["bound/QKV"]
         assert out["hessian/KK"] <= out["bound/KK"]
 
@@ -197,7 +212,11 @@ def test_data_scaling_exponents(key, exponent):
     G = rand(gen, 6, 4)
     vals = [
         self_attention(
-            t * X, W_Q, W_K, W_V, grad_output=G, output_curvature=1.0, lanczos=EXACT, pairs=["VV", "QQ", "VQ"]
+            t * X,
+            AttentionWeights(W_Q, W_K, W_V),
+            loss=OutputLoss(grad_output=G, output_curvature=1.0),
+            lanczos=EXACT,
+            pairs=["VV", "QQ", "VQ"],
         )[key]
         for t in (1e-3, 2e-3)
     ]
@@ -209,9 +228,15 @@ def test_float32_agrees_with_float64():
     gen = torch.Generator().manual_seed(2)
     X, W = rand(gen, 2, 8, 6), [rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 6, 4), rand(gen, 4, 6)]
     G = rand(gen, 2, 8, 6)
-    out64 = multi_head_attention(X, *W, 2, grad_output=G, causal=True, lanczos=EXACT)
+    causal = AttentionStructure(causal=True)
+    out64 = multi_head_attention(X, AttentionWeights(*W, n_heads=2), loss=OutputLoss(grad_output=G), structure=causal,
+                                 lanczos=EXACT)  # fmt: skip
     out32 = multi_head_attention(
-        X.float(), *(w.float() for w in W), 2, grad_output=G.float(), causal=True, lanczos=EXACT
+        X.float(),
+        AttentionWeights(*(w.float() for w in W), n_heads=2),
+        loss=OutputLoss(grad_output=G.float()),
+        structure=causal,
+        lanczos=EXACT,
     )
     for key, v in out64.items():
         assert out32[key].dtype == torch.float32
@@ -221,16 +246,19 @@ def test_float32_agrees_with_float64():
 def test_bad_input_errors_say_how_to_fix():
     X = torch.randn(4, 3, dtype=DT)
     W = torch.randn(3, 2, dtype=DT)
+    target = OutputLoss(target=torch.zeros(4, 2, dtype=DT))
     with pytest.raises(ValueError, match="exactly one of target"):
-        self_attention(X, W, W, W)
+        self_attention(X, AttentionWeights(W, W, W), loss=OutputLoss())
     with pytest.raises(ValueError, match="math convention"):
-        self_attention(X, torch.randn(2, 3, dtype=DT), W, W, target=torch.zeros(4, 2, dtype=DT))
+        self_attention(X, AttentionWeights(torch.randn(2, 3, dtype=DT), W, W), loss=target)
     with pytest.raises(ValueError, match="n_heads"):
-        multi_head_attention(X, W, W, W, W, 0, target=torch.zeros(4, 2, dtype=DT))
+        multi_head_attention(X, AttentionWeights(W, W, W, W, n_heads=0), loss=target)
     with pytest.raises(ValueError, match="shape"):
-        self_attention(X, W, W, W, target=torch.zeros(5, 2, dtype=DT))
+        self_attention(X, AttentionWeights(W, W, W), loss=OutputLoss(target=torch.zeros(5, 2, dtype=DT)))
     with pytest.raises(ValueError, match="Unknown attention pair"):
-        self_attention(X, W, W, W, target=torch.zeros(4, 2, dtype=DT), pairs=["QV"])
+        self_attention(X, AttentionWeights(W, W, W), loss=target, pairs=["QV"])
+    with pytest.raises(ValueError, match="one head without output projection"):
+        self_attention(X, AttentionWeights(W, W, W, W), loss=target)
 
 
 def test_padded_rows_do_not_change_the_statistics_and_nan_is_refused():
@@ -238,15 +266,17 @@ def test_padded_rows_do_not_change_the_statistics_and_nan_is_refused():
     X, W = rand(gen, 2, 4, 3), [rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 3, 2), rand(gen, 2, 3)]
     G = rand(gen, 2, 4, 3)
     kpm = torch.tensor([[False, False, False, True], [False] * 4])
-    base = multi_head_attention(X, *W, 1, grad_output=G, key_padding_mask=kpm, lanczos=EXACT)
+    call = dict(loss=OutputLoss(grad_output=G), structure=AttentionStructure(key_padding_mask=kpm))
+    weights = AttentionWeights(*W)
+    base = multi_head_attention(X, weights, **call, lanczos=EXACT)
     X2 = X.clone()
     X2[0, 3] = 1e4  # a padded token with huge values
-    out = multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm, lanczos=EXACT)
+    out = multi_head_attention(X2, weights, **call, lanczos=EXACT)
     for key in ("term/x_norm", "hessian/QQ/h0", "outer/VV/h0", "term/attn_entropy/h0"):
         assert_close_report(out[key], base[key], TOL["float64"], name=key)
     X2[0, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        multi_head_attention(X2, *W, 1, grad_output=G, key_padding_mask=kpm)
+        multi_head_attention(X2, weights, **call)
 
 
 def test_terms_false_returns_the_same_norms_only():
@@ -254,8 +284,9 @@ def test_terms_false_returns_the_same_norms_only():
     X = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
     W = [torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(4)]
     G = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
-    full = multi_head_attention(X, *W, 2, grad_output=G, lanczos=EXACT)
-    norms = multi_head_attention(X, *W, 2, grad_output=G, lanczos=EXACT, terms=False)
+    weights, loss = AttentionWeights(*W, n_heads=2), OutputLoss(grad_output=G)
+    full = multi_head_attention(X, weights, loss=loss, lanczos=EXACT)
+    norms = multi_head_attention(X, weights, loss=loss, lanczos=EXACT, terms=False)
     assert not any(k.startswith(("term/", "bound/")) for k in norms)
     assert set(norms) == {k for k in full if not k.startswith(("term/", "bound/"))}
     for key, val in norms.items():
@@ -263,11 +294,11 @@ def test_terms_false_returns_the_same_norms_only():
 
 
 def test_row_layout_views_are_permute_reshape_in_at_most_two_operators():
-    """``attention._as`` (the products' layout changes) equals ``t.permute(perm).reshape(shape)`` on contiguous,
-    permuted, transposed, offset and expanded inputs: a view of ``t``'s memory wherever ``reshape`` gives one (one
-    dispatched operator), a contiguous copy otherwise (two); ``_unflat`` equals ``view`` then ``permute``."""
+    """``attention.layout.as_view`` (the products' layout changes) equals ``t.permute(perm).reshape(shape)`` on
+    contiguous, permuted, transposed, offset and expanded inputs: a view of ``t``'s memory wherever ``reshape`` gives
+    one (one dispatched operator), a contiguous copy otherwise (two); ``unflat`` equals ``view`` then ``permute``."""
     from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.closed_form.attention import _as, _unflat
+    from curvwatch.closed_form.attention.layout import as_view, unflat
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 2, 4, 5, 6, generator=g, dtype=DT)
@@ -289,7 +320,7 @@ def test_row_layout_views_are_permute_reshape_in_at_most_two_operators():
                 want = p.reshape(shape)
                 counter = OpCounter()
                 with counter:
-                    got = _as(t, perm, shape)
+                    got = as_view(t, perm, shape)
                 assert torch.equal(got, want), (name, perm, shape)
                 is_view = want.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                 assert (got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()) == is_view, (name, perm)
@@ -298,4 +329,4 @@ def test_row_layout_views_are_permute_reshape_in_at_most_two_operators():
     assert views >= 10  # the view path is taken
     flat = torch.randn(2 * 3 * 4 * 5, 6, generator=g, dtype=DT)
     for perm in [(0, 1, 2, 3, 4), (3, 0, 1, 2, 4), (2, 0, 1, 3, 4)]:
-        assert torch.equal(_unflat(flat, (2, 3, 4, 5, 6), perm), flat.view(2, 3, 4, 5, 6).permute(perm))
+        assert torch.equal(unflat(flat, (2, 3, 4, 5, 6), perm), flat.view(2, 3, 4, 5, 6).permute(perm))

@@ -15,13 +15,22 @@ import pytest
 import torch
 
 from curvwatch import reference
-from curvwatch.closed_form import Lanczos, multi_head_attention, self_attention
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    Lanczos,
+    OutputLoss,
+    multi_head_attention,
+    self_attention,
+)
 from curvwatch.closed_form import attention as attention_module
-from curvwatch.closed_form._masks import attention_masks
 from curvwatch.closed_form.attention import GROUP_PAIRS, QUERY_PAIRS
+from curvwatch.closed_form.attention import kernels as kernels_module
+from curvwatch.closed_form.masks import attention_masks
 from curvwatch.closed_form.rotary import apply_rotary, check_rotary
 from curvwatch.closed_form.settings import EXACT
-from curvwatch.reference._core import _attention_blocked, _modern_attention
+from curvwatch.closed_form.solver import plan
+from curvwatch.reference.attention import attention_blocked, attention_forward
 from tests.cases import DT, case_id, rand
 from tests.utils import TOL, assert_close_report
 
@@ -90,14 +99,14 @@ def _qk_norm(gen, kind: str, d_K: int) -> dict:
 
 
 def _inputs(case: dict, seed: int = 0):
-    """``(X, weights, kwargs)`` for :func:`multi_head_attention` and the reference (loss, options, masks)."""
+    """``(X, weights, kwargs)`` for :func:`multi_head_attention` and the reference (``loss``, ``structure``)."""
     gen = torch.Generator().manual_seed(seed)
     B, L, d, H, H_kv = case["B"], case["L"], case["d"], case["H"], case["H_kv"]
     d_K, d_V, m = case["d_K"], case["d_V"], case["m"]
     bs = (B,) if B else ()
     Bn = B or 1
     X = rand(gen, *bs, L, d)
-    kw: dict = dict(n_heads=H, n_kv_heads=H_kv, causal=case["causal"])
+    kw: dict = dict(n_heads=H, n_kv_heads=H_kv, causal=case["causal"])  # the fields of every group, grouped below
     d_kv = d
     if case["memory"] is not None:
         L_kv, d_kv = case["memory"]
@@ -131,7 +140,20 @@ def _inputs(case: dict, seed: int = 0):
         kw["rotary_interleaved"] = case["rotary"] == "interleaved"
     if case["qk_norm"] is not None:
         kw["qk_norm"] = _qk_norm(gen, case["qk_norm"], d_K)
-    return X, W, kw
+    return _with(X, AttentionWeights(**W, n_heads=H), dict(loss=OutputLoss(), structure=AttentionStructure()), **kw)
+
+
+def _with(X, weights: AttentionWeights, kw: dict, **fields):
+    """``(X, weights, kw)`` with ``fields`` (of any of the groups) replaced in the group that holds them: the weights,
+    or ``kw``'s ``loss`` and ``structure``."""
+    groups = {"weights": weights, **kw}
+    for name, group in groups.items():
+        own = {f.name for f in dataclasses.fields(group)}
+        groups[name] = dataclasses.replace(group, **{k: v for k, v in fields.items() if k in own})
+    unknown = set(fields) - {f.name for group in groups.values() for f in dataclasses.fields(group)}
+    assert not unknown, unknown
+    weights = groups.pop("weights")
+    return X, weights, groups
 
 
 # ---- closed forms against torch.func ---------------------------------------------------------------------------
@@ -141,8 +163,8 @@ def _inputs(case: dict, seed: int = 0):
 def test_modern_attention_matches_autograd(case):
     """Every dense block (``dense=True``) to 1e-10 and every spectral norm (``EXACT``) against the reference."""
     X, W, kw = _inputs(case)
-    ref = reference.multi_head_attention_blocks(X, **W, **kw)
-    out = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
+    ref = reference.multi_head_attention_blocks(X, W, **kw)
+    out = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
     ref_norms = reference.dense_to_norms(ref)
     for key, mat in ref.items():
         assert_close_report(out[f"dense/{key}"], mat, TOL["float64"], name=f"dense/{key}", atol=1e-13)
@@ -171,10 +193,10 @@ def test_single_head_self_attention_takes_the_modern_options(case):
     """``self_attention`` (one head, no ``W_O``) with rotary, window, scale and QK-norm: every dense block and norm
     against the torch.func reference of that head with ``W_O = I`` (the same function), to 1e-10."""
     X, W, kw = _inputs(case)
-    del kw["n_heads"], kw["n_kv_heads"]
+    one = AttentionWeights(W.W_Q, W.W_K, W.W_V, qk_norm=W.qk_norm)
     eye = torch.eye(case["d_V"], dtype=DT)
-    ref = reference.multi_head_attention_blocks(X, W["W_Q"], W["W_K"], W["W_V"], eye, 1, **kw)
-    out = self_attention(X, W["W_Q"], W["W_K"], W["W_V"], **kw, dense=True, lanczos=EXACT)
+    ref = reference.multi_head_attention_blocks(X, dataclasses.replace(one, W_O=eye), **kw)
+    out = self_attention(X, one, **kw, dense=True, lanczos=EXACT)
     ref_norms = reference.dense_to_norms(ref)
     for key, mat in ref.items():
         mine = key.removesuffix("/h0")  # one head: no head suffix
@@ -187,14 +209,13 @@ def test_grouped_query_blocks_collect_every_query_head_of_the_group():
     """The functional ``KK/g0``, ``VK/g0`` are the sums of the group's two query heads' terms (each computed by a model
     in which that head alone reads the group), and the per-head ``QK/h1`` is head 1's own."""
     X, W, kw = _inputs(_case(H=4, H_kv=2, mode="grad"), seed=3)
-    cheap = dict(dense=True, lanczos=EXACT, terms=False, pairs=["KK"], kinds="functional")  # the dense blocks matter
-    out = multi_head_attention(X, **W, **kw, **cheap)
-    kw1 = {**kw, "n_heads": 2, "n_kv_heads": 2}
+    cheap = dict(dense=True, lanczos=EXACT, terms=False, pairs=["KK"], parts="functional")  # the dense blocks matter
+    out = multi_head_attention(X, W, **kw, **cheap)
     alone = []
     for heads in ([0, 2], [1, 3]):  # one query head per group, the same kv heads
         cols = [c for h in heads for c in (2 * h, 2 * h + 1)]  # d_K = d_V = 2
-        W1 = dict(W_Q=W["W_Q"][:, cols], W_K=W["W_K"], W_V=W["W_V"], W_O=W["W_O"][cols])
-        alone.append(multi_head_attention(X, **W1, **kw1, **cheap))
+        W1 = dataclasses.replace(W, W_Q=W.W_Q[:, cols], W_O=W.W_O[cols], n_heads=2, n_kv_heads=2)
+        alone.append(multi_head_attention(X, W1, **kw, **cheap))
     for pair in ("KK", "VK"):
         total = alone[0][f"dense/functional/{pair}/h0"] + alone[1][f"dense/functional/{pair}/h0"]
         assert_close_report(out[f"dense/functional/{pair}/g0"], total, TOL["float64"], name=pair, atol=1e-13)
@@ -206,35 +227,25 @@ def test_grouped_query_blocks_collect_every_query_head_of_the_group():
 def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run_at_a_time(monkeypatch):
     """With ``G > 1`` the Lanczos runs of the query view (``QQ``, ``VQ``, ``QK`` per query head) and of the group view
     (``KK``, ``VK`` per kv group) go to one ``solve`` (their stopping tests share host reads), where the runs of one
-    vector size are one run (``_operator.MERGE_RUNS``: the views' head counts differ, so a flat run of their members):
-    the same keys, to the bit, as the unmerged runs of that solve, and as one solve per run (float64, tight Lanczos; the
-    stopping tests fall on the same steps)."""
-    from curvwatch.closed_form import _operator
-
+    vector size are one run (``plan._made``: the views' head counts differ, so a flat run of their members): the same
+    keys as one solve per run (float64, tight Lanczos; the stopping tests fall on the same steps)."""
     X, W, kw = _inputs(_case(H=4, H_kv=2, mode="grad", rotary="half", r=2), seed=3)
     solves = []
-    inner = _operator.solve
-    monkeypatch.setattr(_operator, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
-    tight = dict(lanczos=Lanczos(tol=1e-10, max_iter=400), terms=False, kinds=("outer", "functional", "hessian"))
+    inner = plan.solve
+    monkeypatch.setattr(plan, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
+    tight = dict(lanczos=Lanczos(tol=1e-10, max_iter=400), terms=False, parts=("outer", "functional", "hessian"))
     pairs = ["QQ", "KK", "VQ", "VK", "QK"]
-    together = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
+    together = multi_head_attention(X, W, **kw, **tight, pairs=pairs)
     assert len(solves) == 1, solves  # one solve: both views' runs
-    merged = solves.pop()
-    monkeypatch.setattr(_operator, "MERGE_RUNS", False)
-    unmerged = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
-    assert len(solves) == 1 and solves[0] >= 4 and merged < solves[0], (merged, solves)
-    assert set(unmerged) == set(together)
-    for key, value in unmerged.items():
-        assert torch.equal(value, together[key]), key
 
-    inner_plan = _operator.spectral_plan
+    inner_plan = plan.spectral_plan
 
     def one_run_at_a_time(*args, **kwargs):
         return dataclasses.replace(inner_plan(*args, **kwargs), together=False, merge=False)
 
-    monkeypatch.setattr(attention_module, "spectral_plan", one_run_at_a_time)
+    monkeypatch.setattr(kernels_module, "spectral_plan", one_run_at_a_time)
     solves.clear()
-    apart = multi_head_attention(X, **W, **kw, **tight, pairs=pairs)
+    apart = multi_head_attention(X, W, **kw, **tight, pairs=pairs)
     assert solves == [1] * len(solves) and len(solves) >= 4, solves
     assert set(together) == set(apart) and any(k.endswith("/g1") for k in apart)
     for key, value in apart.items():
@@ -246,26 +257,24 @@ def test_grouped_query_views_runs_are_solved_together_with_the_values_of_one_run
 def test_the_vv_run_joins_the_kernels_solve_with_the_values_of_a_solve_of_its_own(H_kv, monkeypatch):
     """The ``VV`` norm's Lanczos run (``G = 1``: the ``d x d`` Gram's ``lambda_max``, by Lanczos for ``d > 256``, forced
     here; ``G > 1``: the grouped outer part) joins the kernel's one ``solve`` with its other runs (their stopping tests
-    share host reads; it used to be a solve of its own before them, on the LLaMA-style 2-layer benchmark 6 reads per
-    layer in a chain with the others' 7; grouped-query, it is merged into their run); with ``solve_bytes=0`` it is
-    solved alone, with the same keys (float64, tight Lanczos)."""
-    from curvwatch.closed_form import _operator
-
+    share host reads; a solve of its own before them costs the LLaMA-style 2-layer benchmark 6 reads per layer in a
+    chain with the others' 7; grouped-query, it is merged into their run); with ``solve_bytes=0`` it is solved alone,
+    with the same keys (float64, tight Lanczos)."""
     monkeypatch.setattr(attention_module.AttentionOperator, "vv_exact", staticmethod(lambda d, max_iter: False))
     X, W, kw = _inputs(_case(H=4, H_kv=H_kv, mode="grad", rotary="half", r=2), seed=3)
     solves = []
-    inner = _operator.solve
-    monkeypatch.setattr(_operator, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
+    inner = plan.solve
+    monkeypatch.setattr(plan, "solve", lambda runs: solves.append(len(runs)) or inner(runs))
     pairs = ["VV", "QQ", "KK"]
 
     def keys(solve_bytes):
         solves.clear()
         lanczos = Lanczos(tol=1e-10, max_iter=400, solve_bytes=solve_bytes)
-        return multi_head_attention(X, **W, **kw, lanczos=lanczos, terms=False, pairs=pairs)
+        return multi_head_attention(X, W, **kw, lanczos=lanczos, terms=False, pairs=pairs)
 
     together = keys(None)
     # the VV run with the others in one solve: G = 1 its Gram run (vectors of d numbers) beside theirs; grouped-query
-    # its vectors have the QQ and KK runs' size and it is one run with them (_operator.MERGE_RUNS)
+    # its vectors have the QQ and KK runs' size and it is one run with them (plan._made)
     assert len(solves) == 1 and solves[0] >= 2 if H_kv == 4 else solves == [1], solves
     apart = keys(0)
     assert len(solves) >= 2 and solves[0] == 1, solves  # the VV run first, alone
@@ -282,12 +291,12 @@ def _modern_kwargs() -> tuple:
 
 def test_n_kv_heads_equal_to_n_heads_is_bit_identical():
     X, W, kw = _modern_kwargs()
-    a = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
-    kw = {k: v for k, v in kw.items() if k != "n_kv_heads"}
-    b = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
+    a = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
+    W = dataclasses.replace(W, n_kv_heads=None)
+    b = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    c = multi_head_attention(X, **W, **kw)  # the default Lanczos too
-    e = multi_head_attention(X, **W, **kw, n_kv_heads=kw["n_heads"])
+    c = multi_head_attention(X, W, **kw)  # the default Lanczos too
+    e = multi_head_attention(X, dataclasses.replace(W, n_kv_heads=W.n_heads), **kw)
     assert set(c) == set(e) and all(torch.equal(c[k], e[k]) for k in c)
 
 
@@ -295,14 +304,15 @@ def test_identity_rotary_and_full_window_are_bit_identical_to_none():
     """``cos = 1, sin = 0`` is the identity exactly, and a window as long as the sequence masks nothing more."""
     X, W, kw = _inputs(_case(d_K=4, H=2, H_kv=1, pad=True, mode="target"), seed=6)
     short = Lanczos(max_iter=6, warn=False)  # bit-identity holds for any (deterministic) settings
-    base = multi_head_attention(X, **W, **kw, dense=True, lanczos=short)
+    base = multi_head_attention(X, W, **kw, dense=True, lanczos=short)
     L = X.shape[-2]
     for extra in (
         dict(rotary=(torch.ones(L, 4, dtype=DT), torch.zeros(L, 4, dtype=DT))),
         dict(rotary=(torch.ones(L, 2, dtype=DT), torch.zeros(L, 2, dtype=DT)), rotary_interleaved=True),
         dict(window=L),
     ):
-        out = multi_head_attention(X, **W, **kw, **extra, dense=True, lanczos=short)
+        _, We, kwe = _with(X, W, kw, **extra)
+        out = multi_head_attention(X, We, **kwe, dense=True, lanczos=short)
         assert set(out) == set(base)
         bad = [k for k in base if not torch.equal(out[k], base[k])]
         assert not bad, (extra.keys(), bad[:5])
@@ -310,8 +320,9 @@ def test_identity_rotary_and_full_window_are_bit_identical_to_none():
 
 def test_cross_attention_on_its_own_input_is_self_attention():
     X, W, kw = _inputs(_case(B=2, L=4, H=2, H_kv=1, mode="target"), seed=7)
-    self_out = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
-    cross = multi_head_attention(X, **W, **kw, memory=X, dense=True, lanczos=EXACT)
+    self_out = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
+    _, Wc, kwc = _with(X, W, kw, memory=X)
+    cross = multi_head_attention(X, Wc, **kwc, dense=True, lanczos=EXACT)
     assert "term/memory_norm" in cross and "term/memory_norm" not in self_out
     assert_close_report(cross["term/memory_norm"], cross["term/x_norm"], 1e-14, name="memory_norm")
     for key, v in self_out.items():
@@ -322,9 +333,12 @@ def test_query_that_sees_no_key_has_zero_attention_and_no_curvature():
     """Cross-attention whose memory is all padded for one sequence: those queries add nothing (and no NaN)."""
     case = _case(B=2, L=3, memory=(4, 3), H=2, H_kv=1, mode="grad", mem_pad="one_sequence_empty")
     X, W, kw = _inputs(case, seed=8)
-    out = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
-    first = {k: v[:1] for k, v in kw.items() if k in ("memory", "memory_padding_mask", "grad_output")}
-    one = multi_head_attention(X[:1], **W, **{**kw, **first}, dense=True, lanczos=EXACT)
+    out = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
+    structure, loss = kw["structure"], kw["loss"]
+    first = dict(memory=structure.memory[:1], memory_padding_mask=structure.memory_padding_mask[:1],
+                 grad_output=loss.grad_output[:1])  # fmt: skip
+    _, W1, kw1 = _with(X[:1], W, kw, **first)
+    one = multi_head_attention(X[:1], W1, **kw1, dense=True, lanczos=EXACT)
     for key in ("dense/hessian/QKV/g0", "dense/outer/VQ/h1", "dense/functional/QK/h0"):
         assert torch.isfinite(out[key]).all()
         assert_close_report(out[key], one[key], TOL["float64"], name=key, atol=1e-13)
@@ -341,7 +355,7 @@ def test_window_mask_is_the_documented_one(causal):
         [[(i - w < j <= i) if causal else abs(i - j) < w for j in range(L)] for i in range(L)], dtype=torch.bool
     )
     assert torch.equal(keep[0], expected)
-    blocked, dead = _attention_blocked(1, L, L, causal, w, None, "cpu")
+    blocked, dead = attention_blocked(1, L, L, causal, w, None, "cpu")
     assert torch.equal(~blocked[0], expected) and not dead.any()
 
 
@@ -435,12 +449,14 @@ def test_reference_forward_matches_hugging_face_qwen3_attention():
     mask = torch.full((L, L), float("-inf"), dtype=DT).triu(1).expand(B, 1, L, L)
     with torch.no_grad():
         expected, _ = att(x, (cos, sin), mask)
-    blocked, dead = _attention_blocked(B, L, L, True, None, None, x.device)
+    blocked, dead = attention_blocked(B, L, L, True, None, None, x.device)
     qk = dict(kind="rmsnorm", eps=1e-3, weight_q=att.q_norm.weight.detach(), weight_k=att.k_norm.weight.detach())
     Ws = [lin.weight.detach().T for lin in (att.q_proj, att.k_proj, att.v_proj, att.o_proj)]
-    got = _modern_attention(x, *Ws, H, blocked, n_kv_heads=H_kv, rotary=(cos, sin), qk_norm=qk, dead=dead)
+    weights = AttentionWeights(*Ws, n_heads=H, n_kv_heads=H_kv, qk_norm=qk)
+    got = attention_forward(x, weights, blocked, rotary=(cos, sin), dead=dead)
     assert_close_report(got, expected, 1e-5, name="qwen3")
-    wrong = _modern_attention(x, *Ws, H, blocked, n_kv_heads=H_kv, rotary=(cos, sin), dead=dead)  # no QK-norm
+    no_norm = dataclasses.replace(weights, qk_norm=None)
+    wrong = attention_forward(x, no_norm, blocked, rotary=(cos, sin), dead=dead)
     assert (wrong - expected).norm() > 1e-2 * expected.norm()
 
 
@@ -465,12 +481,10 @@ def test_reference_forward_matches_litgpt_attention():
     with torch.no_grad():
         expected = att(x, cos[None], sin[None])
     Wq, Wk, Wv = att.qkv.weight.detach().T.split([H * d_K, H_kv * d_K, H_kv * d_K], dim=1)
-    blocked, dead = _attention_blocked(B, L, L, True, w, None, x.device)
+    blocked, dead = attention_blocked(B, L, L, True, w, None, x.device)
     qk = dict(kind="rmsnorm", eps=1e-3, weight_q=att.norm_q.weight.detach(), weight_k=att.norm_k.weight.detach())
-    got = _modern_attention(
-        x, Wq, Wk, Wv, att.proj.weight.detach().T, H, blocked, n_kv_heads=H_kv, rotary=(cos, sin), qk_norm=qk,
-        scale=1 / math.sqrt(2), dead=dead,
-    )  # fmt: skip
+    weights = AttentionWeights(Wq, Wk, Wv, att.proj.weight.detach().T, n_heads=H, n_kv_heads=H_kv, qk_norm=qk)
+    got = attention_forward(x, weights, blocked, rotary=(cos, sin), scale=1 / math.sqrt(2), dead=dead)
     assert_close_report(got, expected, 1e-5, name="litgpt")
 
 
@@ -512,9 +526,9 @@ BOUND_CASES = [
 def test_corrected_bounds_hold_in_the_modern_settings(case, seed):
     X, W, kw = _inputs(case, seed=200 + seed)
     X = X * [0.3, 1.0, 3.0][seed]  # small, moderate and saturated softmax
-    if "memory" in kw:
-        kw["memory"] = kw["memory"] * [3.0, 0.3, 1.0][seed]
-    out = multi_head_attention(X, **W, **kw, lanczos=EXACT)
+    if kw["structure"].memory is not None:
+        _, W, kw = _with(X, W, kw, memory=kw["structure"].memory * [3.0, 0.3, 1.0][seed])
+    out = multi_head_attention(X, W, **kw, lanczos=EXACT)
     _assert_bounds_hold(out, rtol=1e-10, expected=_n_bounds(case["H"], case["H_kv"]))
 
 
@@ -522,8 +536,8 @@ def test_bounds_hold_with_non_orthogonal_rotary_tables():
     """YaRN-style tables scaled by 1.6: ``R`` stretches ``P`` and ``K``, the bounds follow through ``max ||R_i||``."""
     X, W, kw = _inputs(_case(d_K=4, rotary="half", r=4, H_kv=2), seed=15)
     gen = torch.Generator().manual_seed(15)
-    kw["rotary"] = _tables(gen, 2, 4, 4, batched=False, scaling=1.6)
-    _assert_bounds_hold(multi_head_attention(X, **W, **kw, lanczos=EXACT), rtol=1e-10, expected=_n_bounds(4, 2))
+    _, W, kw = _with(X, W, kw, rotary=_tables(gen, 2, 4, 4, batched=False, scaling=1.6))
+    _assert_bounds_hold(multi_head_attention(X, W, **kw, lanczos=EXACT), rtol=1e-10, expected=_n_bounds(4, 2))
 
 
 @pytest.mark.parametrize("L", [4, 8, 16])
@@ -537,7 +551,10 @@ def test_bounds_hold_on_split_attention_shared_by_a_group(L):
     W_Q = torch.cat([W_Q1, 0.5 * W_Q1], dim=1)  # two query heads, both splitting 1/2-1/2
     W_K, W_V, W_O = torch.eye(2, dtype=DT), torch.eye(2, dtype=DT), torch.eye(4, 2, dtype=DT) + 0.1
     out = multi_head_attention(
-        X, W_Q, W_K, W_V, W_O, 2, n_kv_heads=1, target=torch.zeros(L, 2, dtype=DT), lanczos=EXACT
+        X,
+        AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=2, n_kv_heads=1),
+        loss=OutputLoss(target=torch.zeros(L, 2, dtype=DT)),
+        lanczos=EXACT,
     )  # fmt: skip
     _assert_bounds_hold(out, rtol=1e-12, expected=_n_bounds(2, 1))
     assert out["term/softmax_jac_norm/h0"] > 1.0 / L
@@ -546,13 +563,13 @@ def test_bounds_hold_on_split_attention_shared_by_a_group(L):
 def test_bounds_follow_the_function_preserving_rescaling_with_grouped_heads():
     X, W, kw = _inputs(_case(H=4, H_kv=2, mode="target"), seed=16)
     for s in (1.0, 30.0, 300.0):
-        Ws = {**W, "W_Q": s * W["W_Q"], "W_K": W["W_K"] / s}
-        _assert_bounds_hold(multi_head_attention(X, **Ws, **kw, lanczos=EXACT), rtol=1e-10, expected=_n_bounds(4, 2))
+        Ws = dataclasses.replace(W, W_Q=s * W.W_Q, W_K=W.W_K / s)
+        _assert_bounds_hold(multi_head_attention(X, Ws, **kw, lanczos=EXACT), rtol=1e-10, expected=_n_bounds(4, 2))
 
 
 def test_qk_norm_emits_no_bounds_but_keeps_the_terms():
     X, W, kw = _inputs(_case(d_K=4, qk_norm="rmsnorm", H_kv=2), seed=17)
-    out = multi_head_attention(X, **W, **kw, lanczos=EXACT)
+    out = multi_head_attention(X, W, **kw, lanczos=EXACT)
     assert not any(k.startswith("bound/") for k in out)
     keys = {k for k in out if k.startswith("term/")}
     assert {"term/wk_norm/g0", "term/wv_norm/g1", "term/wq_norm/h3", "term/softmax_jac_norm/h3"} <= keys
@@ -564,7 +581,7 @@ def test_qk_norm_emits_no_bounds_but_keeps_the_terms():
 
 def test_float32_agrees_with_float64():
     X, W, kw = _inputs(_case(d_K=4, rotary="half", r=2, window=3, H_kv=1, qk_norm="rmsnorm"), seed=18)
-    out64 = multi_head_attention(X, **W, **kw, lanczos=EXACT)
+    out64 = multi_head_attention(X, W, **kw, lanczos=EXACT)
 
     def f32(v):
         if isinstance(v, torch.Tensor) and v.is_floating_point():
@@ -573,9 +590,11 @@ def test_float32_agrees_with_float64():
             return tuple(f32(t) for t in v)
         if isinstance(v, dict):
             return {k: f32(t) for k, t in v.items()}
+        if dataclasses.is_dataclass(v):
+            return dataclasses.replace(v, **{f.name: f32(getattr(v, f.name)) for f in dataclasses.fields(v)})
         return v
 
-    out32 = multi_head_attention(f32(X), **f32(W), **f32(kw), lanczos=EXACT)
+    out32 = multi_head_attention(f32(X), f32(W), **f32(kw), lanczos=EXACT)
     for key, v in out64.items():
         assert out32[key].dtype == torch.float32
         assert_close_report(out32[key], v, TOL["float32"], name=key, atol=1e-6)
@@ -587,7 +606,8 @@ def test_bad_modern_options_say_how_to_fix():
     c, s = _tables(torch.Generator().manual_seed(0), 1, L, 4, batched=False)
 
     def call(**extra):
-        return multi_head_attention(X, **W, **{**kw, **extra})
+        _, We, kwe = _with(X, W, kw, **extra)
+        return multi_head_attention(X, We, **kwe)
 
     with pytest.raises(ValueError, match="n_kv_heads"):
         call(n_kv_heads=3)
@@ -657,8 +677,9 @@ def test_default_lanczos_at_a_realistic_grouped_rotary_size(monkeypatch):
     monkeypatch.setattr(attention_module.AttentionOperator, "apply", counted)
     t0 = time.perf_counter()
     out = multi_head_attention(
-        X, w(d, H * d_K), w(d, H_kv * d_K), w(d, H_kv * d_K), w(H * d_K, d), H, n_kv_heads=H_kv, causal=True,
-        rotary=(emb.cos(), emb.sin()), grad_output=G,
+        X,
+        AttentionWeights(w(d, H * d_K), w(d, H_kv * d_K), w(d, H_kv * d_K), w(H * d_K, d), n_heads=H, n_kv_heads=H_kv),
+        loss=OutputLoss(grad_output=G), structure=AttentionStructure(causal=True, rotary=(emb.cos(), emb.sin())),
     )  # fmt: skip
     elapsed = time.perf_counter() - t0
     residuals = {k: float(v) for k, v in out.items() if k.startswith("residual/")}

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from curvwatch import reference
-from curvwatch.closed_form import transformer_block
+from curvwatch.closed_form import OutputLoss, transformer_block
 from curvwatch.closed_form.settings import EXACT
-from tests.cases import BLOCK_CASES, batch_shape, case_id, loss_kwargs, rand
+from tests.cases import BLOCK_CASES, batch_shape, case_id, output_loss, rand
 from tests.utils import TOL, assert_close_report
 
 
@@ -37,10 +37,10 @@ def test_all_block_pairs_match_autograd(case):
     gen = torch.Generator().manual_seed(0)
     X = rand(gen, *batch_shape(case), case["L"], case["d"])
     p = _params(gen, case)
-    kw = loss_kwargs(gen, case, tuple(X.shape))
+    loss = output_loss(gen, case, tuple(X.shape))
     common = dict(norm=case["norm"], activation=case["activation"], eps=case["eps"], causal=case["causal"])
-    ref = reference.transformer_block_blocks(X, p, **common, **kw)
-    out = transformer_block(X, p, **common, dense=True, lanczos=EXACT, **kw)
+    ref = reference.transformer_block_blocks(X, p, **common, loss=loss)
+    out = transformer_block(X, p, **common, dense=True, lanczos=EXACT, loss=loss)
     norms = reference.dense_to_norms(ref)
     checked = 0
     for key, mat in ref.items():
@@ -57,13 +57,13 @@ def test_functional_vv_nonzero_in_full_block():
     gen = torch.Generator().manual_seed(4)
     case = dict(d=4, H=1, d_K=2, f=6)
     X = rand(gen, 5, 4)
-    out = transformer_block(X, _params(gen, case), target=rand(gen, 5, 4), pairs=["VV"], lanczos=EXACT)
+    out = transformer_block(X, _params(gen, case), loss=OutputLoss(target=rand(gen, 5, 4)), pairs=["VV"], lanczos=EXACT)
     assert float(out["functional/VV"]) > 1e-6
 
 
 def test_bad_params():
     X = torch.randn(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="missing"):
-        transformer_block(X, {"W_Q": torch.randn(4, 2, dtype=torch.float64)}, target=X)
+        transformer_block(X, {"W_Q": torch.randn(4, 2, dtype=torch.float64)}, loss=OutputLoss(target=X))
     with pytest.raises(ValueError, match="norm"):
-        transformer_block(X, {}, norm="sandwich", target=X)
+        transformer_block(X, {}, norm="sandwich", loss=OutputLoss(target=X))

@@ -11,6 +11,7 @@ from torch import nn
 from curvwatch.adapters import ADAPTERS, adapter_for, find_blocks, register_adapter
 from curvwatch.capture import Capture, CapturedBlock, token_slice
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.engine import evaluate_block, kernel_inputs
 from tests.utils import TOL, assert_close_report
 
 B, L, D, H = 4, 5, 8, 2
@@ -58,7 +59,7 @@ def test_tensor_hooks_removed_after_exit():
     blocks = capture.blocks()
     assert all(b.reason is not None and "no gradient arrived" in b.reason for b in blocks)
     with pytest.raises(RuntimeError, match="no gradient arrived"):
-        blocks[0].evaluate(lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64)
+        evaluate_block(blocks[0], lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64)
 
 
 @pytest.mark.parametrize("where", ["before_backward", "after_backward"])
@@ -207,8 +208,8 @@ def test_evaluate_attention_matches_reference():
     _, ref = _closed_form("multi_head_attention")
     attn = _captured_gpt()[0]
     assert attn.spec.kind == "attention" and attn.inputs["X"].shape == (2, 4, 4)
-    out = attn.evaluate(lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
-    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**attn.reference_inputs(torch.float64)))
+    out = evaluate_block(attn, lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
+    expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**kernel_inputs(attn, torch.float64)))
     common = sorted(set(out) & set(expected))
     assert len(common) >= 3 * 6 * H, sorted(out)
     for key in common:
@@ -219,12 +220,12 @@ def test_evaluate_casts_float32_capture():
     _closed_form("multi_head_attention")
     attn = _captured_gpt(dtype=torch.float32)[0]
     assert attn.inputs["X"].dtype == torch.float32
-    out64 = attn.evaluate(lanczos=Lanczos(tol=1e-2, max_iter=3, max_basis=None, warn=False), dtype=torch.float64)
-    out32 = attn.evaluate(lanczos=Lanczos(tol=1e-2, max_iter=3, max_basis=None, warn=False), dtype=torch.float32)
+    out64 = evaluate_block(attn, lanczos=Lanczos(tol=1e-2, max_iter=3, max_basis=None, warn=False), dtype=torch.float64)
+    out32 = evaluate_block(attn, lanczos=Lanczos(tol=1e-2, max_iter=3, max_basis=None, warn=False), dtype=torch.float32)
     assert all(v.dtype == torch.float64 for v in out64.values())
     assert all(v.dtype == torch.float32 for v in out32.values())
     with pytest.raises(ValueError, match="dtype"):
-        attn.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float16)
+        evaluate_block(attn, lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float16)
 
 
 def test_evaluate_ffn_matches_reference_with_padding():
@@ -236,8 +237,8 @@ def test_evaluate_ffn_matches_reference_with_padding():
     ffn = capture.blocks()[-1]
     assert ffn.spec.kind == "ffn" and ffn.params["residual"] is False
     assert torch.equal(ffn.inputs["row_mask"], ~kpm)
-    out = ffn.evaluate(lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
-    expected = ref.dense_to_norms(ref.ffn_blocks(**ffn.reference_inputs(torch.float64)))
+    out = evaluate_block(ffn, lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
+    expected = ref.dense_to_norms(ref.ffn_blocks(**kernel_inputs(ffn, torch.float64)))
     common = sorted(set(out) & set(expected))
     assert len(common) >= 3, sorted(out)
     for key in common:
@@ -248,7 +249,7 @@ def test_evaluate_layernorm_runs():
     _closed_form("layernorm")
     ln = _captured_gpt()[1]
     assert ln.spec.kind == "layernorm"
-    out = ln.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=50, max_basis=None, warn=False), dtype=torch.float64)
+    out = evaluate_block(ln, lanczos=Lanczos(tol=1e-6, max_iter=50, max_basis=None, warn=False), dtype=torch.float64)
     assert out and all(v.ndim == 0 and torch.isfinite(v) for v in out.values())
 
 
@@ -264,11 +265,11 @@ def test_gpt2_ffn_gelu_tanh_evaluates_or_is_refused_by_name():
     ffn = capture.blocks()[-1]
     assert ffn.params["activation"] == "gelu_tanh"
     if "gelu_tanh" in getattr(importlib.import_module("curvwatch.closed_form.ffn"), "ACTIVATIONS", ()):
-        out = ffn.evaluate(lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
+        out = evaluate_block(ffn, lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
         assert out and all(torch.isfinite(v).all() for v in out.values())
     else:
         with pytest.raises(ValueError, match="gelu_tanh"):
-            ffn.evaluate(lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
+            evaluate_block(ffn, lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
 
 
 def test_nonfinite_names_the_tensors_with_nan_or_inf():

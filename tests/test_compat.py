@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.checkpoint import checkpoint
 
-from curvwatch import CurvatureMonitor
+from curvwatch import Cadence, CurvatureMonitor, Evaluation, Sharpness
 from tests.ddp_script import VOCAB, TinyLM, loader
 
 STEPS = 3
@@ -52,9 +52,7 @@ def _logged(tmp_path, model: TinyLM, caught: list[str] | None = None) -> list[di
     """Every step's ``curv/`` numbers (times, overhead and Lanczos residuals left out: they are not the maths);
     the texts of the warnings raised during training are appended to ``caught``."""
     torch.manual_seed(0)
-    monitor = CurvatureMonitor(
-        log_level="all", every_n_train_steps=1, max_overhead=None, log_heatmap=False, tol=TOL, max_iter=200
-    )
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None), evaluation=Evaluation(tol=TOL, max_iter=200))
     trainer = L.Trainer(
         accelerator="cpu", max_steps=STEPS, logger=CSVLogger(tmp_path, name="csv", version=0), callbacks=[monitor],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
@@ -176,9 +174,9 @@ _CADENCES = {"every_2": (2, 5, [0, 2, 4]), "default": (None, 11, [0, 10])}
 def _logged_steps(tmp_path, model: TinyLM, every: int | None, steps: int) -> dict[int, dict[str, float]]:
     """``{step: curv/ numbers}`` of a run at cadence ``every`` (``None``: the default schedule, no budget)."""
     torch.manual_seed(0)
-    budget = {"max_overhead": None} if every is not None else {}  # default: step 0, and the terms tier's step 10
+    cadence = Cadence(max_overhead=None) if every is not None else None  # default: step 0, the terms tier's step 10
     monitor = CurvatureMonitor(
-        log_level="all", every_n_train_steps=every, log_heatmap=False, sharpness_samples=2, **budget
+        log_level="all", every_n_train_steps=every, log_heatmap=False, cadence=cadence, sharpness=Sharpness(samples=2)
     )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp_path, name="csv", version=0), callbacks=[monitor],

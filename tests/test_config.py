@@ -1,4 +1,4 @@
-"""The monitor's settings: the groups, the flat kwargs of earlier versions, and every validation message."""
+"""The monitor's settings: the groups, where each is validated, and every validation message."""
 
 from __future__ import annotations
 
@@ -8,130 +8,111 @@ import pytest
 import torch
 from torch import nn
 
-from curvwatch import (
-    Cadence,
-    CurvatureMonitor,
-    Evaluation,
-    LegacyThresholds,
-    Monitor,
-    Sharpness,
-    Warnings,
-    find_blocks,
-)
-from curvwatch.alerts import AlertMonitor
-from curvwatch.config import FLAT_KWARGS, known_pairs, resolve
+from curvwatch import Cadence, CurvatureMonitor, Evaluation, Monitor, Sharpness, Warnings, find_blocks
+from curvwatch.config import known_pairs, resolve
 from tests.ddp_script import TinyLM
 
 
-def test_groups_and_flat_kwargs_give_the_same_monitor():
-    grouped = CurvatureMonitor(
+def test_the_groups_set_the_monitor():
+    monitor = CurvatureMonitor(
         cadence=Cadence(max_overhead=0.05, terms_every_n_train_steps=None),
-        evaluation=Evaluation(max_tokens=7, tol=1e-3, pairs=["VV", "QQ"], kinds=("hessian",), dtype="float64"),
-        warning_rules=Warnings(rules="legacy", warn=False, legacy=LegacyThresholds(spike_factor=4.0, cooldown=2)),
+        evaluation=Evaluation(max_tokens=7, tol=1e-3, pairs=["VV", "QQ"], parts=("hessian",), dtype="float64"),
+        warning_rules=Warnings(rules="none", warn=False),
         sharpness=Sharpness(samples=3, logits_module="model.head"),
     )
-    with pytest.warns(DeprecationWarning, match=r"evaluation=curvwatch\.Evaluation\(max_tokens=\.\.\.\)"):
-        flat = CurvatureMonitor(
-            max_overhead=0.05, terms_every_n_train_steps=None, max_tokens=7, tol=1e-3, pairs=["VV", "QQ"],
-            kinds=("hessian",), dtype="float64", warning_rules="legacy", warn=False, spike_factor=4.0, cooldown=2,
-            sharpness_samples=3, logits_module="model.head",
-        )  # fmt: skip
-    for monitor in (grouped, flat):
-        core = monitor.monitor
-        assert core.engine.max_tokens == 7 and core.engine.lanczos.tol == 1e-3 and core.engine.dtype == "float64"
-        assert core.engine.pairs == ("VV", "QQ") and core.engine.kinds == ("hessian",)
-        assert core.schedule.max_overhead == 0.05 and core.schedule.terms_every_n_train_steps is None
-        assert core.book.rules is None and core.book.alerts_monitor.spike_factor == 4.0
-        assert core.book.alerts_monitor.cooldown == 2 and not core.settings.warnings.warn
-        assert core.real_loss.samples == 3 and core.real_loss.logits_name == "model.head"
-    assert grouped.monitor.settings == flat.monitor.settings
+    core = monitor.monitor
+    assert core.engine.max_tokens == 7 and core.engine.lanczos.tol == 1e-3 and core.engine.dtype == "float64"
+    assert core.engine.pairs == ("VV", "QQ") and core.engine.parts == ("hessian",)
+    assert core.schedule.max_overhead == 0.05 and core.schedule.terms_every_n_train_steps is None
+    assert core.book.rules is None and not core.settings.warnings.warn
+    assert core.real_loss.samples == 3 and core.real_loss.logits_name == "model.head"
+    assert resolve(warning_rules="suite").rules is not None
 
 
-def test_at_most_eleven_top_level_kwargs_and_every_flat_kwarg_has_a_group():
+def test_the_callback_takes_its_own_settings_only():
     import inspect
 
-    params = [p for p in inspect.signature(CurvatureMonitor).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-    assert len(params) <= 11  # the ten of issue 25 item 3 and log_level (item 2)
-    for name, (group, key) in FLAT_KWARGS.items():  # every flat kwarg lands where the table says
-        value = {"dtype": "float64", "pairs": ["VV"], "kinds": ("hessian",), "terms_keys": "all", "loss": "mse",
-                 "logits_module": "x", "warn": False, "inv_var_threshold": 3.0, "max_basis": 8,
-                 "terms_every_n_train_steps": 3, "max_overhead": 0.5, "memory_budget_mb": 5.0,
-                 "tol": 0.5, "collapse_ratio": 2.0, "spike_factor": 3.0}.get(name, 2)  # fmt: skip
-        with pytest.warns(DeprecationWarning):
-            settings = resolve(**{name: value})
-        holder = settings.warnings.legacy if group == "legacy" else getattr(settings, group)
-        got = getattr(holder, key)
-        assert got == value or tuple(got) == tuple(value), name
-
-
-def test_the_legacy_thresholds_are_declared_once():
-    defaults = LegacyThresholds()
-    alerts = AlertMonitor()
-    for name, value in vars(defaults).items():
-        assert getattr(alerts, name) == value
-    assert Warnings().legacy == defaults
+    params = [p for p in inspect.signature(CurvatureMonitor).parameters.values()]
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params) and len(params) <= 11
+    for monitor_only in ("optimizer", "log", "accumulate_grad_batches", "grad_scaler"):
+        with pytest.raises(TypeError, match=monitor_only):
+            CurvatureMonitor(**{monitor_only: 1})
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("build", "error", "message"),
     [
-        # unknown pair names were accepted silently (no Hessian key logged at all)
-        (
-            dict(evaluation=Evaluation(pairs=["XX"])),
-            "Invalid pairs=['XX']: unknown pair name 'XX'. Known pair names: ['",
-        ),
-        (dict(evaluation=Evaluation(pairs=["VV", "W1W4"])), "unknown pair name 'W1W4'. Known pair names:"),
-        (dict(evaluation=Evaluation(pairs=["W1W4"])), "Did you mean ["),
-        (dict(evaluation=Evaluation(pairs="some")), "Invalid pairs='some'. Must be 'diagonal', 'all'"),
-        (dict(evaluation=Evaluation(kinds=["gn"])), "Invalid kinds=('gn',). Must be a non-empty subset of ('outer',"),
-        (dict(evaluation=Evaluation(kinds=())), "Invalid kinds=(). Must be a non-empty subset"),
-        (
-            dict(evaluation=Evaluation(terms_keys="some")),
-            "Invalid terms_keys='some'. Must be one of ['warnings', 'all']",
-        ),
-        (
-            dict(evaluation=Evaluation(dtype="float16")),
-            "Invalid dtype='float16'. Must be one of ['float32', 'float64']",
-        ),
-        (dict(evaluation=Evaluation(max_tokens=0)), "Invalid max_tokens=0. Must be an int >= 1."),
-        (dict(evaluation=Evaluation(memory_budget_mb=-1)), "Invalid memory_budget_mb=-1. Must be a number > 0 (MiB)"),
-        (dict(cadence=Cadence(max_overhead=0)), "Invalid max_overhead=0. Must be a fraction > 0"),
-        (dict(cadence=Cadence(terms_every_n_train_steps="often")), "Invalid terms_every_n_train_steps='often'."),
-        (dict(cadence=3), "Invalid cadence=3. Must be a curvwatch.Cadence(...) or None"),
-        (dict(evaluation={"tol": 1}), "Invalid evaluation={'tol': 1}. Must be a curvwatch.Evaluation(...)"),
-        (dict(sharpness="yes"), "Invalid sharpness='yes'. Must be True, False, 'auto' or a curvwatch.Sharpness(...)."),
-        (dict(sharpness=Sharpness(samples=0)), "Invalid sharpness_samples=0. Must be an int >= 1"),
-        (dict(sharpness=Sharpness(loss="hinge")), "Invalid loss='hinge'. Must be one of"),
-        (dict(sharpness=Sharpness(verify_every_n_evals=0)), "Invalid verify_every_n_evals=0. Must be an int >= 1."),
-        (dict(warning_rules=3), "Invalid warning_rules=3. Must be 'suite', 'legacy', 'all', a curvwatch.rules.RuleSet"),
-        (dict(warning_rules="loud"), "Invalid warning_rules='loud'. Must be one of ['suite', 'legacy', 'all']."),
-        (
-            dict(warning_rules=Warnings(legacy=LegacyThresholds(spike_factor=0.5))),
-            "Invalid spike_factor=0.5. Must be > 1",
-        ),
-        (dict(warning_rules=Warnings(legacy={"cooldown": 1})), "Invalid legacy={'cooldown': 1}. Must be a curvwatch."),
-        (dict(on_error="ignore"), "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
-        (dict(blocks="all"), "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec. See"),
-        (dict(log_key_prefix=3), "Invalid log_key_prefix=3. Must be a str"),
-        (dict(every_n_train_steps=0), "Invalid every_n_train_steps=0. Must be an int >= 1."),
-        (dict(every_n_train_steps=5, cadence=Cadence(every_n_train_steps=5)), "Pass every_n_train_steps once"),
-        (dict(max_tokens=3, evaluation=Evaluation()), "Pass ['max_tokens'] inside evaluation=curvwatch.Evaluation"),
-        (dict(maxtokens=3), "Unknown kwarg maxtokens=3. Did you mean ['max_tokens']?"),
-        (dict(sharpnes=False), "Unknown kwarg sharpnes=False. Did you mean ['sharpness'"),
+        # each group reports a bad value where it is built, naming the group
+        (lambda: Evaluation(pairs=["XX"]), ValueError,
+         "Invalid curvwatch.Evaluation(pairs=['XX']): unknown pair name 'XX'. Known pair names: ['"),
+        (lambda: Evaluation(pairs=["VV", "W1W4"]), ValueError, "unknown pair name 'W1W4'. Known pair names:"),
+        (lambda: Evaluation(pairs=["W1W4"]), ValueError, "Did you mean ["),
+        (lambda: Evaluation(pairs="some"), ValueError,
+         "Invalid curvwatch.Evaluation(pairs='some'): Must be 'diagonal', 'all'"),
+        (lambda: Evaluation(parts=["gn"]), ValueError,
+         "Invalid curvwatch.Evaluation(parts=['gn']): Must be a non-empty subset of ('outer',"),
+        (lambda: Evaluation(parts=()), ValueError,
+         "Invalid curvwatch.Evaluation(parts=()): Must be a non-empty subset"),
+        (lambda: Evaluation(terms_keys="some"), ValueError,
+         "Invalid curvwatch.Evaluation(terms_keys='some'): Must be one of ['warnings', 'all']"),
+        (lambda: Evaluation(dtype="float16"), ValueError,
+         "Invalid curvwatch.Evaluation(dtype='float16'): Must be one of ['float32', 'float64']"),
+        (lambda: Evaluation(max_tokens=-1), ValueError,
+         "Invalid curvwatch.Evaluation(max_tokens=-1): Must be an int >= 1."),
+        (lambda: Evaluation(max_iter=0), ValueError, "Invalid curvwatch.Evaluation(max_iter=0): Must be an int >= 1"),
+        (lambda: Evaluation(tol=2), ValueError, "Invalid curvwatch.Evaluation(tol=2): Must be a number in [0, 1)"),
+        (lambda: Evaluation(memory_budget_mb=-1), ValueError,
+         "Invalid curvwatch.Evaluation(memory_budget_mb=-1): Must be a number > 0 (MiB)"),
+        (lambda: Cadence(max_overhead=0), ValueError,
+         "Invalid curvwatch.Cadence(max_overhead=0): Must be a fraction > 0"),
+        (lambda: Cadence(terms_every_n_train_steps=0), ValueError,
+         "Invalid curvwatch.Cadence(terms_every_n_train_steps=0): Must be an int >= 1"),
+        (lambda: Cadence(terms_every_n_train_steps="often"), ValueError,
+         "Invalid curvwatch.Cadence(terms_every_n_train_steps='often')"),
+        (lambda: Cadence(every_n_train_steps=0), ValueError,
+         "Invalid curvwatch.Cadence(every_n_train_steps=0): Must be an int >= 1."),
+        (lambda: Sharpness(samples=1), ValueError,
+         "Invalid curvwatch.Sharpness(samples=1): Must be an int >= 2: the uncertainty (sharpness_spread) compares"),
+        (lambda: Sharpness(loss="hinge"), ValueError, "Invalid curvwatch.Sharpness(loss='hinge'): Must be one of"),
+        (lambda: Sharpness(enabled="yes"), ValueError, "Invalid curvwatch.Sharpness(enabled='yes'): Must be True,"),
+        (lambda: Sharpness(verify_every_n_evals=0), ValueError,
+         "Invalid curvwatch.Sharpness(verify_every_n_evals=0): Must be an int >= 1."),
+        (lambda: Warnings(rules="loud"), ValueError,
+         "Invalid curvwatch.Warnings(rules='loud'): Must be one of ['suite', 'none']."),
+        # an unknown keyword of a group: a "did you mean"
+        (lambda: Evaluation(max_token=64), TypeError,
+         "curvwatch.Evaluation() got an unexpected keyword argument 'max_token'. Did you mean 'max_tokens'?"),
+        (lambda: Cadence(every_n_steps=5), TypeError, "Did you mean 'every_n_train_steps'?"),
+        (lambda: Sharpness(sample=4), TypeError, "Did you mean 'samples'?"),
+        # the top-level kwargs
+        (lambda: CurvatureMonitor(cadence=3), ValueError,
+         "Invalid cadence=3. Must be a curvwatch.Cadence(...) or None"),
+        (lambda: CurvatureMonitor(evaluation={"tol": 1}), ValueError,
+         "Invalid evaluation={'tol': 1}. Must be a curvwatch.Evaluation(...)"),
+        (lambda: CurvatureMonitor(sharpness="yes"), ValueError,
+         "Invalid sharpness='yes'. Must be True, False, 'auto' or a curvwatch.Sharpness(...)."),
+        (lambda: CurvatureMonitor(warning_rules=3), ValueError,
+         "Invalid warning_rules=3. Must be 'suite', 'none', a curvwatch.rules.RuleSet"),
+        (lambda: CurvatureMonitor(warning_rules="loud"), ValueError,
+         "Invalid warning_rules='loud'. Must be 'suite', 'none', a curvwatch.rules.RuleSet"),
+        (lambda: CurvatureMonitor(on_error="ignore"), ValueError,
+         "Invalid on_error='ignore'. Must be one of ['warn', 'raise']."),
+        (lambda: CurvatureMonitor(blocks="all"), ValueError,
+         "Invalid blocks='all'. Must be 'auto' or a list of curvwatch.BlockSpec. See"),
+        (lambda: CurvatureMonitor(log_key_prefix=3), ValueError, "Invalid log_key_prefix=3. Must be a str"),
+        (lambda: CurvatureMonitor(every_n_train_steps=0), ValueError,
+         "Invalid every_n_train_steps=0. Must be an int >= 1."),
+        (lambda: CurvatureMonitor(every_n_train_steps=5, cadence=Cadence(every_n_train_steps=5)), ValueError,
+         "Pass every_n_train_steps once"),
+        (lambda: Monitor(max_tokens=3), TypeError,
+         "Monitor() got an unexpected keyword argument 'max_tokens'. Did you mean curvwatch.Evaluation(max_tokens="),
+        (lambda: Monitor(sharpnes=False), TypeError, "Did you mean 'sharpness'?"),
+        (lambda: Monitor(warn=False), TypeError, "Did you mean warning_rules=curvwatch.Warnings(warn=...)?"),
     ],
-)
-def test_every_kwarg_is_validated_in_init_with_the_fix(kwargs, message):
-    with pytest.warns(DeprecationWarning) if "max_tokens" in kwargs else _nothing():
-        with pytest.raises(ValueError, match=re.escape(message)):
-            CurvatureMonitor(**kwargs)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+)  # fmt: skip
+def test_every_setting_is_validated_where_it_is_written_with_the_fix(build, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        build()
 
 
 def test_known_pairs_cover_every_kind():

@@ -18,11 +18,21 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from curvwatch import CurvatureMonitor
+import curvwatch.engine.core as engine_core
+from curvwatch import Cadence, CurvatureMonitor
 from curvwatch.capture import CapturedBlock
-from curvwatch.closed_form import _lanczos, ffn, layernorm, multi_head_attention
-from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    FFNWeights,
+    OutputLoss,
+    ffn,
+    layernorm,
+    multi_head_attention,
+)
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 from tests.ddp_script import TinyLM, loader
 from tests.utils import assert_close_report
 
@@ -51,15 +61,18 @@ def _each_closed_form(device: torch.device) -> dict[str, torch.Tensor]:
     out = {}
     att = multi_head_attention(
         X,
-        *Ws,
-        n_heads=H,
-        grad_output=G,
-        causal=True,
+        AttentionWeights(*Ws, n_heads=H),
+        loss=OutputLoss(grad_output=G),
+        structure=AttentionStructure(causal=True),
         lanczos=Lanczos(tol=1e-8, max_iter=200, max_basis=None, warn=False),
     )
     out.update({f"attn/{k}": v for k, v in att.items() if not k.startswith("residual/")})
     mlp = ffn(
-        X, W1, W2, activation="gelu", grad_output=G, lanczos=Lanczos(tol=1e-8, max_iter=300, max_basis=None, warn=False)
+        X,
+        FFNWeights(W1, W2),
+        activation="gelu",
+        loss=OutputLoss(grad_output=G),
+        lanczos=Lanczos(tol=1e-8, max_iter=300, max_basis=None, warn=False),
     )
     out.update({f"ffn/{k}": v for k, v in mlp.items() if not k.startswith("residual/")})
     ln = layernorm(X, grad_output=G, weight=torch.linspace(0.5, 1.5, X.shape[-1], dtype=DT, device=device))
@@ -97,8 +110,8 @@ def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            val, _ = lanczos_max_abs(mv, (2,), n, dtype=torch.float32, device=torch.device("cuda"), tol=1e-3,
-                                     max_iter=100, pass_live=True)  # fmt: skip
+            start = start_vectors((2,), n, torch.float32, torch.device("cuda"))
+            val, _ = lanczos_max_abs(mv, start, tol=1e-3, max_iter=100, pass_live=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in record if "synchroniz" in str(w.message).lower()]
@@ -110,16 +123,16 @@ def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
 
 def test_monitor_on_a_cuda_model_evaluates_on_the_gpu(tmp_path, monkeypatch):
     seen: set[str] = set()
-    original = CapturedBlock.evaluate
+    original = engine_core.evaluate_block
 
     def evaluate(self, **kwargs):
         out = original(self, **kwargs)
         seen.update(v.device.type for v in out.values())
         return out
 
-    monkeypatch.setattr(CapturedBlock, "evaluate", evaluate)
+    monkeypatch.setattr(engine_core, "evaluate_block", evaluate)
     torch.manual_seed(0)
-    monitor = CurvatureMonitor(every_n_train_steps=1, max_overhead=None, log_heatmap=False)
+    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None))
     trainer = L.Trainer(
         accelerator="cuda", devices=1, max_steps=3, logger=CSVLogger(tmp_path, name="csv", version=0),
         callbacks=[monitor], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

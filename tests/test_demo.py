@@ -53,11 +53,29 @@ def test_quick_run_writes_metrics(tmp_path, capsys):
     assert "curv_hessian/layer1/attn" in columns and not any("/h0" in c or "/term/" in c for c in columns)
     for plot in ("block_norms.png", "norm_stats.png", "stability.png", "heatmap.png", "stability_heatmap.png"):
         assert (tmp_path / "plots" / plot).is_file(), plot
-    assert summary["monitor_seconds"] > 0 and summary["overhead_fraction"] > 0
+    assert summary["monitor_seconds"] > 0 and summary["overhead"] > 0
     out = capsys.readouterr().out
     assert "curvwatch demo summary" in out and "exact-match accuracy" in out
     assert str(metrics) in out
-    assert f"x the training time): {summary['evaluations'][0]} full evaluations" in out
+    # one cost figure, on one base: the monitor's seconds as a fraction of the training's (summary/overhead)
+    percent = f"{100 * summary['overhead']:.0f}% of the training time"
+    assert f" s = {percent} (" in out and f"): {summary['evaluations'][0]} full evaluations" in out
+    assert " x the training time" not in out and "s run (" not in out
+    # stdout is not a terminal here: no progress bar, one line per full evaluation instead
+    progress = [line for line in out.splitlines() if line.startswith("[curvwatch demo] step ")]
+    assert len(progress) == summary["evaluations"][0] == 3  # steps 0, 10 and 20 of the 30
+    assert all("/30  loss " in line and "max_hessian " in line and "warnings 0" in line for line in progress)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_quick_run_on_a_terminal_prints_no_evaluation_lines(tmp_path, capsys, monkeypatch):
+    """On a terminal the progress bar shows the run; the per-evaluation lines are for output that is not one."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["--quick", "--wandb", "disabled", "--out-dir", tmp_path]) == 0
+    out = capsys.readouterr().out
+    assert "curvwatch demo summary" in out
+    assert not [line for line in out.splitlines() if line.startswith("[curvwatch demo] step ")]
 
 
 def _finite_values(rows: list[dict[str, str]], key: str) -> list[float]:

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from curvwatch import LayerDescription, describe_layer, find_blocks
+from curvwatch import LayerDescription, Sharpness, describe_layer, find_blocks
 from curvwatch.adapters import ADAPTERS
-from curvwatch.sharpness import param_index_map
+from curvwatch.realloss.stability import param_index_map
 from tests import zoo
 from tests.utils import TOL, rel_err
 
@@ -93,7 +93,7 @@ def _trained_row(model: nn.Module, tmp_path) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     ids = torch.randint(0, zoo.VOCAB, (8, 6))
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness=Sharpness(samples=2))
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4))
     return curv_rows(read_rows(trainer))[1]

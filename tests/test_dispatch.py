@@ -77,20 +77,14 @@ def test_terms_only_evaluation_of_a_deep_model_meets_in_gathered_calls(monkeypat
     assert terms.total / DEEP <= DEEP_TERMS_OPS_PER_LAYER, terms.total / DEEP
 
 
-# Measured when set (issue 23, this 2-layer d 32 GPT): full 5,562 operators and 9.5 syncs per layer, terms-only 352.5
-# and 0.5 (first ceilings: full 8,199 and 15; before issue 23 at GPT-2-small width: full 15,988 and 287, terms-only 386
-# and 6; docs/performance.md section 5). The full evaluation's syncs: one NaN/Inf read, then one read per round of
-# stopping tests of the layer's blocks evaluated together (Engine._windows). Session 18 (the attention's row layouts in
-# one view each, the Lanczos step's transposed basis once): full 4,876.5 -> 4,418.5 per layer (ceiling was 6,400); the
-# FFN products' shared operands expanded into one bmm (_common.shared_times): 4,112.5; a row mask's view made once per
-# rank (_operator.RowMask): 4,049.5. Session 21 (the attention's QQ and KK sampled members in one run, its shared
-# matmul operands' views made once per operator): 4,041.5 -> 3,905.5 (ceiling lowered to about 15% above); every
-# Lanczos member's Ritz vector taken when it stops and thick restarts in slices (for merged runs): 3,962.
+# Ceilings about 15% above the counts of this 2-layer d 32 GPT (python -m benchmarks.bench_dispatch prints them: full
+# ~3,950 operators and 9.5 syncs per layer, terms-only ~350 and 0.5). The full evaluation's syncs: one NaN/Inf read,
+# then one read per round of stopping tests of the layer's blocks evaluated together (Engine._windows).
 FULL_SYNCS_PER_LAYER = 11
 FULL_OPS_PER_LAYER = 4_500
 TERMS_OPS_PER_LAYER = 410
-# The deep terms-only evaluation (12 layers, d 32): measured 85 operators per layer and 2 host reads in all when set
-# (session 13: the NaN/Inf read and the VV run's stopping test, warm); the issue's goal is 150 and 2 per layer.
+# The deep terms-only evaluation (12 layers, d 32): ~85 operators per layer and 2 host reads in all (the NaN/Inf read
+# and the VV run's stopping test, warm).
 DEEP = 12
 DEEP_TERMS_SYNCS = 3
 DEEP_TERMS_OPS_PER_LAYER = 100
@@ -100,51 +94,27 @@ DEEP_TERMS_OPS_PER_LAYER = 100
 def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatch):
     """The real-loss keys of one attention, one FFN and one grouped-query attention kernel call (16 samples, Adam-
     preconditioned: three estimates x two preconditionings per key): their operators and host reads on top of the call
-    without samples. The Lanczos members of a run share operator products of up to ``MEMBER_ROWS`` rows; with 2
-    sequences (``k B`` = 32 Gram columns) the Gauss-Newton keys come from the samples' Gram matrix at the default
-    ``GRAM_STEPS``, and the Lanczos members are solved to ``MEMBER_TOL`` times the tolerance (measured when set,
-    ``GRAM_STEPS`` 12 and ``MEMBER_TOL`` 0.2: attention 5,818 operators and 13 reads, FFN 3,285 and 11; ``MEMBER_TOL``
-    1: 4,838 / 11 and 2,866 / 10; ``GRAM_STEPS`` 4 as well, where the ``QQ``, ``KK`` and ``W1W1`` GGN keys were Lanczos
-    members: 6,748 / 11 and 3,644 / 10). Grouped-query attention (4 query heads, 2 kv heads): 5,734 / 13, its ``QQ``,
-    ``KK`` and ``VV`` GGN keys by the Gram through the query and group views (6,597 / 13 with ``KK`` and ``VV`` only;
-    9,560 / 17 when all were Lanczos members). The chunked Gram matrix added ~150 operators to the first two (5,962 / 13
-    and 3,381 / 11 now). ``gram_steps=0``: every key by Lanczos members, 12 rows per run (9,024 / 16, 5,814 / 16, 9,560
-    / 17; at ``MEMBER_TOL`` 1 8,176 / 14 and 5,027 / 14; with one product per member as well, ``STACK_MEMBERS = False``:
-    17,479 and 8,638). Since then (per-head keys by one unbind, the debiasing once for all variants of a key, the
-    preconditioned rows scaled in place): 5,614 / 13, 3,121 / 11, 5,426 / 13; with gram_steps=0 8,540 / 16, 5,350 / 16,
-    9,104 / 17. Session 16, the sharpness members' Gauss-Newton part from the Gram columns (``GRAM_SHARPNESS``; the
-    Gram's eigenvalues by ``bmm``): 5,530 / 13, 3,065 / 11, 5,342 / 13 without it, 5,070 / 13, 2,609 / 11, 4,826 / 13
-    with it (ceilings lowered to about 15% above). Session 17, the sharpness members started at their top Gauss-Newton
-    direction (``GRAM_START``): 4,810 / 12, 2,424 / 10, 4,940 / 13 (ceilings kept). Session 18, the attention's row
-    layouts in one view each (``attention._as``): 4,260 / 12, 2,392 / 10, 4,390 / 13; with gram_steps=0 7,430 / 16,
-    5,314 / 16, 7,994 / 17; the FFN's shared operands expanded into one ``bmm`` (``_common.shared_times``): FFN 1,996 /
-    10, with gram_steps=0 4,346 / 16 (ceilings lowered to about 15% above). Session 19, the runs of a call's pairs in
-    one solve (``SOLVE_PAIRS``: the attention's ``QQ`` and ``KK`` runs' stopping tests share reads): 4,250 / 7, 1,996 /
-    10, 4,390 / 13 (12 / 10 / 13 reads with one solve per pair); with gram_steps=0 7,195 / 7, 4,243 / 11, 7,776 / 13
-    (16 / 16 / 17); the grouped-query kernel's query and group views in one solve as well: 4,371 / 7, with
-    gram_steps=0 7,753 / 7; the attention's own runs and its sampled runs in one solve (``solve_planned``): attention
-    4,350 / 2, GQA 4,472 / 2, with gram_steps=0 7,445 / 2 and 8,004 / 2 (read ceilings lowered). Session 20, the
-    FFN's own runs and its sampled runs in one solve: FFN 1,973 / 2, with gram_steps=0 4,213 / 2 (read ceilings
-    lowered). Session 21, the attention's ``QQ`` and ``KK`` members as rows of one run (``STACK_PAIRS``) and its shared
-    matmul operands' views made once per operator (``AttentionOperator._bh``): attention 4,350 -> 4,055 / 2, GQA 4,472
-    -> 4,273 / 2, with gram_steps=0 7,445 -> 6,405 / 2 and 8,004 -> 7,264 / 2, FFN unchanged (side by side with a
-    worktree of the session's start; ceilings lowered to about 15% above). Then the Gram matrices' eigenvalues of a
-    call in batches (``_gram_eigen``: 18 / 12 / 18 ``eigh`` calls -> 4 / 2 / 2): 3,955 / 2, FFN 1,910 / 2, GQA 4,144 /
-    2; the keys of every pair and variant debiased at once (``sampled_plan``'s finish): 3,760 / 2, FFN 1,812 / 2, GQA
-    3,953 / 2; with gram_steps=0 6,210 / 2, 4,115 / 2, 7,073 / 2. Then a kernel's own run and its sampled run as one
-    Lanczos run (``_operator.MERGE_RUNS``; every member's Ritz vector taken when it stops, thick restarts in four slices
-    of the members): 3,531 / 2, FFN 1,347 / 2, GQA 3,569 / 2; with gram_steps=0 5,964 / 2, 3,328 / 2, 6,673 / 2.
-    Session 22, the grouped-query kernel's query-view, group-view and grouped ``VV`` runs as one run
-    (``_lanczos.merge_runs``): GQA 3,373 / 2, with gram_steps=0 6,477 / 2 (the call without samples 18,137 -> 17,682);
-    every ceiling lowered to about 15% above. Session 25, the debiased keys' standard errors (``_member_shares``: one
-    more product of the members' Ritz vectors per pair, read against the samples): attention 3,533 -> 3,747 / 2, FFN
-    1,349 -> 1,452 / 2, GQA 3,373 -> 3,586 / 2; with gram_steps=0 5,966 -> 6,368, 3,331 -> 3,513, 6,477 -> 6,910 (side
-    by side with a worktree of 231d759; ceilings kept: 6-9% above now)."""
-    from curvwatch.closed_form import _sampled
+    without samples. The Lanczos members of a run share operator products of up to ``MEMBER_ROWS`` rows (the
+    attention's ``QQ`` and ``KK`` members rows of one run); with 2 sequences (``k B`` = 32 Gram columns) the
+    Gauss-Newton keys come from the samples' Gram matrix at the default ``GRAM_STEPS`` (through the query and group
+    views with grouped-query attention), the sharpness members take their Gauss-Newton part from its columns and start
+    at their top Gauss-Newton direction, and the Lanczos members are solved to ``MEMBER_TOL`` times the tolerance; a
+    kernel's own runs and its sampled runs are solved together, those of one vector size as one run.
+    ``gram_steps=0``: every key by Lanczos members. The ceilings are 6-15% above the counts (attention ~3,750 operators
+    and 2 reads, FFN ~1,450 / 2, GQA ~3,600 / 2; with gram_steps=0 ~6,350, ~3,500 and ~6,900)."""
+    from curvwatch.closed_form import (
+        AttentionStructure,
+        AttentionWeights,
+        FFNWeights,
+        Lanczos,
+        OutputLoss,
+        ffn,
+        multi_head_attention,
+    )
+    from curvwatch.closed_form.solver import sampled_keys
 
     if gram_steps is not None:
-        monkeypatch.setattr(_sampled, "GRAM_STEPS", gram_steps)
-    from curvwatch.closed_form import Lanczos, ffn, multi_head_attention
+        monkeypatch.setattr(sampled_keys, "GRAM_STEPS", gram_steps)
 
     g = torch.Generator().manual_seed(0)
     B, L, d, H, k = 2, 16, 32, 4, 16
@@ -171,28 +141,34 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
 
     eighs = []  # the eigen-decompositions of each count
 
+    causal = AttentionStructure(causal=True)
+    attention, gqa = AttentionWeights(*W, n_heads=H), AttentionWeights(W[0], *Wkv, W[3], n_heads=H, n_kv_heads=2)
+
+    def loss(samples):
+        return OutputLoss(grad_output=G, output_samples=samples)
+
     kernels = {
-        "attention": (lambda lz, **kw: multi_head_attention(X, *W, H, grad_output=G, causal=True, lanczos=lz, **kw),
+        "attention": (lambda lz, S=None, **kw: multi_head_attention(X, attention, loss=loss(S), structure=causal,
+                                                                    lanczos=lz, **kw),
                       P_attn, *((4_100, 4) if gram_steps is None else (6_900, 4))),
-        "ffn": (lambda lz, **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, lanczos=lz, **kw), P_ffn,
-                *((1_550, 4) if gram_steps is None else (3_850, 4))),
-        "gqa": (lambda lz, **kw: multi_head_attention(X, W[0], Wkv[0], Wkv[1], W[3], H, n_kv_heads=2, grad_output=G,
-                                                      causal=True, lanczos=lz, **kw),
+        "ffn": (lambda lz, S=None, **kw: ffn(X, FFNWeights(W1, W2), activation="gelu", loss=loss(S), lanczos=lz, **kw),
+                P_ffn, *((1_550, 4) if gram_steps is None else (3_850, 4))),
+        "gqa": (lambda lz, S=None, **kw: multi_head_attention(X, gqa, loss=loss(S), structure=causal, lanczos=lz, **kw),
                 P_gqa, *((3_900, 4) if gram_steps is None else (7_500, 4))),
     }  # fmt: skip
-    # the calls without samples (the engine's own runs), measured in session 22: attention 12,511, FFN 4,656, GQA
-    # 17,682 (18,137 before its query-view, group-view and grouped VV runs were one run); ceilings about 15% above
+    # the calls without samples (the engine's own runs): attention ~12,500, FFN ~4,650, GQA ~17,700; ceilings about
+    # 15% above
     own = {"attention": 14_400, "ffn": 5_350, "gqa": 20_300}
     for name, (call, precondition, max_ops, max_reads) in kernels.items():
         ops0, reads0 = count(call)
         assert ops0 <= own[name], (name, ops0)
-        ops, reads = count(lambda lz, call=call, p=precondition: call(lz, output_samples=S, precondition=p))
+        ops, reads = count(lambda lz, call=call, p=precondition: call(lz, S=S, precondition=p))
         assert ops - ops0 <= max_ops, (name, ops - ops0)
         assert reads - reads0 <= max_reads, (name, reads - reads0)
         # the Gram matrices of every pair, preconditioning and estimate in batches of two eigh calls (the full
-        # samples', the halves'): each costs milliseconds on a GPU whatever its batch (_sampled._gram_eigen; 18 and 12
-        # calls before). Here the attention's go in two batches (its matrices outgrow its largest pair's Gram
-        # columns, 32 columns of 256 numbers a head); at GPT-2-small width in one.
+        # samples', the halves'): each costs milliseconds on a GPU whatever its batch (solver.gram.gram_eigen). Here the
+        # attention's go in two batches (its matrices outgrow its largest pair's Gram columns, 32 columns of 256
+        # numbers a head); at GPT-2-small width in one.
         assert eighs[-1] - eighs[-2] <= (4 if gram_steps is None else 0), (name, eighs[-2:])
 
 
@@ -202,7 +178,7 @@ def test_read_labels_name_the_runs_each_stopping_test_read_served():
     theirs; the steps counted are the runs' products, and nothing is recorded while inactive (outside the counted
     step)."""
     from benchmarks.bench_dispatch import ReadLabels
-    from curvwatch.closed_form import _lanczos
+    from curvwatch.closed_form.solver import lanczos as _lanczos
 
     M = torch.diag(torch.linspace(1.0, 2.0, 40, dtype=torch.float64))
 
@@ -210,7 +186,7 @@ def test_read_labels_name_the_runs_each_stopping_test_read_served():
         def mv(v: torch.Tensor) -> torch.Tensor:
             return v @ M
 
-        return _lanczos.LanczosRun(mv, (width,), 40, dtype=M.dtype, device=M.device, tol=1e-8, max_iter=12)
+        return _lanczos.LanczosRun(mv, _lanczos.start_vectors((width,), 40, M.dtype, M.device), tol=1e-8, max_iter=12)
 
     labels = ReadLabels()
     with labels.patched():

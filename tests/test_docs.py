@@ -1,5 +1,6 @@
-"""Documentation cannot drift from the code: docs/design.md's signatures and kinds table, and what docs/metrics.md
-states about keys, log levels, W&B sections, warning rules and strategies."""
+"""Documentation cannot drift from the code: docs/design.md's signatures and kinds table, what docs/metrics.md states
+about keys, log levels, W&B sections and strategies, the warning rules of docs/warnings.md, and the keys the user
+pages name."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 from pathlib import Path
 
 from curvwatch._docgen import render_design
-from curvwatch.keys import KeySpec
+from curvwatch.names import KeySpec
 
 DESIGN = Path(__file__).parents[1] / "docs" / "design.md"
 
@@ -23,6 +24,9 @@ def test_design_doc_is_generated_from_the_code():
 # --------------------------------------------------------------------------------------------------
 
 METRICS = Path(__file__).parents[1] / "docs" / "metrics.md"
+WARNINGS = Path(__file__).parents[1] / "docs" / "warnings.md"
+#: the pages that name keys: every key they name must exist
+KEY_PAGES = [METRICS, WARNINGS, *(Path(__file__).parents[1] / "docs" / f for f in ("dashboard.md", "cadence.md"))]
 _NAMED_KEY = re.compile(r"`((?:curv/|curv_hessian/|curv_stability/|summary/)[^`\s]*)`")
 
 
@@ -63,6 +67,14 @@ def test_every_key_docs_metrics_names_exists():
     assert not unknown, f"docs/metrics.md names keys that do not exist: {unknown}"
 
 
+def test_every_key_the_user_pages_name_exists():
+    for page in KEY_PAGES:
+        named = sorted(set(_NAMED_KEY.findall(page.read_text())))
+        assert named, page
+        unknown = [k for k in named if not _known(k)]
+        assert not unknown, f"{page.name} names keys that do not exist: {unknown}"
+
+
 def test_docs_metrics_log_levels_match_the_code():
     from curvwatch import CurvatureMonitor, keys
 
@@ -85,14 +97,14 @@ def test_docs_metrics_warning_defaults_are_the_code_defaults():
     from curvwatch import CurvatureMonitor
     from curvwatch.rules import RuleSet
 
-    warnings_section = _section(METRICS.read_text(), "Warnings (`CurvatureWarning`)")
-    assert '`"suite"` (default)' in warnings_section
+    warnings_section = _section(WARNINGS.read_text(), "Warnings (`CurvatureWarning`)")
+    assert '`Warnings(rules="suite")`' in warnings_section and '`"suite"` (the default)' in WARNINGS.read_text()
     assert inspect.signature(CurvatureMonitor).parameters["warning_rules"].default == "suite"
     defaults = {n: p.default for n, p in inspect.signature(RuleSet).parameters.items()}
     quoted = re.findall(r"`(\w+)=([\d.e-]+)`", warnings_section)
     assert len(quoted) >= 10
     for name, value in quoted:
-        assert name in defaults, f"docs/metrics.md quotes {name}, which RuleSet does not take"
+        assert name in defaults, f"docs/warnings.md quotes {name}, which RuleSet does not take"
         assert float(defaults[name]) == float(value), f"{name}: docs {value}, RuleSet {defaults[name]}"
     rules = {m for m in re.findall(r"^\| `(\w+)`", warnings_section, re.M)}
     fired = {"attn_saturation", "growth", "ln_collapse", "ln_variance_drop"}

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvwatch.closed_form import ffn, layernorm, multi_head_attention
-from curvwatch.closed_form._common import gram_lambda_max, spectral_norm_2d
-from curvwatch.closed_form._masks import keep_masks
-from curvwatch.closed_form._operator import solve_planned, spectral_norms
-from curvwatch.closed_form.attention import AttentionOperator, _group_keys, _grouped_vv_plan, _GroupView, _vv_gram_run
+from curvwatch.closed_form import AttentionWeights, FFNWeights, OutputLoss, ffn, layernorm, multi_head_attention
+from curvwatch.closed_form.attention import AttentionOperator, GroupView, HeadWeights, group_keys
+from curvwatch.closed_form.attention.operator import vv_gram_run
+from curvwatch.closed_form.attention.views import grouped_vv_plan
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
+from curvwatch.closed_form.masks import keep_masks
 from curvwatch.closed_form.settings import EXACT
+from curvwatch.closed_form.solver import gram_lambda_max, solve_planned, spectral_norm_2d, spectral_norms
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -55,7 +56,7 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     kpm = torch.zeros(B, L, dtype=torch.bool)
     kpm[1, -2:] = True
     keep, row_keep = keep_masks(B, L, True, kpm, X.device)
-    op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, 5), None)
+    op = AttentionOperator(X, HeadWeights(W_Q, W_K, W_V, W_O), keep, row_keep, _rand(gen, B, L, 5))
     op.set_cotangent(_rand(gen, B, L, 5), torch.rand(B, generator=gen, dtype=DT))
     M = op.vv_factor()  # (H, B L, d)
     v = _rand(gen, H, d)
@@ -63,7 +64,7 @@ def test_attention_vv_matvec_matches_the_formed_factor():
     # the product of the run, for two blocks stacked
     two = [torch.stack([t, t]) for t in (op.A, op.c, op.row_keep, op.Xkv, torch.zeros(H, d, dtype=DT))]
     two[1][1] *= 4  # c of the second block 4 times the first's: the rows sqrt(c) twice, M^T M 4 times
-    run = _vv_gram_run(*two, tol=0.0, max_iter=None, max_basis=None)
+    run = vv_gram_run(*two, tol=0.0, max_iter=None, max_basis=None)
     got = run.matvec(torch.stack([v, v]))
     assert_close_report(got[0], expected, TOL["float64"], name="M^T M v")
     assert_close_report(got[1], 4 * expected, TOL["float64"], name="M^T M v, second block")
@@ -73,8 +74,8 @@ def test_attention_vv_matvec_matches_the_formed_factor():
 
 
 def test_grouped_vv_run_equals_the_group_views_lanczos():
-    """Grouped-query attention (``G = 3``): ``outer/VV/g*`` from the stacked run of :func:`_grouped_vv_run` (one
-    product for every layer's groups in a terms-only evaluation; planned, :func:`_grouped_vv_plan`) equals the norms
+    """Grouped-query attention (``G = 3``): ``outer/VV/g*`` from the stacked run of :func:`grouped_vv_run` (one
+    product for every layer's groups in a terms-only evaluation; planned, :func:`grouped_vv_plan`) equals the norms
     of the group view's own operator products, and both equal the dense block's largest eigenvalue."""
     gen = torch.Generator().manual_seed(4)
     B, L, d, H, H_kv, k, m = 2, 5, 6, 6, 2, 3, 4
@@ -83,11 +84,11 @@ def test_grouped_vv_run_equals_the_group_views_lanczos():
     kpm = torch.zeros(B, L, dtype=torch.bool)
     kpm[1, -1] = True
     keep, row_keep = keep_masks(B, L, True, kpm, X.device)
-    op = AttentionOperator(X, W_Q, W_K, W_V, W_O, None, None, None, keep, row_keep, _rand(gen, B, L, m), None)
+    op = AttentionOperator(X, HeadWeights(W_Q, W_K, W_V, W_O), keep, row_keep, _rand(gen, B, L, m))
     op.set_cotangent(_rand(gen, B, L, m), torch.rand(B, generator=gen, dtype=DT) + 0.1)
     tight = EXACT.replace(tol=1e-10, max_iter=None, max_basis=None)
-    new = solve_planned([_grouped_vv_plan(_GroupView(op), tight)])[0]
-    old = _group_keys(spectral_norms(_GroupView(op), ["VV"], kinds=("outer",), lanczos=tight))
+    new = solve_planned([grouped_vv_plan(GroupView(op), tight)])[0]
+    old = group_keys(spectral_norms(GroupView(op), ["VV"], parts=("outer",), lanczos=tight))
     for j in range(H_kv):
         key = f"outer/VV/g{j}"
         assert_close_report(new[key], old[key], TOL["lanczos"], name=key)
@@ -101,24 +102,19 @@ def test_ffn_exact_only_path_equals_the_full_path(activation, masked):
     """Without iterative pairs the FFN skips its operator and act', act''; the exact keys do not change."""
     gen = torch.Generator().manual_seed(3)
     B, L, d, f = 2, 5, 3, 7
-    kw = dict(
-        Y=_rand(gen, B, L, d),
-        W_1=_rand(gen, d, f),
-        W_2=_rand(gen, f, d),
-        b_1=_rand(gen, f),
-        activation=activation,
-        grad_output=_rand(gen, B, L, d),
-    )
+    Y = _rand(gen, B, L, d)
+    weights = FFNWeights(_rand(gen, d, f), _rand(gen, f, d), b_1=_rand(gen, f))
+    kw = dict(activation=activation, loss=OutputLoss(grad_output=_rand(gen, B, L, d)))
     if masked:
         mask = torch.ones(B, L, dtype=torch.bool)
         mask[1, 3:] = False
         kw["row_mask"] = mask
-    exact = ffn(**kw, pairs=("W2W2",))
-    full = ffn(**kw, pairs=("W2W2", "W1W2"))
+    exact = ffn(Y, weights, **kw, pairs=("W2W2",))
+    full = ffn(Y, weights, **kw, pairs=("W2W2", "W1W2"))
     for key, val in exact.items():
         assert torch.equal(val, full[key]), key
     assert "outer/W1W2" not in exact
-    Z = kw["Y"] @ kw["W_1"] + kw["b_1"]
+    Z = Y @ weights.W_1 + weights.b_1
     kept = Z[kw["row_mask"]] if masked else Z.reshape(-1, f)
     assert float(exact["dead_fraction"]) == pytest.approx(float((kept <= 0).all(0).to(DT).mean()))
     assert float(exact["active_fraction"]) == pytest.approx(float((kept > 0).to(DT).mean()))
@@ -146,7 +142,8 @@ def test_attention_grad_output_mode_needs_no_forward_output():
     W = [_rand(gen, 6, 4) for _ in range(3)]
     W_O = _rand(gen, 4, 6)
     G = _rand(gen, 2, 4, 6)
-    out = multi_head_attention(X, *W, W_O, 2, grad_output=G, pairs=("VV",))
+    weights = AttentionWeights(*W, W_O, n_heads=2)
+    out = multi_head_attention(X, weights, loss=OutputLoss(grad_output=G), pairs=("VV",))
     assert_close_report(out["term/grad_norm"], G.norm(), TOL["float64"])
     with pytest.raises(ValueError, match="exactly one"):
-        multi_head_attention(X, *W, W_O, 2, pairs=("VV",))
+        multi_head_attention(X, weights, loss=OutputLoss(), pairs=("VV",))

@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call, grad, hessian, vmap
 
 from curvwatch import reference
+from curvwatch.closed_form import GatedFFNWeights, OutputLoss
 from curvwatch.closed_form.gated_ffn import (
     GATE_OFF,
     GATED_FFN_PAIRS,
@@ -21,7 +22,7 @@ from curvwatch.closed_form.gated_ffn import (
     gated_ffn,
 )
 from curvwatch.closed_form.settings import EXACT, Lanczos
-from curvwatch.reference.gated_ffn import _gated_ffn, gated_ffn_blocks
+from curvwatch.reference.gated_ffn import gated_ffn_blocks, gated_ffn_forward
 from tests.cases import DT, case_id, rand
 from tests.utils import TOL, assert_close_report
 
@@ -40,18 +41,18 @@ GATED_CASES = [
 
 
 def _problem(case: dict, seed: int = 0) -> tuple[tuple, dict]:
-    """Seeded ``(Y, W_gate, W_up, W_down)`` and the keyword arguments shared by kernel and reference."""
+    """Seeded ``(Y, weights)`` and the keyword arguments shared by kernel and reference."""
     gen = torch.Generator().manual_seed(seed)
     bs = (case["B"],) if case["B"] else ()
     d, f, m, L = case["d"], case["f"], case["m"], case["L"]
-    args = (rand(gen, *bs, L, d), rand(gen, d, f), rand(gen, d, f), rand(gen, f, m))
+    Y, W = rand(gen, *bs, L, d), (rand(gen, d, f), rand(gen, d, f), rand(gen, f, m))
+    biases = dict(b_gate=rand(gen, f), b_up=rand(gen, f), b_down=rand(gen, m)) if case["bias"] else {}
+    args = (Y, GatedFFNWeights(*W, **biases))
     kw: dict = {"activation": case["activation"]}
-    if case["bias"]:
-        kw.update(b_gate=rand(gen, f), b_up=rand(gen, f), b_down=rand(gen, m))
     if case["mode"] == "target":
-        kw["target"] = rand(gen, *bs, L, m)
+        kw["loss"] = OutputLoss(target=rand(gen, *bs, L, m))
     else:
-        kw.update(grad_output=rand(gen, *bs, L, m), output_curvature=0.37)
+        kw["loss"] = OutputLoss(grad_output=rand(gen, *bs, L, m), output_curvature=0.37)
     if case["mask"]:
         mask = torch.rand(case["B"] or 1, L, generator=gen) < 0.6
         mask[:, 0] = True  # every sequence keeps a token
@@ -131,10 +132,11 @@ def test_matches_llama_mlp_module(activation, act):
     W = [w.T for w in weights]  # math convention
     with torch.no_grad():
         F_module = mlp(x)
-    assert_close_report(_gated_ffn(x[None], *W, activation, None, None, None)[0], F_module, 1e-15, name="forward")
+    forward = gated_ffn_forward(x[None], GatedFFNWeights(*W), activation)[0]
+    assert_close_report(forward, F_module, 1e-15, name="forward")
     # target = the module's output: the residual vanishes, so does every functional block (the kernel's forward
     # agrees with the module's); a wrong forward would leave an O(1) residual
-    out0 = gated_ffn(x, *W, activation=activation, target=F_module, lanczos=EXACT)
+    out0 = gated_ffn(x, GatedFFNWeights(*W), activation=activation, loss=OutputLoss(target=F_module), lanczos=EXACT)
     for p in GATED_FFN_PAIRS:
         assert float(out0[f"functional/{p}"]) <= 1e-12 * float(out0[f"outer/{p}"])
     # the Hessian of the module's loss in its own (out, in) weights, permuted to the kernel's vec_r of W = weight.T
@@ -145,7 +147,7 @@ def test_matches_llama_mlp_module(activation, act):
         return ((F - T) ** 2).sum() / (L * d)
 
     H = hessian(loss, argnums=(0, 1, 2))(*weights)
-    out = gated_ffn(x, *W, activation=activation, target=T, dense=True)
+    out = gated_ffn(x, GatedFFNWeights(*W), activation=activation, loss=OutputLoss(target=T), dense=True)
     index = {"W1": 0, "W3": 1, "W2": 2}
     for p in GATED_FFN_PAIRS:
         i, j = index[p[:2]], index[p[2:]]
@@ -162,7 +164,8 @@ def test_statistics_and_terms():
     b_g[1] = 1e3  # unit 1: gate always on
     mask = torch.tensor([[True, True, False, True], [True, False, True, True]])
     Y[0, 2] = 1e3  # a dropped token with huge pre-activations must not count anywhere
-    out = gated_ffn(Y, W_g, W_u, W_d, b_gate=b_g, grad_output=rand(gen, B, L, m), row_mask=mask, pairs=["W2W2"])
+    out = gated_ffn(Y, GatedFFNWeights(W_g, W_u, W_d, b_gate=b_g), loss=OutputLoss(grad_output=rand(gen, B, L, m)),
+                    row_mask=mask, pairs=["W2W2"])  # fmt: skip
     Z = (Y @ W_g + b_g)[mask]  # (kept tokens, f)
     assert float(out["gate_saturation"]) == pytest.approx(float((Z < GATE_OFF).double().mean()))
     assert float(out["active_fraction"]) == pytest.approx(float((Z > 0).double().mean()))
@@ -177,12 +180,12 @@ def test_statistics_and_terms():
         assert_close_report(out[f"term/{key}_norm"], spec(w), TOL["float64"], name=key)
 
 
-def test_pair_and_kind_subsets_agree_with_the_full_call():
+def test_pair_and_part_subsets_agree_with_the_full_call():
     args, kw = _problem(GATED_CASES[1], seed=7)
     full = gated_ffn(*args, lanczos=EXACT, **kw)
-    only_w3 = gated_ffn(*args, pairs=["W3W3"], kinds=("functional",), lanczos=EXACT, **kw)
+    only_w3 = gated_ffn(*args, pairs=["W3W3"], parts=("functional",), lanczos=EXACT, **kw)
     assert {k for k in only_w3 if "/" in k and not k.startswith("term/")} == {"functional/W3W3"}  # no Lanczos
-    hess = gated_ffn(*args, pairs=["W3W3", "W1W2"], kinds=("hessian",), lanczos=EXACT, **kw)
+    hess = gated_ffn(*args, pairs=["W3W3", "W1W2"], parts=("hessian",), lanczos=EXACT, **kw)
     assert_close_report(hess["hessian/W3W3"], full["outer/W3W3"], TOL["float64"], name="W3W3")
     assert_close_report(hess["hessian/W1W2"], full["hessian/W1W2"], TOL["float64"], name="W1W2")
     assert "outer/W1W2" not in hess
@@ -194,8 +197,11 @@ def test_pair_and_kind_subsets_agree_with_the_full_call():
 def test_float32_agrees_with_float64():
     args, kw = _problem(GATED_CASES[4], seed=3)
     o64 = gated_ffn(*args, lanczos=EXACT, **kw)
-    kw32 = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
-    o32 = gated_ffn(*(a.float() for a in args), lanczos=EXACT, **kw32)
+    Y, weights = args
+    loss = kw["loss"]
+    weights32 = GatedFFNWeights(*(None if w is None else w.float() for w in vars(weights).values()))
+    loss32 = OutputLoss(grad_output=loss.grad_output.float(), output_curvature=loss.output_curvature)
+    o32 = gated_ffn(Y.float(), weights32, lanczos=EXACT, **{**kw, "loss": loss32})
     assert o32.keys() == o64.keys()
     for k, v in o64.items():
         assert o32[k].dtype == torch.float32
@@ -218,7 +224,7 @@ def test_default_lanczos_at_a_llama_like_size(monkeypatch):
 
     monkeypatch.setattr(GatedFFNOperator, "apply", counting)
     t0 = time.perf_counter()
-    out = gated_ffn(Y, *W, grad_output=G)  # a LanczosWarning would raise (warnings are errors)
+    out = gated_ffn(Y, GatedFFNWeights(*W), loss=OutputLoss(grad_output=G))  # a LanczosWarning would raise
     seconds = time.perf_counter() - t0
     tol, runs = Lanczos().tol, 5  # W1W1, W3W3 (outer only), W1W3, W1W2, W3W2; W2W2 is exact
     residuals = {k: float(v) for k, v in out.items() if k.startswith("residual/")}
@@ -232,30 +238,31 @@ def test_default_lanczos_at_a_llama_like_size(monkeypatch):
 def test_bad_input_says_how_to_fix():
     Y = torch.randn(3, 4, dtype=DT)
     Wg, Wu, Wd = torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT), torch.randn(5, 2, dtype=DT)
-    T = torch.zeros(3, 2, dtype=DT)
+    T = OutputLoss(target=torch.zeros(3, 2, dtype=DT))
+    W = GatedFFNWeights(Wg, Wu, Wd)
     with pytest.raises(ValueError, match=r"activation='swish'.*'silu' for SwiGLU"):
-        gated_ffn(Y, Wg, Wu, Wd, activation="swish", target=T)
+        gated_ffn(Y, W, activation="swish", loss=T)
     with pytest.raises(ValueError, match=r"activation='relu'"):
         gated_activation_derivatives(Y, "relu")
     with pytest.raises(ValueError, match=r"W_up must have W_gate's shape \(d, f\) = \(4, 5\)"):
-        gated_ffn(Y, Wg, torch.randn(4, 6, dtype=DT), Wd, target=T)
+        gated_ffn(Y, GatedFFNWeights(Wg, torch.randn(4, 6, dtype=DT), Wd), loss=T)
     with pytest.raises(ValueError, match=r"W_gate has shape \(5, 4\).*nn.Linear.weight.T"):
-        gated_ffn(Y, Wg.T, Wu, Wd, target=T)  # the nn.Linear (out, in) layout
+        gated_ffn(Y, GatedFFNWeights(Wg.T, Wu, Wd), loss=T)  # the nn.Linear (out, in) layout
     with pytest.raises(ValueError, match=r"W_down has shape \(2, 5\).*nn.Linear.weight.T"):
-        gated_ffn(Y, Wg, Wu, Wd.T, target=torch.zeros(3, 5, dtype=DT))
+        gated_ffn(Y, GatedFFNWeights(Wg, Wu, Wd.T), loss=OutputLoss(target=torch.zeros(3, 5, dtype=DT)))
     with pytest.raises(ValueError, match=r"target must have the output's shape \(3, 2\)"):
-        gated_ffn(Y, Wg, Wu, Wd, target=Y)
+        gated_ffn(Y, W, loss=OutputLoss(target=Y))
     with pytest.raises(ValueError, match=r"Unknown gated-MLP pair 'W2W1'.*W1 = gate, W3 = up, W2 = down"):
-        gated_ffn(Y, Wg, Wu, Wd, target=T, pairs=["W2W1"])
-    with pytest.raises(ValueError, match=r"Invalid kinds"):
-        gated_ffn(Y, Wg, Wu, Wd, target=T, kinds=("gn",))
+        gated_ffn(Y, W, loss=T, pairs=["W2W1"])
+    with pytest.raises(ValueError, match=r"Invalid parts"):
+        gated_ffn(Y, W, loss=T, parts=("gn",))
     with pytest.raises(ValueError, match=r"Invalid row_mask shape \(2, 3\).*True = token in the loss"):
-        gated_ffn(Y, Wg, Wu, Wd, target=T, row_mask=torch.ones(2, 3, dtype=torch.bool))
+        gated_ffn(Y, W, loss=T, row_mask=torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"b_gate must have shape \(5,\)"):
-        gated_ffn(Y, Wg, Wu, Wd, target=T, b_gate=torch.zeros(4, dtype=DT))
+        gated_ffn(Y, GatedFFNWeights(Wg, Wu, Wd, b_gate=torch.zeros(4, dtype=DT)), loss=T)
     with pytest.raises(ValueError, match=r"Pass exactly one of target="):
-        gated_ffn(Y, Wg, Wu, Wd)
+        gated_ffn(Y, W, loss=OutputLoss())
     with pytest.raises(ValueError, match=r"Invalid activation='swish'"):
-        gated_ffn_blocks(Y, Wg, Wu, Wd, activation="swish", target=T)
+        gated_ffn_blocks(Y, W, activation="swish", loss=T)
     with pytest.raises(ValueError, match=r"Invalid W_up shape \(4, 6\). Expected \(4, 5\)"):
-        gated_ffn_blocks(Y, Wg, torch.randn(4, 6, dtype=DT), Wd, target=T)
+        gated_ffn_blocks(Y, GatedFFNWeights(Wg, torch.randn(4, 6, dtype=DT), Wd), loss=T)

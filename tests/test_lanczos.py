@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from curvwatch.closed_form import _lanczos, softmax_hessian_frobenius, softmax_jacobian_norm
-from curvwatch.closed_form._lanczos import lanczos_max_abs
+from curvwatch.closed_form import (
+    AttentionWeights,
+    FFNWeights,
+    OutputLoss,
+    softmax_hessian_frobenius,
+    softmax_jacobian_norm,
+)
 from curvwatch.closed_form.settings import Lanczos, WarmStart
+from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -20,11 +27,11 @@ def test_lanczos_matches_eigvalsh_batched():
     S = M + M.mT
     expected = torch.linalg.eigvalsh(S).abs().amax(-1)
     val, vec = lanczos_max_abs(
-        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu")
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), start_vectors((3, 4), 40, DT, torch.device("cpu"))
     )
     assert_close_report(val, expected, TOL["lanczos"])
     exact, _ = lanczos_max_abs(
-        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (3, 4), 40, dtype=DT, device=torch.device("cpu"), tol=0.0
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), start_vectors((3, 4), 40, DT, torch.device("cpu")), tol=0.0
     )
     assert_close_report(exact, expected, 1e-12)
     # the Ritz vector is an eigenvector: a warm start from it converges in fewer products than a cold start (it is
@@ -37,17 +44,17 @@ def test_lanczos_matches_eigvalsh_batched():
             calls.append(int(live.sum()))
             return (S @ v.unsqueeze(-1)).squeeze(-1)
 
-        val, _ = lanczos_max_abs(mv, (3, 4), 40, dtype=DT, device=torch.device("cpu"), v0=v0, tol=1e-6, pass_live=True)
+        val, _ = lanczos_max_abs(mv, start_vectors((3, 4), 40, DT, torch.device("cpu"), v0), tol=1e-6, pass_live=True)
         assert_close_report(val, expected, 1e-5)
         products[name] = sum(calls)
     assert products["warm"] < products["cold"], products
 
 
 def test_lanczos_zero_operator_and_negative_spectrum():
-    val, _ = lanczos_max_abs(lambda v: 0 * v, (2,), 5, dtype=DT, device=torch.device("cpu"))
+    val, _ = lanczos_max_abs(lambda v: 0 * v, start_vectors((2,), 5, DT, torch.device("cpu")))
     assert torch.equal(val, torch.zeros(2, dtype=DT))
     D = torch.diag(torch.tensor([-7.0, 1.0, 2.0], dtype=DT))
-    val, _ = lanczos_max_abs(lambda v: v @ D, (), 3, dtype=DT, device=torch.device("cpu"))
+    val, _ = lanczos_max_abs(lambda v: v @ D, start_vectors((), 3, DT, torch.device("cpu")))
     assert abs(float(val) - 7.0) < 1e-6
 
 
@@ -73,11 +80,11 @@ def test_lanczos_algebraic_finds_the_largest_eigenvalue_under_a_dominant_negativ
 
     for kw, rtol in ((dict(tol=0.0), 1e-12), (dict(tol=1e-10, max_iter=200, max_basis=8), 1e-8)):
         info: dict = {}
-        val, vec = lanczos_max_abs(mv, (3,), n, dtype=DT, device=cpu, algebraic=True, info=info, **kw)
+        val, vec = lanczos_max_abs(mv, start_vectors((3,), n, DT, cpu), algebraic=True, info=info, **kw)
         assert_close_report(val, top, rtol, name=str(kw))
         # the Ritz vector is that eigenvector: its Rayleigh quotient is the value
         assert_close_report((vec * mv(vec)).sum(-1) / (vec * vec).sum(-1), top, rtol, name="rayleigh")
-    plain, _ = lanczos_max_abs(mv, (3,), n, dtype=DT, device=cpu, tol=1e-8)
+    plain, _ = lanczos_max_abs(mv, start_vectors((3,), n, DT, cpu), tol=1e-8)
     assert_close_report(plain, torch.tensor([10.0, 5.0, 3.0], dtype=DT), 1e-7)  # the default: largest |eigenvalue|
 
 
@@ -96,7 +103,7 @@ def test_two_gram_schmidt_passes_every_step_and_no_read_of_a_device_value(monkey
     reads = []
     item = torch.Tensor.item
     monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
-    val = float(lanczos_max_abs(lambda v: v @ A, (), 300, dtype=DT, device=cpu, tol=0.0, max_iter=12)[0])
+    val = float(lanczos_max_abs(lambda v: v @ A, start_vectors((), 300, DT, cpu), tol=0.0, max_iter=12)[0])
     steps = max(passes)
     assert steps >= 4 and passes == sorted(2 * list(range(1, steps + 1)))  # (it stops once the space is exhausted)
     assert abs(val - 5.0) < 1e-12
@@ -113,8 +120,9 @@ def test_lanczos_run_past_convergence_stays_in_the_spectrum():
         Q, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen, dtype=DT))
         A = (Q * torch.linspace(0.1, 3, 60, dtype=DT)) @ Q.T
         for max_basis, tol in ((None, 0.0), (16, 1e-12)):
-            val = lanczos_max_abs(lambda v, A=A: v @ A, (), 60, dtype=DT, device=cpu, tol=tol, max_iter=200,
-                                  max_basis=max_basis)[0]  # fmt: skip
+            val = lanczos_max_abs(
+                lambda v, A=A: v @ A, start_vectors((), 60, DT, cpu), tol=tol, max_iter=200, max_basis=max_basis
+            )[0]
             assert abs(float(val) - 3.0) < 1e-9, (seed, max_basis, float(val))
 
 
@@ -128,9 +136,11 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
 
     def run():
         return lanczos_max_abs(
-            lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (2,), 60, dtype=DT, device=torch.device("cpu"), tol=0.0,
+            lambda v: (S @ v.unsqueeze(-1)).squeeze(-1),
+            start_vectors((2,), 60, DT, torch.device("cpu")),
+            tol=0.0,
             max_iter=40,
-        )  # fmt: skip
+        )
 
     host_val, host_vec = run()
     calls = []
@@ -173,8 +183,9 @@ def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off
             m.setattr(np.linalg, "eigh", lambda T: eighs.append(T) or eigh(T))
             m.setattr(_lanczos, "CHECK_EVERY", every)
             info: dict = {}
-            val, _ = lanczos_max_abs(mv, (3,), n, dtype=torch.float32, device=cpu, tol=1e-3, max_iter=60,
-                                     pass_live=True, info=info)  # fmt: skip
+            val, _ = lanczos_max_abs(
+                mv, start_vectors((3,), n, torch.float32, cpu), tol=1e-3, max_iter=60, pass_live=True, info=info
+            )
         return val, info["rel_residual"], products, eighs
 
     _, _, every_step, _ = run(1)
@@ -209,8 +220,9 @@ def test_warm_start_after_the_other_end_grew_is_not_reported_converged_low():
         for eps in (1e-3, 1e-2, 5e-2):
             v0 = torch.linalg.eigh(A + eps * E)[1][:, -1]  # the old top eigenvector
             info: dict = {}
-            val, _ = lanczos_max_abs(lambda v, A=A: v @ A, (), n, dtype=DT, device=cpu, tol=1e-2, v0=v0, max_iter=40,
-                                     max_basis=16, info=info)  # fmt: skip
+            val, _ = lanczos_max_abs(
+                lambda v, A=A: v @ A, start_vectors((), n, DT, cpu, v0), tol=1e-2, max_iter=40, max_basis=16, info=info
+            )
             assert float(info["rel_residual"]) <= 1e-2
             assert abs(float(val) - abs(other)) <= 1e-2 * abs(other), (other, eps, float(val))
 
@@ -227,8 +239,9 @@ def test_lanczos_reports_the_relative_residual_of_each_member():
     top = torch.tensor([10.0, 1.0], dtype=DT)
     cpu = torch.device("cpu")
     info: dict = {}
-    val, _ = lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (2,), n, dtype=DT, device=cpu, tol=1e-8,
-                             max_iter=12, info=info)  # fmt: skip
+    val, _ = lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), start_vectors((2,), n, DT, cpu), tol=1e-8, max_iter=12, info=info
+    )
     rel = info["rel_residual"]
     assert rel.shape == (2,)
     assert 0 < rel[0] <= 1e-8  # converged before step 12
@@ -246,9 +259,8 @@ def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_one
     for max_iter, converged in ((None, True), (2, False)):
         r = multi_head_attention(
             X,
-            *W,
-            n_heads=2,
-            target=T,
+            AttentionWeights(*W, n_heads=2),
+            loss=OutputLoss(target=T),
             pairs=["VV", "QQ", "VK"],
             lanczos=Lanczos(tol=1e-6, max_iter=max_iter, max_basis=None, warn=False),
         )
@@ -261,15 +273,14 @@ def test_kernels_report_a_residual_for_every_lanczos_norm_and_none_for_exact_one
     for activation in ("relu", "gelu"):
         r = ffn(
             X,
-            W1,
-            W2,
+            FFNWeights(W1, W2),
             activation=activation,
-            target=T,
+            loss=OutputLoss(target=T),
             pairs=["W1W1", "W2W2"],
             lanczos=Lanczos(tol=1e-6, max_iter=None, max_basis=None, warn=False),
         )
-        kinds = ("functional", "hessian", "outer") if activation == "gelu" else ("hessian", "outer")  # relu: H_f = 0
-        assert sorted(k for k in r if k.startswith("residual/")) == [f"residual/{kind}/W1W1" for kind in kinds]
+        parts = ("functional", "hessian", "outer") if activation == "gelu" else ("hessian", "outer")  # relu: H_f = 0
+        assert sorted(k for k in r if k.startswith("residual/")) == [f"residual/{part}/W1W1" for part in parts]
 
 
 def test_warm_start_at_the_smaller_end_still_finds_the_larger_one():
@@ -283,7 +294,7 @@ def test_warm_start_at_the_smaller_end_still_finds_the_larger_one():
     A = (Q * lam) @ Q.T
     cpu = torch.device("cpu")
     for tol in (1e-2, 1e-3):
-        val, _ = lanczos_max_abs(lambda v: v @ A, (), n, dtype=DT, device=cpu, tol=tol, v0=Q[:, 0].clone())
+        val, _ = lanczos_max_abs(lambda v: v @ A, start_vectors((), n, DT, cpu, Q[:, 0].clone()), tol=tol)
         assert abs(float(val) - 1.5) <= 1.5 * tol, (tol, float(val))
 
 
@@ -356,7 +367,7 @@ def test_lanczos_tolerance_is_relative_accuracy_on_hard_spectra():
         Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
         S = (Q * e) @ Q.T
         for tol in (1e-2, 1e-3):
-            val, _ = lanczos_max_abs(lambda v, S=S: v @ S, (), n, dtype=DT, device=torch.device("cpu"), tol=tol)
+            val, _ = lanczos_max_abs(lambda v, S=S: v @ S, start_vectors((), n, DT, torch.device("cpu")), tol=tol)
             assert_close_report(val.reshape(()), e.abs().max(), tol, name=f"{name} tol={tol}")
 
 
@@ -375,7 +386,10 @@ def test_lanczos_indefinite_does_not_stop_on_the_smaller_end():
         S = (Q * e) @ Q.T
         for both in (True, False):
             val, _ = lanczos_max_abs(
-                lambda v, S=S: v @ S, (), n, dtype=DT, device=torch.device("cpu"), tol=1e-3, seed=trial, both_ends=both
+                lambda v, S=S: v @ S,
+                start_vectors((), n, DT, torch.device("cpu"), seed=trial),
+                tol=1e-3,
+                both_ends=both,
             )
             misses[both] += int(abs(float(val) - 1.0) > 1e-3)
     assert misses[False] >= 5, misses  # the failure mode is real
@@ -466,8 +480,15 @@ def test_thick_restart_bounds_the_basis_and_keeps_the_accuracy(monkeypatch, max_
         return (S @ v.unsqueeze(-1)).squeeze(-1)
 
     info: dict = {}
-    val, vec = lanczos_max_abs(mv, (4,), n, dtype=DT, device=torch.device("cpu"), tol=1e-7, max_iter=2000,
-                               max_basis=max_basis, pass_live=True, info=info)  # fmt: skip
+    val, vec = lanczos_max_abs(
+        mv,
+        start_vectors((4,), n, DT, torch.device("cpu")),
+        tol=1e-7,
+        max_iter=2000,
+        max_basis=max_basis,
+        pass_live=True,
+        info=info,
+    )
     assert max(sizes) == max_basis  # it did fill the basis and restart, and never held more
     assert len(products) < 2000 and (info["rel_residual"] <= 1e-7).all()  # converged, not cut off
     assert_close_report(val, expected, 1e-6)
@@ -481,8 +502,13 @@ def test_thick_restart_keeps_a_converged_member_as_it_stopped():
     when it stopped, although the others restart around it."""
     n = 150
     S, _ = _spectra(n)
-    run = lambda **kw: lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (4,), n, dtype=DT,  # noqa: E731
-                                       device=torch.device("cpu"), tol=1e-4, max_iter=400, **kw)  # fmt: skip
+    run = lambda **kw: lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1),
+        start_vectors((4,), n, DT, torch.device("cpu")),
+        tol=1e-4,
+        max_iter=400,
+        **kw,
+    )
     full_val, full_vec = run()
     val, vec = run(max_basis=10)
     # member 3 (isolated eigenvalue 5) stops within the first 10 steps, before any restart
@@ -493,8 +519,13 @@ def test_thick_restart_keeps_a_converged_member_as_it_stopped():
 def test_max_basis_at_or_above_max_iter_changes_nothing_and_below_four_is_refused():
     n = 60
     S, _ = _spectra(n)
-    run = lambda **kw: lanczos_max_abs(lambda v: (S @ v.unsqueeze(-1)).squeeze(-1), (4,), n, dtype=DT,  # noqa: E731
-                                       device=torch.device("cpu"), tol=1e-6, max_iter=30, **kw)  # fmt: skip
+    run = lambda **kw: lanczos_max_abs(
+        lambda v: (S @ v.unsqueeze(-1)).squeeze(-1),
+        start_vectors((4,), n, DT, torch.device("cpu")),
+        tol=1e-6,
+        max_iter=30,
+        **kw,
+    )
     base = run()
     for cap in (30, 31, 100):
         again = run(max_basis=cap)
@@ -513,12 +544,14 @@ def test_kernels_with_max_basis_give_the_same_norms():
     W = [torch.randn(8, 8, generator=gen, dtype=DT) / 3 for _ in range(4)]
     W1, W2 = torch.randn(8, 16, generator=gen, dtype=DT) / 3, torch.randn(16, 8, generator=gen, dtype=DT) / 4
     calls = {
-        "attention": lambda **kw: multi_head_attention(X, *W, n_heads=2, grad_output=G, pairs=["QQ", "VK", "QKV"],
+        "attention": lambda **kw: multi_head_attention(X, AttentionWeights(*W, n_heads=2),
+                                                       loss=OutputLoss(grad_output=G), pairs=["QQ", "VK", "QKV"],
                                                        terms=False, **kw),
-        "ffn": lambda **kw: ffn(X, W1, W2, activation="gelu", grad_output=G, pairs=["W1W1", "W1W2"], **kw),
+        "ffn": lambda **kw: ffn(X, FFNWeights(W1, W2), activation="gelu", loss=OutputLoss(grad_output=G),
+                                pairs=["W1W1", "W1W2"], **kw),
         "block": lambda **kw: transformer_block(
             X, {"W_Q": W[0], "W_K": W[1], "W_V": W[2], "W_1": W1, "W_2": W2, "n_heads": 2}, norm="pre",
-            activation="gelu", grad_output=G, pairs=["KK", "W1W1", "VW2"], **kw,
+            activation="gelu", loss=OutputLoss(grad_output=G), pairs=["KK", "W1W1", "VW2"], **kw,
         ),
     }  # fmt: skip
     for name, call in calls.items():
@@ -547,8 +580,12 @@ def test_breakdown_between_stopping_tests_on_a_tiny_operator_gives_a_zero_vector
     eig = torch.linalg.eigvalsh(S)
     expected = eig[:, -1] if algebraic else eig.abs().amax(-1)
     S32 = S.float()
-    val, vec = lanczos_max_abs(lambda v: (S32 @ v.unsqueeze(-1)).squeeze(-1), (2,), n, dtype=torch.float32,
-                               device=torch.device("cpu"), tol=1e-7, algebraic=algebraic)  # fmt: skip
+    val, vec = lanczos_max_abs(
+        lambda v: (S32 @ v.unsqueeze(-1)).squeeze(-1),
+        start_vectors((2,), n, torch.float32, torch.device("cpu")),
+        tol=1e-7,
+        algebraic=algebraic,
+    )
     assert torch.isfinite(vec).all()
     assert_close_report(val.double(), expected, 1e-5)
 
@@ -607,8 +644,14 @@ def test_merged_runs_give_each_run_its_own_results_to_the_bit(max_basis):
             return (M @ v.unsqueeze(-1)).squeeze(-1)
 
         settings = [dict(tol=1e-9, both_ends=True), dict(tol=1e-3, algebraic=True), dict(tol=1e-6, both_ends=False)][i]
-        return _lanczos.LanczosRun(mv, M.shape[:-2], n, dtype=M.dtype, device=M.device, max_iter=60,
-                                   max_basis=max_basis, pass_live=pass_live, **settings)  # fmt: skip
+        return _lanczos.LanczosRun(
+            mv,
+            start_vectors(M.shape[:-2], n, M.dtype, M.device),
+            max_iter=60,
+            max_basis=max_basis,
+            pass_live=pass_live,
+            **settings,
+        )
 
     alone = [run_of(i, pass_live=i != 1) for i in range(3)]
     _lanczos.solve(alone)
@@ -636,22 +679,20 @@ def test_merged_runs_give_each_run_its_own_results_to_the_bit(max_basis):
     assert torch.equal(kept, runs[0].ritz) and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
 
 
-def test_a_run_several_evaluations_hold_or_one_already_stepped_is_not_merged(monkeypatch):
+def test_a_run_several_evaluations_hold_or_one_already_stepped_is_not_merged():
     """A ``made_together`` run that the blocks of a window share (``holders`` > 1) steps in each holder's solve, so no
-    solve merges it into a run of its own; nor a run already stepped. ``_operator._made`` merges the others."""
-    from curvwatch.closed_form import _operator
+    solve merges it into a run of its own; nor a run already stepped. ``plan._made`` merges the others."""
+    from curvwatch.closed_form.solver import plan
 
     M = torch.diag(torch.arange(1.0, 9.0, dtype=torch.float64))
 
     def run() -> _lanczos.LanczosRun:
-        return _lanczos.LanczosRun(lambda v: v @ M, (1, 2), 8, dtype=M.dtype, device=M.device, tol=1e-8)
+        return _lanczos.LanczosRun(lambda v: v @ M, start_vectors((1, 2), 8, M.dtype, M.device), tol=1e-8)
 
     shared, stepped, a, b = run(), run(), run(), run()
     shared.holders = 2
     stepped.step()
     assert not _lanczos.mergeable(shared) and not _lanczos.mergeable(stepped) and _lanczos.mergeable(a)
-    made, solved = _operator._made([(0, lambda r=r: r) for r in (shared, stepped, a, b)])
+    made, solved = plan._made([(0, lambda r=r: r) for r in (shared, stepped, a, b)])
     assert [r for _, r in made] == [shared, stepped, a, b]
-    assert len(solved) == 3 and [p[0] for p in solved[0].parts] == [a, b] and solved[1:] == [shared, stepped]
-    monkeypatch.setattr(_operator, "MERGE_RUNS", False)
-    assert _operator._made([(0, lambda: a)])[1] == [a]
+    assert len(solved) == 3 and [p[0] for p in solved[0].merged] == [a, b] and solved[1:] == [shared, stepped]

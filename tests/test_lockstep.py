@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import curvwatch.engine.core as engine_module
 from benchmarks.bench_dispatch import OpCounter, count_host_reads
-from curvwatch import engine as engine_module
-from curvwatch.closed_form import _lanczos, _lockstep
-from curvwatch.closed_form._lockstep import Lockstep, gathered, made_together
 from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
+from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver import lockstep as _lockstep
+from curvwatch.closed_form.solver.lockstep import Lockstep, gathered, made_together
 from curvwatch.engine import Engine
 from curvwatch.rules import RuleSet
 from tests.test_engine import _captured as captured_gpt
@@ -64,7 +65,7 @@ def test_gathered_vv_lanczos_is_one_run_for_every_layer(monkeypatch):
     original = _lanczos.LanczosRun.__init__
 
     def count(self, *args, **kwargs):
-        runs.append(args[1])  # batch shape
+        runs.append(tuple(args[1].shape[:-1]))  # the batch shape of its start vectors
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(_lanczos.LanczosRun, "__init__", count)
@@ -160,10 +161,12 @@ def test_lockstep_hands_each_evaluation_its_own_error_and_result():
     M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
 
     def norm(scale):
-        return float(_lanczos.lanczos_max_abs(lambda v: v @ (M * scale), (), 3, dtype=DT, device=M.device)[0])
+        return float(
+            _lanczos.lanczos_max_abs(lambda v: v @ (M * scale), _lanczos.start_vectors((), 3, DT, M.device))[0]
+        )
 
     def broken():
-        return _lanczos.lanczos_max_abs(lambda v: 1 / 0, (), 3, dtype=DT, device=M.device)
+        return _lanczos.lanczos_max_abs(lambda v: 1 / 0, _lanczos.start_vectors((), 3, DT, M.device))
 
     lock = Lockstep()
     (a, ea), (b, eb), (c, ec) = lock.run([lambda: norm(1.0), broken, lambda: norm(3.0)])
@@ -178,13 +181,15 @@ def test_lockstep_threads_are_kept_and_reused_between_runs():
     import contextvars
     import threading
 
-    from curvwatch.closed_form import _lockstep
+    from curvwatch.closed_form.solver import lockstep as _lockstep
 
     tag = contextvars.ContextVar("tag", default="unset")
     M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
 
     def norm(scale):
-        value = float(_lanczos.lanczos_max_abs(lambda v: v @ (M * scale), (), 3, dtype=DT, device=M.device)[0])
+        value = float(
+            _lanczos.lanczos_max_abs(lambda v: v @ (M * scale), _lanczos.start_vectors((), 3, DT, M.device))[0]
+        )
         return value, tag.get(), threading.current_thread().name
 
     def broken():
@@ -233,7 +238,7 @@ def _shared_run(scales: torch.Tensor) -> _lanczos.LanczosRun:
             raise FloatingPointError("induced")
         return (v @ M) * scales[:, None]
 
-    return _lanczos.LanczosRun(mv, (len(scales),), 3, dtype=DT, device=M.device)
+    return _lanczos.LanczosRun(mv, _lanczos.start_vectors((len(scales),), 3, DT, M.device))
 
 
 def test_a_shared_run_steps_once_per_round_and_an_error_reaches_only_its_own_evaluation():
@@ -274,7 +279,7 @@ def test_a_shared_run_solved_with_an_evaluations_own_runs_fails_alone():
 
     def norms(scale: float) -> tuple[float, float]:
         shared = made_together(_shared_run, torch.tensor(scale, dtype=DT))
-        own = _lanczos.LanczosRun(lambda v: v @ (M * 2), (), 3, dtype=DT, device=M.device)
+        own = _lanczos.LanczosRun(lambda v: v @ (M * 2), _lanczos.start_vectors((), 3, DT, M.device))
         _lanczos.solve([shared.run, own])
         assert own.error is None
         run, i = shared.solved()

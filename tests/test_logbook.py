@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from curvwatch.alerts import AlertMonitor
 from curvwatch.engine import NONFINITE, BlockError, Evaluation
 from curvwatch.logbook import HEADLINES, Logbook, LogError, flatten
 from curvwatch.rules import RuleSet
@@ -48,19 +47,14 @@ def test_terms_only_entries_keep_the_last_full_norms():
 
 
 def test_rule_states_rewind_a_failed_entry():
-    book = Logbook("", 1e-2, alerts=AlertMonitor(spike_warmup=1, cooldown=0), rules=RuleSet())
+    book = Logbook("", 1e-2, rules=RuleSet(collapse_patience=1))
     book.commit(book.record(0, _flat(1.0), Evaluation(), BLOCKS, 0.0, 0.0, False))
     saved = book.rule_states()
-    entry = book.record(1, _flat(1e6), Evaluation(), BLOCKS, 0.0, 0.0, False)  # a spike: the legacy rule fires
-    assert [a.kind for a in entry.fired] == ["spike"] and book.fired == 1
+    entry = book.record(1, _flat(1.0, var_min=1e-5), Evaluation(), BLOCKS, 0.0, 0.0, False)  # var_min/eps = 1
+    assert [a.kind for a in entry.fired] == ["ln_collapse"] and book.fired == 1
+    assert "layer0/ln_1" in entry.fired[0].message
     book.load_rule_states(saved)
     assert book.fired == 0 and book.history == [] and book.evaluations == 1
-
-
-def test_collapse_statistics_use_the_blocks_eps():
-    book = Logbook("", 1e-2, alerts=AlertMonitor(collapse_ratio=5.0, patience=1))
-    entry = book.record(0, _flat(1.0, var_min=1e-5), Evaluation(), BLOCKS, 0.0, 0.0, False)  # var_min/eps = 1
-    assert [a.kind for a in entry.fired] == ["ln_collapse"] and "layer0/ln_1" in entry.fired[0].message
 
 
 def test_nonfinite_blocks_are_flags_not_numbers():
@@ -110,13 +104,13 @@ def test_skip_says_what_went_wrong(error, what):
 
 
 def test_state_round_trip_and_bounded_errors():
-    book = Logbook("", 1e-2, alerts=AlertMonitor(spike_warmup=1), rules=RuleSet())
+    book = Logbook("", 1e-2, rules=RuleSet())
     book.commit(book.record(0, _flat(2.0), Evaluation(), BLOCKS, 0.0, 0.0, False))
     for step in range(30):
         book.skip(step, RuntimeError(str(step)))
     state = book.state_dict()
     assert len(state["errors"]) == 20 and state["errors"][-1] == "step 29: RuntimeError: 29"
-    other = Logbook("", 1e-2, alerts=AlertMonitor(spike_warmup=1), rules=RuleSet())
+    other = Logbook("", 1e-2, rules=RuleSet())
     other.load_state_dict(state)
     assert other.state_dict() == state
     old = Logbook()

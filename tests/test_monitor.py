@@ -23,7 +23,7 @@ from tests.ddp_script import VOCAB, TinyLM, loader
 
 P = "curv/"
 #: wall-clock keys: the only ones that differ between two runs of the same step
-TIMING = ("eval_time_s", "overhead_fraction")
+TIMING = ("eval_time_s", "overhead")
 SETTINGS = dict(
     every_n_train_steps=1,
     cadence=Cadence(max_overhead=None, terms_every_n_train_steps=None),
@@ -103,7 +103,7 @@ def test_lightning_and_plain_loop_log_the_same_numbers(tmp_path):
     assert sorted(lightning) == [0, 1]
     # every feature reached the sink: block norms, summaries, the real-loss and edge-of-stability keys
     for key in ("summary/max_hessian", "layer0/attn/hessian/VV/h0", "layer0/attn/sharpness/VV/h0",
-                "layer0/ffn/stability/max", "summary/stability/max", "summary/overhead_fraction"):  # fmt: skip
+                "layer0/ffn/stability/max", "summary/stability/max", "summary/overhead"):  # fmt: skip
         assert P + key in rows[1], key
     assert_same(plain, lightning)  # exactly: the real-loss samples from the backward equal those before it
     assert monitor.book.evaluations == 2 and monitor.state_dict()["evaluations"] == 2
@@ -550,3 +550,85 @@ def test_hf_trainer_accumulation_is_scaled_and_not_noticed(tmp_path):
         warnings.simplefilter("error", CurvatureNotice)
         trainer.train()
     assert sorted(rows) == [0, 1] and all(any("/sharpness/" in k for k in r) for r in rows.values())
+
+
+def test_a_monitor_with_nowhere_to_log_says_so_once_naming_the_class_built(tmp_path):
+    """``Monitor(..., log=None)`` (e.g. ``log=wandb.run`` before ``wandb.init``), a Trainer without a logger and the
+    Hugging Face callback with ``report_to="none"`` compute and log nowhere: each says so once, at the start, naming
+    the class the user built and how to give it a destination."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    idx = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    monitor = Monitor(model, log=None, every_n_train_steps=1, sharpness=False, warning_rules=Warnings(warn=False))
+    with pytest.warns(CurvatureNotice) as seen:
+        for step in range(2):
+            with monitor.step(step):
+                tiny_lm_loss(model, idx).backward()
+    messages = [str(w.message) for w in seen if "nowhere" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("Monitor has nowhere to write its numbers: log=None; pass")
+    assert "CurvatureMonitor" not in messages[0] and "summary/max_hessian" in monitor.latest
+
+    callback = CurvatureMonitor(every_n_train_steps=1, sharpness=False)
+    trainer = L.Trainer(max_steps=1, logger=False, callbacks=[callback], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.warns(CurvatureNotice, match=r"^CurvatureMonitor has nowhere .*the Trainer has no logger"):
+        trainer.fit(TinyLM(), loader(n=4))
+
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from curvwatch.hf_trainer import CurvatureCallback
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                            num_attention_heads=2, max_position_embeddings=16, attn_implementation="eager")  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (2, 8))]
+    args = tf.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1,
+                                per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    hf = tf.Trainer(model=tf.LlamaForCausalLM(config), args=args, train_dataset=data,
+                    callbacks=[CurvatureCallback(every_n_train_steps=1, sharpness=False)])  # fmt: skip
+    with pytest.warns(CurvatureNotice, match=r"^CurvatureCallback has nowhere .*report_to='wandb'"):
+        hf.train()
+    with pytest.raises(TypeError, match=r"^CurvatureCallback\(\) got an unexpected keyword argument 'max_tokens'"):
+        CurvatureCallback(max_tokens=64)
+
+
+def test_required_sharpness_fails_at_the_first_evaluation_whose_logits_module_gave_no_logits():
+    """``Sharpness(enabled=True)`` is required: a logits module that is never called (a wrong name) fails the first
+    full evaluation with the fix; ``"auto"`` says so once and logs the other keys."""
+
+    class TwoHeads(TinyLM):
+        def __init__(self):
+            super().__init__()
+            self.aux_head = torch.nn.Linear(8, VOCAB)  # never called
+
+    idx = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    for enabled in (True, "auto"):
+        torch.manual_seed(0)
+        model = TwoHeads()
+        monitor = Monitor(model, log=lambda m, s: None, every_n_train_steps=1, warning_rules=Warnings(warn=False),
+                          sharpness=Sharpness(enabled=enabled, logits_module="aux_head"))  # fmt: skip
+        if enabled is True:
+            with pytest.raises(ValueError, match=r"^sharpness=True: Monitor has no real-loss keys .* 'aux_head' "
+                                                 r"produced no output with gradient tracking"):  # fmt: skip
+                with monitor.step(0):
+                    tiny_lm_loss(model, idx).backward()
+        else:
+            with pytest.warns(CurvatureNotice, match=r"'aux_head' produced no output with gradient tracking"):
+                with monitor.step(0):
+                    tiny_lm_loss(model, idx).backward()
+            assert "summary/max_hessian" in monitor.latest
+
+
+def test_hooks_note_says_how_often_a_users_backward_hooks_run():
+    """A full backward hook of the user's on a module between the logits and the blocks (the final LayerNorm) runs once
+    per sampled pass on every full evaluation (4 extra with Sharpness(samples=4)): the set-up table says so."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    calls = []
+    model.model.ln_f.register_full_backward_hook(lambda *a: calls.append(1))
+    idx = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    monitor = Monitor(model, log=lambda m, s: None, every_n_train_steps=1, warning_rules=Warnings(warn=False),
+                      sharpness=Sharpness(samples=4))  # fmt: skip
+    assert "once per sample (Sharpness.samples passes)" in monitor.real_loss.hooks_note
+    with monitor.step(0):
+        tiny_lm_loss(model, idx).backward()
+    assert len(calls) == 1 + 4  # the training's backward and the 4 sampled passes

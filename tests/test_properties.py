@@ -11,7 +11,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from curvwatch.closed_form import ffn, layernorm, multi_head_attention
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    FFNWeights,
+    OutputLoss,
+    ffn,
+    layernorm,
+    multi_head_attention,
+)
 from curvwatch.closed_form.settings import EXACT
 
 DT = torch.float64
@@ -52,8 +60,11 @@ def test_attention_finite_nonnegative_and_bounded(B, L, d, H, d_K, d_V, log_scal
         _tensor(seed + 3, d, H * d_V),
         _tensor(seed + 4, H * d_V, d),
     ]
-    kw = {"target": _tensor(seed + 5, B, L, d)} if mode == "target" else {"grad_output": _tensor(seed + 5, B, L, d)}
-    out = multi_head_attention(X, *W, H, causal=causal, lanczos=EXACT, **kw)
+    S = _tensor(seed + 5, B, L, d)
+    loss = OutputLoss(target=S) if mode == "target" else OutputLoss(grad_output=S)
+    out = multi_head_attention(
+        X, AttentionWeights(*W, n_heads=H), loss=loss, structure=AttentionStructure(causal=causal), lanczos=EXACT
+    )
     _finite_nonneg(out)
     # round-off: a block whose norm is zero in exact arithmetic reads ~1e-16 of the operator's scale (the largest norm
     # of the layer), and so does its bound (B 1, L 2, d 2, H 2, scale 10, seed 2844: functional/VQ/h0 4.0e-12 against
@@ -103,10 +114,9 @@ def test_ffn_finite_nonnegative(L, d, f, act, log_scale, seed):
     Y = _tensor(seed, L, d, scale=10.0**log_scale)
     out = ffn(
         Y,
-        _tensor(seed + 1, d, f),
-        _tensor(seed + 2, f, d),
+        FFNWeights(_tensor(seed + 1, d, f), _tensor(seed + 2, f, d)),
         activation=act,
-        grad_output=_tensor(seed + 3, L, d),
+        loss=OutputLoss(grad_output=_tensor(seed + 3, L, d)),
         lanczos=EXACT,
     )
     _finite_nonneg(out)

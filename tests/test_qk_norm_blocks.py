@@ -9,6 +9,7 @@ default Lanczos at a realistic size.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,14 +17,21 @@ import torch
 from torch.func import jacrev
 
 from curvwatch import find_blocks, reference
-from curvwatch.closed_form import Lanczos, multi_head_attention
-from curvwatch.closed_form._qk_norm_blocks import NORM_PAIRS
-from curvwatch.closed_form.attention import ATTENTION_PAIRS
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    Lanczos,
+    OutputLoss,
+    multi_head_attention,
+)
+from curvwatch.closed_form.attention import ATTENTION_PAIRS, NORM_PAIRS
 from curvwatch.closed_form.settings import EXACT
-from curvwatch.reference._core import _attention_blocked, _modern_attention
-from curvwatch.sharpness import param_index_map
+from curvwatch.realloss import RealLoss, sample_outputs
+from curvwatch.realloss.stability import param_index_map
+from curvwatch.reference.attention import attention_blocked, attention_forward
 from tests import zoo
 from tests.cases import DT, case_id, rand
+from tests.test_attention_modern import _with
 from tests.utils import TOL, assert_close_report
 
 _BASE = dict(
@@ -100,7 +108,7 @@ def _inputs(case: dict, seed: int = 0):
     for name in ("window", "scale"):
         if case[name] is not None:
             kw[name] = case[name]
-    return X, W, kw
+    return _with(X, AttentionWeights(**W), dict(loss=OutputLoss(), structure=AttentionStructure()), **kw)
 
 
 def _expected_pairs(case) -> set[str]:
@@ -112,8 +120,8 @@ def _expected_pairs(case) -> set[str]:
 def test_norm_parameter_blocks_match_autograd(case):
     """Dense ``N1N1``, ``N2N2``, ``N1N2`` (outer, functional, hessian) and their EXACT norms against torch.func."""
     X, W, kw = _inputs(case)
-    ref = {k: v for k, v in reference.multi_head_attention_blocks(X, **W, **kw).items() if "/N" in k}
-    out = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
+    ref = {k: v for k, v in reference.multi_head_attention_blocks(X, W, **kw).items() if "/N" in k}
+    out = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
     ref_norms = reference.dense_to_norms(ref)
     assert {k.split("/", 1)[1] for k in ref if k.startswith("hessian/")} == _expected_pairs(case)
     assert {k.split("/", 1)[1] for k in out if k.startswith("hessian/N")} == _expected_pairs(case)
@@ -130,12 +138,12 @@ def test_the_gauss_newton_part_has_cross_head_terms():
     case = _case(H=2, H_kv=2)
     X, W, kw = _inputs(case, seed=4)
     cheap = dict(dense=True, lanczos=EXACT, terms=False, pairs=["N1N1"])
-    both = multi_head_attention(X, **W, **kw, **cheap)
+    both = multi_head_attention(X, W, **kw, **cheap)
     single = []
     for h in range(2):  # the same model with the other head's output projection zeroed: head h alone
-        W_O = W["W_O"].clone()
+        W_O = W.W_O.clone()
         W_O[(1 - h) * case["d_V"] : (2 - h) * case["d_V"]] = 0
-        single.append(multi_head_attention(X, **{**W, "W_O": W_O}, **kw, **cheap))
+        single.append(multi_head_attention(X, dataclasses.replace(W, W_O=W_O), **kw, **cheap))
     f_sum = single[0]["dense/functional/N1N1"] + single[1]["dense/functional/N1N1"]
     assert_close_report(both["dense/functional/N1N1"], f_sum, TOL["float64"], name="functional", atol=1e-13)
     o_sum = single[0]["dense/outer/N1N1"] + single[1]["dense/outer/N1N1"]
@@ -155,9 +163,9 @@ def test_a_norm_without_parameters_has_no_blocks(qk_norm):
     """No ``N1``/``N2`` key (not even when asked for: the monitor asks every attention block for every pair), and the
     other keys are those of a call that never heard of them, bit for bit."""
     X, W, kw = _inputs(_case())
-    kw["qk_norm"] = qk_norm
-    out = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT)
-    asked = multi_head_attention(X, **W, **kw, dense=True, lanczos=EXACT, pairs=[*ATTENTION_PAIRS, "QKV", *NORM_PAIRS])
+    W = dataclasses.replace(W, qk_norm=qk_norm)
+    out = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT)
+    asked = multi_head_attention(X, W, **kw, dense=True, lanczos=EXACT, pairs=[*ATTENTION_PAIRS, "QKV", *NORM_PAIRS])
     assert not [k for k in out if "/N" in k] and not [k for k in asked if "/N" in k]
     assert set(out) == set(asked) and all(torch.equal(out[k], asked[k]) for k in out)
 
@@ -165,16 +173,16 @@ def test_a_norm_without_parameters_has_no_blocks(qk_norm):
 def test_other_keys_are_bitwise_unchanged_and_pairs_select_the_norm_blocks():
     X, W, kw = _inputs(_case(rotary="half", d_K=4, pad=True))
     short = Lanczos(max_iter=8, warn=False)
-    with_norm = multi_head_attention(X, **W, **kw, lanczos=short)
-    without = multi_head_attention(X, **W, **kw, lanczos=short, pairs=[*ATTENTION_PAIRS, "QKV"])
+    with_norm = multi_head_attention(X, W, **kw, lanczos=short)
+    without = multi_head_attention(X, W, **kw, lanczos=short, pairs=[*ATTENTION_PAIRS, "QKV"])
     new = {f"{r}{k}/{p}" for r in ("", "residual/") for k in ("outer", "functional", "hessian") for p in NORM_PAIRS}
     assert set(with_norm) - set(without) == new
     assert all(torch.equal(with_norm[k], without[k]) for k in without)
-    only = multi_head_attention(X, **W, **kw, lanczos=short, pairs=["N2N2"], kinds="outer", terms=False)
+    only = multi_head_attention(X, W, **kw, lanczos=short, pairs=["N2N2"], parts="outer", terms=False)
     assert sorted(only) == ["outer/N2N2", "residual/outer/N2N2"]
     assert torch.equal(only["outer/N2N2"], with_norm["outer/N2N2"])  # same Lanczos run, same number
     with pytest.raises(ValueError, match="Unknown attention pair 'N3N3'"):
-        multi_head_attention(X, **W, **kw, pairs=["N3N3"])
+        multi_head_attention(X, W, **kw, pairs=["N3N3"])
 
 
 # ---- sampled (real-loss) keys ------------------------------------------------------------------------------------
@@ -190,12 +198,11 @@ def _sampled_reference(X, W, kw, case, S, P):
     """Dense ``ggn``, ``sharpness`` (and their preconditioned twins) of ``N1N1`` and ``N2N2``, by torch.func."""
     B, L = (case["B"] or 1), case["L"]
     Xb = X.reshape(B, L, -1)
-    qk = kw["qk_norm"]
-    kpm = kw.get("key_padding_mask")
+    qk, structure = W.qk_norm, kw["structure"]
+    kpm = structure.key_padding_mask
     padded = None if kpm is None else kpm.reshape(B, L)
-    blocked, dead = _attention_blocked(B, L, L, kw["causal"], None, padded, X.device)
-    rot = kw.get("rotary")
-    G = kw["grad_output"].reshape(B, L, -1)
+    blocked, dead = attention_blocked(B, L, L, structure.causal, None, padded, X.device)
+    G = kw["loss"].grad_output.reshape(B, L, -1)
     Sb = S.reshape(S.shape[0], B, L, -1)
     keep = torch.ones(B, L, dtype=torch.bool) if padded is None else ~padded
     G, Sb = G * keep[..., None], Sb * keep[..., None]
@@ -206,10 +213,8 @@ def _sampled_reference(X, W, kw, case, S, P):
 
         def f(theta, entries=entries, side=side):
             norm = {**qk, **{f"{e}_{side}": t for e, t in zip(entries, theta.reshape(len(entries), -1), strict=True)}}
-            return _modern_attention(
-                Xb, W["W_Q"], W["W_K"], W["W_V"], W["W_O"], case["H"], blocked, n_kv_heads=case["H_kv"], rotary=rot,
-                rotary_interleaved=kw.get("rotary_interleaved", False), qk_norm=norm, dead=dead,
-            )  # fmt: skip
+            return attention_forward(Xb, dataclasses.replace(W, qk_norm=norm), blocked, rotary=structure.rotary,
+                                     rotary_interleaved=structure.rotary_interleaved, dead=dead)  # fmt: skip
 
         J = jacrev(f)(theta0)  # (B, L, m, n)
         a = torch.einsum("kblm,blmn->kbn", Sb, J)  # J_b^T s_jb
@@ -224,21 +229,18 @@ def _sampled_reference(X, W, kw, case, S, P):
 
 
 @pytest.mark.parametrize("case", SAMPLED_CASES, ids=case_id)
-def test_sampled_keys_of_the_norm_blocks_match_dense_reference(case, monkeypatch):
+def test_sampled_keys_of_the_norm_blocks_match_dense_reference(case):
     """``ggn/N1N1``, ``sharpness/N1N1``, ``precond_...`` (and for N2N2) to 1e-8 relative (EXACT Lanczos against
-    eigvalsh), with a preconditioner given by the names the optimizer-state map uses (``"qk_norm.weight_q"``). The
-    plain Monte-Carlo keys (``DEBIAS`` off): the reference is the same samples' Gauss-Newton block, not the
-    extrapolation over their halves."""
-    import curvwatch.closed_form._sampled as sampled
-
-    monkeypatch.setattr(sampled, "DEBIAS", False)
+    eigvalsh), with a preconditioner given by the names the optimizer-state map uses (``"qk_norm.weight_q"``). One
+    sample: the keys are the plain Monte-Carlo values (a debiased key needs two halves), so the reference is that
+    sample's Gauss-Newton block."""
     X, W, kw = _inputs(case, seed=7)
     gen = torch.Generator().manual_seed(11)
-    S = rand(gen, 3, *kw["grad_output"].shape)
-    P = {f"qk_norm.{nm}": 0.05 + torch.rand(case["d_K"], generator=gen, dtype=DT) for nm in kw["qk_norm"]
+    S = rand(gen, 1, *kw["loss"].grad_output.shape)
+    P = {f"qk_norm.{nm}": 0.05 + torch.rand(case["d_K"], generator=gen, dtype=DT) for nm in W.qk_norm
          if nm in ("weight_q", "weight_k", "bias_q", "bias_k")}  # fmt: skip
-    out = multi_head_attention(X, **W, **kw, lanczos=EXACT, terms=False, output_samples=S, precondition=P,
-                               pairs=["N1N1", "N2N2"])  # fmt: skip
+    _, W, kw = _with(X, W, kw, output_samples=S)
+    out = multi_head_attention(X, W, **kw, lanczos=EXACT, terms=False, precondition=P, pairs=["N1N1", "N2N2"])
     expected = _sampled_reference(X, W, kw, case, S, P)
     assert {k for k in out if not k.startswith("residual/")} >= set(expected)
     for key, value in expected.items():
@@ -249,15 +251,16 @@ def test_a_partial_preconditioner_leaves_the_block_unpreconditioned():
     """A LayerNorm block is ``[gamma; beta]``: with ``P`` for its weight only there is no ``precond_`` key for it."""
     case = _case(norm="layernorm")
     X, W, kw = _inputs(case)
-    S = rand(torch.Generator().manual_seed(1), 2, *kw["grad_output"].shape)
+    S = rand(torch.Generator().manual_seed(1), 2, *kw["loss"].grad_output.shape)
     P = {"qk_norm.weight_q": torch.ones(case["d_K"], dtype=DT), "qk_norm.weight_k": torch.ones(case["d_K"], dtype=DT),
          "qk_norm.bias_k": torch.ones(case["d_K"], dtype=DT)}  # fmt: skip
-    out = multi_head_attention(X, **W, **kw, terms=False, output_samples=S, precondition=P, pairs=["N1N1", "N2N2"])
+    _, W, kw = _with(X, W, kw, output_samples=S)
+    out = multi_head_attention(X, W, **kw, terms=False, precondition=P, pairs=["N1N1", "N2N2"])
     assert "sharpness/N1N1" in out and "precond_sharpness/N1N1" not in out
     assert torch.allclose(out["precond_sharpness/N2N2"], out["sharpness/N2N2"], rtol=1e-3)  # P = 1
     with pytest.raises(ValueError, match=r"Invalid precondition names \['qk_norm.bias_q'\]"):
-        multi_head_attention(X, **W, **{**kw, "qk_norm": {**kw["qk_norm"], "bias_q": None}}, terms=False,
-                             output_samples=S, precondition={**P, "qk_norm.bias_q": P["qk_norm.weight_q"]})  # fmt: skip
+        multi_head_attention(X, dataclasses.replace(W, qk_norm={**W.qk_norm, "bias_q": None}), **kw, terms=False,
+                             precondition={**P, "qk_norm.bias_q": P["qk_norm.weight_q"]})  # fmt: skip
 
 
 # ---- adapters: the optimizer-state map -------------------------------------------------------------------------
@@ -288,8 +291,9 @@ def test_real_loss_sharpness_and_adam_stability_of_the_norm_blocks_on_qwen3():
     ``precond_sharpness/N1N1``, ``N2N2`` and their ``stability/...`` ratios."""
     from curvwatch.capture import Capture
     from curvwatch.engine import Engine
+    from curvwatch.realloss.logits import find_logits_module
+    from curvwatch.realloss.stability import stability_rule
     from curvwatch.reference.real_loss import real_loss_blocks
-    from curvwatch.sharpness import find_logits_module, stability_rule
 
     tiny = zoo.hf_decoder("qwen3", impl="eager")
     tf = pytest.importorskip("transformers")
@@ -314,10 +318,13 @@ def test_real_loss_sharpness_and_adam_stability_of_the_norm_blocks_on_qwen3():
     assert why is None and {"qk_norm.weight_q", "qk_norm.weight_k"} <= set(rule.precondition)
     with Capture(specs, max_tokens=100, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=["N1N1", "N2N2"])
-    result = engine.evaluate(cap.blocks(), rules={attn.name: rule}).results[attn.name]
+    real_loss = RealLoss()
+    evaluation = engine.evaluate(cap.blocks(), precondition=real_loss.preconditioners(opt, cap.blocks()))
+    real_loss.finish(evaluation)  # the stability ratios of the optimizer's rule
+    result = evaluation.results[attn.name]
     for pair in ("N1N1", "N2N2"):
         for key in (f"sharpness/{pair}", f"precond_sharpness/{pair}", f"stability/{pair}"):
             assert key in result, (key, sorted(result))
@@ -342,7 +349,14 @@ def test_norm_blocks_with_the_defaults_at_B4_L128_d256():
     qk = dict(kind="rmsnorm", eps=1e-6, weight_q=1 + 0.1 * torch.randn(64, generator=gen),
               weight_k=1 + 0.1 * torch.randn(64, generator=gen))  # fmt: skip
     start = time.perf_counter()
-    out = multi_head_attention(X, *W, 4, grad_output=G, causal=True, qk_norm=qk, pairs=list(NORM_PAIRS), terms=False)
+    out = multi_head_attention(
+        X,
+        AttentionWeights(*W, n_heads=4, qk_norm=qk),
+        loss=OutputLoss(grad_output=G),
+        structure=AttentionStructure(causal=True),
+        pairs=list(NORM_PAIRS),
+        terms=False,
+    )
     elapsed = time.perf_counter() - start
     residuals = {k: float(v) for k, v in out.items() if k.startswith("residual/")}
     assert len(residuals) == 9 and all(r <= Lanczos().tol for r in residuals.values()), residuals

@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning
+from curvwatch import CurvatureMonitor, CurvatureNotice, CurvatureWarning, Evaluation, Sharpness
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.engine import Engine
+from curvwatch.engine import Engine, evaluate_block
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.realloss import RealLoss, sample_outputs
 from curvwatch.reference.real_loss import real_loss_blocks
 from tests import zoo
 from tests.ddp_script import TinyLM, loader
@@ -69,7 +70,7 @@ def test_monitor_sharpness_converges_to_the_exact_gauss_newton_plus_own_term():
     by_name = {s.name: s for s in specs}
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = _loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     for block, weight, cols, key, tol in PROBES:
@@ -88,10 +89,12 @@ def test_kept_tokens_are_scaled_to_the_whole_batch():
     for max_tokens in (100, 6):
         with Capture(specs, max_tokens=max_tokens, logits_module=model.head) as cap:
             loss, _ = _loss_fn(model)
-            cap.sample_outputs(loss, 64, generator=torch.Generator().manual_seed(0))
+            sample_outputs(cap, loss, 64, generator=torch.Generator().manual_seed(0))
             loss.backward()
         blocks = cap.blocks()
-        out[max_tokens] = Engine(dtype="float64").evaluate(blocks).results
+        evaluation = Engine(dtype="float64").evaluate(blocks)
+        RealLoss().finish(evaluation)  # the kept tokens' keys scaled to the whole batch
+        out[max_tokens] = evaluation.results
         if max_tokens == 6:
             assert all(b.sample_scale == pytest.approx(3.0) for b in blocks if "output_samples" in b.inputs)
     full, one = out[100]["layer1/ffn"]["sharpness/W2W2"], out[6]["layer1/ffn"]["sharpness/W2W2"]
@@ -105,7 +108,7 @@ class _AdamLM(TinyLM):
 
 def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
     for module, source in ((TinyLM(n_layer=2), "sharpness"), (_AdamLM(n_layer=2), "precond_sharpness")):
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=4)
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=4))
         trainer = make_trainer(tmp_path / source, monitor, max_steps=5)
         with warnings.catch_warnings():
             warnings.simplefilter("error", CurvatureWarning)  # no warning on this healthy run
@@ -136,7 +139,7 @@ def test_callback_sharpness_off_and_errors(tmp_path):
     trainer.fit(TinyLM(), loader())
     assert not any("sharpness" in k or "stability" in k for k in curv_rows(read_rows(trainer))[0])
     with pytest.raises(ValueError, match="Invalid logits_module='nope'"):
-        make_trainer(tmp_path / "bad", CurvatureMonitor(logits_module="nope"), max_steps=1).fit(TinyLM(), loader())
+        make_trainer(tmp_path / "bad", CurvatureMonitor(sharpness=Sharpness(logits_module="nope")), max_steps=1).fit(TinyLM(), loader())
 
 
 class _MSELM(TinyLM):
@@ -147,13 +150,13 @@ class _MSELM(TinyLM):
 
 
 def test_callback_mse_needs_the_loss_named(tmp_path):
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=2))
     trainer = make_trainer(tmp_path / "auto", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="not a softmax cross-entropy.*loss='mse'"):
         trainer.fit(_MSELM(), loader())
     row = curv_rows(read_rows(trainer))[0]
     assert "curv/summary/max_hessian" in row and not any("sharpness" in k for k in row)
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=2, loss="mse")
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=2, loss="mse"))
     trainer = make_trainer(tmp_path / "mse", monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="squared error: assumed the mean"):
         trainer.fit(_MSELM(), loader())
@@ -166,7 +169,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
     for k in (1, 2):
         torch.manual_seed(0)
         module = TinyLM(n_layer=1, lr=1e-9)
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=8, dtype="float64")
+        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8))
         trainer = make_trainer(tmp_path / str(k), monitor, max_steps=1, accumulate_grad_batches=k)
         batch = next(iter(loader(batch_size=4)))[0]
         same = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([batch, batch])), batch_size=4)
@@ -178,7 +181,7 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
 def test_reentrant_checkpointing_names_the_blocks_without_real_loss_keys(tmp_path):
     from tests.test_compat import _Model
 
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness_samples=2)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, sharpness=Sharpness(samples=2))
     trainer = make_trainer(tmp_path, monitor, max_steps=1)
     with pytest.warns(CurvatureNotice, match="no real-loss keys for layer0/attn, layer0/ffn.*use_reentrant=False"):
         trainer.fit(_Model(checkpointing="reentrant"), loader())
@@ -200,9 +203,7 @@ class _MathLM(TinyLM):
 def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
     """The in-run check (Hessian-vector products) against torch.func's dense block Hessian of the same batch."""
     module = _MathLM()
-    monitor = CurvatureMonitor(
-        log_level="all", every_n_train_steps=1, sharpness_samples=8, verify_every_n_evals=2, dtype="float64"
-    )
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8, verify_every_n_evals=2))
     batch = next(iter(loader(batch_size=4)))[0].double().long()
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     state = {k: v.clone() for k, v in module.state_dict().items()}
@@ -258,11 +259,11 @@ def test_monitor_sharpness_on_litgpt_and_hugging_face_models(build, probes):
         return F.cross_entropy(z.reshape(-1, z.shape[-1]), idx.reshape(-1)), z
 
     specs = find_blocks(model)
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     with Capture(specs, max_tokens=100, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     by_name = {s.name: s for s in specs}
@@ -284,7 +285,7 @@ def test_monitor_sharpness_of_a_squared_error_loss():
     specs = find_blocks(model)
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, 1024, kind="mse", generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 1024, kind="mse", generator=torch.Generator().manual_seed(0))
         loss.backward()
     results = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64").evaluate(cap.blocks()).results
     by_name = {s.name: s for s in specs}
@@ -320,11 +321,12 @@ def test_matrix_free_reference_matches_the_dense_one():
 def _held_out_w2_sharpness(width: int, **evaluate_kwargs):
     """Hugging Face GPT-2 of ``width`` (``benchmarks.bench_sharpness.held_out_gpt2``), its last FFN's ``W2``, 16
     samples drawn with seed 0: ``(exact lambda_max(GGN) (matrix-free, float64), plain value, debiased value,
-    sharpness_spread, the plain evaluation's keys)``."""
-    import curvwatch.closed_form._sampled as sampled
+    sharpness_spread)``. The plain value is the one the debiasing starts from: the largest eigenvalue of the
+    ``16``-sample estimate (``debias``'s ``full``)."""
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
+    from curvwatch.closed_form.solver import debiasing, sampled_keys
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(width)
@@ -334,42 +336,45 @@ def _held_out_w2_sharpness(width: int, **evaluate_kwargs):
     model.float()
     with Capture(specs, max_tokens=512, logits_module=find_logits_module(model)[1]) as cap:
         loss, _ = _full_ce(x, y)(model)
-        cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0))
         loss.backward()
     block = next(b for b in cap.blocks() if b.spec.name == "layer1/ffn")
     lanczos = Lanczos(tol=1e-6, max_iter=300)
-    default = block.evaluate(lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
-    limit = sampled.SPREAD_LIMIT
+    default = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
+    limit, debias, plain = debiasing.SPREAD_LIMIT, sampled_keys.debias, []
+
+    def recorded(full, *args, psd=False, **kwargs):
+        if not psd:  # the sharpness key's (the Gauss-Newton key's is psd)
+            plain.append(float(full.reshape(-1)[0]))
+        return debias(full, *args, psd=psd, **kwargs)
+
     try:
-        sampled.SPREAD_LIMIT = math.inf  # the estimate's value, however uncertain
-        after = block.evaluate(lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
-        sampled.DEBIAS = False
-        before = block.evaluate(lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
+        debiasing.SPREAD_LIMIT = math.inf  # the estimate's value, however uncertain
+        sampled_keys.debias = recorded
+        after = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), **evaluate_kwargs)
     finally:
-        sampled.DEBIAS, sampled.SPREAD_LIMIT = True, limit
-    raw, got, spread = (float(v) for v in (before["sharpness/W2W2"], after["sharpness/W2W2"],
-                                           after["sharpness_spread/W2W2"]))  # fmt: skip
+        debiasing.SPREAD_LIMIT, sampled_keys.debias = limit, debias
+    (raw,) = plain
+    got, spread = float(after["sharpness/W2W2"]), float(after["sharpness_spread/W2W2"])
     # at the default limit the key is withheld exactly when its spread exceeds it
     assert ("sharpness/W2W2" in default) == (spread <= limit), (spread, sorted(default))
     assert float(default["sharpness_spread/W2W2"]) == spread
-    return exact, raw, got, spread, before
+    return exact, raw, got, spread
 
 
 @pytest.mark.spread_limit
 def test_debiased_sharpness_of_a_held_out_gpt2_block_against_the_exact_value():
     """Hugging Face GPT-2 (d 32, vocab 256, B 8, L 64: 512 tokens), its last FFN's W2 (4,096 weights), 16 samples
-    drawn with seed 0: the plain Monte-Carlo value reads 4.0x the exact lambda_max(GGN) (matrix-free, float64), the
-    debiased key 1.89x (measured: 0.1168 and 0.0548 against 0.0290): the debiasing removes 70% of the bias here, not
-    all of it (issue 24's 15% goal is not met at 16 samples), and sharpness_spread (1.34; 0.59 with the halves'
-    half-difference for its noise before session 25) covers the truth."""
-    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+    drawn with seed 0: the plain Monte-Carlo value reads about 4x the exact lambda_max(GGN) (matrix-free, float64),
+    the debiased key about 1.9x: the debiasing removes most of the bias here, not all of it, and sharpness_spread
+    (about 1.3) covers the truth."""
+    from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
-    exact, raw, got, spread, before = _held_out_w2_sharpness(32)
-    assert "sharpness_spread/W2W2" not in before
-    assert spread > SPREAD_LIMIT  # so at the defaults the key has no value: 1.89x is not logged
+    exact, raw, got, spread = _held_out_w2_sharpness(32)
+    assert spread > SPREAD_LIMIT  # so at the defaults the key has no value: 1.9x is not logged
     assert raw > 2.5 * exact, (raw, exact)  # the upward bias of the plain estimate, at this size
     assert abs(got - exact) <= 1.0 * exact, (got, exact)
-    assert abs(got - exact) <= 0.35 * (raw - exact), (got, raw, exact)  # measured 0.29
+    assert abs(got - exact) <= 0.35 * (raw - exact), (got, raw, exact)
     assert abs(got - exact) <= spread * got, (got, spread, exact)
 
 
@@ -377,31 +382,29 @@ def test_debiased_sharpness_of_a_held_out_gpt2_block_against_the_exact_value():
 @pytest.mark.spread_limit
 def test_debiased_sharpness_of_a_16k_weight_held_out_block_against_the_exact_value():
     """Hugging Face GPT-2 (d 64, vocab 256, B 8, L 64), its last FFN's W2 (16,384 weights), 16 samples drawn with
-    seed 0, against the exact lambda_max(GGN) (matrix-free, float64): the plain value reads 5.5x the exact one, the
-    debiased key 1.21x (measured by ``benchmarks.bench_sharpness --bias --width 64``; issue 24's 15% goal is not met at
-    16 samples), and sharpness_spread (4.24; 1.8 before session 25) covers the truth."""
-    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+    seed 0, against the exact lambda_max(GGN) (matrix-free, float64): the plain value reads about 5.5x the exact one,
+    the debiased key about 1.2x (``benchmarks.bench_sharpness --bias --width 64`` tabulates it), and sharpness_spread
+    (about 4.2) covers the truth."""
+    from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
-    exact, raw, got, spread, _ = _held_out_w2_sharpness(64, kinds=("outer",))
+    exact, raw, got, spread = _held_out_w2_sharpness(64, parts=("outer",))
     assert spread > SPREAD_LIMIT  # withheld at the defaults
     assert raw > 4 * exact, (raw, exact)  # the plain estimate's upward bias grows with the block
-    assert abs(got - exact) <= 0.35 * exact, (got, exact)  # measured 0.21
-    assert abs(got - exact) <= 0.1 * (raw - exact), (got, raw, exact)  # measured 0.05
+    assert abs(got - exact) <= 0.35 * exact, (got, exact)
+    assert abs(got - exact) <= 0.1 * (raw - exact), (got, raw, exact)
     assert abs(got - exact) <= spread * got, (got, spread, exact)
 
 
 def test_the_spread_covers_the_exact_value_of_a_held_out_attention_head():
-    """The uncertainty's noise term is two standard errors by the delta method (``_sampled.debias``'s ``shares``).
-    Hugging Face GPT-2 (d 32, vocab 256, B 8, L 64), layer 0's attention ``VV`` of head 0 (256 weights), where the
-    debiased value is noisy rather than biased: at 16 and 64 samples, seeds 0-2, ``sharpness_spread`` covers the exact
-    lambda_max(GGN) (matrix-free, float64) in all six (measured errors 1-21%, spreads 0.14-0.88); with the halves'
-    half-difference for the noise, as before session 25, in two of them (spreads 0.03-0.29: the same estimates in a
-    worktree of 231d759)."""
+    """The uncertainty's noise term is two standard errors by the delta method (``solver.debiasing.debias``'s
+    ``shares``). Hugging Face GPT-2 (d 32, vocab 256, B 8, L 64), layer 0's attention ``VV`` of head 0 (256 weights),
+    where the debiased value is noisy rather than biased: at 16 and 64 samples, seeds 0-2, ``sharpness_spread`` covers
+    the exact lambda_max(GGN) (matrix-free, float64) in all six (errors 1-21%, spreads 0.14-0.88)."""
     import copy
 
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(32)
@@ -414,11 +417,11 @@ def test_the_spread_covers_the_exact_value_of_a_held_out_attention_head():
         for seed in range(3):
             with Capture(specs, max_tokens=512, logits_module=head) as cap:
                 loss, _ = _full_ce(x, y)(model)
-                cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(seed))
+                sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(seed))
                 loss.backward()
             model.zero_grad()
             block = next(b for b in cap.blocks() if b.spec.name == "layer0/attn")
-            out = block.evaluate(lanczos=Lanczos(tol=1e-6, max_iter=300), pairs=("VV",), kinds=("outer",))
+            out = evaluate_block(block, lanczos=Lanczos(tol=1e-6, max_iter=300), pairs=("VV",), parts=("outer",))
             got, spread = float(out["sharpness/VV/h0"]), float(out["sharpness_spread/VV/h0"])
             assert abs(got - exact) <= spread * got, (k, seed, got, exact, spread)
             assert spread < 1.0, (k, seed, spread)  # resolved: the key has a value at the defaults
@@ -429,13 +432,12 @@ def test_one_long_kept_sequence_leaves_the_large_blocks_unresolved():
     """A long-context model's case: one kept sequence (HF GPT-2 d 32, B 1, L 512: ``max_tokens`` 512 keeps it
     whole), so the Monte-Carlo Gauss-Newton matrix has only ``k B`` = 16 independent columns. The last FFN's ``W2``
     (4,096 weights): the debiased value reads 3.5x the exact lambda_max(GGN) (matrix-free, float64) with
-    ``sharpness_spread`` 7.06, far above ``SPREAD_LIMIT``, so at the defaults the key has no value (measured); with 64
-    samples 1.98x and 3.01: closer, still unresolved (1.75 and 0.99 with the halves' half-difference for the spread's
-    noise, before session 25)."""
-    import curvwatch.closed_form._sampled as sampled
+    ``sharpness_spread`` 7.06, far above ``SPREAD_LIMIT``, so at the defaults the key has no value; with 64 samples
+    1.98x and 3.01: closer, still unresolved."""
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
+    from curvwatch.closed_form.solver import debiasing
+    from curvwatch.realloss.logits import find_logits_module
     from curvwatch.reference.real_loss import real_loss_top
-    from curvwatch.sharpness import find_logits_module
 
     pytest.importorskip("transformers")
     model, x, y = held_out_gpt2(32, B=1, L=512)
@@ -448,19 +450,19 @@ def test_one_long_kept_sequence_leaves_the_large_blocks_unresolved():
     def evaluate(k: int) -> tuple[dict, dict]:
         with Capture(specs, max_tokens=512, logits_module=head) as cap:
             loss, _ = _full_ce(x, y)(model)
-            cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(0))
+            sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0))
             loss.backward()
         model.zero_grad()
         block = next(b for b in cap.blocks() if b.spec.name == "layer1/ffn")
         assert block.inputs["output_samples"].shape[:2] == (k, 1)  # one kept sequence
         lanczos = Lanczos(tol=1e-6, max_iter=300)
-        default = block.evaluate(lanczos=lanczos, pairs=("W2W2",), kinds=("outer",))
-        limit = sampled.SPREAD_LIMIT
+        default = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
+        limit = debiasing.SPREAD_LIMIT
         try:
-            sampled.SPREAD_LIMIT = math.inf
-            free = block.evaluate(lanczos=lanczos, pairs=("W2W2",), kinds=("outer",))
+            debiasing.SPREAD_LIMIT = math.inf
+            free = evaluate_block(block, lanczos=lanczos, pairs=("W2W2",), parts=("outer",))
         finally:
-            sampled.SPREAD_LIMIT = limit
+            debiasing.SPREAD_LIMIT = limit
         return default, free
 
     default, free = evaluate(16)
@@ -473,7 +475,7 @@ def test_one_long_kept_sequence_leaves_the_large_blocks_unresolved():
     spread64 = float(free64["sharpness_spread/W2W2"])
     assert spread64 < 0.7 * spread, (spread64, spread)
     assert abs(float(free64["sharpness/W2W2"]) - exact) < abs(got - exact), (free64["sharpness/W2W2"], got, exact)
-    assert ("sharpness/W2W2" in default64) == (spread64 <= sampled.SPREAD_LIMIT)
+    assert ("sharpness/W2W2" in default64) == (spread64 <= debiasing.SPREAD_LIMIT)
 
 
 @pytest.mark.spread_limit
@@ -481,9 +483,9 @@ def test_unresolved_sharpness_keys_are_named_once_and_left_out(tmp_path):
     """A tiny LM with 4 samples: some debiased keys are too uncertain (``sharpness_spread`` above ``SPREAD_LIMIT``).
     They get no ``sharpness``/``stability`` value (their spread is logged), the summaries are those of the other keys,
     no block is flagged non-finite, and one notice names them with the fix."""
-    from curvwatch.closed_form._sampled import SPREAD_LIMIT
+    from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness_samples=4)
+    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, sharpness=Sharpness(samples=4))
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

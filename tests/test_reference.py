@@ -17,13 +17,16 @@ from torch import nn
 from torch.func import hessian
 
 from curvwatch import reference as ref
-from curvwatch.reference import _core as ref_core
+from curvwatch.closed_form import PARTS, AttentionStructure, AttentionWeights, FFNWeights, OutputLoss
+from curvwatch.reference.attention import attention_forward, blocked_logits
+from curvwatch.reference.block import transformer_block_forward
+from curvwatch.reference.common import layer_norm
+from curvwatch.reference.ffn import gelu
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
 RTOL = TOL["float64"]
 ATOL_ZERO = 1e-13  # "exactly zero up to round-off" for blocks that must vanish
-KINDS = ("hessian", "outer", "functional")
 ATTENTION_PAIRS = ("VV", "QQ", "KK", "VQ", "VK", "QK")
 BLOCK_PAIRS = [X + Y for X, Y in itertools.combinations_with_replacement(("V", "Q", "K", "W1", "W2"), 2)]
 
@@ -46,8 +49,11 @@ def check_symmetric(M: torch.Tensor, name: str) -> None:
     assert_close_report(M, M.T, RTOL, name=f"{name} symmetry", atol=1e-14)
 
 
-def loss_kwargs(mode: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    return {"target": randn(*shape)} if mode == "target" else {"grad_output": randn(*shape)}
+def loss_of(mode: str, shape: tuple[int, ...], **extra) -> OutputLoss:
+    """A random target or output gradient of ``shape``."""
+    if mode == "target":
+        return OutputLoss(target=randn(*shape), **extra)
+    return OutputLoss(grad_output=randn(*shape), **extra)
 
 
 def truncated(t: torch.Tensor | None, b: int, rows: slice) -> torch.Tensor | None:
@@ -89,18 +95,18 @@ def attention_case(request):
     lead = () if c["B"] is None else (c["B"],)
     X = randn(*lead, c["L"], c["d"])
     W_Q, W_K, W_V = randn(c["d"], c["d_K"]), randn(c["d"], c["d_K"]), randn(c["d"], c["d_V"])
-    kwargs = loss_kwargs(c["mode"], (*lead, c["L"], c["d_V"]))
-    kwargs.update(causal=c["causal"], key_padding_mask=padding_mask(c["B"] or 1, c["L"], c["pad"]))
-    return c, X, (W_Q, W_K, W_V), kwargs
+    loss = loss_of(c["mode"], (*lead, c["L"], c["d_V"]))
+    structure = AttentionStructure(causal=c["causal"], key_padding_mask=padding_mask(c["B"] or 1, c["L"], c["pad"]))
+    return c, X, (W_Q, W_K, W_V), dict(loss=loss, structure=structure)
 
 
 def test_self_attention_keys_shapes_split_symmetry(attention_case):
     c, X, (W_Q, W_K, W_V), kwargs = attention_case
-    out = ref.self_attention_blocks(X, W_Q, W_K, W_V, **kwargs)
+    out = ref.self_attention_blocks(X, AttentionWeights(W_Q, W_K, W_V), **kwargs)
     n = {"V": c["d"] * c["d_V"], "Q": c["d"] * c["d_K"], "K": c["d"] * c["d_K"]}
-    expected_keys = {f"{k}/{p}" for k in KINDS for p in (*ATTENTION_PAIRS, "QKV")}
+    expected_keys = {f"{k}/{p}" for k in PARTS for p in (*ATTENTION_PAIRS, "QKV")}
     assert set(out) == expected_keys
-    for kind in KINDS:
+    for kind in PARTS:
         for pair in ATTENTION_PAIRS:
             assert out[f"{kind}/{pair}"].shape == (n[pair[0]], n[pair[1]])
         full = out[f"{kind}/QKV"]
@@ -120,7 +126,8 @@ def test_self_attention_outer_VV_matches_kronecker_closed_form(causal, mode):
     """Sheet §2: H_o(V,V) = c (AX)^T (AX) kron I_{d_V}, c = 2/(L d_V) (also the default c); H_f(V,V) = 0."""
     L, d, d_K, d_V = 4, 3, 2, 2
     X, W_Q, W_K, W_V = randn(L, d), randn(d, d_K), randn(d, d_K), randn(d, d_V)
-    out = ref.self_attention_blocks(X, W_Q, W_K, W_V, **loss_kwargs(mode, (L, d_V)), causal=causal)
+    out = ref.self_attention_blocks(X, AttentionWeights(W_Q, W_K, W_V), loss=loss_of(mode, (L, d_V)),
+                                    structure=AttentionStructure(causal=causal))  # fmt: skip
     T = X @ W_Q @ W_K.T @ X.T / math.sqrt(d_K)
     if causal:
         T = T.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
@@ -135,10 +142,13 @@ def test_self_attention_batched_target_is_mean_and_grad_output_is_sum():
     B, L, d, d_K, d_V = 3, 3, 3, 2, 2
     X, W = randn(B, L, d), (randn(d, d_K), randn(d, d_K), randn(d, d_V))
     T, G = randn(B, L, d_V), randn(B, L, d_V)
-    batched_t = ref.self_attention_blocks(X, *W, target=T, causal=True)
-    batched_g = ref.self_attention_blocks(X, *W, grad_output=G, causal=True)
-    singles_t = [ref.self_attention_blocks(X[b], *W, target=T[b], causal=True) for b in range(B)]
-    singles_g = [ref.self_attention_blocks(X[b], *W, grad_output=G[b], causal=True) for b in range(B)]
+    W, causal = AttentionWeights(*W), AttentionStructure(causal=True)
+    batched_t = ref.self_attention_blocks(X, W, loss=OutputLoss(target=T), structure=causal)
+    batched_g = ref.self_attention_blocks(X, W, loss=OutputLoss(grad_output=G), structure=causal)
+    singles_t = [ref.self_attention_blocks(X[b], W, loss=OutputLoss(target=T[b]), structure=causal) for b in range(B)]
+    singles_g = [
+        ref.self_attention_blocks(X[b], W, loss=OutputLoss(grad_output=G[b]), structure=causal) for b in range(B)
+    ]
     for key in batched_t:
         mean = sum(s[key] for s in singles_t) / B
         assert_close_report(batched_t[key], mean, RTOL, name=f"target {key}", atol=ATOL_ZERO)
@@ -155,12 +165,16 @@ def test_self_attention_padding_equals_truncated_sequence(mode, pad, causal):
     mask = padding_mask(B, L, pad)
     kept = slice(0, L - 1) if pad == "right" else slice(1, L)
     c = 0.37  # explicit: the default 2/(L m) would differ between L and L - 1
-    kw = {"target": randn(B, L, d_V)} if mode == "target" else {"grad_output": randn(B, L, d_V)}
-    extra = {} if mode == "target" else {"output_curvature": c}
-    out = ref.self_attention_blocks(X, *W, **kw, **extra, causal=causal, key_padding_mask=mask)
     name = "target" if mode == "target" else "grad_output"
-    full = ref.self_attention_blocks(X[0], *W, **{name: kw[name][0]}, **extra, causal=causal)
-    short = ref.self_attention_blocks(X[1, kept], *W, **{name: kw[name][1, kept]}, **extra, causal=causal)
+    extra = {} if mode == "target" else {"output_curvature": c}
+    S = randn(B, L, d_V)
+    W = AttentionWeights(*W)
+    out = ref.self_attention_blocks(X, W, loss=OutputLoss(**{name: S}, **extra),
+                                    structure=AttentionStructure(causal=causal, key_padding_mask=mask))  # fmt: skip
+    full = ref.self_attention_blocks(X[0], W, loss=OutputLoss(**{name: S[0]}, **extra),
+                                     structure=AttentionStructure(causal=causal))  # fmt: skip
+    short = ref.self_attention_blocks(X[1, kept], W, loss=OutputLoss(**{name: S[1, kept]}, **extra),
+                                      structure=AttentionStructure(causal=causal))  # fmt: skip
     for key in out:
         combined = full[key] + short[key]
         expected = combined / B if mode == "target" else combined
@@ -172,12 +186,13 @@ def test_self_attention_padded_content_changes_nothing():
     X, W = randn(B, L, d), (randn(d, d_K), randn(d, d_K), randn(d, d_V))
     T = randn(B, L, d_V)
     mask = padding_mask(B, L, "left")
-    out = ref.self_attention_blocks(X, *W, target=T, causal=True, key_padding_mask=mask)
+    W, masked = AttentionWeights(*W), AttentionStructure(causal=True, key_padding_mask=mask)
+    out = ref.self_attention_blocks(X, W, loss=OutputLoss(target=T), structure=masked)
     X2, T2 = X.clone(), T.clone()
     X2[1, 0] += 10 * randn(d)
     T2[1, 0] += 10 * randn(d_V)
-    out2 = ref.self_attention_blocks(X2, *W, target=T2, causal=True, key_padding_mask=mask)
-    unmasked = ref.self_attention_blocks(X2, *W, target=T2, causal=True)
+    out2 = ref.self_attention_blocks(X2, W, loss=OutputLoss(target=T2), structure=masked)
+    unmasked = ref.self_attention_blocks(X2, W, loss=OutputLoss(target=T2), structure=AttentionStructure(causal=True))
     for key in out:
         assert_close_report(out2[key], out[key], RTOL, name=key, atol=ATOL_ZERO)
     # and the change is visible without the mask, so this test can fail
@@ -197,16 +212,17 @@ def test_multi_head_with_identity_output_is_per_head_self_attention():
     G = randn(B, L, H * d_V)
     mask = padding_mask(B, L, "right")
     c = 0.25
+    structure = AttentionStructure(causal=True, key_padding_mask=mask)
     out = ref.multi_head_attention_blocks(
-        X, W_Q, W_K, W_V, torch.eye(H * d_V, dtype=DT), H,
-        grad_output=G, output_curvature=c, causal=True, key_padding_mask=mask,
+        X, AttentionWeights(W_Q, W_K, W_V, torch.eye(H * d_V, dtype=DT), n_heads=H),
+        loss=OutputLoss(grad_output=G, output_curvature=c), structure=structure,
     )  # fmt: skip
-    assert set(out) == {f"{k}/{p}/h{h}" for k in KINDS for p in (*ATTENTION_PAIRS, "QKV") for h in range(H)}
+    assert set(out) == {f"{k}/{p}/h{h}" for k in PARTS for p in (*ATTENTION_PAIRS, "QKV") for h in range(H)}
     for h in range(H):
         qk, v = slice(h * d_K, (h + 1) * d_K), slice(h * d_V, (h + 1) * d_V)
         single = ref.self_attention_blocks(
-            X, W_Q[:, qk], W_K[:, qk], W_V[:, v],
-            grad_output=G[..., v], output_curvature=c, causal=True, key_padding_mask=mask,
+            X, AttentionWeights(W_Q[:, qk], W_K[:, qk], W_V[:, v]),
+            loss=OutputLoss(grad_output=G[..., v], output_curvature=c), structure=structure,
         )  # fmt: skip
         for key, value in single.items():
             assert_close_report(out[f"{key}/h{h}"], value, RTOL, name=f"{key}/h{h}", atol=ATOL_ZERO)
@@ -219,8 +235,9 @@ def test_multi_head_blocks_are_diagonal_head_blocks_of_the_full_hessian(mode):
     X = randn(B, L, d)
     W_Q, W_K, W_V, W_O = randn(d, H * d_K), randn(d, H * d_K), randn(d, H * d_V), randn(H * d_V, d_out)
     b = dict(b_Q=randn(H * d_K), b_K=randn(H * d_K), b_V=randn(H * d_V), b_O=randn(d_out))
-    kw = loss_kwargs(mode, (B, L, d_out))
-    out = ref.multi_head_attention_blocks(X, W_Q, W_K, W_V, W_O, H, **b, **kw, causal=True)
+    at_output = loss_of(mode, (B, L, d_out))
+    out = ref.multi_head_attention_blocks(X, AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=H, **b), loss=at_output,
+                                          structure=AttentionStructure(causal=True))  # fmt: skip
     check_split(out)
     for h in range(H):
         check_symmetric(out[f"hessian/QKV/h{h}"], f"hessian/QKV/h{h}")
@@ -238,8 +255,8 @@ def test_multi_head_blocks_are_diagonal_head_blocks_of_the_full_hessian(mode):
             heads.append(A @ V)
         F = torch.cat(heads, -1) @ W_O + b["b_O"]
         if mode == "target":
-            return (((F - kw["target"]) ** 2).sum(dim=(1, 2)) / (L * d_out)).mean()
-        return (kw["grad_output"] * F).sum()  # <G, F>: its Hessian is the functional part
+            return (((F - at_output.target) ** 2).sum(dim=(1, 2)) / (L * d_out)).mean()
+        return (at_output.grad_output * F).sum()  # <G, F>: its Hessian is the functional part
 
     full = hessian(loss, argnums=(0, 1, 2))(W_V, W_Q, W_K)
     widths = {"V": d_V, "Q": d_K, "K": d_K}
@@ -264,9 +281,10 @@ def test_multi_head_forward_matches_torch_multihead_attention():
     expected, _ = mha(X, X, X, key_padding_mask=padded, attn_mask=causal, need_weights=False)
     W_Q, W_K, W_V = (w.T for w in mha.in_proj_weight.detach().chunk(3))
     b_Q, b_K, b_V = mha.in_proj_bias.detach().chunk(3)
-    blocked = ref_core._blocked_logits(B, L, True, padded, X.device)
+    blocked = blocked_logits(B, L, True, padded, X.device)
     W_O, b_O = mha.out_proj.weight.detach().T, mha.out_proj.bias.detach()
-    actual = ref_core._multi_head_attention(X, W_Q, W_K, W_V, W_O, H, blocked, b_Q, b_K, b_V, b_O)
+    weights = AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=H, b_Q=b_Q, b_K=b_K, b_V=b_V, b_O=b_O)
+    actual = attention_forward(X, weights, blocked)
     assert_close_report(actual, expected.detach(), RTOL, name="MHA forward")
 
 
@@ -295,7 +313,7 @@ def test_layernorm_forward_matches_torch(ln_case):
     c, X, weight, bias = ln_case
     n = X.shape[-1]
     expected = nn.functional.layer_norm(X, (n,), weight, bias, eps=c["eps"])
-    assert_close_report(ref_core._layer_norm(X, c["eps"], weight, bias), expected, RTOL, name="LN forward")
+    assert_close_report(layer_norm(X, c["eps"], weight, bias), expected, RTOL, name="LN forward")
 
 
 def test_layernorm_jacobian_and_hessian_match_sheet_formulas(ln_case):
@@ -377,18 +395,18 @@ def ffn_case(request):
     L, d, d_ff = 3, 2, 4
     lead = () if c["B"] is None else (c["B"],)
     Y, W_1, W_2 = randn(*lead, L, d), randn(d, d_ff), randn(d_ff, d)
-    kw = dict(activation=c["act"], residual=c["residual"], **loss_kwargs(c["mode"], (*lead, L, d)))
-    if c["bias"]:
-        kw.update(b_1=randn(d_ff), b_2=randn(d))
+    kw = dict(activation=c["act"], residual=c["residual"], loss=loss_of(c["mode"], (*lead, L, d)))
+    biases = dict(b_1=randn(d_ff), b_2=randn(d)) if c["bias"] else {}
     if c["mask"]:
         kw["row_mask"] = torch.tensor([[True, True, True], [True, False, True]])
-    return c, Y, W_1, W_2, kw
+    return c, Y, FFNWeights(W_1, W_2, **biases), kw
 
 
 def test_ffn_split_and_vanishing_functional_blocks(ffn_case):
-    c, Y, W_1, W_2, kw = ffn_case
-    out = ref.ffn_blocks(Y, W_1, W_2, **kw)
-    assert set(out) == {f"{k}/{p}" for k in KINDS for p in ("W1W1", "W2W2", "W1W2")}
+    c, Y, weights, kw = ffn_case
+    W_1, W_2 = weights.W_1, weights.W_2
+    out = ref.ffn_blocks(Y, weights, **kw)
+    assert set(out) == {f"{k}/{p}" for k in PARTS for p in ("W1W1", "W2W2", "W1W2")}
     assert out["hessian/W1W2"].shape == (W_1.numel(), W_2.numel())
     check_split(out)
     for key in ("hessian/W1W1", "hessian/W2W2"):
@@ -408,7 +426,8 @@ def test_ffn_blocks_match_sheet_formulas(activation):
     L, d, d_ff = 3, 2, 3
     Y, W_1, W_2, G = randn(L, d), randn(d, d_ff), randn(d_ff, d), randn(L, d)
     c = 0.7
-    out = ref.ffn_blocks(Y, W_1, W_2, activation=activation, grad_output=G, output_curvature=c)
+    loss = OutputLoss(grad_output=G, output_curvature=c)
+    out = ref.ffn_blocks(Y, FFNWeights(W_1, W_2), activation=activation, loss=loss)
     Z = (Y @ W_1).requires_grad_(True)
     act = torch.relu if activation == "relu" else nn.functional.gelu
     sigma = act(Z)
@@ -426,24 +445,25 @@ def test_ffn_blocks_match_sheet_formulas(activation):
 
 def test_ffn_gelu_is_exact_erf_gelu():
     x = torch.linspace(-4, 4, 41, dtype=DT)
-    assert_close_report(ref_core._gelu(x), nn.functional.gelu(x), RTOL, name="gelu")
+    assert_close_report(gelu(x), nn.functional.gelu(x), RTOL, name="gelu")
 
 
 @pytest.mark.parametrize("mode", ["target", "grad_output"])
 def test_ffn_row_mask_drops_rows(mode):
     B, L, d, d_ff = 2, 3, 2, 3
     Y, W_1, W_2 = randn(B, L, d), randn(d, d_ff), randn(d_ff, d)
-    kw = loss_kwargs(mode, (B, L, d))
-    (name,) = kw
+    name = "target" if mode == "target" else "grad_output"
+    S = randn(B, L, d)
     extra = {} if mode == "target" else {"output_curvature": 0.4}
     keep = torch.tensor([[True, True, True], [False, True, True]])
-    out = ref.ffn_blocks(Y, W_1, W_2, activation="gelu", **kw, **extra, row_mask=keep)
-    Y2, S2 = Y.clone(), kw[name].clone()
+    W = FFNWeights(W_1, W_2)
+    out = ref.ffn_blocks(Y, W, activation="gelu", loss=OutputLoss(**{name: S}, **extra), row_mask=keep)
+    Y2, S2 = Y.clone(), S.clone()
     Y2[1, 0], S2[1, 0] = 5 * randn(d), 5 * randn(d)
-    out2 = ref.ffn_blocks(Y2, W_1, W_2, activation="gelu", **{name: S2}, **extra, row_mask=keep)
+    out2 = ref.ffn_blocks(Y2, W, activation="gelu", loss=OutputLoss(**{name: S2}, **extra), row_mask=keep)
     singles = [
-        ref.ffn_blocks(Y[0], W_1, W_2, activation="gelu", **{name: kw[name][0]}, **extra),
-        ref.ffn_blocks(Y[1, 1:], W_1, W_2, activation="gelu", **{name: kw[name][1, 1:]}, **extra),
+        ref.ffn_blocks(Y[0], W, activation="gelu", loss=OutputLoss(**{name: S[0]}, **extra)),
+        ref.ffn_blocks(Y[1, 1:], W, activation="gelu", loss=OutputLoss(**{name: S[1, 1:]}, **extra)),
     ]
     for key in out:
         assert_close_report(out2[key], out[key], RTOL, name=f"changed dropped row {key}", atol=ATOL_ZERO)
@@ -481,24 +501,24 @@ def block_case(request):
     L, d, d_ff = 3, 4, 3
     lead = () if c["B"] is None else (c["B"],)
     params = block_params(d, c["H"], d // c["H"], d // c["H"], d_ff, c["extras"])
-    return c, randn(*lead, L, d), params, loss_kwargs(c["mode"], (*lead, L, d))
+    return c, randn(*lead, L, d), params, loss_of(c["mode"], (*lead, L, d))
 
 
 def test_transformer_block_keys_split_symmetry(block_case):
-    c, X, params, kw = block_case
-    out = ref.transformer_block_blocks(X, params, norm=c["norm"], activation=c["act"], causal=True, **kw)
+    c, X, params, loss = block_case
+    out = ref.transformer_block_blocks(X, params, norm=c["norm"], activation=c["act"], causal=True, loss=loss)
     H = c["H"]
     ffn_pairs = {"W1W1", "W1W2", "W2W2"}
     suffixes = [f"/h{h}" for h in range(H)] if H > 1 else [""]
-    expected = {f"{k}/{p}" for k in KINDS for p in ffn_pairs}
-    expected |= {f"{k}/{p}{s}" for k in KINDS for p in BLOCK_PAIRS if p not in ffn_pairs for s in suffixes}
+    expected = {f"{k}/{p}" for k in PARTS for p in ffn_pairs}
+    expected |= {f"{k}/{p}{s}" for k in PARTS for p in BLOCK_PAIRS if p not in ffn_pairs for s in suffixes}
     assert set(out) == expected
     check_split(out)
     # assemble the 5x5 Hessian of each head's blocks and check its symmetry
     n = {"V": params["W_V"].shape[0] * params["W_V"].shape[1] // H, "W1": params["W_1"].numel()}
     n.update(Q=params["W_Q"].numel() // H, K=params["W_K"].numel() // H, W2=params["W_2"].numel())
     order = ("V", "Q", "K", "W1", "W2")
-    for kind, s in itertools.product(KINDS, suffixes):
+    for kind, s in itertools.product(PARTS, suffixes):
 
         def block(P, R, kind=kind, s=s):
             if order.index(P) > order.index(R):
@@ -516,8 +536,8 @@ def test_transformer_block_batched_target_is_mean():
     X, p = randn(2, 3, 4), block_params(4, 2, 2, 2, 3, extras=True)
     T = randn(2, 3, 4)
     kw = dict(norm="pre", activation="gelu")
-    out = ref.transformer_block_blocks(X, p, **kw, target=T)
-    singles = [ref.transformer_block_blocks(X[b], p, **kw, target=T[b]) for b in range(2)]
+    out = ref.transformer_block_blocks(X, p, **kw, loss=OutputLoss(target=T))
+    singles = [ref.transformer_block_blocks(X[b], p, **kw, loss=OutputLoss(target=T[b])) for b in range(2)]
     for key in out:
         assert_close_report(out[key], (singles[0][key] + singles[1][key]) / 2, RTOL, name=key, atol=ATOL_ZERO)
 
@@ -555,9 +575,9 @@ def test_transformer_block_forward_matches_torch_modules(norm, activation):
         ln1_weight=ln1.weight.detach(), ln1_bias=ln1.bias.detach(),
         ln2_weight=ln2.weight.detach(), ln2_bias=ln2.bias.detach(),
     )  # fmt: skip
-    blocked = ref_core._blocked_logits(B, L, True, None, X.device)
+    blocked = blocked_logits(B, L, True, None, X.device)
     W_1, W_2 = lin1.weight.detach().T, lin2.weight.detach().T
-    actual = ref_core._transformer_block(X, W_Q, W_K, W_V, W_1, W_2, fixed, H, norm, activation, eps, blocked)
+    actual = transformer_block_forward(X, W_Q, W_K, W_V, W_1, W_2, fixed, H, norm, activation, eps, blocked)
     assert_close_report(actual, expected, RTOL, name=f"{norm} block forward")
 
 
@@ -577,7 +597,7 @@ def test_spectral_norm_symmetric_and_general():
 
 def test_dense_to_norms_keeps_keys_of_dense_entries():
     X, W = randn(3, 2), (randn(2, 2), randn(2, 2), randn(2, 2))
-    out = ref.self_attention_blocks(X, *W, grad_output=randn(3, 2))
+    out = ref.self_attention_blocks(X, AttentionWeights(*W), loss=OutputLoss(grad_output=randn(3, 2)))
     norms = ref.dense_to_norms({**out, "term/scalar": torch.tensor(1.0, dtype=DT)})
     assert set(norms) == set(out)
     for key, value in norms.items():
@@ -594,24 +614,27 @@ def _zeros(*shape: int, dtype: torch.dtype = DT) -> torch.Tensor:
     return torch.zeros(*shape, dtype=dtype)
 
 
-def _sa(X_shape=(3, 2), W_K_shape=(2, 2), **kw):
-    """Self-attention call with small valid defaults (L=3, d=d_K=d_V=2) and overrides."""
+def _sa(X_shape=(3, 2), W_K_shape=(2, 2), key_padding_mask=None, **loss):
+    """Self-attention call with small valid defaults (L=3, d=d_K=d_V=2) and overrides (``loss``: OutputLoss
+    fields)."""
     return lambda: ref.self_attention_blocks(
-        randn(*X_shape), randn(2, 2), randn(*W_K_shape), randn(2, 2), **kw
-    )
+        randn(*X_shape), AttentionWeights(randn(2, 2), randn(*W_K_shape), randn(2, 2)), loss=OutputLoss(**loss),
+        structure=AttentionStructure(key_padding_mask=key_padding_mask),
+    )  # fmt: skip
 
 
 def _mha(W_Q_shape=(2, 2), W_O_shape=(2, 2), n_heads=1):
     def call():
         W_Q, W_K, W_V, W_O = randn(*W_Q_shape), randn(*W_Q_shape), randn(2, 2), randn(*W_O_shape)
-        return ref.multi_head_attention_blocks(randn(3, 2), W_Q, W_K, W_V, W_O, n_heads, target=randn(3, 2))
+        weights = AttentionWeights(W_Q, W_K, W_V, W_O, n_heads=n_heads)
+        return ref.multi_head_attention_blocks(randn(3, 2), weights, loss=OutputLoss(target=randn(3, 2)))
 
     return call
 
 
 def _ffn(W_2_shape=(3, 2), Y_shape=(3, 2), **kw):
     return lambda: ref.ffn_blocks(
-        randn(*Y_shape), randn(2, 3), randn(*W_2_shape), target=randn(*Y_shape), **kw
+        randn(*Y_shape), FFNWeights(randn(2, 3), randn(*W_2_shape)), loss=OutputLoss(target=randn(*Y_shape)), **kw
     )
 
 
@@ -620,7 +643,7 @@ def _block(params_update=(), drop=(), **kw):
     p.update(dict(params_update))
     for k in drop:
         p.pop(k)
-    return lambda: ref.transformer_block_blocks(randn(3, 4), p, target=randn(3, 4), **kw)
+    return lambda: ref.transformer_block_blocks(randn(3, 4), p, loss=OutputLoss(target=randn(3, 4)), **kw)
 
 
 T0 = _zeros(3, 2)  # a valid (L, d_V) target / grad_output

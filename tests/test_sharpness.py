@@ -10,22 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from curvwatch import Sharpness
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
-from curvwatch.sharpness import (
-    LogitSampler,
-    LossKind,
-    RealLoss,
-    StabilityRule,
-    find_logits_module,
-    loss_weights,
-    param_index_map,
-    stability_keys,
-    stability_rule,
-)
+from curvwatch.realloss import sample_outputs
+from curvwatch.realloss.logits import find_logits_module
+from curvwatch.realloss.plugin import RealLoss
+from curvwatch.realloss.samplers import LogitSampler
+from curvwatch.realloss.stability import StabilityRule, param_index_map, stability_keys, stability_rule
+from curvwatch.realloss.weights import LossKind, loss_weights
 from tests import zoo
 
 
@@ -70,7 +66,7 @@ def test_loss_weights_ignored_and_weighted_rows():
 def test_total_weight_is_the_sum_of_the_loss_weights():
     """The whole batch's weight (kept tokens scaled up to it) by the cheap log-domain formula: ignored rows, per-row
     weights and a confident row (p_y = 1 - 1e-6 in float32) as loss_weights, whose sum it replaces."""
-    from curvwatch.sharpness import total_weight
+    from curvwatch.realloss.weights import total_weight
 
     z = Z.float().reshape(-1, 7).clone()
     z[5] = torch.tensor([20.0, 0, 0, 0, 0, 0, 0]) - 1.0  # confident in class 0
@@ -87,7 +83,7 @@ def test_total_weight_of_a_linear_logits_module_reads_two_logits_per_row():
     """Through a linear logits module (rows recomputed from its input): the same sum to float32 round-off, with the
     bias, confident and ignored rows, and the O(rows d) dot products only: no (rows, V) product (torch's profiler: no
     ``linear``/``mm``/``addmm`` call, which recomputing the logits is)."""
-    from curvwatch.sharpness import LinearLogits, total_weight
+    from curvwatch.realloss.weights import LinearLogits, total_weight
 
     g0 = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(16, 1000)
@@ -114,7 +110,7 @@ def test_total_weight_takes_every_row_at_once_in_any_dtype():
     ~3e-5 off at 7,680 rows) and 1e-2 (bfloat16: the gradient's own rounding), with ignored rows, rows of confident
     predictions, and a linear logits module."""
     from benchmarks.bench_dispatch import OpCounter
-    from curvwatch.sharpness import LinearLogits, total_weight
+    from curvwatch.realloss.weights import LinearLogits, total_weight
 
     g0 = torch.Generator().manual_seed(0)
     V, N, d = 50_257, 60, 8
@@ -146,8 +142,8 @@ def test_total_weight_takes_every_row_at_once_in_any_dtype():
 def test_linear_logits_entries_are_the_logits_in_chunks_of_rows(monkeypatch):
     """``LinearLogits.entries`` (two logits per row for ``total_weight``) a chunk of rows at a time: equal to the
     gathered logits whatever the chunks (``_CHUNK`` shrunk to 2 rows per chunk here; an offset start, an odd count)."""
-    from curvwatch import sharpness
-    from curvwatch.sharpness import LinearLogits
+    from curvwatch.realloss import weights as sharpness
+    from curvwatch.realloss.weights import LinearLogits
 
     g0 = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(16, 50)
@@ -164,7 +160,7 @@ def test_loss_weights_read_the_host_once_whatever_the_chunks():
     and a boolean index per chunk, which reads its count: a sync each on a GPU), the same weights; a z-loss still
     gets its per-chunk reading (and its note)."""
     from benchmarks.bench_dispatch import OpCounter, count_host_reads
-    from curvwatch.sharpness import LSE_TERM_NOTE
+    from curvwatch.realloss.weights import LSE_TERM_NOTE
 
     g0 = torch.Generator().manual_seed(0)
     V, N = 50_257, 60
@@ -189,7 +185,7 @@ def test_hard_label_fit_from_row_statistics_equals_the_fit_on_the_whole_rows():
     ``||g - w (p - e_y)||^2`` (a z-loss row: its label's entry replaced by ``min(w p_y - g_y, 0)``) on rows that are
     cross-entropy (exact fit: residual at round-off of ``||g||^2``), perturbed ones (no fit), z-loss ones, rows without
     a gradient and confident ones; to 1e-10 of ``||g||^2`` on every row that decides the fit."""
-    from curvwatch.sharpness import _fit_rows, _lse_term_labels, _row_stats
+    from curvwatch.realloss.weights import _fit_rows, _lse_term_labels, _row_stats
 
     gen = torch.Generator().manual_seed(0)
     N, V = 12, 40
@@ -300,7 +296,7 @@ def _layer1_w2(model, loss_fn, samples: int, key: str, kind: str = "auto") -> fl
     kept, ``samples`` sampled passes, float64 kernels with a tight Lanczos."""
     with Capture(find_blocks(model), max_tokens=100, logits_module=model.head) as cap:
         loss, _ = loss_fn(model)
-        cap.sample_outputs(loss, samples, kind=kind, generator=torch.Generator().manual_seed(0))
+        sample_outputs(cap, loss, samples, kind=kind, generator=torch.Generator().manual_seed(0))
         loss.backward()
     engine = Engine(lanczos=Lanczos(tol=1e-8, max_iter=100), dtype="float64", pairs=("W2W2",))
     return float(engine.evaluate(cap.blocks()).results["layer1/ffn"][key])
@@ -325,7 +321,7 @@ def test_capture_samples_are_the_backpropagated_logit_samples(head, monkeypatch)
     with Capture(specs, max_tokens=12, logits_module=model.head) as cap:
         logits = model(idx)
         loss = F.cross_entropy(logits.reshape(-1, 13), idx.reshape(-1))
-        n = cap.sample_outputs(loss, 3, generator=torch.Generator().manual_seed(5))
+        n = len(sample_outputs(cap, loss, 3, generator=torch.Generator().manual_seed(5)).blocks)
         loss.backward()
     assert len(through) == (head == "linear")
     # reproduce the samples on a second forward (outside the capture): same generator, same loss weights,
@@ -390,8 +386,8 @@ def test_samples_from_the_logits_module_input_equal_those_from_the_logits(batch_
                 logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, V).float(), x.reshape(-1))
             del logits
-            assert cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0)) == 2
-            assert cap.sample_note is None
+            sampled = sample_outputs(cap, loss, 4, generator=torch.Generator().manual_seed(0))
+            assert len(sampled.blocks) == 2 and sampled.note is None
             loss.backward()
         return {b.spec.name: b.inputs["output_samples"] for b in cap.blocks() if "output_samples" in b.inputs}
 
@@ -406,12 +402,12 @@ def test_sampling_errors_are_clear():
     with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
         out = model(idx)
         with pytest.raises(ValueError, match="not a softmax cross-entropy"):
-            cap.sample_outputs((out - 1).square().mean(), 2)
+            sample_outputs(cap, (out - 1).square().mean(), 2)
     with Capture(find_blocks(model), max_tokens=12, logits_module=model.blocks[0].ln_1) as cap:
         with torch.no_grad():
             model(idx)
         with pytest.raises(RuntimeError, match="produced no output with gradient tracking"):
-            cap.sample_outputs(torch.zeros((), requires_grad=True), 2)
+            sample_outputs(cap, torch.zeros((), requires_grad=True), 2)
 
 
 def test_find_logits_module():
@@ -523,7 +519,7 @@ def test_loss_weights_of_a_confident_model_in_float32():
 def test_sampler_and_loss_weights_in_chunks_are_the_same(monkeypatch):
     """The tables are built a chunk of rows at a time (memory bounded by _CHUNK elements, whatever the rows): the
     weights and the draws do not depend on the chunking."""
-    import curvwatch.sharpness as sharpness
+    import curvwatch.realloss.weights as sharpness
 
     z = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 5, (7,), generator=torch.Generator().manual_seed(4))
@@ -562,7 +558,7 @@ def test_real_loss_temporaries_are_bounded_at_a_50k_vocabulary():
     """Vocabulary 50,257, 256 rows: the largest (rows, vocabulary) temporary of the loss weights and of a draw is one
     chunk (2^20 elements: 8 MiB in float64), not the rows' 100 MiB (the previous version's tables: 4,096 rows of the
     whole batch at once, 1.6 GB), by torch's profiler."""
-    import curvwatch.sharpness as sharpness
+    import curvwatch.realloss.weights as sharpness
 
     V, N = 50_257, 256
     z = torch.randn(N, V, generator=torch.Generator().manual_seed(0))
@@ -589,7 +585,7 @@ def _sampling_peaks(B: int, max_tokens: int = 64, L: int = 32, V: int = 50_257) 
         with Capture(find_blocks(model), max_tokens=max_tokens, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))  # the logits are not held here
             with torch.profiler.record_function("sampling"):
-                assert cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0)) == 2
+                assert len(sample_outputs(cap, loss, 4, generator=torch.Generator().manual_seed(0)).blocks) == 2
             with torch.profiler.record_function("backward"):
                 loss.backward()
     events = prof.profiler.kineto_results.events()
@@ -642,7 +638,7 @@ def test_sampling_dispatch_ceiling():
         with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
             with OpCounter() as counter:
-                assert cap.sample_outputs(loss, k, generator=torch.Generator().manual_seed(0)) == 4
+                assert len(sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0)).blocks) == 4
             loss.backward()
         counts[k] = (counter.total, counter.syncs)
     assert counts[16][0] <= 1_650 and counts[16][1] <= 6, counts
@@ -651,10 +647,10 @@ def test_sampling_dispatch_ceiling():
 
 def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
     """A linear logits module at a 50K vocabulary: the kept rows' logits are recomputed from its input once per chunk
-    of rows, for the loss weights and the draws together (:class:`~curvwatch.sharpness.InputDraws` handed to
+    of rows, for the loss weights and the draws together (:class:`~curvwatch.realloss.samplers.InputDraws` handed to
     ``loss_weights``), and the other rows' not at all (``total_weight`` reads two logits per row); before, twice and
     once. The samples are those of the sampler's own pass (``plan`` not handed over), bit for bit."""
-    from curvwatch.sharpness import LinearLogits, _chunk_rows
+    from curvwatch.realloss.weights import LinearLogits, _chunk_rows
 
     V, L = 50_257, 32
     torch.manual_seed(0)
@@ -666,11 +662,11 @@ def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
     samples = {}
     for fused in (True, False):
         if not fused:  # the unfused path: the draws read every chunk themselves
-            monkeypatch.setattr("curvwatch.capture.InputDraws", lambda *a, **kw: None)
+            monkeypatch.setattr("curvwatch.realloss.sampling.InputDraws", lambda *a, **kw: None)
         reads.clear()
         with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
-            assert cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0)) == 2
+            assert len(sample_outputs(cap, loss, 4, generator=torch.Generator().manual_seed(0)).blocks) == 2
             loss.backward()
         chunks = -(-64 // _chunk_rows(V))  # the kept rows' chunks
         assert len(reads) == (chunks if fused else 2 * chunks), (fused, len(reads), chunks)
@@ -689,8 +685,8 @@ def test_two_captures_do_not_read_each_others_sampled_passes():
     with Capture(specs, max_tokens=12, logits_module=model.head) as first:
         with Capture(specs, max_tokens=12, logits_module=model.head) as second:
             loss = F.cross_entropy(model(idx).reshape(-1, 13), idx.reshape(-1))
-            first.sample_outputs(loss, 3, generator=torch.Generator().manual_seed(0))
-            second.sample_outputs(loss, 2, generator=torch.Generator().manual_seed(1))
+            sample_outputs(first, loss, 3, generator=torch.Generator().manual_seed(0))
+            sample_outputs(second, loss, 2, generator=torch.Generator().manual_seed(1))
             loss.backward()
     for cap in (first, second):
         blocks = {b.spec.name: b for b in cap.blocks()}
@@ -760,7 +756,7 @@ def test_kept_tokens_without_loss_weight_give_no_value_and_say_why(V):
     with Capture(find_blocks(model), max_tokens=L, logits_module=model.head) as cap:
         loss = F.cross_entropy(model(idx).reshape(-1, V), labels.reshape(-1), ignore_index=-100)
         with pytest.raises(ValueError, match=r"kept tokens .* carry no loss weight .* raise max_tokens"):
-            cap.sample_outputs(loss, 2)
+            sample_outputs(cap, loss, 2)
         loss.backward()
     assert all("output_samples" not in b.inputs for b in cap.blocks())
 
@@ -783,10 +779,10 @@ def test_ranks_agree_before_the_sampled_passes():
         with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, 13), target.reshape(-1), ignore_index=-100)
             if error is None:
-                assert cap.sample_outputs(loss, 2, agree=agree) == sampled
+                assert len(sample_outputs(cap, loss, 2, agree=agree).blocks) == sampled
             else:
                 with pytest.raises((RuntimeError, ValueError), match=error):
-                    cap.sample_outputs(loss, 2, agree=agree)
+                    sample_outputs(cap, loss, 2, agree=agree)
             loss.backward()
         assert asked == [target is idx]  # asked exactly once, with this rank's readiness
         assert sum("output_samples" in b.inputs for b in cap.blocks()) == sampled
@@ -807,28 +803,28 @@ def test_logits_scaled_after_the_logits_module_are_refused_by_name():
 def test_no_spread_or_heterogeneity_from_no_data():
     """A zero sharpness (no samples' weight, no gradient) logs no sharpness_spread (0/0), and all-zero norms no
     heterogeneity (log10 of 0): a number there would mean something."""
-    from curvwatch.closed_form import ffn
+    from curvwatch.closed_form import FFNWeights, OutputLoss, ffn
     from curvwatch.metrics import summarize
 
     gen = torch.Generator().manual_seed(0)
     Y, W_1, W_2 = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 4), (4, 5), (5, 4)))
     zero = torch.zeros(2, 3, 4, dtype=torch.float64)
-    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
-              pairs=("W2W2",))  # fmt: skip
+    weights, no_samples = FFNWeights(W_1, W_2), torch.zeros(4, 2, 3, 4, dtype=torch.float64)
+    out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=no_samples), pairs=("W2W2",))
     assert float(out["sharpness/W2W2"]) == 0 and "sharpness_spread/W2W2" not in out
-    out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64),
-              pairs=("W2W2",))  # fmt: skip
+    samples = torch.randn(4, 2, 3, 4, generator=gen, dtype=torch.float64)
+    out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=samples), pairs=("W2W2",))
     assert float(out["sharpness_spread/W2W2"]) > 0
     # under the monitor's engine (inputs_checked) no host read decides it: NaN marks "no data", and the logbook's one
     # read of every value drops that key (not the block)
     from benchmarks.bench_dispatch import OpCounter, count_host_reads
-    from curvwatch.closed_form._common import inputs_checked
+    from curvwatch.closed_form import inputs_checked
     from curvwatch.logbook import flatten
 
     counter = OpCounter()
     with inputs_checked(), counter, count_host_reads(counter):  # (warn=False: no read of the residuals, as the monitor)
-        out = ffn(Y, W_1, W_2, grad_output=zero, output_samples=torch.zeros(4, 2, 3, 4, dtype=torch.float64),
-                  pairs=("W2W2",), lanczos=Lanczos(warn=False))  # fmt: skip
+        out = ffn(Y, weights, loss=OutputLoss(grad_output=zero, output_samples=no_samples), pairs=("W2W2",),
+                  lanczos=Lanczos(warn=False))  # fmt: skip
     assert counter.syncs == 0 and torch.isnan(out["sharpness_spread/W2W2"])
     flat = flatten({"layer0/ffn": out})
     assert ("layer0/ffn", "sharpness/W2W2") in flat and ("layer0/ffn", "sharpness_spread/W2W2") not in flat
@@ -866,7 +862,7 @@ def test_kl_batchmean_over_tokens_is_refused_unless_named_then_exact():
     with Capture(specs, max_tokens=100, logits_module=model.head) as cap:
         loss, _ = loss_fn(model)
         with pytest.raises(ValueError, match="loss='soft_batchmean'"):
-            cap.sample_outputs(loss, 2)
+            sample_outputs(cap, loss, 2)
         loss.backward()
     got = _layer1_w2(model, loss_fn, 256, "sharpness/W2W2", kind="soft_batchmean")
     spec = {s.name: s for s in specs}["layer1/ffn"]
@@ -896,8 +892,9 @@ def test_no_data_and_scaled_logits_reach_the_logger_as_no_value(tmp_path):
             return F.cross_entropy((self(idx[:, :-1]) / 4).reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
 
     for module, why in ((Ignored(), "carry no loss weight"), (Scaled(), "logits_module=")):
-        monitor = CurvatureMonitor(every_n_train_steps=1, log_level="all", sharpness_samples=2,
-                                   evaluation=Evaluation(max_tokens=7))  # fmt: skip
+        monitor = CurvatureMonitor(
+            every_n_train_steps=1, log_level="all", evaluation=Evaluation(max_tokens=7), sharpness=Sharpness(samples=2)
+        )
         trainer = make_trainer(tmp_path / why[:5], monitor, max_steps=1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CurvatureNotice)
@@ -937,9 +934,10 @@ def test_label_smoothing_on_kept_rows_counts_the_whole_batch():
     labels[1, :2] = labels[2, 4:] = -100  # 14 of the 18 rows scored, all 6 kept ones
     with Capture(find_blocks(model), max_tokens=6, logits_module=model.head) as cap:
         loss = F.cross_entropy(model(idx).reshape(-1, 13), labels.reshape(-1), ignore_index=-100, label_smoothing=0.1)
-        assert cap.sample_outputs(loss, 2, generator=torch.Generator().manual_seed(0)) == 4
+        sampled = sample_outputs(cap, loss, 2, generator=torch.Generator().manual_seed(0))
+        assert len(sampled.blocks) == 4
         loss.backward()
-    assert "mean over the 14 rows with a gradient" in cap.sample_note
+    assert "mean over the 14 rows with a gradient" in sampled.note
     scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
     assert len(scales) == 1 and abs(scales.pop() - 14 / 6) < 1e-6  # float32 weights
 
@@ -972,8 +970,8 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     loss's Hessian at the logits is ``s (diag p - p p^T)`` plus the rank-one ``2 c w_z p p^T`` left out (checked
     against torch.func), and the monitor's ``ggn/W2W2`` of a tiny GPT with large logits is within 15% of the exact
     Gauss-Newton block of that loss (dense torch.func, 1024 samples)."""
+    from curvwatch.realloss.weights import LSE_TERM_NOTE
     from curvwatch.reference.real_loss import _perturbed
-    from curvwatch.sharpness import LSE_TERM_NOTE
 
     B, L, V, c = 3, 6, 13, 1e-3
     y = torch.randint(0, V, (B * L,), generator=torch.Generator().manual_seed(2))
@@ -1015,9 +1013,34 @@ def test_z_loss_is_read_as_cross_entropy_plus_a_term_in_logsumexp():
     with Capture(specs, max_tokens=L, logits_module=model.head) as cap:
         logits = model(_gpt_batch(B, L))
         loss = F.cross_entropy(logits.reshape(-1, V), y) + heavy * logits.reshape(-1, V).logsumexp(-1).pow(2).mean()
-        cap.sample_outputs(loss, 4, generator=torch.Generator().manual_seed(0))
+        sampled = sample_outputs(cap, loss, 4, generator=torch.Generator().manual_seed(0))
         loss.backward()
-    assert cap.sample_note == LSE_TERM_NOTE
+    assert sampled.note == LSE_TERM_NOTE
     s = (1 + 2 * heavy * logits.detach().reshape(-1, V).logsumexp(-1)) / (B * L)
     scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
     assert len(scales) == 1 and scales.pop() == pytest.approx(float(s.sum() / s[:L].sum()), rel=1e-5)
+
+
+def test_near_uniform_predictions_cannot_tell_label_smoothing_and_say_so():
+    """While the predictions off the label are near uniform (initialisation), a label-smoothed cross-entropy's
+    gradient is a hard-label one of weight (1 - eps) w: the weights read 0.9x with eps = 0.1, so the loss weights say
+    they cannot tell (loss="auto"), and say nothing once the predictions tell them apart or the loss is stated."""
+    from curvwatch.realloss.weights import HIDDEN_SMOOTHING, loss_weights
+
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 50, (64,), generator=gen)
+    for scale, smoothing in ((1e-3, 0.1), (1e-3, 0.0), (3.0, 0.0)):
+        z = (scale * torch.randn(64, 50, generator=gen, dtype=torch.float64)).requires_grad_()
+        (g,) = torch.autograd.grad(F.cross_entropy(z, y, label_smoothing=smoothing), z)
+        w, kind, note = loss_weights(z.detach(), g, "auto")
+        if scale < 1:  # near uniform: read as hard labels, the note names the smoothing it cannot see
+            assert kind.value == "cross_entropy" and note is not None and "label smoothing up to eps" in note
+            assert float(w.sum()) == pytest.approx(1 - smoothing, rel=1e-3)
+            assert loss_weights(z.detach(), g, "cross_entropy")[2] is None  # stated: no note
+        else:  # trained-like predictions: hard labels are told apart from smoothing; no note
+            assert note is None and float(w.sum()) == pytest.approx(1.0, rel=1e-6)
+    # a smoothing the predictions can show is read as such (the mean over the rows), not as hard labels
+    z = (3.0 * torch.randn(64, 50, generator=gen, dtype=torch.float64)).requires_grad_()
+    (g,) = torch.autograd.grad(F.cross_entropy(z, y, label_smoothing=2 * HIDDEN_SMOOTHING), z)
+    w, _, note = loss_weights(z.detach(), g, "auto")
+    assert "label-smoothing form" in note and float(w.sum()) == pytest.approx(1.0, rel=1e-6)

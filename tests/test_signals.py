@@ -24,8 +24,8 @@ SIGNAL_TERMS = ("term/x_norm", "term/x_norm6", "term/softmax_jac_norm", "term/wq
 def test_attention_signals_are_the_full_tiers_numbers(case):
     """GQA/MQA, rotary, windows, scale, QK-norm, padding, cross-attention, both loss modes."""
     X, W, kw = _inputs(case)
-    everything = multi_head_attention(X, **W, pairs=("VV",), **kw)
-    signals = multi_head_attention(X, **W, pairs=("VV",), terms="signals", **kw)
+    everything = multi_head_attention(X, W, pairs=("VV",), **kw)
+    signals = multi_head_attention(X, W, pairs=("VV",), terms="signals", **kw)
     assert set(signals) <= set(everything)
     for key, value in signals.items():
         assert_close_report(value, everything[key], rtol=1e-12, name=key)
@@ -40,10 +40,10 @@ def test_attention_signals_are_the_full_tiers_numbers(case):
 
 def test_attention_signals_without_the_value_pair_and_bad_terms():
     X, W, kw = _inputs(MODERN_CASES[0])
-    out = multi_head_attention(X, **W, pairs=(), terms="signals", **kw)
+    out = multi_head_attention(X, W, pairs=(), terms="signals", **kw)
     assert {k.split("/")[0] for k in out} == {"term"}
     with pytest.raises(ValueError, match="Invalid terms='bounds'. Must be True, False or 'signals'"):
-        multi_head_attention(X, **W, pairs=("VV",), terms="bounds", **kw)
+        multi_head_attention(X, W, pairs=("VV",), terms="bounds", **kw)
 
 
 @pytest.mark.parametrize("kernel", [layernorm, rmsnorm], ids=["layernorm", "rmsnorm"])

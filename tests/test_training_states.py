@@ -17,6 +17,7 @@ from curvwatch.closed_form.settings import Lanczos
 from curvwatch.engine import MONITOR_LANCZOS, Engine
 from curvwatch.metrics import residuals
 from curvwatch.models.gpt import GPT, GPTConfig
+from curvwatch.realloss import sample_outputs
 
 STEPS = 12
 TIGHT = Lanczos(tol=1e-7, max_iter=400, max_basis=None)
@@ -65,7 +66,7 @@ def test_debiased_sampled_keys_with_warm_starts_are_within_1_percent_of_a_tight_
     ``MEMBER_TOL`` 0.2, 0.01%. Held-out HF GPT-2 (d 64, 2 layers, random tokens), 16 samples, four captures in a row
     (new samples each: the warm starts are the last capture's), the monitor's defaults."""
     from benchmarks.bench_sharpness import _full_ce, held_out_gpt2
-    from curvwatch.sharpness import find_logits_module
+    from curvwatch.realloss.logits import find_logits_module
 
     torch.manual_seed(0)
     model, x, y = held_out_gpt2(64, vocab=256, B=2, L=64)
@@ -77,7 +78,7 @@ def test_debiased_sampled_keys_with_warm_starts_are_within_1_percent_of_a_tight_
     for seed in range(4):
         with Capture(specs, monitor.token_limit, logits_module=head) as cap:
             loss, _ = _full_ce(x, y)(model)
-            cap.sample_outputs(loss, 16, generator=torch.Generator().manual_seed(seed))
+            sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(seed))
             loss.backward()
         model.zero_grad()
         blocks = cap.blocks()

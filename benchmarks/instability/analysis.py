@@ -12,8 +12,7 @@ can be re-scored on stored results without training again.
   new rules' ``warmup_steps``). ``theta`` is fitted on the
   training seeds' controls (the smallest value that stays silent on all of them, plus a margin) and scored on
   every run, the held-out seeds reported apart.
-* :func:`replay_alert_monitor` (today's :class:`~curvwatch.alerts.AlertMonitor`, fed as the callback feeds it)
-  and :func:`replay_ruleset` (:class:`curvwatch.rules.RuleSet`): alarm steps on a trace, optionally thinned to
+* :func:`replay_ruleset` (:class:`curvwatch.rules.RuleSet`): alarm steps on a trace, optionally thinned to
   a cheaper terms-only cadence.
 * :func:`score`: lead time before onset of the first alarm (negative: late; ``None``: none by the end of the
   trace), false alarms per 1000 steps.
@@ -279,38 +278,6 @@ _FULL_ONLY = re.compile(r"/(hessian|outer|functional)/(QQ|KK|W1W1|max)|/ratio/|^
 
 def _terms_part(metrics: Mapping[str, float | None]) -> dict[str, float | None]:
     return {k: v for k, v in metrics.items() if not _FULL_ONLY.search(k)}
-
-
-def _layernorm_stats(metrics: Mapping[str, float | None], eps: float) -> dict[str, dict[str, float]]:
-    stats: dict[str, dict[str, float]] = {}
-    for key, value in metrics.items():
-        if value is None or "/ln/" not in key or key.startswith("summary/"):
-            continue
-        block, name = key.split("/ln/", 1)
-        stats.setdefault(block, {"eps": eps})[name] = value
-    return stats
-
-
-def replay_alert_monitor(rows: Sequence[Mapping[str, Any]], eps: float, **kwargs: Any) -> list[tuple[int, str, str]]:
-    """``[(step, kind, block)]`` that :class:`~curvwatch.alerts.AlertMonitor` (defaults unless ``kwargs``) fires.
-
-    Fed as the callback feeds it: LayerNorm statistics on every evaluation, block norms
-    (``<block>/hessian/max``) on full ones.
-    """
-    from curvwatch.alerts import AlertMonitor
-
-    monitor = AlertMonitor(**kwargs)
-    fired = []
-    for row in rows:
-        metrics = row["metrics"]
-        norms = {}
-        if row["full"]:
-            norms = {
-                k[: -len("/hessian/max")]: v for k, v in metrics.items() if k.endswith("/hessian/max") and v is not None
-            }
-        for alert in monitor.update(row["step"], norms=norms, layernorms=_layernorm_stats(metrics, eps)):
-            fired.append((alert.step, alert.kind, alert.block))
-    return fired
 
 
 def replay_ruleset(rows: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[tuple[int, str, str]]:

@@ -6,8 +6,8 @@
 * ``signals``: per signal and detector kind, the threshold fitted on the training seeds' controls, and per
   mechanism and seed the first alarm and the lead; false alarms per 1000 steps on the controls, training and
   held-out seeds apart;
-* ``rules``: the same for ``before`` (today's :class:`~curvwatch.alerts.AlertMonitor` at its defaults) and
-  ``after`` (:class:`curvwatch.rules.RuleSet` at its defaults), with the kind of the first alarm;
+* ``rules``: the same for ``suite`` (:class:`curvwatch.rules.RuleSet` at its defaults), with the kind of the first
+  alarm;
 * ``cadence``: the new rules replayed with terms-only evaluations every 1, 5, 10, 25 steps (and no full ones),
   with the cost of that cadence, and at the default (``"auto"``: every 10 steps within 4% of training, the
   cadence each run's own terms-only cost allows).
@@ -29,7 +29,6 @@ from benchmarks.instability.analysis import (
     fit_theta,
     median_or_none,
     onset_step,
-    replay_alert_monitor,
     replay_ruleset,
     score,
     thinned,
@@ -123,21 +122,20 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
             }
 
     rules: dict[str, Any] = {}
-    for label, replay in (("before", _before), ("after", _after)):
-        alarms, kinds = {}, {}
-        for k, t in by_key.items():
-            fired = replay(t, t["monitor"])
-            alarms[k] = [s for s, _, _ in fired]
-            kinds[k] = sorted({(s, kind, block) for s, kind, block in fired})[:1]
-        rules[label] = {**_per_run_scores(alarms, runs), "first": {k: v[0] if v else None for k, v in kinds.items()}}
+    alarms, kinds = {}, {}
+    for k, t in by_key.items():
+        fired = _replay(t, t["monitor"])
+        alarms[k] = [s for s, _, _ in fired]
+        kinds[k] = sorted({(s, kind, block) for s, kind, block in fired})[:1]
+    rules["suite"] = {**_per_run_scores(alarms, runs), "first": {k: v[0] if v else None for k, v in kinds.items()}}
 
     cadence: dict[str, Any] = {}
     for every in CADENCES:
-        alarms = {k: [s for s, _, _ in _after(t, thinned(t, every, full_every=10**9))] for k, t in by_key.items()}
+        alarms = {k: [s for s, _, _ in _replay(t, thinned(t, every, full_every=10**9))] for k, t in by_key.items()}
         cost = [r["terms_cost_steps"] for r in runs.values() if r["terms_cost_steps"] is not None]
         cadence[str(every)] = {
             **_per_run_scores(alarms, runs),
-            "overhead_fraction": (statistics.median(cost) / every) if cost else None,
+            "overhead": (statistics.median(cost) / every) if cost else None,
         }
     # the default: every 10 steps within 4% of training, i.e. the multiple of 10 each run's terms cost allows. The
     # traces record terms_keys="all"; the default computes only what the rules read ("warnings"), priced by
@@ -147,11 +145,11 @@ def evaluate(traces: Sequence[Mapping[str, Any]], quick: bool = False) -> dict[s
     costs = load_costs()
     cost_of = {k: costs.get(model_key(t["config"]["model"]), runs[k]["terms_cost_steps"]) for k, t in by_key.items()}
     every_of = {k: default_terms_every(cost_of[k]) for k in by_key}
-    alarms = {k: [s for s, _, _ in _after(t, thinned(t, every_of[k], full_every=10**9))] for k, t in by_key.items()}
+    alarms = {k: [s for s, _, _ in _replay(t, thinned(t, every_of[k], full_every=10**9))] for k, t in by_key.items()}
     fractions = [cost_of[k] / every_of[k] for k in by_key if cost_of[k] is not None]
     cadence["auto"] = {
         **_per_run_scores(alarms, runs),
-        "overhead_fraction": statistics.median(fractions) if fractions else None,
+        "overhead": statistics.median(fractions) if fractions else None,
         "every": statistics.median(every_of.values()) if every_of else None,
         "every_range": [min(every_of.values()), max(every_of.values())] if every_of else None,
         "priced_by": "warnings" if costs and all(model_key(t["config"]["model"]) in costs for t in traces) else "all",
@@ -190,15 +188,7 @@ def default_terms_every(cost_steps: float | None) -> int:
     return every * max(1, math.ceil(cost_steps / (DEFAULT_TERMS_OVERHEAD * every) - 1e-9))
 
 
-def _eps(trace: Mapping[str, Any]) -> float:
-    return float(trace["config"]["model"]["ln_eps"])
-
-
-def _before(trace: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, str]]:
-    return replay_alert_monitor(rows, _eps(trace))
-
-
-def _after(trace: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, str]]:
+def _replay(trace: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, str]]:
     return replay_ruleset(rows)
 
 
@@ -284,9 +274,8 @@ def print_tables(results: Mapping[str, Any]) -> None:
         for k, r in results["runs"].items()
     ]  # fmt: skip
     print(markdown_table(header, rows))
-    for label in ("before", "after"):
-        print(f"\n## Rules {label}\n")
-        print(rules_table(results, label))
+    print("\n## Rules\n")
+    print(rules_table(results, "suite"))
     print("\n## Signals (median lead over seeds; generic detector, threshold fitted on training controls)\n")
     print(signals_table(results))
     print("\n## Cadence of the new rules (terms-only every N steps, no full evaluations)\n")
@@ -294,6 +283,6 @@ def print_tables(results: Mapping[str, Any]) -> None:
     rows = []
     for every, c in results["cadence"].items():
         leads = [v["lead"] for k, v in c["per_run"].items() if results["runs"][k]["onset"] is not None]
-        rows.append([every, _fmt(c["overhead_fraction"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
+        rows.append([every, _fmt(c["overhead"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
                      _fmt(c["false_alarms"]["held_out"]["per_1000"]), " ".join(_fmt(x) for x in leads)])  # fmt: skip
     print(markdown_table(header, rows))

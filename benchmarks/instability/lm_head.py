@@ -155,7 +155,7 @@ def head_statistics(
           output distributions, in nats;
         * ``adam_sharpness``: ``lambda_max(P^{-1/2} H P^{-1/2})`` (``adam_sharpness_residual``: as above);
           ``adam_ratio``: ``lr * adam_sharpness /
-          ((2 + 2 beta_1) / (1 - beta_1))`` (1 at the edge of stability; ``curvwatch.sharpness.stability_rule``).
+          ((2 + 2 beta_1) / (1 - beta_1))`` (1 at the edge of stability; ``curvwatch.realloss.stability.stability_rule``).
     """
     starts = starts or {}
     seconds: dict[str, float] = {}
@@ -211,7 +211,7 @@ def head_statistics(
 
 def adam_precondition(optimizer: Any, W: Tensor) -> tuple[Tensor, float, float] | None:
     """``(P, lr, beta_1)`` of ``W`` in an Adam/AdamW optimizer, ``P = sqrt(v_hat) + eps``; ``None`` before its
-    first step or for another optimizer (the convention of ``curvwatch.sharpness.stability_rule``)."""
+    first step or for another optimizer (the convention of ``curvwatch.realloss.stability.stability_rule``)."""
     opt = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return None

@@ -56,16 +56,13 @@ def _plot_mechanism(name: str, traces: Sequence[Mapping[str, Any]], results: Map
         values = signal.read(t)
         axes[2].semilogy(sorted(values), [max(values[s], 1e-30) for s in sorted(values)], color=color, lw=0.8)
         onset = results["runs"][key]["onset"]
-        after = results["rules"]["after"]["per_run"][key]["first_alarm"]
-        before = results["rules"]["before"]["per_run"][key]["first_alarm"]
+        first = results["rules"]["suite"]["per_run"][key]["first_alarm"]
         for ax in axes:
             if onset is not None:
                 ax.axvline(onset, color=color, ls="--", lw=0.8)
-            if after is not None:
-                ax.axvline(after, color=color, ls=":", lw=1.2)
-        if before is not None:
-            axes[0].plot([before], [t["series"]["loss"][before] or 0], marker="x", color=color, ms=6)
-    axes[0].set_title("loss (dashed: onset, dotted: first new alarm, x: first old alarm)", fontsize=7)
+            if first is not None:
+                ax.axvline(first, color=color, ls=":", lw=1.2)
+    axes[0].set_title("loss (dashed: onset, dotted: first alarm)", fontsize=7)
     axes[1].set_title("max attention logit (baseline)", fontsize=8)
     axes[2].set_title(f"{signal.name}: {signal.description}", fontsize=7)
     axes[0].legend(fontsize=7)
@@ -98,21 +95,18 @@ def _runs_table(results: Mapping[str, Any]) -> str:
 
 def _compare_table(results: Mapping[str, Any]) -> str:
     runs = results["runs"]
-    header = ["mechanism", "onset per seed", "before: lead per seed", "before: FA/1000 ctrl", "after: lead per seed",
-              "after: first alarm kind", "after: FA/1000 ctrl"]  # fmt: skip
+    header = ["mechanism", "onset per seed", "lead per seed", "first alarm kind", "FA/1000 ctrl"]
     rows = []
     for mech, variants in mechanism_rows(results).items():
         unstable = variants.get("unstable", [])
         ctrl = [k for v, ks in variants.items() if v != "unstable" for k in ks if _is_control(runs[k])]
         cells = [mech, " / ".join(_fmt(runs[k]["onset"]) for k in unstable)]
-        for label in ("before", "after"):
-            rule = results["rules"][label]
-            fa = max((rule["per_run"][k]["per_1000"] for k in ctrl), default=None)
-            cells.append(lead_cell(rule["per_run"], runs, unstable))
-            if label == "after":
-                first = [f"{f[1]} ({f[2]})" if f else "-" for f in (rule["first"][k] for k in unstable)]
-                cells.append(", ".join(f"{x} x{first.count(x)}" for x in dict.fromkeys(first)))
-            cells.append(_fmt(fa))
+        rule = results["rules"]["suite"]
+        fa = max((rule["per_run"][k]["per_1000"] for k in ctrl), default=None)
+        cells.append(lead_cell(rule["per_run"], runs, unstable))
+        first = [f"{f[1]} ({f[2]})" if f else "-" for f in (rule["first"][k] for k in unstable)]
+        cells.append(", ".join(f"{x} x{first.count(x)}" for x in dict.fromkeys(first)))
+        cells.append(_fmt(fa))
         rows.append(cells)
     return markdown_table(header, rows)
 
@@ -163,7 +157,7 @@ def _cadence_table(results: Mapping[str, Any]) -> str:
               *[m for m in mechanism_rows(results)]]  # fmt: skip
     rows = []
     for every, c in results["cadence"].items():
-        cells = [every, _fmt(c["overhead_fraction"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
+        cells = [every, _fmt(c["overhead"]), _fmt(c["false_alarms"]["train"]["per_1000"]),
                  _fmt(c["false_alarms"]["held_out"]["per_1000"])]  # fmt: skip
         for _, variants in mechanism_rows(results).items():
             cells.append(lead_cell(c["per_run"], runs, variants.get("unstable", [])))
@@ -267,19 +261,15 @@ def render(results: Mapping[str, Any], figures: Sequence[str], head: Mapping[str
         "evaluation. These models are tiny (d = 64): on larger models a terms-only evaluation is a much smaller",
         "fraction of a step (`docs/performance.md`).",
         "",
-        "## Warning rules, before and after",
+        "## The warning rules",
         "",
-        "*Before*: today's `curvwatch.alerts.AlertMonitor` at its defaults (collapse below 5 x eps; spike 10 x",
-        "its running baseline of `hessian/max`), replayed on the traces exactly as the callback feeds it. *After*:",
-        "`curvwatch.rules.RuleSet()` at its defaults, on the same traces. Cells: one value per seed "
-        f"({', '.join(map(str, TRAIN_SEEDS + HELD_OUT_SEEDS))}; the last is held out).",
+        "`curvwatch.rules.RuleSet()` at its defaults, replayed on the traces as the monitor feeds it. Cells: one",
+        f"value per seed ({', '.join(map(str, TRAIN_SEEDS + HELD_OUT_SEEDS))}; the last is held out).",
         "",
         _compare_table(results),
         "",
-        f"False alarms over all controls: before {_fmt(fa['before']['false_alarms']['train']['per_1000'])} "
-        f"(training seeds) / {_fmt(fa['before']['false_alarms']['held_out']['per_1000'])} (held out) per 1000 "
-        f"steps; after {_fmt(fa['after']['false_alarms']['train']['per_1000'])} / "
-        f"{_fmt(fa['after']['false_alarms']['held_out']['per_1000'])}.",
+        f"False alarms over all controls: {_fmt(fa['suite']['false_alarms']['train']['per_1000'])} (training seeds)"
+        f" / {_fmt(fa['suite']['false_alarms']['held_out']['per_1000'])} (held out) per 1000 steps.",
         "",
         "## How the defaults were fixed",
         "",
@@ -376,39 +366,34 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         "* **Attention saturation is the earliest sign of attention-logit growth.** In every `attn_logit` run one",
         "  head of layer 0 went one-hot for every query (softmax-Jacobian norm below 1e-2, where healthy heads sit",
         "  near 0.5 and no stable run's level fell below 0.2) well before the loss moved: leads "
-        f"{_leads(results, 'after', 'attn_logit')} steps. The max attention logit (Wortsman et al. 2023) grows",
+        f"{_leads(results, 'suite', 'attn_logit')} steps. The max attention logit (Wortsman et al. 2023) grows",
         "  by decades in the lower-learning-rate control too (to ~8e3 at the end of its ramp), so its level does",
         "  not separate the runs; its trend does, later (signal table).",
         "* **Re-warming and post-LN: the smooth exact norms lead.** The attention-logit bound and the exact value",
         "  curvature `outer/VV` of one block rise by more than 1.1 and 1.5 decades per 50 steps, which no stable",
-        f"  run did: leads {_leads(results, 'after', 'rewarm')} (re-warm) and "
-        f"{_leads(results, 'after', 'postln_depth')}",
+        f"  run did: leads {_leads(results, 'suite', 'rewarm')} (re-warm) and "
+        f"{_leads(results, 'suite', 'postln_depth')}",
         "  (post-LN); on the LLaMA-style re-warm "
-        f"{_leads(results, 'after', 'rewarm_llama')} (onsets {_onsets(results, 'rewarm_llama')}; the re-warm",
+        f"{_leads(results, 'suite', 'rewarm_llama')} (onsets {_onsets(results, 'rewarm_llama')}; the re-warm",
         "  starts at step 200, so the earliest onset leaves little to lead).",
         "  Per block beats model-wide: the generic detector on the maximum over blocks is late on",
         "  post-LN, because the largest block is not the one that grows.",
         "* **Output-logit divergence without a final LayerNorm is invisible to every monitored block.** The",
         "  blow-up happens in the LM head, which no block covers; every monitor signal, the gradient norm and the",
-        f"  max output logit come late (new rules: {_leads(results, 'after', 'logit_div')}). z-loss 1e-3, the",
+        f"  max output logit come late (new rules: {_leads(results, 'suite', 'logit_div')}). z-loss 1e-3, the",
         "  suggested control, did not prevent it in float32 (onsets "
         f"{' / '.join(_fmt(x) for x in z)} with z-loss, {' / '.join(_fmt(x) for x in plain)} without); a",
         "  LayerNorm before the head did (the control). The LM head itself was measured too (its exact curvature,",
         "  the Adam edge-of-stability ratio, `log Z`, ...: section \"The LM head, measured\"): just as late.",
         "* **LayerNorm collapse is caught, and announced, but did not diverge.** With the embeddings under weight",
         "  decay 1000 the first LayerNorm's `var_min / eps` fell from 40 to about 1e-3; `ln_variance_drop` fired",
-        f"  at steps {_first_steps(results, 'after', 'ln_collapse')}, today's collapse warning at "
-        f"{_first_steps(results, 'before', 'ln_collapse')} and the new one (3 evaluations' patience) about 10",
-        "  steps after that, never on a control. The loss did not diverge: AdamW normalises the 1/sqrt(var + eps)",
+        f"  at steps {_first_steps(results, 'suite', 'ln_collapse')} and `ln_collapse` (3 evaluations' patience)",
+        "  about 10 steps after that, never on a control. The loss did not diverge: AdamW normalises the 1/sqrt(var + eps)",
         "  growth of the gradients (the gradient norm ended ~100x above the control's), and the loss ended only",
         "  0.02-0.06 nats above the control's (other optimizers were not tried).",
-        "* **Today's spike rule** fires on controls ("
-        f"{_fmt(fa['before']['false_alarms']['train']['per_1000'])} / "
-        f"{_fmt(fa['before']['false_alarms']['held_out']['per_1000'])} per 1000 steps, training / held-out),",
-        "  its early `attn_logit` alarms are early-training jumps of the same kind it raises on the controls, and",
-        f"  it is late or silent on post-LN ({_leads(results, 'before', 'postln_depth')}). The new rules raised",
-        f"  {_fmt(fa['after']['false_alarms']['train']['per_1000'])} / "
-        f"{_fmt(fa['after']['false_alarms']['held_out']['per_1000'])} false alarms per 1000 steps.",
+        f"* **No false alarms.** The rules raised {_fmt(fa['suite']['false_alarms']['train']['per_1000'])} / "
+        f"{_fmt(fa['suite']['false_alarms']['held_out']['per_1000'])} false alarms per 1000 steps of the stable "
+        "runs (training / held-out seeds).",
         "* **Cost.** The new rules read terms-only numbers only. At one terms-only evaluation every 10 steps every",
         "  mechanism that some signal can lead keeps a lead of 30 steps or more (attention "
         f"{_leads(results, '10', 'attn_logit')}, re-warm {_leads(results, '10', 'rewarm')}, post-LN "
@@ -418,7 +403,7 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         f"  tested equal): {_cost_text()}, measured side by side (`python -m benchmarks.instability.cost`). The",
         "  default (`terms_every_n_train_steps=\"auto\"`) runs them every 10 steps within 4% of training, which on",
         f"  these tiny models is every {_fmt(results['cadence'].get('auto', {}).get('every'))} steps (the `auto` row,",
-        f"  {_pct(results['cadence'].get('auto', {}).get('overhead_fraction'))} of training): attention "
+        f"  {_pct(results['cadence'].get('auto', {}).get('overhead'))} of training): attention "
         f"{_leads(results, 'auto', 'attn_logit')}, LLaMA attention {_leads(results, 'auto', 'attn_logit_llama')},",
         f"  re-warm {_leads(results, 'auto', 'rewarm')}, post-LN {_leads(results, 'auto', 'postln_depth')}. On",
         "  larger models a terms-only evaluation costs a smaller share of a step and every 10 steps costs less than",

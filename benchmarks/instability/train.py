@@ -6,9 +6,8 @@ the cross-entropy ``loss``, the gradient norm before clipping ``grad_norm``, the
 the output ``lse`` and the largest output logit ``max_out_logit`` (output-logit divergence), the learning rate,
 the step's wall time, and every number the :class:`~curvwatch.CurvatureMonitor` logged at that step (terms-only
 evaluations every ``terms_every`` steps, full ones every ``full_every`` steps, ``max_overhead=None``), kept by
-:class:`MemoryLogger`. The monitor runs with ``warn=False``; the alerts its built-in
-:class:`~curvwatch.alerts.AlertMonitor` fired are recorded too (``live_alerts``), as a check of the offline
-replay.
+:class:`MemoryLogger`. The monitor runs with ``warn=False``; the alerts its rules
+(:class:`~curvwatch.rules.RuleSet`) fired are recorded too (``live_alerts``), as a check of the offline replay.
 
 A run stops ``stop_after`` steps after its loss onset (:func:`benchmarks.instability.analysis.onset_step`) or
 after its first non-finite loss: nothing after the onset enters the scores.
@@ -206,8 +205,8 @@ def run(cfg: RunConfig, monitor: bool = True, callbacks: Sequence[Callback] = ()
         cadence=Cadence(max_overhead=None, terms_every_n_train_steps=cfg.terms_every),
         evaluation=Evaluation(terms_keys=cfg.terms_keys, max_tokens=cfg.max_tokens),
         log_key_prefix=PREFIX,
-        # today's rules run live, silently (replayed offline to check the replay); RuleSet offline
-        warning_rules=Warnings(rules="legacy", warn=False),
+        # the rules run live, silently (their replay on the trace is checked against them)
+        warning_rules=Warnings(rules="suite", warn=False),
         log_heatmap=False,
     )
     pl_log = logging.getLogger("lightning.pytorch")

@@ -85,6 +85,7 @@ ADAPTERS: dict[type | str, Adapter] = {
     "transformers.models.gpt2.modeling_gpt2:GPT2Block": GPT2BlockAdapter(),
     "transformers.models.bert.modeling_bert:BertLayer": BertLayerAdapter(),
     "litgpt.model:Block": LitGPTBlockAdapter(),
+    "litgpt.lora:Block": LitGPTBlockAdapter(),
     "transformers.models.llama.modeling_llama:LlamaDecoderLayer": HFDecoderLayerAdapter(),
     "transformers.models.mistral.modeling_mistral:MistralDecoderLayer": HFDecoderLayerAdapter(),
     "transformers.models.qwen2.modeling_qwen2:Qwen2DecoderLayer": HFDecoderLayerAdapter(),
@@ -139,18 +140,42 @@ def register_adapter(module_type: type, adapter: Adapter) -> None:
 
 
 def _no_layer_message(model: nn.Module) -> str:
-    """Short: the model, its likeliest layer type, and the one call that makes it known (``describe_layer``)."""
+    """Short: the model, its likeliest layer type, and the one call that makes it known (``describe_layer``).
+
+    Every class named is one of ``model``'s: its most repeated module with submodules, else (a model of plain modules,
+    such as an MLP of ``Linear`` and ``ReLU``) the classes it holds, and the model's own class as the layer to
+    describe when it is not a container.
+    """
     containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
     counts = Counter(
         type(m) for m in model.modules() if m is not model and not isinstance(m, containers) and any(m.children())
     )
-    layer = counts.most_common(1)[0][0].__name__ if counts else "MyLayer"
-    return (
-        f"find_blocks found no known Transformer layer in {type(model).__name__} (its most repeated module with "
-        f"submodules: {layer}). Fix: describe that layer type once, before training, e.g.\n"
-        f"    curvwatch.describe_layer({layer}, curvwatch.LayerDescription(q='attn.q', k='attn.k', v='attn.v', "
-        "o='attn.o', n_heads=8, norms=('ln_1', 'ln_2'), up='mlp.fc', down='mlp.proj'))\n"
+    name = type(model).__name__
+    example = (
+        "q='attn.q', k='attn.k', v='attn.v', o='attn.o', n_heads=8, norms=('ln_1', 'ln_2'), "
+        "up='mlp.fc', down='mlp.proj'"
+    )
+    if counts:
+        layer = counts.most_common(1)[0][0].__name__
+        return (
+            f"find_blocks found no known Transformer layer in {name} (its most repeated module with submodules: "
+            f"{layer}). Fix: describe that layer type once, before training, e.g.\n"
+            f"    curvwatch.describe_layer({layer}, curvwatch.LayerDescription({example}))\n"
+            "with the dotted names of its submodules (help(curvwatch.LayerDescription)), or pass blocks=[BlockSpec...]."
+        )
+    leaves = Counter(type(m).__name__ for m in model.modules() if m is not model and not any(m.children()))
+    listed = ", ".join(f"{n} x{k}" for n, k in leaves.most_common(6)) or "none"
+    fix = (
+        f"If {name} is itself a Transformer layer, describe it once, before training:\n"
+        f"    curvwatch.describe_layer({name}, curvwatch.LayerDescription({example}))\n"
         "with the dotted names of its submodules (help(curvwatch.LayerDescription)), or pass blocks=[BlockSpec...]."
+        if not isinstance(model, containers) and any(model.children())
+        else "Describe your layer class once with curvwatch.describe_layer (help(curvwatch.LayerDescription)), "
+        "or pass blocks=[BlockSpec...]."
+    )
+    return (
+        f"find_blocks found no known Transformer layer in {name}: it holds only {listed}, no layer with attention. "
+        f"curvwatch monitors the attention, normalisation and MLP sub-blocks of Transformer layers. {fix}"
     )
 
 
@@ -178,7 +203,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[BlockSpec] = "auto") ->
         >>> find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
         Traceback (most recent call last):
         ...
-        ValueError: find_blocks found no known Transformer layer in Sequential ...
+        ValueError: find_blocks found no known Transformer layer in Sequential: it holds only Linear x1, ...
     """
     if isinstance(blocks, str):
         if blocks != "auto":

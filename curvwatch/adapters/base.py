@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,27 +153,6 @@ def _bind(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in out:
             out.update(out.pop(name))
     return out
-
-
-def _linear(module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """``(W, b)`` of an ``nn.Linear`` in math convention: ``W = weight.T`` of shape ``(d_in, d_out)``."""
-    return module.weight.T, module.bias
-
-
-def _conv1d(module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """``(W, b)`` of a Hugging Face ``Conv1D``, whose weight already is ``(d_in, d_out)``."""
-    return module.weight, module.bias
-
-
-def _ffn(
-    fc1: nn.Module, fc2: nn.Module, act: Any, read: Callable[[nn.Module], tuple[Tensor, Tensor | None]] = _linear
-) -> dict[str, Any]:
-    """``W_1, W_2, b_1, b_2, activation, residual=False`` of an FFN ``act(X W_1 + b_1) W_2 + b_2``.
-
-    ``read`` gives ``(W, b)`` of a projection: :func:`_linear` for ``nn.Linear``, :func:`_conv1d` for ``Conv1D``.
-    """
-    (W_1, b_1), (W_2, b_2) = read(fc1), read(fc2)
-    return dict(W_1=W_1, W_2=W_2, b_1=b_1, b_2=b_2, activation=activation_name(act), residual=False)
 
 
 def _layernorm(module: nn.Module) -> dict[str, Any]:

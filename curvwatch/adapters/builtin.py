@@ -13,15 +13,13 @@ from curvwatch.adapters.base import (
     _bind,
     _capture,
     _check_scaling,
-    _conv1d,
-    _ffn,
     _four_specs,
     _hf_masks,
     _layernorm,
-    _linear,
     _spec,
     _torch_masks,
 )
+from curvwatch.adapters.projections import UnsupportedWrapperError, _conv1d, _ffn, _linear
 
 
 class GPTBlockAdapter(Adapter):
@@ -115,6 +113,11 @@ class TorchTransformerLayerAdapter(Adapter):
         if spec.kind == "ffn":
             return _ffn(layer.linear1, layer.linear2, layer.activation)
         mha = layer.multihead_attn if spec.kind == "cross_attention" else layer.self_attn
+        if not isinstance(mha, nn.MultiheadAttention):  # e.g. peft's LoRA MultiheadAttention around it
+            raise UnsupportedWrapperError(
+                f"The layer's attention is a {type(mha).__name__}, not an nn.MultiheadAttention: a wrapper whose "
+                "weights as the forward uses them curvwatch does not read."
+            )
         if mha.bias_k is not None or mha.add_zero_attn:
             raise UnsupportedBlockError(
                 "nn.MultiheadAttention with add_bias_kv or add_zero_attn is not supported."

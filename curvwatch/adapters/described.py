@@ -50,7 +50,8 @@ from curvwatch.adapters._shared import (
     split_fused_qkv,
     squeeze_rotary,
 )
-from curvwatch.adapters.base import Adapter, BlockSpec, Masks, _linear
+from curvwatch.adapters.base import Adapter, BlockSpec, Masks
+from curvwatch.adapters.projections import _linear, projection_features
 from curvwatch.options import choice
 
 __all__ = ["LayerDescription", "QKVLayout", "describe_layer"]
@@ -190,12 +191,17 @@ class DescribedAdapter(Adapter):
                 f"{type(layer).__name__} has no module {path!r} (from its LayerDescription); its modules are "
                 f"{names}. Use dotted names relative to the layer."
             ) from None
-        if linear and not isinstance(module, nn.Linear):
+        if linear and projection_features(module) is None:
             raise ValueError(
                 f"{type(layer).__name__}.{path} is a {type(module).__name__}; the LayerDescription needs an nn.Linear "
-                "there (a fused q|k|v projection: qkv=; other fused projections: register an Adapter subclass)."
+                "(or a LoRA wrapper of one) there (a fused q|k|v projection: qkv=; other fused projections: register "
+                "an Adapter subclass)."
             )
         return module
+
+    def _features(self, layer: nn.Module, path: str) -> tuple[int, int]:
+        """``(d_in, d_out)`` of the projection at ``path`` (an ``nn.Linear`` or a wrapper of one)."""
+        return projection_features(self._get(layer, path, linear=True))
 
     def _projections(self) -> tuple[str, ...]:
         """The attention's projection paths: ``(qkv, o)`` or ``(q, k, v, o)``."""
@@ -213,19 +219,19 @@ class DescribedAdapter(Adapter):
         H, H_kv = d.n_heads, d.n_kv_heads or d.n_heads
         name = type(layer).__name__
         if d.qkv is None:
-            q, k = self._get(layer, d.q, linear=True), self._get(layer, d.k, linear=True)
-            if q.out_features % H or k.out_features % H_kv or H % H_kv:
+            q_out, k_out = self._features(layer, d.q)[1], self._features(layer, d.k)[1]
+            if q_out % H or k_out % H_kv or H % H_kv:
                 raise ValueError(
-                    f"{name}: q has {q.out_features} outputs and k {k.out_features}, which n_heads={H} "
+                    f"{name}: q has {q_out} outputs and k {k_out}, which n_heads={H} "
                     f"and n_kv_heads={H_kv} do not divide into heads (or n_kv_heads does not divide n_heads)."
                 )
-            return H, H_kv, q.out_features // H
-        qkv, o = self._get(layer, d.qkv, linear=True), self._get(layer, d.o, linear=True)
-        d_K = o.in_features // H
-        if H % H_kv or o.in_features % H or qkv.out_features != (H + 2 * H_kv) * d_K:
+            return H, H_kv, q_out // H
+        qkv_out, o_in = self._features(layer, d.qkv)[1], self._features(layer, d.o)[0]
+        d_K = o_in // H
+        if H % H_kv or o_in % H or qkv_out != (H + 2 * H_kv) * d_K:
             raise ValueError(
-                f"{name}: qkv={d.qkv!r} has {qkv.out_features} outputs, but n_heads={H} and n_kv_heads={H_kv} with "
-                f"head size d_K = o.in_features / n_heads = {o.in_features}/{H} need (n_heads + 2 n_kv_heads) d_K = "
+                f"{name}: qkv={d.qkv!r} has {qkv_out} outputs, but n_heads={H} and n_kv_heads={H_kv} with "
+                f"head size d_K = o.in_features / n_heads = {o_in}/{H} need (n_heads + 2 n_kv_heads) d_K = "
                 f"{(H + 2 * H_kv) * d_K} (and n_kv_heads dividing n_heads). Fix: n_heads and n_kv_heads as your "
                 "forward splits qkv (.split([H d_K, H_kv d_K, H_kv d_K])); value heads of another size need an "
                 "Adapter subclass."

@@ -31,12 +31,11 @@ from curvwatch.adapters.base import (
     UnsupportedBlockError,
     _bind,
     _capture,
-    _ffn,
     _four_specs,
     _layernorm,
-    _linear,
     _spec,
 )
+from curvwatch.adapters.projections import _ffn, _linear
 
 # --------------------------------------------------------------------------------------------------
 # Masks, caches, rotary tables, attention weights

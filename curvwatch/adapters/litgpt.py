@@ -25,20 +25,21 @@ from curvwatch.adapters.base import (
     Masks,
     UnsupportedBlockError,
     _bind,
-    _linear,
     _spec,
     activation_name,
 )
+from curvwatch.adapters.projections import _linear
 
 _MLPS = {"GptNeoxMLP": "ffn", "LLaMAMLP": "gated_ffn", "GemmaMLP": "gated_ffn"}
 
 
 def _litgpt_name(module: nn.Module | None) -> str | None:
-    """The class name if ``module`` is an instance of a class defined in ``litgpt.model``, else ``None``."""
+    """The class name if ``module`` is an instance of a class defined in ``litgpt.model`` or in ``litgpt.lora`` (its
+    LoRA model: the same classes with ``LoRALinear`` projections), else ``None``."""
     if module is None:
         return None
     key = type_key(module)
-    return key.split(":", 1)[1] if key.startswith("litgpt.model:") else None
+    return key.split(":", 1)[1] if key.startswith(("litgpt.model:", "litgpt.lora:")) else None
 
 
 def _is_norm(module: nn.Module | None) -> bool:

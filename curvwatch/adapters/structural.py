@@ -21,12 +21,11 @@ from curvwatch.adapters.base import (
     Masks,
     UnsupportedBlockError,
     _capture,
-    _ffn,
     _four_specs,
     _layernorm,
-    _linear,
     activation_name,
 )
+from curvwatch.adapters.projections import _ffn, _linear, projection_features
 
 __all__ = ["NanoGPTBlockAdapter", "recognize"]
 
@@ -79,11 +78,12 @@ def _is_causal(attn: nn.Module) -> bool:
 def recognize(module: nn.Module) -> Adapter | None:
     """The adapter for a nanoGPT-style layer, or ``None`` if ``module`` is not one.
 
-    A nanoGPT-style layer has children ``ln_1``, ``attn``, ``ln_2``, ``mlp`` with: ``attn.c_attn`` an
-    ``nn.Linear(d, 3 d)``, ``attn.c_proj`` an ``nn.Linear(d, d)``, an int ``attn.n_head`` dividing ``d`` and causal
-    attention (``is_causal=True`` in the forward or a lower-triangular ``bias`` buffer); ``mlp.c_fc`` an
-    ``nn.Linear(d, d_ff)``, ``mlp.c_proj`` an ``nn.Linear(d_ff, d)`` and exactly one known activation child; and
-    ``ln_1``, ``ln_2`` LayerNorms of size ``d`` (``nn.LayerNorm`` or nanoGPT's own ``LayerNorm``).
+    A nanoGPT-style layer has children ``ln_1``, ``attn``, ``ln_2``, ``mlp`` with (each projection an ``nn.Linear`` or
+    a LoRA wrapper of one): ``attn.c_attn`` an ``nn.Linear(d, 3 d)``, ``attn.c_proj`` an ``nn.Linear(d, d)``, an int
+    ``attn.n_head`` dividing ``d`` and causal attention (``is_causal=True`` in the forward or a lower-triangular
+    ``bias`` buffer); ``mlp.c_fc`` an ``nn.Linear(d, d_ff)``, ``mlp.c_proj`` an ``nn.Linear(d_ff, d)`` and exactly one
+    known activation child; and ``ln_1``, ``ln_2`` LayerNorms of size ``d`` (``nn.LayerNorm`` or nanoGPT's own
+    ``LayerNorm``).
 
     Args:
         module: Any module.
@@ -100,15 +100,16 @@ def recognize(module: nn.Module) -> Adapter | None:
         return None
     c_attn, a_proj = getattr(attn, "c_attn", None), getattr(attn, "c_proj", None)
     c_fc, m_proj = getattr(mlp, "c_fc", None), getattr(mlp, "c_proj", None)
-    if not all(isinstance(m, nn.Linear) for m in (c_attn, a_proj, c_fc, m_proj)):
+    features = [projection_features(m) if isinstance(m, nn.Module) else None for m in (c_attn, a_proj, c_fc, m_proj)]
+    if any(f is None for f in features):
         return None
-    d = c_attn.in_features
+    (d, qkv), attn_out, (fc_in, d_ff), mlp_out = features
     n_head = getattr(attn, "n_head", None)
     shapes_ok = (
-        c_attn.out_features == 3 * d
-        and (a_proj.in_features, a_proj.out_features) == (d, d)
-        and c_fc.in_features == d
-        and (m_proj.in_features, m_proj.out_features) == (c_fc.out_features, d)
+        qkv == 3 * d
+        and attn_out == (d, d)
+        and fc_in == d
+        and mlp_out == (d_ff, d)
         and isinstance(n_head, int)
         and not isinstance(n_head, bool)
         and n_head > 0
@@ -158,7 +159,7 @@ class NanoGPTBlockAdapter(Adapter):
         if not isinstance(p, (int, float)):
             p = getattr(getattr(attn, "attn_dropout", None), "p", 0.0)
         check_probability_dropout(attn, float(p), "nanoGPT attention", "set dropout=0.0 in the GPTConfig")
-        d = attn.c_attn.in_features
+        d = projection_features(attn.c_attn)[0]
         W, b = _linear(attn.c_attn)
         W_Q, W_K, W_V = W.split(d, dim=1)
         b_Q = b_K = b_V = None

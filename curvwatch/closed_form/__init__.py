@@ -5,9 +5,10 @@ from .block import transformer_block
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 from .ffn import ffn
 from .gated_ffn import gated_ffn
+from .inputs import AttentionStructure, AttentionWeights, FFNWeights, GatedFFNWeights, OutputLoss
 from .layernorm import layernorm
 from .rmsnorm import rmsnorm
-from .settings import EXACT, Lanczos, LanczosWarning, WarmStart
+from .settings import EXACT, PARTS, Lanczos, LanczosWarning, WarmStart, inputs_checked
 
 __all__ = [
     # attention
@@ -19,11 +20,20 @@ __all__ = [
     "ffn",
     "gated_ffn",
     "transformer_block",
+    # grouped inputs
+    "AttentionWeights",
+    "AttentionStructure",
+    "FFNWeights",
+    "GatedFFNWeights",
+    "OutputLoss",
+    # the Hessian parts
+    "PARTS",
     # settings of the iterative (Lanczos) norms
     "Lanczos",
     "WarmStart",
     "EXACT",
     "LanczosWarning",
+    "inputs_checked",
     # bound terms
     "attention_bounds",
     "softmax_jacobian_norm",

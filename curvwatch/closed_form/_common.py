@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
-from ._lockstep import gathered
-
-# Set while a caller that has already checked every input for NaN/Inf (the monitor's engine, in one host read for all
-# blocks) runs the kernels: as_batched then skips its own check, a device sync per call.
-_INPUTS_CHECKED = contextvars.ContextVar("curvwatch_inputs_checked", default=False)
-
-
-@contextlib.contextmanager
-def inputs_checked():
-    """Within this context the kernels trust that their inputs are finite (the caller checked them)."""
-    token = _INPUTS_CHECKED.set(True)
-    try:
-        yield
-    finally:
-        _INPUTS_CHECKED.reset(token)
+from .settings import INPUTS_CHECKED
+from .solver.lockstep import gathered
 
 
 def as_batched(X: torch.Tensor, name: str = "X") -> tuple[torch.Tensor, bool]:
@@ -39,7 +23,7 @@ def as_batched(X: torch.Tensor, name: str = "X") -> tuple[torch.Tensor, bool]:
     if X.numel() == 0:
         raise ValueError(f"{name} has an empty dimension: shape {tuple(X.shape)}.")
     # amax propagates NaN; 4x cheaper than isfinite(X).all()
-    if not _INPUTS_CHECKED.get() and not bool(torch.isfinite(X.abs().amax())):
+    if not INPUTS_CHECKED.get() and not bool(torch.isfinite(X.abs().amax())):
         raise ValueError(
             f"{name} holds NaN or Inf values: the curvature of a diverged forward pass is undefined. "
             "Check the loss for NaN (lower the learning rate, clip gradients) or skip this batch."
@@ -155,49 +139,6 @@ def output_cotangent(
     return g, torch.full((B,), c_val, dtype=F.dtype, device=F.device), g
 
 
-def shared_times(S: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
-    """``S @ T_i`` for every row ``i``: a shared ``S`` ``(p, q)`` (any strides) and rows ``T`` ``(n, q, r)`` ->
-    ``(n, p, r)``, as one ``bmm`` on ``S`` expanded over the rows (no copy): two dispatched operators where ``S @ T``
-    (a broadcasting matmul) dispatches seven or eight, the same numbers (the same ``bmm``)."""
-    return torch.bmm(S.expand(T.shape[0], *S.shape), T)
-
-
-def times_shared(T: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    """``T_i @ S`` for rows ``T`` ``(n, p, q)`` and a shared ``S`` ``(q, r)``, as :func:`shared_times`."""
-    return torch.bmm(T, S.expand(T.shape[0], *S.shape))
-
-
-def spectral_norm_2d(M: torch.Tensor) -> torch.Tensor:
-    """Largest singular value of each matrix in a batch ``(..., p, q)`` (exact, via the smaller Gram)."""
-    return gram_lambda_max(M)[0].clamp_min(0).sqrt()
-
-
-def gram_lambda_max(*Ms: torch.Tensor) -> list[torch.Tensor]:
-    """``lambda_max`` of the smaller Gram matrix of each matrix in the batches ``Ms[i]`` ``(..., p_i, q_i)``.
-
-    That is ``||M||_2^2`` (exact, before the ``clamp_min(0)`` that round-off may need). The Gram matrices
-    of all batches that have the same size go through one ``eigvalsh`` call: on CPU its fixed cost per call
-    is comparable to the work of a small matrix, and the bound terms need many small norms.
-
-    Returns:
-        One ``(...)`` tensor per argument, in order.
-    """
-    grams = []
-    for M in Ms:
-        p, q = M.shape[-2:]
-        G = M.mT @ M if q <= p else M @ M.mT  # (..., k, k), k = min(p, q)
-        grams.append(G.reshape(-1, *G.shape[-2:]))  # (n_i, k, k)
-    lam: list[torch.Tensor] = [None] * len(Ms)  # type: ignore[list-item]
-    for k in dict.fromkeys(G.shape[-1] for G in grams):  # one eigvalsh per Gram size, in first-seen order
-        idx = [i for i, G in enumerate(grams) if G.shape[-1] == k]
-        G = grams[idx[0]] if len(idx) == 1 else torch.cat([grams[i] for i in idx])  # (sum n_i, k, k)
-        # G is symmetric: G^T is a view already in the column-major layout LAPACK works in (no transposing copy)
-        top = torch.linalg.eigvalsh(G.mT)[:, -1]  # (sum n_i,)
-        for i, t in zip(idx, top.split([grams[i].shape[0] for i in idx]), strict=True):
-            lam[i] = t.reshape(Ms[i].shape[:-2])
-    return lam
-
-
 def row_statistics(X: torch.Tensor, keep: torch.Tensor | None = None, *, eps: float, centered: bool) -> torch.Tensor:
     """The row statistics of a LayerNorm (``centered``) or RMSNorm input, what the collapse warnings read:
     ``(..., 6)`` for ``X`` ``(..., B, L, n)``.
@@ -209,7 +150,7 @@ def row_statistics(X: torch.Tensor, keep: torch.Tensor | None = None, *, eps: fl
 
     Args:
         X: ``(..., B, L, n)``; any leading dimensions (the blocks of a gathered call, see
-            :func:`~curvwatch.closed_form._lockstep.gathered`).
+            :func:`~curvwatch.closed_form.solver.lockstep.gathered`).
         keep: ``(..., B, L)`` bool, the rows counted (at least one), or ``None``: all.
         eps: the norm's epsilon.
         centered: LayerNorm (the variance) or RMSNorm (the mean square).
@@ -234,7 +175,7 @@ def norm_statistics(
 ) -> dict:
     """``{name: 0-d tensor}`` of :func:`row_statistics` for a LayerNorm (``centered``) or an RMSNorm input ``X``
     ``(B, L, n)``, one gathered call for the norms of a Lockstep that meet here (every norm
-    block's, in a terms-only evaluation; :func:`~curvwatch.closed_form._lockstep.gathered`)."""
+    block's, in a terms-only evaluation; :func:`~curvwatch.closed_form.solver.lockstep.gathered`)."""
     with torch.no_grad():
         inputs = (X,) if keep is None else (X, keep)
         stats = gathered(row_statistics, *inputs, eps=eps, centered=centered)

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from ._operator import BlockOperator, ParamInfo, _pair_blocks, dense_blocks, spectral_norms
-from ._sampled import sampled_norms
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks, pair_blocks
+from .solver.plan import spectral_norms
+from .solver.sampled_keys import sampled_norms
 
 #: The block pairs of the QK-norm parameters.
 NORM_PAIRS = ("N1N1", "N2N2", "N1N2")
@@ -155,17 +156,17 @@ class QKNormView(BlockOperator):
 def norm_pairs(op, pairs) -> list[str]:
     """The pairs of ``pairs`` among :data:`NORM_PAIRS` whose blocks the call's QK-norm has (none without one)."""
     have = {nm for side, nm in NORM_BLOCKS.items() if (op.q_affine if side == "q" else op.k_affine) is not None}
-    return [p for p in NORM_PAIRS if p in pairs and set(_pair_blocks(p, list(NORM_BLOCKS.values()))) <= have]
+    return [p for p in NORM_PAIRS if p in pairs and set(pair_blocks(p, list(NORM_BLOCKS.values()))) <= have]
 
 
-def qk_norm_norms(op, pairs, *, kinds, lanczos, dense: bool, sampled_op=None, precondition=None) -> dict:
-    """``{kind}/N1N1``, ... (and ``residual/...``) by Lanczos, ``dense/{kind}/...`` with ``dense``, and with
+def qk_norm_norms(op, pairs, *, parts, lanczos, dense: bool, sampled_op=None, precondition=None) -> dict:
+    """``{part}/N1N1``, ... (and ``residual/...``) by Lanczos, ``dense/{part}/...`` with ``dense``, and with
     ``sampled_op`` (the operator with sampled curvature) ``ggn/``, ``sharpness/`` (``precond_...`` where
     ``precondition``, ``{"N1": D}``, holds the block) of the diagonal pairs; ``pairs`` from :func:`norm_pairs`."""
     out: dict[str, torch.Tensor] = {}
     if pairs:
         view = QKNormView(op)
-        out.update(spectral_norms(view, pairs, kinds=kinds, lanczos=lanczos))
+        out.update(spectral_norms(view, pairs, parts=parts, lanczos=lanczos))
         if sampled_op is not None:
             diagonal = [p for p in pairs if p[:2] == p[2:]]
             out.update(sampled_norms(sampled_op, diagonal, lanczos=lanczos, scale=precondition, view=QKNormView))

@@ -14,15 +14,19 @@ Pre-LN (GPT-2 style): ``U = X + MHA(LN1(X))``, ``V = LN2(U)``, ``Z = U + act(V W
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ._common import as_batched, check_weight, output_cotangent
-from ._masks import keep_masks, split_heads
-from ._operator import KINDS, BlockOperator, ParamInfo, _check_kinds, dense_blocks, spectral_norms
-from .attention import AttentionOperator
+from .attention import AttentionOperator, HeadWeights
 from .ffn import activation_derivatives
+from .inputs import OutputLoss
 from .layernorm import LayerNormRows
-from .settings import Lanczos
+from .masks import keep_masks, split_heads
+from .settings import PARTS, Lanczos, check_parts
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks
+from .solver.plan import spectral_norms
 
 BLOCK_NAMES = ("V", "Q", "K", "W1", "W2")
 BLOCK_PAIRS = tuple(a + b for i, a in enumerate(BLOCK_NAMES) for b in BLOCK_NAMES[i:])
@@ -31,7 +35,7 @@ BLOCK_PAIRS = tuple(a + b for i, a in enumerate(BLOCK_NAMES) for b in BLOCK_NAME
 class TransformerBlockOperator(BlockOperator):
     """Closed-form Hessian operator of one Transformer block in ``(V, Q, K)`` per head and ``W1``, ``W2``."""
 
-    def __init__(self, X, p, *, norm, activation, eps, causal, target, grad_output, output_curvature, batched):
+    def __init__(self, X, p, *, norm, activation, eps, causal, loss: OutputLoss, batched):
         B, L, d = X.shape
         self.norm = norm
         self.dtype, self.device = X.dtype, X.device
@@ -51,20 +55,8 @@ class TransformerBlockOperator(BlockOperator):
         else:
             X_att = X
         # attention forward (its cotangent is set after the backward sweep below)
-        att = AttentionOperator(
-            X_att,
-            p["W_Q"],
-            p["W_K"],
-            p["W_V"],
-            p["W_O"],
-            p.get("b_Q"),
-            p.get("b_K"),
-            p.get("b_V"),
-            keep,
-            row_keep,
-            None,
-            None,
-        )
+        heads = HeadWeights(p["W_Q"], p["W_K"], p["W_V"], p["W_O"], p.get("b_Q"), p.get("b_K"), p.get("b_V"))
+        att = AttentionOperator(X_att, heads, keep, row_keep)
         F = att.output(p.get("b_O"))
         U = X + F
         if norm == "post":
@@ -86,9 +78,9 @@ class TransformerBlockOperator(BlockOperator):
         g, c, _ = output_cotangent(
             Z,
             row_keep,
-            target=target,
-            grad_output=grad_output,
-            output_curvature=output_curvature,
+            target=loss.target,
+            grad_output=loss.grad_output,
+            output_curvature=loss.output_curvature,
             batched=batched,
         )
         self.g, self.c = g, c
@@ -247,11 +239,9 @@ def transformer_block(
     activation: str = "relu",
     eps: float = 1e-5,
     causal: bool = False,
-    target: torch.Tensor | None = None,
-    grad_output: torch.Tensor | None = None,
-    output_curvature: float | None = None,
-    pairs=None,
-    kinds=KINDS,
+    loss: OutputLoss,
+    pairs: Sequence[str] | None = None,
+    parts: Sequence[str] = PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -266,9 +256,10 @@ def transformer_block(
         activation: ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``.
         eps: LayerNorm epsilon.
         causal: causal attention mask.
-        target / grad_output / output_curvature: loss on the block output ``Z`` (``c = 2/(L d)``).
+        loss: the loss at the block output ``Z`` ``(L, d)`` or ``(B, L, d)`` (:class:`~.inputs.OutputLoss`:
+            ``target`` or ``grad_output``, ``output_curvature`` default ``c = 2/(L d)``; no ``output_samples``).
         pairs: subset of the 15 pairs among ``V, Q, K, W1, W2`` (``"VQ"``, ``"QW1"``, ``"W1W2"``...).
-        kinds: subset of ``("outer", "functional", "hessian")``.
+        parts: subset of ``("outer", "functional", "hessian")``.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`, default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` blocks ``(n_X, n_Y)``.
 
@@ -281,12 +272,16 @@ def transformer_block(
         >>> X = torch.randn(4, 4, dtype=torch.float64)
         >>> W = lambda *s: torch.randn(*s, dtype=torch.float64)
         >>> p = {"W_Q": W(4, 2), "W_K": W(4, 2), "W_V": W(4, 4), "W_1": W(4, 8), "W_2": W(8, 4)}
-        >>> out = transformer_block(X, p, norm="pre", target=W(4, 4), pairs=["VV", "W1W2"])
+        >>> out = transformer_block(X, p, norm="pre", loss=OutputLoss(target=W(4, 4)), pairs=["VV", "W1W2"])
         >>> sorted(k for k in out if k.startswith("hessian/"))
         ['hessian/VV', 'hessian/W1W2']
     """
     if norm not in ("post", "pre"):
         raise ValueError(f"Invalid norm={norm!r}. Use 'post' or 'pre'.")
+    if loss.output_samples is not None:
+        raise ValueError(
+            "transformer_block has no sampled keys: drop loss.output_samples (the sub-block kernels take them)."
+        )
     X3, batched = as_batched(X)
     p = _prepare_params(params, X3)
     op = TransformerBlockOperator(
@@ -296,9 +291,7 @@ def transformer_block(
         activation=activation,
         eps=float(eps),
         causal=causal,
-        target=target,
-        grad_output=grad_output,
-        output_curvature=output_curvature,
+        loss=loss,
         batched=batched,
     )
     op.suffix_heads = p["n_heads"] > 1
@@ -307,7 +300,7 @@ def transformer_block(
         if q not in BLOCK_PAIRS:
             raise ValueError(f"Unknown block pair {q!r}; choose from {BLOCK_PAIRS}.")
     lz = Lanczos() if lanczos is None else lanczos
-    out = spectral_norms(op, pairs, kinds=_check_kinds(kinds), lanczos=lz)
+    out = spectral_norms(op, pairs, parts=check_parts(parts), lanczos=lz)
     for name, ln in (("ln1", op.ln1), ("ln2", op.ln2)):
         s_min = ln.s.min()
         out[f"term/{name}_inv_std_max"] = 1.0 / s_min

@@ -25,7 +25,7 @@ in the factor ``s`` of ``T = s P K^T``). Each ``x`` above bounds one map from a 
 max_i ||R_i|| x ||dW||_F`` (``max_i ||R_i|| = max sqrt(cos^2 + sin^2)``, 1 for a rotation), and in cross-attention
 ``dK``, ``dV`` read the memory (``x_kv``); ``||A||_2 <= sqrt(L_b)`` holds for an ``L x L_kv`` row-stochastic ``A``
 (column sums ``<= L_b``). Grouped-query attention sums the heads that share ``W_K``, ``W_V``
-(:func:`_grouped_attention_bound_tables`). QK-norm is not covered: the kernels emit no bound with it.
+(:func:`grouped_attention_bound_tables`). QK-norm is not covered: the kernels emit no bound with it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ._common import gram_lambda_max
+from .solver.linalg import gram_lambda_max
 
 
 def softmax_jacobian_norm(A: torch.Tensor, iters: int = 8) -> torch.Tensor:
@@ -120,8 +120,8 @@ def softmax_hessian_frobenius(A: torch.Tensor) -> torch.Tensor:
     ``||S||_F^2 = sum_j r_j w_j - 2 (sum_j a_j r_j - ||J a||^2) + p_2 sum_j r_j``.
 
     Near one-hot rows every term is tiny, so ``1 - a_top``, ``sum_{l != top} a_l^2`` and ``a_top - p_2`` are
-    formed from the other entries, never as differences of numbers close to 1 (an earlier closed form in
-    powers of ``a`` cancelled catastrophically there and under-estimated the norm by 1e7).
+    formed from the other entries, never as differences of numbers close to 1 (the closed form in powers of
+    ``a`` cancels catastrophically there and can under-estimate the norm by orders of magnitude).
 
     Args:
         A: ``(..., L, L)``.
@@ -182,7 +182,7 @@ def attention_bounds(*, x, P, Kk, Vv, g_h, c, alpha, beta, w_o, L_b, d_K) -> dic
     """
     p, kap, nu = (t.clamp_min(0).sqrt() for t in gram_lambda_max(P, Kk, Vv))  # (B, H)
     gam = g_h.flatten(-2).norm(dim=-1)  # (B, H)
-    names, table = _attention_bound_table(
+    names, table = attention_bound_table(
         x=x, p=p, kap=kap, nu=nu, gam=gam, c=c, alpha=alpha, beta=beta, w_o=w_o, L_b=L_b, d_K=d_K
     )
     return dict(zip(names, table.unbind(), strict=True))
@@ -223,7 +223,7 @@ def _bound_pieces(*, x, p, kap, nu, gam, c, alpha, beta, w_o, L_b, d_K, scale=No
     return J, func
 
 
-def _attention_bound_table(**kw) -> tuple[list[str], torch.Tensor]:
+def attention_bound_table(**kw) -> tuple[list[str], torch.Tensor]:
     """The bounds of :func:`attention_bounds` from the measured norms, as ``(names, (19, H) tensor)``.
 
     Args:
@@ -245,7 +245,7 @@ def _attention_bound_table(**kw) -> tuple[list[str], torch.Tensor]:
     return names, table
 
 
-def _grouped_attention_bound_tables(*, groups: int, **kw) -> tuple[tuple[list[str], torch.Tensor], ...]:
+def grouped_attention_bound_tables(*, groups: int, **kw) -> tuple[tuple[list[str], torch.Tensor], ...]:
     """Bounds with ``G = groups`` query heads per kv group: per query head and per group.
 
     A group's ``W_K`` (``W_V``) reaches the output through each of its query heads, so its Jacobian bound is the

@@ -12,33 +12,18 @@ Formula sheet §5, with ``Z = Y W_1 + b_1`` (pre-activation), ``Hid = act(Z)`` a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._common import (
-    as_batched,
-    check_like,
-    check_row_mask,
-    check_weight,
-    gram_lambda_max,
-    output_cotangent,
-    shared_times,
-    times_shared,
-)
-from ._operator import (
-    KINDS,
-    BlockOperator,
-    ParamInfo,
-    _check_kinds,
-    _rows_times,
-    dense_blocks,
-    norms_with_a_linear_pair,
-    run_parts,
-    select_rows,
-)
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
-from .settings import Lanczos
+from ._common import as_batched, check_like, check_row_mask, check_weight, output_cotangent
+from .inputs import FFNWeights, OutputLoss
+from .settings import PARTS, Lanczos, check_parts
+from .solver.linalg import gram_lambda_max, shared_times, times_shared
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
+from .solver.plan import norms_with_a_linear_pair
+from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
+from .solver.sampled_keys import sampled_plan
 
 FFN_PAIRS = ("W1W1", "W2W2", "W1W2")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -55,9 +40,10 @@ def activation_derivatives(Z: torch.Tensor, activation: str) -> tuple[torch.Tens
     if activation == "relu":
         zero = torch.zeros_like(Z)
         # act' = 1[Z > 0] (0 at NaN) in Z's dtype: heaviside(Z, 0) is bitwise (Z > 0).to(Z.dtype) in one kernel
-        # (2.4 vs 7.6 us at 8 x 32). It has no autograd formula, so it reads Z detached when Z requires grad.
+        # (the comparison and the cast are two). It has no autograd formula, so it reads Z detached when Z requires
+        # grad.
         pos = torch.heaviside(Z.detach() if Z.requires_grad else Z, zero)
-        # torch.relu: one kernel (1.8 us at 8 x 32 vs 9 us for Z * (Z > 0).to(Z.dtype)); equal to that product
+        # torch.relu: one kernel (Z * (Z > 0).to(Z.dtype) is three); equal to that product
         # except +0 (not -0) for Z < 0 and 0 (not NaN) for Z = -inf
         return torch.relu(Z), pos, zero
     if activation == "gelu":
@@ -99,8 +85,8 @@ class FFNOperator(BlockOperator):
         act2_is_zero: True for ReLU (``act'' = 0``: the W1W1 functional term vanishes and is skipped).
 
     Attributes:
-        sampled: a :class:`~curvwatch.closed_form._sampled.SampledCurvature` applied as the output curvature
-            instead of ``c`` (set on a copy by :func:`~curvwatch.closed_form._sampled.with_sampled`), or None.
+        sampled: a :class:`~curvwatch.closed_form.solver.sampled.SampledCurvature` applied as the output curvature
+            instead of ``c`` (set on a copy by :func:`~curvwatch.closed_form.solver.sampled.with_sampled`), or None.
     """
 
     supports_subsets = True
@@ -158,10 +144,10 @@ class FFNOperator(BlockOperator):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
         dZ, dHid, dW2, dS = self._tangents(tangent, output=outer_mask is not None)
-        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dS), outer_mask)
+        u = None if outer_mask is None else rows_times(self._outer_cotangent(dS), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, False, outputs)
-        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZ, dHid, dW2)), True, outputs)
+        return self._pull(u, *(rows_times(t, func_mask) for t in (dZ, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dS: torch.Tensor) -> torch.Tensor:
         """``u = C dS`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token (0 on dropped ones) or the
@@ -196,44 +182,35 @@ class FFNOperator(BlockOperator):
 
 def ffn(
     Y: torch.Tensor,
-    W_1: torch.Tensor,
-    W_2: torch.Tensor,
+    weights: FFNWeights,
     *,
-    b_1: torch.Tensor | None = None,
-    b_2: torch.Tensor | None = None,
     activation: str = "relu",
     residual: bool = True,
-    target: torch.Tensor | None = None,
-    grad_output: torch.Tensor | None = None,
-    output_curvature: float | None = None,
+    loss: OutputLoss,
     row_mask: torch.Tensor | None = None,
-    pairs=None,
-    kinds=KINDS,
+    pairs: Sequence[str] | None = None,
+    parts: Sequence[str] = PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
-    output_samples: torch.Tensor | None = None,
     precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
     Args:
         Y: ``(L, d)`` or ``(B, L, d)`` input.
-        W_1: ``(d, f)``; W_2: ``(f, m)`` (math convention); b_1 ``(f,)``, b_2 ``(m,)`` optional.
+        weights: ``W_1`` ``(d, f)``, ``W_2`` ``(f, m)`` (math convention), optional ``b_1`` ``(f,)``, ``b_2``
+            ``(m,)`` (:class:`~curvwatch.closed_form.FFNWeights`).
         activation: ``"relu"``, ``"gelu"`` (exact erf) or ``"gelu_tanh"``.
-        residual: add ``Y`` to the output (needs ``m = d``; does not change the weight Hessian).
-        target / grad_output / output_curvature: loss convention as in
-            :func:`curvwatch.closed_form.self_attention` (``c = 2/(L m)``).
+        residual: add ``Y`` to the output ``S`` (needs ``m = d``; does not change the weight Hessian).
+        loss: the loss at the output ``S`` ``(L, m)`` or ``(B, L, m)`` (:class:`~curvwatch.closed_form.OutputLoss`, as
+            in :func:`curvwatch.closed_form.self_attention`; ``c = 2/(L m)``). Its ``output_samples`` ``(k, B, L, m)``
+            (``(k, L, m)`` unbatched) define the Monte-Carlo output curvature ``C = sum_b (1/k) sum_j s_{j,b}
+            s_{j,b}^T`` (rows dropped by ``row_mask`` zeroed) of the sampled keys below.
         row_mask: ``(B, L)`` bool, True = token included.
         pairs: subset of ``("W1W1", "W2W2", "W1W2")``.
-        kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
-        lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default
-            ``Lanczos()``: tol 1e-3, at most 100 steps and 16 vectors held per norm, a warning if one does not
-            converge).
+        parts: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
+        lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY``.
-        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` for an unbatched ``Y``), grad_output mode only: ``k``
-            sampled gradients ``s_j`` of the loss in the output ``S``. They define the Monte-Carlo output curvature
-            ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` (block diagonal over the sequences ``b``, rows dropped by
-            ``row_mask`` zeroed) that replaces ``c`` in the sampled keys below; the existing keys are unchanged.
         precondition: with ``output_samples``, ``{"W_1": P_1, "W_2": P_2}`` (either or both): the diagonal of a
             positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
 
@@ -248,7 +225,7 @@ def ffn(
         ``J_X^T C J_X + H_f,XX`` (the block of the loss Hessian, except the second-order part of the layers
         downstream of ``S``, which ``C`` leaves out; negative when ``H_f`` dominates with negative curvature);
         with ``precondition`` holding ``W_X``, ``precond_ggn/XX`` and ``precond_sharpness/XX``, the same of
-        ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``kinds``).
+        ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``parts``).
 
     Raises:
         ValueError: on invalid shapes or options, ``output_samples`` / ``precondition`` with ``target``, or
@@ -256,27 +233,19 @@ def ffn(
 
     Example:
         >>> Y, T = torch.randn(6, 3, dtype=torch.float64), torch.zeros(6, 3, dtype=torch.float64)
-        >>> out = ffn(Y, torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64), target=T)
+        >>> weights = FFNWeights(torch.randn(3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64))
+        >>> out = ffn(Y, weights, loss=OutputLoss(target=T))
         >>> float(out["functional/W2W2"])
         0.0
     """
     Y3, batched = as_batched(Y, "Y")
-    B, L, d = Y3.shape
-    W_1 = check_weight(W_1, d, "W_1", Y3)
-    W_2 = check_weight(W_2, W_1.shape[1], "W_2", Y3)
-    b_1 = check_like(b_1, (W_1.shape[1],), "b_1", Y3)
-    b_2 = check_like(b_2, (W_2.shape[1],), "b_2", Y3)
-    if residual and W_2.shape[1] != d:
-        raise ValueError(
-            f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False."
-        )
-    keep = check_row_mask(row_mask, B, L, Y3)
-    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
+    W_1, W_2, b_1, b_2, keep = _checked_weights(Y3, weights, residual, row_mask)
+    B, L, _ = Y3.shape
     pairs = FFN_PAIRS if pairs is None else tuple(pairs)
     iterative = [p for p in pairs if p != "W2W2"]
     m = W_2.shape[1]
     samples = check_output_samples(
-        output_samples, target=target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
+        loss.output_samples, target=loss.target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
     )
     pre = check_precondition(
         precondition, {"W_1": tuple(W_1.shape), "W_2": tuple(W_2.shape)}, Y3, has_samples=samples is not None
@@ -288,54 +257,106 @@ def ffn(
         Hid, a1, a2 = activation_derivatives(Z, activation)
     else:
         Hid = activation_value(Z, activation)
-    if target is not None:
+    S = None
+    if loss.target is not None:
         S = Hid @ W_2 + (0 if b_2 is None else b_2) + (Y3 if residual else 0)
-    else:  # grad_output mode reads only the output's shape, dtype and device
-        S = Y3.new_zeros(()).expand(B, L, m)
-    g, c, _ = output_cotangent(
-        S, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
-    )
-    relu = activation == "relu"
-    lz = Lanczos() if lanczos is None else lanczos
-    for p in pairs:
-        if p not in FFN_PAIRS:
-            raise ValueError(f"Unknown FFN pair {p!r}; choose from {FFN_PAIRS}.")
-    kinds = _check_kinds(kinds)
+    g, c = loss_cotangent(S, loss, keep, (B, L, m), batched, Y3)
+    relu, lz = activation == "relu", Lanczos() if lanczos is None else lanczos
+    if any(p not in FFN_PAIRS for p in pairs):
+        raise ValueError(f"Unknown FFN pair {next(p for p in pairs if p not in FFN_PAIRS)!r}; choose from {FFN_PAIRS}.")
+    parts = check_parts(parts)
     op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu) if need_op else None
-    out: dict[str, torch.Tensor] = {}
-    # every exact norm in one call (one eigvalsh per Gram size); masked tokens excluded from the statistics
-    kf = None if row_mask is None else keep.unsqueeze(-1).to(Y3.dtype)  # (B, L, 1)
-    mats = [Y3 if kf is None else Y3 * kf, Hid if kf is None else Hid * kf, W_1, W_2]
-    if "W2W2" in pairs:
-        mats.append((Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, -1))  # sqrt(c_b) Hid
-    y2, h2, w1, w2, *hk = gram_lambda_max(*mats)  # squared norms: (B,), (B,), (), (), [()]
-    if "W2W2" in pairs:
-        o = hk[0].clamp_min(0)  # ||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b)
-        out["outer/W2W2"] = o
-        out["functional/W2W2"] = torch.zeros_like(o)
-        out["hessian/W2W2"] = o
-    splan = None
-    if samples is not None:  # the sampled keys' Gram columns first: no Lanczos basis is held yet
-        sop = with_sampled(op, SampledCurvature.of_tokens(samples))
-        blocks = {"W_1": "W1", "W_2": "W2"}
-        diagonal = [p for p in pairs if p in ("W1W1", "W2W2")]
-        scale = {blocks[nm]: D for nm, D in pre.items()}
-        splan = sampled_plan(sop, [(diagonal, None, ("W2W2",))], lanczos=lz, scale=scale)  # F linear in W_2
+    out, terms = exact_keys(Y3, Hid, {"w1_norm": W_1, "w2_norm": W_2}, c, keep, row_mask, "W2W2" in pairs)
+    # the sampled keys' Gram columns first (no Lanczos basis is held yet); S is linear in W_2
+    splan = token_sampled_plan(op, samples, pairs, {"W_1": "W1", "W_2": "W2"}, pre, ("W2W2",), lz)
     # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run. The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, kinds=kinds, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, parts=parts, lanczos=lz, extra=splan))
+    out.update(_activity(Z, keep, row_mask, Y3.dtype))
+    out.update(terms)
+    if dense:
+        out.update(dense_blocks(op, FFN_PAIRS))
+    lz.warn_unconverged(out, "ffn")
+    return out
+
+
+def loss_cotangent(F, loss: OutputLoss, keep: torch.Tensor, shape: tuple[int, int, int], batched: bool, ref):
+    """``(g, c)``: the cotangent ``dl/dF`` ``(B, L, m)`` and the output curvature ``(B,)`` of the loss at the output
+    ``F`` of ``shape`` (computed in target mode only: grad_output mode reads only its shape, dtype and device)."""
+    if F is None:
+        F = ref.new_zeros(()).expand(*shape)
+    g, c, _ = output_cotangent(F, keep, target=loss.target, grad_output=loss.grad_output,
+                               output_curvature=loss.output_curvature, batched=batched)  # fmt: skip
+    return g, c
+
+
+def token_sampled_plan(op, samples, pairs, blocks: dict[str, str], pre: dict, linear: tuple[str, ...], lanczos):
+    """The sampled keys' plan (:func:`~.solver.sampled_keys.sampled_plan`) of a token-wise block (FFN, gated FFN):
+    its diagonal pairs of ``pairs`` with the samples ``(k, B, L, m)`` as output curvature, ``pre`` (``D`` per weight
+    argument) renamed to the operator's ``blocks``, ``linear`` the pairs whose functional block is zero; None without
+    samples."""
+    if samples is None:
+        return None
+    sop = with_sampled(op, SampledCurvature.of_tokens(samples))
+    diagonal = [p for p in pairs if p[: len(p) // 2] == p[len(p) // 2 :]]
+    scale = {blocks[nm]: D for nm, D in pre.items()}
+    return sampled_plan(sop, [(diagonal, None, linear)], lanczos=lanczos, scale=scale)
+
+
+def _checked_weights(Y3: torch.Tensor, weights: FFNWeights, residual: bool, row_mask):
+    """``(W_1, W_2, b_1, b_2, keep)`` checked against the input ``Y3`` ``(B, L, d)``, in its dtype and device;
+    ``keep`` ``(B, L)`` bool (all True without ``row_mask``)."""
+    B, L, d = Y3.shape
+    W_1 = check_weight(weights.W_1, d, "W_1", Y3)
+    W_2 = check_weight(weights.W_2, W_1.shape[1], "W_2", Y3)
+    b_1 = check_like(weights.b_1, (W_1.shape[1],), "b_1", Y3)
+    b_2 = check_like(weights.b_2, (W_2.shape[1],), "b_2", Y3)
+    if residual and W_2.shape[1] != d:
+        raise ValueError(
+            f"residual=True needs W_2 to map back to d={d}; got W_2 {tuple(W_2.shape)}. Pass residual=False."
+        )
+    keep = check_row_mask(row_mask, B, L, Y3)
+    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
+    return W_1, W_2, b_1, b_2, keep
+
+
+def exact_keys(Y3, Hid, weights: dict[str, torch.Tensor], c, keep, row_mask, w2w2: bool) -> tuple[dict, dict]:
+    """``(W2W2 keys, terms)`` of a token-wise block (FFN, gated FFN) from every exact norm in one call (one
+    ``eigvalsh`` per Gram size; masked tokens excluded from the statistics): with ``w2w2`` the keys of the output
+    weight's block, in which the output is linear, ``outer`` and ``hessian`` ``lambda_max(sum_b c_b Hid_b^T Hid_b)``
+    and ``functional`` 0; the terms ``term/y_norm``, ``term/hidden_norm`` (max over sequences) and the spectral norms
+    ``term/{name}`` of ``weights``.
+
+    Args:
+        Y3: ``(B, L, d)`` input; Hid: ``(B, L, f)`` hidden activations; weights: ``term name -> weight``;
+            c: ``(B,)`` output curvature; keep: ``(B, L)`` kept tokens; row_mask: the kernel's argument.
+    """
+    B, L, _ = Y3.shape
+    kf = None if row_mask is None else keep.unsqueeze(-1).to(Y3.dtype)  # (B, L, 1)
+    mats = [Y3 if kf is None else Y3 * kf, Hid if kf is None else Hid * kf, *weights.values()]
+    if w2w2:
+        mats.append((Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, -1))  # sqrt(c_b) Hid
+    y2, h2, *squared = gram_lambda_max(*mats)  # squared norms: (B,), (B,), () per weight, [()]
+    out = {}
+    if w2w2:
+        o = squared.pop().clamp_min(0)
+        out = {"outer/W2W2": o, "functional/W2W2": torch.zeros_like(o), "hessian/W2W2": o}
+    terms = {"term/y_norm": y2.amax().clamp_min(0).sqrt(), "term/hidden_norm": h2.amax().clamp_min(0).sqrt()}
+    terms.update((f"term/{name}", t.clamp_min(0).sqrt()) for name, t in zip(weights, squared, strict=True))
+    return out, terms
+
+
+def _activity(Z: torch.Tensor, keep: torch.Tensor, row_mask, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``dead_fraction`` and ``active_fraction`` of the pre-activations ``Z`` ``(B, L, f)`` over the kept tokens."""
+    B, L, f = Z.shape
     pos = Z > 0  # (B, L, f)
     Zk = Z  # pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:
         pos = pos & keep.unsqueeze(-1)
         Zk = Z.masked_fill(~keep.unsqueeze(-1), float("-inf"))
-    n_kept = Z.shape[-1] * (B * L if row_mask is None else keep.sum())
-    # units never active on a kept token (max over tokens <= 0; a NaN max counts as active, like before)
-    out["dead_fraction"] = (Zk.amax((0, 1)) <= 0).to(Y3.dtype).mean()
-    out["active_fraction"] = torch.count_nonzero(pos).to(Y3.dtype) / n_kept
-    out["term/y_norm"], out["term/hidden_norm"] = (t.amax().clamp_min(0).sqrt() for t in (y2, h2))
-    out["term/w1_norm"], out["term/w2_norm"] = (t.clamp_min(0).sqrt() for t in (w1, w2))
-    if dense:
-        out.update(dense_blocks(op, FFN_PAIRS))
-    lz.warn_unconverged(out, "ffn")
-    return out
+    n_kept = f * (B * L if row_mask is None else keep.sum())
+    # units never active on a kept token (max over tokens <= 0; a NaN max counts as active)
+    return {
+        "dead_fraction": (Zk.amax((0, 1)) <= 0).to(dtype).mean(),
+        "active_fraction": torch.count_nonzero(pos).to(dtype) / n_kept,
+    }

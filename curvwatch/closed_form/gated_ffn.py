@@ -25,34 +25,18 @@ Per token (rows of ``Y``; the MLP acts token by token), with ``Z_g = Y W_g + b_g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._common import (
-    as_batched,
-    check_like,
-    check_row_mask,
-    check_weight,
-    gram_lambda_max,
-    output_cotangent,
-    shared_times,
-    times_shared,
-)
-from ._operator import (
-    KINDS,
-    BlockOperator,
-    ParamInfo,
-    _check_kinds,
-    _rows_times,
-    dense_blocks,
-    norms_with_a_linear_pair,
-    run_parts,
-    select_rows,
-)
-from ._sampled import SampledCurvature, check_output_samples, check_precondition, sampled_plan, with_sampled
-from .ffn import activation_derivatives, activation_value
-from .settings import Lanczos
+from ._common import as_batched, check_like, check_row_mask, check_weight
+from .ffn import activation_derivatives, activation_value, exact_keys, loss_cotangent, token_sampled_plan
+from .inputs import GatedFFNWeights, OutputLoss
+from .settings import PARTS, Lanczos, check_parts
+from .solver.linalg import shared_times, times_shared
+from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
+from .solver.plan import norms_with_a_linear_pair
+from .solver.sampled import check_output_samples, check_precondition
 
 __all__ = [
     "GATED_ACTIVATIONS",
@@ -190,10 +174,10 @@ class GatedFFNOperator(BlockOperator):
         """Every row's ``H_kind v`` in one pass (see :meth:`AttentionOperator.apply_masked
         <curvwatch.closed_form.attention.AttentionOperator.apply_masked>`)."""
         dZg, dZu, dHid, dW2, dF = self._tangents(tangent, output=outer_mask is not None)
-        u = None if outer_mask is None else _rows_times(self._outer_cotangent(dF), outer_mask)
+        u = None if outer_mask is None else rows_times(self._outer_cotangent(dF), outer_mask)
         if func_mask is None:
             return self._pull(u, None, None, None, None, False, outputs)
-        return self._pull(u, *(_rows_times(t, func_mask) for t in (dZg, dZu, dHid, dW2)), True, outputs)
+        return self._pull(u, *(rows_times(t, func_mask) for t in (dZg, dZu, dHid, dW2)), True, outputs)
 
     def _outer_cotangent(self, dF: torch.Tensor) -> torch.Tensor:
         """``u = C dF`` for output tangents ``(n, N, m)``: the stand-in ``c`` per token or the sampled curvature."""
@@ -230,23 +214,15 @@ class GatedFFNOperator(BlockOperator):
 
 def gated_ffn(
     Y: torch.Tensor,
-    W_gate: torch.Tensor,
-    W_up: torch.Tensor,
-    W_down: torch.Tensor,
+    weights: GatedFFNWeights,
     *,
-    b_gate: torch.Tensor | None = None,
-    b_up: torch.Tensor | None = None,
-    b_down: torch.Tensor | None = None,
     activation: str = "silu",
-    target: torch.Tensor | None = None,
-    grad_output: torch.Tensor | None = None,
-    output_curvature: float | None = None,
+    loss: OutputLoss,
     row_mask: torch.Tensor | None = None,
-    pairs=None,
-    kinds=KINDS,
+    pairs: Sequence[str] | str | None = None,
+    parts: Sequence[str] = PARTS,
     lanczos: Lanczos | None = None,
     dense: bool = False,
-    output_samples: torch.Tensor | None = None,
     precondition: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a gated MLP (SwiGLU / GeGLU) in its three weights.
@@ -257,25 +233,23 @@ def gated_ffn(
 
     Args:
         Y: ``(L, d)`` or ``(B, L, d)`` input.
-        W_gate, W_up: ``(d, f)``; W_down: ``(f, m)`` (math convention: pass ``gate_proj.weight.T`` etc.);
-            b_gate, b_up ``(f,)``, b_down ``(m,)`` optional.
+        weights: ``W_gate``, ``W_up`` ``(d, f)``; ``W_down`` ``(f, m)`` (math convention: pass
+            ``gate_proj.weight.T`` etc.); optional ``b_gate``, ``b_up`` ``(f,)``, ``b_down`` ``(m,)``
+            (:class:`~curvwatch.closed_form.GatedFFNWeights`).
         activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (Gemma) or ``"gelu"`` (exact erf).
-        target / grad_output / output_curvature: loss convention as in :func:`curvwatch.closed_form.ffn`
-            (``c = 2/(L m)``).
+        loss: the loss at the output ``F`` ``(L, m)`` or ``(B, L, m)`` (:class:`~curvwatch.closed_form.OutputLoss`, as
+            in :func:`curvwatch.closed_form.ffn`; ``c = 2/(L m)``); its ``output_samples`` ``(k, B, L, m)`` (``(k, L,
+            m)`` unbatched) define the Monte-Carlo output curvature of the sampled keys below.
         row_mask: ``(B, L)`` bool (``(L,)`` unbatched), True = token included.
         pairs: subset of ``("W1W1", "W3W3", "W2W2", "W1W3", "W1W2", "W3W2")``.
-        kinds: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
+        parts: subset of ``("outer", "functional", "hessian")`` for the iterative norms.
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` for the six pairs (small sizes only).
-        output_samples: ``(k, B, L, m)`` (``(k, L, m)`` unbatched), grad_output mode only: ``k`` sampled gradients
-            ``s_j`` of the loss in ``F``, defining the Monte-Carlo output curvature
-            ``C = sum_b (1/k) sum_j s_{j,b} s_{j,b}^T`` (block diagonal over sequences, dropped rows zeroed) of the
-            sampled keys below, as in :func:`curvwatch.closed_form.ffn`; the other keys are unchanged.
         precondition: with ``output_samples``, any of ``{"W_gate": P_g, "W_up": P_u, "W_down": P_d}``: the diagonal
             of a positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
 
     Returns:
-        0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{kind}/XY`` for the Lanczos
+        0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{part}/XY`` for the Lanczos
         ones; ``W2W2`` is exact, ``functional/W2W2 = functional/W3W3 = 0`` exactly), and the statistics
         over the kept tokens: ``gate_saturation`` (fraction of gate pre-activations below ``GATE_OFF = -4``,
         where the gate is off and passes almost no gradient), ``dead_fraction`` (hidden units whose gate is
@@ -284,53 +258,32 @@ def gated_ffn(
         of the gated hidden ``Hid = act(Z_g) * Z_u``), ``term/wgate_norm``, ``term/wup_norm``,
         ``term/wdown_norm`` (spectral norms).
 
-        With ``output_samples``, for each diagonal pair ``XX`` of ``pairs`` (``W1W1``, ``W3W3``, ``W2W2``):
-        ``ggn/XX`` = ``lambda_max(J_X^T C J_X)`` (``J_X = dF/dW_X``), ``sharpness/XX`` = the largest *algebraic*
-        eigenvalue of ``J_X^T C J_X + H_f,XX`` (the loss Hessian's block without the second-order part of the
-        layers downstream of ``F``; ``H_f,XX`` the functional block with ``G = grad_output``, zero for ``W3W3`` and
-        ``W2W2``), with ``precondition`` holding that weight ``precond_ggn/XX`` and ``precond_sharpness/XX``, the
-        same of ``P^{-1/2} (.) P^{-1/2}``, and ``residual/...`` of each (Lanczos, whatever ``kinds``).
+        With ``output_samples``, for each diagonal pair ``XX`` of ``pairs`` (``W1W1``, ``W3W3``, ``W2W2``), the keys
+        ``ggn/XX``, ``sharpness/XX`` (``precond_...`` with ``precondition`` holding that weight) and ``residual/...``
+        of :func:`curvwatch.closed_form.ffn` (``H_f,XX`` is zero for ``W3W3`` and ``W2W2``).
 
     Raises:
-        ValueError: on an unknown ``activation``, pair or kind, inconsistent shapes, unless exactly one of
+        ValueError: on an unknown ``activation``, pair or part, inconsistent shapes, unless exactly one of
             ``target`` and ``grad_output`` is given, on ``output_samples`` / ``precondition`` with ``target``, and
             on ``precondition`` without ``output_samples``.
 
     Example:
         >>> Y, G = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-        >>> W_g, W_u, W_d = (torch.randn(*s, dtype=torch.float64) for s in ((3, 5), (3, 5), (5, 2)))
-        >>> out = gated_ffn(Y, W_g, W_u, W_d, grad_output=G)
+        >>> weights = GatedFFNWeights(*(torch.randn(*s, dtype=torch.float64) for s in ((3, 5), (3, 5), (5, 2))))
+        >>> out = gated_ffn(Y, weights, loss=OutputLoss(grad_output=G))
         >>> float(out["functional/W2W2"]), float(out["functional/W3W3"]), bool(out["functional/W1W1"] > 0)
         (0.0, 0.0, True)
     """
     _check_activation(activation)
     Y3, batched = as_batched(Y, "Y")
-    B, L, d = Y3.shape
-    W_gate = check_weight(W_gate, d, "W_gate", Y3)
-    W_up = check_weight(W_up, d, "W_up", Y3)
-    if W_up.shape != W_gate.shape:
-        raise ValueError(
-            f"W_up must have W_gate's shape (d, f) = {tuple(W_gate.shape)}; got {tuple(W_up.shape)}. Both map "
-            "the input to the hidden width f (gate_proj.weight.T and up_proj.weight.T)."
-        )
-    f = W_gate.shape[1]
-    W_down = check_weight(W_down, f, "W_down", Y3)
-    m = W_down.shape[1]
-    b_gate = check_like(b_gate, (f,), "b_gate", Y3)
-    b_up = check_like(b_up, (f,), "b_up", Y3)
-    b_down = check_like(b_down, (m,), "b_down", Y3)
-    keep = check_row_mask(row_mask, B, L, Y3)
-    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
-    pairs = GATED_FFN_PAIRS if pairs is None else ((pairs,) if isinstance(pairs, str) else tuple(pairs))
-    for p in pairs:
-        if p not in GATED_FFN_PAIRS:
-            raise ValueError(
-                f"Unknown gated-MLP pair {p!r}; choose from {GATED_FFN_PAIRS} (W1 = gate, W3 = up, W2 = down)."
-            )
-    kinds = _check_kinds(kinds)
+    W_gate, W_up, W_down, b_gate, b_up, b_down, keep = _checked_weights(Y3, weights, row_mask)
+    B, L, _ = Y3.shape
+    f, m = W_down.shape
+    pairs = _checked_pairs(pairs)
+    parts = check_parts(parts)
     iterative = [p for p in pairs if p != "W2W2"]
     samples = check_output_samples(
-        output_samples, target=target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
+        loss.output_samples, target=loss.target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
     )
     shapes = {"W_gate": tuple(W_gate.shape), "W_up": tuple(W_up.shape), "W_down": tuple(W_down.shape)}
     pre = check_precondition(precondition, shapes, Y3, has_samples=samples is not None)
@@ -338,54 +291,74 @@ def gated_ffn(
     need_op = bool(iterative) or dense or samples is not None
     Z_g = Y3 @ W_gate + (0 if b_gate is None else b_gate)  # (B, L, f)
     Z_u = Y3 @ W_up + (0 if b_up is None else b_up)  # (B, L, f)
-    if need_op:
-        A, A1, A2 = gated_activation_derivatives(Z_g, activation)
-    else:
-        A, A1, A2 = _activation_value(Z_g, activation), None, None
+    value = None if need_op else _activation_value(Z_g, activation)
+    A, A1, A2 = gated_activation_derivatives(Z_g, activation) if need_op else (value, None, None)
     Hid = A * Z_u  # (B, L, f)
-    if target is not None:
-        F = Hid @ W_down + (0 if b_down is None else b_down)  # (B, L, m)
-    else:  # grad_output mode reads only the output's shape, dtype and device
-        F = Y3.new_zeros(()).expand(B, L, m)
-    g, c, _ = output_cotangent(
-        F, keep, target=target, grad_output=grad_output, output_curvature=output_curvature, batched=batched
-    )
+    F = None if loss.target is None else Hid @ W_down + (0 if b_down is None else b_down)  # (B, L, m)
+    g, c = loss_cotangent(F, loss, keep, (B, L, m), batched, Y3)
     lz = Lanczos() if lanczos is None else lanczos
     op = GatedFFNOperator(Y3, Z_u, A, A1, A2, W_down, g, c, keep) if need_op else None
-    out: dict[str, torch.Tensor] = {}
-    # every exact norm in one call (one eigvalsh per Gram size); masked tokens excluded from the statistics
-    kf = None if row_mask is None else keep.unsqueeze(-1).to(Y3.dtype)  # (B, L, 1)
-    mats = [Y3 if kf is None else Y3 * kf, Hid if kf is None else Hid * kf, W_gate, W_up, W_down]
-    if "W2W2" in pairs:
-        mats.append((Hid * (c.sqrt()[:, None, None] * keep[..., None])).reshape(B * L, f))  # sqrt(c_b) Hid
-    y2, h2, wg2, wu2, wd2, *hk = gram_lambda_max(*mats)  # squared norms: (B,), (B,), (), (), (), [()]
-    if "W2W2" in pairs:
-        o = hk[0].clamp_min(0)  # ||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b); F is linear in W_down
-        out["outer/W2W2"], out["functional/W2W2"], out["hessian/W2W2"] = o, torch.zeros_like(o), o
-    splan = None
-    if samples is not None:  # the sampled keys' Gram columns first: no Lanczos basis is held yet
-        sop = with_sampled(op, SampledCurvature.of_tokens(samples))
-        blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
-        diagonal = [p for p in pairs if p in ("W1W1", "W3W3", "W2W2")]
-        scale = {blocks[nm]: D for nm, D in pre.items()}
-        splan = sampled_plan(sop, [(diagonal, None, ("W2W2", "W3W3"))], lanczos=lz, scale=scale)  # F linear in them
+    norms = {"wgate_norm": W_gate, "wup_norm": W_up, "wdown_norm": W_down}
+    out, terms = exact_keys(Y3, Hid, norms, c, keep, row_mask, "W2W2" in pairs)  # F is linear in W_down
+    # the sampled keys' Gram columns first (no Lanczos basis is held yet); F is linear in W_down and W_up
+    blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
+    splan = token_sampled_plan(op, samples, pairs, blocks, pre, ("W2W2", "W3W3"), lz)
     # F is linear in W_up: H_f(W3W3) = 0 exactly, the Hessian block is its outer part (one Lanczos run). The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", kinds=kinds, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", parts=parts, lanczos=lz, extra=splan))
+    out.update(_gate_activity(Z_g, keep, row_mask, Y3.dtype))
+    out.update(terms)
+    if dense:
+        out.update(dense_blocks(op, GATED_FFN_PAIRS))
+    lz.warn_unconverged(out, "gated_ffn")
+    return out
+
+
+def _checked_weights(Y3: torch.Tensor, weights: GatedFFNWeights, row_mask):
+    """``(W_gate, W_up, W_down, b_gate, b_up, b_down, keep)`` checked against the input ``Y3`` ``(B, L, d)``, in its
+    dtype and device; ``keep`` ``(B, L)`` bool (all True without ``row_mask``)."""
+    B, L, d = Y3.shape
+    W_gate = check_weight(weights.W_gate, d, "W_gate", Y3)
+    W_up = check_weight(weights.W_up, d, "W_up", Y3)
+    if W_up.shape != W_gate.shape:
+        raise ValueError(
+            f"W_up must have W_gate's shape (d, f) = {tuple(W_gate.shape)}; got {tuple(W_up.shape)}. Both map "
+            "the input to the hidden width f (gate_proj.weight.T and up_proj.weight.T)."
+        )
+    f = W_gate.shape[1]
+    W_down = check_weight(weights.W_down, f, "W_down", Y3)
+    m = W_down.shape[1]
+    b_gate = check_like(weights.b_gate, (f,), "b_gate", Y3)
+    b_up = check_like(weights.b_up, (f,), "b_up", Y3)
+    b_down = check_like(weights.b_down, (m,), "b_down", Y3)
+    keep = check_row_mask(row_mask, B, L, Y3)
+    keep = torch.ones(B, L, dtype=torch.bool, device=Y3.device) if keep is None else keep
+    return W_gate, W_up, W_down, b_gate, b_up, b_down, keep
+
+
+def _checked_pairs(pairs) -> tuple[str, ...]:
+    """The ``pairs`` argument as a tuple of the gated MLP's pairs (default all of them)."""
+    pairs = GATED_FFN_PAIRS if pairs is None else ((pairs,) if isinstance(pairs, str) else tuple(pairs))
+    for p in pairs:
+        if p not in GATED_FFN_PAIRS:
+            raise ValueError(
+                f"Unknown gated-MLP pair {p!r}; choose from {GATED_FFN_PAIRS} (W1 = gate, W3 = up, W2 = down)."
+            )
+    return pairs
+
+
+def _gate_activity(Z_g: torch.Tensor, keep: torch.Tensor, row_mask, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``gate_saturation``, ``dead_fraction`` and ``active_fraction`` of the gate pre-activations ``Z_g``
+    ``(B, L, f)`` over the kept tokens."""
+    B, L, f = Z_g.shape
     kept = keep.unsqueeze(-1)  # (B, L, 1)
     n_kept = f * (B * L if row_mask is None else keep.sum())
     off, pos = Z_g < GATE_OFF, Z_g > 0  # (B, L, f)
     Zk = Z_g  # gate pre-activations of the kept tokens, the others at -inf
     if row_mask is not None:
         off, pos, Zk = off & kept, pos & kept, Z_g.masked_fill(~kept, float("-inf"))
-    out["gate_saturation"] = torch.count_nonzero(off).to(Y3.dtype) / n_kept
-    out["dead_fraction"] = (Zk.amax((0, 1)) < GATE_OFF).to(Y3.dtype).mean()
-    out["active_fraction"] = torch.count_nonzero(pos).to(Y3.dtype) / n_kept
-    out["term/y_norm"], out["term/hidden_norm"] = (t.amax().clamp_min(0).sqrt() for t in (y2, h2))
-    out["term/wgate_norm"], out["term/wup_norm"], out["term/wdown_norm"] = (
-        t.clamp_min(0).sqrt() for t in (wg2, wu2, wd2)
-    )
-    if dense:
-        out.update(dense_blocks(op, GATED_FFN_PAIRS))
-    lz.warn_unconverged(out, "gated_ffn")
-    return out
+    return {
+        "gate_saturation": torch.count_nonzero(off).to(dtype) / n_kept,
+        "dead_fraction": (Zk.amax((0, 1)) < GATE_OFF).to(dtype).mean(),
+        "active_fraction": torch.count_nonzero(pos).to(dtype) / n_kept,
+    }

@@ -87,8 +87,8 @@ class RowKronecker:
     def _unchecked(cls, left: Tensor, right: Tensor) -> RowKronecker:
         """The same object as ``RowKronecker(left, right)``, without the shape check of ``__post_init__``.
 
-        Only for this module's closed forms, whose factors have the right shapes by construction (0.5 vs
-        1.1 us per object); public construction always validates.
+        Only for this module's closed forms, whose factors have the right shapes by construction (half the cost
+        per object); public construction always validates.
         """
         self = object.__new__(cls)
         object.__setattr__(self, "left", left)  # what the frozen dataclass __init__ does
@@ -107,7 +107,7 @@ class RowKronecker:
         N, p = self.left.shape
         _, m, q = self.right.shape
         dense = self.left.new_empty(N * m, p * q)  # explicit layout: a broadcast product may come out permuted
-        # view / unsqueeze rather than [:, None, :, None] indexing: 1.4 vs 2.8 us each at the papers' size
+        # view / unsqueeze rather than [:, None, :, None] indexing: half the cost each at the papers' size
         torch.mul(self.left.view(N, 1, p, 1), self.right.unsqueeze(2), out=dense.view(N, m, p, q))
         return dense
 
@@ -127,7 +127,7 @@ class RowKronecker:
 # These run on every call. At the papers' size (L=8, d=16, d_ff=32) a closed form is 17-90 us on one CPU thread:
 # each torch call costs ~2-5 us there (a view such as unsqueeze included) and each Python call or tensor attribute
 # read (.shape, .dtype, .device) ~0.1-0.5 us. So the checks read each attribute once and make no torch call when
-# the input is already right (no reshape of a 2-D input); they accept and reject exactly what they always did.
+# the input is already right (no reshape of a 2-D input).
 
 
 def _check_tensor(name: str, t: Tensor, ndims: Sequence[int], shape_hint: str) -> None:
@@ -195,8 +195,8 @@ def _rows(name: str, X: Tensor) -> Tensor:
 def _check_ffn(Y: Tensor, W_1: Tensor, W_2: Tensor | None, b_1: Tensor | None, need_w2: bool = True) -> Tensor:
     """Validate the FFN inputs and return ``Y`` as ``(N, d)`` rows; ``b_1`` is optional, ``W_2`` too where
     ``need_w2`` is False (the ∂S/∂W_2 forms do not read it)."""
-    # Fast accept of the usual call (Y, W_1, W_2 given, no b_1), each attribute read once: 1.1 us against 2.0 us
-    # for the step-by-step checks below, and ~2.5 us less per closed form at the papers' size. It accepts only
+    # Fast accept of the usual call (Y, W_1, W_2 given, no b_1), each attribute read once: about half the cost of
+    # the step-by-step checks below at the papers' size. It accepts only
     # what those checks accept; everything else, every invalid input included, goes through them.
     if isinstance(Y, Tensor) and isinstance(W_1, Tensor) and isinstance(W_2, Tensor) and b_1 is None:
         dtype, device, shape, shape_1, shape_2 = Y.dtype, Y.device, Y.shape, W_1.shape, W_2.shape
@@ -339,7 +339,7 @@ def layernorm_jacobian_dense(X: Tensor, eps: float = 1e-5, weight: Tensor | None
     N, n, _ = blocks.shape
     dense = blocks.new_zeros(N * n, N * n)
     # the diagonal blocks as one (N, n, n) view, [i, k, a] = dense[i n + k, i n + a]: one as_strided call where
-    # view + diagonal + permute + reshape were four (~2 us each at the papers' size)
+    # view + diagonal + permute + reshape would be four (~2 us each at the papers' size)
     dense.as_strided((N, n, n), (n * N * n + n, N * n, 1)).copy_(blocks)
     return dense
 

@@ -105,7 +105,7 @@ def check_rotary(rotary, interleaved, B: int, L: int, d_K: int, ref: torch.Tenso
         )
     cos, sin = cos.to(dtype=ref.dtype, device=ref.device), sin.to(dtype=ref.dtype, device=ref.device)
     h = r // 2
-    # every check in one host read (a device sync each, per block and evaluation, were four)
+    # every check in one host read (one device sync per block and evaluation, not one per check)
     finite, halves_cos, halves_sin = torch.stack(
         [torch.isfinite(torch.stack([cos, sin])).all()] + [(t[..., :h] == t[..., h:]).all() for t in (cos, sin)]
     ).tolist()

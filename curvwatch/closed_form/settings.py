@@ -1,4 +1,8 @@
-"""How the iterative spectral norms are computed: one :class:`Lanczos` settings object and its :class:`WarmStart`.
+"""How the kernels compute: the Hessian parts, the Lanczos settings of the iterative norms and their warm starts.
+
+The Hessian of a block splits into ``H = H_o + H_f`` (formula sheet §1): the Gauss-Newton part ``"outer"``, the
+``"functional"`` part and their sum ``"hessian"``. :data:`PARTS` names them, in the order every kernel reports them;
+a kernel's ``parts=`` argument picks the ones its iterative norms compute.
 
 Every kernel of :mod:`curvwatch.closed_form` that finds a norm by Lanczos (attention, FFN, the whole block)
 takes one ``lanczos=`` argument instead of a tail of keywords. The defaults are bounded: at most
@@ -9,15 +13,52 @@ is ``d d_ff`` numbers per vector), and warns when a norm stops at ``max_iter`` b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT", "Lanczos", "LanczosWarning", "WarmStart"]
+__all__ = ["EXACT", "PARTS", "Lanczos", "LanczosWarning", "WarmStart", "check_parts", "inputs_checked"]
+
+#: The parts of a block Hessian ``H = H_o + H_f``: the Gauss-Newton (outer) part, the functional part, their sum.
+PARTS = ("outer", "functional", "hessian")
+
+
+def check_parts(parts: str | Sequence[str]) -> tuple[str, ...]:
+    """A ``parts`` argument validated, in the canonical order of :data:`PARTS`.
+
+    Raises:
+        ValueError: If it is empty or names something other than ``"outer"``, ``"functional"``, ``"hessian"``.
+
+    Example:
+        >>> check_parts(["hessian", "outer"])
+        ('outer', 'hessian')
+    """
+    parts = (parts,) if isinstance(parts, str) else tuple(parts)
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"Invalid parts={parts!r}. Choose a non-empty subset of {PARTS}.")
+    return tuple(p for p in PARTS if p in parts)
+
+
+#: Set while a caller that has already checked every input for NaN/Inf (the monitor's engine, in one host read for all
+#: blocks) runs the kernels: they then skip their own checks, a device sync per call.
+INPUTS_CHECKED = contextvars.ContextVar("curvwatch_inputs_checked", default=False)
+
+
+@contextlib.contextmanager
+def inputs_checked() -> Iterator[None]:
+    """Within this context the kernels trust that their inputs are finite (the caller checked them)."""
+    token = INPUTS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        INPUTS_CHECKED.reset(token)
 
 
 class LanczosWarning(UserWarning):
@@ -25,7 +66,7 @@ class LanczosWarning(UserWarning):
 
 
 class WarmStart:
-    """Lanczos start vectors kept between calls, one entry per norm (pair and kinds).
+    """Lanczos start vectors kept between calls, one entry per norm (pair and parts).
 
     Pass the same object to successive calls on the same block (the monitor keeps one per block): each norm
     starts from the Ritz vectors of the previous call, which converges in a few steps when the weights moved
@@ -59,8 +100,8 @@ class WarmStart:
         return torch.nan_to_num(v0.to(dtype=dtype, device=device), nan=0.0, posinf=0.0, neginf=0.0)
 
     #: The stored vectors' dtype. A warm start is a direction, to which the solver adds noise of its own norm
-    #: (``_lanczos.WARM_NOISE``): three digits are plenty, and the store is held on the model's device for the whole
-    #: run (GPT-2-small width: 40.5 MiB per layer in float32, ~0.5 GiB for 12 layers; half that now).
+    #: (:data:`~curvwatch.closed_form.solver.lanczos.WARM_NOISE`): three digits are plenty, and the store is held on
+    #: the model's device for the whole run (GPT-2-small width: about 20 MiB per layer, ~0.25 GiB for 12 layers).
     dtype = torch.bfloat16
 
     def put(self, key: Hashable, vectors: torch.Tensor) -> None:
@@ -96,8 +137,9 @@ class Lanczos:
             this off and reports convergence through its own keys instead.
         solve_bytes: Most bytes of Lanczos bases one kernel call holds at once so that its runs share their stopping
             tests (one host read per round of tests for all of them, a sync on a GPU); runs beyond it are solved one
-            after the other. ``None``: ``_operator.SOLVE_BYTES`` (1 GiB). The monitor passes each block's own
-            estimate of its bases (:meth:`~curvwatch.capture.CapturedBlock.basis_bytes`, which its memory windows
+            after the other. ``None``: :data:`~.solver.plan.SOLVE_BYTES` (1 GiB). The monitor passes each block's
+            own
+            estimate of its bases (:func:`~curvwatch.engine.memory.basis_bytes`, which its memory windows
             already count), at least that.
 
     Example:

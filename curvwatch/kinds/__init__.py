@@ -25,15 +25,16 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-from curvwatch.keys import KeySpec
+from curvwatch.names import KeySpec, is_diagonal_pair
 
-__all__ = ["KINDS", "BlockKind", "Summary", "kind_of", "register_kind"]
+__all__ = ["KINDS", "BlockKind", "Summary", "grouped", "kind_of", "register_kind"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class BlockKind:
     Args:
         name: The kind's name, as in :attr:`BlockSpec.kind <curvwatch.adapters.BlockSpec>`: ``"attention"``.
         closed_form: The kernel, or the name of a function of :mod:`curvwatch.closed_form` (looked up at each
-            call): keyword arguments in (``input_name``, ``grad_output``, ``mask_name``, the adapter's parameters
-            and, when ``iterative``, ``lanczos``, ``kinds`` and ``pairs``), a flat dict of 0-d tensors out.
+            call): keyword arguments in (those :attr:`prepare` makes of ``input_name``, ``grad_output``,
+            ``mask_name`` and the adapter's parameters and, when ``iterative``, ``lanczos``, ``parts`` and
+            ``pairs``), a flat dict of 0-d tensors out.
         prefix: Quantity prefix given to the kernel's bare keys (``"var_min"`` -> ``"ln/var_min"``).
         input_name: Name of the kernel's input argument (``"X"``, ``"Y"`` for the FFN kernels).
         mask_name: ``"key_padding_mask"`` (True = padded; attention) or ``"row_mask"`` (True = kept).
@@ -74,7 +76,7 @@ class BlockKind:
             ``terms_keys="warnings"``): the kernel then computes only what the warning rules read
             (:mod:`curvwatch.rules`), e.g. ``{"stats_only": True}``. ``None``: the kind has nothing the rules read
             besides its exact pairs; a signals evaluation leaves it out unless a rule reads one of them.
-        iterative: Whether the kernel takes Lanczos settings (``lanczos``, ``kinds``, ``pairs``).
+        iterative: Whether the kernel takes Lanczos settings (``lanczos``, ``parts``, ``pairs``).
         has_norms: Whether the block reports Hessian norms (``hessian/...``): it then takes part in the
             norm summaries, the spike warnings and the heatmap.
         call_inputs: ``(masks, key padding mask, (k, l)) -> (inputs, params)``: what the capture stores from the
@@ -82,19 +84,19 @@ class BlockKind:
             ``[:l]`` (the key padding mask is already cut to them). ``inputs`` are detached tensors indexed by
             ``(sequence, position, ...)`` (cut again by a truncation; names starting with ``memory`` are cut by
             sequence only), ``params`` are settings.
-        prepare: ``kwargs -> kwargs``, the last step from the stored inputs and params to the kernel's keyword
-            arguments (e.g. the rotary tables as one ``(cos, sin)`` argument).
+        prepare: ``kwargs -> kwargs``, the last step from the stored inputs and params (one flat dict) to the
+            kernel's arguments, e.g. the weights, the structure and the loss as the kernel's grouped inputs
+            (:mod:`curvwatch.closed_form.inputs`); the ground truths of :mod:`curvwatch.reference` take the same.
         work_elements: ``(B, L, d, params) -> int``, the elements of an evaluation's largest intermediates
             besides the Lanczos bases (an upper estimate; see :meth:`CapturedBlock.evaluation_bytes`).
         basis_numel: ``params -> int``, the elements of one Lanczos vector of the block (0 without Lanczos).
         keys: Rows of the key table for the kernel's keys (relative, prefixed): meaning and reduction.
         summaries: Model-wide summaries of this kind's keys.
-        collapse_stats: ``(result, eps) -> stats`` for the collapse warning (``var_min_over_eps``,
-            ``var_min``, ``inv_var_max``, ``eps``), or ``None`` for kinds that cannot collapse.
         input_only_keys: Whether the kernel reports statistics of ``X`` alone, which are still worth logging
             when only ``grad_output`` is non-finite (LayerNorm variances: a collapse that caused the NaN).
         sampled: Whether the kernel takes ``output_samples`` (sampled output gradients of the real loss,
-            :mod:`curvwatch.sharpness`) and ``precondition``, and then returns ``ggn/...`` and ``sharpness/...``.
+            :mod:`curvwatch.realloss`; in its loss) and ``precondition``, and then returns ``ggn/...`` and
+            ``sharpness/...``.
         label: A human name for messages and docs (``"LayerNorm"``).
         doc: One line for the docs' table of kinds.
     """
@@ -115,7 +117,6 @@ class BlockKind:
     basis_numel: Callable[[Mapping[str, Any]], int] = lambda params: 0
     keys: tuple[KeySpec, ...] = ()
     summaries: tuple[Summary, ...] = ()
-    collapse_stats: Callable[[Mapping[str, float], float | None], dict[str, float]] | None = None
     input_only_keys: bool = False
     sampled: bool = False
     label: str = ""
@@ -123,8 +124,6 @@ class BlockKind:
     diagonal_pairs: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        from curvwatch.metrics import is_diagonal_pair
-
         object.__setattr__(self, "diagonal_pairs", tuple(p for p in self.pairs if is_diagonal_pair(p)))
 
     def kernel(self) -> Callable[..., dict[str, Tensor]]:
@@ -154,6 +153,32 @@ class BlockKind:
     def kernel_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The kernel's keyword arguments from the stored ones (see :attr:`prepare`)."""
         return kwargs if self.prepare is None else self.prepare(kwargs)
+
+
+def grouped(kwargs: dict[str, Any], input_name: str, weights: type, **groups: type) -> dict[str, Any]:
+    """A kernel's grouped arguments from one flat dict of stored inputs and params (a :attr:`BlockKind.prepare`):
+    ``input_name`` stays, the fields of ``weights`` (a dataclass of :mod:`curvwatch.closed_form.inputs`) become its
+    ``weights`` argument, ``grad_output`` and ``output_samples`` its ``loss`` (an ``OutputLoss``), the fields of each
+    of ``groups`` (``name=dataclass``) that argument, and the other entries stay keyword arguments.
+
+    Example:
+        >>> from curvwatch.closed_form import FFNWeights
+        >>> out = grouped({"Y": 1, "W_1": 2, "W_2": 3, "grad_output": 4, "activation": "relu"}, "Y", FFNWeights)
+        >>> sorted(out), out["weights"].W_2, out["loss"].grad_output
+        (['Y', 'activation', 'loss', 'weights'], 3, 4)
+    """
+    from curvwatch.closed_form.inputs import OutputLoss
+
+    rest = dict(kwargs)
+
+    def take(cls: type) -> Any:
+        return cls(**{f.name: rest.pop(f.name) for f in dataclasses.fields(cls) if f.name in rest})
+
+    out: dict[str, Any] = {input_name: rest.pop(input_name), "weights": take(weights)}
+    out["loss"] = OutputLoss(grad_output=rest.pop("grad_output", None), output_samples=rest.pop("output_samples", None))
+    out.update((name, take(cls)) for name, cls in groups.items())
+    out.update(rest)
+    return out
 
 
 #: Kind name -> :class:`BlockKind`, the one table. Extend it with :func:`register_kind`.

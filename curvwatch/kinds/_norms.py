@@ -4,8 +4,8 @@ its mean square) that the normalisation divides by, its collapse towards ``eps``
 
 from __future__ import annotations
 
-from curvwatch.keys import KeySpec
 from curvwatch.kinds import BlockKind, Summary
+from curvwatch.names import KeySpec
 
 
 def norm_kind(
@@ -23,18 +23,6 @@ def norm_kind(
         bound: The contracted-Hessian bound and where it is derived.
     """
     p = prefix
-
-    def collapse_stats(result, eps):
-        """The collapse warning's statistics, in LayerNorm's vocabulary (``var_min``, ...)."""
-        stats = {
-            "var_min_over_eps": result.get(f"{p}/{stat}_min_over_eps"),
-            "var_min": result.get(f"{p}/{stat}_min"),
-            "inv_var_max": result.get(f"{p}/inv_{stat}_max"),
-        }
-        stats = {k: v for k, v in stats.items() if v is not None}
-        if eps is not None:
-            stats["eps"] = float(eps)
-        return stats
 
     return BlockKind(
         name=name,
@@ -71,7 +59,6 @@ def norm_kind(
                 finite=False,
             ),
         ),
-        collapse_stats=collapse_stats,
         input_only_keys=True,
         label=label,
         doc=doc,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from curvwatch.keys import KeySpec
-from curvwatch.kinds import BlockKind, register_kind
+from curvwatch.closed_form.inputs import AttentionStructure, AttentionWeights
+from curvwatch.kinds import BlockKind, grouped, register_kind
+from curvwatch.names import KeySpec
 
 
 def _call_inputs(masks, key_padding_mask, kept):
@@ -34,10 +35,11 @@ def _call_inputs(masks, key_padding_mask, kept):
 
 
 def _prepare(kwargs):
-    """The rotary tables as the kernel's one ``rotary=(cos, sin)`` argument."""
+    """The kernel's grouped arguments: ``X``, ``weights``, ``structure`` (the rotary tables as one ``(cos, sin)``)
+    and ``loss``."""
     if "rotary_cos" in kwargs:
         kwargs["rotary"] = (kwargs.pop("rotary_cos"), kwargs.pop("rotary_sin"))
-    return kwargs
+    return grouped(kwargs, "X", AttentionWeights, structure=AttentionStructure)
 
 
 _KEYS = (

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from curvwatch.keys import KeySpec
-from curvwatch.kinds import BlockKind, register_kind
+from curvwatch.closed_form.inputs import FFNWeights
+from curvwatch.kinds import BlockKind, grouped, register_kind
+from curvwatch.names import KeySpec
 
 # the keys every FFN kind reports (the gated one too)
 ACTIVITY_KEYS = (
@@ -25,6 +26,7 @@ KIND = register_kind(
         iterative=True,
         sampled=True,
         has_norms=True,
+        prepare=lambda kwargs: grouped(kwargs, "Y", FFNWeights),
         work_elements=lambda B, L, d, p: 32 * B * L * p["W_1"].shape[-1],
         basis_numel=lambda p: p["W_1"].numel(),
         keys=(

@@ -5,9 +5,10 @@ Blocks are named as in Meta's LLaMA code: ``W1`` = ``W_gate``, ``W3`` = ``W_up``
 
 from __future__ import annotations
 
-from curvwatch.keys import KeySpec
-from curvwatch.kinds import BlockKind, register_kind
+from curvwatch.closed_form.inputs import GatedFFNWeights
+from curvwatch.kinds import BlockKind, grouped, register_kind
 from curvwatch.kinds.ffn import ACTIVITY_KEYS
+from curvwatch.names import KeySpec
 
 KIND = register_kind(
     BlockKind(
@@ -21,6 +22,7 @@ KIND = register_kind(
         iterative=True,
         sampled=True,
         has_norms=True,
+        prepare=lambda kwargs: grouped(kwargs, "Y", GatedFFNWeights),
         # gate and up pre-activations, the gated hidden layer and their tangents: (B, L, f) each
         work_elements=lambda B, L, d, p: 48 * B * L * p["W_gate"].shape[-1],
         basis_numel=lambda p: p["W_gate"].numel(),

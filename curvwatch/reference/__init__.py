@@ -14,7 +14,9 @@ Conventions (``docs/design.md``):
   ``torch.func.hessian(loss, argnums=(i, j))`` reshaped to ``(P_X.numel(), P_Y.numel())``.
 * ``X`` is ``(L, d)`` or ``(B, L, d)``; the module output ``F`` is ``(L, m)`` or ``(B, L, m)``.
 
-Output-level losses (exactly one of ``target`` / ``grad_output``):
+Every function takes the kernels' grouped inputs (:mod:`curvwatch.closed_form.inputs`): the weights, the attention's
+structure and the loss at the block output as an :class:`~curvwatch.closed_form.OutputLoss`, so a test calls a ground
+truth and its closed form the same way. Output-level losses (exactly one of ``target`` / ``grad_output``):
 
 * ``target=T``: per-sequence loss :math:`\\|F_b - T_b\\|_F^2 / (L_b m)`, averaged over the batch, so the
   output curvature is :math:`c_b = 2 / (L_b m B)`. ``L_b = L`` unless a mask drops rows.
@@ -25,7 +27,7 @@ Output-level losses (exactly one of ``target`` / ``grad_output``):
 * Masked rows (``key_padding_mask`` True = padded, ``row_mask`` False = dropped) contribute nothing.
 
 Each ``*_blocks`` function returns, for every reported pair of parameter blocks ``XY``, three dense
-matrices of shape ``(n_X, n_Y)``:
+matrices of shape ``(n_X, n_Y)`` (the Hessian parts of :data:`curvwatch.closed_form.PARTS`):
 
 * ``hessian/XY``: the Hessian of the loss;
 * ``outer/XY``: the Gauss-Newton part :math:`J_X^\\top (\\partial^2\\ell/\\partial F^2) J_Y` with
@@ -38,17 +40,12 @@ matrices of shape ``(n_X, n_Y)``:
 
 from __future__ import annotations
 
-from curvwatch.reference._core import (
-    dense_to_norms,
-    ffn_blocks,
-    layernorm_contracted_hessian,
-    layernorm_dense,
-    multi_head_attention_blocks,
-    self_attention_blocks,
-    spectral_norm,
-    transformer_block_blocks,
-)
+from curvwatch.reference.attention import multi_head_attention_blocks, self_attention_blocks
+from curvwatch.reference.block import transformer_block_blocks
+from curvwatch.reference.common import dense_to_norms, spectral_norm
+from curvwatch.reference.ffn import ffn_blocks
 from curvwatch.reference.gated_ffn import gated_ffn_blocks
+from curvwatch.reference.layernorm import layernorm_contracted_hessian, layernorm_dense
 from curvwatch.reference.rmsnorm import rmsnorm_contracted_hessian, rmsnorm_dense
 
 __all__ = [

@@ -6,7 +6,7 @@ loss reads logits ``z``, :func:`real_loss_blocks` returns three dense ``(n, n)``
 * ``hessian``: the true Hessian of the loss in ``theta`` (everything downstream included);
 * ``ggn``: the Gauss-Newton block ``J^T H_z J``, ``J = dz/dtheta``, ``H_z`` the loss's Hessian at the logits
   (softmax cross-entropy: ``sum_n w_n (diag p_n - p_n p_n^T)``; squared error: ``2 w I``), what the Monte-Carlo
-  samples of :mod:`curvwatch.sharpness` estimate;
+  samples of :mod:`curvwatch.realloss` estimate;
 * ``own``: the block's own functional term ``sum_i g_i d^2 F_i / dtheta^2``, ``g = dl/dF`` at the block output
   ``F`` (the real gradient), which the closed forms compute exactly.
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from curvwatch.adapters import BlockSpec
-from curvwatch.sharpness import param_index_map, param_positions
+from curvwatch.realloss.stability import param_index_map, param_positions
 
 __all__ = ["real_loss_blocks", "real_loss_top"]
 
@@ -59,7 +59,7 @@ def real_loss_blocks(
         columns: Columns of that ``(d_in, d_out)`` weight (one head: ``slice(h d_K, (h + 1) d_K)``); ``None``: all.
         loss: ``"cross_entropy"`` (weights ``w_n`` read from the gradient at the logits, hard labels), ``"mse"``
             (the mean over every element), or a soft-target reduction (``"soft_mean"``, ``"soft_batchmean"``,
-            ``"soft_sum"``: :func:`curvwatch.sharpness.loss_weights`).
+            ``"soft_sum"``: :func:`curvwatch.realloss.weights.loss_weights`).
 
     Returns:
         ``{"hessian", "ggn", "own"}``, each ``(n, n)`` in the row-major order of ``W[:, columns]``.
@@ -113,7 +113,7 @@ def _own_term(run: Callable, g_F: Tensor) -> Callable[[Tensor], Tensor]:
 
 
 def _blocks(model, loss_fn, spec, weight, columns, loss) -> dict[str, Tensor]:
-    from curvwatch.sharpness import LossKind, loss_weights
+    from curvwatch.realloss.weights import LossKind, loss_weights
 
     run, zero = _perturbed(model, loss_fn, spec, weight, columns)
     hessian = torch.func.hessian(lambda d: run(d)[0])(zero)
@@ -165,7 +165,8 @@ def real_loss_top(
             ``W_2``, ``W_V``; saves its Hessian-vector products).
         tol: ARPACK's relative tolerance.
         loss: ``"cross_entropy"`` (weights read from the gradient at the logits) or a soft-target reduction
-            (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``), as for :func:`curvwatch.sharpness.loss_weights`.
+            (``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``), as for
+            :func:`curvwatch.realloss.weights.loss_weights`.
 
     Returns:
         ``{"ggn": lambda_max(ggn), "sharpness": lambda_max(ggn + own), "n": weights}``.
@@ -180,7 +181,7 @@ def _top(model, loss_fn, spec, weight, columns, own, tol, loss) -> dict[str, flo
     import numpy as np
     from scipy.sparse.linalg import LinearOperator, eigsh
 
-    from curvwatch.sharpness import LossKind, loss_weights
+    from curvwatch.realloss.weights import LossKind, loss_weights
 
     run, zero = _perturbed(model, loss_fn, spec, weight, columns)
     keep: dict = {}

@@ -7,7 +7,7 @@ import math
 from torch import Tensor
 from torch.func import hessian, jacrev
 
-from curvwatch.reference._core import _as_batched, _batched_mask, _check_tensor
+from curvwatch.reference.common import as_batched, batched_mask, check_tensor
 
 __all__ = ["rmsnorm_dense", "rmsnorm_contracted_hessian"]
 
@@ -26,14 +26,14 @@ def _is_real(v: object) -> bool:
 
 def _check_rmsnorm(X: Tensor, eps: float, weight: Tensor | None, weight_offset: float) -> tuple[Tensor, bool]:
     """Validate RMSNorm inputs; return ``X`` as ``(B, L, n)`` and whether it was batched."""
-    X3, batched = _as_batched("X", X)
+    X3, batched = as_batched("X", X)
     if not _is_real(eps) or not eps >= 0 or math.isinf(eps):
         raise ValueError(f"Invalid eps={eps!r}. Must be a finite number >= 0.")
     if not _is_real(weight_offset) or not math.isfinite(weight_offset):
         raise ValueError(f"Invalid weight_offset={weight_offset!r}. Must be a finite number (Gemma: 1.0).")
     if weight is None and weight_offset != 0.0:
         raise ValueError(f"Invalid weight_offset={weight_offset} without a weight. Pass weight= or drop the offset.")
-    _check_tensor("weight", weight, (X3.shape[-1],), X3)
+    check_tensor("weight", weight, (X3.shape[-1],), X3)
     return X3, batched
 
 
@@ -71,7 +71,7 @@ def rmsnorm_dense(
     """
     X3, batched = _check_rmsnorm(X, eps, weight, weight_offset)
     B, L, n = X3.shape
-    mask = _batched_mask("row_mask", row_mask, B, L, batched)
+    mask = batched_mask("row_mask", row_mask, B, L, batched)
     rows = X3.reshape(-1, n) if mask is None else X3[mask]  # (N, n)
     if rows.shape[0] == 0:
         raise ValueError("Invalid row_mask: it keeps no row. Keep at least one (True = keep).")
@@ -110,7 +110,7 @@ def rmsnorm_contracted_hessian(
         torch.Size([6, 6])
     """
     X3, _ = _check_rmsnorm(X, eps, weight, weight_offset)
-    _check_tensor("grad_output", grad_output, tuple(X.shape), X)
+    check_tensor("grad_output", grad_output, tuple(X.shape), X)
     rows = X3.reshape(-1, X3.shape[-1])
     g = grad_output.reshape(-1).detach()
 

@@ -1,0 +1,291 @@
+"""The sampled backward passes: Monte-Carlo output gradients of the real loss, from the logits to every block.
+
+For a loss ``l = sum_n w_n ell(z_n, y_n)`` over the rows ``z_n`` of the logits, the Gauss-Newton matrix at the logits
+is ``sum_n w_n H_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (softmax cross-entropy, ``p_n = softmax(z_n)``) or ``2 I``
+(squared error). A sampled gradient ``r = sqrt(w) (p - e_y)`` with ``y ~ Categorical(p)`` (cross-entropy) or
+``r = sqrt(2 w) eps`` with ``eps ~ N(0, I)`` (squared error) has ``E[r r^T] = w H``, rows independent (the Monte-Carlo
+Fisher of K-FAC and BackPACK). :func:`sample_outputs` back-propagates ``k`` such draws from the logits to every kept
+block output at once (``torch.autograd.grad`` with ``retain_graph``: no parameter gradient is touched, and every
+:class:`~curvwatch.capture.Capture` ignores these passes) and stores them in the capture: each block of a kind that
+takes them then holds ``"output_samples"`` ``(k, B, L, d_out)``, cut to the same tokens as ``X``, whose outer products
+average to the Gauss-Newton matrix of the real loss at that output. The kernels turn them into the ``ggn/...`` and
+``sharpness/...`` keys.
+
+Call it with the loss after the forward and before its backward (Lightning's ``on_before_backward``), or with the
+loss's gradient at the logits from inside the backward (:attr:`Capture.on_logits_grad
+<curvwatch.capture.Capture.on_logits_grad>`), while the graph below the logits lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from curvwatch.capture import Capture, LiveOutput, first_tokens, monitor_passes, token_slice
+from curvwatch.realloss.samplers import InputDraws, LogitSampler
+from curvwatch.realloss.weights import (
+    LSE_TERM_NOTE,
+    SOFT,
+    LinearLogits,
+    LossKind,
+    _chunk_rows,
+    loss_weights,
+    soft_divisor,
+    total_weight,
+)
+
+__all__ = ["Sampled", "sample_outputs"]
+
+
+@dataclass
+class Sampled:
+    """What :func:`sample_outputs` did on one capture.
+
+    Args:
+        blocks: The blocks that received every sample.
+        unsampled: Blocks of kinds that take samples which none reached (their outputs were not in the graph when the
+            loss was ready, or do not reach the logits); empty when the step diverged (the engine flags those blocks).
+        note: What the loss weights had to assume about the loss (:func:`~curvwatch.realloss.weights.loss_weights`),
+            or ``None``.
+    """
+
+    blocks: list[str] = field(default_factory=list)
+    unsampled: list[str] = field(default_factory=list)
+    note: str | None = None
+
+
+def sample_outputs(
+    capture: Capture,
+    loss: Tensor | None,
+    samples: int,
+    *,
+    kind: str | LossKind = "auto",
+    factor: float = 1.0,
+    generator: torch.Generator | None = None,
+    grad_logits: Tensor | None = None,
+    agree: Callable[[bool], bool] | None = None,
+) -> Sampled:
+    """Back-propagate ``samples`` sampled logit gradients to every kept block output of ``capture``.
+
+    Args:
+        capture: An open capture with a ``logits_module``, after the forward of its step.
+        loss: The loss tensor about to be back-propagated (its gradient at the logits gives the loss weights,
+            :func:`~curvwatch.realloss.weights.loss_weights`).
+        samples: ``k``, the samples per block (one backward pass from the logits each).
+        kind: The loss at the logits: ``"auto"``, ``"cross_entropy"``, ``"mse"``, or soft targets with their
+            reduction, ``"soft_mean"``, ``"soft_batchmean"``, ``"soft_sum"``.
+        factor: Multiplies the loss weights (undoes gradient accumulation and AMP factors of ``loss``).
+        generator: Random source for the sampled labels.
+        grad_logits: The loss's gradient at the logits, when called from the backward instead of before it; ``loss``
+            is then not used.
+        agree: Several ranks: called once on every rank, whatever happens locally, just before the sampled passes,
+            with whether this rank can run them; returns whether every rank can. Under FSDP2 each pass all-gathers the
+            weights of the layers it runs through (a collective), so either every rank runs the ``samples`` passes or
+            none does (the others then raise a ``RuntimeError`` saying so).
+
+    Returns:
+        The blocks sampled, those left without samples, and what the loss weights assumed. A second call on the same
+        capture (a later micro-batch's backward) keeps the first call's samples and returns an empty result.
+
+    Raises:
+        RuntimeError: If no logits were recorded (the logits module was not called with gradient tracking), or (with
+            ``agree``) another rank cannot sample.
+        ValueError: If the loss at the logits is not of ``kind``, or the kept tokens carry no loss weight.
+    """
+    if capture.sampled:  # a later backward of the same step (micro-batches): the first one's samples are kept
+        capture.release()
+        return Sampled()
+    live = capture.live_outputs()
+    out = Sampled()
+    diverged = False
+    capture.mark_sampled()
+    buffers: dict[str, list[Any]] = {}  # block -> [samples (k, B, L, d_out) float32, rows as views, count]
+    try:
+        with monitor_passes():
+            ready: tuple | None = None
+            error: Exception | None = None
+            try:
+                if capture.logits is None and capture.logits_input is None:
+                    raise RuntimeError(
+                        f"the logits module {type(capture.logits_module).__name__} produced no output with gradient "
+                        "tracking on this step; pass sharpness=curvwatch.Sharpness(logits_module='<name>') for the "
+                        "module whose output the loss reads"
+                    )
+                if live:
+                    ready = _prepare(capture, live, loss, kind, factor, grad_logits, samples, generator)
+                    diverged = ready is None
+            except Exception as err:
+                ready, error = None, err
+            if agree is not None and not agree(ready is not None) and ready is not None:
+                raise RuntimeError(
+                    "another rank cannot sample its output gradients at this step (its own message says why); every "
+                    "rank skips the sampled backward passes, which run collectives under sharded training"
+                )
+            if error is not None:
+                raise error
+            if ready is None:  # no block output to sample, or a diverged loss (the engine flags the blocks)
+                return out
+            rows, sampler, draws, scale, out.note = ready
+            _run_passes(capture, live, rows, sampler, samples, generator, draws, buffers)
+            unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
+            for item in live:
+                samples_of = buffers.get(item.spec.name)
+                if samples_of is not None and samples_of[2] == samples:
+                    samples_of[0].mul_(unit)  # the draws were unit-sized (no underflow in low precision)
+                    capture.store_samples(item.spec, samples_of[0], scale)
+    finally:
+        done = {name for name, b in buffers.items() if b[2] == samples}
+        out.blocks = [item.spec.name for item in live if item.spec.name in done]
+        out.unsampled = [] if diverged else [s.name for s in capture.sampleable() if s.name not in done]
+        capture.release()
+    return out
+
+
+def _run_passes(capture: Capture, live: list[LiveOutput], rows, sampler: LogitSampler, samples: int, generator,
+                draws, buffers: dict[str, list[Any]]) -> None:  # fmt: skip
+    """The ``samples`` backward passes, each block's sample of a pass copied into its float32 buffer in one
+    ``_foreach_copy_`` (the buffer made at the first sample, its rows as views once): the samples are held once, in one
+    dispatched operator per pass instead of two to four per block."""
+    outputs = [item.output for item in live]
+    for j, (start, cotangent) in enumerate(_cotangents(capture, rows, sampler, samples, generator, draws)):
+        grads = torch.autograd.grad(start, outputs, grad_outputs=cotangent, retain_graph=True, allow_unused=True)
+        slots = []
+        for item, s in zip(live, grads, strict=True):
+            if s is None:  # the block output does not reach the logits
+                continue
+            src = first_tokens(item.spec.adapter.to_batch_first(item.spec, s), capture.max_tokens)
+            held = buffers.get(item.spec.name)
+            if held is None:
+                buffer = torch.empty((samples, *src.shape), dtype=torch.float32, device=src.device)
+                held = buffers[item.spec.name] = [buffer, buffer.unbind(0), 0]
+            slots.append((held, held[1][j], src))
+        if slots:
+            with torch.no_grad():  # every block's sample of this pass in one operator (float32, any dtype in)
+                torch._foreach_copy_([d for _, d, _ in slots], [t for _, _, t in slots])
+            for held, _, _ in slots:
+                held[2] += 1
+
+
+def _prepare(capture: Capture, live: list[LiveOutput], loss, kind, factor: float, grad_logits: Tensor | None,
+             samples: int, generator):  # fmt: skip
+    """``(kept rows of the logits, LogitSampler, draws, scale, note)`` of :func:`sample_outputs` (``draws``: the
+    samples at a linear logits module's input, else ``None``; ``scale``: the batch's total loss weight over the kept
+    tokens'), or ``None`` when the loss's gradient at the logits is not finite (a diverged step)."""
+    z, h = capture.logits, capture.logits_input
+    if grad_logits is None:  # at the logits' edge: the logits of a linear module are not held
+        (gz,) = torch.autograd.grad(loss, z if z is not None else capture.logits_edge, retain_graph=True)
+    else:  # called from the backward with the logits' gradient
+        gz = grad_logits
+    # diverged: the blocks are flagged non-finite by the engine (amax and amin propagate NaN; no (N, V) mask)
+    if not bool(torch.isfinite(torch.stack([gz.amax(), gz.amin()])).all()):
+        return None
+    B, L = live[0].batch_shape
+    k, l = token_slice(B, L, capture.max_tokens)
+    rows = _kept_rows(tuple(gz.shape[:-1]), B, L, k)  # the kept sequences' logits (no other row reaches them)
+    if z is not None:
+        kept, others = z.detach()[rows], z.detach()[_other_rows(rows)]
+    else:  # rows recomputed from the linear module's input when read: no (rows, vocabulary) tensor held
+        kept = _linear_logits(capture, h.detach()[rows])
+        others = _linear_logits(capture, h.detach()[_other_rows(rows)])
+    plan = None  # a linear logits module's draws read the kept rows' softmax in the loss weights' pass
+    if z is None and LossKind(kind) is not LossKind.MSE:
+        weight = capture.logits_module.weight.detach()
+        plan = InputDraws(kept.shape[0], kept.shape[1], weight, samples, generator)
+    on_chunk = None if plan is None else plan.chunk
+    sampler, scale, note = _sampler(kept, others, gz, rows, kind, factor, l / L, z is not None, on_chunk)
+    del kept, others, gz  # a logits-sized gradient: not held through the sampled passes
+    draws = None
+    if z is None:  # a linear logits module: the draws at its input, in one pass over the kept rows' tables (also
+        # the norms: a sampler of several chunks of rows knows its unit only then)
+        draws = sampler.input_draws(capture.logits_module.weight.detach(), samples, generator, plan=plan)
+    if sampler.unit == 0:  # the kept tokens carry no loss weight: a sharpness of 0 would mean "no data"
+        raise ValueError(
+            f"the kept tokens (the first {k} sequence(s) of {B}, at most max_tokens={capture.max_tokens} "
+            "positions) carry no loss weight (ignored or padded sequences, a zero loss weight), so this step "
+            "has no real-loss curvature to measure; put scored sequences first in the batch or raise "
+            "max_tokens"
+        )
+    return rows, sampler, draws, scale, note
+
+
+def _linear_logits(capture: Capture, h: Tensor) -> LinearLogits:
+    """The logits of the linear logits module as rows recomputed from its input ``h`` (batch-first 2-D view)."""
+    module = capture.logits_module
+    return LinearLogits(h.detach().reshape(-1, h.shape[-1]), module.weight, module.bias, capture.logits_dtype)
+
+
+def _cotangents(capture: Capture, rows: tuple[slice, ...], sampler: LogitSampler, samples: int, generator,
+                draws) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
+    """``(start, cotangent)`` of each sampled backward pass: at the input ``h`` of a linear logits module, the
+    ``draws`` carried back through it on the kept rows only (:meth:`LogitSampler.input_draws`: no logits-sized
+    tensor, so the extra memory does not grow with the batch); else at the logits, a logits-sized cotangent."""
+    z, h = capture.logits, capture.logits_input
+    if z is None:
+        cotangent = torch.zeros_like(h)
+        kept = cotangent[rows]  # a view: the other rows stay zero
+        for draw in draws:
+            kept.copy_(draw.view(kept.shape))
+            yield h, cotangent
+        return
+    cotangent = torch.zeros_like(z)
+    for _ in range(samples):
+        sampler.draw_into(cotangent[rows], generator)
+        yield z, cotangent
+
+
+def _kept_rows(lead: tuple[int, ...], B: int, L: int, k: int) -> tuple[slice, ...]:
+    """Index of the logits rows of the kept sequences ``[:k]``, for logits ``(B, L, V)``, ``(L, B, V)`` or ``(B, V)``
+    (one row per sequence); every row when the layout is none of these."""
+    if lead in ((B, L), (B,)):
+        return (slice(0, k),)
+    if lead == (L, B):
+        return (slice(None), slice(0, k))
+    return (slice(None),)
+
+
+def _other_rows(rows: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The index of the logits rows :func:`_kept_rows` leaves out (empty when it keeps every row)."""
+    *lead, last = rows
+    return (*lead, slice(last.stop, None)) if last.stop is not None else (slice(0, 0),)
+
+
+def _sampler(
+    kept: Tensor | LinearLogits, others: Tensor | LinearLogits, gz: Tensor, rows: tuple[slice, ...], kind,
+    factor: float, positions: float, norms: bool = True, on_chunk=None,
+):  # fmt: skip
+    """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
+    kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
+    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
+    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand); ``on_chunk``: handed each chunk
+    of the kept rows' softmax (:func:`~curvwatch.sharpness.loss_weights`)."""
+    V = gz.shape[-1]
+    kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
+    everything = g_kept.shape[0] * V == gz.numel()
+    count = None  # what an assumed mean (label smoothing, squared error) runs over: the whole batch
+    if LossKind(kind) is LossKind.MSE:
+        count = gz.numel()
+    elif LossKind(kind) in SOFT:  # the reduction named by the user: the whole batch's divisor
+        count = soft_divisor(LossKind(kind), tuple(gz.shape))
+    elif not everything:  # the rows with a gradient, counted in chunks (no (N, V) copies)
+        flat, step = gz.reshape(-1, V), _chunk_rows(V)
+
+        def count() -> int:  # only where loss_weights assumes a mean (label smoothing): hard labels need no count
+            return sum(int(flat[i : i + step].ne(0).any(-1).sum()) for i in range(0, flat.shape[0], step))
+
+    w, loss_kind, note = loss_weights(kept, g_kept, kind, count=count, on_chunk=on_chunk)  # a chunk of rows at a time
+    total = float(w.sum())
+    if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
+        total += float(loss_weights(others.reshape(-1, V), gz[_other_rows(rows)].reshape(-1, V), kind)[0].sum())
+    elif not everything and note is not None:  # an assumed mean's weights sum to 1
+        total = 1.0
+    elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
+        total = float(loss_weights(gz, gz, loss_kind)[0].sum())
+    elif not everything:  # hard labels: add the other rows' weights, a chunk of rows at a time
+        total += total_weight(others, gz[_other_rows(rows)])
+    kept_weight = float(w.sum()) * positions
+    sampler = LogitSampler(kept, w * factor, loss_kind, norms=norms)
+    return sampler, (total / kept_weight if kept_weight > 0 else 1.0), note
