@@ -190,3 +190,35 @@ def test_preconditioners_are_checked_in_the_engines_one_read_not_per_kernel(monk
     ffn_block = next(b for b in captured() if b.spec.name == block.name)
     with pytest.raises(ValueError, match=r"Invalid precondition\['W_1'\]: every entry must be finite and > 0"):
         evaluate_block(ffn_block, precondition={"W_1": bad})
+
+
+def test_each_evaluation_draws_its_own_lanczos_starts_and_a_resumed_engine_goes_on_counting(monkeypatch):
+    """One seed for every evaluation hands each the same random start (the whole of a cold start, the noise of a warm
+    one): a draw nearly orthogonal to a block's top eigenvector then misses it at every evaluation for as long as that
+    eigenvector stays, and a run resumed from a checkpoint starts from its step-0 draw again. The engine seeds each
+    evaluation with its count of evaluations, which its state dict keeps."""
+    from curvwatch.closed_form.solver import plan
+
+    seeds: list[int] = []
+    draw = plan.start_vectors
+
+    def recorded(batch_shape, n, dtype, device, v0=None, seed=0):
+        seeds.append(seed)
+        return draw(batch_shape, n, dtype, device, v0, seed)
+
+    monkeypatch.setattr(plan, "start_vectors", recorded)
+    blocks = _captured()
+    engine = Engine()
+    drawn = []
+    for _ in range(2):
+        engine.evaluate(blocks)
+        drawn.append(set(seeds))
+        seeds.clear()
+    resumed = Engine()
+    resumed.load_state_dict(engine.state_dict())
+    assert not resumed.warm  # (the warm starts are not kept)
+    resumed.evaluate(blocks)
+    assert drawn + [set(seeds)] == [{0}, {1}, {2}]
+    fresh = Engine()
+    fresh.load_state_dict({k: v for k, v in engine.state_dict().items() if k != "lanczos_draws"})  # an older checkpoint
+    assert fresh.draws == 0

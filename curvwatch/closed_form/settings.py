@@ -141,6 +141,11 @@ class Lanczos:
             own
             estimate of its bases (:func:`~curvwatch.engine.memory.basis_bytes`, which its memory windows
             already count), at least that.
+        seed: Seed of the start vectors' random part (the whole of a cold start, the noise mixed into a warm start).
+            The monitor's engine passes its count of evaluations, checkpointed with it: successive evaluations and a
+            resumed run draw independent starts. With one seed for every call a draw nearly orthogonal to a block's
+            top eigenvector recurs at every evaluation for as long as that eigenvector stays, cold or warm (the
+            noise a warm start carries is the same vector each time).
 
     Example:
         >>> Lanczos().max_iter, Lanczos(tol=1e-6).tol, EXACT.max_iter is None
@@ -157,6 +162,7 @@ class Lanczos:
     warm_start: WarmStart | None = None
     warn: bool = True
     solve_bytes: int | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         tol = self.tol
@@ -180,6 +186,8 @@ class Lanczos:
                 f"Invalid solve_bytes={self.solve_bytes!r}. Must be an int >= 0 (bytes of Lanczos bases held at once), "
                 "or None for the default (1 GiB)."
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"Invalid seed={self.seed!r}. Must be an int >= 0.")
         if self.warm_start is not None and not isinstance(self.warm_start, WarmStart):
             raise ValueError(
                 f"Invalid warm_start={self.warm_start!r}. Must be a curvwatch.closed_form.WarmStart or None."

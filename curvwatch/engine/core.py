@@ -177,13 +177,18 @@ class Engine:
         self.token_limit = max_tokens  # halved after an out-of-memory error
         self.basis_limit: int | None = self.lanczos.max_basis  # halved after an out-of-memory error the bases dominate
         self.warm: dict[str, WarmStart] = {}
+        # evaluations so far: each draws its Lanczos start vectors' random part with its own seed (Lanczos.seed)
+        self.draws = 0
+        self._seed = self.lanczos.seed  # the seed of the evaluation under way
         self.notices = Notices() if notices is None else notices
 
     # -- state ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The limits lowered by out-of-memory errors (warm starts are not kept: a cold start is only slower)."""
-        return {"token_limit": self.token_limit, "basis_limit": self.basis_limit}
+        """The limits lowered by out-of-memory errors and the count of evaluations, which seeds the start vectors (the
+        warm starts themselves are not kept: a cold start costs a few more products, is as accurate, and draws a start
+        of its own rather than the run's first again)."""
+        return {"token_limit": self.token_limit, "basis_limit": self.basis_limit, "lanczos_draws": self.draws}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the limits, never above this engine's own ``max_tokens`` / ``max_basis``."""
@@ -193,6 +198,7 @@ class Engine:
             int(b) for b in (state.get("basis_limit", self.lanczos.max_basis), self.lanczos.max_basis) if b is not None
         ]
         self.basis_limit = max(4, min(limits)) if limits else None
+        self.draws = int(state.get("lanczos_draws", 0))
 
     # -- evaluation -----------------------------------------------------------------------------------
 
@@ -226,6 +232,8 @@ class Engine:
         """
         out = Evaluation()
         dtype = _DTYPES[self.dtype]
+        self._seed = self.lanczos.seed + self.draws
+        self.draws += 1
         signals = terms_only and signal_pairs is not None
         # a signals evaluation: each block's exact pairs; blocks with nothing to compute are left out
         plans = {b.spec.name: signal_plan(b.spec.kind, signal_pairs) for b in captured} if signals else {}
@@ -428,7 +436,7 @@ class Engine:
         if kind.iterative and not len(warm):
             out.cold.add(block.spec.name)
         solve = _solve_bytes(block, dtype, vectors_held(self.lanczos.max_iter, max_basis))
-        lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm, solve_bytes=solve)
+        lanczos = self.lanczos.replace(max_basis=max_basis, warm_start=warm, solve_bytes=solve, seed=self._seed)
         kwargs = dict(
             lanczos=lanczos,
             dtype=dtype,

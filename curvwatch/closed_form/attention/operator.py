@@ -542,7 +542,7 @@ class AttentionOperator(BlockOperator):
         evaluation). Its ``finish`` gives ``(lambda_max, relative residual)``, ``(H,)`` each."""
         start = warm_start(lanczos, ("VV", "gram"), (self.H, self.Xkv.shape[-1]), self)
         shared = made_together(vv_gram_run, self.A, self.c, self.row_keep, self.Xkv, start, tol=lanczos.tol,
-                               max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+                               max_iter=lanczos.max_iter, max_basis=lanczos.max_basis, seed=lanczos.seed)  # fmt: skip
 
         def finish(runs: list[LanczosRun]) -> tuple[torch.Tensor, torch.Tensor]:
             run, i = shared.solved()
@@ -643,7 +643,7 @@ def _vv_rows(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor) -> torch.
 
 
 def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, start: torch.Tensor, *,
-                 tol: float, max_iter: int | None, max_basis: int | None) -> LanczosRun:  # fmt: skip
+                 tol: float, max_iter: int | None, max_basis: int | None, seed: int = 0) -> LanczosRun:  # fmt: skip
     """The Lanczos run of ``lambda_max(M^T M)`` per head of ``m`` attention blocks (:meth:`AttentionOperator.vv_factor`
     ``M``), driven by :func:`solve`; its batch is ``(m, H)``.
 
@@ -656,7 +656,7 @@ def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: tor
         row_keep: ``(m, B, L)``, each block's kept rows (1) and padded ones (0).
         X: ``(m, B, L_kv, d_kv)``, each block's key/value input.
         start: ``(m, H, d_kv)``, the start vectors (zero rows: a cold start).
-        tol, max_iter, max_basis: the Lanczos settings.
+        tol, max_iter, max_basis, seed: the Lanczos settings.
     """
     Aw = _vv_rows(A, c, row_keep)
     m, B, H, L, L_kv = Aw.shape
@@ -671,7 +671,7 @@ def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: tor
         s = torch.bmm(torch.bmm(t, A3T), A3)  # (m B H, 1, L_kv)
         return torch.bmm(s.view(m, B, H, L_kv).permute(0, 2, 1, 3).reshape(m, H, B * L_kv), Xf)  # sum_b X_b^T s_bh
 
-    return LanczosRun(mv, start_vectors((m, H), d, Aw.dtype, Aw.device, start), tol=tol, max_iter=max_iter,
+    return LanczosRun(mv, start_vectors((m, H), d, Aw.dtype, Aw.device, start, seed), tol=tol, max_iter=max_iter,
                       max_basis=max_basis, both_ends=False)  # fmt: skip
 
 

@@ -137,7 +137,8 @@ def grouped_vv_plan(gv: GroupView, lanczos: Lanczos) -> Planned:
     op = gv.op
     start = warm_start(lanczos, ("VV", "grouped"), (op.H_kv, op.Xkv.shape[-1] * op.d_V), op)
     shared = made_together(grouped_vv_run, op.A, op.c, op.row_keep, op.Xkv, op.W_O, start, groups=op.G,
-                           tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis)  # fmt: skip
+                           tol=lanczos.tol, max_iter=lanczos.max_iter, max_basis=lanczos.max_basis,
+                           seed=lanczos.seed)  # fmt: skip
 
     def finish(runs: list[LanczosRun]) -> dict[str, torch.Tensor]:
         run, i = shared.solved()
@@ -157,7 +158,7 @@ def grouped_vv_plan(gv: GroupView, lanczos: Lanczos) -> Planned:
 
 def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: torch.Tensor, W_O: torch.Tensor,
                     start: torch.Tensor, *, groups: int, tol: float, max_iter: int | None,
-                    max_basis: int | None) -> LanczosRun:  # fmt: skip
+                    max_basis: int | None, seed: int = 0) -> LanczosRun:  # fmt: skip
     """The Lanczos run of ``||H_o(VV)||`` per kv group of ``m`` grouped-query attention blocks (``G = H / H_kv`` query
     heads per group), driven by :func:`solve`; its batch is ``(m, H_kv)``, its vectors ``(d_kv, d_V)`` flat.
 
@@ -169,7 +170,7 @@ def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: 
         A: ``(m, B, H, L, L_kv)``; c: ``(m, B)``; row_keep: ``(m, B, L)``; X: ``(m, B, L_kv, d_kv)``;
             W_O: ``(m, H, d_V, d_out)``; start: ``(m, H_kv, d_kv d_V)``, the start vectors (zero rows: cold).
         groups: ``G``, the query heads per kv group.
-        tol, max_iter, max_basis: the Lanczos settings.
+        tol, max_iter, max_basis, seed: the Lanczos settings.
     """
     m, B, H, L, L_kv = A.shape
     d, d_V, d_out = X.shape[-1], W_O.shape[-2], W_O.shape[-1]
@@ -198,5 +199,5 @@ def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: 
         out = torch.bmm(XfT, T).view(m, d, H_kv, d_V)  # sum_b X_b^T T_b
         return out.permute(0, 2, 1, 3).reshape(m, H_kv, d * d_V)
 
-    return LanczosRun(mv, start_vectors((m, H_kv), d * d_V, A.dtype, A.device, start), tol=tol, max_iter=max_iter,
-                      max_basis=max_basis, both_ends=False)  # fmt: skip
+    return LanczosRun(mv, start_vectors((m, H_kv), d * d_V, A.dtype, A.device, start, seed), tol=tol,
+                      max_iter=max_iter, max_basis=max_basis, both_ends=False)  # fmt: skip

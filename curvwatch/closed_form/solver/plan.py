@@ -284,7 +284,7 @@ def norm_run(
     v0 = v0 if v0 is not None else None if warm is None else warm.get(key, shape, op.dtype, op.device)
     return LanczosRun(
         mv,
-        start_vectors(shape[:2], emb.n, op.dtype, op.device, v0),
+        start_vectors(shape[:2], emb.n, op.dtype, op.device, v0, lanczos.seed),
         tol=lanczos.tol,
         max_iter=lanczos.max_iter,
         max_basis=lanczos.max_basis,
