@@ -125,10 +125,13 @@ def test_converged_parts_are_not_computed(case, monkeypatch):
 
     # without the skipping (every product over all parts) the norms are the same to float64 round-off: the products
     # stack the tangent rows into one matrix of a bmm (attention.layout's lmul/rmul), and a BLAS matmul's rounding may
-    # depend on the number of rows it gets (~1e-12 for the attention and the block, 0 for the FFN, Lanczos included)
+    # depend on the number of rows it gets (~1e-12 for the attention and the block, 0 for the FFN, Lanczos included).
+    # A relative residual is compared on the scale of tol: far below it (1e-9 to 1e-11 once a member waited for its
+    # Ritz values to stand still) the same round-off is a larger share of it, and says nothing about the verdict.
     monkeypatch.setattr(plan, "LanczosRun", lambda *a, pass_live=False, **k: LanczosRun(*a, **k))
     full = call(**kw)
-    worst = max(float(((full[k] - reference[k]).abs() / reference[k].abs().clamp_min(1e-300)).max()) for k in reference)
+    scale = {k: reference[k].abs().clamp_min(kw["lanczos"].tol if k.startswith("residual/") else 1e-300) for k in full}
+    worst = max(float(((full[k] - reference[k]).abs() / scale[k]).max()) for k in reference)
     assert worst <= 1e-10, (name, worst)
 
 
