@@ -15,9 +15,10 @@ block's true norm, over the states of real training runs:
   max_iter 40, max_basis 16, blocks in lockstep), in three set-ups:
 
   - ``run``: one engine over all states in order (each evaluation warm-started from the last one's Ritz vectors);
-  - ``resumed``: the same with a fresh engine at ``--resume-at`` steps, as after loading a checkpoint (the monitor
-    does not checkpoint its warm starts), warm again from there;
-  - ``cold``: a fresh engine at every state: the first evaluation of a run, or the first after a resume at that step.
+  - ``resumed``: the same with a fresh engine at ``--resume-at`` steps that loaded the last one's checkpoint, as the
+    monitor's after a resume (it does not checkpoint its warm starts), warm again from there;
+  - ``cold``: a fresh engine at every state that loaded the ``run`` engine's checkpoint: the first evaluation after a
+    resume at that step (no warm starts).
 
 Each norm reported converged is compared with the reference; the table counts the norms more than 1% off and the
 worst error, and the CPU seconds the evaluations took. ``--baseline REV`` replays the same states with the code of
@@ -106,12 +107,12 @@ def record(arch: str, seed: int, steps: int, every: int) -> dict[str, Any]:
             blocks = [b for b in capture.blocks() if b.reason is None]
             reference, spread = tight_reference(blocks)
             states.append({
-                "step": step, "loss": float(loss), "accuracy": float(answer_accuracy(logits, y)),
+                "step": step, "loss": float(loss.detach()), "accuracy": float(answer_accuracy(logits.detach(), y)),
                 "blocks": [{"name": b.spec.name, "layer": b.spec.layer, "kind": b.spec.kind, "inputs": b.inputs,
                             "params": b.params} for b in blocks],
                 "reference": reference, "spread": spread,
             })  # fmt: skip
-            print(f"  {arch} seed {seed} step {step}: loss {float(loss):.3f}", file=sys.stderr, flush=True)
+            print(f"  {arch} seed {seed} step {step}: loss {float(loss.detach()):.3f}", file=sys.stderr, flush=True)
         torch.nn.utils.clip_grad_norm_(module.parameters(), s["grad_clip"])
         optimizer.step()
         optimizer.zero_grad()
@@ -121,19 +122,24 @@ def record(arch: str, seed: int, steps: int, every: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _start_seed(offset: int) -> Iterator[None]:
-    """Lanczos start vectors drawn with another seed (an independent cold start for the reference's second solve)."""
-    from curvwatch.closed_form import _lanczos
+    """Lanczos start vectors drawn with another seed (an independent cold start for the reference's second solve): the
+    solver's ``start_vectors``, wherever a module of the package holds it, shifted by ``offset``."""
+    from curvwatch.closed_form.solver import lanczos as solver
 
-    draw = _lanczos.start_vectors
+    draw = solver.start_vectors
 
     def shifted(batch_shape, n, dtype, device, v0=None, seed=0):
         return draw(batch_shape, n, dtype, device, v0, seed + offset)
 
-    _lanczos.start_vectors = shifted
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("curvwatch.") and getattr(m, "start_vectors", None) is draw]  # fmt: skip
+    for m in holders:
+        m.start_vectors = shifted
     try:
         yield
     finally:
-        _lanczos.start_vectors = draw
+        for m in holders:
+            m.start_vectors = draw
 
 
 def tight_reference(blocks: Sequence[CapturedBlock]) -> tuple[dict, dict]:
@@ -166,6 +172,13 @@ def _blocks(state: dict[str, Any]) -> list[CapturedBlock]:
             for b in state["blocks"]]  # fmt: skip
 
 
+def _resumed(engine: Engine) -> Engine:
+    """A fresh engine that loaded ``engine``'s checkpoint, as the monitor's does when a run resumes (no warm starts)."""
+    fresh = Engine()
+    fresh.load_state_dict(engine.state_dict())
+    return fresh
+
+
 def replay(recording: dict[str, Any], resume_at: Sequence[int]) -> dict[str, Any]:
     """The recorded states through the default engine in each set-up (:data:`SETUPS`): every norm reported converged
     with its error against the reference, every norm not reported converged counted, and the CPU seconds."""
@@ -177,9 +190,9 @@ def replay(recording: dict[str, Any], resume_at: Sequence[int]) -> dict[str, Any
     for state in recording["states"]:
         blocks = _blocks(state)
         if state["step"] in resume_at:
-            engines["resumed"] = Engine()  # a checkpoint loaded: the monitor's engine starts without warm starts
+            engines["resumed"] = _resumed(engines["resumed"])
         for setup in SETUPS:
-            engine = engines.get(setup) or Engine()
+            engine = engines.get(setup) or _resumed(engines["run"])
             start = time.process_time()
             results = engine.evaluate(blocks).results
             seconds[setup] += time.process_time() - start
