@@ -43,7 +43,7 @@ def _prepare(kwargs):
 
 
 _KEYS = (
-    KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (the formula sheet's; never below it)"),
+    KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (never below it; docs/closed_forms.md)"),
     KeySpec("bound/outer/{XY}[/{head}]", "corrected upper bound of `‖H_o(XY)‖`"),
     KeySpec("bound/functional/{XY}[/{head}]", "corrected upper bound of `‖H_f(XY)‖`"),
     KeySpec("term/x_norm", "`‖X‖₂` of the block input (max over sequences)"),

@@ -259,9 +259,9 @@ def _sampler(
 ):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
-    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand); ``on_chunk``: handed each chunk
-    of the kept rows' softmax (:func:`~curvwatch.sharpness.loss_weights`)."""
+    :func:`~curvwatch.realloss.weights.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows
+    ``gz[rows]`` and of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand);
+    ``on_chunk``: handed each chunk of the kept rows' softmax (:func:`~curvwatch.realloss.weights.loss_weights`)."""
     V = gz.shape[-1]
     kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
     everything = g_kept.shape[0] * V == gz.numel()
