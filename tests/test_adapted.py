@@ -18,13 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvwatch.closed_form._operator import dense_blocks
-from curvwatch.closed_form._sampled import SampledCurvature, with_sampled
+from curvwatch.closed_form import AttentionWeights
 from curvwatch.closed_form.adapted import AdaptedOperator, LowRankAdapter, LowRankTarget, adapter_norms
-from curvwatch.closed_form.attention import AttentionOperator
+from curvwatch.closed_form.attention import AttentionOperator, HeadWeights
 from curvwatch.closed_form.ffn import FFNOperator, activation_derivatives
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.reference._core import _ffn, _multi_head_attention
+from curvwatch.closed_form.solver import SampledCurvature, dense_blocks, with_sampled
+from curvwatch.reference.attention import attention_forward
+from curvwatch.reference.ffn import ffn_forward
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -89,7 +90,7 @@ def _ffn_case(gen):
 
     def forward(theta, extra=None):
         W_1, W_2 = weights(theta, extra or {})
-        return _ffn(Y, W_1, W_2, "gelu", residual=False, b_1=b1)
+        return ffn_forward(Y, W_1, W_2, "gelu", residual=False, b_1=b1)
 
     W_1, W_2 = weights(_theta(factors), {})
     g = torch.randn(B, L, m, dtype=DT, generator=gen)
@@ -122,13 +123,14 @@ def _attention_case(gen):
         return W.split(n, dim=1)
 
     def forward(theta, extra=None):
-        return _multi_head_attention(X, *weights(theta, extra or {}), W_O, H, blocked)
+        W_Q_, W_K_, W_V_ = weights(theta, extra or {})
+        return attention_forward(X, AttentionWeights(W_Q_, W_K_, W_V_, W_O, n_heads=H), blocked)
 
     per_head = [W.reshape(d, H, dK).permute(1, 0, 2) for W in weights(_theta(factors), {})]  # (H, d, d_K)
     g = torch.randn(B, L, m, dtype=DT, generator=gen)
     W_Oh = W_O.reshape(H, dK, m)
-    op = AttentionOperator(X, *per_head, W_Oh, None, None, None, ~blocked, torch.ones(B, L, dtype=torch.bool), g,
-                           torch.ones(B, dtype=DT))  # fmt: skip
+    heads = HeadWeights(*per_head, W_Oh)
+    op = AttentionOperator(X, heads, ~blocked, torch.ones(B, L, dtype=torch.bool), g, torch.ones(B, dtype=DT))
     samples = torch.randn(1, B, L, m, dtype=DT, generator=gen)
     op = with_sampled(op, SampledCurvature.of_heads(samples, W_Oh))
     targets = {
