@@ -76,6 +76,7 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         signal_kwargs={"terms": "signals"},  # x_norm, wq/wk norms, softmax-Jacobian norm: no other term, no bound
         iterative=True,
         sampled=True,
+        adapted=("W_Q", "W_K", "W_V"),
         has_norms=True,
         call_inputs=_call_inputs,
         prepare=_prepare,
