@@ -33,6 +33,7 @@ from curvwatch.realloss.weights import (
     LinearLogits,
     LossKind,
     _chunk_rows,
+    assumes_mean,
     loss_weights,
     soft_divisor,
     total_weight,
@@ -280,7 +281,7 @@ def _sampler(
     total = float(w.sum())
     if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
         total += float(loss_weights(others.reshape(-1, V), gz[_other_rows(rows)].reshape(-1, V), kind)[0].sum())
-    elif not everything and note is not None:  # an assumed mean's weights sum to 1
+    elif not everything and assumes_mean(note):  # an assumed mean's weights sum to 1
         total = 1.0
     elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
         total = float(loss_weights(gz, gz, loss_kind)[0].sum())
