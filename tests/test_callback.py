@@ -133,7 +133,7 @@ def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
     assert len(spy_capture.instances) == 3
     for step, capture in zip((0, 2, 4), spy_capture.instances, strict=True):
         for block in capture.handed if step == 4 else ():  # recompute one step: CPU time is shared
-            expected = evaluate_block(block, 
+            expected = evaluate_block(block,
                 lanczos=Lanczos(tol=monitor.tol, max_iter=monitor.max_iter, max_basis=None, warn=False),
                 dtype=torch.float32,
             )

@@ -470,7 +470,7 @@ def _evaluate_all(blocks) -> dict[str, dict[str, float]]:
     return {
         b.spec.name: {
             k: float(v)
-            for k, v in evaluate_block(b, 
+            for k, v in evaluate_block(b,
                 lanczos=Lanczos(tol=1e-6, max_iter=30, max_basis=None, warn=False),
                 dtype=torch.float64,
                 pairs=("VV", "QQ", "W1W1"),
@@ -653,7 +653,7 @@ def test_evaluation_bytes_bounds_measured_peak(B, L, d):
     _, blocks = _captured_gpt(B, L, d)
     for block in blocks:
         with PeakMemory() as peak:
-            evaluate_block(block, 
+            evaluate_block(block,
                 lanczos=Lanczos(tol=1e-3, max_iter=20, max_basis=None, warn=False),
                 dtype=torch.float32,
                 pairs=("VV", "QQ", "KK", "W1W1", "W2W2"),
@@ -808,7 +808,7 @@ def _leak_loop():
         with Capture(specs, max_tokens=8) as capture:
             model(idx).square().mean().backward()
         for block in capture.blocks():  # VV is closed form: the loop stays fast, the path is the same
-            evaluate_block(block, 
+            evaluate_block(block,
                 lanczos=Lanczos(tol=1e-3, max_iter=4, max_basis=None, warn=False),
                 dtype=torch.float32,
                 pairs=("VV", "W2W2"),
