@@ -60,10 +60,10 @@ PROBES = (
 )
 
 
-
 def _precondition(rules) -> dict | None:
     """The engine's ``precondition`` from the optimizer's rules (``{block: StabilityRule}`` or None)."""
     return None if rules is None else {name: rule.precondition for name, rule in rules.items() if rule.precondition}
+
 
 def _data(n: int, seed: int, n_digits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     ds = AdditionDataset(n_digits=n_digits, n_samples=n, seed=seed)
@@ -492,8 +492,8 @@ def bias_rows(
     exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
     // 64)`` heads, ``B`` sequences of ``L`` tokens; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV``
     of head 0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe
-    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
-    ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
+    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held,
+    with ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
     exact value by ARPACK at the same ``tol``."""
     import copy
 
