@@ -30,7 +30,9 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 demo: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m examples.demo $(ARGS)
 
+# The lint first (ruff, seconds), then the suite; the architecture contracts (import-linter) run inside it.
 test: $(STAMP)
+	$(VENV)/bin/ruff check curvwatch tests benchmarks examples docs
 	WANDB_MODE=$${WANDB_MODE:-offline} WANDB_SILENT=true $(PY) -m pytest -q $(ARGS)
 
 # The docs' own dependencies (the docs extra), on top of the main environment; again only when pyproject.toml changed.

@@ -60,6 +60,11 @@ PROBES = (
 )
 
 
+def _precondition(rules) -> dict | None:
+    """The engine's ``precondition`` from the optimizer's rules (``{block: StabilityRule}`` or None)."""
+    return None if rules is None else {name: rule.precondition for name, rule in rules.items() if rule.precondition}
+
+
 def _data(n: int, seed: int, n_digits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     ds = AdditionDataset(n_digits=n_digits, n_samples=n, seed=seed)
     x, y = zip(*(ds[i] for i in range(n)), strict=True)
@@ -206,7 +211,7 @@ def cost_table(repeats: int) -> list[str]:
                 if mode == "adam"
                 else None
             )
-            Engine().evaluate(blocks, rules=rules)
+            Engine().evaluate(blocks, precondition=_precondition(rules))
             t4 = time.perf_counter()
             model.zero_grad()
             if mode == "plain":
@@ -297,7 +302,7 @@ def cost_share(
             real.rules(adam, [b.spec for b in blocks if "output_samples" in b.inputs])[0] if mode != "plain" else None
         )
         with eval_ops:
-            engine.evaluate(blocks, rules=rules)
+            engine.evaluate(blocks, precondition=_precondition(rules))
         model.zero_grad()
         return {"step": t3 - t0 - (t2 - t1), "sampling": t2 - t1, "evaluate": clock() - t3}
 
@@ -386,7 +391,7 @@ def sampled_setting_table(
         t = time.process_time()
         try:
             with counter or contextlib.nullcontext():
-                engines[m].evaluate(blocks, rules=rules)
+                engines[m].evaluate(blocks, precondition=_precondition(rules))
         finally:
             setattr(sampled_keys, name, saved)
             current[0] = None
@@ -437,7 +442,7 @@ def warm_store(width: int = 768, B: int = 2, L: int = 128, vocab: int = 50_257) 
     engine = Engine()
     for seed in (1, 2):
         blocks, rules = _sampled_capture(model, x, y, specs, head, adam, RealLoss(), seed)
-        engine.evaluate(blocks, rules=rules)
+        engine.evaluate(blocks, precondition=_precondition(rules))
     size = {"engine": 0, "sharpness": 0}
     for warm in engine.warm.values():
         for key, v in warm._vectors.items():
@@ -487,8 +492,8 @@ def bias_rows(
     exact ``lambda_max(ggn + own)`` of the held-out GPT-2 of :func:`held_out_gpt2` (``layers`` layers, ``max(4, width
     // 64)`` heads, ``B`` sequences of ``L`` tokens; probes: every layer's FFN ``W2W2``, layer 0's attention ``VV``
     of head 0; their own terms are zero; with ``own`` also layer 0's FFN ``W1W1``, whose own term is not). Each probe
-    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held, with
-    ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
+    is evaluated alone (``evaluate_block(block, pairs=...)``), float64, Lanczos ``tol`` with at most 32 vectors held,
+    with ``SPREAD_LIMIT`` lifted (the estimate's value even where the monitor withholds it; the table counts those); the
     exact value by ARPACK at the same ``tol``."""
     import copy
 

@@ -12,7 +12,9 @@ Lanczos to 1e-9), and prints how many keys differ by more than 1e-3 relative and
     python -m benchmarks.lora_merged --dora                # DoRA
 
 The stability ratios (``stability/...``) and the summaries are left out of the comparison: the ratios depend on the
-optimizer, which steps the adapters in one model and the merged weights in the other. With ``--frozen-input`` the
+optimizer, which steps the adapters in one model and the merged weights in the other; so are the adapters' own keys
+(``.../lora/<name>``: the curvature in their parameters, which the merged model does not have) and the blocks' largest
+Lanczos residual (``lanczos/rel_residual_max``, over the adapters' runs too). With ``--frozen-input`` the
 embeddings stay frozen, as peft leaves them: the first layer's input norm then gets no gradient in the adapted model
 and is left out there (a key only the merged model has). Models are built from configs (nothing is downloaded).
 Needs ``peft`` (Hugging Face models) or ``litgpt``.
@@ -148,8 +150,10 @@ def step_keys(
 
 
 def is_curvature_key(key: str) -> bool:
-    """A block's key that depends on the model's function only (not the stability ratios, summaries, timings)."""
-    return "/summary/" not in key and "stability/" not in key and not key.startswith("curv/summary")
+    """A block's key that depends on the model's function only (not the stability ratios, summaries, timings, nor the
+    curvature in the adapters' parameters and the Lanczos residuals it adds)."""
+    skip = ("/summary/", "stability/", "/lora/", "lanczos/rel_residual_max")
+    return not any(s in key for s in skip) and not key.startswith("curv/summary")
 
 
 def relative_differences(adapted: dict[str, float], merged: dict[str, float]) -> dict[str, float]:

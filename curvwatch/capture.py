@@ -4,7 +4,8 @@
 ``finally``:
 
 * a forward *pre*-hook (with kwargs) on the adapter's input module, storing ``X`` and a snapshot of the
-  weights (pre-hook, so that it runs before any sub-module of a composite input module); with ``read_params``
+  weights (pre-hook, so that it runs before any sub-module of a composite input module) and, for a block with
+  low-rank adapters (``adapters``), of their factors ``A``, ``B`` from the same read; with ``read_params``
   (sharded training, :mod:`curvwatch.sharding`) no weights are kept: each block reads them as full tensors when
   it is evaluated (:attr:`CapturedBlock.params_fn`);
 * a forward pre-hook on the layer's attention module, storing the masks (causal flag and key padding;
@@ -69,6 +70,9 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from curvwatch.adapters import BlockSpec, Masks, UnsupportedBlockError
+from curvwatch.adapters.projections import Projection, collecting
+from curvwatch.adapters.updates import AdapterSite
+from curvwatch.closed_form.inputs import LowRankUpdate
 from curvwatch.kinds import KINDS
 
 __all__ = ["Capture", "CaptureError", "CapturedBlock", "LiveOutput", "first_tokens", "monitor_passes", "token_slice"]
@@ -160,8 +164,6 @@ class CaptureError(RuntimeError):
         self.error = error
 
 
-
-
 def first_tokens(t: Tensor, max_tokens: int) -> Tensor:
     """The first tokens (:func:`token_slice`) of a ``(B, L, ...)`` tensor: ``t`` itself when every token is kept, else
     one view (``t[:k, :l]`` took two)."""
@@ -187,7 +189,8 @@ class CapturedBlock:
             batch has padding, ``"key_padding_mask"`` (attention; True = padded) or ``"row_mask"`` (LayerNorm
             and FFN; True = keep), both ``(B, L)`` bool; with sampling, ``"output_samples"`` ``(k, B, L, d_out)``.
         params: Detached weight snapshot and settings read by the adapter at forward time (math convention
-            ``(d_in, d_out)``), plus ``causal`` for attention.
+            ``(d_in, d_out)``), plus ``causal`` for attention; for a block with low-rank adapters whose kernel takes
+            them, ``"adapters"``: ``{name: LowRankUpdate}`` with detached copies of their factors.
         reason: Why the block cannot be evaluated (no gradient arrived, unsupported setting, ...), else
             ``None``.
         params_fn: Reads the weights now, as full tensors (sharded training: a collective every rank calls for
@@ -274,8 +277,6 @@ def _cut(name: str, t: Tensor, k: int, l: int) -> Tensor:
     return t[:, :k, :l] if name == "output_samples" else t[:k, :l]
 
 
-
-
 def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
     """Whether the logits ``z`` are ``module``'s linear map of ``h`` (checked on the first row, which every cut keeps,
     to 1%: a subclass or another forward hook that changes them, e.g. a scaling, keeps the logits themselves)."""
@@ -289,6 +290,18 @@ def _is_linear_of(module: torch.nn.Linear, h: Tensor, z: Tensor) -> bool:
         bias = None if module.bias is None else module.bias.detach().float()
         again = torch.nn.functional.linear(h_row.float(), module.weight.detach().float(), bias)
     return bool((again - z_row.float()).norm() <= 1e-2 * z_row.float().norm() + 1e-30)
+
+
+def _factors(sites: Mapping[str, AdapterSite], found: Sequence[Projection]) -> dict[str, LowRankUpdate]:
+    """Detached copies of the factors of each adapter site, from the projections of one read (a site the read has no
+    update of, disabled or merged since, is left out)."""
+    out = {}
+    with torch.no_grad():
+        for name, site in sites.items():
+            u = site.update_of(found)
+            if u is not None:
+                out[name] = LowRankUpdate(u.A.clone(), u.B.clone(), site.scale, site.writes)
+    return out
 
 
 def _snapshot(params: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +327,9 @@ class Capture:
         logits_module: The module whose output is the logits (:func:`curvwatch.realloss.logits.find_logits_module`):
             its output and the block outputs are kept for the real-loss sampler
             (:func:`curvwatch.realloss.sampling.sample_outputs`). ``None``: no sampling.
+        adapters: ``{block: {name: site}}``, the low-rank adapters of the blocks whose kernels take them
+            (:func:`~curvwatch.adapters.updates.block_adapters`): their factors are snapshot with the weights (not
+            under ``read_params``). ``None``: none.
 
     Raises:
         ValueError: If ``max_tokens < 1`` or ``specs`` is empty.
@@ -334,6 +350,7 @@ class Capture:
         seed: int = 0,
         read_params: Callable[[BlockSpec], dict[str, Any]] | None = None,
         logits_module: torch.nn.Module | None = None,
+        adapters: Mapping[str, Mapping[str, AdapterSite]] | None = None,
     ) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"Invalid max_tokens={max_tokens!r}. Must be an int >= 1.")
@@ -345,6 +362,7 @@ class Capture:
         self.seed = seed
         self.read_params = read_params
         self.logits_module = logits_module
+        self.adapters = dict(adapters or {})
         self._records = [_Record() for _ in specs]
         self._handles: list[Any] = []
         self._stance: Any = None  # the compiler stance set while the capture is open
@@ -452,7 +470,12 @@ class Capture:
             X = spec.adapter.read_input(spec, args, kwargs)
             rec.shape = (X.shape[0], X.shape[1])
             rec.X = _keep(X, self.max_tokens)
-            if self.read_params is None:  # sharded: the weights are read at evaluation, one block at a time
+            sites = self.adapters.get(spec.name)
+            if self.read_params is None and sites:  # the adapters' factors from the read of the weights
+                with collecting() as found:
+                    read = spec.adapter.read_params(spec)
+                rec.params = {**_snapshot(read), "adapters": _factors(sites, found)}
+            elif self.read_params is None:  # sharded: the weights are read at evaluation, one block at a time
                 rec.params = _snapshot(spec.adapter.read_params(spec))
         except UnsupportedBlockError as err:
             rec.reason = str(err)

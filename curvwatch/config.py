@@ -96,24 +96,24 @@ class Cadence:
             the overhead budget (``max_overhead``), and at least every 500 steps while the whole monitor stays within 5%
             of the training time (the floor of :mod:`curvwatch.schedule`). A chosen cadence is honoured as it is; when
             its evaluations take over 10% of the training time the monitor says so once, with what each costs. One
-            evaluation costs a fixed amount of work (capped by ``max_tokens``): on a 2-core CPU about 80-100 training
-            steps of the tiny demo model with the real-loss keys of ``sharpness`` (~20 without them,
-            ``docs/sharpness.md``) and fewer on larger ones (``docs/performance.md`` section 3).
+            evaluation costs a fixed amount of work (capped by ``max_tokens``): many training steps of a tiny model,
+            most of them for the real-loss keys of ``sharpness``, and fewer on larger models (``docs/cadence.md``,
+            "What one evaluation costs").
         terms_every_n_train_steps: Also evaluate, on optimizer steps ``0, n, 2n, ...`` that are not due for a full
             evaluation, numbers that need no Lanczos over Hessian products (``terms_keys`` says which): by default what
             the warning rules read. ``"auto"`` (default): every 10 steps within a budget of its own, 4% of the training
             time (a due terms-only step is skipped while the terms-only seconds so far plus one more would exceed it;
             the full tier's budget then counts full evaluations only); an int: that cadence, under ``max_overhead`` like
-            the full tier; ``None``: off. A terms-only evaluation costs a fraction of a full one
-            (``docs/performance.md`` section 3). Spike warnings, ``hessian/max``, ratios, norm summaries and the heatmap
-            come from full evaluations only; ``patience`` and ``cooldown`` of the collapse warning count both kinds.
+            the full tier; ``None``: off. A terms-only evaluation costs a fraction of a full one (``docs/cadence.md``).
+            The warning rules read both kinds; ``hessian/max``, ratios, norm summaries and the heatmap come from full
+            evaluations only.
             Under the overhead budget a full evaluation it cannot afford falls back to terms only on steps due for both.
         max_overhead: Largest fraction of the training wall time the evaluations may take. ``"auto"`` (default): 0.01
             with the default cadence, none with a chosen one; ``None``: a fixed schedule; a number: that budget (with
             any cadence). A due step is evaluated only if the evaluations so far plus this one (priced as the last one)
             stay within this fraction of the time trained so far, so the effective period may grow beyond
-            ``every_n_train_steps`` (``curv/summary/overhead`` logs the fraction spent). Step 0 is always
-            evaluated. With DDP the ranks agree through one all-reduce per due step.
+            ``every_n_train_steps`` (``curv/summary/overhead`` logs the monitor's seconds per training second). Step 0
+            is always evaluated. With DDP the ranks agree through one all-reduce per due step.
     """
 
     every_n_train_steps: int | None = None
@@ -130,10 +130,10 @@ class Evaluation:
     """What one evaluation computes, how accurately, and within which memory.
 
     Args:
-        tol: Relative residual at which a Lanczos spectral norm counts as converged (default ``1e-2``: the norms of the
-            demo and of a 6-layer d = 384 GPT were within 3e-4 and 1.7e-3 of tightly converged values,
-            ``docs/performance.md``). A norm that hits ``max_iter`` first is counted in ``summary/lanczos/unconverged``
-            and warned about once.
+        tol: Relative residual at which a Lanczos spectral norm counts as converged (default ``1e-2``; some eigenvalue
+            then lies within ``tol`` of the norm, and ``python -m benchmarks.bench_accuracy`` measures the true errors
+            against tightly converged norms). A norm that hits ``max_iter`` first is counted in
+            ``summary/lanczos/unconverged`` and warned about once.
         max_iter: Most Lanczos steps per norm.
         max_basis: Most Lanczos vectors held per norm (``>= 4``; ``None``: ``max_iter``). A norm that needs more steps
             restarts (thick restart: same accuracy, a few more products), so the memory of its basis is bounded whatever
@@ -150,8 +150,8 @@ class Evaluation:
         terms_keys: What a terms-only evaluation computes. ``"warnings"`` (default): what the warning rules read, no
             more (attention: ``term/x_norm``, ``term/x_norm6``, ``term/wq_norm``, ``term/wk_norm``,
             ``term/softmax_jac_norm`` and the exact ``outer/VV``; LayerNorm/RMSNorm: the row statistics; FFN blocks only
-            when a rule reads their ``W2W2``): the same numbers, 3.3-3.9x cheaper than ``"all"`` on the instability
-            suite's models, 3.5-3.8x on the demo and a d = 384 GPT (``docs/performance.md``). ``"all"``: every bound
+            when a rule reads their ``W2W2``): the same numbers, about 3x cheaper than ``"all"`` (measured in
+            ``docs/cadence.md`` and ``docs/instability.md``). ``"all"``: every bound
             term and bound (``term/...``, ``bound/...``), the exact norms (``outer/VV``, ``hessian/VV``, ``.../W2W2``),
             the norms of the LayerNorm/RMSNorm blocks, the FFN activity fractions.
     """

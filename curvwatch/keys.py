@@ -7,8 +7,9 @@ those the monitor derives. :func:`key_table` assembles the one table, from which
 (``python -m curvwatch.keys``) and against which a test checks the docs and the callback's docstring.
 
 Pattern placeholders: ``{XY}`` a block pair (``QQ``, ``W1W2``), ``{head}`` a head (``h0``) or a key/value group
-(``g0``), ``{i}`` a layer index, ``{part}`` a sub-block's name within its layer (``attn``, ``ffn``); ``[...]`` is
-optional.
+(``g0``), ``{i}`` a layer index, ``{part}`` a sub-block's name within its layer (``attn``, ``ffn``), ``{module}`` a
+low-rank adapter of the block, named after its projection (``q_proj``; ``qkv_q`` for one part of a fused projection);
+``[...]`` is optional.
 
 Log levels (``log_level``, :class:`curvwatch.options.LogLevel`): which keys reach the loggers. ``"summary"`` (the
 default): the model-wide keys of :data:`SUMMARY_LEVEL` and the per-layer keys of :data:`LAYER_KEYS`; ``"blocks"``:
@@ -82,10 +83,37 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "debiasing correction plus the Lanczos members' error carried through it (`k ≥ 2` samples; none for a zero "
         "sharpness; docs/sharpness.md)",
     ),
+    KeySpec(
+        "ggn/lora/{module}",
+        "`ggn/XY` of the parameters `θ = [vec A, vec B]` of the block's low-rank adapter `s A B` on `{module}` "
+        "(LoRA: the optimizer steps `A`, `B`, not the weight): `λ_max(Dᵀ J_Wᵀ C J_W D)`, `D(dA, dB) = s (dA B + A dB)` "
+        "into the weights the update writes",
+    ),
+    KeySpec(
+        "sharpness/lora/{module}",
+        "`sharpness/XY` of the adapter's parameters: largest algebraic eigenvalue of `Dᵀ (J_Wᵀ C J_W + H_f) D + K`, "
+        "`K(dA, dB) = s (G dBᵀ, dAᵀ G)` the curvature of `W = W_0 + s A B` itself with `G = ∂L/∂W` (all the heads "
+        "it moves together)",
+    ),
+    KeySpec(
+        "precond_ggn/lora/{module}",
+        "`ggn/lora/{module}` of `P^{-1/2} (·) P^{-1/2}`, `P` the optimizer's preconditioner of `A` and `B`",
+    ),
+    KeySpec("precond_sharpness/lora/{module}", "`sharpness/lora/{module}` of `P^{-1/2} (·) P^{-1/2}`"),
+    KeySpec("sharpness_spread/lora/{module}", "uncertainty of `sharpness/lora/{module}`, as `sharpness_spread/XY`"),
     KeySpec("residual/ggn/{XY}[/{head}]", "relative Lanczos residual of `ggn/XY`", "max", logged=False),
     KeySpec("residual/sharpness/{XY}[/{head}]", "the same for `sharpness/XY`", "max", logged=False),
     KeySpec("residual/precond_ggn/{XY}[/{head}]", "the same for `precond_ggn/XY`", "max", logged=False),
     KeySpec("residual/precond_sharpness/{XY}[/{head}]", "the same for `precond_sharpness/XY`", "max", logged=False),
+    KeySpec("residual/ggn/lora/{module}", "the same for `ggn/lora/{module}`", "max", logged=False),
+    KeySpec("residual/sharpness/lora/{module}", "the same for `sharpness/lora/{module}`", "max", logged=False),
+    KeySpec("residual/precond_ggn/lora/{module}", "the same for `precond_ggn/lora/{module}`", "max", logged=False),
+    KeySpec(
+        "residual/precond_sharpness/lora/{module}",
+        "the same for `precond_sharpness/lora/{module}`",
+        "max",
+        logged=False,
+    ),
     KeySpec("hessian/max", "block norm: the largest `hessian/...` of the block", "derived"),
     KeySpec(
         "ratio/functional_outer",
@@ -109,7 +137,14 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
         "`sharpness/XY`; Adam: `(2 + 2β₁)/((1 − β₁) lr)` on `precond_sharpness/XY`, from the optimizer's first step "
         "on: none at step 0): `≥ 1` is past the edge of stability",
     ),
-    KeySpec("sharpness/max", "largest `sharpness/...` of the block", "derived"),
+    KeySpec(
+        "stability/lora/{module}",
+        "`stability/XY` of the block's low-rank adapter on `{module}`: `sharpness/lora/{module}` (SGD) or "
+        "`precond_sharpness/lora/{module}` (Adam/AdamW, `P` from the adapter's own second moments) over the threshold "
+        "of its parameter group's learning rate and momentum; an adapted block's only ratios (none for an adapter on "
+        "`W_O`, nor under DoRA: named once)",
+    ),
+    KeySpec("sharpness/max", "largest `sharpness/XY` of the block (not the adapters': other units)", "derived"),
     KeySpec(
         "verify/hessian/{XY}[/{head}]",
         "`verify_every_n_evals`: the true block Hessian's largest eigenvalue (Hessian-vector products of the whole "
@@ -118,7 +153,8 @@ BLOCK_KEYS: tuple[KeySpec, ...] = (
     KeySpec("verify/ratio/{XY}[/{head}]", "`verify/hessian/XY / sharpness/XY` (1: the closed-form view is exact)"),
     KeySpec(
         "stability/max",
-        "largest `stability/...` of the block (under Adam/AdamW none at step 0: no optimizer state)",
+        "largest `stability/...` of the block, its adapters' included (under Adam/AdamW none at step 0: no optimizer "
+        "state)",
         "derived",
     ),
     KeySpec(
@@ -153,9 +189,9 @@ SUMMARY_KEYS: tuple[KeySpec, ...] = (
     KeySpec("summary/sharpness/max", "largest real-loss `sharpness/...` over the blocks", "derived"),
     KeySpec(
         "summary/stability/max",
-        "largest `stability/...` over the blocks (headline): `≥ 1` means some block is past the edge of stability "
-        "for its optimizer and learning rate; under Adam/AdamW none at step 0 (no second moments before the first "
-        "step; the set-up table's `sharpness` row says so)",
+        "largest `stability/...` over the blocks, low-rank adapters' included (headline): `≥ 1` means some block is "
+        "past the edge of stability for its optimizer and learning rate; under Adam/AdamW none at step 0 (no second "
+        "moments before the first step; the set-up table's `sharpness` row says so)",
         "derived",
     ),
     KeySpec("summary/stability/max_layer", "layer index of that block", "derived"),

@@ -184,13 +184,24 @@ def residuals(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
 
 
 def prefix_max(result: Mapping[str, float | torch.Tensor], prefix: str) -> float | None:
-    """Largest value of the keys ``{prefix}/{pair}[/h{i}]`` of one block (NaN left out), or ``None``.
+    """Largest value of the keys ``{prefix}/{pair}[/h{i}]`` of one block (NaN left out), or ``None``; for
+    ``"stability"`` the adapters' ``stability/lora/<name>`` too (ratios of one scale; a sharpness in an adapter's
+    parameters is in other units than the weights').
 
     Example:
         >>> prefix_max({"stability/QQ/h0": 0.5, "stability/KK/h0": 1.5, "sharpness/QQ/h0": 9.0}, "stability")
         1.5
+        >>> prefix_max({"stability/lora/q_proj": 0.7, "sharpness/lora/q_proj": 9.0}, "stability")
+        0.7
     """
-    values = [to_float(v) for k, v in result.items() if k.startswith(prefix + "/") and pair_of(k) is not None]
+    adapters = f"{prefix}/lora/" if prefix == "stability" else None
+
+    def counted(key: str) -> bool:
+        return key.startswith(prefix + "/") and (
+            pair_of(key) is not None or bool(adapters and key.startswith(adapters))
+        )
+
+    values = [to_float(v) for k, v in result.items() if counted(k)]
     values = [v for v in values if not math.isnan(v)]
     return max(values) if values else None
 
@@ -198,7 +209,7 @@ def prefix_max(result: Mapping[str, float | torch.Tensor], prefix: str) -> float
 def block_derived(result: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
     """Per-block derived numbers: ``hessian/max``, ``ratio/functional_outer``, ``ratio/VV_QQ[/h{i}]``,
     ``lanczos/rel_residual_max`` (the largest :func:`residuals` value of the block) and, with the real-loss keys,
-    ``sharpness/max`` and ``stability/max``.
+    ``sharpness/max`` and ``stability/max`` (the adapters' ratios included).
 
     Example:
         >>> block_derived({"hessian/VV": 4.0, "hessian/QQ": 2.0, "outer/QQ": 2.0, "functional/QQ": 1.0})

@@ -48,12 +48,15 @@ from torch import Tensor, nn
 
 from curvwatch import report, sharding, sinks
 from curvwatch.adapters import BlockSpec, find_blocks
+from curvwatch.adapters.projections import UnsupportedWrapperError
+from curvwatch.adapters.updates import AdapterSite, block_adapters
 from curvwatch.alerts import Alert, CurvatureWarning, Notices
 from curvwatch.capture import Capture, CaptureError
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.config import Cadence, Evaluation, Sharpness, Warnings, check_names, resolve
 from curvwatch.engine import BlockError, Engine, signal_plan
 from curvwatch.engine import Evaluation as Result
+from curvwatch.kinds import KINDS
 from curvwatch.logbook import Logbook, LogError, drop_no_data, flatten
 from curvwatch.options import OnError, TermsKeys
 from curvwatch.ranks import Ranks
@@ -144,6 +147,7 @@ class Monitor:
 
         self.model: nn.Module | None = None
         self._specs: list[BlockSpec] = []
+        self._adapters: dict[str, dict[str, AdapterSite]] = {}  # block -> its low-rank adapters its kernel takes
         self._terms_specs: list[BlockSpec] = []  # the blocks a terms-only evaluation captures (setup)
         self._block_info: dict[str, tuple[str, int | None, float | None]] = {}  # name -> (kind, layer, eps)
         self._coverage: list[dict[str, str]] = []
@@ -210,6 +214,7 @@ class Monitor:
         notes = report.weight_notes(found) if read_params is None else {}
         self._coverage = report.coverage_rows(found, model, notes)
         self._specs = [s for s in found if not notes.get(s.name, "").startswith("not monitored")]
+        self._adapters = _adapter_sites([s for s in self._specs if s.name in notes])
         self._rows = {s.name: _row_of(self._coverage, s) for s in self._specs}
         self._block_info = {s.name: (s.kind, s.layer, _eps(s.module)) for s in self._specs}
         # a signals evaluation (terms_keys="warnings") captures only the blocks with something to compute
@@ -289,7 +294,8 @@ class Monitor:
         logits = None if terms_only else self.real_loss.module
         try:
             specs = self._terms_specs if terms_only else self._specs
-            capture = Capture(specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits)
+            capture = Capture(specs, self.engine.token_limit, read_params=self._read_params, logits_module=logits,
+                              adapters=None if logits is None else self._adapters)  # fmt: skip
             if logits is not None:
                 capture.on_logits_grad = self._sample_from_grad
             self._capture = self._stack.enter_context(capture)
@@ -566,6 +572,24 @@ class Monitor:
             "the failing block out.",
             stacklevel=3,
         )
+
+
+def _adapter_sites(specs: Sequence[BlockSpec]) -> dict[str, dict[str, AdapterSite]]:
+    """``{block: {name: site}}``: the low-rank adapters of ``specs`` (blocks whose weights hold adapters) that their
+    kernels take (:func:`~curvwatch.adapters.updates.block_adapters`), found once; what is left out gets its reason from
+    the real loss's rules (:meth:`curvwatch.realloss.RealLoss.rules`)."""
+    out = {}
+    for spec in specs:
+        weights = KINDS[spec.kind].adapted
+        if not weights:
+            continue
+        try:
+            sites, _ = block_adapters(spec, weights)
+        except UnsupportedWrapperError:  # DoRA: not a weight plus low-rank updates
+            continue
+        if sites:
+            out[spec.name] = sites
+    return out
 
 
 def _row_of(rows: list[dict[str, str]], spec: BlockSpec) -> dict[str, str]:

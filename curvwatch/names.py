@@ -18,7 +18,9 @@ _PAIR = re.compile(r"^(?:[A-Z][0-9]*){2,}$")
 _HEAD = re.compile(r"^[hg](\d+)$")  # a query head h{i} or a key/value group g{j}
 
 _REDUCTIONS = ("mean", "max", "min", "derived")
-_PLACEHOLDERS = {"{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+", "{part}": r"\w+"}
+_PLACEHOLDERS = {
+    "{XY}": r"(?:[A-Z][0-9]*){2,}", "{head}": r"[hg]\d+", "{i}": r"\d+", "{part}": r"\w+", "{module}": r"\w+",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

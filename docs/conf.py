@@ -1,6 +1,6 @@
 """Sphinx configuration of the curvwatch documentation (`make docs`: `sphinx-build -W --keep-going docs build/docs`).
 
-Nothing is downloaded at build time: the intersphinx inventories of Python, PyTorch, Lightning and transformers
+Nothing is downloaded at build time: the intersphinx inventories of Python, NumPy, PyTorch, Lightning and transformers
 are small local files in ``docs/_inv`` (``python docs/_inv/make_inventories.py`` writes them), listing only the names
 these pages reference, each pointing at its page on the project's own documentation site.
 """
@@ -77,6 +77,7 @@ napoleon_custom_sections = [("Logged metrics", "notes_style")]
 # -- intersphinx: local inventories only ------------------------------------------------------------------------------
 intersphinx_mapping = {
     "python": ("https://docs.python.org/3", str(DOCS / "_inv" / "python.inv")),
+    "numpy": ("https://numpy.org/doc/stable", str(DOCS / "_inv" / "numpy.inv")),
     "torch": ("https://docs.pytorch.org/docs/stable", str(DOCS / "_inv" / "torch.inv")),
     "lightning": ("https://lightning.ai/docs/pytorch/stable", str(DOCS / "_inv" / "lightning.inv")),
     "transformers": ("https://huggingface.co/docs/transformers/main/en", str(DOCS / "_inv" / "transformers.inv")),

@@ -84,7 +84,12 @@ def main(out_dir: str, fail_rank: int | None, max_overhead: float | None = None)
 
         engine_core.evaluate_block = evaluate
     L.seed_everything(0, verbose=False)
-    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=max_overhead), evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2,
+        cadence=Cadence(max_overhead=max_overhead),
+        evaluation=Evaluation(max_tokens=16),
+        warning_rules=Warnings(warn=False),
+    )
     logger = CSVLogger(out_dir, name="ddp", version=0)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -107,15 +112,11 @@ def main(out_dir: str, fail_rank: int | None, max_overhead: float | None = None)
         key = "curv/summary/max_hessian"
         steps = [int(r["step"]) for r in rows if r.get(key)]
         skipped = [
-            float(r["curv/summary/skipped_evaluations"])
-            for r in rows
-            if r.get("curv/summary/skipped_evaluations")
+            float(r["curv/summary/skipped_evaluations"]) for r in rows if r.get("curv/summary/skipped_evaluations")
         ]
         values = [float(r[key]) for r in rows if r.get(key)]
         with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump(
-                {"steps": steps, "skipped": skipped, "values": values, "world_size": trainer.world_size}, f
-            )
+            json.dump({"steps": steps, "skipped": skipped, "values": values, "world_size": trainer.world_size}, f)
 
 
 if __name__ == "__main__":

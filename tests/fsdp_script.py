@@ -328,7 +328,13 @@ def lightning_run(
     ledger.reset()
     L.seed_everything(0, verbose=False)
     # real-loss keys (sharpness="auto"): on under DDP and FSDP2, off under FSDP1 (the set-up line says why)
-    monitor = CurvatureMonitor(every_n_train_steps=2, log_heatmap=False, log_level="all", evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2,
+        log_heatmap=False,
+        log_level="all",
+        evaluation=Evaluation(max_tokens=16),
+        warning_rules=Warnings(warn=False),
+    )
     states = {}
 
     class Record(Callback):  # the monitor's state on this rank once restored
@@ -403,7 +409,15 @@ def plain_loop_fsdp2(out_dir: str, steps: int = 5) -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logged: dict[str, dict[str, float]] = {}
-    monitor = Monitor(optimizer=optimizer, log=lambda metrics, step: logged.setdefault(str(step), {}).update(metrics), every_n_train_steps=2, log_heatmap=False, log_level="all", evaluation=Evaluation(max_tokens=16), warning_rules=Warnings(warn=False))
+    monitor = Monitor(
+        optimizer=optimizer,
+        log=lambda metrics, step: logged.setdefault(str(step), {}).update(metrics),
+        every_n_train_steps=2,
+        log_heatmap=False,
+        log_level="all",
+        evaluation=Evaluation(max_tokens=16),
+        warning_rules=Warnings(warn=False),
+    )
     monitor.attach(model, specs=specs, read_params=sharding.full_params)
     dataset = loader(n=40).dataset
     order = list(DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0))  # Lightning's

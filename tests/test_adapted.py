@@ -11,6 +11,11 @@ the adapter parameters ``theta = [vec(A), vec(B)]`` (``W = W_0 + s A B`` in the 
 and compares each adapter's diagonal block: dense, entry by entry (round-off), and the top eigenvalues of the GGN, of
 GGN + functional (the ``sharpness``) and of both preconditioned by a random positive ``P`` (``P^-1/2 . P^-1/2``), which
 :func:`~curvwatch.closed_form.adapted.adapter_norms` finds by Lanczos on the block's own operator (``TOL["lanczos"]``).
+
+The kernels take adapters as a grouped input (``adapters=``, :class:`~curvwatch.closed_form.LowRankUpdate` by weight
+argument): their ``ggn/lora/<name>``, ``sharpness/lora/<name>`` and ``precond_...`` keys are checked the same way for
+the FFN, the gated FFN and a grouped-query attention with rotary embedding and a causal mask, the loss gradient ``G``
+in the adapted weights then coming from the operator itself (``weight_gradient``).
 """
 
 from __future__ import annotations
@@ -18,13 +23,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curvwatch.closed_form._operator import dense_blocks
-from curvwatch.closed_form._sampled import SampledCurvature, with_sampled
+from curvwatch.closed_form import (
+    AttentionStructure,
+    AttentionWeights,
+    FFNWeights,
+    GatedFFNWeights,
+    LowRankUpdate,
+    OutputLoss,
+    ffn,
+    gated_ffn,
+    multi_head_attention,
+)
 from curvwatch.closed_form.adapted import AdaptedOperator, LowRankAdapter, LowRankTarget, adapter_norms
-from curvwatch.closed_form.attention import AttentionOperator
+from curvwatch.closed_form.attention import AttentionOperator, HeadWeights
 from curvwatch.closed_form.ffn import FFNOperator, activation_derivatives
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.reference._core import _ffn, _multi_head_attention
+from curvwatch.closed_form.solver import SampledCurvature, dense_blocks, with_sampled
+from curvwatch.reference.attention import attention_blocked, attention_forward
+from curvwatch.reference.ffn import ffn_forward
+from curvwatch.reference.gated_ffn import gated_ffn_forward
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -89,7 +106,7 @@ def _ffn_case(gen):
 
     def forward(theta, extra=None):
         W_1, W_2 = weights(theta, extra or {})
-        return _ffn(Y, W_1, W_2, "gelu", residual=False, b_1=b1)
+        return ffn_forward(Y, W_1, W_2, "gelu", residual=False, b_1=b1)
 
     W_1, W_2 = weights(_theta(factors), {})
     g = torch.randn(B, L, m, dtype=DT, generator=gen)
@@ -122,13 +139,14 @@ def _attention_case(gen):
         return W.split(n, dim=1)
 
     def forward(theta, extra=None):
-        return _multi_head_attention(X, *weights(theta, extra or {}), W_O, H, blocked)
+        W_Q_, W_K_, W_V_ = weights(theta, extra or {})
+        return attention_forward(X, AttentionWeights(W_Q_, W_K_, W_V_, W_O, n_heads=H), blocked)
 
     per_head = [W.reshape(d, H, dK).permute(1, 0, 2) for W in weights(_theta(factors), {})]  # (H, d, d_K)
     g = torch.randn(B, L, m, dtype=DT, generator=gen)
     W_Oh = W_O.reshape(H, dK, m)
-    op = AttentionOperator(X, *per_head, W_Oh, None, None, None, ~blocked, torch.ones(B, L, dtype=torch.bool), g,
-                           torch.ones(B, dtype=DT))  # fmt: skip
+    heads = HeadWeights(*per_head, W_Oh)
+    op = AttentionOperator(X, heads, ~blocked, torch.ones(B, L, dtype=torch.bool), g, torch.ones(B, dtype=DT))
     samples = torch.randn(1, B, L, m, dtype=DT, generator=gen)
     op = with_sampled(op, SampledCurvature.of_heads(samples, W_Oh))
     targets = {
@@ -190,3 +208,148 @@ def test_adapter_norms_debiased_with_several_samples():
     expected -= {"precond_ggn/W2W2", "precond_sharpness/W2W2"}
     assert expected <= set(keys) and all(torch.isfinite(keys[k]) for k in expected)
     assert {"sharpness_spread/W1W1", "sharpness_spread/W2W2"} <= set(keys)
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels' adapters= (grouped input, keys ggn/lora/<name>, ...)
+# --------------------------------------------------------------------------------------------------
+
+
+def _kernel_case(base: dict[str, torch.Tensor], writes: dict[str, dict[str, torch.Tensor]], gen):
+    """Factors of adapters ``name -> {weight: columns}`` (``B``'s columns laid out over the weights in order), and
+    ``weights(theta)``: every weight ``base[w]`` plus each adapter's ``s A B`` in its columns."""
+    factors = {}
+    for name, cols in writes.items():
+        d_in = {base[w].shape[0] for w in cols}.pop()
+        factors[name] = _factors(d_in, sum(c.numel() for c in cols.values()), gen)
+
+    def weights(theta):
+        p = _split(theta, factors)
+        out = dict(base)
+        for name, cols in writes.items():
+            A, Bf = p[name]
+            start = 0
+            for w, c in cols.items():
+                out[w] = out[w].index_add(1, c, s * A @ Bf[:, start : start + c.numel()])
+                start += c.numel()
+        return out
+
+    updates = {}
+    for name, cols in writes.items():
+        A, Bf = factors[name]
+        starts = torch.tensor([0, *[c.numel() for c in cols.values()]]).cumsum(0)
+        on = {w: (torch.arange(int(starts[i]), int(starts[i + 1])), c) for i, (w, c) in enumerate(cols.items())}
+        updates[name] = LowRankUpdate(A, Bf, s, on)
+    return factors, weights, updates
+
+
+def _ffn_kernel(gen):
+    d, f = 5, 7
+    Y = torch.randn(B, L, d, dtype=DT, generator=gen)
+    base = {"W_1": torch.randn(d, f, dtype=DT, generator=gen), "W_2": torch.randn(f, d, dtype=DT, generator=gen) / 2}
+    writes = {"fc_1": {"W_1": torch.arange(f)}, "fc_2": {"W_2": torch.tensor([4, 0, 2])}}
+    factors, weights, updates = _kernel_case(base, writes, gen)
+
+    def forward(theta):
+        w = weights(theta)
+        return ffn_forward(Y, w["W_1"], w["W_2"], "gelu", residual=False)
+
+    def call(**kw):
+        w = weights(_theta(factors))
+        return ffn(Y, FFNWeights(w["W_1"], w["W_2"]), activation="gelu", residual=False, **kw)
+
+    return factors, updates, forward, call, d
+
+
+def _gated_kernel(gen):
+    d, f = 4, 6
+    Y = torch.randn(B, L, d, dtype=DT, generator=gen)
+    base = {
+        "W_gate": torch.randn(d, f, dtype=DT, generator=gen),
+        "W_up": torch.randn(d, f, dtype=DT, generator=gen),
+        "W_down": torch.randn(f, d, dtype=DT, generator=gen) / 2,
+    }
+    writes = {"gate_proj": {"W_gate": torch.arange(f)}, "down_proj": {"W_down": torch.arange(d)}}
+    factors, weights, updates = _kernel_case(base, writes, gen)
+
+    def forward(theta):
+        return gated_ffn_forward(Y, GatedFFNWeights(**weights(theta)), "silu")
+
+    def call(**kw):
+        return gated_ffn(Y, GatedFFNWeights(**weights(_theta(factors))), activation="silu", **kw)
+
+    return factors, updates, forward, call, d
+
+
+def _gqa_kernel(gen):
+    d, H, H_kv, dK, m = 6, 4, 2, 2, 5
+    X = torch.randn(B, L, d, dtype=DT, generator=gen)
+    base = {
+        "W_Q": torch.randn(d, H * dK, dtype=DT, generator=gen) / 2,
+        "W_K": torch.randn(d, H_kv * dK, dtype=DT, generator=gen) / 2,
+        "W_V": torch.randn(d, H_kv * dK, dtype=DT, generator=gen) / 2,
+    }
+    W_O = torch.randn(H * dK, m, dtype=DT, generator=gen)
+    # one adapter over the fused [W_Q | W_K | W_V] (GPT-2's c_attn), one on some columns of W_V across its kv heads
+    writes = {
+        "c_attn": {"W_Q": torch.arange(H * dK), "W_K": torch.arange(H_kv * dK), "W_V": torch.arange(H_kv * dK)},
+        "v_proj": {"W_V": torch.tensor([3, 0, 1])},
+    }
+    factors, weights, updates = _kernel_case(base, writes, gen)
+    angles = torch.rand(L, 1, dtype=DT, generator=gen) * torch.arange(1, L + 1, dtype=DT)[:, None]
+    rotary = (angles.cos().repeat(1, dK), angles.sin().repeat(1, dK))  # (L, d_K): halves duplicated
+    blocked, dead = attention_blocked(B, L, L, True, None, None, X.device)
+
+    def packed(theta):
+        w = weights(theta)
+        return AttentionWeights(w["W_Q"], w["W_K"], w["W_V"], W_O, n_heads=H, n_kv_heads=H_kv)
+
+    def forward(theta):
+        return attention_forward(X, packed(theta), blocked, rotary=rotary, dead=dead)
+
+    def call(**kw):
+        structure = AttentionStructure(causal=True, rotary=rotary)
+        return multi_head_attention(X, packed(_theta(factors)), structure=structure, **kw)
+
+    return factors, updates, forward, call, m
+
+
+KERNELS = {"ffn": _ffn_kernel, "gated_ffn": _gated_kernel, "gqa_attention": _gqa_kernel}
+
+
+@pytest.mark.parametrize("case", list(KERNELS))
+def test_kernel_adapter_keys_match_torch_func(case):
+    gen = torch.Generator().manual_seed(11)
+    factors, updates, forward, call, m = KERNELS[case](gen)
+    g = torch.randn(B, L, m, dtype=DT, generator=gen)
+    samples = torch.randn(1, B, L, m, dtype=DT, generator=gen)
+    ref = _reference(forward, factors, g, samples)
+    P = {f"lora/{name}": torch.rand(u.A.numel() + u.B.numel(), dtype=DT, generator=gen) + 0.5
+         for name, u in updates.items()}  # fmt: skip
+    keys = call(loss=OutputLoss(grad_output=g, output_samples=samples), lanczos=TIGHT, adapters=updates, precondition=P)
+    for name, (ggn, func) in ref.items():
+        D = P[f"lora/{name}"].rsqrt()
+        for prefix, scale in (("", None), ("precond_", D)):
+            for key, M in (("ggn", ggn), ("sharpness", ggn + func)):
+                M = M if scale is None else scale[:, None] * M * scale[None, :]
+                expected = torch.linalg.eigvalsh(M)[-1]
+                got = keys[f"{prefix}{key}/lora/{name}"]
+                assert_close_report(got, expected, TOL["lanczos"], f"{case} {prefix}{key}/lora/{name}")
+
+
+def test_kernel_adapters_are_checked():
+    gen = torch.Generator().manual_seed(0)
+    factors, updates, _, call, m = _ffn_kernel(gen)
+    g = torch.randn(B, L, m, dtype=DT, generator=gen)
+    samples = OutputLoss(grad_output=g, output_samples=torch.randn(2, B, L, m, dtype=DT, generator=gen))
+    with pytest.raises(ValueError, match="adapters= needs output_samples="):
+        call(loss=OutputLoss(grad_output=g), adapters=updates)
+    u = updates["fc_1"]
+    with pytest.raises(ValueError, match="writes 'W_O', which has no block"):
+        call(loss=samples, adapters={"o": LowRankUpdate(u.A, u.B, s, {"W_O": u.writes["W_1"]})})
+    with pytest.raises(ValueError, match="must be columns of B"):
+        call(loss=samples, adapters={"x": LowRankUpdate(u.A, u.B, s, {"W_1": (torch.arange(1, 8), torch.arange(7))})})
+    with pytest.raises(ValueError, match="a word"):
+        call(loss=samples, adapters={"a.b": u})
+    with pytest.raises(ValueError, match="Invalid precondition names"):
+        call(loss=samples, adapters=updates, precondition={"lora/nope": torch.ones(3, dtype=DT)})

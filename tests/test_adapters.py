@@ -335,7 +335,7 @@ def test_unsupported_activation_and_mask_are_reported():
     reasons = {b.spec.name: b.reason for b in capture.blocks()}
     assert "neither causal nor empty" in reasons["layer0/attn"]
     with pytest.raises(RuntimeError, match="neither causal nor empty"):
-        evaluate_block(capture.blocks()[0], 
+        evaluate_block(capture.blocks()[0],
             lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64
         )
     with pytest.raises(ValueError, match="silu"):

@@ -55,7 +55,9 @@ def test_adapter_blocks_match_reference(case):
         assert block.reason is None, f"{block.spec.name}: {block.reason}"
         if block.spec.kind == "ffn" and block.params.get("activation") == "gelu_tanh":
             continue  # the reference module has exact-erf GELU only; gelu_tanh is tested in test_ffn.py
-        out = evaluate_block(block, lanczos=Lanczos(tol=0.0, max_iter=None, max_basis=None, warn=False), dtype=torch.float64)
+        out = evaluate_block(
+            block, lanczos=Lanczos(tol=0.0, max_iter=None, max_basis=None, warn=False), dtype=torch.float64
+        )
         expected = _reference_norms(block)
         common = sorted(set(out) & set(expected))
         assert len(common) >= 3, (block.spec.name, sorted(out))

@@ -103,7 +103,9 @@ def spy_capture(monkeypatch):
 
 
 def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     hooks = HookCheck()
     trainer = make_trainer(tmp_path, monitor, max_steps=5, log_every_n_steps=3, callbacks=[hooks])
     trainer.fit(TinyLM(), loader())
@@ -133,7 +135,8 @@ def test_logged_at_due_steps_and_equal_to_evaluate(tmp_path, spy_capture):
     assert len(spy_capture.instances) == 3
     for step, capture in zip((0, 2, 4), spy_capture.instances, strict=True):
         for block in capture.handed if step == 4 else ():  # recompute one step: CPU time is shared
-            expected = evaluate_block(block, 
+            expected = evaluate_block(
+                block,
                 lanczos=Lanczos(tol=monitor.tol, max_iter=monitor.max_iter, max_basis=None, warn=False),
                 dtype=torch.float32,
             )
@@ -174,7 +177,9 @@ def test_gradient_accumulation_captures_last_micro_batch_and_rescales(tmp_path, 
             if monitor.monitor._capture_step is not None:
                 self.batches.append((batch_idx, trainer.global_step))
 
-    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     when = WhenCaptured()
     trainer = make_trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, callbacks=[when])
     trainer.fit(TinyLM(), loader())
@@ -194,7 +199,9 @@ def test_hooks_removed_after_exception_in_training(tmp_path):
                 raise RuntimeError("boom in training_step")
             return loss
 
-    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     model = Failing()
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with pytest.raises(RuntimeError, match="boom in training_step"):
@@ -227,7 +234,9 @@ def test_ln_collapse_warns(tmp_path):
 
 
 def test_healthy_run_does_not_warn(tmp_path):
-    monitor = CurvatureMonitor(every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CurvatureWarning)
@@ -242,7 +251,9 @@ def _raise(self, **kwargs):
 
 def test_on_error_warn_skips_and_counts(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_core, "evaluate_block", _raise)
-    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     with pytest.warns(CurvatureNotice, match=r"skipped the evaluation at step \d: evaluating block 'layer0/attn'"):
         trainer.fit(TinyLM(), loader())
@@ -266,7 +277,9 @@ def test_on_error_raise(tmp_path, monkeypatch):
 
 
 def test_resume_restores_state(tmp_path):
-    first = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    first = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     trainer = make_trainer(tmp_path / "a", first, max_steps=3)
     trainer.fit(TinyLM(), loader(n=12))  # 3 batches: the checkpoint is at an epoch end
     ckpt = tmp_path / "resume.ckpt"
@@ -279,7 +292,9 @@ def test_resume_restores_state(tmp_path):
         def on_train_start(self, trainer, pl_module):
             self.state = second.state_dict()
 
-    second = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    second = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     snapshot = Snapshot()
     trainer = make_trainer(tmp_path / "b", second, max_steps=5, callbacks=[snapshot])
     trainer.fit(TinyLM(), loader(n=12), ckpt_path=ckpt)
@@ -297,7 +312,13 @@ def test_a_reused_monitor_starts_each_fit_afresh_and_resumes_from_a_checkpoint(t
     """Issue 26: one instance given to a second Trainer (same model, then a new one) evaluates that fit's steps
     0, 2, 4 with counters of its own and the real-loss stability keys of the new model; given a ckpt_path it
     still resumes the schedule and counters from the checkpoint."""
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16), sharpness=Sharpness(samples=2))
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=2,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(max_tokens=16),
+        sharpness=Sharpness(samples=2),
+    )
     stability = "curv/layer1/ffn/stability/W1W1"
     model = TinyLM(n_layer=2)
     trainer = make_trainer(tmp_path / "first", monitor, max_steps=3)
@@ -355,7 +376,9 @@ def test_wandb_offline_logger(tmp_path, monkeypatch):
         return original(metrics, step=step)
 
     monkeypatch.setattr(logger, "log_metrics", spy)
-    monitor = CurvatureMonitor(every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=5, logger=logger, log_every_n_steps=50)
     try:
         trainer.fit(TinyLM(), loader())
@@ -417,7 +440,12 @@ def test_ddp_two_cpu_processes(tmp_path):
 def test_overhead_budget_skips_due_steps_and_logs_the_fraction(tmp_path, caplog):
     logged = {}
     for name, budget in (("loose", 1e9), ("tight", 1e-9)):
-        monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=budget), evaluation=Evaluation(max_tokens=16))
+        monitor = CurvatureMonitor(
+            every_n_train_steps=1,
+            log_heatmap=False,
+            cadence=Cadence(max_overhead=budget),
+            evaluation=Evaluation(max_tokens=16),
+        )
         trainer = make_trainer(tmp_path / name, monitor, max_steps=4)
         with caplog.at_level("INFO"):
             trainer.fit(TinyLM(), loader())
@@ -471,7 +499,12 @@ def test_collapse_is_sent_as_wandb_alert(tmp_path, monkeypatch):
 def test_suite_rule_from_the_default_terms_tier_is_sent_as_wandb_alert(tmp_path, monkeypatch):
     """The default rules (``warning_rules="suite"``) fed by default terms-only evaluations (``terms_keys="warnings"``):
     the collapse warning reaches W&B as an alert that says what it saw, since when, how sure and what to try."""
-    monitor = CurvatureMonitor(every_n_train_steps=100, log_heatmap=False, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=100,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1),
+        evaluation=Evaluation(max_tokens=16),
+    )
     assert monitor.terms_keys.value == "warnings" and monitor.warning_rules.value == "suite"
     sent = _wandb_alerts_of_a_collapsed_run(tmp_path, monkeypatch, monitor, max_steps=4, match="variance collapse")
     collapse = [kw for kw in sent if kw["title"] == "curvwatch: ln collapse"]
@@ -486,7 +519,12 @@ def test_kinds_hessian_only_logs_the_total_and_the_exact_outer_norms(tmp_path):
     logged = {}
     for name, kinds in (("all", ("outer", "functional", "hessian")), ("hessian", ("hessian",))):
         torch.manual_seed(0)
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16, parts=kinds, tol=0.0))
+        monitor = CurvatureMonitor(
+            log_level="all",
+            every_n_train_steps=1,
+            cadence=Cadence(max_overhead=None),
+            evaluation=Evaluation(max_tokens=16, parts=kinds, tol=0.0),
+        )
         trainer = make_trainer(tmp_path / name, monitor, max_steps=2)
         trainer.fit(TinyLM(), loader())
         logged[name] = curv_rows(read_rows(trainer))[1]
@@ -531,7 +569,13 @@ def _needs_lanczos(key: str) -> bool:
 def test_terms_only_evaluations_between_full_ones(tmp_path, spy_capture, monkeypatch):
     """``terms_every_n_train_steps``: no Lanczos on those steps, exact numbers equal to ``evaluate``, and
     nothing derived from block norms (which a maximum over the exact pairs alone would fake)."""
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=3, log_heatmap=False, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1), evaluation=Evaluation(terms_keys="all", max_tokens=16))  # fmt: skip
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=3,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1),
+        evaluation=Evaluation(terms_keys="all", max_tokens=16),
+    )
     lanczos = LanczosSpy(monkeypatch)
     trainer = make_trainer(tmp_path, monitor, max_steps=5, callbacks=[lanczos])
     trainer.fit(TinyLM(), loader())
@@ -578,14 +622,20 @@ def test_terms_only_evaluations_between_full_ones(tmp_path, spy_capture, monkeyp
 def test_default_terms_only_evaluations_compute_what_the_rules_read(tmp_path, spy_capture):
     """``terms_keys="warnings"`` (default): a terms-only step logs the keys the warning rules read, the same numbers
     as ``terms_keys="all"`` computes (``evaluate_block``), no bound and no FFN block; the rules see them."""
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=3, log_heatmap=False, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1), evaluation=Evaluation(max_tokens=16))  # fmt: skip
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=3,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1),
+        evaluation=Evaluation(max_tokens=16),
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=5)
     trainer.fit(TinyLM(), loader())
     logged = curv_rows(read_rows(trainer))
     row = logged[4]
-    blocks = {k[len(PREFIX):].split("/", 2)[1] for k in row if k.startswith(f"{PREFIX}layer0/")}
+    blocks = {k[len(PREFIX) :].split("/", 2)[1] for k in row if k.startswith(f"{PREFIX}layer0/")}
     assert blocks == {"attn", "ln_1", "ln_2"}, blocks  # the FFN has nothing the default rules read
-    attn = sorted(k[len(PREFIX) + len("layer0/attn/"):] for k in row if k.startswith(f"{PREFIX}layer0/attn/"))
+    attn = sorted(k[len(PREFIX) + len("layer0/attn/") :] for k in row if k.startswith(f"{PREFIX}layer0/attn/"))
     heads = [f"h{h}" for h in range(2)]
     expected_keys = sorted(
         ["term/x_norm", "term/x_norm6"]
@@ -601,7 +651,7 @@ def test_default_terms_only_evaluations_compute_what_the_rules_read(tmp_path, sp
         everything = evaluate_block(block, dtype=torch.float32, pairs=("VV",))
         for key, value in row.items():
             if key.startswith(f"{PREFIX}{block.spec.name}/"):
-                rel = key[len(f"{PREFIX}{block.spec.name}/"):]
+                rel = key[len(f"{PREFIX}{block.spec.name}/") :]
                 rel = rel if rel in everything else rel.split("/", 1)[1]  # ln/var_min -> the kernel's var_min
                 assert_close_report(value, everything[rel], rtol=1e-6, name=f"{block.spec.name} {rel}")
     assert CurvatureMonitor(evaluation=Evaluation(terms_keys="all")).terms_keys.value == "all"
@@ -627,7 +677,12 @@ def test_terms_only_steps_warn_on_layernorm_collapse(tmp_path):
 
 def test_budget_falls_back_to_terms_only(tmp_path, monkeypatch):
     """A due full evaluation the budget cannot afford becomes terms-only where those are due too."""
-    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=0.01, terms_every_n_train_steps=2), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=0.01, terms_every_n_train_steps=2),
+        evaluation=Evaluation(max_tokens=16),
+    )
     monkeypatch.setattr(
         monitor.schedule, "affordable", lambda agree=None, step=None: (monitor.book.evaluations == 0, True)
     )
@@ -677,7 +732,14 @@ def test_a_signals_evaluation_captures_only_the_blocks_it_evaluates(tmp_path, mo
     rows = {}
     for w2w2 in (0.0, 1.0):
         captured.clear()
-        monitor = CurvatureMonitor(every_n_train_steps=100, warning_rules=RuleSet(w2w2_growth=w2w2), log_heatmap=False, log_level="all", cadence=Cadence(terms_every_n_train_steps=2, max_overhead=None), evaluation=Evaluation(max_tokens=16))  # fmt: skip
+        monitor = CurvatureMonitor(
+            every_n_train_steps=100,
+            warning_rules=RuleSet(w2w2_growth=w2w2),
+            log_heatmap=False,
+            log_level="all",
+            cadence=Cadence(terms_every_n_train_steps=2, max_overhead=None),
+            evaluation=Evaluation(max_tokens=16),
+        )
         trainer = make_trainer(tmp_path / str(w2w2), monitor, max_steps=3)
         torch.manual_seed(0)
         trainer.fit(TinyLM(), loader())
@@ -712,7 +774,12 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
     relative residual, keeps the per-norm residual keys out of the logs, and warns once, at the first
     warm-started evaluation (step 1; a cold start may need more steps once). At the defaults the same model
     converges: no warning, 0 unconverged."""
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16, max_iter=2))
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=1,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(max_tokens=16, max_iter=2),
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
     with pytest.warns(CurvatureNotice, match=r"Lanczos norms stopped at max_iter=2 before reaching tol=0.01") as rec:
         trainer.fit(TinyLM(), loader())
@@ -729,7 +796,9 @@ def test_unconverged_lanczos_norms_are_reported_and_warned_once(tmp_path):
         assert not any("/residual/" in k for k in step)
     assert "norms stopped at max_iter=2 above tol=0.01" in monitor.summary_text()
 
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        log_level="all", every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16)
+    )
     trainer = make_trainer(tmp_path / "defaults", monitor, max_steps=2)
     trainer.fit(TinyLM(), loader())  # pytest turns any warning into an error
     for step in curv_rows(read_rows(trainer)).values():
@@ -761,7 +830,9 @@ def test_notices_and_instability_warnings_have_separate_categories(tmp_path):
     assert "Lanczos norms stopped at max_iter=2" in by_category[CurvatureNotice][0]
     assert not issubclass(CurvatureNotice, CurvatureWarning) and not issubclass(CurvatureWarning, CurvatureNotice)
 
-    monitor = CurvatureMonitor(every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16, max_iter=2))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16, max_iter=2)
+    )
     trainer = make_trainer(tmp_path / "notice", monitor, max_steps=3)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("error", CurvatureWarning)  # a pager on instabilities: a notice must not page
@@ -794,7 +865,12 @@ def test_suite_rules_are_the_default_and_warn_on_a_collapse(tmp_path):
     with torch.no_grad():
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
-    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(max_tokens=16),
+    )
     assert monitor.warning_rules == "suite"
     trainer = make_trainer(tmp_path, monitor, max_steps=4)
     with pytest.warns(CurvatureWarning) as record:

@@ -59,7 +59,9 @@ def test_tensor_hooks_removed_after_exit():
     blocks = capture.blocks()
     assert all(b.reason is not None and "no gradient arrived" in b.reason for b in blocks)
     with pytest.raises(RuntimeError, match="no gradient arrived"):
-        evaluate_block(blocks[0], lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64)
+        evaluate_block(
+            blocks[0], lanczos=Lanczos(tol=1e-6, max_iter=10, max_basis=None, warn=False), dtype=torch.float64
+        )
 
 
 @pytest.mark.parametrize("where", ["before_backward", "after_backward"])
@@ -208,7 +210,9 @@ def test_evaluate_attention_matches_reference():
     _, ref = _closed_form("multi_head_attention")
     attn = _captured_gpt()[0]
     assert attn.spec.kind == "attention" and attn.inputs["X"].shape == (2, 4, 4)
-    out = evaluate_block(attn, lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
+    out = evaluate_block(
+        attn, lanczos=Lanczos(tol=1e-12, max_iter=200, max_basis=None, warn=False), dtype=torch.float64
+    )
     expected = ref.dense_to_norms(ref.multi_head_attention_blocks(**kernel_inputs(attn, torch.float64)))
     common = sorted(set(out) & set(expected))
     assert len(common) >= 3 * 6 * H, sorted(out)
@@ -265,7 +269,9 @@ def test_gpt2_ffn_gelu_tanh_evaluates_or_is_refused_by_name():
     ffn = capture.blocks()[-1]
     assert ffn.params["activation"] == "gelu_tanh"
     if "gelu_tanh" in getattr(importlib.import_module("curvwatch.closed_form.ffn"), "ACTIVATIONS", ()):
-        out = evaluate_block(ffn, lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64)
+        out = evaluate_block(
+            ffn, lanczos=Lanczos(tol=1e-3, max_iter=5, max_basis=None, warn=False), dtype=torch.float64
+        )
         assert out and all(torch.isfinite(v).all() for v in out.values())
     else:
         with pytest.raises(ValueError, match="gelu_tanh"):

@@ -52,7 +52,13 @@ def _logged(tmp_path, model: TinyLM, caught: list[str] | None = None) -> list[di
     """Every step's ``curv/`` numbers (times, overhead and Lanczos residuals left out: they are not the maths);
     the texts of the warnings raised during training are appended to ``caught``."""
     torch.manual_seed(0)
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None), evaluation=Evaluation(tol=TOL, max_iter=200))
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=1,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(tol=TOL, max_iter=200),
+    )
     trainer = L.Trainer(
         accelerator="cpu", max_steps=STEPS, logger=CSVLogger(tmp_path, name="csv", version=0), callbacks=[monitor],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,

@@ -172,6 +172,66 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
         assert eighs[-1] - eighs[-2] <= (4 if gram_steps is None else 0), (name, eighs[-2:])
 
 
+def test_adapter_keys_cost_only_where_adapters_are():
+    """A LoRA adapter's keys (``ggn/lora/<name>``, ``sharpness/lora/<name>``, Adam-preconditioned; 16 samples) join the
+    kernel's sampled call in the same solve: their operators on top of it stay under a ceiling and they add no round
+    of stopping tests, only one host read of the adapters' columns (checked once per call) and the sampled keys'
+    spread read of a direct call (which the engine leaves to its logbook). The calls without adapters are those of
+    ``test_sampled_sharpness_keys_stay_under_their_ceilings`` (the golden run: their numbers bit-equal). Counts:
+    attention +~2,750 operators and +2 reads (adapter on ``W_Q``, r 4), FFN +~3,190 and +2 (on ``W_1``); ceilings
+    ~15% above."""
+    from curvwatch.closed_form import (
+        AttentionStructure,
+        AttentionWeights,
+        FFNWeights,
+        Lanczos,
+        LowRankUpdate,
+        OutputLoss,
+        ffn,
+        multi_head_attention,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    B, L, d, H, k, r = 2, 16, 32, 4, 16, 4
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    X, G, S = rand(B, L, d), rand(B, L, d, scale=1e-2), rand(k, B, L, d, scale=1e-2)
+    W = [rand(d, d, scale=d**-0.5) for _ in range(4)]
+    W1, W2 = rand(d, 4 * d, scale=d**-0.5), rand(4 * d, d, scale=0.1)
+    loss = OutputLoss(grad_output=G, output_samples=S)
+
+    def lora(f: int, weight: str) -> tuple[dict, dict]:
+        A, Bf = rand(d, r, scale=0.3), rand(r, f, scale=0.3)
+        update = LowRankUpdate(A, Bf, 2.0, {weight: (torch.arange(f), torch.arange(f))})
+        return {"proj": update}, {"lora/proj": rand(A.numel() + Bf.numel()).abs() + 0.1}
+
+    attention = AttentionWeights(*W, n_heads=H)
+    calls = {
+        "attention": (lambda lz, **kw: multi_head_attention(X, attention, loss=loss, lanczos=lz,
+                                                            structure=AttentionStructure(causal=True), **kw),
+                      {nm: rand(d, d).abs() + 0.1 for nm in ("W_Q", "W_K", "W_V")}, lora(d, "W_Q"), 3_150),
+        "ffn": (lambda lz, **kw: ffn(X, FFNWeights(W1, W2), activation="gelu", loss=loss, lanczos=lz, **kw),
+                {"W_1": rand(d, 4 * d).abs() + 0.1, "W_2": rand(4 * d, d).abs() + 0.1}, lora(4 * d, "W_1"), 3_650),
+    }  # fmt: skip
+
+    def count(call) -> tuple[int, int]:
+        lanczos = Lanczos()
+        call(lanczos)  # warm starts, as at every evaluation after the first
+        counter = OpCounter()
+        with counter, count_host_reads(counter):
+            out = call(lanczos)
+        return counter.total, counter.syncs, out
+
+    for name, (call, P, (adapters, P_lora), ceiling) in calls.items():
+        ops0, reads0, plain = count(lambda lz, call=call, P=P: call(lz, precondition=P))
+        ops, reads, adapted = count(lambda lz, c=call, a=adapters, p={**P, **P_lora}: c(lz, precondition=p, adapters=a))
+        assert "precond_sharpness/lora/proj" in adapted and not [key for key in plain if "/lora/" in key]
+        assert ops - ops0 <= ceiling, (name, ops - ops0)
+        assert reads - reads0 <= 2, (name, reads - reads0)
+
+
 def test_read_labels_name_the_runs_each_stopping_test_read_served():
     """``bench_dispatch --reads`` (:class:`~benchmarks.bench_dispatch.ReadLabels`): two runs solved together share their
     reads (each read names both), a third solved after them has reads of its own, a run merged from two is named by

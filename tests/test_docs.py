@@ -59,6 +59,15 @@ def _known(key: str) -> bool:
     return block_key in table or keys.spec_of(block_key) is not None
 
 
+def test_docs_metrics_key_tables_have_four_cells_per_row():
+    """A ``|`` in a key's meaning splits its Markdown table row, even inside a code span."""
+    from curvwatch import keys
+
+    for name, table in keys.doc_sections().items():
+        split = [row for row in table.splitlines() if row.count("|") != 5]
+        assert not split, f"keys:{name}: rows that do not have 4 cells: {split}"
+
+
 def test_every_key_docs_metrics_names_exists():
     text = METRICS.read_text()
     named = sorted(set(_NAMED_KEY.findall(text)))

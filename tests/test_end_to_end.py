@@ -414,7 +414,16 @@ class Wrapped(L.LightningModule):
 
 
 def train_one_step(case: Case, tmp_path) -> tuple[dict[str, float], CurvatureMonitor]:
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, log_heatmap=False, on_error="raise", cadence=Cadence(max_overhead=None), evaluation=Evaluation(dtype="float64", tol=1e-10, max_iter=500, max_basis=None, max_tokens=B * SEQ, pairs=list(case.pairs)))  # fmt: skip
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=1,
+        log_heatmap=False,
+        on_error="raise",
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(
+            dtype="float64", tol=1e-10, max_iter=500, max_basis=None, max_tokens=B * SEQ, pairs=list(case.pairs)
+        ),
+    )
     logger = MemoryLogger()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=logger, callbacks=[monitor], default_root_dir=tmp_path,

@@ -30,7 +30,9 @@ def test_results_equal_the_blocks_own_closed_forms():
     out = engine.evaluate(blocks)
     assert list(out.results) == [b.spec.name for b in blocks] and not out.failed and not out.excluded
     attn = blocks[0]
-    expected = evaluate_block(attn, lanczos=Lanczos(tol=1e-6, max_iter=200, max_basis=None, warn=False), dtype=torch.float64)
+    expected = evaluate_block(
+        attn, lanczos=Lanczos(tol=1e-6, max_iter=200, max_basis=None, warn=False), dtype=torch.float64
+    )
     for key in ("hessian/QQ/h0", "outer/VV/h1", "term/x_norm"):
         assert float(out.results["layer0/attn"][key]) == pytest.approx(float(expected[key]), rel=1e-9)
     assert "ln/var_min" in out.results["layer0/ln_1"] and "ffn/dead_fraction" in out.results["layer0/ffn"]

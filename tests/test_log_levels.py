@@ -69,7 +69,14 @@ def _tokens():
 def _wide_run(tmp_path, level, loggers, **kwargs):
     """Step 0 full, step 1 terms-only; exact pairs only (VV, W2W2: no Lanczos, seconds), 2 real-loss samples."""
     torch.manual_seed(0)
-    monitor = CurvatureMonitor(every_n_train_steps=2, log_level=level, **kwargs, cadence=Cadence(terms_every_n_train_steps=1, max_overhead=None), evaluation=Evaluation(pairs=["VV", "W2W2"], max_tokens=14), sharpness=Sharpness(samples=2))  # fmt: skip
+    monitor = CurvatureMonitor(
+        every_n_train_steps=2,
+        log_level=level,
+        **kwargs,
+        cadence=Cadence(terms_every_n_train_steps=1, max_overhead=None),
+        evaluation=Evaluation(pairs=["VV", "W2W2"], max_tokens=14),
+        sharpness=Sharpness(samples=2),
+    )
     _fit(tmp_path, monitor, Wide(), loggers, max_steps=2)
     return monitor
 
@@ -157,7 +164,11 @@ def test_warnings_fire_at_the_default_level_from_keys_it_does_not_log(tmp_path):
         model.model.tok_emb.weight.mul_(1e-4)
         model.model.pos_emb.weight.mul_(1e-4)
     logger = MemoryLogger()
-    monitor = CurvatureMonitor(every_n_train_steps=100, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=100,
+        cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1),
+        evaluation=Evaluation(max_tokens=16),
+    )
     with pytest.warns(CurvatureWarning, match="variance collapse"):
         _fit(tmp_path, monitor, model, [logger], max_steps=4)
     keys = logger.keys()
@@ -171,7 +182,12 @@ def test_listeners_get_every_key_whatever_the_level(tmp_path):
     """A listener (the demo's plots) gets each evaluation's every key; the logger only those of the level."""
     seen = []
     logger = MemoryLogger()
-    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16))
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(max_tokens=16),
+    )
     monitor.book.listeners.append(seen.append)
     _fit(tmp_path, monitor, TinyLM(), [logger], max_steps=2)
     assert [e.step for e in seen] == [0, 1]

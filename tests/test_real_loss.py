@@ -139,7 +139,9 @@ def test_callback_sharpness_off_and_errors(tmp_path):
     trainer.fit(TinyLM(), loader())
     assert not any("sharpness" in k or "stability" in k for k in curv_rows(read_rows(trainer))[0])
     with pytest.raises(ValueError, match="Invalid logits_module='nope'"):
-        make_trainer(tmp_path / "bad", CurvatureMonitor(sharpness=Sharpness(logits_module="nope")), max_steps=1).fit(TinyLM(), loader())
+        make_trainer(tmp_path / "bad", CurvatureMonitor(sharpness=Sharpness(logits_module="nope")), max_steps=1).fit(
+            TinyLM(), loader()
+        )
 
 
 class _MSELM(TinyLM):
@@ -169,7 +171,12 @@ def test_callback_accumulation_gives_the_micro_batch_curvature(tmp_path):
     for k in (1, 2):
         torch.manual_seed(0)
         module = TinyLM(n_layer=1, lr=1e-9)
-        monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8))
+        monitor = CurvatureMonitor(
+            log_level="all",
+            every_n_train_steps=1,
+            evaluation=Evaluation(dtype="float64"),
+            sharpness=Sharpness(samples=8),
+        )
         trainer = make_trainer(tmp_path / str(k), monitor, max_steps=1, accumulate_grad_batches=k)
         batch = next(iter(loader(batch_size=4)))[0]
         same = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat([batch, batch])), batch_size=4)
@@ -203,7 +210,12 @@ class _MathLM(TinyLM):
 def test_verify_every_n_evals_matches_the_dense_true_hessian(tmp_path):
     """The in-run check (Hessian-vector products) against torch.func's dense block Hessian of the same batch."""
     module = _MathLM()
-    monitor = CurvatureMonitor(log_level="all", every_n_train_steps=1, evaluation=Evaluation(dtype="float64"), sharpness=Sharpness(samples=8, verify_every_n_evals=2))
+    monitor = CurvatureMonitor(
+        log_level="all",
+        every_n_train_steps=1,
+        evaluation=Evaluation(dtype="float64"),
+        sharpness=Sharpness(samples=8, verify_every_n_evals=2),
+    )
     batch = next(iter(loader(batch_size=4)))[0].double().long()
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     state = {k: v.clone() for k, v in module.state_dict().items()}

@@ -470,7 +470,8 @@ def _evaluate_all(blocks) -> dict[str, dict[str, float]]:
     return {
         b.spec.name: {
             k: float(v)
-            for k, v in evaluate_block(b, 
+            for k, v in evaluate_block(
+                b,
                 lanczos=Lanczos(tol=1e-6, max_iter=30, max_basis=None, warn=False),
                 dtype=torch.float64,
                 pairs=("VV", "QQ", "W1W1"),
@@ -653,7 +654,8 @@ def test_evaluation_bytes_bounds_measured_peak(B, L, d):
     _, blocks = _captured_gpt(B, L, d)
     for block in blocks:
         with PeakMemory() as peak:
-            evaluate_block(block, 
+            evaluate_block(
+                block,
                 lanczos=Lanczos(tol=1e-3, max_iter=20, max_basis=None, warn=False),
                 dtype=torch.float32,
                 pairs=("VV", "QQ", "KK", "W1W1", "W2W2"),
@@ -729,7 +731,12 @@ def test_memory_budget_shrinks_tokens_and_warns_once(tmp_path, spy, monkeypatch)
     # bases of those without): attention 0.97 MiB (bases 0.703 MiB: its own run's and its QQ and KK runs, held at
     # once), FFN 0.46 MiB (bases 0.352 MiB), LayerNorm 0.03
     budget_mb = 0.2
-    monitor = CurvatureMonitor(every_n_train_steps=1, log_heatmap=False, cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=28, memory_budget_mb=budget_mb, max_iter=20, max_basis=None))  # fmt: skip
+    monitor = CurvatureMonitor(
+        every_n_train_steps=1,
+        log_heatmap=False,
+        cadence=Cadence(max_overhead=None),
+        evaluation=Evaluation(max_tokens=28, memory_budget_mb=budget_mb, max_iter=20, max_basis=None),
+    )
     trainer = make_trainer(tmp_path, monitor, max_steps=2)
     messages = fit(trainer, tiny())
     # the attention bases (over half the budget) hold fewer vectors first, then its tokens shrink; one warning each
@@ -808,7 +815,8 @@ def _leak_loop():
         with Capture(specs, max_tokens=8) as capture:
             model(idx).square().mean().backward()
         for block in capture.blocks():  # VV is closed form: the loop stays fast, the path is the same
-            evaluate_block(block, 
+            evaluate_block(
+                block,
                 lanczos=Lanczos(tol=1e-3, max_iter=4, max_basis=None, warn=False),
                 dtype=torch.float32,
                 pairs=("VV", "W2W2"),
@@ -910,14 +918,19 @@ def test_one_time_warnings_and_token_limit_survive_checkpoint():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: Evaluation(memory_budget_mb=0), "Invalid curvwatch.Evaluation(memory_budget_mb=0): Must be a number > 0 (MiB)"),
-        (lambda: Evaluation(memory_budget_mb="1GB"), "Invalid curvwatch.Evaluation(memory_budget_mb='1GB'): Must be a number > 0"),
-        (lambda: Evaluation(memory_budget_mb=math.inf), "Invalid curvwatch.Evaluation(memory_budget_mb=inf): Must be a number > 0"),
+        (lambda: Evaluation(memory_budget_mb=0),
+         "Invalid curvwatch.Evaluation(memory_budget_mb=0): Must be a number > 0 (MiB)"),
+        (lambda: Evaluation(memory_budget_mb="1GB"),
+         "Invalid curvwatch.Evaluation(memory_budget_mb='1GB'): Must be a number > 0"),
+        (lambda: Evaluation(memory_budget_mb=math.inf),
+         "Invalid curvwatch.Evaluation(memory_budget_mb=inf): Must be a number > 0"),
         (lambda: CurvatureMonitor(every_n_train_steps=True), "Invalid every_n_train_steps=True. Must be an int >= 1."),
         (lambda: Evaluation(max_tokens=16.0), "Invalid curvwatch.Evaluation(max_tokens=16.0): Must be an int >= 1."),
         (lambda: Evaluation(tol=-1e-3), "Invalid curvwatch.Evaluation(tol=-0.001): Must be a number in [0, 1)"),
-        (lambda: Evaluation(dtype=torch.float32), "Invalid curvwatch.Evaluation(dtype=torch.float32): Must be one of ['float32', 'float64']."),
-        (lambda: CurvatureMonitor(blocks=[1, 2]), "Invalid blocks=[1, 2]. Must be 'auto' or a list of curvwatch.BlockSpec."),
+        (lambda: Evaluation(dtype=torch.float32),
+         "Invalid curvwatch.Evaluation(dtype=torch.float32): Must be one of ['float32', 'float64']."),
+        (lambda: CurvatureMonitor(blocks=[1, 2]),
+         "Invalid blocks=[1, 2]. Must be 'auto' or a list of curvwatch.BlockSpec."),
         (lambda: RuleSet(collapse_ratio=-1), "Invalid collapse_ratio=-1. Must be a number >= 0"),
     ],
 )  # fmt: skip

@@ -155,7 +155,8 @@ def head_statistics(
           output distributions, in nats;
         * ``adam_sharpness``: ``lambda_max(P^{-1/2} H P^{-1/2})`` (``adam_sharpness_residual``: as above);
           ``adam_ratio``: ``lr * adam_sharpness /
-          ((2 + 2 beta_1) / (1 - beta_1))`` (1 at the edge of stability; ``curvwatch.realloss.stability.stability_rule``).
+          ((2 + 2 beta_1) / (1 - beta_1))`` (1 at the edge of stability;
+          ``curvwatch.realloss.stability.stability_rule``).
     """
     starts = starts or {}
     seconds: dict[str, float] = {}

@@ -235,8 +235,8 @@ def render(results: Mapping[str, Any], figures: Sequence[str], head: Mapping[str
         f"Last full run: {len(results['runs'])} runs, {_fmt(results.get('train_wall_s'))} s of training wall time "
         f"(scoring {_fmt(wall)} s) on {results.get('environment', {}).get('processor', '?')} "
         f"({results.get('environment', {}).get('cpu_count', '?')} CPUs shared with other jobs; each run trains on "
-        "one thread, and runs split over processes with `--only` share the CPUs, so wall times are noisy); results in `benchmarks/results/instability/` (`results.json`, one trace per "
-        "run in `runs/`).",
+        "one thread, and runs split over processes with `--only` share the CPUs, so wall times are noisy); results "
+        "in `benchmarks/results/instability/` (`results.json`, one trace per run in `runs/`).",
         "",
         "## Mechanisms",
         "",
@@ -388,9 +388,9 @@ def _findings(results: Mapping[str, Any]) -> list[str]:
         "* **LayerNorm collapse is caught, and announced, but did not diverge.** With the embeddings under weight",
         "  decay 1000 the first LayerNorm's `var_min / eps` fell from 40 to about 1e-3; `ln_variance_drop` fired",
         f"  at steps {_first_steps(results, 'suite', 'ln_collapse')} and `ln_collapse` (3 evaluations' patience)",
-        "  about 10 steps after that, never on a control. The loss did not diverge: AdamW normalises the 1/sqrt(var + eps)",
-        "  growth of the gradients (the gradient norm ended ~100x above the control's), and the loss ended only",
-        "  0.02-0.06 nats above the control's (other optimizers were not tried).",
+        "  about 10 steps after that, never on a control. The loss did not diverge: AdamW normalises the",
+        "  1/sqrt(var + eps) growth of the gradients (the gradient norm ended ~100x above the control's), and the",
+        "  loss ended only 0.02-0.06 nats above the control's (other optimizers were not tried).",
         f"* **No false alarms.** The rules raised {_fmt(fa['suite']['false_alarms']['train']['per_1000'])} / "
         f"{_fmt(fa['suite']['false_alarms']['held_out']['per_1000'])} false alarms per 1000 steps of the stable "
         "runs (training / held-out seeds).",

@@ -46,6 +46,7 @@ __all__ = [
     "LowRankWrapper",
     "Projection",
     "UnsupportedWrapperError",
+    "collecting",
     "projection_features",
     "read_projection",
     "recording",
@@ -86,6 +87,8 @@ class LowRank:
         columns: The output columns ``(k,)`` of ``W`` it updates (``LongTensor``), or ``None`` for all.
         params: The parameters the optimizer steps, ``(lora_A, lora_B)`` as the module holds them (``A`` and ``B``
             are their transposes, or row slices of them for litgpt's fused ``qkv``).
+        part: Which of the module's updates it is, where a module has several: peft's adapter name, litgpt's fused
+            ``qkv`` part (``"q"``, ``"k"``, ``"v"``), the index in a :class:`LowRankWrapper`'s list.
     """
 
     A: Tensor
@@ -93,6 +96,7 @@ class LowRank:
     scale: float
     columns: Tensor | None = None
     params: tuple[Tensor, Tensor] | None = None
+    part: str | None = None
 
     @property
     def rank(self) -> int:
@@ -161,8 +165,10 @@ class LowRankWrapper(Protocol):
 class _Log:
     compute: bool
     read: list[tuple[nn.Module, str]] = field(default_factory=list)
-    # with tracing: (projection, offset) of each projection with updates, whose weight was read as its positions
-    traced: list[tuple[Projection, int]] | None = None
+    # with tracing: (projection, offset, module) of each projection with updates, whose weight was read as its positions
+    traced: list[tuple[Projection, int, nn.Module]] | None = None
+    # with collecting: every projection read that has updates, as read
+    found: list[Projection] | None = None
 
 
 _LOG: contextvars.ContextVar[_Log | None] = contextvars.ContextVar("curvwatch_projection_log", default=None)
@@ -176,10 +182,16 @@ def recording(compute: bool = True) -> Iterator[list[tuple[nn.Module, str]]]:
         compute: ``False`` reads the structure only: the wrappers are checked (and refused) as always, but the
             returned weights are the base ones (no product is formed; the set-up probe of :func:`weights_note`).
     """
-    log = _Log(compute)
+    with _logging(_Log(compute)) as log:
+        yield log.read
+
+
+@contextlib.contextmanager
+def _logging(log: _Log) -> Iterator[_Log]:
+    """``log`` as the reads' log inside the ``with`` (the previous one restored after it)."""
     token = _LOG.set(log)
     try:
-        yield log.read
+        yield log
     finally:
         _LOG.reset(token)
 
@@ -190,23 +202,31 @@ TRACE_STRIDE = 2.0**40
 
 
 @contextlib.contextmanager
-def tracing() -> Iterator[list[tuple[Projection, int]]]:
+def tracing() -> Iterator[list[tuple[Projection, int, nn.Module]]]:
     """Read every projection that has low-rank updates as the *positions* of its weight's entries: entry ``(i, c)``
     of the ``k``-th such projection (``W`` ``(d_in, d_out)``) reads ``(k + 1) TRACE_STRIDE + i d_out + c`` (float64).
     An adapter's ``read_params`` only re-indexes its projections' weights, so where each position lands in a kernel
     argument says which entry of which projection it is (:func:`curvwatch.adapters.updates.kernel_updates`). Yields
-    ``[(projection, offset)]`` (offset ``(k + 1) TRACE_STRIDE``); no product is formed."""
-    log = _Log(compute=False, traced=[])
-    token = _LOG.set(log)
-    try:
+    ``[(projection, offset, module)]`` (offset ``(k + 1) TRACE_STRIDE``, ``module`` the wrapper read); no product is
+    formed."""
+    with _logging(_Log(compute=False, traced=[])) as log:
         yield log.traced
-    finally:
-        _LOG.reset(token)
 
 
-def _traced(p: Projection) -> Projection:
-    """``p``, or while :func:`tracing` and ``p`` has updates, ``p`` with its weight's positions as ``W``."""
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Projection]]:
+    """Read as always (the effective weights) and collect every projection read that has low-rank updates, so that
+    their factors (:class:`LowRank`, views of the live parameters) come with the read that snapshots the weights."""
+    with _logging(_Log(compute=True, found=[])) as log:
+        yield log.found
+
+
+def _traced(module: nn.Module, p: Projection) -> Projection:
+    """``p``, or while :func:`tracing` and ``p`` has updates, ``p`` with its weight's positions as ``W`` (while
+    :func:`collecting`, ``p`` is collected)."""
     log = _LOG.get()
+    if log is not None and log.found is not None and p.updates:
+        log.found.append(p)
     if log is None or log.traced is None:
         return p
     if not p.factored:
@@ -219,7 +239,7 @@ def _traced(p: Projection) -> Projection:
     offset = int(TRACE_STRIDE) * (len(log.traced) + 1)
     d_in, d_out = p.W.shape
     W = torch.arange(d_in * d_out, dtype=torch.float64, device=p.W.device).add_(offset).view(d_in, d_out)
-    log.traced.append((p, offset))
+    log.traced.append((p, offset, module))
     return Projection(W, p.b, p.updates, p.label, p.factored)
 
 
@@ -388,7 +408,7 @@ def _peft_lora(module: nn.Module, layout: str) -> Projection:
             )
         _dropout_check(module, module.lora_dropout[name], where)
         s = float(module.scaling[name])
-        u = LowRank(lora_A.weight.T, lora_B.weight.T, s, params=(lora_A.weight, lora_B.weight))
+        u = LowRank(lora_A.weight.T, lora_B.weight.T, s, params=(lora_A.weight, lora_B.weight), part=name)
         ranks.append(u.rank)
         if vkey is None:
             updates.append(u)
@@ -438,11 +458,12 @@ def _litgpt_lora(module: nn.Module, layout: str) -> Projection:
     q, kv = module.head_size * module.n_head, module.head_size * module.n_query_groups
     spans = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
     updates, row = [], 0
-    for i, (lo, hi) in enumerate(span for span, on in zip(spans, enabled, strict=True) if on):
+    on = [(part, span) for part, span, yes in zip("qkv", spans, enabled, strict=True) if yes]
+    for i, (part, (lo, hi)) in enumerate(on):
         A = module.lora_A[i * r : (i + 1) * r].T  # (d_in, r)
         B = module.lora_B[row : row + hi - lo].T  # (r, hi - lo)
         columns = torch.arange(lo, hi, device=module.lora_A.device)
-        updates.append(LowRank(A, B, s, columns=columns, params=params))
+        updates.append(LowRank(A, B, s, columns=columns, params=params, part=part))
         row += hi - lo
     parts = ", ".join(n for n, on in zip("qkv", enabled, strict=True) if on)
     return _combine(module, base, updates, _label("LoRA", [r], f" ({parts})"))
@@ -452,7 +473,7 @@ def _protocol(module: nn.Module, layout: str) -> Projection:
     """A :class:`LowRankWrapper`: its base as read here, plus its updates."""
     base_module, parts = module.lowrank_parts()
     inner = read_projection(base_module, layout)
-    updates = [LowRank(A.T, B.T, float(s), params=(A, B)) for A, B, s in parts]
+    updates = [LowRank(A.T, B.T, float(s), params=(A, B), part=str(i)) for i, (A, B, s) in enumerate(parts)]
     if not updates:
         return inner
     label = _label("low-rank", [u.rank for u in updates])
@@ -482,11 +503,11 @@ def read_projection(module: nn.Module, layout: str = "out_in") -> Projection:
     """
     key = _type_key(module)
     if key == PEFT_LORA:
-        return _traced(_peft_lora(module, layout))
+        return _traced(module, _peft_lora(module, layout))
     if key in (LITGPT_LORA, LITGPT_LORA_QKV):
-        return _traced(_litgpt_lora(module, layout))
+        return _traced(module, _litgpt_lora(module, layout))
     if isinstance(module, LowRankWrapper):
-        return _traced(_protocol(module, layout))
+        return _traced(module, _protocol(module, layout))
     if key.startswith("peft.") and key not in QUANTISED:
         raise UnsupportedWrapperError(
             f"{type(module).__name__} ({key}) is a peft tuner layer curvwatch does not read (LoRA and DoRA on "

@@ -5,7 +5,7 @@ from .block import transformer_block
 from .bounds import attention_bounds, softmax_hessian_frobenius, softmax_jacobian_norm
 from .ffn import ffn
 from .gated_ffn import gated_ffn
-from .inputs import AttentionStructure, AttentionWeights, FFNWeights, GatedFFNWeights, OutputLoss
+from .inputs import AttentionStructure, AttentionWeights, FFNWeights, GatedFFNWeights, LowRankUpdate, OutputLoss
 from .layernorm import layernorm
 from .rmsnorm import rmsnorm
 from .settings import EXACT, PARTS, Lanczos, LanczosWarning, WarmStart, inputs_checked
@@ -26,6 +26,7 @@ __all__ = [
     "FFNWeights",
     "GatedFFNWeights",
     "OutputLoss",
+    "LowRankUpdate",
     # the Hessian parts
     "PARTS",
     # settings of the iterative (Lanczos) norms

@@ -252,7 +252,7 @@ def transformer_block(
         params: ``W_Q, W_K`` ``(d, H d_K)``, ``W_V`` ``(d, H d_V)``, ``W_1`` ``(d, f)``, ``W_2`` ``(f, d)``;
             optional ``n_heads`` (default 1), ``W_O`` ``(H d_V, d)`` (default identity), biases ``b_Q, b_K, b_V,
             b_O, b_1, b_2`` and LayerNorm affine ``ln1_weight, ln1_bias, ln2_weight, ln2_bias``.
-        norm: ``"post"`` (formula sheet §6) or ``"pre"`` (GPT-2 style, see module docstring).
+        norm: ``"post"`` (Ormaniec et al. 2024) or ``"pre"`` (GPT-2 style, see module docstring).
         activation: ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``.
         eps: LayerNorm epsilon.
         causal: causal attention mask.

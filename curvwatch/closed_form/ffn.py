@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ._common import as_batched, check_like, check_row_mask, check_weight, output_cotangent
-from .inputs import FFNWeights, OutputLoss
+from .adapted import adapted_plan, adapter_shapes, check_adapters
+from .inputs import FFNWeights, LowRankUpdate, OutputLoss
 from .settings import PARTS, Lanczos, check_parts
 from .solver.linalg import gram_lambda_max, shared_times, times_shared
 from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
-from .solver.plan import norms_with_a_linear_pair
+from .solver.plan import Planned, norms_with_a_linear_pair
 from .solver.sampled import SampledCurvature, check_output_samples, check_precondition, with_sampled
 from .solver.sampled_keys import sampled_plan
 
@@ -126,6 +127,10 @@ class FFNOperator(BlockOperator):
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
+    def weight_gradient(self, outputs=("W1", "W2")) -> dict[str, torch.Tensor]:
+        """``G = J^T g``, the gradient of the loss in each weight block of ``outputs`` (``(d, f)``, ``(f, m)``)."""
+        return {nm: G[0] for nm, G in self._pull(self.g.unsqueeze(0), None, None, None, False, outputs).items()}
+
     def _tangents(self, tangent, output: bool = True):
         """``(dZ, dHid, dW2, dS)``: the tangents of the pre-activation ``(n, N, f)``, the hidden activation, the
         ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing moves them)."""
@@ -193,6 +198,7 @@ def ffn(
     lanczos: Lanczos | None = None,
     dense: bool = False,
     precondition: Mapping[str, torch.Tensor] | None = None,
+    adapters: Mapping[str, LowRankUpdate] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a feed-forward sub-block in its weights ``W_1`` and ``W_2``.
 
@@ -212,7 +218,11 @@ def ffn(
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY``.
         precondition: with ``output_samples``, ``{"W_1": P_1, "W_2": P_2}`` (either or both): the diagonal of a
-            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
+            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight; and
+            ``"lora/<name>"`` ``(A.numel() + B.numel(),)`` for an adapter of ``adapters`` (its ``[vec A, vec B]``).
+        adapters: with ``output_samples``, ``name -> LowRankUpdate`` (:class:`~curvwatch.closed_form.LowRankUpdate`):
+            low-rank adapters on ``W_1`` / ``W_2`` whose factors the optimizer steps (``weights`` holds the effective
+            weights); see Returns.
 
     Returns:
         0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY``, ``dead_fraction`` (hidden units never
@@ -227,9 +237,14 @@ def ffn(
         with ``precondition`` holding ``W_X``, ``precond_ggn/XX`` and ``precond_sharpness/XX``, the same of
         ``P^{-1/2} (.) P^{-1/2}``; and ``residual/...`` of each (all by Lanczos, whatever ``parts``).
 
+        With ``adapters``, the same keys of each adapter's parameters ``theta = [vec A, vec B]`` (the curvature of
+        the loss in ``theta`` by the chain rule, :mod:`curvwatch.closed_form.adapted`): ``ggn/lora/<name>``,
+        ``sharpness/lora/<name>``, with its preconditioner ``precond_ggn/lora/<name>``,
+        ``precond_sharpness/lora/<name>``.
+
     Raises:
         ValueError: on invalid shapes or options, ``output_samples`` / ``precondition`` with ``target``, or
-            ``precondition`` without ``output_samples``.
+            ``precondition`` / ``adapters`` without ``output_samples``.
 
     Example:
         >>> Y, T = torch.randn(6, 3, dtype=torch.float64), torch.zeros(6, 3, dtype=torch.float64)
@@ -247,9 +262,9 @@ def ffn(
     samples = check_output_samples(
         loss.output_samples, target=loss.target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
     )
-    pre = check_precondition(
-        precondition, {"W_1": tuple(W_1.shape), "W_2": tuple(W_2.shape)}, Y3, has_samples=samples is not None
-    )
+    shapes = {"W_1": tuple(W_1.shape), "W_2": tuple(W_2.shape)}
+    adapters = check_adapters(adapters, shapes, Y3, has_samples=samples is not None)
+    pre = check_precondition(precondition, {**shapes, **adapter_shapes(adapters)}, Y3, has_samples=samples is not None)
     # the operator (and act', act'') serves the Lanczos and dense products only
     need_op = bool(iterative) or dense or samples is not None
     Z = Y3 @ W_1 + (0 if b_1 is None else b_1)  # (B, L, f)
@@ -268,10 +283,10 @@ def ffn(
     op = FFNOperator(Y3, Hid, a1, a2, W_1, W_2, g, c, keep, act2_is_zero=relu) if need_op else None
     out, terms = exact_keys(Y3, Hid, {"w1_norm": W_1, "w2_norm": W_2}, c, keep, row_mask, "W2W2" in pairs)
     # the sampled keys' Gram columns first (no Lanczos basis is held yet); S is linear in W_2
-    splan = token_sampled_plan(op, samples, pairs, {"W_1": "W1", "W_2": "W2"}, pre, ("W2W2",), lz)
+    splans = token_sampled_plan(op, samples, pairs, {"W_1": "W1", "W_2": "W2"}, pre, ("W2W2",), lz, adapters)
     # ReLU: act'' = 0, so H_f(W1W1) = 0 exactly and the Hessian block is its outer part: one Lanczos run. The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, parts=parts, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W1W1" if relu else None, parts=parts, lanczos=lz, extra=splans))
     out.update(_activity(Z, keep, row_mask, Y3.dtype))
     out.update(terms)
     if dense:
@@ -290,17 +305,24 @@ def loss_cotangent(F, loss: OutputLoss, keep: torch.Tensor, shape: tuple[int, in
     return g, c
 
 
-def token_sampled_plan(op, samples, pairs, blocks: dict[str, str], pre: dict, linear: tuple[str, ...], lanczos):
-    """The sampled keys' plan (:func:`~.solver.sampled_keys.sampled_plan`) of a token-wise block (FFN, gated FFN):
-    its diagonal pairs of ``pairs`` with the samples ``(k, B, L, m)`` as output curvature, ``pre`` (``D`` per weight
-    argument) renamed to the operator's ``blocks``, ``linear`` the pairs whose functional block is zero; None without
-    samples."""
+def token_sampled_plan(
+    op, samples, pairs, blocks: dict[str, str], pre: dict, linear: tuple[str, ...], lanczos, adapters=None
+) -> list[Planned]:
+    """The sampled keys' plans of a token-wise block (FFN, gated FFN): its diagonal pairs of ``pairs`` with the samples
+    ``(k, B, L, m)`` as output curvature (:func:`~.solver.sampled_keys.sampled_plan`), ``pre`` (``D`` per weight
+    argument) renamed to the operator's ``blocks``, ``linear`` the pairs whose functional block is zero; then, with
+    ``adapters`` (:func:`~.adapted.check_adapters`), their keys' plan (:func:`~.adapted.adapted_plan`, ``pre``'s
+    ``"lora/<name>"``); none without samples."""
     if samples is None:
-        return None
+        return []
     sop = with_sampled(op, SampledCurvature.of_tokens(samples))
     diagonal = [p for p in pairs if p[: len(p) // 2] == p[len(p) // 2 :]]
-    scale = {blocks[nm]: D for nm, D in pre.items()}
-    return sampled_plan(sop, [(diagonal, None, linear)], lanczos=lanczos, scale=scale)
+    scale = {blocks[nm]: D for nm, D in pre.items() if nm in blocks}
+    plans = [sampled_plan(sop, [(diagonal, None, linear)], lanczos=lanczos, scale=scale)]
+    if adapters:
+        on = {w: (block, None) for w, block in blocks.items()}
+        plans.append(adapted_plan(sop, adapters, on, lanczos=lanczos, scale=pre))
+    return plans
 
 
 def _checked_weights(Y3: torch.Tensor, weights: FFNWeights, residual: bool, row_mask):

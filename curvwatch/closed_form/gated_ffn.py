@@ -30,8 +30,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ._common import as_batched, check_like, check_row_mask, check_weight
+from .adapted import adapter_shapes, check_adapters
 from .ffn import activation_derivatives, activation_value, exact_keys, loss_cotangent, token_sampled_plan
-from .inputs import GatedFFNWeights, OutputLoss
+from .inputs import GatedFFNWeights, LowRankUpdate, OutputLoss
 from .settings import PARTS, Lanczos, check_parts
 from .solver.linalg import shared_times, times_shared
 from .solver.operator import BlockOperator, ParamInfo, dense_blocks, rows_times, run_parts, select_rows
@@ -153,6 +154,12 @@ class GatedFFNOperator(BlockOperator):
 
         return run_parts(part, outer_rows, func_rows, total_rows)
 
+    def weight_gradient(self, outputs=("W1", "W3", "W2")) -> dict[str, torch.Tensor]:
+        """``G = J^T g``, the gradient of the loss in each weight block of ``outputs`` (``(d, f)``, ``(d, f)``,
+        ``(f, m)``)."""
+        grads = self._pull(self.g.unsqueeze(0), None, None, None, None, False, outputs)
+        return {nm: G[0] for nm, G in grads.items()}
+
     def _tangents(self, tangent, output: bool = True):
         """``(dZg, dZu, dHid, dW2, dF)``: the tangents of the gate and up pre-activations ``(n, N, f)``, the hidden
         activation, the ``W2`` perturbation itself and (with ``output``) the output ``(n, N, m)`` (None where nothing
@@ -224,6 +231,7 @@ def gated_ffn(
     lanczos: Lanczos | None = None,
     dense: bool = False,
     precondition: Mapping[str, torch.Tensor] | None = None,
+    adapters: Mapping[str, LowRankUpdate] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of a gated MLP (SwiGLU / GeGLU) in its three weights.
 
@@ -246,7 +254,10 @@ def gated_ffn(
         lanczos: settings of the iterative norms (:class:`~curvwatch.closed_form.Lanczos`; default ``Lanczos()``).
         dense: also return ``dense/{outer,functional,hessian}/XY`` for the six pairs (small sizes only).
         precondition: with ``output_samples``, any of ``{"W_gate": P_g, "W_up": P_u, "W_down": P_d}``: the diagonal
-            of a positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
+            of a positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight; and
+            ``"lora/<name>"`` for an adapter of ``adapters``, as in :func:`curvwatch.closed_form.ffn`.
+        adapters: with ``output_samples``, low-rank adapters on ``W_gate``, ``W_up``, ``W_down`` whose factors the
+            optimizer steps, as in :func:`curvwatch.closed_form.ffn` (their keys ``ggn/lora/<name>``, ...).
 
     Returns:
         0-d tensors ``outer/XY``, ``functional/XY``, ``hessian/XY`` (with ``residual/{part}/XY`` for the Lanczos
@@ -265,7 +276,7 @@ def gated_ffn(
     Raises:
         ValueError: on an unknown ``activation``, pair or part, inconsistent shapes, unless exactly one of
             ``target`` and ``grad_output`` is given, on ``output_samples`` / ``precondition`` with ``target``, and
-            on ``precondition`` without ``output_samples``.
+            on ``precondition`` / ``adapters`` without ``output_samples``.
 
     Example:
         >>> Y, G = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -286,7 +297,8 @@ def gated_ffn(
         loss.output_samples, target=loss.target, out_shape=(B, L, m), batched=batched, row_keep=keep, ref=Y3
     )
     shapes = {"W_gate": tuple(W_gate.shape), "W_up": tuple(W_up.shape), "W_down": tuple(W_down.shape)}
-    pre = check_precondition(precondition, shapes, Y3, has_samples=samples is not None)
+    adapters = check_adapters(adapters, shapes, Y3, has_samples=samples is not None)
+    pre = check_precondition(precondition, {**shapes, **adapter_shapes(adapters)}, Y3, has_samples=samples is not None)
     # act', act'' and the operator serve the Lanczos and dense products only
     need_op = bool(iterative) or dense or samples is not None
     Z_g = Y3 @ W_gate + (0 if b_gate is None else b_gate)  # (B, L, f)
@@ -302,10 +314,10 @@ def gated_ffn(
     out, terms = exact_keys(Y3, Hid, norms, c, keep, row_mask, "W2W2" in pairs)  # F is linear in W_down
     # the sampled keys' Gram columns first (no Lanczos basis is held yet); F is linear in W_down and W_up
     blocks = {"W_gate": "W1", "W_up": "W3", "W_down": "W2"}
-    splan = token_sampled_plan(op, samples, pairs, blocks, pre, ("W2W2", "W3W3"), lz)
+    splans = token_sampled_plan(op, samples, pairs, blocks, pre, ("W2W2", "W3W3"), lz, adapters)
     # F is linear in W_up: H_f(W3W3) = 0 exactly, the Hessian block is its outer part (one Lanczos run). The engine's
     # runs and the sampled keys' in one solve
-    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", parts=parts, lanczos=lz, extra=splan))
+    out.update(norms_with_a_linear_pair(op, iterative, "W3W3", parts=parts, lanczos=lz, extra=splans))
     out.update(_gate_activity(Z_g, keep, row_mask, Y3.dtype))
     out.update(terms)
     if dense:

@@ -2,8 +2,9 @@
 
 Every kernel of :mod:`curvwatch.closed_form` takes its input tensor first, then the block's weights as one object
 (:class:`AttentionWeights`, :class:`FFNWeights`, :class:`GatedFFNWeights`), and keywords: the loss at the block output
-(:class:`OutputLoss`), for attention its structure (:class:`AttentionStructure`), and what to compute (``pairs``,
-``parts``, ``lanczos``, ``dense``, ...). The ground truths of :mod:`curvwatch.reference` take the same objects, so a
+(:class:`OutputLoss`), for attention its structure (:class:`AttentionStructure`), the low-rank adapters whose
+parameters the optimizer steps (:class:`LowRankUpdate`), and what to compute (``pairs``, ``parts``, ``lanczos``,
+``dense``, ...). The ground truths of :mod:`curvwatch.reference` take the same objects, so a
 test calls both the same way.
 
 Weights follow the math convention ``X @ W``: a weight is ``(d_in, d_out)`` (pass ``nn.Linear.weight.T``).
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionStructure", "AttentionWeights", "FFNWeights", "GatedFFNWeights", "OutputLoss"]
+__all__ = ["AttentionStructure", "AttentionWeights", "FFNWeights", "GatedFFNWeights", "LowRankUpdate", "OutputLoss"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,3 +171,33 @@ class GatedFFNWeights:
     b_gate: torch.Tensor | None = None
     b_up: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class LowRankUpdate:
+    """A low-rank adapter ``s A B`` inside the block's weights, whose factors ``A``, ``B`` the optimizer steps (LoRA).
+
+    The weights the kernel is given are the effective ones (``W_0 + s A B`` in the columns the update writes); a
+    kernel's ``adapters=`` adds the curvature of the loss in ``theta = [vec(A), vec(B)]`` (row-major, ``A`` first),
+    by the chain rule ``dW = s (dA B + A dB)`` (:mod:`curvwatch.closed_form.adapted`).
+
+    Args:
+        A: ``(d_in, r)`` (peft's ``lora_A.weight.T``).
+        B: ``(r, k)`` (peft's ``lora_B.weight.T``).
+        scale: ``s`` (peft and litgpt: ``lora_alpha / r``).
+        writes: Weight argument (``"W_Q"``, ``"W_1"`` ...) -> ``(source, dest)``, two ``(n,)`` ``LongTensor`` s: the
+            columns of ``B`` that land in that weight and their columns there (packed as the weight is passed, head
+            ``h`` owning columns ``h d_K:(h+1) d_K``). An update of one whole weight is ``{"W_Q": (arange(k),
+            arange(k))}``; one over a fused ``[W_Q | W_K | W_V]`` writes three weights.
+
+    Example:
+        >>> A, B = torch.zeros(4, 2), torch.zeros(2, 6)
+        >>> update = LowRankUpdate(A, B, 2.0, {"W_1": (torch.arange(6), torch.arange(6))})
+        >>> update.A.shape, sorted(update.writes)
+        (torch.Size([4, 2]), ['W_1'])
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    writes: Mapping[str, tuple[torch.Tensor, torch.Tensor]]

@@ -158,7 +158,7 @@ def layernorm(
         (``1/min(var + eps)``), ``var_min_over_eps`` (``inf`` when ``eps = 0``), ``jacobian_norm`` and
         ``hessian_norm`` (exact, of the normalisation), ``jacobian_norm_affine_bound``,
         ``hessian_norm_affine_bound``; with ``grad_output`` also ``contracted_hessian_norm`` (exact) and
-        ``contracted_hessian_bound`` (``6||g||/(sqrt(n) s^2)``, sheet §4).
+        ``contracted_hessian_bound`` (``6||g||/(sqrt(n) s^2)``).
 
     Example:
         >>> out = layernorm(torch.tensor([[1.0, -1.0, 0.5, -0.5]], dtype=torch.float64), eps=0.0)

@@ -55,8 +55,8 @@ from curvwatch.options import Precision, choice
 
 __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation", "signal_plan"]
 
-#: The monitor's Lanczos settings: every norm of the demo and of a 6-layer d = 384 GPT converged within them, to
-#: true errors <= 1.7e-3 (docs/performance.md).
+#: The monitor's Lanczos settings (:class:`curvwatch.Evaluation`'s defaults); ``python -m benchmarks.bench_accuracy``
+#: measures their true errors on the demo's model and a 6-layer d = 384 GPT against tightly converged norms.
 MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=40, max_basis=16, warn=False)
 
 #: Blocks evaluated together (their Lanczos stopping tests sharing one host read, see ``Engine._windows``) hold at

@@ -38,7 +38,8 @@ def kernel_inputs(block: CapturedBlock, dtype: torch.dtype | None = None) -> dic
     take the same.
 
     Padded positions (the block's key padding or row mask) are zeroed in the input, the output gradient and the
-    output samples: no statistic may see what a padded position holds.
+    output samples: no statistic may see what a padded position holds. A block's low-rank adapters (``adapters``, the
+    curvature in their parameters) go with its output samples only.
 
     Args:
         block: A captured block (its weights are read now under sharding, :meth:`CapturedBlock.with_params`).
@@ -56,6 +57,8 @@ def kernel_inputs(block: CapturedBlock, dtype: torch.dtype | None = None) -> dic
     kwargs.update(block.params)
     kwargs.update({k: v for k, v in block.inputs.items() if k not in ("X", "grad_output")})
     kwargs["grad_output"] = block.inputs.get("grad_output")
+    if "output_samples" not in block.inputs or not kwargs.get("adapters"):
+        kwargs.pop("adapters", None)
     mask = kwargs[kind.mask_name] = block.inputs.get(kind.mask_name)
     if mask is not None:  # padded rows carry no information: no statistic may see their values
         padded = (mask if kind.mask_name == "key_padding_mask" else ~mask)[..., None]
@@ -89,7 +92,8 @@ def evaluate_block(
         parts: The Hessian parts whose norms to compute (attention, FFN): a subset of :data:`PARTS
             <curvwatch.closed_form.settings.PARTS>`.
         precondition: ``{weight name: P}`` in the kernel's weight layout (Adam's ``sqrt(v_hat) + eps``), for the
-            ``precond_sharpness/...`` keys of a block with ``output_samples``; ``None``: none.
+            ``precond_sharpness/...`` keys of a block with ``output_samples``, and ``{"lora/<name>": P}`` for its
+            adapters' ``[vec A, vec B]``; ``None``: none.
         signals: Pass the kind's :attr:`~curvwatch.kinds.BlockKind.signal_kwargs` too: only what the warning rules
             read (and ``pairs``).
 
@@ -126,5 +130,3 @@ def _cast(kwargs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
         else v
         for k, v in kwargs.items()
     }
-
-

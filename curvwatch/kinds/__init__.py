@@ -97,6 +97,10 @@ class BlockKind:
         sampled: Whether the kernel takes ``output_samples`` (sampled output gradients of the real loss,
             :mod:`curvwatch.realloss`; in its loss) and ``precondition``, and then returns ``ggn/...`` and
             ``sharpness/...``.
+        adapted: The weight arguments whose low-rank adapters (LoRA) the kernel takes with its samples
+            (``adapters=``, :class:`~curvwatch.closed_form.LowRankUpdate`): it then returns ``ggn/lora/<name>``,
+            ``sharpness/lora/<name>``, the curvature in the adapter's own parameters. An adapter on another weight
+            (the attention's ``W_O``) has none.
         label: A human name for messages and docs (``"LayerNorm"``).
         doc: One line for the docs' table of kinds.
     """
@@ -119,6 +123,7 @@ class BlockKind:
     summaries: tuple[Summary, ...] = ()
     input_only_keys: bool = False
     sampled: bool = False
+    adapted: tuple[str, ...] = ()
     label: str = ""
     doc: str = ""
     diagonal_pairs: tuple[str, ...] = field(init=False)

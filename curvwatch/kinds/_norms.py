@@ -19,7 +19,7 @@ def norm_kind(
         stat: The row statistic's key stem: ``"var"`` (LayerNorm), ``"ms"`` (RMSNorm).
         root: The stem of its square root: ``"std"``, ``"rms"``.
         stat_text: What the statistic is, e.g. ``"row variance"``.
-        affine: The affine factor bounding the affine norms, e.g. ``"max |γ|"``.
+        affine: The affine factor bounding the affine norms, e.g. ``"‖γ‖_∞"`` (a table cell: no ``|``).
         bound: The contracted-Hessian bound and where it is derived.
     """
     p = prefix

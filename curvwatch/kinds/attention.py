@@ -43,7 +43,7 @@ def _prepare(kwargs):
 
 
 _KEYS = (
-    KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (the formula sheet's; never below it)"),
+    KeySpec("bound/{XY}[/{head}]", "corrected upper bound of `‖H(XY)‖` (never below it; docs/closed_forms.md)"),
     KeySpec("bound/outer/{XY}[/{head}]", "corrected upper bound of `‖H_o(XY)‖`"),
     KeySpec("bound/functional/{XY}[/{head}]", "corrected upper bound of `‖H_f(XY)‖`"),
     KeySpec("term/x_norm", "`‖X‖₂` of the block input (max over sequences)"),
@@ -76,6 +76,7 @@ def _attention_kind(name: str, extra_keys: tuple[KeySpec, ...], doc: str) -> Blo
         signal_kwargs={"terms": "signals"},  # x_norm, wq/wk norms, softmax-Jacobian norm: no other term, no bound
         iterative=True,
         sampled=True,
+        adapted=("W_Q", "W_K", "W_V"),
         has_norms=True,
         call_inputs=_call_inputs,
         prepare=_prepare,

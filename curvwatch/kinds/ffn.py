@@ -25,6 +25,7 @@ KIND = register_kind(
         exact_pairs=("W2W2",),
         iterative=True,
         sampled=True,
+        adapted=("W_1", "W_2"),
         has_norms=True,
         prepare=lambda kwargs: grouped(kwargs, "Y", FFNWeights),
         work_elements=lambda B, L, d, p: 32 * B * L * p["W_1"].shape[-1],

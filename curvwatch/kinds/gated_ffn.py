@@ -21,6 +21,7 @@ KIND = register_kind(
         exact_pairs=("W2W2",),
         iterative=True,
         sampled=True,
+        adapted=("W_gate", "W_up", "W_down"),
         has_norms=True,
         prepare=lambda kwargs: grouped(kwargs, "Y", GatedFFNWeights),
         # gate and up pre-activations, the gated hidden layer and their tangents: (B, L, f) each

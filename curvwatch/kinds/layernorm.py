@@ -13,8 +13,8 @@ KIND = register_kind(
         stat="var",
         root="std",
         stat_text="row variance",
-        affine="max |γ|",
-        bound="`6‖g‖/(√n s²)` (formula sheet §4)",
+        affine="‖γ‖_∞",
+        bound="`6‖g‖/(√n s²)`",
         doc="LayerNorm over the last dimension: variance statistics, exact Jacobian/Hessian norms (no weight blocks)",
     )
 )

@@ -17,7 +17,7 @@ KIND = register_kind(
         stat="ms",
         root="rms",
         stat_text="row mean square `‖x‖²/n`",
-        affine="max |offset + γ|",
+        affine="‖offset + γ‖_∞",
         bound="`4‖g'‖/(√n r²)` (docs/closed_forms.md, RMSNorm)",
         doc="RMSNorm `x / sqrt(mean(x²) + eps) (offset + γ)`: mean-square statistics, exact Jacobian/Hessian norms",
     )

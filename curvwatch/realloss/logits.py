@@ -80,7 +80,7 @@ def backward_hooks_note(model: nn.Module) -> str | None:
         True
         >>> _ = net.register_full_backward_hook(lambda m, gi, go: None)
         >>> backward_hooks_note(net)[:60]
-        "the model has backward hooks (on ''): the sampled backward p"
+        "the model has backward hooks (on ''): on every full evaluati"
     """
     from torch.nn.modules import module as nn_module
 

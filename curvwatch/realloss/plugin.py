@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -20,8 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from curvwatch.adapters.updates import block_adapters
 from curvwatch.alerts import Notices
 from curvwatch.capture import Capture, CapturedBlock, monitor_passes
+from curvwatch.closed_form.adapted import ADAPTER_PREFIX
 from curvwatch.closed_form.solver.debiasing import SPREAD_LIMIT
 from curvwatch.engine import Evaluation
 from curvwatch.kinds import KINDS
@@ -115,6 +118,7 @@ class RealLoss:
         self.hooks_note: str | None = None  # set by resolve: backward hooks the sampled passes run through
         self.status = "off"
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
+        self._refused: dict[str, dict[str, str]] = {}  # block -> its adapters without a ratio, and why
         self._rules: dict[str, StabilityRule] = {}  # the open evaluation's (preconditioners -> finish)
         self.verified: dict[str, dict[str, float]] = {}  # the last sample's true block sharpness (verify)
 
@@ -134,6 +138,7 @@ class RealLoss:
         self.module = None
         self.hooks_note = None  # a previous fit's model may have had hooks
         self._maps = {}  # maps of weights to parameters, by block name: a new model (or fit) has its own
+        self._refused = {}
         if self.enabled is False:
             self.status = "off (sharpness=False)"
             return self.status
@@ -258,13 +263,14 @@ class RealLoss:
 
     def preconditioners(self, optimizer: Any, blocks: Iterable[CapturedBlock]) -> dict[str, dict[str, Tensor]]:
         """``{block: {weight: P}}``: the Adam preconditioners of the captured blocks with samples, for the engine's
-        ``precondition`` (none for SGD). The optimizer's rule of each block is kept for :meth:`finish`; the reasons
-        for none are said once (Adam before its first step is expected and not said)."""
+        ``precondition`` (none for SGD; an adapter's, ``"lora/<name>"``, where the block captured it). The optimizer's
+        rule of each block is kept for :meth:`finish`; the reasons for none are said once (Adam before its first step
+        is expected and not said)."""
         self._rules = {}
-        sampled = [b.spec for b in blocks if "output_samples" in b.inputs]
+        sampled = [b for b in blocks if "output_samples" in b.inputs]
         if optimizer is None or not sampled:
             return {}
-        self._rules, why = self.rules(optimizer, sampled)
+        self._rules, why = self.rules(optimizer, [b.spec for b in sampled])
         for name, reason in why.items():
             if reason != NO_STATE_YET:
                 self.notices.once(
@@ -272,7 +278,15 @@ class RealLoss:
                     f"CurvatureMonitor logs no stability/... ratio for '{name}' (nor for other blocks with the same "
                     f"reason): {reason}.",
                 )
-        return {name: rule.precondition for name, rule in self._rules.items() if rule.precondition}
+        captured = {b.spec.name: b.params.get("adapters") or {} for b in sampled}
+        out = {}
+        for name, rule in self._rules.items():
+            held = captured.get(name, {})
+            pre = {w: P for w, P in (rule.precondition or {}).items()
+                   if not w.startswith(ADAPTER_PREFIX) or w[len(ADAPTER_PREFIX) :] in held}  # fmt: skip
+            if pre:
+                out[name] = pre
+        return out
 
     def finish(self, evaluation: Evaluation) -> None:
         """The evaluation's real-loss keys as logged, in place: the kernels' keys of the evaluated tokens scaled to
@@ -327,11 +341,14 @@ class RealLoss:
     # -- the optimizer's rules -----------------------------------------------------------------------
 
     def map_of(self, spec: Any) -> dict[str, tuple[list[Tensor], Tensor]] | str:
-        """:func:`~curvwatch.realloss.stability.param_index_map` of ``spec``, computed once; the reason as a string
-        when it cannot be mapped."""
+        """:func:`~curvwatch.realloss.stability.param_index_map` of ``spec`` with its low-rank adapters
+        (:func:`~curvwatch.adapters.updates.block_adapters`), computed once; the reason as a string when it cannot be
+        mapped (DoRA, an adapter computing with its weights)."""
         if spec.name not in self._maps:
             try:
-                self._maps[spec.name] = param_index_map(spec)
+                weights = KINDS[spec.kind].adapted
+                sites, self._refused[spec.name] = block_adapters(spec, weights) if weights else ({}, {})
+                self._maps[spec.name] = param_index_map(spec, adapters=sites)
             except Exception as err:  # an adapter computing with its weights: no ratio, named
                 self._maps[spec.name] = str(err)
         return self._maps[spec.name]
@@ -340,7 +357,9 @@ class RealLoss:
         """``({block: rule}, {block: why none})`` for the blocks of kinds with sampled keys.
 
         The maps from weights to parameters (:func:`~curvwatch.realloss.stability.param_index_map`) are computed once
-        per block.
+        per block. A block with low-rank adapters gets the rule of their parameters (the optimizer steps them, not the
+        block's weights): ``stability/lora/<name>`` only; an adapter its kernel does not take (on ``W_O``) is named
+        with its reason (``{block}/lora/<name>``).
         """
         rules, why = {}, {}
         found_of = {spec.name: self.map_of(spec) for spec in specs if KINDS[spec.kind].sampled}
@@ -355,9 +374,11 @@ class RealLoss:
             if isinstance(found, str):
                 why[name] = found
                 continue
-            rule, reason = stability_rule(optimizer, found, steps=steps if steps else None)
+            why.update((f"{name}/{ADAPTER_PREFIX}{a}", reason) for a, reason in self._refused.get(name, {}).items())
+            lora = {w: entry for w, entry in found.items() if w.startswith(ADAPTER_PREFIX)}
+            rule, reason = stability_rule(optimizer, lora or found, steps=steps if steps else None)
             if rule is None:
                 why[name] = reason
             else:
-                rules[name] = rule
+                rules[name] = dataclasses.replace(rule, adapters=True) if lora else rule
         return rules, why

@@ -33,6 +33,7 @@ from curvwatch.realloss.weights import (
     LinearLogits,
     LossKind,
     _chunk_rows,
+    assumes_mean,
     loss_weights,
     soft_divisor,
     total_weight,
@@ -259,9 +260,9 @@ def _sampler(
 ):  # fmt: skip
     """``(LogitSampler of the kept rows, scale, note)``; ``scale`` = the batch's total loss weight over that of the
     kept tokens (a cut inside one sequence counts its share ``positions`` of them), ``note`` what
-    :func:`~curvwatch.sharpness.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows ``gz[rows]`` and
-    of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand); ``on_chunk``: handed each chunk
-    of the kept rows' softmax (:func:`~curvwatch.sharpness.loss_weights`)."""
+    :func:`~curvwatch.realloss.weights.loss_weights` assumed. ``kept``/``others``: the logits of the kept rows
+    ``gz[rows]`` and of the other rows ``gz[_other_rows(rows)]`` (tensors, or rows recomputed on demand);
+    ``on_chunk``: handed each chunk of the kept rows' softmax (:func:`~curvwatch.realloss.weights.loss_weights`)."""
     V = gz.shape[-1]
     kept, g_kept = kept.reshape(-1, V), gz[rows].reshape(-1, V)  # views where contiguous
     everything = g_kept.shape[0] * V == gz.numel()
@@ -280,7 +281,7 @@ def _sampler(
     total = float(w.sum())
     if not everything and note == LSE_TERM_NOTE:  # a z-loss: the other rows' weights from their whole rows
         total += float(loss_weights(others.reshape(-1, V), gz[_other_rows(rows)].reshape(-1, V), kind)[0].sum())
-    elif not everything and note is not None:  # an assumed mean's weights sum to 1
+    elif not everything and assumes_mean(note):  # an assumed mean's weights sum to 1
         total = 1.0
     elif not everything and loss_kind in SOFT:  # the named reduction's weights depend on the shape alone
         total = float(loss_weights(gz, gz, loss_kind)[0].sum())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -9,6 +10,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from curvwatch.adapters.projections import TRACE_STRIDE, tracing
+from curvwatch.adapters.updates import AdapterSite
+from curvwatch.closed_form.adapted import ADAPTER_PREFIX
 
 #: Weight arguments of the kernels that a preconditioner can be read for (see :func:`param_index_map`); a dotted name
 #: is an entry of a dict argument (``"qk_norm.weight_q"``: the attention's QK-norm parameters, blocks ``N1``, ``N2``).
@@ -41,7 +46,10 @@ class StabilityRule:
         beta: Momentum (SGD) or ``beta_1`` (Adam).
         threshold: ``(2 + 2 beta) / lr`` (SGD) or ``(2 + 2 beta_1) / ((1 - beta_1) lr)`` (Adam).
         precondition: ``{kernel weight name: (same shape) P}`` with ``P = sqrt(v_hat) + eps`` (Adam), else
-            ``None``: the ratio then reads ``sharpness/...``, with it ``precond_sharpness/...``.
+            ``None``: the ratio then reads ``sharpness/...``, with it ``precond_sharpness/...``. A block's adapter
+            ``"lora/<name>"`` has ``P`` of its parameters ``[vec A, vec B]``.
+        adapters: The rule is that of the block's low-rank adapters (LoRA): the optimizer steps their parameters,
+            not the block's weights, so only their keys (``.../lora/<name>``) get a ratio.
     """
 
     optimizer: str
@@ -49,6 +57,7 @@ class StabilityRule:
     beta: float
     threshold: float
     precondition: dict[str, Tensor] | None = None
+    adapters: bool = False
 
 
 def _param_groups(optimizer: Any) -> dict[int, dict]:
@@ -161,18 +170,23 @@ def _host_floats(values: list[Any]) -> list[float]:
     return out
 
 
-def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[str, tuple[list[Tensor], Tensor]]:
+def param_index_map(
+    spec: Any, weights: Iterable[str] = PRECONDITIONED, adapters: Mapping[str, AdapterSite] | None = None
+) -> dict[str, tuple[list[Tensor], Tensor]]:
     """Where each element of a block's weights (as its adapter reads them) lives in the module parameters.
 
     The adapter reads weights by indexing (transposes, head splits, fused-QKV slices). Reading them once with
     every parameter's values replaced by their positions ``0, 1, ...`` (in float64, exact) gives that map, for
     any adapter, without knowing its layout: optimizer state (Adam's ``exp_avg_sq``) indexed by it is in the
-    kernel's layout.
+    kernel's layout. A weight with low-rank updates (LoRA) is not a re-indexing of parameters (it is read through
+    :func:`~curvwatch.adapters.projections.tracing`) and has no entry; the updates' factors do, as ``"lora/<name>"``.
 
     Args:
         spec: A :class:`~curvwatch.adapters.BlockSpec`.
         weights: The weight names wanted (those of the adapter's ``read_params`` found among them are mapped); a dotted
             name reads an entry of a dict parameter (``"qk_norm.weight_q"``).
+        adapters: The block's low-rank adapters (:func:`~curvwatch.adapters.updates.block_adapters`): each gets the
+            entry ``"lora/<name>"``, its parameters' positions of ``[vec A, vec B]`` (``(size,)``).
 
     Returns:
         ``{name: (parameters, index)}``: ``parameters`` the module parameters the weight reads (in order),
@@ -181,6 +195,7 @@ def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[
     Raises:
         ValueError: If a weight is not a pure re-indexing of the parameters (its positions are not whole numbers
             in range), e.g. an adapter that scales a weight.
+        UnsupportedWrapperError: For a projection whose weight is not a frozen weight plus low-rank updates (DoRA).
     """
     owner = spec.layer_module if spec.layer_module is not None else spec.module
     params = list(dict.fromkeys(p for p in owner.parameters()))
@@ -198,10 +213,17 @@ def param_index_map(spec: Any, weights: Iterable[str] = PRECONDITIONED) -> dict[
                 if p is not None and id(p) in positions:
                     module._parameters[name] = positions[id(p)]
                     swapped.append((module, name, p))
-        with torch.no_grad():
+        with torch.no_grad(), tracing() as traced:
             read = spec.adapter.read_params(spec)
             found = {k: _read_weight(read, k).detach().clone() for k in weights
                      if isinstance(_read_weight(read, k), Tensor)}  # fmt: skip
+            found = {k: pos for k, pos in found.items() if not (pos.numel() and bool(pos.max() >= TRACE_STRIDE))}
+            projections = [projection for projection, _, _ in traced]
+            for name, site in (adapters or {}).items():  # the factors as read, the parameters' positions standing in
+                here = dataclasses.replace(site, params=tuple(positions.get(id(p), p) for p in site.params))
+                u = here.update_of(projections)
+                if u is not None:
+                    found[ADAPTER_PREFIX + name] = torch.cat([u.A.reshape(-1), u.B.reshape(-1)]).clone()
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
@@ -246,7 +268,8 @@ def param_positions(params: list[Tensor], index: Tensor) -> list[tuple[Tensor, T
 
 
 def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, Tensor | float]:
-    """``stability/XX[/h{i}]`` = sharpness / threshold for each sharpness key of one block's result.
+    """``stability/XX[/h{i}]`` = sharpness / threshold for each sharpness key of one block's result, and
+    ``stability/lora/<name>`` for each of its adapters'; a rule of the adapters (``rule.adapters``) reads theirs only.
 
     SGD reads ``sharpness/...``, Adam ``precond_sharpness/...`` (the sharpness of ``P^-1/2 H P^-1/2``).
 
@@ -254,10 +277,14 @@ def stability_keys(result: Mapping[str, Any], rule: StabilityRule) -> dict[str, 
         >>> rule = StabilityRule("sgd", lr=0.1, beta=0.0, threshold=20.0)
         >>> stability_keys({"sharpness/QQ/h0": 30.0, "ggn/QQ/h0": 29.0}, rule)
         {'stability/QQ/h0': 1.5}
+        >>> lora = StabilityRule("sgd", lr=0.1, beta=0.0, threshold=20.0, adapters=True)
+        >>> stability_keys({"sharpness/QQ/h0": 30.0, "sharpness/lora/q_proj": 10.0}, lora)
+        {'stability/lora/q_proj': 0.5}
     """
     source = "precond_sharpness/" if rule.optimizer == "adam" else "sharpness/"
+    wanted = source + ADAPTER_PREFIX if rule.adapters else source
     return {
         "stability/" + key[len(source) :]: value / rule.threshold
         for key, value in result.items()
-        if key.startswith(source)
+        if key.startswith(wanted)
     }

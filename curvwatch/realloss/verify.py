@@ -63,7 +63,8 @@ def true_sharpness(
     """
     from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 
-    params = list(dict.fromkeys(p for _, m in maps.values() for ps, _ in m.values() for p in ps))
+    # (frozen parameters have no gradient to differentiate: their blocks are skipped, as blocks without one are)
+    params = list(dict.fromkeys(p for _, m in maps.values() for ps, _ in m.values() for p in ps if p.requires_grad))
     grads = torch.autograd.grad(loss, params, create_graph=True, retain_graph=True, allow_unused=True)
     grad_of = dict(zip((id(p) for p in params), grads, strict=True))
     out: dict[str, dict[str, float]] = {}
@@ -74,7 +75,7 @@ def true_sharpness(
             ps, index = weights[weight]
             index = _head_columns(spec, weight, index) if per_head else index
             parts = [(p, el.to(p.device), pos.to(p.device)) for p, el, pos in param_positions(ps, index)]
-            if any(grad_of[id(p)] is None for p, _, _ in parts):
+            if any(grad_of.get(id(p)) is None for p, _, _ in parts):
                 continue
             n = index.numel()
 

@@ -47,7 +47,7 @@ class LinearLogits:
             read those logits); ``None``: ``h``'s.
 
     Example:
-        >>> lin = nn.Linear(3, 5)
+        >>> lin = torch.nn.Linear(3, 5)
         >>> h = torch.randn(4, 3)
         >>> z = LinearLogits(h, lin.weight, lin.bias)
         >>> tuple(z.shape), torch.allclose(z[1:3], lin(h)[1:3])
@@ -166,8 +166,9 @@ def _hidden_smoothing(stats: Tensor, w: Tensor, keep: Tensor, V: int) -> Tensor:
     """The largest label smoothing ``eps`` the hard-label fit of the ``keep`` rows cannot tell from hard labels (0-d).
 
     A smoothed cross-entropy row is ``g = w ((p - e_y) - eps (u - e_y))`` with ``u`` the uniform distribution: where
-    the predictions off the label are uniform (near initialisation), ``u - e_y`` is parallel to ``p - e_y`` and the
-    row is a hard-label row of weight ``(1 - eps) w``. Its part off that direction has norm ``w eps |u - e_y|
+    the predictions off the label are even (near initialisation; with a wide vocabulary, wherever the model is not
+    confident), ``u - e_y`` is nearly parallel to ``p - e_y`` and the row reads as a hard-label row of weight
+    ``(1 - eps) w``. Its part off that direction has norm ``w eps |u - e_y|
     sin(theta)``; the fit accepts it while that stays within :data:`_HARD_FIT` of ``|g|``, i.e. for ``eps`` up to the
     value returned (from :func:`_row_stats`' columns: ``<u - e_y, p - e_y> = 1 - p_y``)."""
     p_y, p_norm = stats[:, 1], stats[:, 6]
@@ -388,15 +389,25 @@ _NOT_CE = (
     "sharpness=False."
 )
 
+#: The starts of :func:`loss_weights`' notes whose weights assume a mean (they sum to 1 over the whole batch).
+MEAN_NOTES = ("squared error: assumed the mean", "soft targets of the label-smoothing form")
+
+
+def assumes_mean(note: str | None) -> bool:
+    """Whether :func:`loss_weights` assumed a mean (the note of a squared error or of label smoothing read as soft
+    targets), so that its weights sum to 1 over the whole batch."""
+    return note is not None and note.startswith(MEAN_NOTES)
+
+
 #: Label smoothing the hard-label fit may miss before :func:`loss_weights` says so (:func:`_hidden_smoothing`): a
 #: smoothing below it reads the weights at most this much low.
 HIDDEN_SMOOTHING = 0.05
 
 #: :func:`loss_weights`' note when its predictions cannot tell hard labels from label smoothing (``loss="auto"``).
 HIDDEN_SMOOTHING_NOTE = (
-    "assumed hard labels, but the predictions off the label are too close to uniform (as near initialisation) to tell "
-    "them from label smoothing up to eps = {:.2g}: with label smoothing eps the real-loss keys read (1 - eps) of their "
-    "value until the predictions move away from uniform (the loss form is read again at every evaluation). Pass "
+    "assumed hard labels, but label smoothing up to eps = {:.2g} would give the same gradient here (the predictions "
+    "off the label are too even: near initialisation, or a wide vocabulary before the model is confident), and would "
+    "make the real-loss keys read (1 - eps) of their value; the loss form is read again at every evaluation. Pass "
     "Sharpness(loss='cross_entropy') to state the loss and silence this"
 )
 
@@ -473,7 +484,7 @@ def total_weight(logits: Tensor, grad: Tensor) -> float:
 
     Example:
         >>> z = torch.randn(6, 5)
-        >>> loss = nn.functional.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum")
+        >>> loss = torch.nn.functional.cross_entropy(z.requires_grad_(), torch.arange(6) % 5, reduction="sum")
         >>> g, = torch.autograd.grad(loss, z)
         >>> round(total_weight(z.detach(), g), 4)
         6.0

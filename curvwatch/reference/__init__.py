@@ -2,7 +2,7 @@
 
 Every function here writes a Transformer sub-block and its loss the plain way and lets
 ``torch.func.hessian`` / ``jacrev`` differentiate it. Nothing is clever, nothing is cached; the point
-is that a reviewer can check each line against the formula sheet (``docs`` / ``formulas.md``) and then
+is that a reviewer can check each line against the formulas (``docs/closed_forms.md``) and then
 trust the closed forms in :mod:`curvwatch.closed_form` because they agree with this module in float64.
 Use tiny shapes: the cost is that of dense Hessians.
 

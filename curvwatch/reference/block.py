@@ -88,7 +88,7 @@ def transformer_block_blocks(
 ) -> dict[str, Tensor]:
     """Dense Hessian blocks of a full post-LN or pre-LN Transformer block, by ``torch.func``.
 
-    * post (formula sheet §6): :math:`U = X + \\mathrm{MHA}(X)`, :math:`Y = \\mathrm{LN}_1(U)`,
+    * post (the block of Ormaniec et al. 2024): :math:`U = X + \\mathrm{MHA}(X)`, :math:`Y = \\mathrm{LN}_1(U)`,
       :math:`S = \\sigma(Y W_1 + b_1) W_2 + b_2 + Y`, :math:`Z = \\mathrm{LN}_2(S)`.
     * pre: :math:`Y = \\mathrm{LN}_1(X)`, :math:`U = X + \\mathrm{MHA}(Y)`, :math:`V = \\mathrm{LN}_2(U)`,
       :math:`Z = U + \\sigma(V W_1 + b_1) W_2 + b_2`.

@@ -267,7 +267,7 @@ def dense_to_norms(blocks: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Spectral norm of every dense entry of a result dict, under the same key.
 
     Entries with ``ndim >= 2`` are dense; an ``ndim > 2`` tensor (the LayerNorm ``hessian``) is first
-    flattened to ``(prod(shape[:-1]), shape[-1])``, the sheet's ``(Ln)^2 x Ln`` layout. Lower-rank
+    flattened to ``(prod(shape[:-1]), shape[-1])`` (``(Ln, Ln, Ln)`` to ``((Ln)^2, Ln)``). Lower-rank
     entries (scalars) are not dense and are left out.
 
     Args:

@@ -7,6 +7,8 @@ render as code, and the ``benchmark`` directive renders ``benchmarks/results/*.j
   reference documents them under their public name (``curvwatch.Monitor``). A reference to the defining path resolves
   to the public entry of the same object. A reference to an object of a private module (``curvwatch.logbook.Logbook``)
   that exists renders as code without a link; one to an object that does not exist stays a warning.
+* **Constants.** A constant exported by a public module (``curvwatch.closed_form.PARTS``) is documented with the
+  ``#:`` comment of its defining module, not the docstring of its type.
 * **Benchmarks.** ``.. benchmark:: bench_overhead`` (``:table: NAME`` picks a view) renders a result file: the
   numbers, then the machine, the command, the commit and the date they were measured with (:mod:`benchmark_tables`).
 """
@@ -22,6 +24,7 @@ import benchmark_tables
 from docutils import nodes
 from docutils.parsers.rst import directives
 from sphinx.application import Sphinx
+from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
@@ -111,6 +114,23 @@ def missing_reference(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
     return None
 
 
+def data_comment(app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+    """The ``#:`` comment of a re-exported constant, from the module under its public one that assigns it."""
+    if what != "data" or not name.startswith("curvwatch."):
+        return
+    public, attr = name.rsplit(".", 1)
+    for module_name in sorted(m for m in sys.modules if m == public or m.startswith(f"{public}.")):
+        if getattr(sys.modules[module_name], attr, None) is not obj:
+            continue
+        try:
+            comment = ModuleAnalyzer.for_module(module_name).find_attr_docs().get(("", attr))
+        except Exception:  # a module without source (the analyzer raises PycodeError and others)
+            continue
+        if comment:
+            lines[:] = list(comment)
+            return
+
+
 def check_public_names(app: Sphinx, env: Any) -> None:
     documented = _documented(env)
     for name in _public_names():
@@ -167,6 +187,7 @@ def _table(header: list[str], rows: list[list[str]]) -> nodes.table:
 
 def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("missing-reference", missing_reference)
+    app.connect("autodoc-process-docstring", data_comment)
     app.connect("env-check-consistency", check_public_names)
     app.add_directive("benchmark", BenchmarkDirective)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -20,7 +20,7 @@ INVENTORIES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         "3",
         [
             (f"collections.abc.{name}", "py:class", f"library/collections.abc.html#collections.abc.{name}")
-            for name in ("Callable", "Iterator", "Mapping", "Sequence")
+            for name in ("Callable", "Collection", "Hashable", "Iterator", "Mapping", "Sequence")
         ]
         + [
             ("typing.Any", "py:data", "library/typing.html#typing.Any"),
@@ -36,6 +36,10 @@ INVENTORIES: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
             ("TypeError", "py:exception", "library/exceptions.html#TypeError"),
             ("RuntimeError", "py:exception", "library/exceptions.html#RuntimeError"),
         ],
+    ),
+    "numpy": (
+        "2",
+        [("numpy.ndarray", "py:class", "reference/generated/numpy.ndarray.html#numpy.ndarray")],
     ),
     "torch": (
         "2",

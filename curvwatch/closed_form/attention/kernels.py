@@ -25,6 +25,11 @@ With ``output_samples``: ``ggn/XX``, ``sharpness/XX``, with ``precondition`` hol
 other keys: ``/h{i}`` with ``H_kv = H``; with ``H_kv < H`` ``QQ/h{i}`` per query head and ``VV/g{j}``, ``KK/g{j}`` per
 kv group (blocks of the head's ``W_Q`` slice, the group's ``W_K``, ``W_V`` slices).
 
+With ``adapters`` (low-rank adapters on ``W_Q``, ``W_K``, ``W_V`` whose factors the optimizer steps):
+``ggn/lora/<name>``, ``sharpness/lora/<name>``, with ``precondition`` holding ``"lora/<name>"``
+``precond_ggn/lora/<name>``, ``precond_sharpness/lora/<name>``, and ``residual/...`` of each: the curvature in the
+adapter's parameters, every head it moves together (:mod:`curvwatch.closed_form.adapted`).
+
 With a QK-norm that has parameters: ``{part}/N1N1``, ``{part}/N2N2``, ``{part}/N1N2`` (and ``residual/...``,
 ``dense/...``), without head suffix: the blocks of the query norm's parameters ``N1`` (weight ``gamma_q``, then bias
 ``beta_q`` for a LayerNorm with bias; ``(p d_K)`` rows in that order) and the key norm's ``N2``, each shared by all
@@ -45,7 +50,8 @@ import torch
 from .._common import as_batched, check_like, check_weight, output_cotangent
 from .._qk_norm import check_qk_norm
 from .._qk_norm_blocks import NORM_PAIRS, block_precondition, norm_pairs, precondition_shapes, qk_norm_norms
-from ..inputs import AttentionStructure, AttentionWeights, OutputLoss
+from ..adapted import adapted_plan, adapter_shapes, check_adapters
+from ..inputs import AttentionStructure, AttentionWeights, LowRankUpdate, OutputLoss
 from ..masks import attention_masks, split_heads
 from ..rotary import check_rotary
 from ..settings import PARTS, Lanczos, check_parts
@@ -72,6 +78,7 @@ def self_attention(
     dense: bool = False,
     terms: bool | str = True,
     precondition: Mapping[str, torch.Tensor] | None = None,
+    adapters: Mapping[str, LowRankUpdate] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Closed-form Hessian blocks of one softmax self-attention head ``F = softmax(X W_Q W_K^T X^T/sqrt(d_K)) X W_V``.
 
@@ -103,7 +110,11 @@ def self_attention(
             (:mod:`curvwatch.rules`: ``term/x_norm``, ``term/x_norm6``, ``term/softmax_jac_norm``, ``term/wq_norm``,
             ``term/wk_norm``), the same numbers at a fraction of the cost, and no bounds.
         precondition: with ``output_samples``, any of ``{"W_Q": P_Q, "W_K": P_K, "W_V": P_V}``: the diagonal of a
-            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight.
+            positive preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``), each shaped like that weight; and
+            ``"lora/<name>"`` ``(A.numel() + B.numel(),)`` for an adapter of ``adapters``.
+        adapters: with ``output_samples``, ``name -> LowRankUpdate`` (:class:`~curvwatch.closed_form.LowRankUpdate`):
+            low-rank adapters on ``W_Q``, ``W_K``, ``W_V`` whose factors the optimizer steps (``weights`` holds the
+            effective weights); their keys ``ggn/lora/<name>``, ``sharpness/lora/<name>``, ... (module docstring).
 
     Returns:
         Flat dict of 0-d tensors: ``outer/XY``, ``functional/XY``, ``hessian/XY`` (spectral norms) for XY in
@@ -133,7 +144,7 @@ def self_attention(
     """
     what = dict(pairs=pairs, parts=parts, lanczos=Lanczos() if lanczos is None else lanczos, dense=dense, terms=terms)
     return _attention(_one_head_call(X, weights, loss, AttentionStructure() if structure is None else structure,
-                                     precondition, what))  # fmt: skip
+                                     precondition, adapters, what))  # fmt: skip
 
 
 def multi_head_attention(
@@ -148,6 +159,7 @@ def multi_head_attention(
     dense: bool = False,
     terms: bool | str = True,
     precondition: Mapping[str, torch.Tensor] | None = None,
+    adapters: Mapping[str, LowRankUpdate] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-head closed-form Hessian blocks of multi-head attention with the output projection inside ``F``.
 
@@ -182,7 +194,9 @@ def multi_head_attention(
             that weight's packed shape (``(d, H d_K)`` etc.; its heads are split like the weight's): the diagonal of a
             preconditioner ``P`` (Adam's ``sqrt(v_hat) + eps``); and ``"qk_norm.weight_q"``, ``"qk_norm.bias_q"``,
             ``"qk_norm.weight_k"``, ``"qk_norm.bias_k"`` ``(d_K,)`` for the parameters ``qk_norm`` holds (block ``N1``
-            / ``N2`` is preconditioned when every one of its parameters has an entry).
+            / ``N2`` is preconditioned when every one of its parameters has an entry); and ``"lora/<name>"`` for an
+            adapter of ``adapters``.
+        adapters: as in :func:`self_attention`.
 
     Returns:
         The keys of :func:`self_attention` suffixed by head (``/h{i}``) or, with ``H_kv < H``, by kv group
@@ -209,7 +223,7 @@ def multi_head_attention(
     """
     what = dict(pairs=pairs, parts=parts, lanczos=Lanczos() if lanczos is None else lanczos, dense=dense, terms=terms)
     return _attention(_heads_call(X, weights, loss, AttentionStructure() if structure is None else structure,
-                                  precondition, what))  # fmt: skip
+                                  precondition, adapters, what))  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -217,8 +231,9 @@ class _Call:
     """One attention kernel call, checked: queries ``X`` ``(B, L, d)`` (``batched``: as passed), the weights per head
     and ``b_O`` ``(m,)``, the loss, the structure with its checked ``rotary`` (a :class:`~..rotary.Rotary`), ``qk_norm``
     (a :class:`~.._qk_norm.QKNorm`), ``scale``, ``window`` and ``memory`` ``(B, L_kv, d_kv)``, what to compute, whether
-    it is :func:`self_attention`'s one head (``single``), and ``precondition``: ``D = P^{-1/2}`` per block (``"Q"``,
-    ``"K"``, ``"V"``, heads split) and per QK-norm parameter (``"qk_norm.weight_q"``, ...)."""
+    it is :func:`self_attention`'s one head (``single``), ``precondition``: ``D = P^{-1/2}`` per block (``"Q"``,
+    ``"K"``, ``"V"``, heads split), per QK-norm parameter (``"qk_norm.weight_q"``, ...) and per adapter
+    (``"lora/<name>"``), and the checked ``adapters``."""
 
     X: torch.Tensor
     batched: bool
@@ -238,10 +253,11 @@ class _Call:
     terms: bool | str
     single: bool
     precondition: dict[str, torch.Tensor]
+    adapters: dict[str, LowRankUpdate]
 
 
 def _one_head_call(X, weights: AttentionWeights, loss: OutputLoss, structure: AttentionStructure, precondition,
-                   what: dict) -> _Call:  # fmt: skip
+                   adapters, what: dict) -> _Call:  # fmt: skip
     """The checked :class:`_Call` of :func:`self_attention` (``what``: pairs, parts, lanczos, dense, terms)."""
     _check_one_head(weights, structure)
     X3, batched = as_batched(X)
@@ -252,7 +268,9 @@ def _one_head_call(X, weights: AttentionWeights, loss: OutputLoss, structure: At
     if W_Q.shape != W_K.shape:
         raise ValueError(f"W_Q {tuple(W_Q.shape)} and W_K {tuple(W_K.shape)} must have the same shape (d, d_K).")
     shapes = {"W_Q": tuple(W_Q.shape), "W_K": tuple(W_K.shape), "W_V": tuple(W_V.shape)}
+    adapters = check_adapters(adapters, shapes, X3, has_samples=loss.output_samples is not None)
     shapes.update(precondition_shapes(weights.qk_norm, W_Q.shape[-1]))  # the QK-norm's parameters, (d_K,) each
+    shapes.update(adapter_shapes(adapters))  # "lora/<name>": (A.numel() + B.numel(),)
     pre = check_precondition(precondition, shapes, X3, has_samples=loss.output_samples is not None)  # D = P^{-1/2}
     heads = HeadWeights(W_Q.unsqueeze(0), W_K.unsqueeze(0), W_V.unsqueeze(0))
     options = _modern_options(structure, weights.qk_norm, W_Q.shape[-1], X3)
@@ -260,20 +278,20 @@ def _one_head_call(X, weights: AttentionWeights, loss: OutputLoss, structure: At
     pre = {
         (nm[-1] if nm.startswith("W_") else nm): (D.unsqueeze(0) if nm.startswith("W_") else D) for nm, D in pre.items()
     }
-    return _Call(
-        X3, batched, heads, None, loss, structure, **options, memory=None, **what, single=True, precondition=pre
-    )
+    return _Call(X3, batched, heads, None, loss, structure, **options, memory=None, **what, single=True,
+                 precondition=pre, adapters=adapters)  # fmt: skip
 
 
 def _heads_call(X, weights: AttentionWeights, loss: OutputLoss, structure: AttentionStructure, precondition,
-                what: dict) -> _Call:  # fmt: skip
+                adapters, what: dict) -> _Call:  # fmt: skip
     """The checked :class:`_Call` of :func:`multi_head_attention` (``what``: pairs, parts, lanczos, dense, terms)."""
     n_heads, H_kv = _check_heads(weights)
     X3, batched = as_batched(X)
     M3 = _memory(structure, X, X3, batched)
-    heads, b_O, pre = _split_heads(weights, X3, n_heads, H_kv, M3, precondition, loss)
+    heads, b_O, pre, adapters = _split_heads(weights, X3, n_heads, H_kv, M3, precondition, adapters, loss)
     options = _modern_options(structure, weights.qk_norm, heads.W_Q.shape[-1], X3)
-    return _Call(X3, batched, heads, b_O, loss, structure, **options, memory=M3, **what, single=False, precondition=pre)
+    return _Call(X3, batched, heads, b_O, loss, structure, **options, memory=M3, **what, single=False, precondition=pre,
+                 adapters=adapters)  # fmt: skip
 
 
 def _check_one_head(weights: AttentionWeights, structure: AttentionStructure) -> None:
@@ -331,9 +349,10 @@ def _memory(structure: AttentionStructure, X: torch.Tensor, X3: torch.Tensor, ba
     return M3.to(dtype=X3.dtype, device=X3.device)
 
 
-def _split_heads(weights: AttentionWeights, X3, n_heads: int, H_kv: int, M3, precondition, loss: OutputLoss):
-    """``(HeadWeights, b_O, precondition)``: the packed weights checked and split per head, the preconditioner's
-    ``D = P^{-1/2}`` per block (``"W_Q"`` -> ``"Q"``: ``(heads, d, d_K)``; ``"qk_norm.weight_q"`` stays ``(d_K,)``)."""
+def _split_heads(weights: AttentionWeights, X3, n_heads: int, H_kv: int, M3, precondition, adapters, loss: OutputLoss):
+    """``(HeadWeights, b_O, precondition, adapters)``: the packed weights checked and split per head, the
+    preconditioner's ``D = P^{-1/2}`` per block (``"W_Q"`` -> ``"Q"``: ``(heads, d, d_K)``; ``"qk_norm.weight_q"``
+    stays ``(d_K,)``, ``"lora/<name>"`` ``(size,)``), the checked adapters."""
     d = X3.shape[-1]
     d_kv = d if M3 is None else M3.shape[-1]
     W_Q = split_heads(check_weight(weights.W_Q, d, "W_Q", X3), n_heads, "W_Q")
@@ -356,7 +375,9 @@ def _split_heads(weights: AttentionWeights, X3, n_heads: int, H_kv: int, M3, pre
     d_V = W_V.shape[-1]
     # the shapes the weights were passed with (check_weight and split_heads accepted them)
     shapes = {"W_Q": (d, H * d_K), "W_K": (d_kv, H_kv * d_K), "W_V": (d_kv, H_kv * d_V)}
+    adapters = check_adapters(adapters, shapes, X3, has_samples=loss.output_samples is not None)
     shapes.update(precondition_shapes(weights.qk_norm, d_K))  # "qk_norm.weight_q": (d_K,), ... (the norm's parameters)
+    shapes.update(adapter_shapes(adapters))  # "lora/<name>": (A.numel() + B.numel(),)
     pre = check_precondition(precondition, shapes, X3, has_samples=loss.output_samples is not None)  # D = P^{-1/2}
     n_of = {"W_Q": H, "W_K": H_kv, "W_V": H_kv}
     pre = {
@@ -376,7 +397,7 @@ def _split_heads(weights: AttentionWeights, X3, n_heads: int, H_kv: int, M3, pre
         b_K=None if b_K is None else b_K.reshape(H_kv, d_K),
         b_V=None if b_V is None else b_V.reshape(H_kv, d_V),
     )
-    return heads, b_O, pre
+    return heads, b_O, pre, adapters
 
 
 def _modern_options(structure: AttentionStructure, qk_norm, d_K: int, X3: torch.Tensor) -> dict:
@@ -521,6 +542,11 @@ def _norm_keys(call: _Call, fwd: Forward, pairs, parts, vv_exact: bool, sq: dict
             q_diag, g_diag = [p for p in diagonal if p in QUERY_PAIRS], [p for p in diagonal if p in GROUP_PAIRS]
             s_views = [(q_diag, QueryView, ()), (g_diag, GroupView, ("VV",))]
         splan = sampled_plan(sop, s_views, lanczos=lanczos, scale=call.precondition)
+    aplan = None
+    if fwd.samples is not None and call.adapters:  # the adapters' keys: every head an adapter moves, together
+        on = {"W_Q": ("Q", op.H), "W_K": ("K", op.H_kv), "W_V": ("V", op.H_kv)}
+        aplan = adapted_plan(sop, call.adapters, on, lanczos=lanczos, scale=call.precondition,
+                             apply_kwargs={"mix": "all"})  # fmt: skip
     vv_plan = views = None
     if G == 1:
         if "VV" in pairs and not vv_exact:  # the d x d Gram's lambda_max by Lanczos (d > 256)
@@ -531,10 +557,13 @@ def _norm_keys(call: _Call, fwd: Forward, pairs, parts, vv_exact: bool, sq: dict
         if "VV" in pairs:
             vv_plan = grouped_vv_plan(gv, lanczos)
         op_views = [(qv, [p for p in iterative if p in QUERY_PAIRS]), (gv, [p for p in iterative if p in GROUP_PAIRS])]
-    plans = [spectral_plan(op_views, parts=parts, lanczos=lanczos)] + ([splan] if splan is not None else [])
+    extra = [p for p in (splan, aplan) if p is not None]
+    plans = [spectral_plan(op_views, parts=parts, lanczos=lanczos)] + extra
     solved = solve_planned(([vv_plan] if vv_plan is not None else []) + plans, lanczos.solve_bytes)
     vv_of = solved.pop(0) if vv_plan is not None else None
-    norms_of, *sampled_of = solved
+    norms_of = solved.pop(0)
+    sampled_of = solved.pop(0) if splan is not None else None
+    adapted_of = solved.pop(0) if aplan is not None else None
     out: dict[str, torch.Tensor] = {}
     if G == 1 and "VV" in pairs:
         out.update(_vv_keys(op, lanczos, sq, vv_of, keys))
@@ -548,10 +577,12 @@ def _norm_keys(call: _Call, fwd: Forward, pairs, parts, vv_exact: bool, sq: dict
             out.update(full_norms(op, ["Q", "K", "V"], "QKV", parts=parts, lanczos=lanczos))
         else:
             out.update(group_keys(full_norms(views[1], ["Q", "K", "V"], "QKV", parts=parts, lanczos=lanczos)))
-    if sampled_of:
-        out.update(sampled_of[0][0])
+    if sampled_of is not None:
+        out.update(sampled_of[0])
         if G > 1:
-            out.update(group_keys(sampled_of[0][1]))
+            out.update(group_keys(sampled_of[1]))
+    if adapted_of is not None:
+        out.update(adapted_of[0])
     return out, sop, views
 
 

@@ -451,6 +451,11 @@ class AttentionOperator(BlockOperator):
         """``J^T u`` for per-head output cotangents ``u`` ``(n, B, H, L, d_V)``: the weight grads in ``outputs``."""
         return self.pull((None,) * 8, u=u, second_order=False, outputs=outputs)
 
+    def weight_gradient(self, outputs=("V", "Q", "K")) -> dict[str, torch.Tensor]:
+        """``G = J^T g``, the gradient of the loss in each weight block of ``outputs``, ``(heads, d_in, k)`` (``H``
+        heads for Q, ``H_kv`` for K, V)."""
+        return {nm: G[0] for nm, G in self.vjp(self.g_h.unsqueeze(0), outputs).items()}
+
     # ---- second order ------------------------------------------------------------------------
     def functional(self, inter, outputs=("V", "Q", "K")):
         """``H_f v = sum_k g_k d^2F_k/dW^2 v`` per head, from the intermediates of :meth:`jvp`."""

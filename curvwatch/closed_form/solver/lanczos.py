@@ -98,9 +98,9 @@ def lanczos_max_abs(
     info: dict | None = None,
     algebraic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Largest |eigenvalue| (``algebraic``: largest eigenvalue) of a batch of symmetric operators, matrix-free.
+    """Largest eigenvalue magnitude ``|λ|`` (``algebraic``: largest eigenvalue) of a batch of symmetric operators.
 
-    Runs Lanczos with full re-orthogonalisation on every operator of the batch at once. A batch member
+    Runs Lanczos, matrix-free, with full re-orthogonalisation on every operator of the batch at once. A batch member
     stops contributing once its largest-magnitude Ritz value ``theta`` has residual ``|beta_j s_j| <= tol |theta|``
     (for a symmetric operator an eigenvalue lies within that residual) and, where ``both_ends``, the Ritz
     value ``theta_o`` at the other end of the spectrum has too or cannot overtake it
@@ -137,7 +137,7 @@ def lanczos_max_abs(
             neighbour's; where its Ritz values still moved, their drift / ``STABLE`` when larger; at least the
             working precision). Some eigenvalue lies within that fraction of the norm; it is ``<= tol`` where the
             member converged and larger where ``max_iter`` cut it short (the norm may then read low: Ritz values never
-            exceed the largest |eigenvalue|).
+            exceed the largest ``|λ|``).
         algebraic: follow the largest Ritz value ``theta`` (not the largest in magnitude) and return it with
             its sign: the largest algebraic eigenvalue, e.g. of an indefinite Hessian whose most negative
             eigenvalue is the largest in magnitude. The same stopping test on ``theta`` alone (``both_ends`` is
@@ -145,7 +145,7 @@ def lanczos_max_abs(
             re-orthogonalises twice.
 
     Returns:
-        ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest |eigenvalue| found (the largest
+        ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest ``|λ|`` found (the largest
         eigenvalue with ``algebraic``); ``vec`` of shape ``(*batch_shape, n)`` is its Ritz vector (a good warm
         start for the next call).
 
@@ -286,8 +286,10 @@ class LanczosRun:
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
     restart couplings), which decides convergence on the host, restarts or finishes.
 
-    Attributes (once :attr:`done`):
-        norm: ``batch_shape``, the largest |eigenvalue| (the largest eigenvalue with ``algebraic``).
+    Attributes:
+        done: whether the run has stopped (then ``norm``, ``ritz``, ``rel_residual`` or ``error`` hold its outcome).
+        due: whether the stopping test must run (:meth:`check`) before the next :meth:`step`.
+        norm: ``batch_shape``, the largest ``|λ|`` (the largest eigenvalue with ``algebraic``).
         ritz: ``(*batch_shape, n)``, its Ritz vector.
         rel_residual: ``batch_shape``, the relative residual of the returned Ritz value when its member stopped.
         error: ``None``, or why the run ended without them (a shared run whose product raised, :meth:`fail`).

@@ -5,9 +5,9 @@ Every kernel in this package (attention, FFN, whole Transformer block) exposes i
 ("outer") and functional parts of the Hessian applied to it, computed from closed-form Jacobians and
 contracted second derivatives, never from autograd. This module holds the interface and turns such an operator into
 
-* symmetric matvecs whose largest |eigenvalue| is the spectral norm of a block ``H_XY`` (restriction to rows of block
+* symmetric matvecs whose largest ``|λ|`` is the spectral norm of a block ``H_XY`` (restriction to rows of block
   X, columns of block Y): ``H_XX`` (X = Y) or ``[[0, H_XY], [H_YX, 0]]`` (X != Y), with ``sigma_max(H_XY)`` its
-  largest |eigenvalue| (:mod:`~curvwatch.closed_form.solver.plan` runs Lanczos on them);
+  largest ``|λ|`` (:mod:`~curvwatch.closed_form.solver.plan` runs Lanczos on them);
 * the dense block, by applying the operator to a basis (small sizes only; used by tests and docs).
 """
 
@@ -311,7 +311,7 @@ def skip_dead_parts(parts: Sequence, make):
 
 
 def pair_matvec(op: BlockOperator, pair: tuple[str, str], parts: Sequence[str]):
-    """Symmetric matvec whose largest |eigenvalue| is ``||H_XY||_2`` for each part, batched ``(len(parts), H, n)``.
+    """Symmetric matvec whose largest ``|λ|`` is ``||H_XY||_2`` for each part, batched ``(len(parts), H, n)``.
 
     Returns ``(emb, mv)``; ``mv(u, live=None)`` leaves out the parts without a live member (see
     :func:`skip_dead_parts`).

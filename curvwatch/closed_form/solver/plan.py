@@ -176,20 +176,20 @@ def norms_with_a_linear_pair(
     *,
     parts: Sequence[str],
     lanczos: Lanczos,
-    extra: Planned | None = None,
+    extra: Sequence[Planned] = (),
 ) -> dict[str, torch.Tensor]:
     """:func:`spectral_norms` of ``pairs`` where the functional block of the diagonal pair ``linear`` is exactly zero
     (the FFN's ``W1W1`` under ReLU, the gated FFN's ``W3W3``: ``F`` linear in that weight): one outer-only run for it,
-    its ``hessian`` keys the outer part and its ``functional`` key 0. The runs and those of ``extra`` (the sampled
-    keys' :func:`~.sampled_keys.sampled_plan`) in one :func:`solve_planned` (their stopping tests share host reads,
-    within ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last."""
+    its ``hessian`` keys the outer part and its ``functional`` key 0. The runs and those of the plans ``extra`` (the
+    sampled keys' :func:`~.sampled_keys.sampled_plan`, the adapters') in one :func:`solve_planned` (their stopping
+    tests share host reads, within ``lanczos.solve_bytes`` of bases); ``extra``'s keys come last, in order."""
     iterative = [p for p in pairs if p != linear]
     zero = linear is not None and linear in pairs
     outer = zero and ("outer" in parts or "hessian" in parts)
     plans = [spectral_plan([(op, [linear])], parts=["outer"], lanczos=lanczos)] if outer else []
     if iterative:
         plans.append(spectral_plan([(op, iterative)], parts=parts, lanczos=lanczos))
-    solved = iter(solve_planned(plans + ([extra] if extra is not None else []), lanczos.solve_bytes))
+    solved = iter(solve_planned(plans + list(extra), lanczos.solve_bytes))
     out: dict[str, torch.Tensor] = {}
     if outer:
         o = next(solved)[0]
@@ -201,7 +201,7 @@ def norms_with_a_linear_pair(
         out[f"functional/{linear}"] = torch.zeros((), dtype=op.dtype, device=op.device)
     if iterative:
         out.update(next(solved)[0])
-    if extra is not None:
+    for _ in extra:
         out.update(next(solved)[0])
     return out
 

@@ -163,8 +163,9 @@ class Preconditioned:
     """``D H D`` for a block operator ``H`` and positive diagonal scalings ``D`` (``P^{-1/2}``) of some of its blocks.
 
     Scales the tangent of each block in ``scale`` before :meth:`apply` and every part of the result after; blocks
-    without a scaling pass unchanged. Every other attribute is the wrapped operator's, so the grouped-query views
-    (:class:`~curvwatch.closed_form.attention.operator.QueryView`, ``GroupView``) can sit on top of it.
+    without a scaling pass unchanged. Every other attribute is the wrapped operator's, so the grouped-query views can
+    sit on top of it (:class:`~curvwatch.closed_form.attention.views.QueryView`,
+    :class:`~curvwatch.closed_form.attention.views.GroupView`).
 
     Args:
         op: the operator (attention, FFN or gated FFN, possibly with sampled curvature).
