@@ -78,16 +78,19 @@ def test_terms_only_evaluation_of_a_deep_model_meets_in_gathered_calls(monkeypat
 
 
 # Ceilings about 15% above the counts of this 2-layer d 32 GPT (python -m benchmarks.bench_dispatch prints them: full
-# ~3,950 operators and 9.5 syncs per layer, terms-only ~350 and 0.5). The full evaluation's syncs: one NaN/Inf read,
-# then one read per round of stopping tests of the layer's blocks evaluated together (Engine._windows).
+# ~4,450 operators and 8.5 syncs per layer, terms-only ~165 and 0.5). The full evaluation's syncs: one NaN/Inf read,
+# then one read per round of stopping tests of the layer's blocks evaluated together (Engine._windows); a member
+# converges only once its Ritz values stood still over the last solver.lanczos.STABLE_STEPS steps, so a run takes at
+# least one more round than its residual test alone would.
 FULL_SYNCS_PER_LAYER = 11
-FULL_OPS_PER_LAYER = 4_500
+FULL_OPS_PER_LAYER = 5_100
 TERMS_OPS_PER_LAYER = 410
-# The deep terms-only evaluation (12 layers, d 32): ~85 operators per layer and 2 host reads in all (the NaN/Inf read
-# and the VV run's stopping test, warm).
+# The deep terms-only evaluation (12 layers, d 32): ~95 operators per layer and 3 host reads in all (the NaN/Inf read
+# and the VV run's two rounds of stopping tests, warm: the first finds its Ritz values, the second sees them stand
+# still).
 DEEP = 12
 DEEP_TERMS_SYNCS = 3
-DEEP_TERMS_OPS_PER_LAYER = 100
+DEEP_TERMS_OPS_PER_LAYER = 110
 
 
 @pytest.mark.parametrize("gram_steps", [None, 0])
@@ -100,8 +103,8 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     views with grouped-query attention), the sharpness members take their Gauss-Newton part from its columns and start
     at their top Gauss-Newton direction, and the Lanczos members are solved to ``MEMBER_TOL`` times the tolerance; a
     kernel's own runs and its sampled runs are solved together, those of one vector size as one run.
-    ``gram_steps=0``: every key by Lanczos members. The ceilings are 6-15% above the counts (attention ~3,750 operators
-    and 2 reads, FFN ~1,450 / 2, GQA ~3,600 / 2; with gram_steps=0 ~6,350, ~3,500 and ~6,900)."""
+    ``gram_steps=0``: every key by Lanczos members. The ceilings are about 15% above the counts (attention ~3,970
+    operators and 2 reads, FFN ~1,670 / 2, GQA ~3,600 / 2; with gram_steps=0 ~7,460, ~3,810 and ~8,240)."""
     from curvwatch.closed_form import (
         AttentionStructure,
         AttentionWeights,
@@ -150,15 +153,16 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     kernels = {
         "attention": (lambda lz, S=None, **kw: multi_head_attention(X, attention, loss=loss(S), structure=causal,
                                                                     lanczos=lz, **kw),
-                      P_attn, *((4_100, 4) if gram_steps is None else (6_900, 4))),
+                      P_attn, *((4_600, 4) if gram_steps is None else (8_600, 4))),
         "ffn": (lambda lz, S=None, **kw: ffn(X, FFNWeights(W1, W2), activation="gelu", loss=loss(S), lanczos=lz, **kw),
-                P_ffn, *((1_550, 4) if gram_steps is None else (3_850, 4))),
+                P_ffn, *((1_900, 4) if gram_steps is None else (4_400, 4))),
         "gqa": (lambda lz, S=None, **kw: multi_head_attention(X, gqa, loss=loss(S), structure=causal, lanczos=lz, **kw),
-                P_gqa, *((3_900, 4) if gram_steps is None else (7_500, 4))),
+                P_gqa, *((4_150, 4) if gram_steps is None else (9_500, 4))),
     }  # fmt: skip
-    # the calls without samples (the engine's own runs): attention ~12,500, FFN ~4,650, GQA ~17,700; ceilings about
-    # 15% above
-    own = {"attention": 14_400, "ffn": 5_350, "gqa": 20_300}
+    # the calls without samples (the engine's own runs, tol 1e-3): attention ~14,150, FFN ~6,790, GQA ~20,330; ceilings
+    # about 15% above. The FFN's functional W1W1 has a crowded top at this shape (Ritz values within 5%): its Ritz value
+    # next to the top must converge too (solver.lanczos.CROWDED)
+    own = {"attention": 16_300, "ffn": 7_800, "gqa": 23_400}
     for name, (call, precondition, max_ops, max_reads) in kernels.items():
         ops0, reads0 = count(call)
         assert ops0 <= own[name], (name, ops0)
