@@ -38,6 +38,7 @@ def _replay(recording, monkeypatch, residual_alone: bool) -> dict:
     if residual_alone:
         monkeypatch.setattr(lanczos, "STABLE", math.inf)
         monkeypatch.setattr(lanczos, "CROWDED", 0.0)
+        monkeypatch.setattr(lanczos, "RELOOK", -math.inf)
     return bench_convergence.replay_all(recording["states"], recording["resume_at"])
 
 

@@ -128,7 +128,9 @@ class Lanczos:
         tol: Relative residual at which a norm counts as converged (some eigenvalue then lies within ``tol`` of
             it, relative); ``0`` runs every norm to ``max_iter``.
         max_iter: Most Lanczos steps (Hessian products) per norm; ``None``: the block size (exact in exact
-            arithmetic, only for small blocks).
+            arithmetic, only for small blocks). A norm whose top Ritz value had a close one below it when it
+            converged takes a second look from an independent start, of up to as many steps
+            (:data:`~.solver.lanczos.RELOOK`).
         max_basis: Most Lanczos vectors held per norm (``>= 4``); ``None``: ``max_iter``. A norm that needs more
             steps restarts thickly (same accuracy, a few more products), so memory is bounded whatever
             ``max_iter``.
@@ -145,7 +147,8 @@ class Lanczos:
             The monitor's engine passes its count of evaluations, checkpointed with it: successive evaluations and a
             resumed run draw independent starts. With one seed for every call a draw nearly orthogonal to a block's
             top eigenvector recurs at every evaluation for as long as that eigenvector stays, cold or warm (the
-            noise a warm start carries is the same vector each time).
+            noise a warm start carries is the same vector each time). A second look draws with ``seed +``
+            :data:`~.solver.lanczos.SECOND_LOOK_SEED`.
 
     Example:
         >>> Lanczos().max_iter, Lanczos(tol=1e-6).tol, EXACT.max_iter is None

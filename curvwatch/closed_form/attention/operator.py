@@ -677,7 +677,7 @@ def vv_gram_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: tor
         return torch.bmm(s.view(m, B, H, L_kv).permute(0, 2, 1, 3).reshape(m, H, B * L_kv), Xf)  # sum_b X_b^T s_bh
 
     return LanczosRun(mv, start_vectors((m, H), d, Aw.dtype, Aw.device, start, seed), tol=tol, max_iter=max_iter,
-                      max_basis=max_basis, both_ends=False)  # fmt: skip
+                      max_basis=max_basis, both_ends=False, seed=seed)  # fmt: skip
 
 
 def planned_shared(shared: Shared, finish: Callable[[list[LanczosRun]], Any]) -> Planned:

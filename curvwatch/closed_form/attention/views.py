@@ -200,4 +200,4 @@ def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: 
         return out.permute(0, 2, 1, 3).reshape(m, H_kv, d * d_V)
 
     return LanczosRun(mv, start_vectors((m, H_kv), d * d_V, A.dtype, A.device, start, seed), tol=tol,
-                      max_iter=max_iter, max_basis=max_basis, both_ends=False)  # fmt: skip
+                      max_iter=max_iter, max_basis=max_basis, both_ends=False, seed=seed)  # fmt: skip

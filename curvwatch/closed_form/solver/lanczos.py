@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +16,9 @@ __all__ = [
     "CROWDED_STEPS",
     "LOCKSTEP",
     "OVERTAKE_K",
+    "RELOOK",
     "RESTART_CHUNKS",
+    "SECOND_LOOK_SEED",
     "STABLE",
     "STABLE_STEPS",
     "TIE",
@@ -24,6 +26,7 @@ __all__ = [
     "LanczosRun",
     "Rounds",
     "SharedRunError",
+    "Verdict",
     "drift",
     "lanczos_max_abs",
     "merge_runs",
@@ -33,6 +36,7 @@ __all__ = [
     "split_results",
     "start_vectors",
     "to_host",
+    "verdict",
 ]
 
 #: The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
@@ -65,6 +69,19 @@ STABLE_STEPS = 4
 #: theta's end must meet the residual test too, and the window of :data:`STABLE` is :data:`CROWDED_STEPS`.
 CROWDED = 0.05
 CROWDED_STEPS = 8
+#: No test on one Krylov space rules out an eigenvalue it has not reached yet, and a crowded top is where one is missed:
+#: the close eigenvalues' directions grow at nearly one pace, and the one the start leaned least on can stay out of
+#: reach past the test (on the FFN's ``W1W1`` blocks of trained models, 1-5% low in about one norm in 10,000). A member
+#: whose top was crowded when it passed the test therefore takes a second look: once the run's first looks have ended,
+#: a Lanczos run of its own from an independent start (seeded ``seed + SECOND_LOOK_SEED``, up to ``max_iter`` more
+#: products), to the same test; the larger of the two looks is the norm, known to the better residual where the two
+#: agree to ``tol``. Both miss the top together only where both starts nearly miss its direction.
+#: (An offset in the low 32 bits: the CPU generator keeps only those of a seed, so ``seed + 2**32`` would draw the
+#: first look's start again.)
+SECOND_LOOK_SEED = 0x9E3779B9
+#: The members that take the second look: theta's gap to the nearest Ritz value that could decide is at most this
+#: fraction of ``|theta|`` when they pass the test.
+RELOOK = 0.2
 #: Relative difference below which the two ends of a member's Ritz values count as tied (theta is then the top one).
 TIE = 1e-9
 
@@ -97,6 +114,7 @@ def lanczos_max_abs(
     pass_live: bool = False,
     info: dict | None = None,
     algebraic: bool = False,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest eigenvalue magnitude ``|λ|`` (``algebraic``: largest eigenvalue) of a batch of symmetric operators.
 
@@ -108,10 +126,11 @@ def lanczos_max_abs(
     extreme Ritz values moved by at most ``STABLE tol |theta|`` over the last :data:`STABLE_STEPS` steps
     (:func:`drift`); where the top is crowded (another Ritz value within :data:`CROWDED` of theta) its close neighbour
     must meet the residual test too and the window is :data:`CROWDED_STEPS` steps. Or when its Krylov space is
-    exhausted (then the answer is exact up to round-off). A residual test alone cannot see an eigenvalue the Krylov
-    space has not reached yet (a start nearly orthogonal to its eigenvector, a crowded top): the drift test gives such
-    a direction the steps in which, once the others are found, it grows by its gap to the rest; no test on one Krylov
-    space rules it out.
+    exhausted (then the answer is exact up to round-off). The test is :func:`verdict`. A residual test alone cannot
+    see an eigenvalue the Krylov space has not reached yet (a start nearly orthogonal to its eigenvector, a crowded
+    top): the drift test gives such a direction the steps in which, once the others are found, it grows by its gap to
+    the rest; no test on one Krylov space rules it out, so a member whose top was crowded when it passed takes a second
+    look from an independent start and keeps the larger (:data:`SECOND_LOOK_SEED`).
 
     Args:
         matvec: maps ``(*batch_shape, n)`` to ``(*batch_shape, n)``; member ``b`` applies operator ``b``.
@@ -119,7 +138,8 @@ def lanczos_max_abs(
             Gaussian, or a warm start plus noise); their shape gives the batch and the dimension ``n``, their dtype
             and device the working ones.
         tol: relative residual tolerance on the extreme Ritz value. ``0`` runs to ``max_iter``.
-        max_iter: most Lanczos steps, i.e. products (default and upper limit: ``n``).
+        max_iter: most Lanczos steps, i.e. products (default and upper limit: ``n``), per look: a member's second
+            look (:data:`SECOND_LOOK_SEED`) takes up to as many more.
         max_basis: most basis vectors held per member (``>= 4``; default ``max_iter``: none is ever dropped).
             Memory is then ``~1.5 max_basis`` vectors whatever ``max_iter``: when the basis is full the run
             restarts thickly (Wu & Simon 2000), keeping the Ritz vectors of the ``max_basis // 4`` lowest and
@@ -143,6 +163,8 @@ def lanczos_max_abs(
             eigenvalue is the largest in magnitude. The same stopping test on ``theta`` alone (``both_ends`` is
             ignored: the other end cannot overtake the top one; Ritz values never exceed it); every step
             re-orthogonalises twice.
+        seed: the seed of the second look's start vectors is ``seed + SECOND_LOOK_SEED`` (pass the seed ``start``
+            was drawn with, :func:`start_vectors`, so that the two looks are independent draws).
 
     Returns:
         ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest ``|λ|`` found (the largest
@@ -156,7 +178,7 @@ def lanczos_max_abs(
         5.0
     """
     run = LanczosRun(matvec, start, tol=tol, max_iter=max_iter, max_basis=max_basis, both_ends=both_ends,
-                     pass_live=pass_live, algebraic=algebraic)  # fmt: skip
+                     pass_live=pass_live, algebraic=algebraic, seed=seed)  # fmt: skip
     solve([run])
     if info is not None:
         info["rel_residual"] = run.rel_residual
@@ -303,10 +325,14 @@ class LanczosRun:
     merged: list | None = None
 
     def __init__(self, matvec, start, *, tol=1e-6, max_iter=None, max_basis=None, both_ends=True, pass_live=False,
-                 algebraic=False):  # fmt: skip
+                 algebraic=False, seed=0):  # fmt: skip
         batch_shape, n, dtype, device = tuple(start.shape[:-1]), start.shape[-1], start.dtype, start.device
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, batch_shape, n, dtype, device
-        self.pass_live = pass_live
+        self.pass_live, self.seed = pass_live, int(seed)
+        # the members that take a second look (a crowded top when they passed the stopping test), and the first look's
+        # (theta, rel, ritz) while the second runs
+        self.relook = np.zeros(batch_shape, dtype=bool)
+        self.first: tuple | None = None
         # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by merge_runs)
         self.tol = (
             tol if np.isscalar(tol) else np.array(np.broadcast_to(np.asarray(tol, dtype=float), self.batch_shape))
@@ -430,66 +456,33 @@ class LanczosRun:
 
     def check(self, ab: np.ndarray) -> None:
         """Eigen-decompose every member's projected matrix (``ab``: the float64 host copy of :meth:`host_parts`, a
-        numpy array), freeze the members that converged, and finish, restart or go on. All on the host: nothing
-        here reads a device value or dispatches a device operator."""
-        size, dtype, device, alg, tol = len(self.alphas), self.dtype, self.device, self.alg_h, self.tol
-        a, beta_h = ab[..., :size], ab[..., 2 * size - 1]
+        numpy array), apply the stopping test (:func:`verdict`), freeze the members that passed it, and finish, take
+        the second look (:data:`SECOND_LOOK_SEED`), restart or go on. All on the host but the Ritz vectors of the
+        members that stop: nothing here reads a device value."""
+        size, dtype, device = len(self.alphas), self.dtype, self.device
+        beta_h = ab[..., 2 * size - 1]
         T = np.zeros((*ab.shape[:-1], size, size))
         diag = np.arange(size)
-        T[..., diag, diag] = a
+        T[..., diag, diag] = ab[..., :size]
         if size > 1:
             off = ab[..., size : 2 * size - 1]
             T[..., diag[:-1], diag[1:]] = off
             T[..., diag[1:], diag[:-1]] = off
+        kept = 0
         if self.arrow is not None:  # the kept Ritz vectors 0..k-1 couple to vector k only
             arr = ab[..., 2 * size :]
-            k = arr.shape[-1]
-            T[..., :k, k] = arr
-            T[..., k, :k] = arr
+            kept = arr.shape[-1]
+            T[..., :kept, kept] = arr
+            T[..., kept, :kept] = arr
         evals, evecs = np.linalg.eigh(T)  # ascending
-        # theta's end (host numpy: no device operator): the largest Ritz value, or the larger |end|; the top where the
-        # two ends tie to round-off (the +-sigma of an off-diagonal pair's symmetric embedding), so that which end's
-        # residual and drift decide does not hang on the rounding of the products
-        upper = alg | (np.abs(evals[..., -1]) >= (1 - TIE) * np.abs(evals[..., 0]))
-        idx = np.where(upper, size - 1, 0)[..., None]
-        theta_now = np.take_along_axis(evals, idx, -1)[..., 0]
-        resid = np.abs(beta_h[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
-        # the opposite extreme: the lowest Ritz value when theta is the highest, and vice versa
-        opp = np.where(idx == size - 1, 0, size - 1)
-        scale = np.maximum(np.abs(a).max(-1), torch.finfo(dtype).tiny)
-        exhausted = beta_h <= self.breakdown * scale
-        # What the member's norm is known to (reported as its relative residual; a stopped member keeps its last one):
-        # r / |theta| (inf for a zero Ritz value: unresolved), with a crowded top the larger residual of theta and its
-        # close neighbour, or, while the ends that decide still move, their drift over the last steps (:func:`drift`) /
-        # STABLE when larger: above tol until they stop. At least the working precision.
-        top = idx[..., 0] == size - 1
-        a_theta, t_opp = np.abs(theta_now), np.abs(np.take_along_axis(evals, opp, -1)[..., 0])
-        near = np.clip(np.where(top, size - 2, 1), 0, size - 1)[..., None]  # theta's neighbour at its end
-        gap = np.abs(theta_now - np.take_along_axis(evals, near, -1)[..., 0])
-        close = (gap <= CROWDED * a_theta) & (size > 1)
-        crowded = close | (self.both_h & (t_opp >= (1 - CROWDED) * a_theta))
-        r_theta = np.take_along_axis(resid, idx, -1)[..., 0]
-        r_theta = np.where(close, np.maximum(r_theta, np.take_along_axis(resid, near, -1)[..., 0]), r_theta)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel_now = np.where(r_theta > 0, r_theta / a_theta, 0.0)
-        window = np.where(crowded, CROWDED_STEPS, STABLE_STEPS)
-        moved = drift(T, evals, top, self.both_h, window, 0 if self.arrow is None else k)
-        moving = ~exhausted & (moved > STABLE * tol)
-        with np.errstate(invalid="ignore"):  # (inf / inf where STABLE is inf: not read, moving is False there)
-            rel_now = np.where(moving, np.maximum(rel_now, moved / STABLE), rel_now)
-        converged = (rel_now <= tol) & ~moving
+        v = verdict(T, evals, evecs, beta_h, tol=self.tol, algebraic=self.alg_h, both=self.both_h, kept=kept,
+                    breakdown=self.breakdown, eps=torch.finfo(dtype).eps)  # fmt: skip
         live = self.live
-        self.rel = np.where(live, np.maximum(rel_now, torch.finfo(dtype).eps), self.rel)
-        self.theta = np.where(live, theta_now, self.theta)
-        # converged: theta is known to tol and, where both ends matter, the Ritz value at the other end is either
-        # accurate too or cannot overtake theta (with an indefinite operator, e.g. eigenvalues 1 and -0.95, the
-        # isolated smaller end converges first; stopping on it alone returns 0.95 in about a third of random starts)
-        r_opp = np.take_along_axis(resid, opp, -1)[..., 0]
-        settled = (r_opp <= tol * np.abs(theta_now)) | (t_opp + OVERTAKE_K * r_opp <= np.abs(theta_now))
-        # with one Ritz value there is no other end yet: a warm start at an eigenvector of the smaller end (last
-        # evaluation's top vector, when the weights have moved) would otherwise stop on it after one step
-        converged = converged & (~self.both_h | (settled & (size > 1)))
-        self.live = live & ~(exhausted | converged)
+        self.rel = np.where(live, v.rel, self.rel)
+        self.theta = np.where(live, v.theta, self.theta)
+        if self.first is None:  # a close Ritz value when the test passed: a second look (SECOND_LOOK_SEED)
+            self.relook |= live & v.converged & ~v.exhausted & (v.gap <= RELOOK)
+        self.live = live & ~(v.exhausted | v.converged)
         done = not self.live.any() or self.j + 1 == self.k_max
         # A member takes its Ritz vector when it stops, from the steps it took: its later steps are zero (alpha = beta
         # = 0; with a negative theta those zero Ritz values would outrank an algebraic member's at the end), and the
@@ -497,19 +490,50 @@ class LanczosRun:
         take = live if done else live & ~self.live
         if take.any():
             # the Ritz vector of theta, (*b, 1, size) @ (*b, size, n)
-            y = np.take_along_axis(evecs, idx[..., None, :], -1)[..., 0]  # (*batch_shape, size)
+            y = np.take_along_axis(evecs, v.index[..., None, None], -1)[..., 0]  # (*batch_shape, size)
             y = _to_device(y.reshape(self.b, 1, size), dtype, device)
             new = torch.bmm(y, self.basis).view(*self.batch_shape, self.n)
             self.ritz = new if take.all() else torch.where(_to_device(take[..., None], None, device), new, self.ritz)
         if done:
-            self._finish()
+            if self.first is None and self.relook.any():
+                self._second_look()
+            else:
+                self._finish()
             return
         if not np.array_equal(self.live, live):
-            mask = self.live.reshape(self.b, 1, 1)
-            self.active, self.stopped = _to_device(mask, None, device), _to_device(~mask, None, device)
+            self._mask(self.live)
         if self.full:
             self._restart(evals, evecs, beta_h)
         self._next()
+
+    def _mask(self, live: np.ndarray) -> None:
+        """The device masks of the live and the stopped members."""
+        mask = live.reshape(self.b, 1, 1)
+        self.active, self.stopped = _to_device(mask, None, self.device), _to_device(~mask, None, self.device)
+
+    def _second_look(self) -> None:
+        """Start the second look of the members whose top was crowded when they passed the stopping test: a new Krylov
+        space from an independent seeded start (:data:`SECOND_LOOK_SEED`), up to ``max_iter`` more products, the other
+        members stopped; :meth:`_finish` then keeps the larger of the two looks."""
+        self.first = (self.theta.copy(), self.rel.copy(), self.ritz)
+        n, dtype, device = self.n, self.dtype, self.device
+        # each run merged into this one (merge_runs) draws its own members' starts, as it would solved alone
+        start = (
+            start_vectors(self.batch_shape, n, dtype, device, seed=self.seed + SECOND_LOOK_SEED)
+            if self.merged is None
+            else torch.cat([
+                start_vectors(r.batch_shape, n, dtype, device, seed=r.seed + SECOND_LOOK_SEED).reshape(-1, n)
+                for r, _, _ in self.merged
+            ]).view(*self.batch_shape, n)
+        )  # fmt: skip
+        self.live = self.relook.copy()
+        self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
+        # the look's tests every CHECK_EVERY of its own steps, whenever it starts: the same steps in a run merged with
+        # others (merge_runs) as alone; on the rounds of the Rounds clock where the first look ended on a regular test
+        self.phase = 0
+        self.j, self.size, self.alphas, self.betas, self.arrow, self.restarted = 0, 1, [], [], None, False
+        self.buf = self.basis = self.v = self.w = None
+        self._mask(self.live)
 
     def _restart(self, evals: np.ndarray, evecs: np.ndarray, beta_h: np.ndarray) -> None:
         """Thick restart: keep the Ritz vectors of the lowest and highest Ritz values (both ends of the spectrum, the
@@ -570,6 +594,18 @@ class LanczosRun:
 
     def _finish(self) -> None:
         self.done = True
+        if self.first is not None:  # the larger of the two looks; agreeing to tol, known to the better residual
+            theta1, rel1, ritz1 = self.first
+            key1, key2 = (np.where(self.alg_h, t, np.abs(t)) for t in (theta1, self.theta))
+            second = self.relook & (key2 > key1)
+            agree = self.relook & (np.abs(key2 - key1) <= self.tol * np.abs(key1))
+            self.rel = np.where(agree, np.minimum(rel1, self.rel), np.where(second, self.rel, rel1))
+            self.theta = np.where(second, self.theta, theta1)
+            if second.any():
+                self.ritz = torch.where(_to_device(second[..., None], None, self.device), self.ritz, ritz1)
+            else:
+                self.ritz = ritz1
+            self.first = None
         theta = _to_device(self.theta, self.dtype, self.device)
         self.rel_residual = _to_device(self.rel, self.dtype, self.device)
         self.norm = (
@@ -631,6 +667,7 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
         pass_live=True,
         both_ends=joined([r.both_h for r in runs], np.concatenate),
         algebraic=joined([r.alg_h for r in runs], np.concatenate),
+        seed=first.seed,
     )
     for r in runs:
         r.start = r.ritz = None  # (the merged run holds the starts; a run's ritz is its start until it is solved)
@@ -672,6 +709,93 @@ def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device
             WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
         )
     return v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+
+
+class Verdict(NamedTuple):
+    """The stopping test's outcome for every member of a run (:func:`verdict`), host arrays of ``batch_shape``."""
+
+    #: theta: the largest-magnitude Ritz value (the largest one where algebraic), with its sign
+    theta: np.ndarray
+    #: its index among the ascending Ritz values (the first or the last)
+    index: np.ndarray
+    #: what the norm is known to, relative (reported as the relative residual): theta's residual / |theta| (with a
+    #: crowded top the larger of theta's and its neighbour's), or the drift of the deciding Ritz values / STABLE where
+    #: larger; at least ``eps``
+    rel: np.ndarray
+    #: whether the member passed the stopping test
+    converged: np.ndarray
+    #: whether its Krylov space is exhausted (the answer is exact up to round-off)
+    exhausted: np.ndarray
+    #: whether its top is crowded (:data:`CROWDED`)
+    crowded: np.ndarray
+    #: theta's gap to the nearest other Ritz value that could decide (its neighbour at theta's end; where both ends
+    #: decide, the other end too), relative to ``|theta|``
+    gap: np.ndarray
+
+
+def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarray, *, tol: float | np.ndarray,
+            algebraic: np.ndarray, both: np.ndarray, kept: int = 0, breakdown: float = 0.0,
+            eps: float = 0.0) -> Verdict:  # fmt: skip
+    """The stopping test of a batch of Lanczos members from their projected matrices (host numpy only).
+
+    A member passes when theta's residual ``|beta s_theta| <= tol |theta|`` (for a symmetric operator an eigenvalue
+    lies within that residual); where ``both`` ends decide, the Ritz value at the other end has too or cannot overtake
+    theta (``|theta_o| + OVERTAKE_K r_o <= |theta|``; with eigenvalues 1 and -0.95 the isolated smaller end converges
+    first, and stopping on it returns 0.95 in about a third of random starts), and the member holds two Ritz values at
+    least; and the deciding extreme Ritz values moved by at most ``STABLE tol |theta|`` over the last
+    :data:`STABLE_STEPS` steps (:func:`drift`). With a crowded top (another deciding Ritz value within :data:`CROWDED`
+    of theta) theta's close neighbour must pass the residual test too and the window is :data:`CROWDED_STEPS`. Theta
+    is the top one where the two ends tie to round-off (:data:`TIE`: the ``+-sigma`` of an off-diagonal pair's
+    symmetric embedding), so that which end decides does not hang on the rounding of the products.
+
+    Args:
+        T: ``(*batch_shape, size, size)`` projected matrices.
+        evals: ``(*batch_shape, size)`` their eigenvalues, ascending; ``evecs`` ``(*batch_shape, size, size)`` their
+            eigenvectors.
+        beta: ``(*batch_shape,)`` the current beta (the norm of the residual direction).
+        tol: relative tolerance, one or ``(*batch_shape,)``.
+        algebraic: ``(*batch_shape,)`` bool: the largest eigenvalue (else the largest magnitude).
+        both: ``(*batch_shape,)`` bool: both ends of the spectrum decide.
+        kept: Ritz vectors kept by the last thick restart (0: none).
+        breakdown: beta at most this times the largest ``|alpha|``: the Krylov space is exhausted.
+        eps: the least relative residual reported (the working precision).
+
+    Example:
+        >>> T = np.diag([1.0, 3.0]); ev, V = np.linalg.eigh(T)
+        >>> v = verdict(T, ev, V, np.array(0.0), tol=1e-2, algebraic=np.array(False), both=np.array(False))
+        >>> float(v.theta), bool(v.exhausted)
+        (3.0, True)
+    """
+    size = T.shape[-1]
+    upper = algebraic | (np.abs(evals[..., -1]) >= (1 - TIE) * np.abs(evals[..., 0]))
+    idx = np.where(upper, size - 1, 0)
+    top = upper
+    theta = np.take_along_axis(evals, idx[..., None], -1)[..., 0]
+    resid = np.abs(beta[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
+    opp = np.where(top, 0, size - 1)[..., None]  # the other end: the lowest Ritz value when theta is the highest
+    scale = np.maximum(np.abs(np.diagonal(T, axis1=-2, axis2=-1)).max(-1), np.finfo(np.float64).tiny)
+    exhausted = beta <= breakdown * scale
+    a_theta, t_opp = np.abs(theta), np.abs(np.take_along_axis(evals, opp, -1)[..., 0])
+    near = np.clip(np.where(top, size - 2, 1), 0, size - 1)[..., None]  # theta's neighbour at its end
+    gap = np.abs(theta - np.take_along_axis(evals, near, -1)[..., 0])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = np.where(size > 1, gap / a_theta, np.inf)
+        gap = np.minimum(gap, np.where(both & (size > 1), 1 - t_opp / a_theta, np.inf))
+    close = (np.abs(theta - np.take_along_axis(evals, near, -1)[..., 0]) <= CROWDED * a_theta) & (size > 1)
+    crowded = close | (both & (t_opp >= (1 - CROWDED) * a_theta))
+    r_theta = np.take_along_axis(resid, idx[..., None], -1)[..., 0]
+    r_theta = np.where(close, np.maximum(r_theta, np.take_along_axis(resid, near, -1)[..., 0]), r_theta)
+    with np.errstate(divide="ignore", invalid="ignore"):  # r / |theta|: inf for a zero Ritz value (unresolved)
+        rel = np.where(r_theta > 0, r_theta / a_theta, 0.0)
+    moved = drift(T, evals, top, both, np.where(crowded, CROWDED_STEPS, STABLE_STEPS), kept)
+    moving = ~exhausted & (moved > STABLE * tol)
+    with np.errstate(invalid="ignore"):  # (inf / inf where STABLE is inf: not read, moving is False there)
+        rel = np.where(moving, np.maximum(rel, moved / STABLE), rel)
+    converged = (rel <= tol) & ~moving
+    r_opp = np.take_along_axis(resid, opp, -1)[..., 0]
+    settled = (r_opp <= tol * a_theta) | (t_opp + OVERTAKE_K * r_opp <= a_theta)
+    converged = converged & (~both | (settled & (size > 1)))
+    return Verdict(theta, idx, np.maximum(rel, eps), converged, exhausted, crowded, gap)
 
 
 def drift(T: np.ndarray, evals: np.ndarray, top: np.ndarray, both: np.ndarray, window: np.ndarray | int,

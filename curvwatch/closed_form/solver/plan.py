@@ -291,6 +291,7 @@ def norm_run(
         pass_live=True,
         both_ends=_both_ends(parts, diagonal=diagonal),
         algebraic=algebraic,
+        seed=lanczos.seed,
     )
 
 
