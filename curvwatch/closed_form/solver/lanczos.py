@@ -69,18 +69,19 @@ STABLE_STEPS = 4
 #: theta's end must meet the residual test too, and the window of :data:`STABLE` is :data:`CROWDED_STEPS`.
 CROWDED = 0.05
 CROWDED_STEPS = 8
-#: No test on one Krylov space rules out an eigenvalue it has not reached yet, and a crowded top is where one is missed:
-#: the close eigenvalues' directions grow at nearly one pace, and the one the start leaned least on can stay out of
-#: reach past the test (on the FFN's ``W1W1`` blocks of trained models, 1-5% low in about one norm in 10,000). A member
-#: whose top was crowded when it passed the test therefore takes a second look: once the run's first looks have ended,
-#: a Lanczos run of its own from an independent start (seeded ``seed + SECOND_LOOK_SEED``, up to ``max_iter`` more
-#: products), to the same test; the larger of the two looks is the norm, known to the better residual where the two
-#: agree to ``tol``. Both miss the top together only where both starts nearly miss its direction.
-#: (An offset in the low 32 bits: the CPU generator keeps only those of a seed, so ``seed + 2**32`` would draw the
-#: first look's start again.)
+#: No test on one Krylov space rules out an eigenvalue it has not reached yet: a direction the start (or, warm, the
+#: noise mixed into last time's top vector) holds at ~1/sqrt(n) of its weight grows too slowly to show before the Ritz
+#: values at a close eigenvalue stand still (on the FFN's ``W1W1`` blocks of trained models, about one norm in 10,000
+#: stopped 1-5% low so, the Ritz value next to theta 7-22% below it). A member whose theta has another Ritz value that
+#: could decide within :data:`RELOOK` of it when it passes the test therefore takes a second look: once the run's first
+#: looks have all ended, a Lanczos run from an independent start (seeded ``seed + SECOND_LOOK_SEED``, up to
+#: ``max_iter`` more products, the other members stopped) to the same test; the larger of the two looks is the norm,
+#: known to the better residual where they agree to ``tol``. Both miss the top only where both starts nearly miss its
+#: direction. (An offset in the low 32 bits: the CPU generator keeps only those of a seed, so ``seed + 2**32`` would
+#: draw the first look's start again.)
 SECOND_LOOK_SEED = 0x9E3779B9
-#: The members that take the second look: theta's gap to the nearest Ritz value that could decide is at most this
-#: fraction of ``|theta|`` when they pass the test.
+#: The members that take the second look (:data:`SECOND_LOOK_SEED`): theta's gap to the nearest Ritz value that could
+#: decide (:attr:`Verdict.gap`) is at most this fraction of ``|theta|`` when they pass the test.
 RELOOK = 0.2
 #: Relative difference below which the two ends of a member's Ritz values count as tied (theta is then the top one).
 TIE = 1e-9
@@ -306,7 +307,8 @@ class LanczosRun:
 
     :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
-    restart couplings), which decides convergence on the host, restarts or finishes.
+    restart couplings), which decides convergence on the host (:func:`verdict`), restarts, takes the second look of
+    the members that need one (:data:`SECOND_LOOK_SEED`) or finishes. ``seed``: the seed ``start`` was drawn with.
 
     Attributes:
         done: whether the run has stopped (then ``norm``, ``ritz``, ``rel_residual`` or ``error`` hold its outcome).
