@@ -622,7 +622,7 @@ class LanczosRun:
 
 def mergeable(run: LanczosRun) -> bool:
     """Whether :func:`merge_runs` may take ``run``: made, never stepped, not done, held by one evaluation."""
-    return not run.done and run.start is not None and run.holders == 1
+    return not run.done and run.start is not None and run.first is None and run.holders == 1
 
 
 def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
