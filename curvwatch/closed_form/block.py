@@ -1,14 +1,14 @@
 """Closed-form Hessian of a whole Transformer block (attention, residuals, LayerNorms, FFN), post- or pre-LN.
 
-Formula sheet §6 composes the sub-block closed forms with the chain rule (P1 Thms 4-5, corrected):
+This module composes the sub-block closed forms with the chain rule (P1 Thms 4-5, corrected):
 ``d^2 l/dW_i dW_j = c (J_Z B_i)^T (J_Z B_j) + (g^T x I) H_tr^(i,j)``. We apply that Hessian to a vector
 without building any Kronecker factor: a forward sweep pushes the weight perturbation through the closed-form
 Jacobians (attention, LayerNorm rows, FFN), and a backward sweep pulls back both the output curvature
 (the Gauss-Newton part) and, for the functional part, the gradient-contracted second derivatives of every
-sub-block: the attention ``Phi`` terms (sheet §2), the contracted LayerNorm Hessian (§4) and the FFN
-``act''`` and cross terms (§5). This is exactly P1's ``xi_ij`` / ``H_Z`` expansion, evaluated right to left.
+sub-block: the attention ``Phi`` terms, the contracted LayerNorm Hessian and the FFN
+``act''`` and cross terms. This is exactly P1's ``xi_ij`` / ``H_Z`` expansion, evaluated right to left.
 
-Post-LN (sheet §6): ``U = X + MHA(X)``, ``Y = LN1(U)``, ``S = act(Y W_1 + b_1) W_2 + b_2 + Y``, ``Z = LN2(S)``.
+Post-LN: ``U = X + MHA(X)``, ``Y = LN1(U)``, ``S = act(Y W_1 + b_1) W_2 + b_2 + Y``, ``Z = LN2(S)``.
 Pre-LN (GPT-2 style): ``U = X + MHA(LN1(X))``, ``V = LN2(U)``, ``Z = U + act(V W_1 + b_1) W_2 + b_2``.
 """
 

@@ -1,9 +1,9 @@
 """Corrected spectral-norm bounds for self-attention blocks and the softmax factors that drive them.
 
 The published bound of Petrov et al. (P1, Thm 1) uses ``||dA/dT||_2 <= 1/L``, true only for uniform
-attention, and omits the KK/VK blocks; both make it fail (formula sheet §3b, errata 1-2). The bounds here
-follow the sheet's corrected ones (§3b), written with measured norms so they are valid for biases and an
-output projection too. Per sequence ``b`` and head ``h``, with ``x = ||X||_2``, ``p = ||X W_Q + b_Q||_2``,
+attention, and omits the KK/VK blocks; both make it fail (docs: "What the papers print, and what holds"). The
+bounds here are the corrected ones, written with measured norms so they are valid for biases and an output
+projection too. Per sequence ``b`` and head ``h``, with ``x = ||X||_2``, ``p = ||X W_Q + b_Q||_2``,
 ``kappa = ||X W_K + b_K||_2``, ``nu = ||X W_V + b_V||_2``, ``omega = ||W_O^h||_2``, ``gamma = ||g W_O^h^T||_F``,
 ``alpha = ||dA/dT||_2`` (measured, <= 1/2), ``beta`` = Frobenius norm of the softmax second derivative
 (measured per row, max over rows):
@@ -14,9 +14,9 @@ output projection too. Per sequence ``b`` and head ``h``, with ``x = ||X||_2``, 
   ``||H_f(QQ)|| <= beta gamma nu x^2 kappa^2 / d_K`` (``kappa -> p`` for KK);
   ``||H_f(QK)|| <= beta gamma nu x^2 kappa p / d_K + alpha gamma nu x^2 / sqrt(d_K)``.
 * totals: ``||H(XY)|| <= bound_o + bound_f``; the whole QKV Hessian is bounded by the spectral norm of the
-  3x3 matrix of block bounds (<= 3 max, the sheet's form). Batches add: ``||sum_b H_b|| <= sum_b ||H_b||``.
+  3x3 matrix of block bounds (<= 3 max, the corrected form). Batches add: ``||sum_b H_b|| <= sum_b ||H_b||``.
 
-With ``kappa = x ||W_K||``, ``nu = x ||W_V||`` and ``gamma = c r`` these are exactly the sheet's §3b bounds.
+With ``kappa = x ||W_K||``, ``nu = x ||W_V||`` and ``gamma = c r`` these are exactly the corrected bounds of the docs.
 The only L-dependence left is through ``c = 2/(L d_V)`` and ``sqrt(L)`` in ``J_V``.
 
 Modern attention (docs "Modern attention"): ``1/sqrt(d_K)`` becomes the softmax scale ``s`` (every bound is linear

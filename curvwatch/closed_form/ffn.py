@@ -1,6 +1,6 @@
 """Closed-form Hessian blocks of the feed-forward sub-block ``S = act(Y W_1 + b_1) W_2 + b_2 (+ Y)``.
 
-Formula sheet §5, with ``Z = Y W_1 + b_1`` (pre-activation), ``Hid = act(Z)`` and ``g = dl/dS``:
+With ``Z = Y W_1 + b_1`` (pre-activation), ``Hid = act(Z)`` and ``g = dl/dS``:
 
 * Jacobians: ``dS = (act'(Z) * (Y dW_1)) W_2 + Hid dW_2``.
 * Outer blocks ``c J^T J``; exactly ``||H_o(W2W2)|| = lambda_max(sum_b c_b Hid_b^T Hid_b)`` (Kronecker ``x I``).

@@ -1,4 +1,4 @@
-"""Closed-form Jacobians of LayerNorm, the FFN and the post-LN block output (formula sheet §4-§6).
+"""Closed-form Jacobians of LayerNorm, the FFN and the post-LN block output (docs: the mathematics page).
 
 Conventions (``docs/design.md``): a layer computes ``X @ W (+ b)``, so ``W_1`` is ``(d, d_ff)`` and ``W_2`` is
 ``(d_ff, d_out)``; Jacobians are taken with row-major flattening, ``vec_r(W) = W.reshape(-1)``, so
@@ -277,11 +277,11 @@ def _layernorm_unit_blocks(y: Tensor, weight: Tensor | None) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# LayerNorm (sheet §4)
+# LayerNorm
 
 
 def layernorm_jacobian_blocks(X: Tensor, eps: float = 1e-5, weight: Tensor | None = None) -> Tensor:
-    """Per-row LayerNorm Jacobians (sheet §4, compact form), without the block-diagonal zeros.
+    """Per-row LayerNorm Jacobians (compact form), without the block-diagonal zeros.
 
     For row ``x_i`` with ``y_i = (x_i - μ_i 1) / s_i``, ``s_i = sqrt(σ_i² + eps)`` (biased variance) and
     ``C = I_n - 1 1ᵀ / n``:
@@ -345,7 +345,7 @@ def layernorm_jacobian_dense(X: Tensor, eps: float = 1e-5, weight: Tensor | None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# FFN (sheet §5): S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)
+# FFN: S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)
 
 
 def ffn_jacobian_W2_structured(
@@ -391,7 +391,7 @@ def ffn_jacobian_W2(
     activation: str | Activation = "relu",
     d_out: int | None = None,
 ) -> Tensor:
-    """Dense ``∂ vec_r S / ∂ vec_r W_2 = σ(Y W_1 + b_1) ⊗ I_{d_out}`` (sheet §5, ``B_2``).
+    """Dense ``∂ vec_r S / ∂ vec_r W_2 = σ(Y W_1 + b_1) ⊗ I_{d_out}`` (``B_2``).
 
     Args: as :func:`ffn_jacobian_W2_structured`.
 
@@ -414,7 +414,7 @@ def ffn_jacobian_W1_structured(
 ) -> RowKronecker:
     """``∂S/∂W_1`` as a :class:`RowKronecker`: left = ``Y``, right ``[i, m, b] = W_2[b, m] σ'(Z_pre)_{ib}``.
 
-    Elementwise (sheet §5), with ``Z_pre = Y W_1 + b_1``:
+    Elementwise, with ``Z_pre = Y W_1 + b_1``:
     ``[B_1]_{(i,m),(a,b)} = W_2[b, m] σ'(Z_pre)_{ib} Y_{ia}``;
     equivalently ``B_1 = (I_N ⊗ W_2ᵀ) diag(vec_r σ'(Z_pre)) (Y ⊗ I_{d_ff})``.
 
@@ -447,7 +447,7 @@ def ffn_jacobian_W1(
     b_1: Tensor | None = None,
     activation: str | Activation = "relu",
 ) -> Tensor:
-    """Dense ``∂ vec_r S / ∂ vec_r W_1`` (sheet §5): ``[B_1]_{(i,m),(a,b)} = W_2[b,m] σ'(Z_pre)_{ib} Y_{ia}``.
+    """Dense ``∂ vec_r S / ∂ vec_r W_1``: ``[B_1]_{(i,m),(a,b)} = W_2[b,m] σ'(Z_pre)_{ib} Y_{ia}``.
 
     Args: as :func:`ffn_jacobian_W1_structured`.
 
@@ -462,7 +462,7 @@ def ffn_jacobian_W1(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# post-LN block output (sheet §6, Thm 4): Z = LN(S), ∂Z/∂W_i = J_Z B_i
+# post-LN block output (P1 Thm 4): Z = LN(S), ∂Z/∂W_i = J_Z B_i
 
 
 _WRT = ("W_1", "W_2")
@@ -494,7 +494,7 @@ def block_output_jacobians_structured(
 ) -> dict[str, RowKronecker]:
     """``∂Z/∂W_1`` and ``∂Z/∂W_2`` of ``Z = LN(S)``, ``S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)``, kept structured.
 
-    Sheet §6 Thm 4: ``∂Z/∂W_i = J_Z B_i`` with ``J_Z = blockdiag_i(J_i)`` the LayerNorm Jacobian at ``S``. The
+    P1 Thm 4: ``∂Z/∂W_i = J_Z B_i`` with ``J_Z = blockdiag_i(J_i)`` the LayerNorm Jacobian at ``S``. The
     per-row blocks are applied row by row, never as a dense block-diagonal matmul:
 
     * ``∂Z/∂W_2``: the rows of token ``i`` are ``σ(z_i) ⊗ J_i``.
@@ -609,7 +609,7 @@ def block_output_jacobians(
     weight: Tensor | None = None,
     wrt: Sequence[str] = _WRT,
 ) -> dict[str, Tensor]:
-    """Dense ``∂ vec_r Z / ∂ vec_r W_1`` and ``∂ vec_r Z / ∂ vec_r W_2`` of the post-LN block (§6 Thm 4).
+    """Dense ``∂ vec_r Z / ∂ vec_r W_1`` and ``∂ vec_r Z / ∂ vec_r W_2`` of the post-LN block (P1 Thm 4).
 
     ``Z = LN(S)``, ``S = σ(Y W_1 + b_1) W_2 + b_2 (+ Y)``, ``∂Z/∂W_i = J_Z B_i``; computed through
     :func:`block_output_jacobians_structured` and materialised once, with no dense block-diagonal matmul:

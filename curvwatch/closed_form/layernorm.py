@@ -1,6 +1,6 @@
 """Closed-form LayerNorm curvature: per-row variance statistics, exact Jacobian/Hessian norms, contracted Hessian.
 
-Row-wise (formula sheet §4): ``yhat_i = C x_i / s_i`` with ``C = I - 11^T/n``, ``s_i = sqrt(sigma_i^2 + eps)``
+Row-wise: ``yhat_i = C x_i / s_i`` with ``C = I - 11^T/n``, ``s_i = sqrt(sigma_i^2 + eps)``
 (biased variance), and the affine output ``y_i = gamma * yhat_i + beta``. With ``rho_i^2 = ||yhat_i||^2 =
 n sigma_i^2 / s_i^2`` (``= n`` when ``eps = 0``):
 
@@ -9,7 +9,7 @@ n sigma_i^2 / s_i^2`` (``= n`` when ``eps = 0``):
 * Hessian ``d^2 yhat_k/dx_a dx_b = (1/(n s^2))[-C_ka y_b - C_kb y_a - y_k C_ab + (3/n) y_k y_a y_b]``. The Gram
   matrix of the flattened ``(n^2 x n)`` Hessian is ``(2 rho^2 C + (n + 5 - 18 rho^2/n + 9 rho^4/n^2) yhat yhat^T)
   / (n s^2)^2`` [derived here], so ``||H_i||^2 = max(2 rho^2 [n >= 3], rho^2 (n + 7 - 18 rho^2/n + 9 rho^4/n^2))
-  / (n s^2)^2``; with ``eps = 0`` this is the sheet's ``sqrt((n-2)/n)/s^2`` for ``n >= 4`` and ``sqrt(2/3)/s^2``
+  / (n s^2)^2``; with ``eps = 0`` this is the published ``sqrt((n-2)/n)/s^2`` for ``n >= 4`` and ``sqrt(2/3)/s^2``
   for ``n = 3``.
 * Contracted with an upstream gradient ``g`` (``g' = gamma * g``, ``u = C g'``, ``t = g'.yhat``):
   ``sum_k g'_k nabla^2 yhat_k = (1/(n s^2))[-(u yhat^T + yhat u^T) - t C + (3t/n) yhat yhat^T]``, whose
@@ -74,7 +74,7 @@ class LayerNormRows:
         return (gc - self.yhat * (self.yhat * g).sum(-1, keepdim=True) / self.n) / self.s
 
     def hvp(self, gy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
-        """``(sum_k gy_k nabla^2 y_k) dx``: the contracted Hessian (formula sheet §4) applied to ``dx``."""
+        """``(sum_k gy_k nabla^2 y_k) dx``: the contracted Hessian applied to ``dx``."""
         g = self._scale(gy)
         u = g - g.mean(-1, keepdim=True)
         t = (g * self.yhat).sum(-1, keepdim=True)

@@ -1,8 +1,8 @@
 """How the kernels compute: the Hessian parts, the Lanczos settings of the iterative norms and their warm starts.
 
-The Hessian of a block splits into ``H = H_o + H_f`` (formula sheet §1): the Gauss-Newton part ``"outer"``, the
-``"functional"`` part and their sum ``"hessian"``. :data:`PARTS` names them, in the order every kernel reports them;
-a kernel's ``parts=`` argument picks the ones its iterative norms compute.
+The Hessian of a block splits into ``H = H_o + H_f`` (docs: "The Gauss-Newton / functional split"): the
+Gauss-Newton part ``"outer"``, the ``"functional"`` part and their sum ``"hessian"``. :data:`PARTS` names them,
+in the order every kernel reports them; a kernel's ``parts=`` argument picks the ones its iterative norms compute.
 
 Every kernel of :mod:`curvwatch.closed_form` that finds a norm by Lanczos (attention, FFN, the whole block)
 takes one ``lanczos=`` argument instead of a tail of keywords. The defaults are bounded: at most

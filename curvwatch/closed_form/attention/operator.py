@@ -1,6 +1,6 @@
 """The closed-form Hessian operator of multi-head softmax attention: Gauss-Newton and functional products.
 
-Notation (formula sheet §1-§3, docs "Modern attention"): ``X`` (L, d) query tokens, ``X_kv`` (L_kv, d_kv) the
+Notation (docs: "Notation" and "Modern attention"): ``X`` (L, d) query tokens, ``X_kv`` (L_kv, d_kv) the
 tokens keys and values are read from (``X_kv = X`` in self-attention, the encoder output ``memory`` in
 cross-attention). ``H`` query heads share ``H_kv`` key/value heads (grouped-query attention, ``G = H / H_kv``
 query heads per group; ``H_kv = H`` is plain multi-head attention). Query head ``h`` reads kv head ``g = h // G``:
@@ -24,7 +24,7 @@ We never build the ``L^2 x L^2`` softmax Jacobian nor the ``L^4 x L^2`` second d
 * softmax second derivative contracted with the cotangent ``G_A = g_h V^T``:
   ``d/dA <G_A, J_A dT> = G_A*dT - G_A <a_i,dT_i> - <a_i,G_A,i> dT`` (P2 Lemma C.1 contracted);
 * the bilinear term of ``T`` in ``(P, K)``: ``s Gamma dK`` and ``s Gamma^T dP``, ``Gamma = dl/dT``
-  (formula sheet §2, erratum 7);
+  (docs: "What the papers print, and what holds");
 * the maps in front of ``P`` and ``K``: tangents go through ``dP = R(J_N dQ0)``, cotangents back through
   ``J_N^T R^T``; the functional products add the norm's second derivative contracted with the cotangent at its
   output, ``N''[R^T dl/dP] dQ0`` (and the same for K). ``R`` is linear, so it has no second-order term.

@@ -3,7 +3,7 @@
 Every exact spectral norm of an evaluation (the ``VV`` Gram factor, the weights, ``X``, the queries, keys and values)
 goes through one batched call (:func:`exact_norms`, one ``eigvalsh`` per Gram size, gathered with the other
 evaluations of a Lockstep); :func:`signal_terms` and :func:`terms_and_bounds` turn them into the ``term/...`` and
-``bound/...`` keys (formula sheet, "bounds"; :mod:`curvwatch.closed_form.bounds`).
+``bound/...`` keys (docs: "Bound terms and corrected bounds"; :mod:`curvwatch.closed_form.bounds`).
 """
 
 from __future__ import annotations
