@@ -18,8 +18,8 @@ from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.block import TransformerBlockOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import EXACT, Lanczos
-from curvwatch.closed_form.solver import lanczos as _lanczos
 from curvwatch.closed_form.solver import plan
+from curvwatch.closed_form.solver.choices import for_device
 from curvwatch.closed_form.solver.lanczos import LanczosRun, lanczos_max_abs, start_vectors
 from tests.cases import DT, rand
 
@@ -103,9 +103,9 @@ def test_converged_parts_are_not_computed(case, monkeypatch):
     # the products are counted per run, each made by plan.norm_run (runs merged into one, plan._made, still call each
     # member run's product for its rows)
     monkeypatch.setattr(plan, "LanczosRun", Counting)
-    # a stopping test every step: parts of these small blocks converge a few steps apart, which tests every
-    # CHECK_EVERY steps would often merge
-    monkeypatch.setattr(_lanczos, "CHECK_EVERY", 1)
+    # on the CPU a stopping test every step: parts of these small blocks converge a few steps apart, which tests every
+    # few steps (the GPU's choice) would often merge
+    assert for_device("cpu").check_every == 1
     reference = call(**kw)
     runs.clear()
     again = call(**kw)
