@@ -15,8 +15,8 @@ cold starts, float32, causal, ``grad_output`` loss):
 
 * ``head512``: one head, L = d = 512, d_K 64;
 * ``layer256``: 8 heads, L 256, d 512;
-* ``engine``: one warm full :meth:`Engine.evaluate` of a 2-layer GPT (d 64, 4 heads, L 64, B 2; trees with the engine
-  API of this one only).
+* ``engine``: one warm full :meth:`Engine.evaluate` of a 2-layer GPT (d 128, 4 heads, L 128, B 2; the engine's
+  default settings; trees with the engine API of this one only).
 
 Run ``nice -n 10 env OMP_NUM_THREADS=1 python -m benchmarks.bench_kernels [--old PATH] [--cases head512,layer256]
 [--repeats 3] [--out PATH]``; prints a markdown table (call | old ms | this tree ms | ratio, the same in process CPU
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +101,11 @@ def _engine_call(tight: bool):
     from curvwatch.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, d_model=64))
-    idx = torch.randint(0, 64, (2, 65))
+    model = GPT(GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, d_model=128))
+    idx = torch.randint(0, 64, (2, 129))
     engine = Engine(lanczos=Lanczos(**TIGHT), dtype="float64") if tight else Engine()
     specs = find_blocks(model)
-    with Capture(specs, engine.token_limit) as capture:
+    with torch.enable_grad(), Capture(specs, engine.token_limit) as capture:
         logits = model(idx[:, :-1])
         torch.nn.functional.cross_entropy(logits.reshape(-1, 64), idx[:, 1:].reshape(-1)).backward()
     blocks = capture.blocks()
@@ -183,6 +184,17 @@ class Tree:
         self.proc.wait()
 
 
+def _commit(path: Path) -> str | None:
+    """The commit checked out at ``path`` (``+`` when its tracked files differ from it), or None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(path), "diff", "--quiet", "HEAD"]).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
 def max_rel_diff(values: dict[str, float], ref: dict[str, float]) -> float:
     """Largest ``|v - ref| / |ref|`` over the keys of ``ref`` (``|v|`` where ``ref`` is 0, ``inf`` where a key is
     missing)."""
@@ -214,7 +226,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for t in trees:
             t.close()
-    res: dict[str, Any] = {"repeats": args.repeats, "old": None if args.old is None else str(args.old), "cases": {}}
+    res: dict[str, Any] = {
+        "repeats": args.repeats,
+        "old": None if args.old is None else str(args.old),
+        "old_commit": None if args.old is None else _commit(args.old),
+        "this_commit": _commit(ROOT),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
+        "cases": {},
+    }
     for c in cases:
         row = {}
         for t in trees:
