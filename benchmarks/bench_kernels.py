@@ -15,6 +15,7 @@ cold starts, float32, causal, ``grad_output`` loss):
 
 * ``head512``: one head, L = d = 512, d_K 64;
 * ``layer256``: 8 heads, L 256, d 512;
+* ``tiny``: 2 heads, L = d = 16, d_K 8 (the smoke test's);
 * ``engine``: one warm full :meth:`Engine.evaluate` of a 2-layer GPT (d 128, 4 heads, L 128, B 2; the engine's
   default settings; trees with the engine API of this one only).
 
@@ -36,7 +37,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench_kernels"
-CASES = ("head512", "layer256", "engine")
+CASES = ("head512", "layer256", "engine", "tiny")
 #: The reference solve's settings (in float64).
 TIGHT = {"tol": 1e-8, "max_iter": 600, "max_basis": 64}
 
@@ -47,7 +48,7 @@ def _inputs(case: str, dtype):
     """``(X, W_Q, W_K, W_V, W_O, H, G)`` of a kernel case, seeded (the same tensors in every tree), in ``dtype``."""
     import torch
 
-    L, d, H, d_K = {"head512": (512, 512, 1, 64), "layer256": (256, 512, 8, 64)}[case]
+    L, d, H, d_K = {"head512": (512, 512, 1, 64), "layer256": (256, 512, 8, 64), "tiny": (16, 16, 2, 8)}[case]
     g = torch.Generator().manual_seed(0)
 
     def r(*shape, scale=1.0):
@@ -182,6 +183,7 @@ class Tree:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
+        self.proc.stdout.close()
 
 
 def _commit(path: Path) -> str | None:
