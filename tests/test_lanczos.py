@@ -247,9 +247,9 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
 @pytest.mark.parametrize("base", [CPU, GPU], ids=["cpu", "gpu"])
 def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, base):
     """Reading alpha and beta is a host-device sync off the CPU, and so is torch.linalg.eigh on a CUDA tensor: the
-    tridiagonal eigenproblem runs on a float64 host copy, every ``check_every`` steps (the GPU's 4, the CPU's 1; and at
-    the last step). The norms still meet tol, and the run takes at most ``check_every - 1`` more products than one
-    testing every step: the stopping rule's windows count steps, not tests."""
+    tridiagonal eigenproblem runs on a float64 host copy, every ``check_every`` steps (4 with either device's choices;
+    and at the last step). The norms still meet tol, and the run takes at most ``check_every - 1`` more products than
+    one testing every step."""
     gen = torch.Generator().manual_seed(3)
     n = 200
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float32).double())
