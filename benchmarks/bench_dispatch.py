@@ -1,7 +1,9 @@
 """Benchmark: dispatched operators and host syncs of one monitor evaluation, per layer (and timings on a GPU).
 
 On a GPU an evaluation of many small tensors is bound by what the host dispatches and by how often it waits for the
-device, not by arithmetic. Both counts are the same on any device, so they are measured here on the CPU:
+device, not by arithmetic. Both counts are the same on any device that takes the same solver choices, so they are
+measured here on the CPU with the GPU's (:func:`~curvwatch.closed_form.solver.choices.forced`; ``--choices device``:
+the CPU's own, for its timings):
 
 * **operators**: every ATen operator the dispatcher runs below autograd (a ``TorchDispatchMode`` counts them);
 * **host syncs**: reads of a tensor's value by the host: ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``,
@@ -50,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from curvwatch import Cadence, CurvatureMonitor
+from curvwatch.closed_form.solver.choices import GPU, forced
 from curvwatch.schedule import simulate
 
 NAME = "bench_dispatch"
@@ -444,6 +447,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="time the steps side by side and print the goals (the default on CUDA; on CPU a smoke test of that path)",
     )
+    p.add_argument(
+        "--choices",
+        choices=("gpu", "device"),
+        default="gpu",
+        help="the solver's per-device choices (curvwatch.closed_form.solver.choices): 'gpu' (default) the GPU's on "
+        "any device, so the counts are what a GPU dispatches and reads; 'device' each device its own",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -453,7 +463,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.arch == "llama":  # the LLaMA-style model's own vocabulary (build_model), whatever --vocab says
         args.vocab = 32000
     measure = timings if cuda or args.time else engine_only if args.engine_only else count
-    result = {"args": vars(args), **measure(args)}
+    with forced(GPU) if args.choices == "gpu" else contextlib.nullcontext():
+        result = {"args": vars(args), **measure(args)}
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         with open(args.out, "w") as f:

@@ -4,7 +4,9 @@ solve of the same captured blocks.
 
 The replays here draw every evaluation's start vectors with one seed, so that the starts are those on which the
 residual test alone stops low (a norm 33% low at step 40, ``layer1/attn/functional/KK/h0``, and one 4.7% low after a
-resume, ``layer0/attn/outer/QQ/h3``, step 20); the default stopping test reports none of them converged and off."""
+resume, ``layer0/attn/outer/QQ/h3``, step 20, with the GPU's solver choices: attention's ``QQ`` and ``KK`` rows of
+one run, whose start vectors are rows of one draw); the default stopping test reports none of them converged and off,
+with the GPU's choices and with the CPU's."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 import pytest
 
 from benchmarks import bench_convergence
-from curvwatch.closed_form.solver import lanczos
+from curvwatch.closed_form.solver import choices, lanczos
 from curvwatch.engine import Engine
 
 
@@ -27,7 +29,7 @@ def recording(tmp_path_factory):
     return result
 
 
-def _replay(recording, monkeypatch, residual_alone: bool) -> dict:
+def _replay(recording, monkeypatch, residual_alone: bool, chosen: choices.SolverChoices = choices.GPU) -> dict:
     evaluate = Engine.evaluate
 
     def one_seed(self, *args, **kwargs):
@@ -39,7 +41,8 @@ def _replay(recording, monkeypatch, residual_alone: bool) -> dict:
         monkeypatch.setattr(lanczos, "STABLE", math.inf)
         monkeypatch.setattr(lanczos, "CROWDED", 0.0)
         monkeypatch.setattr(lanczos, "RELOOK", -math.inf)
-    return bench_convergence.replay_all(recording["states"], recording["resume_at"])
+    with choices.forced(chosen):
+        return bench_convergence.replay_all(recording["states"], recording["resume_at"])
 
 
 def test_the_residual_test_alone_reports_norms_converged_and_off_on_the_recorded_run(recording, monkeypatch):
@@ -48,8 +51,9 @@ def test_the_residual_test_alone_reports_norms_converged_and_off_on_the_recorded
     assert summary["cold"]["worst_error"] < -0.3  # layer1/attn/functional/KK/h0 at step 40
 
 
-def test_no_norm_of_the_recorded_run_is_reported_converged_and_more_than_1_percent_off(recording, monkeypatch):
-    summary = _replay(recording, monkeypatch, residual_alone=False)
+@pytest.mark.parametrize("chosen", [choices.GPU, choices.CPU], ids=["gpu", "cpu"])
+def test_no_norm_of_the_recorded_run_is_reported_converged_and_more_than_1_percent_off(recording, monkeypatch, chosen):
+    summary = _replay(recording, monkeypatch, residual_alone=False, chosen=chosen)
     assert set(summary) == {"run", "resumed", "cold"}
     for setup, s in summary.items():
         assert s["norms"] >= 300, (setup, s["norms"])  # 7 evaluations x 54 Lanczos norms

@@ -1,4 +1,4 @@
-"""Smoke tests of the HVP, scaling and accuracy benchmarks: their ``--quick`` mains run, write JSON, and agree."""
+"""Smoke tests of the HVP, scaling, accuracy and kernel benchmarks: their mains run, write JSON, and agree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks import bench_accuracy, bench_hvp, bench_scaling
+from benchmarks import bench_accuracy, bench_hvp, bench_kernels, bench_scaling
 
 AGREE = 1e-2  # the benchmark's own agreement threshold
 
@@ -150,3 +150,15 @@ def test_bench_cadence_table(tmp_path):
     assert by[("10/0.25", "floor")]["full_steps"] == [0, 500, 1000, 1500]
     assert by[("10/0.25", "1% only")]["full_steps"] == [0]
     assert by[("600/18", "floor")]["full_steps"] == [0] and by[("600/18", "floor")]["max_gap"] > 10
+
+
+def test_bench_kernels_times_two_trees_side_by_side(tmp_path):
+    """``bench_kernels --old PATH``: each tree's call timed in its own worker (here the old tree is this one), best of
+    the repeats, and both trees' values within the call's tolerance of the tight solve."""
+    out = tmp_path / "k.json"
+    res = bench_kernels.main(["--old", str(bench_kernels.ROOT), "--cases", "tiny", "--repeats", "2", "--out", str(out)])
+    row = res["cases"]["tiny"]
+    for tree in ("old", "this"):
+        assert len(row[tree]["ms"]) == 2 and row[tree]["best_ms"] == min(row[tree]["ms"]) > 0, row
+        assert row[tree]["max_rel_diff"] <= 1e-3, row
+    assert json.loads(out.read_text())["cases"]["tiny"]["this"]["best_ms"] == row["this"]["best_ms"]

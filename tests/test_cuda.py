@@ -31,7 +31,7 @@ from curvwatch.closed_form import (
     multi_head_attention,
 )
 from curvwatch.closed_form.settings import Lanczos
-from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver.choices import GPU
 from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 from tests.ddp_script import TinyLM, loader
 from tests.utils import assert_close_report
@@ -90,7 +90,8 @@ def test_closed_forms_on_cuda_agree_with_cpu_and_stay_on_the_gpu():
 
 
 def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
-    """Every ``CHECK_EVERY`` steps one read of alpha/beta; the products and the re-orthogonalisation never
+    """Every ``check_every`` steps (the GPU's choice, :mod:`~curvwatch.closed_form.solver.choices`) one read of
+    alpha/beta; the products and the re-orthogonalisation never
     synchronise (``torch.cuda.set_sync_debug_mode`` warns at every synchronising call)."""
     g = torch.Generator().manual_seed(1)
     n = 400
@@ -115,7 +116,7 @@ def test_lanczos_on_cuda_syncs_only_at_its_stopping_tests():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in record if "synchroniz" in str(w.message).lower()]
-    tests = -(-len(products) // _lanczos.CHECK_EVERY)
+    tests = -(-len(products) // GPU.check_every)
     # one per stopping test, plus the both_ends mask read once at the start
     assert len(syncs) <= tests + 1, [str(w.message) for w in syncs]
     assert_close_report(val.cpu(), lam.abs().amax(-1).float(), 2e-3)

@@ -1,7 +1,8 @@
 """Operators and host syncs of one warm evaluation (issue 23): deterministic counts, held under ceilings.
 
 On a GPU an evaluation of many small tensors waits on what the host dispatches and on every read of a device value;
-both counts are the same on any device, so the CPU run here guards them (benchmarks/bench_dispatch.py measures them at
+both counts are the same on any device that takes the GPU's solver choices (every test here runs inside
+``solver.choices.forced(GPU)``), so the CPU run here guards them (benchmarks/bench_dispatch.py measures them at
 GPT-2-small width, docs/performance.md section 5). The ceilings sit ~15% above the counts measured when they were set,
 so a change that adds dispatches per Lanczos step or a read per block fails here.
 """
@@ -18,11 +19,19 @@ from benchmarks.bench_dispatch import OpCounter, count_host_reads
 from curvwatch.adapters import find_blocks
 from curvwatch.capture import Capture
 from curvwatch.closed_form.attention import AttentionOperator
+from curvwatch.closed_form.solver.choices import GPU, forced
 from curvwatch.engine import Engine
 from curvwatch.models.gpt import GPT, GPTConfig
 from curvwatch.rules import RuleSet
 
 N_LAYER = 2
+
+
+@pytest.fixture(autouse=True)
+def _gpu_choices():
+    """Every count here is of the GPU's solver choices (stopping test every 4 steps, stacked products, lockstep)."""
+    with forced(GPU):
+        yield
 
 
 def _evaluations(n_layer: int = N_LAYER, tiers=("full", "terms"), signal_pairs=()):
@@ -59,7 +68,7 @@ def test_evaluation_operators_and_host_syncs_stay_under_their_ceilings():
     full, terms = counts["full"], counts["terms"]
     per_layer = {tier: (c.total / N_LAYER, c.syncs / N_LAYER) for tier, c in counts.items()}
     # host syncs: the one NaN/Inf read of all blocks, then one read per round of Lanczos stopping tests (every
-    # CHECK_EVERY steps, all runs of the blocks evaluated together in lockstep)
+    # GPU.check_every steps, all runs of the blocks evaluated together in lockstep)
     assert terms.syncs <= 1, terms.syncs
     assert full.syncs / N_LAYER <= FULL_SYNCS_PER_LAYER, per_layer
     assert full.total / N_LAYER <= FULL_OPS_PER_LAYER, per_layer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,6 +18,7 @@ from curvwatch.closed_form import (
 )
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver.choices import CPU, GPU, forced
 from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 from tests.utils import TOL, assert_close_report
 
@@ -242,8 +244,8 @@ def test_lanczos_run_past_convergence_stays_in_the_spectrum():
 
 
 def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
-    """Off the CPU, Lanczos always re-orthogonalises twice (no sync decides it) and doubles its basis buffer
-    instead of allocating it whole; run that path here (``_on_cpu`` patched) against the CPU path."""
+    """Off the CPU, Lanczos always re-orthogonalises twice (no sync decides it), tests every few steps and doubles its
+    basis buffer instead of allocating it whole; run that path here (the GPU's choices forced) against the CPU's."""
     gen = torch.Generator().manual_seed(1)
     M = torch.randn(2, 60, 60, generator=gen, dtype=DT)
     S = M + M.mT
@@ -261,20 +263,20 @@ def test_lanczos_off_cpu_code_path_agrees(monkeypatch):
     calls = []
     project = _lanczos._project_out
     monkeypatch.setattr(_lanczos, "_project_out", lambda w, b, *t: calls.append(b.shape[-2]) or project(w, b, *t))
-    monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
-    val, vec = run()
+    with forced(GPU):
+        val, vec = run()
     assert calls == sorted(2 * list(range(1, 41)))  # 40 steps (past two buffer doublings), two passes each
     assert_close_report(val, expected, 1e-10)
     assert_close_report(val, host_val, 1e-12)
     assert_close_report(vec.abs(), host_vec.abs(), 1e-8)
 
 
-@pytest.mark.parametrize("off_cpu", [False, True])
-def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off_cpu):
-    """Reading alpha and beta is a host-device sync off the CPU, and so is torch.linalg.eigh on a CUDA tensor: on every
-    device the tridiagonal eigenproblem runs on a float64 host copy, only every CHECK_EVERY steps (and at the last
-    one), so the counts measured on the CPU are those of a GPU. The norms still meet tol, and the run takes at most
-    CHECK_EVERY - 1 more products than one testing every step."""
+@pytest.mark.parametrize("base", [CPU, GPU], ids=["cpu", "gpu"])
+def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, base):
+    """Reading alpha and beta is a host-device sync off the CPU, and so is torch.linalg.eigh on a CUDA tensor: the
+    tridiagonal eigenproblem runs on a float64 host copy, every ``check_every`` steps (4 with either device's choices;
+    and at the last step). The norms still meet tol, and the run takes at most ``check_every - 1`` more products than
+    one testing every step."""
     gen = torch.Generator().manual_seed(3)
     n = 200
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float32).double())
@@ -282,8 +284,6 @@ def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off
     S = torch.stack([(Q * lam_b.double()) @ Q.T for lam_b in lam]).float()  # (3, n, n), float32 like the monitor
     expected = lam.abs().amax(-1)
     cpu = torch.device("cpu")
-    if off_cpu:
-        monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
 
     def run(every: int):
         products: list[int] = []
@@ -296,11 +296,11 @@ def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off
 
         with monkeypatch.context() as m:
             m.setattr(np.linalg, "eigh", lambda T: eighs.append(T) or eigh(T))
-            m.setattr(_lanczos, "CHECK_EVERY", every)
             info: dict = {}
-            val, _ = lanczos_max_abs(
-                mv, start_vectors((3,), n, torch.float32, cpu), tol=1e-3, max_iter=60, pass_live=True, info=info
-            )
+            with forced(dataclasses.replace(base, check_every=every)):
+                val, _ = lanczos_max_abs(
+                    mv, start_vectors((3,), n, torch.float32, cpu), tol=1e-3, max_iter=60, pass_live=True, info=info
+                )
         return val, info["rel_residual"], products, eighs
 
     def looks(sizes: list[int]) -> list[list[int]]:  # the projected matrices' sizes, look by look
@@ -311,9 +311,9 @@ def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off
             out[-1].append(size)
         return out
 
-    _, _, every_step, every_step_eighs = run(1)
+    every_val, _, every_step, every_step_eighs = run(1)
     assert len(looks([T.shape[-1] for T in every_step_eighs])) == 2  # (crowded tops: every member takes a second look)
-    for every in (2, 3, _lanczos.CHECK_EVERY):
+    for every in (2, 3, GPU.check_every):
         val, rel, products, eighs = run(every)
         steps = len(products)
         sizes = looks([T.shape[-1] for T in eighs])
@@ -323,6 +323,7 @@ def test_lanczos_stopping_test_runs_on_the_host_every_few_steps(monkeypatch, off
         assert len(every_step) <= steps <= len(every_step) + 2 * (every - 1)  # (each look ends at its next test)
         assert (rel <= 1e-3).all()
         assert_close_report(val, expected, 2e-3)
+        assert_close_report(val, every_val, 1e-3)  # what is reported: within tol of the run testing every step
         # members are frozen only at a test: the live mask passed to the products changes only there
         changes = [i for i in range(1, steps) if products[i] != products[i - 1]]
         assert all(i % every == 0 for i in changes), changes
@@ -601,8 +602,6 @@ def test_thick_restart_bounds_the_basis_and_keeps_the_accuracy(monkeypatch, max_
     sizes: list[int] = []
     project = _lanczos._project_out
     monkeypatch.setattr(_lanczos, "_project_out", lambda w, b, *t: sizes.append(b.shape[-2]) or project(w, b, *t))
-    if off_cpu:
-        monkeypatch.setattr(_lanczos, "_on_cpu", lambda device: False)
     products: list[int] = []
 
     def mv(v, live):
@@ -610,15 +609,16 @@ def test_thick_restart_bounds_the_basis_and_keeps_the_accuracy(monkeypatch, max_
         return (S @ v.unsqueeze(-1)).squeeze(-1)
 
     info: dict = {}
-    val, vec = lanczos_max_abs(
-        mv,
-        start_vectors((4,), n, DT, torch.device("cpu")),
-        tol=1e-7,
-        max_iter=2000,
-        max_basis=max_basis,
-        pass_live=True,
-        info=info,
-    )
+    with forced(GPU if off_cpu else CPU):
+        val, vec = lanczos_max_abs(
+            mv,
+            start_vectors((4,), n, DT, torch.device("cpu")),
+            tol=1e-7,
+            max_iter=2000,
+            max_basis=max_basis,
+            pass_live=True,
+            info=info,
+        )
     assert max(sizes) == max_basis  # it did fill the basis and restart, and never held more
     assert len(products) < 2000 and (info["rel_residual"] <= 1e-7).all()  # converged, not cut off
     assert_close_report(val, expected, 1e-6)
@@ -706,10 +706,10 @@ def test_kernels_with_max_basis_give_the_same_norms():
 @pytest.mark.parametrize("algebraic", [False, True])
 def test_breakdown_between_stopping_tests_on_a_tiny_operator_gives_a_zero_vector(algebraic):
     """A rank-2 float32 operator of norm 2e-16 next to a full-rank one: its Krylov space is exhausted at the second
-    step, between two stopping tests (every CHECK_EVERY steps), and the round-off left in w is so small that its norm
-    underflows to 0. Dividing w by that (clamped) norm gave a huge vector, Ritz values of ~1e7 and inf in T (numpy:
-    'invalid value encountered in multiply'; with a collapsed LayerNorm 'Eigenvalues did not converge'). The next
-    vector is now zero at a breakdown, as for a stopped member: both members get their eigenvalue."""
+    step, between two stopping tests (every 4 steps: the GPU's choices), and the round-off left in w is so small that
+    its norm underflows to 0. Dividing w by that (clamped) norm gave a huge vector, Ritz values of ~1e7 and inf in T
+    (numpy: 'invalid value encountered in multiply'; with a collapsed LayerNorm 'Eigenvalues did not converge'). The
+    next vector is now zero at a breakdown, as for a stopped member: both members get their eigenvalue."""
     gen = torch.Generator().manual_seed(0)
     n = 32
     Q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
@@ -720,12 +720,13 @@ def test_breakdown_between_stopping_tests_on_a_tiny_operator_gives_a_zero_vector
     eig = torch.linalg.eigvalsh(S)
     expected = eig[:, -1] if algebraic else eig.abs().amax(-1)
     S32 = S.float()
-    val, vec = lanczos_max_abs(
-        lambda v: (S32 @ v.unsqueeze(-1)).squeeze(-1),
-        start_vectors((2,), n, torch.float32, torch.device("cpu")),
-        tol=1e-7,
-        algebraic=algebraic,
-    )
+    with forced(GPU):
+        val, vec = lanczos_max_abs(
+            lambda v: (S32 @ v.unsqueeze(-1)).squeeze(-1),
+            start_vectors((2,), n, torch.float32, torch.device("cpu")),
+            tol=1e-7,
+            algebraic=algebraic,
+        )
     assert torch.isfinite(vec).all()
     assert_close_report(val.double(), expected, 1e-5)
 

@@ -13,12 +13,21 @@ from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import Lanczos
 from curvwatch.closed_form.solver import lanczos as _lanczos
 from curvwatch.closed_form.solver import lockstep as _lockstep
+from curvwatch.closed_form.solver.choices import CPU, GPU, forced
 from curvwatch.closed_form.solver.lockstep import Lockstep, gathered, made_together
 from curvwatch.engine import Engine
 from curvwatch.rules import RuleSet
 from tests.test_engine import _captured as captured_gpt
 
 DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _gpu_choices():
+    """The lockstep is the GPU's choice (``Engine(lockstep=None)`` takes it off the host): these tests run with the
+    GPU's solver choices (stopping test every 4 steps, stacked products), as a GPU evaluates."""
+    with forced(GPU):
+        yield
 
 
 def _captured():
@@ -155,6 +164,17 @@ def test_windows_hold_at_most_the_memory_factor_and_sharded_blocks_go_alone(monk
     assert all(len(w) == 1 for w in Engine(lockstep=False)._windows(blocks, torch.float32, False))
     tiny = Engine(memory_budget_mb=1e-6)  # no two blocks fit together
     assert all(len(w) == 1 for w in tiny._windows(blocks, torch.float32, False))
+
+
+def test_the_engine_takes_the_lockstep_off_the_host_only():
+    """``Engine()`` (``lockstep=None``): on the CPU one block at a time (its choices, solver.choices.CPU), with the
+    GPU's choices consecutive blocks together; ``lockstep=True`` / ``False`` whatever the device."""
+    blocks = _captured()
+    with forced(CPU):
+        assert all(len(w) == 1 for w in Engine()._windows(blocks, torch.float32, terms_only=False))
+        assert len(Engine(lockstep=True)._windows(blocks, torch.float32, terms_only=False)) < len(blocks)
+    assert len(Engine()._windows(blocks, torch.float32, terms_only=False)) < len(blocks)  # (forced GPU: the fixture)
+    assert all(len(w) == 1 for w in Engine(lockstep=False)._windows(blocks, torch.float32, terms_only=False))
 
 
 def test_lockstep_hands_each_evaluation_its_own_error_and_result():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,8 +20,7 @@ from curvwatch.closed_form.attention import AttentionOperator
 from curvwatch.closed_form.block import TransformerBlockOperator
 from curvwatch.closed_form.ffn import FFNOperator
 from curvwatch.closed_form.settings import EXACT, Lanczos
-from curvwatch.closed_form.solver import lanczos as _lanczos
-from curvwatch.closed_form.solver import plan
+from curvwatch.closed_form.solver import choices, plan
 from curvwatch.closed_form.solver.lanczos import LanczosRun, lanczos_max_abs, start_vectors
 from tests.cases import DT, rand
 
@@ -103,12 +104,12 @@ def test_converged_parts_are_not_computed(case, monkeypatch):
     # the products are counted per run, each made by plan.norm_run (runs merged into one, plan._made, still call each
     # member run's product for its rows)
     monkeypatch.setattr(plan, "LanczosRun", Counting)
-    # a stopping test every step: parts of these small blocks converge a few steps apart, which tests every
-    # CHECK_EVERY steps would often merge
-    monkeypatch.setattr(_lanczos, "CHECK_EVERY", 1)
-    reference = call(**kw)
-    runs.clear()
-    again = call(**kw)
+    # a stopping test every step: parts of these small blocks converge a few steps apart, which tests every few steps
+    # would often merge
+    with choices.forced(dataclasses.replace(choices.CPU, check_every=1)):
+        reference = call(**kw)
+        runs.clear()
+        again = call(**kw)
     assert again.keys() == reference.keys()
     assert all(torch.equal(again[k], reference[k]) for k in reference), name
     # tangent rows per part (1 or 2 copies, times the heads where the operator couples them) are fixed per run:
@@ -129,7 +130,8 @@ def test_converged_parts_are_not_computed(case, monkeypatch):
     # A relative residual is compared on the scale of tol: far below it (1e-9 to 1e-11 once a member waited for its
     # Ritz values to stand still) the same round-off is a larger share of it, and says nothing about the verdict.
     monkeypatch.setattr(plan, "LanczosRun", lambda *a, pass_live=False, **k: LanczosRun(*a, **k))
-    full = call(**kw)
+    with choices.forced(dataclasses.replace(choices.CPU, check_every=1)):
+        full = call(**kw)
     scale = {k: reference[k].abs().clamp_min(kw["lanczos"].tol if k.startswith("residual/") else 1e-300) for k in full}
     worst = max(float(((full[k] - reference[k]).abs() / scale[k]).max()) for k in reference)
     assert worst <= 1e-10, (name, worst)

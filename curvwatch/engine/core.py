@@ -46,6 +46,7 @@ from curvwatch.alerts import Notices
 from curvwatch.capture import CapturedBlock, nonfinite_inputs
 from curvwatch.closed_form.settings import PARTS, Lanczos, WarmStart, inputs_checked
 from curvwatch.closed_form.solver import plan
+from curvwatch.closed_form.solver.choices import for_device
 from curvwatch.closed_form.solver.lockstep import Lockstep
 from curvwatch.engine.kernel import evaluate_block
 from curvwatch.engine.memory import basis_bytes, evaluation_bytes, vectors_held
@@ -135,7 +136,9 @@ class Engine:
         lockstep: Evaluate consecutive blocks together, their Lanczos stopping tests sharing one host read (a sync
             on a GPU), within :data:`LOCKSTEP_MEMORY` times the largest block's memory; ``False``: one block at a
             time (the same numbers where every run starts with the others; a run that joins later has its stopping
-            tests on other steps, so it may stop a few products apart, within its tolerance).
+            tests on other steps, so it may stop a few products apart, within its tolerance). ``None`` (default): the
+            device's choice (:mod:`~curvwatch.closed_form.solver.choices`: together off the host, where a read is a
+            sync; one at a time on the CPU, where the threads' hand-overs cost and a read does not).
         notices: Where the one-time notices go (a monitor's; default: a record of the engine's own).
 
     Raises:
@@ -153,7 +156,7 @@ class Engine:
         memory_budget_mb: float | None = None,
         raise_errors: bool = False,
         key_prefix: str = "",
-        lockstep: bool = True,
+        lockstep: bool | None = None,
         notices: Notices | None = None,
     ) -> None:
         self.lanczos = (MONITOR_LANCZOS if lanczos is None else lanczos).replace(warm_start=None, warn=False)
@@ -292,9 +295,13 @@ class Engine:
         (:func:`~curvwatch.engine.memory.evaluation_bytes`; with ``memory_budget_mb``, at most the budget): evaluated
         one after the other the blocks' temporaries come and go, together they add up. A terms-only evaluation holds
         no large products, so its blocks form groups of :data:`LOCKSTEP_BLOCKS` (one parked thread each). Sharded blocks
-        (weights read as full tensors when evaluated) and ``lockstep=False``: one block at a time.
+        (weights read as full tensors when evaluated) and ``lockstep=False`` (the CPU's choice with ``None``): one
+        block at a time.
         """
-        if not self.lockstep or any(b.params_fn is not None for b in captured):
+        lockstep = self.lockstep
+        if lockstep is None:
+            lockstep = bool(captured) and for_device(_device(captured[0])).lockstep
+        if not lockstep or any(b.params_fn is not None for b in captured):
             return [[b] for b in captured]
         if terms_only:  # (at most LOCKSTEP_BLOCKS at a time: one parked thread each)
             return [list(captured[i : i + LOCKSTEP_BLOCKS]) for i in range(0, len(captured), LOCKSTEP_BLOCKS)]

@@ -3,6 +3,8 @@
 A kernel of :mod:`curvwatch.closed_form` writes its Hessian as a :class:`BlockOperator` (closed-form products with
 the outer and functional parts) and asks this package for norms:
 
+* :mod:`~.choices`: the per-device choices (:class:`SolverChoices`: stopping-test cadence, basis allocation, stacked
+  products, lockstep), and :func:`~.choices.forced` to take a GPU's on a CPU;
 * :mod:`~.lanczos`: batched Lanczos (:class:`LanczosRun`, :func:`lanczos_max_abs`) and the solve that advances many
   runs with one host read per round of stopping tests (:func:`solve`);
 * :mod:`~.lockstep`: several evaluations whose solves and exact pieces meet (:class:`Lockstep`, :func:`gathered`);
@@ -14,6 +16,7 @@ the outer and functional parts) and asks this package for norms:
 * :mod:`~.linalg`: small dense helpers (exact spectral norms, products with a shared factor).
 """
 
+from .choices import SolverChoices
 from .debiasing import SPREAD_LIMIT, debias, extrapolated_residual
 from .gram import gram_columns, gram_eigen, gram_matrices
 from .lanczos import LanczosRun, lanczos_max_abs, merge_runs, solve, start_vectors
@@ -26,6 +29,8 @@ from .sampled import Preconditioned, SampledCurvature, check_output_samples, che
 from .sampled_keys import sampled_norms, sampled_plan
 
 __all__ = [
+    # per-device choices
+    "SolverChoices",
     # Lanczos
     "LanczosRun",
     "lanczos_max_abs",

@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .choices import for_device
+
 __all__ = [
-    "CHECK_EVERY",
     "CROWDED",
     "CROWDED_STEPS",
     "LOCKSTEP",
@@ -61,8 +62,9 @@ WARM_NOISE = 1.0
 #: over its last ``STABLE_STEPS`` steps (:func:`drift`). ``benchmarks/bench_convergence.py`` counts the norms reported
 #: converged that are more than 1% off a tight solve over recorded training states.
 STABLE = 0.1
-#: The window of :data:`STABLE`, in Lanczos steps: independent of :data:`CHECK_EVERY`, so that when the tests run
-#: changes only when a member that met the rule is seen to.
+#: The window of :data:`STABLE`, in Lanczos steps: independent of how often the stopping test runs (the device's
+#: ``check_every``, :mod:`~.choices`), so that the test's cadence changes only when a member that met the rule is seen
+#: to.
 STABLE_STEPS = 4
 #: A crowded top: another Ritz value that could decide within this fraction of ``|theta|``. Theta's residual then does
 #: not say which of the close eigenvalues it found, and a missed one just above grows slowly: the close Ritz value at
@@ -85,12 +87,6 @@ SECOND_LOOK_SEED = 0x9E3779B9
 RELOOK = 0.2
 #: Relative difference below which the two ends of a member's Ritz values count as tied (theta is then the top one).
 TIE = 1e-9
-
-#: The stopping test (a host-device sync: alpha and beta read by the host) runs every this many Lanczos steps, and at
-#: a restart and at the last step. The same on every device, so that operator and sync counts measured on the CPU are
-#: those of a GPU. A member that converged between two tests spends at most ``CHECK_EVERY - 1`` more products, which
-#: only sharpen its Ritz value.
-CHECK_EVERY = 4
 
 #: A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
 #: temporary is then an eighth of the basis, not half (a run merged from several, :func:`merge_runs`, restarts all of
@@ -240,9 +236,9 @@ def _shared_error(err: Exception) -> SharedRunError:
 class Rounds:
     """Groups of Lanczos runs advanced together, one product per run per round, that may join at any round.
 
-    The stopping tests of every run fall on the same rounds (every :data:`CHECK_EVERY` of the clock, whenever the run
-    joined), so that they share one host read; a run that joins between two of them has its first test after fewer
-    steps (a test on the host is cheap, a read is a sync).
+    The stopping tests of every run fall on the same rounds (every ``check_every`` of the clock, the device's choice,
+    :mod:`~.choices`, whenever the run joined), so that they share one host read; a run that joins between two of them
+    has its first test after fewer steps (a test on the host is cheap, a read is a sync).
     """
 
     def __init__(self) -> None:
@@ -253,7 +249,7 @@ class Rounds:
         """A group of runs joins at the next round."""
         for r in runs:
             if not r.done and r.j == 0:
-                r.phase = self.clock % CHECK_EVERY
+                r.phase = self.clock % r.choices.check_every
         self.groups[key] = [list(runs), None]
 
     def round(self) -> list[tuple[Any, Exception | None]]:
@@ -331,6 +327,7 @@ class LanczosRun:
         batch_shape, n, dtype, device = tuple(start.shape[:-1]), start.shape[-1], start.dtype, start.device
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, batch_shape, n, dtype, device
         self.pass_live, self.seed = pass_live, int(seed)
+        self.choices = for_device(device)  # the device's stopping-test cadence and basis allocation
         # the members that take a second look (a crowded top when they passed the stopping test), and the first look's
         # (theta, rel, ritz) while the second runs
         self.relook = np.zeros(batch_shape, dtype=bool)
@@ -365,11 +362,8 @@ class LanczosRun:
         self.both_h = np.broadcast_to(both.astype(bool), self.batch_shape) & ~self.alg_h
         # Inside, the batch is flat: vectors are (b, 1, n) rows and the basis (b, size, n), so that every product of the
         # step is one torch.bmm/baddbmm (a matmul over several batch dimensions dispatches ~6 operators: expands,
-        # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size]. On
-        # CPU the buffer has room for all its vectors from the start: torch.empty does not touch its pages, so only the
-        # vectors written cost memory, and no growth copies the basis (a doubling buffer copies it at every growth,
-        # a large cost at millions of weights). On other devices an allocation is memory at once, so the capacity
-        # doubles instead.
+        # reshapes, the bmm and a view). The basis grows one vector per step into a buffer: basis = buf[:, :size],
+        # allocated by the device's choice (choices.grow_basis).
         self.b = math.prod(self.batch_shape)
         # the unit start vectors (*batch_shape, n), until the first step allocates the basis (a run made but not stepped
         # holds no basis: merge_runs takes the starts of several into one run)
@@ -409,11 +403,13 @@ class LanczosRun:
         v = self.v.view(*self.batch_shape, self.n)
         w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
         w = w.reshape(self.b, 1, self.n)
-        # Two passes always ("twice is enough", Giraud et al. 2005): the second is needed where the first cancelled
-        # most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a second pass only
-        # below 0.1 ||w_before|| lets them compound: a 60 x 60 operator with eigenvalues in [0.1, 3] run past
-        # convergence returns 21.7-25.7 (46-90 with max_basis=16) instead of 3), and deciding that is a read of a
-        # device value.
+        # Two passes always ("twice is enough", Giraud et al. 2005), on every device: the second is needed where the
+        # first cancelled most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a
+        # second pass only below 0.1 ||w_before|| lets them compound: a 60 x 60 operator with eigenvalues in [0.1, 3]
+        # run past convergence returns 21.7-25.7 (46-90 with max_basis=16) instead of 3). Deciding that is a read of a
+        # device value off the host; on the host, where it is free, Kahan and Parlett's test (1/sqrt(2)) asks for the
+        # second pass at nearly every step of a batched run anyway (the first pass of a three-term recurrence cancels
+        # most of w), so it would save little.
         # The first pass's coefficient on v (the basis's last vector) is alpha = w.v.
         basis_t = self.basis.mT  # (one transposed view for both passes)
         w, coeff = _project_out(w, self.basis, basis_t)
@@ -424,15 +420,15 @@ class LanczosRun:
         self.scale = torch.maximum(self.scale, torch.maximum(alpha.abs(), self.beta))
         last = self.j + 1 == self.k_max
         self.full = self.size == self.cap and not last  # no room for the next vector: restart (after the test)
-        self.due = last or self.full or (self.j + 1 + self.phase) % CHECK_EVERY == 0
+        self.due = last or self.full or (self.j + 1 + self.phase) % self.choices.check_every == 0
         if not self.due:
             self._next()
 
     def _allocate(self) -> None:
-        """The basis buffer, its first vector the start (on CPU room for every vector: the pages are touched as they are
-        written; elsewhere 8 vectors, doubled as needed), and the step's device scalars: a run made to be merged
-        (:func:`merge_runs`) never dispatches them."""
-        cap = self.cap if _on_cpu(self.device) else min(self.cap, 8)
+        """The basis buffer, its first vector the start (8 vectors, doubled as needed, where the device's choice is
+        ``grow_basis``; otherwise room for every vector: on the host the pages are touched as they are written), and the
+        step's device scalars: a run made to be merged (:func:`merge_runs`) never dispatches them."""
+        cap = min(self.cap, 8) if self.choices.grow_basis else self.cap
         self.buf = torch.empty((self.b, cap, self.n), dtype=self.dtype, device=self.device)
         self.buf[:, 0] = self.start.reshape(self.b, self.n)
         self.start = None
@@ -530,7 +526,7 @@ class LanczosRun:
         )  # fmt: skip
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
-        # the look's tests every CHECK_EVERY of its own steps, whenever it starts: the same steps in a run merged with
+        # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same steps in a run merged with
         # others (merge_runs) as alone; on the rounds of the Rounds clock where the first look ended on a regular test
         self.phase = 0
         self.j, self.size, self.alphas, self.betas, self.arrow, self.restarted = 0, 1, [], [], None, False
@@ -859,11 +855,3 @@ def _project_out(w: torch.Tensor, basis: torch.Tensor, basis_t: torch.Tensor) ->
     # w B^T as a row-vector product, not B w: several times faster on CPU (batched, n = 32768)
     coeff = torch.bmm(w, basis_t)  # (b, 1, j)
     return torch.baddbmm(w, coeff, basis, alpha=-1), coeff
-
-
-def _on_cpu(device: torch.device | str) -> bool:
-    """Whether ``device`` is the host: allocations are lazy and reading a tensor's value costs no sync there.
-
-    (A function so that the tests can run the other devices' code path on CPU.)
-    """
-    return torch.device(device).type == "cpu"

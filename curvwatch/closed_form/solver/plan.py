@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..settings import PARTS, Lanczos
+from .choices import for_device
 from .lanczos import LanczosRun, merge_runs, mergeable, solve, split_results, start_vectors
 from .operator import (
     BlockOperator,
@@ -228,7 +229,8 @@ def spectral_plan(
                 todo.setdefault(ks, []).append(pair_name)
         for ks, group in todo.items():
             diag = [p for p in group if len(set(pair_blocks(p, names))) == 1]
-            stack = diag if stackable(op, diag) else []
+            # one product for the diagonal pairs of one shape where the device's choice is fewer dispatches
+            stack = diag if for_device(op.device).stack_pairs and stackable(op, diag) else []
             if stack:
                 emb, mv = stacked_matvec(op, [pair_blocks(p, names)[0] for p in stack], ks)
                 key = (tuple(stack), ks)
