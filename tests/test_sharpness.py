@@ -25,6 +25,7 @@ from curvwatch.realloss.samplers import LogitSampler
 from curvwatch.realloss.stability import StabilityRule, param_index_map, stability_keys, stability_rule
 from curvwatch.realloss.weights import LossKind, loss_weights
 from tests import zoo
+from tests.utils import assert_close_report
 
 
 def _grad(loss_fn, z):
@@ -1066,3 +1067,148 @@ def test_kept_tokens_scale_by_their_weight_when_near_uniform_predictions_leave_a
         assert sampled.note is not None and "label smoothing up to" in sampled.note
         scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
         assert len(scales) == 1 and scales.pop() == pytest.approx(3.0, rel=1e-5), scale
+
+
+# -- batched sampled passes (curvwatch.realloss.sampling.passes_at_once) ---------------------------------------------
+
+# float64 batched passes vs one at a time: the same products summed in another order (measured <= 4e-16 relative)
+_BATCHED_RTOL = 1e-12
+
+
+def _hf_llama_lm():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    config._attn_implementation = "sdpa"
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tf.LlamaForCausalLM(config).double()
+            self.head = self.model.lm_head
+
+        def forward(self, idx):
+            return self.model(input_ids=idx).logits
+
+    return LM()
+
+
+def _sampled(model, idx, samples: int = 16, head_hook: bool = False, **kwargs):
+    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept)."""
+    handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
+    try:
+        with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+            logits = model(idx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = sample_outputs(cap, loss, samples, generator=torch.Generator().manual_seed(3), **kwargs)
+            loss.backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert not caught, [str(w.message) for w in caught]  # no vmap fallback warning reaches the user
+    return out, {b.spec.name: b.inputs["output_samples"] for b in cap.blocks() if "output_samples" in b.inputs}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: _gpt(), lambda: _gpt(attention="math"), _hf_llama_lm],
+    ids=["gpt-sdpa", "gpt-math", "hf-llama-sdpa"],
+)
+@pytest.mark.parametrize("head_hook", [False, True], ids=["linear-head", "at-the-logits"])
+def test_batched_sampled_passes_equal_one_at_a_time(build, head_hook):
+    """The 16 sampled passes as one batched backward pass, and in batches of 5 (5, 5, 5, 1: a memory budget), give
+    every block the samples of 16 passes one at a time, in float64 to round-off, from a linear logits module's input
+    and from the logits; the SDPA backward (no batching rule on CPU: run per sample inside the batch) says nothing."""
+    from curvwatch.realloss.sampling import pass_bytes
+
+    model = build()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    one, expected = _sampled(model, idx, head_hook=head_hook, batched=False)
+    assert one.at_once == 1 and len(expected) == 4
+    together, batched = _sampled(model, idx, head_hook=head_hook)
+    assert together.at_once == 16 and together.unbatched is None
+    # the budget of 5 samples (pass_bytes of this capture: read from a capture of the same step)
+    handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+        model(idx)
+        live = cap.live_outputs()
+        start = cap.logits if cap.logits is not None else cap.logits_input
+        budget = 5.5 * pass_bytes(live, start) / 2**20
+    if handle is not None:
+        handle.remove()
+    fives, chunked = _sampled(model, idx, head_hook=head_hook, memory_mb=budget)
+    assert fives.at_once == 5 and fives.blocks == one.blocks
+    for name, s in expected.items():
+        for got in (batched[name], chunked[name]):
+            assert_close_report(got, s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
+    """One place chooses (passes_at_once): one at a time with ``batched=False`` (the model's own backward hooks), under
+    sharded weights (FSDP2's hooks around each pass), when one sample's pass does not fit the memory budget, for a
+    single sample; a batched pass that raises (a tensor hook reading a value: no ``.item()`` under vmap) is run again
+    one sample at a time with the same draws, and says why."""
+    from curvwatch.realloss.sampling import passes_at_once
+
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+        model(idx)
+        live, start = cap.live_outputs(), cap.logits_input
+        assert passes_at_once(cap, live, start, 16) == 16
+        assert passes_at_once(cap, live, start, 16, batched=False) == 1
+        assert passes_at_once(cap, live, start, 1) == 1
+        assert passes_at_once(cap, live, start, 16, memory_mb=1e-6) == 1
+        cap.read_params = lambda spec: {}  # sharded weights
+        assert passes_at_once(cap, live, start, 16) == 1
+    _, expected = _sampled(model, idx, batched=False)
+    seen = []
+    handle = model.blocks[1].mlp.register_forward_hook(
+        lambda m, a, o: o.register_hook(lambda g: seen.append(float(g.abs().sum()))) and None
+    )
+    try:
+        out, got = _sampled(model, idx)
+    finally:
+        handle.remove()
+    assert out.at_once == 16 and out.unbatched is not None and "item" in out.unbatched, out.unbatched
+    assert len(seen) == 16 + 1  # the 16 passes one at a time, and the real backward
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_a_batched_pass_stays_within_its_memory_budget():
+    """The live CPU memory of the sampling (torch's profiler) over that of the passes one at a time is at most the
+    budget (4 MiB: 8 of the 16 samples at once here), and the 16 samples at once add at most pass_bytes a sample."""
+    from curvwatch.realloss.sampling import pass_bytes
+
+    V, L, B = 301, 32, 8
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=2, n_head=2, d_model=64, d_ff=256, dropout=0.0))
+    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(1))
+
+    def peak(**kwargs) -> tuple[float, int, int]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
+                loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
+                per_sample = pass_bytes(cap.live_outputs(), cap.logits_input)
+                with torch.profiler.record_function("sampling"):
+                    out = sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0), **kwargs)
+                loss.backward()
+        events = prof.profiler.kineto_results.events()
+        live, timeline = 0, []
+        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            timeline.append((e.start_ns(), live))
+        ((t0, t1),) = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == "sampling"]
+        return max(b for t, b in timeline if t0 <= t <= t1), out.at_once, per_sample
+
+    loop, _, per_sample = peak(batched=False)
+    budget = 8 * per_sample / 2**20
+    chunked, at_once, _ = peak(memory_mb=budget)
+    together, all_, _ = peak()
+    assert (at_once, all_) == (8, 16)
+    assert 0 < chunked - loop <= budget * 2**20, (chunked - loop, budget * 2**20)
+    assert together - loop <= 16 * per_sample, (together - loop, 16 * per_sample)

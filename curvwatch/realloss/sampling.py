@@ -198,8 +198,8 @@ def passes_at_once(capture: Capture, live: Sequence[LiveOutput], start: Tensor, 
         >>> outputs = [LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))]
         >>> passes_at_once(Capture.__new__(Capture), outputs, torch.zeros(2, 4, 8), 16, memory_mb=1)
         16
-        >>> passes_at_once(Capture.__new__(Capture), outputs, torch.zeros(2, 4, 8), 16, memory_mb=1e-3)
-        4
+        >>> passes_at_once(Capture.__new__(Capture), outputs, torch.zeros(2, 4, 8), 16, memory_mb=0.01)
+        2
     """
     if not batched or samples < 2 or getattr(capture, "read_params", None) is not None:
         return 1
@@ -208,18 +208,19 @@ def passes_at_once(capture: Capture, live: Sequence[LiveOutput], start: Tensor, 
 
 
 def pass_bytes(live: Sequence[LiveOutput], start: Tensor) -> int:
-    """Rough upper estimate of the memory one sample takes in a batched sampled pass, in bytes: twice (the backward's
-    own temporaries beside them) its cotangent at ``start`` and its gradients at every block output in ``live``, all
-    held until the pass returns.
+    """Rough upper estimate of the memory one sample takes in a batched sampled pass, in bytes: its cotangent at
+    ``start`` and its gradients at every block output in ``live`` (all held until the pass returns), and the backward's
+    temporaries inside one block, 12 times the largest output (an FFN of width ``4 d``: its hidden gradients before and
+    after the activation, measured 10-11 on CPU). An attention that materialises its ``(B, H, L, L)`` scores takes more
+    where ``H L > 12 d``.
 
     Example:
         >>> from curvwatch.capture import LiveOutput
-        >>> pass_bytes([LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))], torch.zeros(2, 4, 8))  # 2 x 2 x 64 x 4
-        1024
+        >>> pass_bytes([LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))], torch.zeros(2, 4, 8))  # (1 + 1 + 12) x 64 x 4
+        3584
     """
-    held = start.numel() * start.element_size()
-    held += sum(item.output.numel() * item.output.element_size() for item in live)
-    return 2 * held
+    sizes = [item.output.numel() * item.output.element_size() for item in live]
+    return start.numel() * start.element_size() + sum(sizes) + 12 * max(sizes, default=0)
 
 
 def _run_passes(capture: Capture, live: list[LiveOutput], rows, sampler: LogitSampler, samples: int, generator,
