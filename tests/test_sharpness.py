@@ -621,15 +621,10 @@ def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary()
 
 
 def test_sampling_dispatch_ceiling():
-    """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 4 chunks of 20 rows): 16
-    samples cost 1,442 operators and 5 syncs, each sample 69 operators more (its backward pass through the body) than
-    one (407); 1,558 with a copy per block and sample (now one `_foreach_copy_` per pass). Before (session 23): 1,985
-    and 5 with chunks of 10 rows, each reduced by the hard-label fit's
-    arithmetic on the whole rows and six sampler tables (now seven numbers per row, `sharpness._row_stats`, the fit
-    once for all rows, and four tables, `_tables_of`); 2,222 and 13 in an earlier version; before the one pass over
-    the kept rows for the loss weights and the draws, the two logits per row of the other rows' weight, the
-    soft-target fits and the count of rows with a gradient only where the hard-label fit fails: 2,766 and 31; before
-    the draws at the logits module's input: 7,228 operators, 50 syncs."""
+    """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 4 chunks of 20 rows), 2
+    layers: 16 samples as one batched pass cost 676 operators and 5 syncs, each sample ~16 operators more than one
+    (428: the loss weights, the draws and one pass); one at a time (``batched=False``: under the model's backward
+    hooks) 1,463, each sample ~69 more (its backward pass through the body). Ceilings ~15% above."""
     from benchmarks.bench_dispatch import OpCounter
 
     V, L = 50_257, 32
@@ -637,15 +632,17 @@ def test_sampling_dispatch_ceiling():
     model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=2, n_head=2, d_model=16, d_ff=32, dropout=0.0))
     idx = torch.randint(0, V, (4, L), generator=torch.Generator().manual_seed(1))
     counts = {}
-    for k in (1, 16):
+    for k, batched in ((1, True), (16, True), (16, False)):
         with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
             with OpCounter() as counter:
-                assert len(sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0)).blocks) == 4
+                out = sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0), batched=batched)
+                assert len(out.blocks) == 4 and out.at_once == (k if batched else 1)
             loss.backward()
-        counts[k] = (counter.total, counter.syncs)
-    assert counts[16][0] <= 1_650 and counts[16][1] <= 6, counts
-    assert counts[16][0] - counts[1][0] <= 15 * 100, counts
+        counts[k, batched] = (counter.total, counter.syncs)
+    assert counts[16, True][0] <= 780 and counts[16, True][1] <= 6, counts
+    assert counts[16, True][0] - counts[1, True][0] <= 15 * 20, counts
+    assert counts[16, False][0] <= 1_650 and counts[16, False][1] <= 6, counts
 
 
 def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
