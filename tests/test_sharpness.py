@@ -6,6 +6,7 @@ Tolerances: weights and index maps are exact (float64, ``1e-12``); the Monte-Car
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -1091,12 +1092,13 @@ def _hf_llama_lm():
     return LM()
 
 
-def _sampled(model, idx, samples: int = 16, head_hook: bool = False, **kwargs):
-    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept)."""
+def _sampled(model, idx, samples: int = 16, head_hook: bool = False, call=None, **kwargs):
+    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept); ``call``: what
+    runs the forward (default ``model``)."""
     handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
     try:
         with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
-            logits = model(idx)
+            logits = (model if call is None else call)(idx)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -1209,3 +1211,61 @@ def test_a_batched_pass_stays_within_its_memory_budget():
     assert (at_once, all_) == (8, 16)
     assert 0 < chunked - loop <= budget * 2**20, (chunked - loop, budget * 2**20)
     assert together - loop <= 16 * per_sample, (together - loop, 16 * per_sample)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "compile"])
+def test_batched_sampled_passes_through_checkpointed_and_compiled_models(wrap):
+    """Non-reentrant activation checkpointing (the checkpointed layers recomputed once for the whole batch of samples)
+    and ``torch.compile`` (run eagerly while a capture is open) take the batched pass, with the samples of the passes
+    one at a time, float64 to round-off."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    _, expected = _sampled(model, idx, batched=False)
+    run = model
+    if wrap == "checkpoint":
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    else:
+        run = torch.compile(model)
+    out, got = _sampled(model, idx, call=run)
+    assert out.at_once == 16 and out.unbatched is None
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_the_models_own_backward_hooks_see_the_sampled_passes_one_at_a_time():
+    """A model with a full backward hook of its own: the monitor runs the sampled passes one at a time (the hook sees
+    one gradient per call, never a batch of them), ``Sharpness.samples`` calls more per full evaluation."""
+    import lightning as L
+
+    from curvwatch import CurvatureMonitor
+    from curvwatch.realloss import plugin
+    from tests.ddp_script import TinyLM, loader
+
+    chosen, calls = [], []
+    sample_outputs_ = plugin.sample_outputs
+
+    def spy(*args, **kwargs):
+        out = sample_outputs_(*args, **kwargs)
+        chosen.append((kwargs["batched"], out.at_once))
+        return out
+
+    L.seed_everything(0)
+    model = TinyLM()
+    model.model.blocks[0].mlp.register_full_backward_hook(
+        lambda m, gi, go: calls.append(torch._C._functorch.is_batchedtensor(go[0]))
+    )
+    monitor = CurvatureMonitor(every_n_train_steps=2, sharpness=Sharpness(samples=4), verbose=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[monitor], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*nowhere to write its numbers|.*label smoothing")
+        original, plugin.sample_outputs = plugin.sample_outputs, spy
+        try:
+            trainer.fit(model, loader())
+        finally:
+            plugin.sample_outputs = original
+    assert chosen == [(False, 1), (False, 1)]  # steps 0 and 2
+    assert len(calls) == 3 + 2 * 4 and not any(calls)
