@@ -1148,21 +1148,21 @@ def test_batched_sampled_passes_equal_one_at_a_time(build, head_hook):
 def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
     """One place chooses (passes_at_once): one at a time with ``batched=False`` (the model's own backward hooks), under
     sharded weights (FSDP2's hooks around each pass), when one sample's pass does not fit the memory budget, for a
-    single sample; a batched pass that raises (a tensor hook reading a value: no ``.item()`` under vmap) is run again
-    one sample at a time with the same draws, and says why."""
-    from curvwatch.realloss.sampling import passes_at_once
+    single sample; a batched pass that raises (a tensor hook reading a value: no ``.item()`` under vmap; a hook that
+    fails on the second batch, after the first was stored) is run again one sample at a time with the same draws, the
+    samples left too, and says why."""
+    from curvwatch.realloss.sampling import pass_bytes, passes_at_once
 
     model = _gpt()
     idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
     with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
         model(idx)
         live, start = cap.live_outputs(), cap.logits_input
-        assert passes_at_once(cap, live, start, 16) == 16
-        assert passes_at_once(cap, live, start, 16, batched=False) == 1
-        assert passes_at_once(cap, live, start, 1) == 1
-        assert passes_at_once(cap, live, start, 16, memory_mb=1e-6) == 1
-        cap.read_params = lambda spec: {}  # sharded weights
-        assert passes_at_once(cap, live, start, 16) == 1
+        assert passes_at_once(live, start, 16) == 16
+        assert passes_at_once(live, start, 16, batched=False) == 1
+        assert passes_at_once(live, start, 16, sharded=True) == 1
+        assert passes_at_once(live, start, 1) == 1
+        assert passes_at_once(live, start, 16, memory_mb=1e-6) == 1
     _, expected = _sampled(model, idx, batched=False)
     seen = []
     handle = model.blocks[1].mlp.register_forward_hook(
@@ -1174,6 +1174,23 @@ def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
         handle.remove()
     assert out.at_once == 16 and out.unbatched is not None and "item" in out.unbatched, out.unbatched
     assert len(seen) == 16 + 1  # the 16 passes one at a time, and the real backward
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+    # batches of 5: the first one stored, the second raises, the 11 samples left one at a time
+    batches = []
+
+    def second_batch_fails(g):
+        if torch._C._functorch.is_batchedtensor(g):
+            batches.append(g.shape)
+            if len(batches) == 2:
+                raise RuntimeError("a hook that cannot take a batch")
+
+    handle = model.blocks[1].mlp.register_forward_hook(lambda m, a, o: o.register_hook(second_batch_fails) and None)
+    try:
+        out, got = _sampled(model, idx, memory_mb=5.5 * pass_bytes(live, start) / 2**20)
+    finally:
+        handle.remove()
+    assert out.at_once == 5 and len(batches) == 2 and "cannot take a batch" in out.unbatched, (out, batches)
     for name, s in expected.items():
         assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
 

@@ -156,7 +156,8 @@ def sample_outputs(
                 return out
             rows, sampler, draws, scale, out.note = ready
             start = capture.logits if capture.logits is not None else capture.logits_input
-            out.at_once = passes_at_once(capture, live, start, samples, batched=batched, memory_mb=memory_mb)
+            sharded = capture.read_params is not None
+            out.at_once = passes_at_once(live, start, samples, batched=batched, sharded=sharded, memory_mb=memory_mb)
             out.unbatched = _run_passes(capture, live, rows, sampler, samples, generator, draws, buffers, out.at_once)
             unit = max(sampler.unit, 1e-30)  # unit-sized cotangents: no underflow in low precision
             for item in live:
@@ -172,36 +173,38 @@ def sample_outputs(
     return out
 
 
-def passes_at_once(capture: Capture, live: Sequence[LiveOutput], start: Tensor, samples: int, *,
-                   batched: bool = True, memory_mb: float | None = None) -> int:  # fmt: skip
+def passes_at_once(live: Sequence[LiveOutput], start: Tensor, samples: int, *, batched: bool = True,
+                   sharded: bool = False, memory_mb: float | None = None) -> int:  # fmt: skip
     """How many of the ``samples`` sampled passes run as one batched backward pass; 1: one at a time.
 
     One at a time where a batch cannot run or should not:
 
     * ``batched=False``: the model has backward hooks of its own (the caller knows them), which would receive a batch
       of gradients in one call instead of one gradient per call;
-    * sharded weights (FSDP2, the capture reads them with ``read_params``): every pass runs FSDP2's hooks, which
+    * ``sharded`` weights (FSDP2: the capture reads them with ``read_params``): every pass runs FSDP2's hooks, which
       all-gather each layer's weights for its backward and reshard them after, as for one backward pass;
     * memory: a batch of ``n`` samples holds ``n`` cotangents and ``n`` gradients at every block output at once
       (:func:`pass_bytes` each), so ``n`` is the most that fit in ``memory_mb`` (default :data:`BATCH_MEMORY_MB`).
 
     Args:
-        capture: The open capture.
-        live: Its live block outputs (:meth:`~curvwatch.capture.Capture.live_outputs`).
+        live: The capture's live block outputs (:meth:`~curvwatch.capture.Capture.live_outputs`).
         start: Where the passes start: the logits, or a linear logits module's input.
         samples: ``k``.
         batched: Whether batching is allowed at all.
+        sharded: Whether the weights are sharded (FSDP2).
         memory_mb: Most memory one batched pass may take, in MiB.
 
     Example:
         >>> from curvwatch.capture import LiveOutput
         >>> outputs = [LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))]
-        >>> passes_at_once(Capture.__new__(Capture), outputs, torch.zeros(2, 4, 8), 16, memory_mb=1)
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, memory_mb=1)
         16
-        >>> passes_at_once(Capture.__new__(Capture), outputs, torch.zeros(2, 4, 8), 16, memory_mb=0.01)
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, memory_mb=0.01)  # 10,485 bytes / 3,584 a sample
         2
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, sharded=True)
+        1
     """
-    if not batched or samples < 2 or getattr(capture, "read_params", None) is not None:
+    if not batched or sharded or samples < 2:
         return 1
     budget = (BATCH_MEMORY_MB if memory_mb is None else memory_mb) * 2**20
     return int(max(1, min(samples, budget // max(pass_bytes(live, start), 1))))
@@ -290,9 +293,11 @@ def _store(live: list[LiveOutput], cut: list[Tensor | None], buffers: dict[str, 
         if src is None:
             continue
         held = buffers.get(item.spec.name)
-        if held is None:  # the buffer, its samples as views once, the samples stored
+        if held is None:  # the buffer, its samples as views (made once, where one pass at a time needs them), count
             buffer = torch.empty((samples, *src.shape[1 if n else 0 :]), dtype=torch.float32, device=src.device)
-            held = buffers[item.spec.name] = [buffer, buffer.unbind(0) if not n else None, 0]
+            held = buffers[item.spec.name] = [buffer, None, 0]
+        if not n and held[1] is None:
+            held[1] = held[0].unbind(0)
         targets.append(held[1][j] if not n else held[0] if n == samples else held[0][j : j + n])
         sources.append(src)
         held[2] += max(n, 1)
