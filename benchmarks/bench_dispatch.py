@@ -318,7 +318,11 @@ def variants() -> dict[str, Any]:
 
 
 def count(args) -> dict[str, Any]:
-    """Operators and host syncs of step 2 per variant, and the monitor's share per layer."""
+    """Operators and host syncs of step 2 per variant, and the monitor's share per layer; the real-loss keys' sampled
+    passes batched as on a GPU (:data:`~curvwatch.realloss.sampling.BATCH_ON_CPU`)."""
+    from curvwatch.realloss import sampling
+
+    sampling.BATCH_ON_CPU = True  # count what a GPU dispatches (a CPU runs the passes one at a time)
     device = torch.device("cpu")
     model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq, args.d_model)
     out: dict[str, Any] = {}

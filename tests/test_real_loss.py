@@ -142,6 +142,7 @@ def test_batched_sampled_passes_log_the_keys_of_one_pass_at_a_time(tmp_path, mon
 
     import curvwatch.realloss.sampling as sampling
 
+    monkeypatch.setattr(sampling, "BATCH_ON_CPU", True)  # the passes batched here as on a GPU
     chosen = []
     passes_at_once = sampling.passes_at_once
     monkeypatch.setattr(

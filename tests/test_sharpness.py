@@ -1093,8 +1093,9 @@ def _hf_llama_lm():
 
 
 def _sampled(model, idx, samples: int = 16, head_hook: bool = False, call=None, **kwargs):
-    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept); ``call``: what
-    runs the forward (default ``model``)."""
+    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept), the passes
+    batched on this CPU unless ``batched=False`` is given; ``call``: what runs the forward (default ``model``)."""
+    kwargs.setdefault("batched", True)
     handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
     try:
         with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
@@ -1146,7 +1147,8 @@ def test_batched_sampled_passes_equal_one_at_a_time(build, head_hook):
 
 
 def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
-    """One place chooses (passes_at_once): one at a time with ``batched=False`` (the model's own backward hooks), under
+    """One place chooses (passes_at_once): one at a time on a CPU unless asked (``batched=True``), with
+    ``batched=False`` (the model's own backward hooks), under
     sharded weights (FSDP2's hooks around each pass), when one sample's pass does not fit the memory budget, for a
     single sample; a batched pass that raises (a tensor hook reading a value: no ``.item()`` under vmap; a hook that
     fails on the second batch, after the first was stored) is run again one sample at a time with the same draws, the
@@ -1158,11 +1160,12 @@ def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
     with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
         model(idx)
         live, start = cap.live_outputs(), cap.logits_input
-        assert passes_at_once(live, start, 16) == 16
+        assert passes_at_once(live, start, 16, batched=True) == 16
+        assert passes_at_once(live, start, 16) == 1  # on a CPU, left to the device
         assert passes_at_once(live, start, 16, batched=False) == 1
-        assert passes_at_once(live, start, 16, sharded=True) == 1
-        assert passes_at_once(live, start, 1) == 1
-        assert passes_at_once(live, start, 16, memory_mb=1e-6) == 1
+        assert passes_at_once(live, start, 16, batched=True, sharded=True) == 1
+        assert passes_at_once(live, start, 1, batched=True) == 1
+        assert passes_at_once(live, start, 16, batched=True, memory_mb=1e-6) == 1
     _, expected = _sampled(model, idx, batched=False)
     seen = []
     handle = model.blocks[1].mlp.register_forward_hook(
@@ -1223,8 +1226,8 @@ def test_a_batched_pass_stays_within_its_memory_budget():
 
     loop, _, per_sample = peak(batched=False)
     budget = 8 * per_sample / 2**20
-    chunked, at_once, _ = peak(memory_mb=budget)
-    together, all_, _ = peak()
+    chunked, at_once, _ = peak(batched=True, memory_mb=budget)
+    together, all_, _ = peak(batched=True)
     assert (at_once, all_) == (8, 16)
     assert 0 < chunked - loop <= budget * 2**20, (chunked - loop, budget * 2**20)
     assert together - loop <= 16 * per_sample, (together - loop, 16 * per_sample)

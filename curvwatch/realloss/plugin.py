@@ -189,7 +189,7 @@ class RealLoss:
 
         The labels are drawn from a generator seeded with ``seed + step``: every rank, and every strategy (DDP,
         FSDP2), draws the same random numbers at a step. ``agree`` (several ranks): see
-        :func:`~curvwatch.realloss.sampling.sample_outputs`. The passes run batched
+        :func:`~curvwatch.realloss.sampling.sample_outputs`. The passes run batched off a CPU
         (:func:`~curvwatch.realloss.sampling.passes_at_once`) unless the model has backward hooks of its own or a
         batched pass once failed (said once; the same numbers either way).
         """
@@ -201,7 +201,7 @@ class RealLoss:
             sampled = sample_outputs(
                 capture, loss, self.samples, kind=self.loss, factor=factor, generator=generator,
                 grad_logits=grad_logits, agree=agree, memory_mb=self.memory_mb,
-                batched=self.hooks_note is None and self.unbatched is None,
+                batched=None if self.hooks_note is None and self.unbatched is None else False,
             )  # fmt: skip
         except Exception as err:
             capture.release()

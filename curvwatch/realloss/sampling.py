@@ -11,10 +11,10 @@ takes them then holds ``"output_samples"`` ``(k, B, L, d_out)``, cut to the same
 average to the Gauss-Newton matrix of the real loss at that output. The kernels turn them into the ``ggn/...`` and
 ``sharpness/...`` keys.
 
-The ``k`` passes run as batched backward passes (``torch.func.vmap`` over the cotangents of one
-``torch.autograd.grad``: one dispatched operator per backward operator for a batch of samples instead of one per sample)
-of as many samples as the memory allows: each sample in a batch holds its own cotangent and gradients at every block
-output at once (:func:`passes_at_once`, the one place that chooses, and where the passes run one at a time instead).
+Off a CPU the ``k`` passes run as batched backward passes (``torch.func.vmap`` over the cotangents of one
+``torch.autograd.grad``: one dispatched operator per backward operator for a batch of samples instead of one per
+sample) of as many samples as the memory allows: each sample in a batch holds its own cotangent and gradients at every
+block output at once (:func:`passes_at_once`, the one place that chooses, and where the passes run one at a time).
 A backward operator without a batching rule runs once per sample inside the batch (its warning is not passed on); a
 batched pass that raises (a backward hook that reads a value, an operator vmap cannot run) is run again one sample at
 a time, with the same draws.
@@ -53,6 +53,12 @@ __all__ = ["BATCH_MEMORY_MB", "Sampled", "passes_at_once", "sample_outputs"]
 #: Most memory, in MiB, one batched sampled backward pass may take (:func:`passes_at_once`) when no budget is given.
 BATCH_MEMORY_MB = 1024.0
 
+#: Whether the passes run batched on a CPU when the caller leaves it to the device (``batched=None``). A CPU is bound by
+#: the passes' arithmetic and memory traffic, not by dispatched operators: 16 passes as one batch took 0.97-1.09x the
+#: CPU time of the passes one at a time (``benchmarks/bench_sharpness.py --cost``), so a CPU runs them one at a time;
+#: ``benchmarks/bench_dispatch.py`` sets it to count on a CPU what a GPU dispatches.
+BATCH_ON_CPU = False
+
 # functorch's warning for a backward operator without a batching rule (it then runs once per sample, correctly)
 _NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching rule"
 
@@ -88,7 +94,7 @@ def sample_outputs(
     generator: torch.Generator | None = None,
     grad_logits: Tensor | None = None,
     agree: Callable[[bool], bool] | None = None,
-    batched: bool = True,
+    batched: bool | None = None,
     memory_mb: float | None = None,
 ) -> Sampled:
     """Back-propagate ``samples`` sampled logit gradients to every kept block output of ``capture``.
@@ -108,8 +114,9 @@ def sample_outputs(
             with whether this rank can run them; returns whether every rank can. Under FSDP2 each pass all-gathers the
             weights of the layers it runs through (a collective), so either every rank runs the ``samples`` passes or
             none does (the others then raise a ``RuntimeError`` saying so).
-        batched: Whether the passes may run as batched backward passes (:func:`passes_at_once`); ``False`` when the
-            model has backward hooks of its own, which would see a batch of gradients.
+        batched: Whether the passes may run as batched backward passes (:func:`passes_at_once`): ``None`` where the
+            device gains from it (not a CPU), ``True`` on any device, ``False`` never (the model has backward hooks of
+            its own, which would see a batch of gradients).
         memory_mb: Most memory one batched pass may take (default :data:`BATCH_MEMORY_MB`).
 
     Returns:
@@ -173,7 +180,7 @@ def sample_outputs(
     return out
 
 
-def passes_at_once(live: Sequence[LiveOutput], start: Tensor, samples: int, *, batched: bool = True,
+def passes_at_once(live: Sequence[LiveOutput], start: Tensor, samples: int, *, batched: bool | None = None,
                    sharded: bool = False, memory_mb: float | None = None) -> int:  # fmt: skip
     """How many of the ``samples`` sampled passes run as one batched backward pass; 1: one at a time.
 
@@ -181,6 +188,7 @@ def passes_at_once(live: Sequence[LiveOutput], start: Tensor, samples: int, *, b
 
     * ``batched=False``: the model has backward hooks of its own (the caller knows them), which would receive a batch
       of gradients in one call instead of one gradient per call;
+    * ``batched=None`` on a CPU (unless :data:`BATCH_ON_CPU`): no faster there, and more memory;
     * ``sharded`` weights (FSDP2: the capture reads them with ``read_params``): every pass runs FSDP2's hooks, which
       all-gather each layer's weights for its backward and reshard them after, as for one backward pass;
     * memory: a batch of ``n`` samples holds ``n`` cotangents and ``n`` gradients at every block output at once
@@ -190,20 +198,24 @@ def passes_at_once(live: Sequence[LiveOutput], start: Tensor, samples: int, *, b
         live: The capture's live block outputs (:meth:`~curvwatch.capture.Capture.live_outputs`).
         start: Where the passes start: the logits, or a linear logits module's input.
         samples: ``k``.
-        batched: Whether batching is allowed at all.
+        batched: ``True``: batch on any device; ``None``: where the device gains from it; ``False``: never.
         sharded: Whether the weights are sharded (FSDP2).
         memory_mb: Most memory one batched pass may take, in MiB.
 
     Example:
         >>> from curvwatch.capture import LiveOutput
         >>> outputs = [LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))]
-        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, memory_mb=1)
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, batched=True, memory_mb=1)
         16
-        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, memory_mb=0.01)  # 10,485 bytes / 3,584 a sample
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, batched=True, memory_mb=0.01)  # 10,485 B / 3,584 a sample
         2
-        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, sharded=True)
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16, batched=True, sharded=True)
+        1
+        >>> passes_at_once(outputs, torch.zeros(2, 4, 8), 16)  # on a CPU
         1
     """
+    if batched is None:
+        batched = start.device.type != "cpu" or BATCH_ON_CPU
     if not batched or sharded or samples < 2:
         return 1
     budget = (BATCH_MEMORY_MB if memory_mb is None else memory_mb) * 2**20
