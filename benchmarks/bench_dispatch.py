@@ -60,16 +60,30 @@ _SYNC_OPS = ("aten._local_scalar_dense.default",)
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every dispatched ATen operator and every host read of a tensor's value inside the mode."""
+    """Counts every dispatched ATen operator and every host read of a tensor's value inside the mode; while
+    :attr:`part` names a part (:func:`count_sampling`), also that part's (:attr:`parts`: name -> ``[ops, syncs]``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.host_reads = 0
+        self.part: str | None = None
+        self.parts: dict[str, list[int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
+        name = str(func)
+        self.ops[name] += 1
+        if self.part is not None:
+            counts = self.parts.setdefault(self.part, [0, 0])
+            counts[0] += 1
+            counts[1] += name in _SYNC_OPS
         return func(*args, **(kwargs or {}))
+
+    def read_host(self) -> None:
+        """One host read without a dispatched operator (``tolist``, ``numpy``)."""
+        self.host_reads += 1
+        if self.part is not None:
+            self.parts.setdefault(self.part, [0, 0])[1] += 1
 
     @property
     def total(self) -> int:
@@ -89,7 +103,7 @@ def count_host_reads(counter: OpCounter):
 
     def wrap(fn):
         def wrapped(*args, **kwargs):
-            counter.host_reads += 1
+            counter.read_host()
             return fn(*args, **kwargs)
 
         return wrapped
@@ -101,6 +115,28 @@ def count_host_reads(counter: OpCounter):
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+
+
+@contextlib.contextmanager
+def count_sampling(counter: OpCounter):
+    """Count the real-loss sampling (:meth:`~curvwatch.realloss.plugin.RealLoss.sample`: the loss weights, the draws
+    and the sampled backward passes) as ``counter.parts["sampling"]`` too."""
+    from curvwatch.realloss.plugin import RealLoss
+
+    sample = RealLoss.sample
+
+    def sample_(self, *args, **kwargs):
+        counter.part = "sampling"
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            counter.part = None
+
+    RealLoss.sample = sample_
+    try:
+        yield counter
+    finally:
+        RealLoss.sample = sample
 
 
 class ReadLabels:
@@ -236,6 +272,7 @@ class StepProbe(Callback):
             self._stack = contextlib.ExitStack()
             self._stack.enter_context(self.counter)
             self._stack.enter_context(count_host_reads(self.counter))
+            self._stack.enter_context(count_sampling(self.counter))
             if self.labels is not None:
                 self.labels.active = True
         self._t0 = time.perf_counter()
@@ -284,7 +321,11 @@ def variants() -> dict[str, Any]:
 
 
 def count(args) -> dict[str, Any]:
-    """Operators and host syncs of step 2 per variant, and the monitor's share per layer."""
+    """Operators and host syncs of step 2 per variant, and the monitor's share per layer; the real-loss keys' sampled
+    passes batched as on a GPU (:data:`~curvwatch.realloss.sampling.BATCH_ON_CPU`)."""
+    from curvwatch.realloss import sampling
+
+    sampling.BATCH_ON_CPU = True  # count what a GPU dispatches (a CPU runs the passes one at a time)
     device = torch.device("cpu")
     model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq, args.d_model)
     out: dict[str, Any] = {}
@@ -297,6 +338,10 @@ def count(args) -> dict[str, Any]:
         out[name] = {"ops": probe.counter.total, "syncs": probe.counter.syncs,
                      "top": probe.counter.ops.most_common(12)}  # fmt: skip
         print(f"{name}: {out[name]['ops']} operators, {out[name]['syncs']} host syncs", file=sys.stderr)
+        if "sampling" in probe.counter.parts:
+            ops, syncs = probe.counter.parts["sampling"]
+            out[f"{name}_sampling_per_layer"] = {"ops": ops / args.n_layer, "syncs": syncs / args.n_layer}
+            print(f"{name}, of which the real-loss sampling: {ops} operators, {syncs} host syncs", file=sys.stderr)
         if labels is not None:
             out["full_reads"] = labels.summary()
             print(f"full: {len(labels.reads)} stopping-test reads; the runs each served:", file=sys.stderr)
@@ -435,7 +480,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="count one warm Engine.evaluate of captured blocks "
         "(no Trainer, no real-loss keys) instead of the whole monitor in a Lightning run",
     )
-    p.add_argument("--tiers", default="full,terms", help="CPU counts: the evaluations counted (full, terms)")
+    p.add_argument(
+        "--tiers",
+        default="full,terms",
+        help="CPU counts: the evaluations counted (full, terms); a full evaluation's real-loss sampling (the loss "
+        "weights, draws and sampled backward passes) is also counted on its own (full_sampling_per_layer)",
+    )
     p.add_argument(
         "--reads",
         action="store_true",

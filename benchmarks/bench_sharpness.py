@@ -265,9 +265,11 @@ def cost_share(
     without sampling (capture, ``Engine.evaluate``) and with it (``samples`` samples, ``sample_outputs`` before the
     backward, AdamW rules: the preconditioned pairs too), side by side in one process (interleaved, median of
     ``repeats``), float32, the monitor's defaults (``max_tokens`` 512). The real-loss part is the difference; its
-    share is ``part / with``. Held-out Hugging Face GPT-2 (eager attention), random tokens. On ``device`` "cpu" the
-    seconds are this process's CPU time (one thread: the shared machine's load aside); on a GPU wall-clock seconds
-    with the device synchronised at each reading (issue 24's goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
+    share is ``part / with``. The sampled passes run batched (:func:`~curvwatch.realloss.sampling.passes_at_once`), and
+    in a third variant one at a time (``batched=False``), interleaved with the others. Held-out Hugging Face GPT-2
+    (eager attention), random tokens. On ``device`` "cpu" the seconds are this process's CPU time (one thread: the
+    shared machine's load aside); on a GPU wall-clock seconds with the device synchronised at each reading (issue 24's
+    goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.realloss.plugin import RealLoss
 
@@ -293,7 +295,7 @@ def cost_share(
             if mode != "plain":
                 with sample_ops:
                     generator = torch.Generator(device=device).manual_seed(next(seeds))
-                    sample_outputs(cap, loss, samples, generator=generator)
+                    sample_outputs(cap, loss, samples, generator=generator, batched=mode == "real")
             t2 = clock()
             loss.backward()
         t3 = clock()
@@ -306,12 +308,12 @@ def cost_share(
         model.zero_grad()
         return {"step": t3 - t0 - (t2 - t1), "sampling": t2 - t1, "evaluate": clock() - t3}
 
-    one("plain"), one("real")  # warm-up (and the engine's warm starts)
-    times = {m: [] for m in ("plain", "real")}
+    one("plain"), one("real"), one("loop")  # warm-up (and the engine's warm starts)
+    times = {m: [] for m in ("plain", "real", "loop")}
     for _ in range(repeats):
         for m in times:
             times[m].append(one(m))
-    ops = {m: (OpCounter(), OpCounter()) for m in ("plain", "real")}
+    ops = {m: (OpCounter(), OpCounter()) for m in ("plain", "real", "loop")}
     for m, c in ops.items():
         one(m, c)
     med = {m: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for m, ts in times.items()}
@@ -330,6 +332,8 @@ def cost_share(
         f"| real-loss part (difference) | **{part:.2f} ({part / on:.0%})** | "
         f"**{ops_part} ({ops_part / ops_on:.0%})** |",
         f"| of which the sampling (`sample_outputs`) | {med['real']['sampling']:.2f} | {ops['real'][0].total} |",
+        f"| the sampling, its passes one at a time (`batched=False`) | {med['loop']['sampling']:.2f} | "
+        f"{ops['loop'][0].total} |",
         f"| of which the sampled keys in the kernels | {med['real']['evaluate'] - med['plain']['evaluate']:.2f} | "
         f"{ops['real'][1].total - ops['plain'][1].total} |",
     ]

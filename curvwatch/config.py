@@ -146,7 +146,9 @@ class Evaluation:
         max_tokens: Token positions kept per block (first whole sequences; see :class:`~curvwatch.capture.Capture`).
         memory_budget_mb: Most extra memory, in MiB, one block's closed form may take (estimated by
             :func:`~curvwatch.engine.memory.evaluation_bytes`): a block over it holds fewer Lanczos vectors per
-            norm, then is evaluated on fewer tokens; one warning each. ``None``: no budget.
+            norm, then is evaluated on fewer tokens; one warning each. ``None``: no budget. It also bounds one batched
+            sampled backward pass of the real-loss keys (:func:`~curvwatch.realloss.sampling.passes_at_once`; ``None``
+            there: :data:`~curvwatch.realloss.sampling.BATCH_MEMORY_MB`).
         terms_keys: What a terms-only evaluation computes. ``"warnings"`` (default): what the warning rules read, no
             more (attention: ``term/x_norm``, ``term/x_norm6``, ``term/wq_norm``, ``term/wk_norm``,
             ``term/softmax_jac_norm`` and the exact ``outer/VV``; LayerNorm/RMSNorm: the row statistics; FFN blocks only

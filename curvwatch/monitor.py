@@ -103,7 +103,8 @@ class Monitor:
         #: The one-time notices given (checkpointed): every part of the monitor says its notices through it.
         self.notices = Notices(owner=type(self).__name__)
         self.notices.print = rank_zero_info
-        self.real_loss = RealLoss(r.enabled, r.samples, r.loss, r.logits_module, notices=self.notices)
+        self.real_loss = RealLoss(r.enabled, r.samples, r.loss, r.logits_module, notices=self.notices,
+                                  memory_mb=x.memory_budget_mb)  # fmt: skip
         self.engine = Engine(
             lanczos=Lanczos(tol=x.tol, max_iter=x.max_iter, max_basis=x.max_basis),
             dtype=x.dtype,

@@ -6,6 +6,7 @@ Tolerances: weights and index maps are exact (float64, ``1e-12``); the Monte-Car
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ from curvwatch.realloss.samplers import LogitSampler
 from curvwatch.realloss.stability import StabilityRule, param_index_map, stability_keys, stability_rule
 from curvwatch.realloss.weights import LossKind, loss_weights
 from tests import zoo
+from tests.utils import assert_close_report
 
 
 def _grad(loss_fn, z):
@@ -620,15 +622,10 @@ def test_sampling_adds_no_memory_that_grows_with_the_batch_at_a_50k_vocabulary()
 
 
 def test_sampling_dispatch_ceiling():
-    """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 4 chunks of 20 rows): 16
-    samples cost 1,442 operators and 5 syncs, each sample 69 operators more (its backward pass through the body) than
-    one (407); 1,558 with a copy per block and sample (now one `_foreach_copy_` per pass). Before (session 23): 1,985
-    and 5 with chunks of 10 rows, each reduced by the hard-label fit's
-    arithmetic on the whole rows and six sampler tables (now seven numbers per row, `sharpness._row_stats`, the fit
-    once for all rows, and four tables, `_tables_of`); 2,222 and 13 in an earlier version; before the one pass over
-    the kept rows for the loss weights and the draws, the two logits per row of the other rows' weight, the
-    soft-target fits and the count of rows with a gradient only where the hard-label fit fails: 2,766 and 31; before
-    the draws at the logits module's input: 7,228 operators, 50 syncs."""
+    """Operators and host syncs of ``sample_outputs`` at vocabulary 50,257 (64 kept tokens: 4 chunks of 20 rows), 2
+    layers: 16 samples as one batched pass cost 676 operators and 5 syncs, each sample ~16 operators more than one
+    (428: the loss weights, the draws and one pass); one at a time (``batched=False``: under the model's backward
+    hooks) 1,463, each sample ~69 more (its backward pass through the body). Ceilings ~15% above."""
     from benchmarks.bench_dispatch import OpCounter
 
     V, L = 50_257, 32
@@ -636,15 +633,17 @@ def test_sampling_dispatch_ceiling():
     model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=2, n_head=2, d_model=16, d_ff=32, dropout=0.0))
     idx = torch.randint(0, V, (4, L), generator=torch.Generator().manual_seed(1))
     counts = {}
-    for k in (1, 16):
+    for k, batched in ((1, True), (16, True), (16, False)):
         with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
             loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
             with OpCounter() as counter:
-                assert len(sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0)).blocks) == 4
+                out = sample_outputs(cap, loss, k, generator=torch.Generator().manual_seed(0), batched=batched)
+                assert len(out.blocks) == 4 and out.at_once == (k if batched else 1)
             loss.backward()
-        counts[k] = (counter.total, counter.syncs)
-    assert counts[16][0] <= 1_650 and counts[16][1] <= 6, counts
-    assert counts[16][0] - counts[1][0] <= 15 * 100, counts
+        counts[k, batched] = (counter.total, counter.syncs)
+    assert counts[16, True][0] <= 780 and counts[16, True][1] <= 6, counts
+    assert counts[16, True][0] - counts[1, True][0] <= 15 * 20, counts
+    assert counts[16, False][0] <= 1_650 and counts[16, False][1] <= 6, counts
 
 
 def test_sampling_reads_the_kept_rows_logits_once(monkeypatch):
@@ -1066,3 +1065,227 @@ def test_kept_tokens_scale_by_their_weight_when_near_uniform_predictions_leave_a
         assert sampled.note is not None and "label smoothing up to" in sampled.note
         scales = {b.sample_scale for b in cap.blocks() if "output_samples" in b.inputs}
         assert len(scales) == 1 and scales.pop() == pytest.approx(3.0, rel=1e-5), scale
+
+
+# -- batched sampled passes (curvwatch.realloss.sampling.passes_at_once) ---------------------------------------------
+
+# float64 batched passes vs one at a time: the same products summed in another order (measured <= 4e-16 relative)
+_BATCHED_RTOL = 1e-12
+
+
+def _hf_llama_lm():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=13, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+    config._attn_implementation = "sdpa"
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = tf.LlamaForCausalLM(config).double()
+            self.head = self.model.lm_head
+
+        def forward(self, idx):
+            return self.model(input_ids=idx).logits
+
+    return LM()
+
+
+def _sampled(model, idx, samples: int = 16, head_hook: bool = False, call=None, **kwargs):
+    """``(Sampled, {block: output_samples})`` of one capture of ``model`` on ``idx`` (12 tokens kept), the passes
+    batched on this CPU unless ``batched=False`` is given; ``call``: what runs the forward (default ``model``)."""
+    kwargs.setdefault("batched", True)
+    handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
+    try:
+        with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+            logits = (model if call is None else call)(idx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = sample_outputs(cap, loss, samples, generator=torch.Generator().manual_seed(3), **kwargs)
+            loss.backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert not caught, [str(w.message) for w in caught]  # no vmap fallback warning reaches the user
+    return out, {b.spec.name: b.inputs["output_samples"] for b in cap.blocks() if "output_samples" in b.inputs}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: _gpt(), lambda: _gpt(attention="math"), _hf_llama_lm],
+    ids=["gpt-sdpa", "gpt-math", "hf-llama-sdpa"],
+)
+@pytest.mark.parametrize("head_hook", [False, True], ids=["linear-head", "at-the-logits"])
+def test_batched_sampled_passes_equal_one_at_a_time(build, head_hook):
+    """The 16 sampled passes as one batched backward pass, and in batches of 5 (5, 5, 5, 1: a memory budget), give
+    every block the samples of 16 passes one at a time, in float64 to round-off, from a linear logits module's input
+    and from the logits; the SDPA backward (no batching rule on CPU: run per sample inside the batch) says nothing."""
+    from curvwatch.realloss.sampling import pass_bytes
+
+    model = build()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    one, expected = _sampled(model, idx, head_hook=head_hook, batched=False)
+    assert one.at_once == 1 and len(expected) == 4
+    together, batched = _sampled(model, idx, head_hook=head_hook)
+    assert together.at_once == 16 and together.unbatched is None
+    # the budget of 5 samples (pass_bytes of this capture: read from a capture of the same step)
+    handle = model.head.register_forward_hook(lambda m, a, o: o * 0.5) if head_hook else None
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+        model(idx)
+        live = cap.live_outputs()
+        start = cap.logits if cap.logits is not None else cap.logits_input
+        budget = 5.5 * pass_bytes(live, start) / 2**20
+    if handle is not None:
+        handle.remove()
+    fives, chunked = _sampled(model, idx, head_hook=head_hook, memory_mb=budget)
+    assert fives.at_once == 5 and fives.blocks == one.blocks
+    for name, s in expected.items():
+        for got in (batched[name], chunked[name]):
+            assert_close_report(got, s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_sampled_passes_run_one_at_a_time_where_a_batch_cannot():
+    """One place chooses (passes_at_once): one at a time on a CPU unless asked (``batched=True``), with
+    ``batched=False`` (the model's own backward hooks), under
+    sharded weights (FSDP2's hooks around each pass), when one sample's pass does not fit the memory budget, for a
+    single sample; a batched pass that raises (a tensor hook reading a value: no ``.item()`` under vmap; a hook that
+    fails on the second batch, after the first was stored) is run again one sample at a time with the same draws, the
+    samples left too, and says why."""
+    from curvwatch.realloss.sampling import pass_bytes, passes_at_once
+
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    with Capture(find_blocks(model), max_tokens=12, logits_module=model.head) as cap:
+        model(idx)
+        live, start = cap.live_outputs(), cap.logits_input
+        assert passes_at_once(live, start, 16, batched=True) == 16
+        assert passes_at_once(live, start, 16) == 1  # on a CPU, left to the device
+        assert passes_at_once(live, start, 16, batched=False) == 1
+        assert passes_at_once(live, start, 16, batched=True, sharded=True) == 1
+        assert passes_at_once(live, start, 1, batched=True) == 1
+        assert passes_at_once(live, start, 16, batched=True, memory_mb=1e-6) == 1
+    _, expected = _sampled(model, idx, batched=False)
+    seen = []
+    handle = model.blocks[1].mlp.register_forward_hook(
+        lambda m, a, o: o.register_hook(lambda g: seen.append(float(g.abs().sum()))) and None
+    )
+    try:
+        out, got = _sampled(model, idx)
+    finally:
+        handle.remove()
+    assert out.at_once == 16 and out.unbatched is not None and "item" in out.unbatched, out.unbatched
+    assert len(seen) == 16 + 1  # the 16 passes one at a time, and the real backward
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+    # batches of 5: the first one stored, the second raises, the 11 samples left one at a time
+    batches = []
+
+    def second_batch_fails(g):
+        if torch._C._functorch.is_batchedtensor(g):
+            batches.append(g.shape)
+            if len(batches) == 2:
+                raise RuntimeError("a hook that cannot take a batch")
+
+    handle = model.blocks[1].mlp.register_forward_hook(lambda m, a, o: o.register_hook(second_batch_fails) and None)
+    try:
+        out, got = _sampled(model, idx, memory_mb=5.5 * pass_bytes(live, start) / 2**20)
+    finally:
+        handle.remove()
+    assert out.at_once == 5 and len(batches) == 2 and "cannot take a batch" in out.unbatched, (out, batches)
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_a_batched_pass_stays_within_its_memory_budget():
+    """The live CPU memory of the sampling (torch's profiler) over that of the passes one at a time is at most the
+    budget (4 MiB: 8 of the 16 samples at once here), and the 16 samples at once add at most pass_bytes a sample."""
+    from curvwatch.realloss.sampling import pass_bytes
+
+    V, L, B = 301, 32, 8
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=L, n_layer=2, n_head=2, d_model=64, d_ff=256, dropout=0.0))
+    idx = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(1))
+
+    def peak(**kwargs) -> tuple[float, int, int]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with Capture(find_blocks(model), max_tokens=64, logits_module=model.head) as cap:
+                loss = F.cross_entropy(model(idx).reshape(-1, V), idx.reshape(-1))
+                per_sample = pass_bytes(cap.live_outputs(), cap.logits_input)
+                with torch.profiler.record_function("sampling"):
+                    out = sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0), **kwargs)
+                loss.backward()
+        events = prof.profiler.kineto_results.events()
+        live, timeline = 0, []
+        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            timeline.append((e.start_ns(), live))
+        ((t0, t1),) = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == "sampling"]
+        return max(b for t, b in timeline if t0 <= t <= t1), out.at_once, per_sample
+
+    loop, _, per_sample = peak(batched=False)
+    budget = 8 * per_sample / 2**20
+    chunked, at_once, _ = peak(batched=True, memory_mb=budget)
+    together, all_, _ = peak(batched=True)
+    assert (at_once, all_) == (8, 16)
+    assert 0 < chunked - loop <= budget * 2**20, (chunked - loop, budget * 2**20)
+    assert together - loop <= 16 * per_sample, (together - loop, 16 * per_sample)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "compile"])
+def test_batched_sampled_passes_through_checkpointed_and_compiled_models(wrap):
+    """Non-reentrant activation checkpointing (the checkpointed layers recomputed once for the whole batch of samples)
+    and ``torch.compile`` (run eagerly while a capture is open) take the batched pass, with the samples of the passes
+    one at a time, float64 to round-off."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _gpt()
+    idx = torch.randint(0, 13, (3, 6), generator=torch.Generator().manual_seed(2))
+    _, expected = _sampled(model, idx, batched=False)
+    run = model
+    if wrap == "checkpoint":
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    else:
+        run = torch.compile(model)
+    out, got = _sampled(model, idx, call=run)
+    assert out.at_once == 16 and out.unbatched is None
+    for name, s in expected.items():
+        assert_close_report(got[name], s, _BATCHED_RTOL, f"{name} samples")
+
+
+def test_the_models_own_backward_hooks_see_the_sampled_passes_one_at_a_time():
+    """A model with a full backward hook of its own: the monitor runs the sampled passes one at a time (the hook sees
+    one gradient per call, never a batch of them), ``Sharpness.samples`` calls more per full evaluation."""
+    import lightning as L
+
+    from curvwatch import CurvatureMonitor
+    from curvwatch.realloss import plugin
+    from tests.ddp_script import TinyLM, loader
+
+    chosen, calls = [], []
+    sample_outputs_ = plugin.sample_outputs
+
+    def spy(*args, **kwargs):
+        out = sample_outputs_(*args, **kwargs)
+        chosen.append((kwargs["batched"], out.at_once))
+        return out
+
+    L.seed_everything(0)
+    model = TinyLM()
+    model.model.blocks[0].mlp.register_full_backward_hook(
+        lambda m, gi, go: calls.append(torch._C._functorch.is_batchedtensor(go[0]))
+    )
+    monitor = CurvatureMonitor(every_n_train_steps=2, sharpness=Sharpness(samples=4), verbose=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[monitor], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*nowhere to write its numbers|.*label smoothing")
+        original, plugin.sample_outputs = plugin.sample_outputs, spy
+        try:
+            trainer.fit(model, loader())
+        finally:
+            plugin.sample_outputs = original
+    assert chosen == [(False, 1), (False, 1)]  # steps 0 and 2
+    assert len(calls) == 3 + 2 * 4 and not any(calls)

@@ -84,6 +84,8 @@ class RealLoss:
             (:data:`~curvwatch.realloss.logits.LOGITS_NAMES`).
         seed: Seed of the sampled labels (the evaluation at step ``s`` uses ``seed + s``).
         notices: Where the one-time notices go (the monitor's; default: a notices record of its own).
+        memory_mb: Most memory one batched sampled backward pass may take, in MiB (default
+            :data:`~curvwatch.realloss.sampling.BATCH_MEMORY_MB`; :func:`~curvwatch.realloss.sampling.passes_at_once`).
 
     Raises:
         ValueError: If an argument is invalid.
@@ -97,6 +99,7 @@ class RealLoss:
         logits_module: str | None = None,
         seed: int = 0,
         notices: Notices | None = None,
+        memory_mb: float | None = None,
     ) -> None:
         if enabled not in (True, False, "auto"):
             raise ValueError(f"Invalid sharpness={enabled!r}. Must be True, False or 'auto'.")
@@ -116,6 +119,8 @@ class RealLoss:
         self.module: nn.Module | None = None  # set by resolve when on
         self.logits_path = ""  # its dotted name
         self.hooks_note: str | None = None  # set by resolve: backward hooks the sampled passes run through
+        self.memory_mb = memory_mb
+        self.unbatched: str | None = None  # why a batched sampled pass failed: the passes run one at a time since
         self.status = "off"
         self._maps: dict[str, dict[str, tuple[list[Tensor], Tensor]] | str] = {}
         self._refused: dict[str, dict[str, str]] = {}  # block -> its adapters without a ratio, and why
@@ -184,7 +189,9 @@ class RealLoss:
 
         The labels are drawn from a generator seeded with ``seed + step``: every rank, and every strategy (DDP,
         FSDP2), draws the same random numbers at a step. ``agree`` (several ranks): see
-        :func:`~curvwatch.realloss.sampling.sample_outputs`.
+        :func:`~curvwatch.realloss.sampling.sample_outputs`. The passes run batched off a CPU
+        (:func:`~curvwatch.realloss.sampling.passes_at_once`) unless the model has backward hooks of its own or a
+        batched pass once failed (said once; the same numbers either way).
         """
         self.verified = {}
         fallback = (loss if grad_logits is None else grad_logits).device
@@ -193,7 +200,8 @@ class RealLoss:
         try:
             sampled = sample_outputs(
                 capture, loss, self.samples, kind=self.loss, factor=factor, generator=generator,
-                grad_logits=grad_logits, agree=agree,
+                grad_logits=grad_logits, agree=agree, memory_mb=self.memory_mb,
+                batched=None if self.hooks_note is None and self.unbatched is None else False,
             )  # fmt: skip
         except Exception as err:
             capture.release()
@@ -203,6 +211,13 @@ class RealLoss:
                 f"sampling the output gradients raised {type(err).__name__}: {err}",
             )
             return
+        if sampled.unbatched is not None:  # the same numbers, one pass at a time from now on
+            self.unbatched = sampled.unbatched
+            self.notices.info(
+                "sharpness_unbatched",
+                "CurvatureMonitor runs the sampled backward passes of the real-loss keys one at a time: a batched "
+                f"pass raised {sampled.unbatched}",
+            )
         if sampled.note:  # once per kind of note (the first words tell them apart)
             key = f"sharpness_note:{sampled.note[:24]}"
             text = f"CurvatureMonitor (real-loss sharpness): {sampled.note}."
