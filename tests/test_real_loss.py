@@ -136,8 +136,8 @@ def test_callback_logs_sharpness_and_stability_for_sgd_and_adam(tmp_path):
 def test_batched_sampled_passes_log_the_keys_of_one_pass_at_a_time(tmp_path, monkeypatch):
     """The real-loss keys of a Lightning run (sharpness, spread, ggn, stability, summaries) with the 8 sampled passes
     as one batched pass equal those of the passes one at a time (a memory budget of 0), to float32 round-off (the
-    samples agree to ~1e-7 relative; the spread, a difference of two halves, loses digits: measured worst key 5.3e-5,
-    a sharpness_spread)."""
+    samples agree to ~1e-7 relative; the spread, a difference of two halves, loses digits: where
+    a solve of the two halves stops can move it within the solver's tolerance, ``Lanczos().tol``)."""
     import lightning as L
 
     import curvwatch.realloss.sampling as sampling
@@ -162,10 +162,17 @@ def test_batched_sampled_passes_log_the_keys_of_one_pass_at_a_time(tmp_path, mon
                         if any(part in k for part in ("sharpness", "/ggn/", "stability"))}  # fmt: skip
     assert chosen == [8, 8, 1, 1]  # steps 0 and 2 of each run
     assert logged["batched"].keys() == logged["one-at-a-time"].keys() and len(logged["batched"]) > 20
-    error = {key: abs(logged["batched"][key] - v) / max(abs(v), 1e-12) for key, v in logged["one-at-a-time"].items()}
-    worst = max(error, key=error.get)
-    assert error[worst] <= 1e-4, (worst, error[worst])
-    print(f"worst relative difference {error[worst]:.1e} at {worst}")
+    one = logged["one-at-a-time"]
+
+    def scale(key):  # a spread is measured on the scale of the samples: the larger of it and its sharpness
+        step, name = key
+        return max(abs(one[key]), abs(one.get((step, name.replace("sharpness_spread", "sharpness")), 0.0)))
+
+    error = {key: abs(logged["batched"][key] - v) / max(scale(key), 1e-12) for key, v in one.items()}
+    for spreads, bound in ((False, 1e-4), (True, Lanczos().tol)):
+        worst = max((k for k in error if ("sharpness_spread" in k[1]) == spreads), key=error.get)
+        assert error[worst] <= bound, (worst, error[worst])
+        print(f"worst relative difference {error[worst]:.1e} at {worst}")
 
 
 def test_callback_sharpness_off_and_errors(tmp_path):
