@@ -1,0 +1,659 @@
+"""Cost model: what one warm monitor evaluation costs on a GPU, estimated from what a CPU run counts.
+
+What a GPU spends on an evaluation is the arithmetic (matmul FLOPs at the card's rate for their dtype), the memory
+traffic of the other kernels (bytes at the card's bandwidth), the host's dispatch of every operator (the GPU idles
+when the host cannot keep up) and the host syncs (the host waits for the GPU at each). All four are counted on the CPU
+(:mod:`benchmarks.cost_count`), at the realistic shape (L 1024, the model's width, vocabulary and precision:
+bf16-mixed, AdamW), at 1 and 2 layers and batch 1 and 2.
+
+Extrapolation (:func:`extrapolate`): each count is affine in the layers and the batch (the engine keeps at most
+``max_tokens`` = 512 positions of the first sequence whatever the batch; the training step and the sampled passes are
+linear in both), so ``c(n, B) = c11 + (n - 1)(c21 - c11) + (B - 1)(c12 - c11)``. The terms-only tier is counted at the
+full depth (its blocks meet in gathered calls: not linear in the layers) and extrapolated in the batch only.
+
+A tier's parts (:data:`PARTS`): ``closed forms`` = the engine of a full evaluation without the real-loss keys
+(``sharpness=False``); ``real-loss solves`` = the engine of a full evaluation with them, less that, plus the
+real-loss plugin (the sampled keys' solves share the closed forms' Lanczos rounds, so only their marginal cost is
+theirs); ``real-loss sampling``; ``terms`` = the engine of a terms-only evaluation; ``capture & logging`` = the rest of
+the step less the plain step. The plain training step is a tier of its own.
+
+Pricing (:func:`price`) turns counts into milliseconds with the stated constants of a card (:data:`MACHINES`,
+:class:`Constants`) and into training steps of the same model (the plain step priced by the same constants). Between
+two host syncs the host runs ahead of the GPU until it must wait: each stretch costs ``max(host, device)``, each sync
+its latency on top. The tensor-core efficiency is fitted to the measured GPU figures of
+``benchmarks/results/calibration.json`` (:func:`calibrated`); every later GPU run adds points there.
+
+Peak memory (:func:`memory`): the plain step's peak and the monitor's extra, from the bytes alive that the counter
+saw.
+
+Run ``python -m benchmarks.cost_model`` (counts both models, an hour or more on two CPU cores: ``--partial PATH`` keeps
+each count as it is made and goes on from there; ``--arch gpt``; ``--quick``: a tiny shape) or
+``python -m benchmarks.cost_model --counts benchmarks/results/cost_model.json`` (re-price the committed counts, e.g.
+after a calibration point was added); ``--compare DISPATCH_JSON``: a GPU run of ``bench_dispatch`` beside the
+estimate (``gpu_scale.sh``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.cost_count import count_all
+
+NAME = "cost_model"
+
+
+# -- pricing ------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A card's stated rates: dense peaks (no sparsity) from its datasheet, bytes per second of its memory."""
+
+    name: str
+    fp32: float  # FLOP/s, CUDA cores
+    tf32: float  # FLOP/s, tensor cores
+    bf16: float  # FLOP/s, tensor cores
+    hbm: float  # bytes/s
+
+
+#: NVIDIA's datasheets (SXM parts, dense): the two cards share their compute and differ in memory bandwidth.
+MACHINES = {
+    "H100": Machine("NVIDIA H100 SXM5 80GB", fp32=67e12, tf32=494.7e12, bf16=989.4e12, hbm=3.35e12),
+    "H200": Machine("NVIDIA H200 SXM 141GB", fp32=67e12, tf32=494.7e12, bf16=989.4e12, hbm=4.8e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """What the model assumes beyond the datasheet (:func:`calibrated` fits ``tensor_efficiency``).
+
+    Args:
+        fp32_efficiency: Fraction of the FP32 peak a float32 matmul reaches without TF32 (torch's default).
+        tensor_efficiency: Fraction of the tensor-core peak (bf16, and TF32 where enabled) a matmul reaches.
+        hbm_efficiency: Fraction of the memory bandwidth the other kernels reach (they are bound by memory).
+        host_op_s: Host seconds per dispatched ATen operator (the Python and C++ around it, the launch), views too.
+        sync_s: Seconds per host sync beyond the wait for the queued work (the copy and the stream synchronize).
+    """
+
+    fp32_efficiency: float = 0.5
+    tensor_efficiency: float = 0.5
+    hbm_efficiency: float = 0.7
+    host_op_s: float = 5e-6
+    sync_s: float = 20e-6
+
+
+def segment_seconds(
+    ops: int, flops: dict[str, float], moved: float, machine: Machine, c: Constants, tf32: bool
+) -> tuple[float, float]:
+    """``(host, device)`` seconds of a stretch of ``ops`` operators, matmul ``flops`` by dtype and ``moved`` bytes of
+    other kernels: the host dispatches every operator, the device runs the matmuls at their dtype's rate and the rest
+    at the memory's."""
+    rate = {
+        "float32": machine.tf32 * c.tensor_efficiency if tf32 else machine.fp32 * c.fp32_efficiency,
+        "bfloat16": machine.bf16 * c.tensor_efficiency,
+        "float16": machine.bf16 * c.tensor_efficiency,
+        "float64": machine.fp32 / 2 * c.fp32_efficiency,  # (the H100/H200 FP64 rate is half the FP32 one)
+    }
+    device = sum(f / rate[d] for d, f in flops.items()) + moved / (machine.hbm * c.hbm_efficiency)
+    return ops * c.host_op_s, device
+
+
+def price(tally: dict[str, Any], machine: Machine, c: Constants, tf32: bool = False) -> dict[str, float]:
+    """Milliseconds of one part's counts (:meth:`Tally.as_dict`): between two syncs the host runs ahead of the device
+    until it waits, so each stretch costs ``max(host, device)``; each sync adds ``sync_s``. Also the host's and the
+    device's totals, to say which binds."""
+    ms = host_ms = device_ms = 0.0
+    for ops, flops, moved in tally["segments"]:
+        host, device = segment_seconds(ops, flops, moved, machine, c, tf32)
+        ms += max(host, device) * 1e3
+        host_ms, device_ms = host_ms + host * 1e3, device_ms + device * 1e3
+    ms += tally["syncs"] * c.sync_s * 1e3
+    return {"ms": ms, "host_ms": host_ms, "device_ms": device_ms}
+
+
+# -- from counted configurations to a model's estimate -------------------------------------------------------------
+
+_ADDITIVE = ("ops", "views", "syncs", "flops", "bytes", "ms")
+
+
+def _lin(terms: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """``sum(coef * tree)`` of nested dicts of numbers (a key missing from a tree counts 0)."""
+    out: dict[str, Any] = {}
+    keys = dict.fromkeys(k for _, tree in terms for k in tree)
+    for k in keys:
+        subs = [(coef, tree.get(k, 0)) for coef, tree in terms]
+        if any(isinstance(v, dict) for _, v in subs):
+            out[k] = _lin([(coef, v if isinstance(v, dict) else {}) for coef, v in subs])
+        else:
+            out[k] = sum(coef * v for coef, v in subs)
+    return out
+
+
+def priced_cell(cell: dict[str, Any], c: Constants, machines=MACHINES) -> dict[str, dict[str, Any]]:
+    """One counted configuration's parts, averaged over its counted steps: the counts of :data:`_ADDITIVE` and
+    ``ms`` = ``{machine: {"fp32": ms, "tf32": ms}}`` (each step priced on its own, then averaged)."""
+    steps = cell["steps"]
+    parts = dict.fromkeys(p for step in steps for p in step["parts"])
+    out = {}
+    for part in parts:
+        per_step = []
+        for step in steps:
+            tally = step["parts"].get(part)
+            if tally is None:
+                continue
+            row = {k: tally[k] for k in ("ops", "views", "syncs", "flops", "bytes")}
+            row["ms"] = {
+                m: {mode: price(tally, machine, c, tf32=mode == "tf32")["ms"] for mode in ("fp32", "tf32")}
+                for m, machine in machines.items()
+            }
+            per_step.append(row)
+        out[part] = _lin([(1 / len(steps), row) for row in per_step])
+    return out
+
+
+def extrapolate(cells: dict[str, dict[str, Any]], n: int, batch: int) -> dict[str, Any]:
+    """``c(n, B) = c11 + (n - 1)(c21 - c11) + (B - 1)(c12 - c11)`` from the cells ``n1_b1``, ``n2_b1``, ``n1_b2`` (a
+    tier counted at one depth ``d``: ``c(d, B) = c_d1 + (B - 1)(c_d2 - c_d1)`` from ``nd_b1``, ``nd_b2``)."""
+    if "n1_b1" in cells:
+        c11, c21, c12 = cells["n1_b1"], cells["n2_b1"], cells["n1_b2"]
+        return _lin([(1 - (n - 1) - (batch - 1), c11), (n - 1, c21), (batch - 1, c12)])
+    (depth,) = {int(k[1 : k.index("_")]) for k in cells}
+    if depth != n:
+        raise ValueError(f"Counted at depth {depth}, asked for n_layer={n}: count the terms-only tier at {n} layers.")
+    c1, c2 = cells[f"n{depth}_b1"], cells[f"n{depth}_b2"]
+    return _lin([(2 - batch, c1), (batch - 1, c2)])
+
+
+#: A tier's parts: ``{part: [(coefficient, tier counted, counter part), ...]}`` (see the module docstring).
+PARTS = {
+    "full": {
+        "closed forms": [(1, "full_nrl", "engine")],
+        "real-loss sampling": [(1, "full", "sampling")],
+        "real-loss solves": [(1, "full", "engine"), (-1, "full_nrl", "engine"), (1, "full", "plugin")],
+        "capture & logging": [(1, "full", "step"), (-1, "off", "step")],
+    },
+    "full_nrl": {
+        "closed forms": [(1, "full_nrl", "engine")],
+        "capture & logging": [(1, "full_nrl", "step"), (1, "full_nrl", "plugin"), (-1, "off", "step")],
+    },
+    "terms": {
+        "terms": [(1, "terms", "engine")],
+        "capture & logging": [(1, "terms", "step"), (1, "terms", "plugin"), (-1, "off", "step")],
+    },
+    "step": {"training step": [(1, "off", "step")]},
+}
+TIER_NAMES = {
+    "full": "full (defaults, real-loss keys on)",
+    "full_nrl": "full, `sharpness=False`",
+    "terms": "terms-only (`warnings`)",
+    "step": "plain training step",
+}
+
+
+def estimate(counts: dict[str, Any], n: int, batch: int, c: Constants) -> dict[str, Any]:
+    """One model's tiers at ``n`` layers and batch ``batch``: ``{tier: {part: row}}`` with a ``"total"`` row per
+    tier; each row's counts (:data:`_ADDITIVE`), its ``ms`` per machine and mode, and ``steps``: its ms over the plain
+    training step's, priced alike."""
+    tiers = {t: extrapolate({k: priced_cell(v, c) for k, v in cells.items()}, n, batch) for t, cells in counts.items()}
+    out: dict[str, Any] = {}
+    for tier, parts in PARTS.items():
+        rows = {name: _lin([(coef, tiers[t].get(p, {})) for coef, t, p in terms]) for name, terms in parts.items()}
+        rows["total"] = _lin([(1, row) for row in rows.values()])
+        out[tier] = rows
+    step_ms = out["step"]["total"]["ms"]
+    for rows in out.values():
+        for row in rows.values():
+            row["steps"] = {
+                m: {mode: ms / step_ms[m][mode] for mode, ms in modes.items()} for m, modes in row["ms"].items()
+            }
+    return out
+
+
+# -- calibration ----------------------------------------------------------------------------------------------------
+
+CALIBRATION = Path(__file__).resolve().parent / "results" / "calibration.json"
+
+
+def step_ms(counts: dict[str, Any], n: int, batch: int, machine: str, c: Constants) -> float:
+    """The plain training step of a model's counts priced on ``machine`` (its matmuls are bf16: the mode of float32
+    ones does not matter)."""
+    cells = {k: priced_cell(v, c, {machine: MACHINES[machine]}) for k, v in counts["off"].items()}
+    return extrapolate(cells, n, batch)["step"]["ms"][machine]["fp32"]
+
+
+def priced_point(point: dict[str, Any], counts: dict[str, Any], c: Constants) -> float:
+    """This model's figure for a calibration point: its tier's milliseconds (``"ms"``, FP32 matmuls unless the
+    point says ``"tf32": true``) or peak GiB (``"gib"``) at its machine and shape."""
+    arch, n, batch, tier = point["arch"], point["n_layer"], point["batch"], point.get("tier", "step")
+    if "gib" in point:
+        mem = memory(counts[arch], arch, n, batch)
+        return (mem["plain_peak"] if tier == "step" else mem["tiers"][tier]["peak"]) / GIB
+    mode = "tf32" if point.get("tf32") else "fp32"
+    if tier == "step":
+        return step_ms(counts[arch], n, batch, point["machine_kind"], c)
+    return estimate(counts[arch], n, batch, c)[tier]["total"]["ms"][point["machine_kind"]][mode]
+
+
+def calibrated(counts_by_arch: dict[str, Any], points: list[dict[str, Any]], base: Constants = Constants()):
+    """``(constants, fits)``: ``base`` with ``tensor_efficiency`` chosen so that the priced plain steps match the
+    calibration points marked ``"use": "fit"`` (least squares in log time; one point: exactly), and per point the
+    model's figure beside the measured one (``"check"`` points too; ``"none"``: recorded, not priced)."""
+    usable = [p for p in points if p["use"] != "none" and p["arch"] in counts_by_arch]
+    fit = [p for p in usable if p["use"] == "fit"]
+
+    def error(eff: float) -> float:
+        c = dataclasses.replace(base, tensor_efficiency=eff)
+        return sum(math.log(priced_point(p, counts_by_arch, c) / p["ms"]) ** 2 for p in fit)
+
+    c = base
+    if fit:
+        lo, hi = math.log(0.02), math.log(1.0)  # golden-section search on the log of the efficiency
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(40):
+            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+            lo, hi = (lo, b) if error(math.exp(a)) < error(math.exp(b)) else (a, hi)
+        c = dataclasses.replace(base, tensor_efficiency=round(math.exp((lo + hi) / 2), 4))
+    fits = []
+    for p in usable:
+        value = p.get("ms", p.get("gib"))
+        priced = priced_point(p, counts_by_arch, c)
+        fits.append(
+            {
+                "point": p["what"],
+                "use": p["use"],
+                "unit": "ms" if "ms" in p else "GiB",
+                "measured": value,
+                "estimated": round(priced, 3),
+                "ratio": round(priced / value, 3),
+            }
+        )
+    return c, fits
+
+
+# -- peak memory ----------------------------------------------------------------------------------------------------
+
+
+def param_count(arch: str, n_layer: int, d_model: int = 768, vocab: int = 50304, seq: int = 1024) -> int:
+    """Parameters of the model :func:`benchmarks.bench_dispatch.build_model` builds (LLaMA: vocabulary 32000)."""
+    from benchmarks import bench_dispatch
+
+    with torch.device("meta"):
+        model = bench_dispatch.build_model(arch, n_layer, 32000 if arch == "llama" else vocab, seq, d_model)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def memory(
+    counts: dict[str, Any], arch: str, n: int, batch: int, d_model: int = 768, vocab: int = 50304, seq: int = 1024
+) -> dict[str, Any]:
+    """Peak memory of the plain training step and of the step with each tier's evaluation, in bytes.
+
+    The plain step's peak (the counter's, on the CPU: every tensor alive, parameters and optimizer state included) is
+    affine in the layers and the batch and extrapolated so. A monitored step peaks at the largest of: the plain peak
+    plus what the monitor holds through the backward (``held``: the captured tensors and sampled columns, read as the
+    bytes alive when the engine starts less the parameters, gradients and AdamW moments, ``static`` = 16 bytes per
+    parameter); the sampled passes (the bytes alive when they start plus their own most, full tier); the evaluation
+    (``static + held`` plus the engine's most bytes above that, ``working``: its Lanczos bases and products, the
+    largest over the counted configurations: a window of about one layer's blocks, whatever the depth)."""
+
+    def layers(key: str) -> int:
+        return int(key[1 : key.index("_")])
+
+    def per_cell(tier: str, fn) -> dict[str, dict[str, float]]:
+        return {k: {"v": _mean([fn(s) for s in cell["steps"]])} for k, cell in counts[tier].items()}
+
+    sizes = {
+        m: 16 * param_count(arch, m, d_model, vocab, seq) for m in {layers(k) for t in counts.values() for k in t} | {n}
+    }
+    plains = per_cell("off", lambda s: s["peak_bytes"])
+
+    def model(tier: str, n: int, batch: int) -> dict[str, Any]:
+        plain = extrapolate(plains, n, batch)["v"]
+        held = {
+            k: {"v": v["v"] - sizes[layers(k)]}
+            for k, v in per_cell(tier, lambda s: s["parts"]["engine"]["entry_live"]).items()
+        }
+        H = extrapolate(held, n, batch)["v"]
+        working = max(s["parts"]["engine"]["working"] for cell in counts[tier].values() for s in cell["steps"])
+        candidates = {"backward": plain + H, "evaluation": sizes.setdefault(n, 16 * param_count(arch, n, d_model,
+                      vocab, seq)) + H + working}  # fmt: skip
+        if tier == "full":
+            sampled = per_cell(tier, lambda s: s["parts"]["sampling"]["entry_live"] + s["parts"]["sampling"]["working"])
+            candidates["sampling"] = extrapolate(sampled, n, batch)["v"]
+        peak = max(candidates.values())
+        return {"plain": plain, "held": H, "working": working, "candidates": candidates, "peak": peak,
+                "extra": peak - plain, "extra_fraction": (peak - plain) / plain}  # fmt: skip
+
+    out: dict[str, Any] = {"plain_peak": extrapolate(plains, n, batch)["v"], "static": sizes[n], "tiers": {}}
+    for tier in ("full", "full_nrl", "terms"):
+        out["tiers"][tier] = model(tier, n, batch)
+        # the model at the counted configurations beside the peak the counter saw there
+        out["tiers"][tier]["check"] = {
+            k: {"model": model(tier, layers(k), int(k[k.index("_b") + 2 :]))["peak"],
+                "counted": _mean([s["peak_bytes"] for s in cell["steps"]])}
+            for k, cell in counts[tier].items()
+        }  # fmt: skip
+    return out
+
+
+def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int = 1024, samples: int = 16):
+    """The engine's own estimate of an evaluation's extra memory (:func:`curvwatch.engine.evaluation_bytes`, the
+    monitor's Lanczos settings) for one layer's blocks captured at the shape, with their sampled columns, and the
+    most a window of blocks evaluated together may hold by the engine's rule (``LOCKSTEP_MEMORY`` times the largest
+    block's): ``{"blocks": {name: bytes}, "window_bound": bytes}``."""
+    import torch.nn.functional as F
+
+    from benchmarks import bench_dispatch
+    from curvwatch.adapters import find_blocks
+    from curvwatch.capture import Capture
+    from curvwatch.engine import MONITOR_LANCZOS, evaluation_bytes
+    from curvwatch.engine.core import LOCKSTEP_MEMORY
+    from curvwatch.realloss import sample_outputs
+    from curvwatch.realloss.logits import find_logits_module
+
+    vocab = 32000 if arch == "llama" else vocab
+    torch.manual_seed(0)
+    model = bench_dispatch.build_model(arch, 1, vocab, seq, d_model)
+    idx = torch.randint(0, vocab, (1, seq + 1))
+    with Capture(find_blocks(model), 512, logits_module=find_logits_module(model)[1]) as capture:
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        sample_outputs(capture, loss, samples, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    lanczos = MONITOR_LANCZOS
+    sizes = {b.spec.name: evaluation_bytes(b, torch.float32, lanczos.max_iter, lanczos.max_basis)
+             for b in capture.blocks()}  # fmt: skip
+    return {"blocks": sizes, "window_bound": LOCKSTEP_MEMORY * max(sizes.values())}
+
+
+# -- tables and the command -----------------------------------------------------------------------------------------
+
+MODELS = {
+    "gpt": "GPT-2-small (curvwatch GPT: d 768, 12 heads, vocabulary 50,304)",
+    "llama": "LLaMA-125M (HF LlamaForCausalLM: d 768, 12 / 4 heads, ff 2048, vocabulary 32,000)",
+}
+GIB = 2**30
+
+
+def _pair(values: dict[str, dict[str, float]], mode: str, fmt: str) -> str:
+    return " / ".join(format(values[m][mode], fmt) for m in MACHINES)
+
+
+def table(est: dict[str, Any]) -> str:
+    """The markdown table of one model's :func:`estimate`."""
+    machines = " / ".join(MACHINES)
+    head = [
+        "tier",
+        "part",
+        "GFLOP bf16",
+        "GFLOP fp32",
+        "operators",
+        "syncs",
+        f"ms FP32 {machines}",
+        f"ms TF32 {machines}",
+        f"steps FP32 {machines}",
+        f"steps TF32 {machines}",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for tier, rows in est.items():
+        for part, row in rows.items():
+            if tier == "step" and part == "total":
+                continue
+            name = f"**{part}**" if part == "total" else part
+            flops = row["flops"]
+            cells = [
+                TIER_NAMES[tier],
+                name,
+                f"{flops.get('bfloat16', 0) / 1e9:,.0f}",
+                f"{flops.get('float32', 0) / 1e9:,.0f}",
+                f"{row['ops']:,.0f}",
+                f"{row['syncs']:,.1f}",
+                _pair(row["ms"], "fp32", ",.1f"),
+                _pair(row["ms"], "tf32", ",.1f"),
+                _pair(row["steps"], "fp32", ".2f"),
+                _pair(row["steps"], "tf32", ".2f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(mem: dict[str, Any]) -> str:
+    """The markdown table of one model's :func:`memory` (and the engine's own bound, where estimated)."""
+    bound = mem.get("engine_estimate", {}).get("window_bound")
+    lines = [
+        "| tier | held through the backward (captured, samples) | evaluation's working set | peak | extra over the "
+        "plain step's peak | goal <= 15% |",
+        "|---|---|---|---|---|---|",
+        f"| plain training step | | | {mem['plain_peak'] / GIB:.3g} GiB | | |",
+    ]
+    for tier, m in mem["tiers"].items():
+        met = "met" if m["extra_fraction"] <= 0.15 else "NOT met"
+        working = f"{m['working'] / GIB:.3g} GiB" + (
+            f" (engine's bound {bound / GIB:.3g})" if bound and tier == "full" else ""
+        )
+        lines.append(
+            f"| {TIER_NAMES[tier]} | {m['held'] / GIB:.3g} GiB | {working} | {m['peak'] / GIB:.3g} GiB | "
+            f"{m['extra'] / GIB:.3g} GiB ({100 * m['extra_fraction']:.1f}%) | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def _git(*args: str) -> str:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
+def load_points(path: Path = CALIBRATION) -> list[dict[str, Any]]:
+    import json
+
+    return json.loads(path.read_text())["points"] if path.exists() else []
+
+
+def build(
+    counts: dict[str, Any],
+    n: int,
+    batch: int,
+    points: list[dict[str, Any]],
+    d_model: int = 768,
+    vocab: int = 50304,
+    seq: int = 1024,
+) -> dict[str, Any]:
+    """Calibrate (on the points of the counted width, GPT-2-small's, and depth), then every model's estimate and
+    memory at ``n`` layers and batch ``batch``."""
+    c, fits = calibrated(counts, [p for p in points if d_model == 768 and (p["n_layer"], p["seq"]) == (n, seq)])
+    return {
+        "constants": dataclasses.asdict(c),
+        "machines": {k: dataclasses.asdict(m) for k, m in MACHINES.items()},
+        "calibration": fits,
+        "estimates": {arch: estimate(counts[arch], n, batch, c) for arch in counts},
+        "memory": {arch: memory(counts[arch], arch, n, batch, d_model, vocab, seq) for arch in counts},
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    """The markdown of a :func:`build` result."""
+    c = result["constants"]
+    out = [
+        f"Constants: FP32 matmuls at {c['fp32_efficiency']:.0%} of peak, tensor-core matmuls (bf16, TF32) at "
+        f"{c['tensor_efficiency']:.1%} of peak (calibrated), other kernels at {c['hbm_efficiency']:.0%} of the "
+        f"memory bandwidth, {c['host_op_s'] * 1e6:g} us of host time per operator, {c['sync_s'] * 1e6:g} us per "
+        "sync."
+    ]
+    for fit in result["calibration"]:
+        out.append(
+            f"* calibration ({fit['use']}): {fit['point']}: measured {fit['measured']} {fit['unit']}, estimated "
+            f"{fit['estimated']:.3g} {fit['unit']} ({fit['ratio']:.2f}x)"
+        )
+    for arch, est in result["estimates"].items():
+        out += ["", f"### {MODELS.get(arch, arch)}", "", table(est), "", memory_table(result["memory"][arch])]
+    return "\n".join(out)
+
+
+def compare(args) -> dict[str, Any]:
+    """A GPU run of ``bench_dispatch --device cuda`` (``args.compare``) beside this model's estimate of the same rows
+    (the counts of ``args.counts``, else the committed ``benchmarks/results/cost_model.json``), and the run's figures
+    as calibration points to add to ``benchmarks/results/calibration.json``."""
+    import json
+
+    from benchmarks.common import RESULTS_DIR, write_json
+
+    measured = json.loads(Path(args.compare).read_text())
+    a = measured["args"]
+    arch, n, batch = a["arch"], a["n_layer"], a["batch"]
+    counts = json.loads(Path(args.counts or RESULTS_DIR / f"{NAME}.json").read_text())["counts"]
+    c, _ = calibrated(counts, load_points())
+    device = measured.get("device_name", "")
+    machine = next((m for m in MACHINES if m in device), "H200")
+    est = estimate(counts[arch], n, batch, c)
+    mem = memory(counts[arch], arch, n, batch)
+    plain = measured["plain_ms"]
+    rows = [("plain training step, ms", plain, est["step"]["total"]["ms"][machine]["fp32"])]
+    for tier in ("full", "full_nrl", "terms"):
+        if tier in measured:
+            rows.append(
+                (
+                    f"{TIER_NAMES[tier]}, ms",
+                    measured[tier]["median_ms"] - plain,
+                    est[tier]["total"]["ms"][machine]["fp32"],
+                )
+            )
+            rows.append(
+                (
+                    f"{TIER_NAMES[tier]}, training steps",
+                    measured[tier]["steps"],
+                    est[tier]["total"]["steps"][machine]["fp32"],
+                )
+            )
+
+    def peak(name: str) -> float:  # the timed (warm) steps' peak: a terms-only run's step 0 is a full evaluation
+        return measured[name].get("warm_peak_gib", measured[name]["peak_gib"])
+
+    rows.append(("plain step's peak memory, GiB", peak("off"), mem["plain_peak"] / GIB))
+    for tier in ("full", "full_nrl", "terms"):
+        if tier in measured:
+            rows.append((f"{TIER_NAMES[tier]}: peak memory, GiB", peak(tier), mem["tiers"][tier]["peak"] / GIB))
+    lines = [
+        f"{MODELS.get(arch, arch)}, {n} layers, B {batch}, L {a['seq']}, {a['precision']}: "
+        f"measured on {device or '?'}, estimated for {machine} (FP32 matmuls, torch's default)",
+        "",
+        "| row | measured | estimated | estimated / measured |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {m:,.3g} | {e:,.3g} | {e / m:.2f} |" if m else f"| {name} | {m} | {e:,.3g} | |"
+        for name, m, e in rows
+    ]
+    print("\n".join(lines))
+    commit = _git("rev-parse", "--short", "HEAD")
+    point = {
+        "machine": device,
+        "machine_kind": machine,
+        "command": f"python -m benchmarks.bench_dispatch --device cuda --arch {arch}",
+        "commit": commit,
+        "date": measured.get("date"),
+        "arch": arch,
+        "n_layer": n,
+        "batch": batch,
+    }
+    points = [{**point, "what": f"{arch} plain training step", "use": "fit", "ms": plain}]
+    points += [
+        {
+            **point,
+            "what": f"{arch} {tier} evaluation",
+            "use": "check",
+            "ms": measured[tier]["median_ms"] - plain,
+            "tier": tier,
+        }
+        for tier in ("full", "full_nrl", "terms")
+        if tier in measured
+    ]
+    points += [
+        {**point, "what": f"{arch} {tier} peak memory", "use": "check", "gib": peak(name), "tier": tier}
+        for tier, name in (("step", "off"), ("full", "full"), ("full_nrl", "full_nrl"), ("terms", "terms"))
+        if name in measured
+    ]
+    result = {"rows": [{"row": r, "measured": m, "estimated": e} for r, m, e in rows], "points": points}
+    write_json(f"{NAME}_compare_{arch}", result, args.out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import argparse
+    import json
+    import sys
+
+    from benchmarks.common import environment, write_json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", nargs="+", choices=("gpt", "llama"), default=["gpt", "llama"])
+    p.add_argument(
+        "--n-layer", type=int, default=12, help="the estimate's depth (the terms-only tier is counted there)"
+    )
+    p.add_argument("--batch", type=int, default=8, help="the estimate's batch")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=50304, help="the GPT's (the LLaMA's is 32000)")
+    p.add_argument("--counts", default=None, help="price the counts of this cost_model.json instead of counting")
+    p.add_argument("--partial", default=None, help="counting: keep what this file holds, write each count into it")
+    p.add_argument("--quick", action="store_true", help="a tiny shape (d 64, L 64, vocabulary 512, 2 layers)")
+    p.add_argument("--compare", default=None, help="a bench_dispatch --device cuda JSON: measured beside estimated")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_layer, args.batch, args.seq, args.d_model, args.vocab = 2, 2, 64, 64, 512
+    if args.compare:
+        return compare(args)
+    shape = {
+        "n_layer": args.n_layer,
+        "batch": args.batch,
+        "seq": args.seq,
+        "d_model": args.d_model,
+        "vocab": args.vocab,
+        "precision": "bf16-mixed",
+    }
+    if args.counts:
+        source = json.loads(Path(args.counts).read_text())
+        counts, counted = source["counts"], {k: source[k] for k in ("machine", "command", "commit", "date", "shape")}
+        bounds = {arch: m.get("engine_estimate") for arch, m in source.get("memory", {}).items()}
+    else:
+        partial = Path(args.partial) if args.partial else None
+        counts = json.loads(partial.read_text()) if partial and partial.exists() else {}
+        counts = count_all(
+            args.arch, args.seq, args.n_layer, d_model=args.d_model, vocab=args.vocab, path=partial, counts=counts
+        )
+        env = environment(torch.device("cpu"))
+        bounds = {arch: engine_estimate(arch, args.d_model, args.vocab, args.seq) for arch in counts}
+        counted = {
+            "machine": f"{env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}",
+            "command": "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv),
+            "commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
+            "date": env["timestamp_utc"],
+            "shape": shape,
+        }
+    result = {
+        "name": NAME,
+        **counted,
+        "estimate_shape": shape,
+        **build(counts, args.n_layer, args.batch, load_points(), args.d_model, args.vocab, args.seq),
+        "counts": counts,
+    }
+    for arch, bound in bounds.items():
+        if bound is not None and arch in result["memory"]:
+            result["memory"][arch]["engine_estimate"] = bound
+    print(report(result))
+    write_json(NAME, result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

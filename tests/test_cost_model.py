@@ -1,0 +1,158 @@
+"""The cost model (benchmarks/cost_model.py, benchmarks/cost_count.py): its pricing arithmetic by hand, the
+extrapolation and the parts, the calibration, its counting on a tiny model, and gpu_scale.sh's comparison on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import cost_count
+from benchmarks import cost_model as cm
+from benchmarks.bench_dispatch import count_host_reads
+
+# a card with round rates, so that the milliseconds below can be computed by hand
+CARD = cm.Machine("test card", fp32=10e12, tf32=100e12, bf16=200e12, hbm=1e12)
+CONSTANTS = cm.Constants(fp32_efficiency=0.5, tensor_efficiency=0.5, hbm_efficiency=0.7, host_op_s=5e-6, sync_s=20e-6)
+
+
+def _tally(segments, syncs, **counts):
+    return {"segments": segments, "syncs": syncs, "ops": sum(s[0] for s in segments), "views": 0,
+            "flops": counts.get("flops", {}), "bytes": counts.get("bytes", 0), "entry_live": 2**30,
+            "working": 2**20}  # fmt: skip
+
+
+def test_price_by_hand():
+    # stretch 1: 1,000 operators (5 ms of host), 1 TFLOP float32: 200 ms at 5 TFLOP/s (FP32), 20 ms at 50 (TF32);
+    # stretch 2: 100 operators (0.5 ms), 2 TFLOP bf16 at 100 TFLOP/s = 20 ms plus 7 GB at 0.7 TB/s = 10 ms;
+    # one sync, 0.02 ms
+    tally = _tally([[1000, {"float32": 1e12}, 0], [100, {"bfloat16": 2e12}, 7e9]], syncs=1)
+    fp32 = cm.price(tally, CARD, CONSTANTS)
+    assert fp32["ms"] == pytest.approx(200 + 30 + 0.02)
+    assert fp32["host_ms"] == pytest.approx(5.5) and fp32["device_ms"] == pytest.approx(230)
+    assert cm.price(tally, CARD, CONSTANTS, tf32=True)["ms"] == pytest.approx(20 + 30 + 0.02)
+    # a stretch of many small operators is bound by the host: 10,000 operators, 50 ms, for 1 GFLOP
+    host_bound = _tally([[10_000, {"float32": 1e9}, 0]], syncs=0)
+    assert cm.price(host_bound, CARD, CONSTANTS)["ms"] == pytest.approx(50)
+
+
+def test_extrapolate_in_layers_and_batch():
+    cells = {"n1_b1": {"ops": 100.0, "flops": {"bfloat16": 10.0}}, "n2_b1": {"ops": 130.0, "flops": {"bfloat16": 14.0}},
+             "n1_b2": {"ops": 101.0, "flops": {"bfloat16": 19.0}}}  # fmt: skip
+    # 100 + 11 * 30 + 7 * 1 and 10 + 11 * 4 + 7 * 9
+    assert cm.extrapolate(cells, 12, 8) == {"ops": 437.0, "flops": {"bfloat16": 117.0}}
+    deep = {"n12_b1": {"ops": 50.0}, "n12_b2": {"ops": 60.0}}
+    assert cm.extrapolate(deep, 12, 8) == {"ops": 120.0}
+    with pytest.raises(ValueError, match="count the terms-only tier at 6 layers"):
+        cm.extrapolate(deep, 6, 8)
+
+
+def _counts(engine_full=3000, engine_nrl=2000, sampling=500, plugin=10, step=400, capture=20):
+    """Synthetic counts of one model: every cell the same (no growth in layers or batch), host-bound tallies."""
+
+    def cell(**parts):
+        tallies = {name: _tally([[ops, {}, 0]], syncs=1) for name, ops in parts.items()}
+        return {"steps": [{"parts": tallies, "peak_bytes": 2**31}]}
+
+    grid = lambda **parts: {k: cell(**parts) for k in ("n1_b1", "n2_b1", "n1_b2")}  # noqa: E731
+    return {
+        "off": grid(step=step),
+        "full": grid(step=step + capture, engine=engine_full, sampling=sampling, plugin=plugin),
+        "full_nrl": grid(step=step + capture, engine=engine_nrl, plugin=0),
+        "terms": {k: cell(step=step + capture, engine=100, plugin=0) for k in ("n12_b1", "n12_b2")},
+    }
+
+
+def test_estimate_attributes_the_parts():
+    est = cm.estimate(_counts(), 12, 8, CONSTANTS)
+    full = est["full"]
+    assert full["closed forms"]["ops"] == 2000
+    assert full["real-loss solves"]["ops"] == 3000 - 2000 + 10  # the engine's marginal cost, and the plugin
+    assert full["real-loss sampling"]["ops"] == 500
+    assert full["capture & logging"]["ops"] == 20 and full["capture & logging"]["syncs"] == 0
+    assert full["total"]["ops"] == 2000 + 1010 + 500 + 20
+    assert est["terms"]["total"]["ops"] == 120
+    # host-bound: each part's milliseconds are its operators' 5 us plus 20 us per sync; steps are over the plain step's
+    step_ms = 400 * 5e-3 + 0.02
+    assert est["step"]["total"]["ms"]["H200"]["fp32"] == pytest.approx(step_ms)
+    total_ms = est["full"]["total"]["ms"]["H100"]["tf32"]
+    assert total_ms == pytest.approx(3530 * 5e-3 + 3 * 0.02)
+    assert est["full"]["total"]["steps"]["H100"]["tf32"] == pytest.approx(total_ms / step_ms)
+
+
+def test_calibration_fits_the_tensor_efficiency_to_a_measured_step():
+    """A compute-bound step: 1 PFLOP of bf16 in one stretch. Measured at 2.5 s on the H200 (989.4 TFLOP/s): the fitted
+    efficiency is 1e15 / (2.5 s * 989.4e12) = 40.4%, and a check point is priced beside its measurement."""
+    counts = _counts()
+    for cell in counts["off"].values():
+        cell["steps"][0]["parts"]["step"] = _tally([[400, {"bfloat16": 1e15}, 0]], syncs=0)
+    point = {"arch": "gpt", "n_layer": 12, "batch": 8, "seq": 1024, "tier": "step", "machine_kind": "H200"}
+    points = [{**point, "what": "step", "use": "fit", "ms": 2500.0},
+              {**point, "what": "the same, checked", "use": "check", "ms": 2000.0},
+              {**point, "what": "another design", "use": "none", "ms": 1.0}]  # fmt: skip
+    c, fits = cm.calibrated({"gpt": counts}, points)
+    assert c.tensor_efficiency == pytest.approx(1e15 / (2.5 * 989.4e12), rel=1e-3)
+    assert [f["point"] for f in fits] == ["step", "the same, checked"]
+    assert fits[0]["ratio"] == pytest.approx(1.0, abs=2e-3) and fits[1]["ratio"] == pytest.approx(1.25, abs=3e-3)
+
+
+def test_part_counter_counts_flops_by_dtype_syncs_and_stretches():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    counter = cost_count.PartCounter()
+    counter.hold([a, b])  # made before the counter: alive throughout
+    with counter, count_host_reads(counter):
+        (a @ b).sum().item()  # one stretch ends at the sync
+        with counter.part("inner"):
+            (a.bfloat16() @ b.bfloat16()).tolist()  # a host read: a sync of the inner part
+    step, inner = counter.parts["step"], counter.parts["inner"]
+    assert step.flops == {"float32": 2 * 8 * 16 * 4} and inner.flops == {"bfloat16": 2 * 8 * 16 * 4}
+    assert step.syncs == 1 and inner.syncs == 1
+    assert sorted(step.segments) == [0] and sorted(inner.segments) == [1]
+    assert step.bytes > 0  # the sum reads the product
+    assert inner.entry_live == (8 * 16 + 16 * 4) * 4 and inner.working >= 8 * 4 * 2  # its bf16 product was alive
+
+
+def test_counting_a_tiny_model():
+    """One warm step of each tier of a tiny GPT under bf16-mixed: the parts where they belong, the training step's
+    optimizer reads no device value (AdamW's step counters stay on the host on a GPU), and the package's classes come
+    back unwrapped."""
+    from curvwatch.engine import Engine
+    from curvwatch.realloss import RealLoss
+
+    before = (Engine.evaluate, RealLoss.sample)
+    shape = {"n_layer": 1, "batch": 1, "seq": 16, "d_model": 32, "vocab": 64, "steps": (1,)}
+    off = cost_count.count_config("gpt", "off", **shape)[0]
+    full = cost_count.count_config("gpt", "full", **shape)[0]
+    assert set(off["parts"]) == {"step"} and off["parts"]["step"]["syncs"] == 0
+    parts = full["parts"]
+    assert {"step", "engine", "sampling", "plugin"} <= set(parts)
+    assert parts["engine"]["flops"].get("float32", 0) > 0  # the closed forms run in float32
+    assert parts["sampling"]["flops"].get("bfloat16", 0) > 0  # the sampled passes run in the step's autocast
+    assert parts["engine"]["ops"] > parts["sampling"]["ops"] > 0 and parts["engine"]["syncs"] >= 1
+    assert full["peak_bytes"] > off["peak_bytes"] > 0
+    assert (Engine.evaluate, RealLoss.sample) == before
+
+
+def test_gpu_scale_comparison_runs_on_cpu(tmp_path):
+    """``gpu_scale.sh``'s two steps per model on CPU: ``bench_dispatch``'s timing path (``--time``, the tiers the GPU
+    script times) and ``cost_model --compare`` of its JSON: a measured and an estimated figure per row, and the run's
+    calibration points written."""
+    import json
+
+    from benchmarks import bench_dispatch
+
+    measured = tmp_path / "dispatch.json"
+    argv = ["--time", "--n-layer", "1", "--d-model", "64", "--seq", "16", "--batch", "1", "--vocab", "64", "--repeats",
+            "1", "--full-repeats", "1", "--precision", "32-true", "--tiers", "full,full_nrl,terms",
+            "--out", str(measured)]  # fmt: skip
+    bench_dispatch.main(argv)
+    counts = tmp_path / "cost_model.json"
+    grid = _counts()
+    grid["terms"] = {k: grid["full_nrl"][k] for k in ("n1_b1", "n2_b1", "n1_b2")}
+    counts.write_text(json.dumps({"counts": {"gpt": grid}}))
+    out = tmp_path / "compare.json"
+    result = cm.main(["--compare", str(measured), "--counts", str(counts), "--out", str(out)])
+    rows = {r["row"] for r in result["rows"]}
+    assert "plain training step, ms" in rows and "full, `sharpness=False`, training steps" in rows
+    assert all(r["estimated"] > 0 for r in result["rows"])
+    assert [p["use"] for p in result["points"]][:2] == ["fit", "check"]
+    assert json.loads(out.read_text())["points"] == result["points"]
