@@ -18,7 +18,8 @@ them (:func:`attributed`, which wraps them for the run; the package itself is un
 * ``step``: everything else: the training step itself, the capture's hooks, logging.
 
 :func:`count_all` counts every tier of a model at 1 and 2 layers and batch 1 and 2 (:data:`GRID`), the terms-only tier
-at the full depth and batch 1 and 2.
+at the full depth and batch 1 and 2; at batch 2 without the engine (:func:`engine_skipped`), which evaluates the same
+tokens whatever the batch.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ _NO_KERNEL = {
     aten._local_scalar_dense.default,  # a sync, counted as such
 }
 _SYNC = aten._local_scalar_dense.default
+# Dense eigen- and singular-value decompositions: on a GPU each reads its solver's error flag on the host inside the
+# kernel (a sync the mode cannot see) and costs milliseconds whatever its size (``Constants.factorization_s``)
+_FACTORIZATIONS = {aten._linalg_eigh.default, aten._linalg_svd.default, aten.linalg_eig.default}
+# Reads the error flags of a batch of factorizations on the host (on a GPU, a sync)
+_CHECKS = {aten._linalg_check_errors.default}
 
 
 def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -73,27 +79,33 @@ class Tally:
     """One part's counts: operators (``views`` of them launch no kernel), host syncs, matmul FLOPs by dtype, bytes
     moved by the other kernels, and per sync-delimited segment the same (``segments``: segment index -> ``[ops,
     {dtype: flops}, bytes]``, for the overlap of host and device between syncs). Memory: ``entry_live``, the bytes of
-    tensors alive when the part was first entered, and ``working``, the most bytes alive above that while it ran."""
+    tensors alive when the part was first entered, and ``working``, the most bytes alive above that while it ran.
+    ``factorizations``: the dense eigen- and singular-value decompositions among the operators (each a sync too);
+    ``names``: the operators by name."""
 
     ops: int = 0
     views: int = 0
     syncs: int = 0
+    factorizations: int = 0
     flops: Counter = dataclasses.field(default_factory=Counter)
     bytes: int = 0
     segments: dict[int, list] = dataclasses.field(default_factory=dict)
     entry_live: int | None = None
     working: int = 0
+    names: Counter = dataclasses.field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "ops": self.ops,
             "views": self.views,
             "syncs": self.syncs,
+            "factorizations": self.factorizations,
             "flops": dict(self.flops),
             "bytes": self.bytes,
             "segments": [[ops, dict(fl), by] for _, (ops, fl, by) in sorted(self.segments.items())],
             "entry_live": self.entry_live,
             "working": self.working,
+            "names": dict(self.names.most_common()),
         }
 
 
@@ -183,8 +195,15 @@ class PartCounter(TorchDispatchMode):
                 self._track(t)
         tally, seg = self._tally()
         tally.ops += 1
+        tally.names[str(func)] += 1
         seg[0] += 1
-        if func == _SYNC and args[0].untyped_storage().data_ptr() not in self._host:
+        if func in _FACTORIZATIONS:
+            tally.factorizations += 1
+        if (
+            (func == _SYNC and args[0].untyped_storage().data_ptr() not in self._host)
+            or func in _FACTORIZATIONS
+            or func in _CHECKS
+        ):
             tally.syncs += 1
             self.segment += 1
         if func.is_view or func in _NO_KERNEL:
@@ -243,6 +262,20 @@ def attributed(counter: PartCounter) -> Iterator[PartCounter]:
             setattr(cls, name, fn)
 
 
+@contextlib.contextmanager
+def engine_skipped() -> Iterator[None]:
+    """``Engine.evaluate`` returns an empty evaluation for the duration: for the runs that count only what depends on
+    the batch (the engine evaluates the first sequence's first ``max_tokens`` positions whatever the batch)."""
+    from curvwatch.engine import Engine, Evaluation
+
+    evaluate = Engine.evaluate
+    Engine.evaluate = lambda self, *args, **kwargs: Evaluation()
+    try:
+        yield
+    finally:
+        Engine.evaluate = evaluate
+
+
 def _variants() -> dict[str, Any]:
     """The tiers counted: the plain step, a full evaluation every step (defaults: real-loss keys on), the same without
     the real-loss keys, a terms-only evaluation every step. In the last the schedule's step-0 full evaluation is made a
@@ -279,6 +312,7 @@ def count_config(
     d_model: int = 768,
     vocab: int = 50304,
     steps: tuple[int, ...] = (1, 2),
+    engine: bool = True,
 ) -> list[dict[str, Any]]:
     """The parts' counts of each of ``steps`` (warm: step 0 evaluates too) of one Lightning run of ``tier`` on the CPU.
 
@@ -290,6 +324,7 @@ def count_config(
         precision: Lightning's precision (``"bf16-mixed"``: autocast to bfloat16 on the CPU as on a GPU).
         steps: The steps counted, one :meth:`PartCounter.as_dict` each (a warm evaluation's Lanczos steps vary from
             one training step to the next).
+        engine: ``False``: the engine evaluates nothing (:func:`engine_skipped`); its part is then empty.
     """
     from lightning.pytorch.callbacks import Callback
 
@@ -324,23 +359,17 @@ def count_config(
     vocab = 32000 if arch == "llama" else vocab
     model_fn = lambda: bench_dispatch.build_model(arch, n_layer, vocab, seq, d_model)  # noqa: E731
     probe = Probe()
-    bench_dispatch.run(
-        model_fn,
-        _variants()[tier](),
-        max(steps) + 1,
-        -1,
-        batch,
-        seq,
-        vocab,
-        torch.device("cpu"),
-        precision,
-        probe=probe,
-    )
+    device = torch.device("cpu")
+    with contextlib.nullcontext() if engine else engine_skipped():
+        monitor = _variants()[tier]()
+        bench_dispatch.run(model_fn, monitor, max(steps) + 1, -1, batch, seq, vocab, device, precision, probe=probe)
     return probe.counts
 
 
-#: The configurations counted per model: ``(n_layer, batch)``; the terms-only tier at the full depth.
-GRID = ((1, 1), (2, 1), (1, 2))
+#: The configurations counted per model: ``(n_layer, batch)``; the terms-only tier at the full depth and batch 1 and 2.
+#: At batch 2 the engine is skipped (its part is counted at batch 1: it evaluates the first sequence's first
+#: ``max_tokens`` positions whatever the batch).
+GRID = ((1, 1), (2, 1), (1, 2), (2, 2))
 TIERS = ("off", "full", "full_nrl", "terms")
 
 
@@ -374,10 +403,9 @@ def count_all(
                 if key in done:
                     continue
                 start = time.perf_counter()
-                done[key] = {
-                    "steps": count_config(arch, tier, n, b, seq, precision, d_model, vocab, steps=steps),
-                    "cpu_seconds": round(time.perf_counter() - start, 1),
-                }
+                engine = b == 1 or tier == "off"
+                counted = count_config(arch, tier, n, b, seq, precision, d_model, vocab, steps=steps, engine=engine)
+                done[key] = {"steps": counted, "engine": engine, "cpu_seconds": round(time.perf_counter() - start, 1)}
                 print(f"counted {arch} {tier} {key} in {done[key]['cpu_seconds']} s", file=sys.stderr)
                 if path is not None:
                     with open(path, "w") as f:

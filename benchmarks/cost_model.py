@@ -6,10 +6,11 @@ when the host cannot keep up) and the host syncs (the host waits for the GPU at 
 (:mod:`benchmarks.cost_count`), at the realistic shape (L 1024, the model's width, vocabulary and precision:
 bf16-mixed, AdamW), at 1 and 2 layers and batch 1 and 2.
 
-Extrapolation (:func:`extrapolate`): each count is affine in the layers and the batch (the engine keeps at most
-``max_tokens`` = 512 positions of the first sequence whatever the batch; the training step and the sampled passes are
-linear in both), so ``c(n, B) = c11 + (n - 1)(c21 - c11) + (B - 1)(c12 - c11)``. The terms-only tier is counted at the
-full depth (its blocks meet in gathered calls: not linear in the layers) and extrapolated in the batch only.
+Extrapolation (:func:`extrapolate`): the training step's and the sampled passes' counts are linear in the layers at a
+given batch and linear in the batch at a given depth (a layer's work grows with the batch), so they are read bilinearly
+through the 2 x 2 grid counted. The engine evaluates the first sequence's first ``max_tokens`` = 512 positions whatever
+the batch: its part is counted at batch 1 (skipped at batch 2) and linear in the layers. The terms-only tier is counted
+at the full depth (its blocks meet in gathered calls: not linear in the layers) and read linearly in the batch.
 
 A tier's parts (:data:`PARTS`): ``closed forms`` = the engine of a full evaluation without the real-loss keys
 (``sharpness=False``); ``real-loss solves`` = the engine of a full evaluation with them, less that, plus the
@@ -78,6 +79,8 @@ class Constants:
         hbm_efficiency: Fraction of the memory bandwidth the other kernels reach (they are bound by memory).
         host_op_s: Host seconds per dispatched ATen operator (the Python and C++ around it, the launch), views too.
         sync_s: Seconds per host sync beyond the wait for the queued work (the copy and the stream synchronize).
+        factorization_s: Seconds per dense eigen- or singular-value decomposition on the device, whatever its size
+            (an H200 profile measured ``eigh`` at about 3.5 ms a call whatever its batch: 791 calls, 2.8 s).
     """
 
     fp32_efficiency: float = 0.5
@@ -85,6 +88,7 @@ class Constants:
     hbm_efficiency: float = 0.7
     host_op_s: float = 5e-6
     sync_s: float = 20e-6
+    factorization_s: float = 3.5e-3
 
 
 def segment_seconds(
@@ -104,21 +108,21 @@ def segment_seconds(
 
 
 def price(tally: dict[str, Any], machine: Machine, c: Constants, tf32: bool = False) -> dict[str, float]:
-    """Milliseconds of one part's counts (:meth:`Tally.as_dict`): between two syncs the host runs ahead of the device
-    until it waits, so each stretch costs ``max(host, device)``; each sync adds ``sync_s``. Also the host's and the
-    device's totals, to say which binds."""
+    """Milliseconds of one part's counts (:meth:`~benchmarks.cost_count.Tally.as_dict`): between two syncs the host
+    runs ahead of the device until it waits, so each stretch costs ``max(host, device)``; each sync adds ``sync_s``,
+    each dense factorization ``factorization_s``. Also the host's and the device's totals, to say which binds."""
     ms = host_ms = device_ms = 0.0
     for ops, flops, moved in tally["segments"]:
         host, device = segment_seconds(ops, flops, moved, machine, c, tf32)
         ms += max(host, device) * 1e3
         host_ms, device_ms = host_ms + host * 1e3, device_ms + device * 1e3
-    ms += tally["syncs"] * c.sync_s * 1e3
+    ms += tally["syncs"] * c.sync_s * 1e3 + tally.get("factorizations", 0) * c.factorization_s * 1e3
     return {"ms": ms, "host_ms": host_ms, "device_ms": device_ms}
 
 
 # -- from counted configurations to a model's estimate -------------------------------------------------------------
 
-_ADDITIVE = ("ops", "views", "syncs", "flops", "bytes", "ms")
+_ADDITIVE = ("ops", "views", "syncs", "factorizations", "flops", "bytes", "ms")
 
 
 def _lin(terms: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
@@ -146,7 +150,7 @@ def priced_cell(cell: dict[str, Any], c: Constants, machines=MACHINES) -> dict[s
             tally = step["parts"].get(part)
             if tally is None:
                 continue
-            row = {k: tally[k] for k in ("ops", "views", "syncs", "flops", "bytes")}
+            row = {k: tally.get(k, 0) for k in _ADDITIVE if k != "ms"}
             row["ms"] = {
                 m: {mode: price(tally, machine, c, tf32=mode == "tf32")["ms"] for mode in ("fp32", "tf32")}
                 for m, machine in machines.items()
@@ -156,17 +160,33 @@ def priced_cell(cell: dict[str, Any], c: Constants, machines=MACHINES) -> dict[s
     return out
 
 
+def _layers_batch(key: str) -> tuple[int, int]:
+    """``(n_layer, batch)`` of a cell's key ``"n{n}_b{B}"``."""
+    n, b = key[1:].split("_b")
+    return int(n), int(b)
+
+
+def _weights(counted: list[int], x: int, what: str) -> dict[int, float]:
+    """Weights of the values counted at ``counted`` (one or two points) for the straight line through them at ``x``."""
+    if len(counted) == 1:
+        return {counted[0]: 1.0}
+    if len(counted) != 2:
+        raise ValueError(f"Counted at {what} {counted}: one or two values expected.")
+    a, b = counted
+    return {a: (b - x) / (b - a), b: (x - a) / (b - a)}
+
+
 def extrapolate(cells: dict[str, dict[str, Any]], n: int, batch: int) -> dict[str, Any]:
-    """``c(n, B) = c11 + (n - 1)(c21 - c11) + (B - 1)(c12 - c11)`` from the cells ``n1_b1``, ``n2_b1``, ``n1_b2`` (a
-    tier counted at one depth ``d``: ``c(d, B) = c_d1 + (B - 1)(c_d2 - c_d1)`` from ``nd_b1``, ``nd_b2``)."""
-    if "n1_b1" in cells:
-        c11, c21, c12 = cells["n1_b1"], cells["n2_b1"], cells["n1_b2"]
-        return _lin([(1 - (n - 1) - (batch - 1), c11), (n - 1, c21), (batch - 1, c12)])
-    (depth,) = {int(k[1 : k.index("_")]) for k in cells}
-    if depth != n:
-        raise ValueError(f"Counted at depth {depth}, asked for n_layer={n}: count the terms-only tier at {n} layers.")
-    c1, c2 = cells[f"n{depth}_b1"], cells[f"n{depth}_b2"]
-    return _lin([(2 - batch, c1), (batch - 1, c2)])
+    """The counts at ``n`` layers and batch ``batch`` from the cells counted (keys ``"n{n}_b{B}"``): bilinear in the
+    layers and the batch through a 2 x 2 grid (a layer's work grows with the batch), linear through two points where
+    only one of them varies; a part counted at one batch only (the engine's, whatever the batch) is constant in the
+    batch; one counted at one depth only (the terms-only tier) is read at that depth."""
+    points = {_layers_batch(k): v for k, v in cells.items()}
+    depths, batches = sorted({p[0] for p in points}), sorted({p[1] for p in points})
+    if len(depths) == 1 and depths[0] != n:
+        raise ValueError(f"Counted at depth {depths[0]}, asked for n_layer={n}: count the tier at {n} layers.")
+    wn, wb = _weights(depths, n, "depths"), _weights(batches, batch, "batches")
+    return _lin([(wn[p[0]] * wb[p[1]], v) for p, v in points.items()])
 
 
 #: A tier's parts: ``{part: [(coefficient, tier counted, counter part), ...]}`` (see the module docstring).
@@ -199,7 +219,18 @@ def estimate(counts: dict[str, Any], n: int, batch: int, c: Constants) -> dict[s
     """One model's tiers at ``n`` layers and batch ``batch``: ``{tier: {part: row}}`` with a ``"total"`` row per
     tier; each row's counts (:data:`_ADDITIVE`), its ``ms`` per machine and mode, and ``steps``: its ms over the plain
     training step's, priced alike."""
-    tiers = {t: extrapolate({k: priced_cell(v, c) for k, v in cells.items()}, n, batch) for t, cells in counts.items()}
+    tiers = {}
+    for t, cells in counts.items():
+        priced = {k: priced_cell(v, c) for k, v in cells.items()}
+        parts = dict.fromkeys(p for cell in priced.values() for p in cell)
+        tiers[t] = {
+            part: extrapolate(
+                {k: cell.get(part, {}) for k, cell in priced.items() if part != "engine" or _layers_batch(k)[1] == 1},
+                n,
+                batch,
+            )
+            for part in parts
+        }
     out: dict[str, Any] = {}
     for tier, parts in PARTS.items():
         rows = {name: _lin([(coef, tiers[t].get(p, {})) for coef, t, p in terms]) for name, terms in parts.items()}
@@ -222,8 +253,8 @@ CALIBRATION = Path(__file__).resolve().parent / "results" / "calibration.json"
 def step_ms(counts: dict[str, Any], n: int, batch: int, machine: str, c: Constants) -> float:
     """The plain training step of a model's counts priced on ``machine`` (its matmuls are bf16: the mode of float32
     ones does not matter)."""
-    cells = {k: priced_cell(v, c, {machine: MACHINES[machine]}) for k, v in counts["off"].items()}
-    return extrapolate(cells, n, batch)["step"]["ms"][machine]["fp32"]
+    cells = {k: priced_cell(v, c, {machine: MACHINES[machine]})["step"] for k, v in counts["off"].items()}
+    return extrapolate(cells, n, batch)["ms"][machine]["fp32"]
 
 
 def priced_point(point: dict[str, Any], counts: dict[str, Any], c: Constants) -> float:
@@ -305,7 +336,7 @@ def memory(
     largest over the counted configurations: a window of about one layer's blocks, whatever the depth)."""
 
     def layers(key: str) -> int:
-        return int(key[1 : key.index("_")])
+        return _layers_batch(key)[0]
 
     def per_cell(tier: str, fn) -> dict[str, dict[str, float]]:
         return {k: {"v": _mean([fn(s) for s in cell["steps"]])} for k, cell in counts[tier].items()}
@@ -337,9 +368,9 @@ def memory(
         out["tiers"][tier] = model(tier, n, batch)
         # the model at the counted configurations beside the peak the counter saw there
         out["tiers"][tier]["check"] = {
-            k: {"model": model(tier, layers(k), int(k[k.index("_b") + 2 :]))["peak"],
+            k: {"model": model(tier, *_layers_batch(k))["peak"],
                 "counted": _mean([s["peak_bytes"] for s in cell["steps"]])}
-            for k, cell in counts[tier].items()
+            for k, cell in counts[tier].items() if _layers_batch(k)[1] == 1
         }  # fmt: skip
     return out
 
@@ -396,7 +427,7 @@ def table(est: dict[str, Any]) -> str:
         "GFLOP bf16",
         "GFLOP fp32",
         "operators",
-        "syncs",
+        "syncs (eigh)",
         f"ms FP32 {machines}",
         f"ms TF32 {machines}",
         f"steps FP32 {machines}",
@@ -415,7 +446,7 @@ def table(est: dict[str, Any]) -> str:
                 f"{flops.get('bfloat16', 0) / 1e9:,.0f}",
                 f"{flops.get('float32', 0) / 1e9:,.0f}",
                 f"{row['ops']:,.0f}",
-                f"{row['syncs']:,.1f}",
+                f"{row['syncs']:,.1f}" + (f" ({row['factorizations']:,.1f})" if row.get("factorizations") else ""),
                 _pair(row["ms"], "fp32", ",.1f"),
                 _pair(row["ms"], "tf32", ",.1f"),
                 _pair(row["steps"], "fp32", ".2f"),

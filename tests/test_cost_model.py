@@ -33,16 +33,22 @@ def test_price_by_hand():
     # a stretch of many small operators is bound by the host: 10,000 operators, 50 ms, for 1 GFLOP
     host_bound = _tally([[10_000, {"float32": 1e9}, 0]], syncs=0)
     assert cm.price(host_bound, CARD, CONSTANTS)["ms"] == pytest.approx(50)
+    # two eigh calls: 3.5 ms each (and a sync each, counted among the syncs)
+    eigh = {**_tally([[10, {}, 0], [10, {}, 0], [10, {}, 0]], syncs=2), "factorizations": 2}
+    assert cm.price(eigh, CARD, cm.Constants())["ms"] == pytest.approx(30 * 5e-3 + 2 * 0.02 + 2 * 3.5)
 
 
 def test_extrapolate_in_layers_and_batch():
     cells = {"n1_b1": {"ops": 100.0, "flops": {"bfloat16": 10.0}}, "n2_b1": {"ops": 130.0, "flops": {"bfloat16": 14.0}},
-             "n1_b2": {"ops": 101.0, "flops": {"bfloat16": 19.0}}}  # fmt: skip
-    # 100 + 11 * 30 + 7 * 1 and 10 + 11 * 4 + 7 * 9
-    assert cm.extrapolate(cells, 12, 8) == {"ops": 437.0, "flops": {"bfloat16": 117.0}}
+             "n1_b2": {"ops": 101.0, "flops": {"bfloat16": 19.0}},
+             "n2_b2": {"ops": 140.0, "flops": {"bfloat16": 27.0}}}  # fmt: skip
+    # bilinear: c11 + 11 (c21 - c11) + 7 (c12 - c11) + 77 (c22 - c21 - c12 + c11)
+    assert cm.extrapolate(cells, 12, 8) == {"ops": 100 + 330 + 7 + 77 * 9, "flops": {"bfloat16": 10 + 44 + 63 + 77 * 4}}
+    # counted at batch 1 only (the engine's part): linear in the layers, the same at any batch
+    assert cm.extrapolate({k: cells[k] for k in ("n1_b1", "n2_b1")}, 12, 8)["ops"] == 430
     deep = {"n12_b1": {"ops": 50.0}, "n12_b2": {"ops": 60.0}}
     assert cm.extrapolate(deep, 12, 8) == {"ops": 120.0}
-    with pytest.raises(ValueError, match="count the terms-only tier at 6 layers"):
+    with pytest.raises(ValueError, match="count the tier at 6 layers"):
         cm.extrapolate(deep, 6, 8)
 
 
@@ -53,7 +59,7 @@ def _counts(engine_full=3000, engine_nrl=2000, sampling=500, plugin=10, step=400
         tallies = {name: _tally([[ops, {}, 0]], syncs=1) for name, ops in parts.items()}
         return {"steps": [{"parts": tallies, "peak_bytes": 2**31}]}
 
-    grid = lambda **parts: {k: cell(**parts) for k in ("n1_b1", "n2_b1", "n1_b2")}  # noqa: E731
+    grid = lambda **parts: {k: cell(**parts) for k in ("n1_b1", "n2_b1", "n1_b2", "n2_b2")}  # noqa: E731
     return {
         "off": grid(step=step),
         "full": grid(step=step + capture, engine=engine_full, sampling=sampling, plugin=plugin),
@@ -129,6 +135,9 @@ def test_counting_a_tiny_model():
     assert parts["sampling"]["flops"].get("bfloat16", 0) > 0  # the sampled passes run in the step's autocast
     assert parts["engine"]["ops"] > parts["sampling"]["ops"] > 0 and parts["engine"]["syncs"] >= 1
     assert full["peak_bytes"] > off["peak_bytes"] > 0
+    # batch 2 without the engine (it evaluates the same tokens whatever the batch): its part empty, the sampling there
+    skipped = cost_count.count_config("gpt", "full", **{**shape, "batch": 2}, engine=False)[0]["parts"]
+    assert skipped["engine"]["ops"] == 0 and skipped["sampling"]["ops"] == parts["sampling"]["ops"]
     assert (Engine.evaluate, RealLoss.sample) == before
 
 
@@ -147,7 +156,7 @@ def test_gpu_scale_comparison_runs_on_cpu(tmp_path):
     bench_dispatch.main(argv)
     counts = tmp_path / "cost_model.json"
     grid = _counts()
-    grid["terms"] = {k: grid["full_nrl"][k] for k in ("n1_b1", "n2_b1", "n1_b2")}
+    grid["terms"] = grid["full_nrl"]
     counts.write_text(json.dumps({"counts": {"gpt": grid}}))
     out = tmp_path / "compare.json"
     result = cm.main(["--compare", str(measured), "--counts", str(counts), "--out", str(out)])
