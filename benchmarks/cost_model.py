@@ -405,6 +405,39 @@ def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int 
     return {"blocks": sizes, "window_bound": LOCKSTEP_MEMORY * max(sizes.values())}
 
 
+def linearity(counts: dict[str, Any], checks: dict[str, Any], c: Constants) -> list[dict[str, Any]]:
+    """The extrapolation checked: cells counted outside the grid (``checks``: ``{arch: {tier: {key: cell}}}``, e.g. 3
+    layers and batch 3) beside what :func:`extrapolate` reads there from the grid, per part: operators, syncs, matmul
+    FLOPs, bytes moved and H200 FP32 milliseconds."""
+    rows = []
+    for arch, tiers in checks.items():
+        for tier, cells in tiers.items():
+            grid = {k: priced_cell(v, c) for k, v in counts[arch][tier].items()}
+            for key, cell in cells.items():
+                n, batch = _layers_batch(key)
+                counted = priced_cell(cell, c)
+                for part, got in counted.items():
+                    if part == "engine" and not cell.get("engine", True):
+                        continue
+                    use = {k: v.get(part, {}) for k, v in grid.items() if part != "engine" or _layers_batch(k)[1] == 1}
+                    want = extrapolate(use, n, batch)
+                    for q, read in (("ops", lambda r: r["ops"]), ("syncs", lambda r: r["syncs"]),
+                                    ("GFLOP", lambda r: sum(r["flops"].values()) / 1e9),
+                                    ("GB moved", lambda r: r["bytes"] / 1e9),
+                                    ("ms H200 FP32", lambda r: r["ms"]["H200"]["fp32"])):  # fmt: skip
+                        rows.append({"arch": arch, "tier": tier, "at": key, "part": part, "quantity": q,
+                                     "extrapolated": read(want), "counted": read(got)})  # fmt: skip
+    return rows
+
+
+def linearity_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | tier | at | part | quantity | extrapolated | counted |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arch']} | {r['tier']} | {r['at']} | {r['part']} | {r['quantity']} | "
+                     f"{r['extrapolated']:,.4g} | {r['counted']:,.4g} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # -- tables and the command -----------------------------------------------------------------------------------------
 
 MODELS = {
@@ -638,6 +671,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--partial", default=None, help="counting: keep what this file holds, write each count into it")
     p.add_argument("--quick", action="store_true", help="a tiny shape (d 64, L 64, vocabulary 512, 2 layers)")
     p.add_argument("--compare", default=None, help="a bench_dispatch --device cuda JSON: measured beside estimated")
+    p.add_argument("--docs", default=None, help="write the tables into this Markdown file between its markers")
+    p.add_argument(
+        "--checks",
+        default=None,
+        help="cells counted outside the grid ({arch: {tier: {key: cell}}}) to check the extrapolation against",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick:
@@ -681,9 +720,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for arch, bound in bounds.items():
         if bound is not None and arch in result["memory"]:
             result["memory"][arch]["engine_estimate"] = bound
-    print(report(result))
+    if args.checks:
+        checks = json.loads(Path(args.checks).read_text())
+        result["linearity"] = linearity(counts, checks, Constants(**result["constants"]))
+        result["checks"] = checks
+    elif args.counts and "checks" in source:
+        result["checks"] = source["checks"]
+        result["linearity"] = linearity(counts, source["checks"], Constants(**result["constants"]))
+    text = report(result)
+    if result.get("linearity"):
+        text += "\n\nThe extrapolation checked at shapes outside the grid:\n\n" + linearity_table(result["linearity"])
+    print(text)
     write_json(NAME, result, args.out)
+    if args.docs:
+        write_docs(Path(args.docs), result, text)
     return result
+
+
+DOCS_BEGIN, DOCS_END = "<!-- cost_model:begin -->", "<!-- cost_model:end -->"
+
+
+def write_docs(path: Path, result: dict[str, Any], text: str) -> None:
+    """Replace what ``path`` holds between :data:`DOCS_BEGIN` and :data:`DOCS_END` with the tables and where their
+    counts come from."""
+    doc = path.read_text()
+    head, rest = doc.split(DOCS_BEGIN)
+    _, tail = rest.split(DOCS_END)
+    shape = result["estimate_shape"]
+    source = (
+        f"Counted on {result['machine']} at {result['commit']} ({result['date']}): `{result['command']}`; estimated at "
+        f"{shape['n_layer']} layers, B {shape['batch']} x L {shape['seq']}, {shape['precision']}; priced by "
+        "`python -m benchmarks.cost_model --counts benchmarks/results/cost_model.json --docs docs/cost_model.md`."
+    )
+    path.write_text(f"{head}{DOCS_BEGIN}\n{source}\n\n{text}\n{DOCS_END}{tail}")
 
 
 if __name__ == "__main__":
