@@ -56,6 +56,8 @@ _SYNC = aten._local_scalar_dense.default
 _FACTORIZATIONS = {aten._linalg_eigh.default, aten._linalg_svd.default, aten.linalg_eig.default}
 # Reads the error flags of a batch of factorizations on the host (on a GPU, a sync)
 _CHECKS = {aten._linalg_check_errors.default}
+# In-place operators that write their first argument without reading it
+_WRITE_ONLY = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
 
 
 def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -80,8 +82,9 @@ class Tally:
     moved by the other kernels, and per sync-delimited segment the same (``segments``: segment index -> ``[ops,
     {dtype: flops}, bytes]``, for the overlap of host and device between syncs). Memory: ``entry_live``, the bytes of
     tensors alive when the part was first entered, and ``working``, the most bytes alive above that while it ran.
-    ``factorizations``: the dense eigen- and singular-value decompositions among the operators (each a sync too);
-    ``names``: the operators by name."""
+    ``factorizations``: the dense eigen- and singular-value decompositions among the operators (each a sync too), and
+    by dtype and shape in ``factorization_shapes``; ``names``: the operators by name, ``name_bytes``: the bytes each
+    name moved."""
 
     ops: int = 0
     views: int = 0
@@ -93,6 +96,8 @@ class Tally:
     entry_live: int | None = None
     working: int = 0
     names: Counter = dataclasses.field(default_factory=Counter)
+    name_bytes: Counter = dataclasses.field(default_factory=Counter)
+    factorization_shapes: Counter = dataclasses.field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,12 +111,15 @@ class Tally:
             "entry_live": self.entry_live,
             "working": self.working,
             "names": dict(self.names.most_common()),
+            "name_bytes": dict(self.name_bytes.most_common()),
+            "factorization_shapes": dict(self.factorization_shapes),
         }
 
 
 def _bytes(t: torch.Tensor) -> int:
     """Bytes a kernel touches reading or writing ``t``: its elements, or its storage where that is smaller (a
-    broadcast view reads its storage once)."""
+    broadcast view reads its storage once). A kernel reads its tensor arguments (not an ``out=`` one, nor the first of
+    :data:`_WRITE_ONLY`'s) and writes its outputs."""
     n = t.numel() * t.element_size()
     return min(n, t.untyped_storage().nbytes()) if t.layout == torch.strided else n
 
@@ -199,6 +207,7 @@ class PartCounter(TorchDispatchMode):
         seg[0] += 1
         if func in _FACTORIZATIONS:
             tally.factorizations += 1
+            tally.factorization_shapes[f"{str(args[0].dtype).removeprefix('torch.')} {tuple(args[0].shape)}"] += 1
         if (
             (func == _SYNC and args[0].untyped_storage().data_ptr() not in self._host)
             or func in _FACTORIZATIONS
@@ -217,8 +226,10 @@ class PartCounter(TorchDispatchMode):
             tally.flops[dtype] += flops
             seg[1][dtype] += flops
         else:
-            moved = sum(_bytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+            read = (args[1:] if func in _WRITE_ONLY else args, {k: v for k, v in kwargs.items() if k != "out"})
+            moved = sum(_bytes(t) for t in tree_flatten((read, out))[0] if isinstance(t, torch.Tensor))
             tally.bytes += moved
+            tally.name_bytes[str(func)] += moved
             seg[2] += moved
         return out
 

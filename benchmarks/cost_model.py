@@ -107,6 +107,15 @@ def segment_seconds(
     return ops * c.host_op_s, device
 
 
+def price_counts(counts: dict[str, Any], machine: Machine, c: Constants, tf32: bool = False) -> float:
+    """Milliseconds of counts without their stretches (a difference of two steps' counts): ``max(host, device)`` of
+    the whole, its syncs and factorizations on top; a negative count (fewer than the plain step) counts 0."""
+    flops = {d: max(f, 0.0) for d, f in counts["flops"].items()}
+    host, device = segment_seconds(max(counts["ops"], 0), flops, max(counts["bytes"], 0), machine, c, tf32)
+    return 1e3 * (max(host, device) + max(counts["syncs"], 0) * c.sync_s
+                  + max(counts.get("factorizations", 0), 0) * c.factorization_s)  # fmt: skip
+
+
 def price(tally: dict[str, Any], machine: Machine, c: Constants, tf32: bool = False) -> dict[str, float]:
     """Milliseconds of one part's counts (:meth:`~benchmarks.cost_count.Tally.as_dict`): between two syncs the host
     runs ahead of the device until it waits, so each stretch costs ``max(host, device)``; each sync adds ``sync_s``,
@@ -207,6 +216,13 @@ PARTS = {
     },
     "step": {"training step": [(1, "off", "step")]},
 }
+#: The parts that grow with the batch; the others are read at batch 1: the monitor captures, evaluates and logs the
+#: first sequence's first ``max_tokens`` positions whatever the batch (at batch 2 the engine is skipped, and with it
+#: what the logging and the real-loss plugin do with its numbers).
+BATCH_PARTS = {"real-loss sampling", "training step"}
+#: Parts priced from their own counts (:func:`price_counts`): a difference of two training steps' counts, whose
+#: stretches between syncs are not the monitor's (the priced difference would carry how the plain step overlaps)
+COUNT_PRICED = {"capture & logging"}
 TIER_NAMES = {
     "full": "full (defaults, real-loss keys on)",
     "full_nrl": "full, `sharpness=False`",
@@ -219,21 +235,22 @@ def estimate(counts: dict[str, Any], n: int, batch: int, c: Constants) -> dict[s
     """One model's tiers at ``n`` layers and batch ``batch``: ``{tier: {part: row}}`` with a ``"total"`` row per
     tier; each row's counts (:data:`_ADDITIVE`), its ``ms`` per machine and mode, and ``steps``: its ms over the plain
     training step's, priced alike."""
-    tiers = {}
+    tiers: dict[int, dict[str, Any]] = {batch: {}, 1: {}}
     for t, cells in counts.items():
         priced = {k: priced_cell(v, c) for k, v in cells.items()}
         parts = dict.fromkeys(p for cell in priced.values() for p in cell)
-        tiers[t] = {
-            part: extrapolate(
-                {k: cell.get(part, {}) for k, cell in priced.items() if part != "engine" or _layers_batch(k)[1] == 1},
-                n,
-                batch,
-            )
-            for part in parts
-        }
+        for b in tiers:
+            tiers[b][t] = {part: extrapolate({k: v.get(part, {}) for k, v in priced.items()}, n, b) for part in parts}
     out: dict[str, Any] = {}
     for tier, parts in PARTS.items():
-        rows = {name: _lin([(coef, tiers[t].get(p, {})) for coef, t, p in terms]) for name, terms in parts.items()}
+        rows = {
+            name: _lin([(coef, tiers[batch if name in BATCH_PARTS else 1][t].get(p, {})) for coef, t, p in terms])
+            for name, terms in parts.items()
+        }
+        for name in COUNT_PRICED & set(rows):
+            row = rows[name]
+            row["ms"] = {m: {mode: price_counts(row, machine, c, mode == "tf32") for mode in ("fp32", "tf32")}
+                         for m, machine in MACHINES.items()}  # fmt: skip
         rows["total"] = _lin([(1, row) for row in rows.values()])
         out[tier] = rows
     step_ms = out["step"]["total"]["ms"]

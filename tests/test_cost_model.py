@@ -33,6 +33,9 @@ def test_price_by_hand():
     # a stretch of many small operators is bound by the host: 10,000 operators, 50 ms, for 1 GFLOP
     host_bound = _tally([[10_000, {"float32": 1e9}, 0]], syncs=0)
     assert cm.price(host_bound, CARD, CONSTANTS)["ms"] == pytest.approx(50)
+    # counts without stretches (a difference of two steps): one max(host, device) of the whole; negatives count 0
+    diff = {"ops": 1100, "flops": {"float32": 1e12, "bfloat16": -1e9}, "bytes": -5, "syncs": 1, "factorizations": 0}
+    assert cm.price_counts(diff, CARD, CONSTANTS) == pytest.approx(200 + 0.02)
     # two eigh calls: 3.5 ms each (and a sync each, counted among the syncs)
     eigh = {**_tally([[10, {}, 0], [10, {}, 0], [10, {}, 0]], syncs=2), "factorizations": 2}
     assert cm.price(eigh, CARD, cm.Constants())["ms"] == pytest.approx(30 * 5e-3 + 2 * 0.02 + 2 * 3.5)
@@ -115,6 +118,21 @@ def test_part_counter_counts_flops_by_dtype_syncs_and_stretches():
     assert sorted(step.segments) == [0] and sorted(inner.segments) == [1]
     assert step.bytes > 0  # the sum reads the product
     assert inner.entry_live == (8 * 16 + 16 * 4) * 4 and inner.working >= 8 * 4 * 2  # its bf16 product was alive
+
+
+def test_part_counter_bytes_moved_read_the_inputs_and_write_the_outputs():
+    x, y, out = torch.zeros(1000), torch.ones(1000), torch.empty(1000)
+    counter = cost_count.PartCounter()
+    with counter:
+        torch.div(x, y, out=out)  # reads x and y, writes out
+        x.add_(y)  # reads x and y, writes x
+        x.copy_(y)  # reads y, writes x
+        x.sum()  # reads x, writes a scalar
+        torch.linalg.eigh(torch.eye(3, dtype=torch.float64))  # a dense factorization: a sync too
+    step = counter.parts["step"]
+    assert step.name_bytes["aten.div.out"] == step.name_bytes["aten.add_.Tensor"] == 3 * 4000
+    assert step.name_bytes["aten.copy_.default"] == 2 * 4000 and step.name_bytes["aten.sum.default"] == 4004
+    assert step.factorizations == 1 and step.syncs == 1 and step.factorization_shapes == {"float64 (3, 3)": 1}
 
 
 def test_counting_a_tiny_model():
