@@ -563,12 +563,15 @@ def build(
 
 def report(result: dict[str, Any]) -> str:
     """The markdown of a :func:`build` result."""
-    c = result["constants"]
+    c, shape = result["constants"], result["estimate_shape"]
+    fitted = "fitted" if any(f["use"] == "fit" for f in result["calibration"]) else "assumed: no calibration point fits"
     out = [
         f"Constants: FP32 matmuls at {c['fp32_efficiency']:.0%} of peak, tensor-core matmuls (bf16, TF32) at "
-        f"{c['tensor_efficiency']:.1%} of peak (calibrated), other kernels at {c['hbm_efficiency']:.0%} of the "
+        f"{c['tensor_efficiency']:.1%} of peak ({fitted}), other kernels at {c['hbm_efficiency']:.0%} of the "
         f"memory bandwidth, {c['host_op_s'] * 1e6:g} us of host time per operator, {c['sync_s'] * 1e6:g} us per "
-        "sync."
+        f"sync, {c['factorization_s'] * 1e3:g} ms per dense eigh/SVD. Steps: training steps of the same model "
+        f"({shape['n_layer']} layers, B {shape['batch']} x L {shape['seq']}, {shape['precision']}, AdamW) priced "
+        "alike."
     ]
     for fit in result["calibration"]:
         out.append(
