@@ -422,6 +422,26 @@ def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int 
     return {"blocks": sizes, "window_bound": LOCKSTEP_MEMORY * max(sizes.values())}
 
 
+def top_ops(counts: dict[str, Any], k: int = 8, key: str = "n2_b1") -> str:
+    """Per model, tier and counter part, the ``k`` operators dispatched most and those that moved the most bytes at
+    one counted configuration (first counted step): where a part's operators and memory traffic go."""
+    lines = []
+    for arch, tiers in counts.items():
+        for tier, cells in tiers.items():
+            cell = cells.get(key) or next(iter(cells.values()))
+            for part, tally in cell["steps"][0]["parts"].items():
+                names, moved = tally.get("names", {}), tally.get("name_bytes", {})
+                if not names:
+                    continue
+                by_count = ", ".join(f"{n.removeprefix('aten.')} {v:,}" for n, v in list(names.items())[:k])
+                by_bytes = ", ".join(f"{n.removeprefix('aten.')} {v / 1e9:,.2f} GB" for n, v in list(moved.items())[:k])
+                lines.append(f"* {arch} {tier} {part} ({tally['ops']:,} operators): {by_count}; bytes: {by_bytes}")
+                shapes = tally.get("factorization_shapes")
+                if shapes:
+                    lines.append("  factorizations: " + ", ".join(f"{s} x{v}" for s, v in shapes.items()))
+    return "\n".join(lines)
+
+
 def linearity(counts: dict[str, Any], checks: dict[str, Any], c: Constants) -> list[dict[str, Any]]:
     """The extrapolation checked: cells counted outside the grid (``checks``: ``{arch: {tier: {key: cell}}}``, e.g. 3
     layers and batch 3) beside what :func:`extrapolate` reads there from the grid, per part: operators, syncs, matmul
@@ -751,6 +771,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if result.get("linearity"):
         text += "\n\nThe extrapolation checked at shapes outside the grid:\n\n" + linearity_table(result["linearity"])
     print(text)
+    if args.top:
+        print("\n" + top_ops(counts, args.top))
     write_json(NAME, result, args.out)
     if args.docs:
         write_docs(Path(args.docs), result, text)
