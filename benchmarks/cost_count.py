@@ -422,3 +422,23 @@ def count_all(
                     with open(path, "w") as f:
                         json.dump(counts, f)
     return counts
+
+
+#: Configurations outside the grid, counted to check the extrapolation: ``(arch, tier, n_layer, batch, engine)``
+CHECKS = (("gpt", "off", 3, 3, True), ("gpt", "full", 3, 3, False), ("gpt", "full_nrl", 3, 1, True))
+
+
+def count_checks(path=None, checks: dict | None = None, seq: int = 1024, configs=CHECKS) -> dict[str, Any]:
+    """Count the :data:`CHECKS` configurations (``{arch: {tier: {key: cell}}}``), written to ``path`` after each (an
+    existing entry of ``checks`` is kept)."""
+    import json
+
+    checks = checks if checks is not None else {}
+    for arch, tier, n, b, engine in configs:
+        done = checks.setdefault(arch, {}).setdefault(tier, {})
+        if f"n{n}_b{b}" not in done:
+            done[f"n{n}_b{b}"] = {"steps": count_config(arch, tier, n, b, seq, engine=engine), "engine": engine}
+            if path is not None:
+                with open(path, "w") as f:
+                    json.dump(checks, f)
+    return checks

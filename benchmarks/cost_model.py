@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cost_count import count_all
+from benchmarks.cost_count import count_all, count_checks
 
 NAME = "cost_model"
 
@@ -547,6 +547,15 @@ def memory_table(mem: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_name() -> str | None:
+    """The CPU's model name (Linux), else ``None``."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
 def _git(*args: str) -> str:
     import subprocess
 
@@ -744,7 +753,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         env = environment(torch.device("cpu"))
         bounds = {arch: engine_estimate(arch, args.d_model, args.vocab, args.seq) for arch in counts}
         counted = {
-            "machine": f"{env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}",
+            "machine": f"{_cpu_name() or env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}",
             "command": "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv),
             "commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
             "date": env["timestamp_utc"],
@@ -761,7 +770,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if bound is not None and arch in result["memory"]:
             result["memory"][arch]["engine_estimate"] = bound
     if args.checks:
-        checks = json.loads(Path(args.checks).read_text())
+        path = Path(args.checks)
+        checks = count_checks(path, json.loads(path.read_text()) if path.exists() else {}, args.seq)
         result["linearity"] = linearity(counts, checks, Constants(**result["constants"]))
         result["checks"] = checks
     elif args.counts and "checks" in source:
