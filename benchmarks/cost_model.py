@@ -220,9 +220,12 @@ PARTS = {
 #: first sequence's first ``max_tokens`` positions whatever the batch (at batch 2 the engine is skipped, and with it
 #: what the logging and the real-loss plugin do with its numbers).
 BATCH_PARTS = {"real-loss sampling", "training step"}
-#: Parts priced from their own counts (:func:`price_counts`): a difference of two training steps' counts, whose
-#: stretches between syncs are not the monitor's (the priced difference would carry how the plain step overlaps)
-COUNT_PRICED = {"capture & logging"}
+#: Parts priced from their counts at the model's shape (:func:`price_counts`), not extrapolated from the counted
+#: shapes' prices: those that grow with the batch (host-bound at batch 1, bound by the device at batch 8, so a price is
+#: not linear in the batch where the counts are) and a difference of two training steps' counts (whose stretches
+#: between syncs are the training step's, not the monitor's). The engine's parts are priced stretch by stretch at
+#: batch 1, where each layer adds stretches like the last.
+COUNT_PRICED = {"capture & logging", "real-loss sampling", "training step"}
 TIER_NAMES = {
     "full": "full (defaults, real-loss keys on)",
     "full_nrl": "full, `sharpness=False`",
@@ -271,7 +274,7 @@ def step_ms(counts: dict[str, Any], n: int, batch: int, machine: str, c: Constan
     """The plain training step of a model's counts priced on ``machine`` (its matmuls are bf16: the mode of float32
     ones does not matter)."""
     cells = {k: priced_cell(v, c, {machine: MACHINES[machine]})["step"] for k, v in counts["off"].items()}
-    return extrapolate(cells, n, batch)["ms"][machine]["fp32"]
+    return price_counts(extrapolate(cells, n, batch), MACHINES[machine], c)
 
 
 def priced_point(point: dict[str, Any], counts: dict[str, Any], c: Constants) -> float:
