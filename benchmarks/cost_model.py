@@ -724,10 +724,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="a tiny shape (d 64, L 64, vocabulary 512, 2 layers)")
     p.add_argument("--compare", default=None, help="a bench_dispatch --device cuda JSON: measured beside estimated")
     p.add_argument("--docs", default=None, help="write the tables into this Markdown file between its markers")
+    p.add_argument("--top", type=int, default=0, help="print the N operators each part dispatches most")
     p.add_argument(
         "--checks",
         default=None,
-        help="cells counted outside the grid ({arch: {tier: {key: cell}}}) to check the extrapolation against",
+        help="count the shapes outside the grid (cost_count.CHECKS) into this file, or read them there, and set them "
+        "beside the extrapolation",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
