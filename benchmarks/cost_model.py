@@ -457,10 +457,13 @@ def linearity(counts: dict[str, Any], checks: dict[str, Any], c: Constants) -> l
                 n, batch = _layers_batch(key)
                 counted = priced_cell(cell, c)
                 for part, got in counted.items():
-                    if part == "engine" and not cell.get("engine", True):
-                        continue
+                    if not cell.get("engine", True) and part != "sampling":
+                        continue  # without the engine, only the sampled passes are what a monitored step runs
                     use = {k: v.get(part, {}) for k, v in grid.items() if part != "engine" or _layers_batch(k)[1] == 1}
                     want = extrapolate(use, n, batch)
+                    if part in ("sampling", "step"):  # priced from their counts, as the estimate prices them
+                        for row in (want, got):
+                            row["ms"] = {"H200": {"fp32": price_counts(row, MACHINES["H200"], c)}}
                     for q, read in (("ops", lambda r: r["ops"]), ("syncs", lambda r: r["syncs"]),
                                     ("GFLOP", lambda r: sum(r["flops"].values()) / 1e9),
                                     ("GB moved", lambda r: r["bytes"] / 1e9),
@@ -471,10 +474,22 @@ def linearity(counts: dict[str, Any], checks: dict[str, Any], c: Constants) -> l
 
 
 def linearity_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | tier | at | part | quantity | extrapolated | counted |", "|---|---|---|---|---|---|---|"]
+    """:func:`linearity`'s rows as one line per model, tier, shape and part: extrapolated / counted."""
+    quantities = list(dict.fromkeys(r["quantity"] for r in rows))
+    lines = [
+        "| model | tier | at | part | " + " | ".join(quantities) + " |",
+        "|---|---|---|---|" + "---|" * len(quantities),
+    ]
+    groups: dict[tuple, dict[str, str]] = {}
+
+    def num(x: float) -> str:
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
     for r in rows:
-        lines.append(f"| {r['arch']} | {r['tier']} | {r['at']} | {r['part']} | {r['quantity']} | "
-                     f"{r['extrapolated']:,.4g} | {r['counted']:,.4g} |")  # fmt: skip
+        cell = f"{num(r['extrapolated'])} / {num(r['counted'])}"
+        groups.setdefault((r["arch"], r["tier"], r["at"], r["part"]), {})[r["quantity"]] = cell
+    for (arch, tier, at, part), cells in groups.items():
+        lines.append(f"| {arch} | {tier} | {at} | {part} | " + " | ".join(cells.get(q, "") for q in quantities) + " |")
     return "\n".join(lines)
 
 
@@ -784,7 +799,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["linearity"] = linearity(counts, source["checks"], Constants(**result["constants"]))
     text = report(result)
     if result.get("linearity"):
-        text += "\n\nThe extrapolation checked at shapes outside the grid:\n\n" + linearity_table(result["linearity"])
+        text += (
+            "\n\nThe extrapolation checked at shapes outside the grid (extrapolated / counted):\n\n"
+            + linearity_table(result["linearity"])
+        )
     print(text)
     if args.top:
         print("\n" + top_ops(counts, args.top))
