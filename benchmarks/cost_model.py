@@ -693,10 +693,12 @@ def compare(args) -> dict[str, Any]:
         "commit": commit,
         "date": measured.get("date"),
         "arch": arch,
+        "seq": a["seq"],
+        "precision": a["precision"],
         "n_layer": n,
         "batch": batch,
     }
-    points = [{**point, "what": f"{arch} plain training step", "use": "fit", "ms": plain}]
+    points = [{**point, "what": f"{arch} plain training step", "use": "fit", "ms": plain, "tier": "step"}]
     points += [
         {
             **point,
