@@ -21,7 +21,9 @@ the step less the plain step. The plain training step is a tier of its own.
 Pricing (:func:`price`) turns counts into milliseconds with the stated constants of a card (:data:`MACHINES`,
 :class:`Constants`) and into training steps of the same model (the plain step priced by the same constants). Between
 two host syncs the host runs ahead of the GPU until it must wait: each stretch costs ``max(host, device)``, each sync
-its latency on top. The tensor-core efficiency is fitted to the measured GPU figures of
+its latency on top, each dense ``eigh``/SVD its own. The engine's parts are priced stretch by stretch at each counted
+depth; the parts that grow with the batch, and the capture, from their counts at the model's shape
+(:func:`price_counts`, :data:`COUNT_PRICED`). The tensor-core efficiency is fitted to the measured GPU figures of
 ``benchmarks/results/calibration.json`` (:func:`calibrated`); every later GPU run adds points there.
 
 Peak memory (:func:`memory`): the plain step's peak and the monitor's extra, from the bytes alive that the counter
