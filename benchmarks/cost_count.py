@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from benchmarks.common import PeakMemory
 
 aten = torch.ops.aten
 
@@ -124,10 +124,11 @@ def _bytes(t: torch.Tensor) -> int:
     return min(n, t.untyped_storage().nbytes()) if t.layout == torch.strided else n
 
 
-class PartCounter(TorchDispatchMode):
-    """Counts every dispatched ATen operator, host sync, matmul FLOP (by dtype) and byte moved into the current
-    part (:meth:`part`), and the bytes of tensor storages alive (those an operator inside the mode made, and those
-    handed to :meth:`hold`): what a GPU's ``max_memory_allocated`` reads, without the allocator's rounding.
+class PartCounter(PeakMemory):
+    """A :class:`~benchmarks.common.PeakMemory` (the bytes of tensor storages alive: those an operator inside the mode
+    made, for as long as any view of them lives, and those handed to :meth:`hold`; what a GPU's
+    ``max_memory_allocated`` reads, without the allocator's rounding) that also counts every dispatched ATen operator,
+    host sync, matmul FLOP (by dtype) and byte moved into the current part (:meth:`part`).
     ``host_reads`` is the current part's count of ``tolist``/``numpy`` reads, so
     :func:`benchmarks.bench_dispatch.count_host_reads` adds to it."""
 
@@ -136,8 +137,6 @@ class PartCounter(TorchDispatchMode):
         self.parts: dict[str, Tally] = {}
         self.current = part
         self.segment = 0  # index of the stretch between two syncs
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
         self._peaks: list[int] = []  # per part entered and not left: the most bytes alive since its entry
         self._host: set[int] = set()  # storages a GPU run keeps on the host (:meth:`on_host`)
 
@@ -167,18 +166,8 @@ class PartCounter(TorchDispatchMode):
         self._host.update(t.untyped_storage().data_ptr() for t in tensors)
 
     def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key, n = storage.data_ptr(), storage.nbytes()
-        if n and key not in self._seen:
-            self._seen.add(key)
-            self.live += n
-            self.peak = max(self.peak, self.live)
+        if self.track(t, t.untyped_storage()):  # alive while any view of its storage lives
             self._peaks[:] = [max(p, self.live) for p in self._peaks]
-            weakref.finalize(storage, self._free, key, n)
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self._seen.discard(key)
 
     def _tally(self) -> tuple[Tally, list]:
         tally = self.parts.setdefault(self.current, Tally())
