@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +59,9 @@ _FACTORIZATIONS = {aten._linalg_eigh.default, aten._linalg_svd.default, aten.lin
 _CHECKS = {aten._linalg_check_errors.default}
 # In-place operators that write their first argument without reading it
 _WRITE_ONLY = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+#: Operator names kept per part in the written counts (``names``, ``name_bytes``): the most dispatched and those that
+#: moved the most bytes, for ``cost_model --top``; the totals count every operator.
+TOP_NAMES = 24
 
 
 def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -84,7 +88,7 @@ class Tally:
     tensors alive when the part was first entered, and ``working``, the most bytes alive above that while it ran.
     ``factorizations``: the dense eigen- and singular-value decompositions among the operators (each a sync too), and
     by dtype and shape in ``factorization_shapes``; ``names``: the operators by name, ``name_bytes``: the bytes each
-    name moved."""
+    name moved (:meth:`as_dict` keeps the :data:`TOP_NAMES` first of each)."""
 
     ops: int = 0
     views: int = 0
@@ -110,8 +114,8 @@ class Tally:
             "segments": [[ops, dict(fl), by] for _, (ops, fl, by) in sorted(self.segments.items())],
             "entry_live": self.entry_live,
             "working": self.working,
-            "names": dict(self.names.most_common()),
-            "name_bytes": dict(self.name_bytes.most_common()),
+            "names": dict(self.names.most_common(TOP_NAMES)),
+            "name_bytes": dict(self.name_bytes.most_common(TOP_NAMES)),
             "factorization_shapes": dict(self.factorization_shapes),
         }
 
@@ -263,6 +267,38 @@ def attributed(counter: PartCounter) -> Iterator[PartCounter]:
 
 
 @contextlib.contextmanager
+def gpu_choices() -> Iterator[None]:
+    """The solver's choices for a GPU, made on the CPU for the duration, so that the count is what a GPU dispatches.
+
+    The Lanczos solver picks some settings by device (:func:`curvwatch.closed_form.solver.lanczos._on_cpu`: on the
+    CPU the basis buffer is allocated whole, on a GPU it starts at 8 vectors and doubles). Every per-device choice of
+    the solver is forced to its GPU value here; a choice added to the solver is wired here too (the count would
+    otherwise be the CPU's).
+    """
+    from curvwatch.closed_form.solver import lanczos
+
+    on_cpu = lanczos._on_cpu
+    lanczos._on_cpu = lambda device: False
+    try:
+        yield
+    finally:
+        lanczos._on_cpu = on_cpu
+
+
+def source_commit() -> str:
+    """The checkout's commit, ``-dirty`` when ``curvwatch/`` or ``benchmarks/`` hold changes: what a count counted."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "curvwatch", "benchmarks")
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+
+
+@contextlib.contextmanager
 def engine_skipped() -> Iterator[None]:
     """``Engine.evaluate`` returns an empty evaluation for the duration: for the runs that count only what depends on
     the batch (the engine evaluates the first sequence's first ``max_tokens`` positions whatever the batch)."""
@@ -325,6 +361,8 @@ def count_config(
         steps: The steps counted, one :meth:`PartCounter.as_dict` each (a warm evaluation's Lanczos steps vary from
             one training step to the next).
         engine: ``False``: the engine evaluates nothing (:func:`engine_skipped`); its part is then empty.
+
+    The solver makes its GPU choices (:func:`gpu_choices`).
     """
     from lightning.pytorch.callbacks import Callback
 
@@ -360,7 +398,7 @@ def count_config(
     model_fn = lambda: bench_dispatch.build_model(arch, n_layer, vocab, seq, d_model)  # noqa: E731
     probe = Probe()
     device = torch.device("cpu")
-    with contextlib.nullcontext() if engine else engine_skipped():
+    with gpu_choices(), contextlib.nullcontext() if engine else engine_skipped():
         monitor = _variants()[tier]()
         bench_dispatch.run(model_fn, monitor, max(steps) + 1, -1, batch, seq, vocab, device, precision, probe=probe)
     return probe.counts
@@ -388,12 +426,14 @@ def count_all(
 ) -> dict[str, Any]:
     """Count every tier of every model of ``archs`` on the ``grid`` (the terms-only tier at ``depth`` layers, batch 1
     and 2), written to ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped
-    goes on where it stopped)."""
+    goes on where it stopped). Each configuration records the commit it counted (:func:`source_commit`) and its
+    seconds."""
     import json
     import sys
     import time
 
     counts = counts if counts is not None else {}
+    commit = source_commit()
     for arch in archs:
         for tier in tiers:
             configs = [(depth, 1), (depth, 2)] if tier == "terms" else list(grid)
@@ -405,7 +445,8 @@ def count_all(
                 start = time.perf_counter()
                 engine = b == 1 or tier == "off"
                 counted = count_config(arch, tier, n, b, seq, precision, d_model, vocab, steps=steps, engine=engine)
-                done[key] = {"steps": counted, "engine": engine, "cpu_seconds": round(time.perf_counter() - start, 1)}
+                seconds = round(time.perf_counter() - start, 1)
+                done[key] = {"steps": counted, "engine": engine, "cpu_seconds": seconds, "commit": commit}
                 print(f"counted {arch} {tier} {key} in {done[key]['cpu_seconds']} s", file=sys.stderr)
                 if path is not None:
                     with open(path, "w") as f:
@@ -423,10 +464,12 @@ def count_checks(path=None, checks: dict | None = None, seq: int = 1024, configs
     import json
 
     checks = checks if checks is not None else {}
+    commit = source_commit()
     for arch, tier, n, b, engine in configs:
         done = checks.setdefault(arch, {}).setdefault(tier, {})
         if f"n{n}_b{b}" not in done:
-            done[f"n{n}_b{b}"] = {"steps": count_config(arch, tier, n, b, seq, engine=engine), "engine": engine}
+            counted = count_config(arch, tier, n, b, seq, engine=engine)
+            done[f"n{n}_b{b}"] = {"steps": counted, "engine": engine, "commit": commit}
             if path is not None:
                 with open(path, "w") as f:
                     json.dump(checks, f)

@@ -576,6 +576,11 @@ def _cpu_name() -> str | None:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
+def _cells(tiers: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every counted configuration of one model's counts (``{tier: {key: cell}}``)."""
+    return [cell for cells in tiers.values() for cell in cells.values()]
+
+
 def _git(*args: str) -> str:
     import subprocess
 
@@ -779,7 +784,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         counted = {
             "machine": f"{_cpu_name() or env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']}",
             "command": "python -m benchmarks.cost_model " + " ".join(sys.argv[1:] if argv is None else argv),
-            "commit": _git("rev-parse", "--short", "HEAD") + ("-dirty" if _git("status", "--porcelain") else ""),
+            "commit": ", ".join(sorted({cell.get("commit", "?") for t in counts.values() for cell in _cells(t)})),
             "date": env["timestamp_utc"],
             "shape": shape,
         }
