@@ -427,7 +427,7 @@ def count_all(
     """Count every tier of every model of ``archs`` on the ``grid`` (the terms-only tier at ``depth`` layers, batch 1
     and 2), written to ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped
     goes on where it stopped). Each configuration records the commit it counted (:func:`source_commit`) and its
-    seconds."""
+    seconds; an entry counted at another commit is counted again."""
     import json
     import sys
     import time
@@ -440,7 +440,7 @@ def count_all(
             for n, b in configs:
                 key = f"n{n}_b{b}"
                 done = counts.setdefault(arch, {}).setdefault(tier, {})
-                if key in done:
+                if done.get(key, {}).get("commit") == commit:
                     continue
                 start = time.perf_counter()
                 engine = b == 1 or tier == "off"
@@ -460,14 +460,14 @@ CHECKS = (("gpt", "off", 3, 3, True), ("gpt", "full", 3, 3, False), ("gpt", "ful
 
 def count_checks(path=None, checks: dict | None = None, seq: int = 1024, configs=CHECKS) -> dict[str, Any]:
     """Count the :data:`CHECKS` configurations (``{arch: {tier: {key: cell}}}``), written to ``path`` after each (an
-    existing entry of ``checks`` is kept)."""
+    existing entry of ``checks`` counted at the same commit is kept)."""
     import json
 
     checks = checks if checks is not None else {}
     commit = source_commit()
     for arch, tier, n, b, engine in configs:
         done = checks.setdefault(arch, {}).setdefault(tier, {})
-        if f"n{n}_b{b}" not in done:
+        if done.get(f"n{n}_b{b}", {}).get("commit") != commit:
             counted = count_config(arch, tier, n, b, seq, engine=engine)
             done[f"n{n}_b{b}"] = {"steps": counted, "engine": engine, "commit": commit}
             if path is not None:
