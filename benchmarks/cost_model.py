@@ -93,6 +93,25 @@ class Constants:
     factorization_s: float = 3.5e-3
 
 
+#: Where each rate of :class:`Machine` and each of :class:`Constants` comes from, with its name in the tables: the docs'
+#: constants table is written from these and the values in use (:func:`constants_table`).
+SOURCES = {
+    "fp32": ("FP32 matmul peak (CUDA cores)", "datasheet, dense"),
+    "tf32": ("TF32 tensor-core peak", "datasheet, dense"),
+    "bf16": ("bf16 tensor-core peak", "datasheet, dense"),
+    "hbm": ("memory bandwidth", "datasheet"),
+    "fp32_efficiency": ("FP32 matmul efficiency (float64 at half its rate)", "assumed"),
+    "tensor_efficiency": ("tensor-core matmul efficiency (bf16, TF32)", "fitted to the calibration points marked fit"),
+    "hbm_efficiency": ("other kernels' share of the bandwidth", "assumed"),
+    "host_op_s": ("host time per dispatched operator (views too)", "assumed (eager PyTorch on a server CPU)"),
+    "sync_s": ("latency per host sync", "assumed"),
+    "factorization_s": (
+        "time per dense eigh/SVD, whatever its size",
+        "measured: an H200 profile of the monitor at 2a724ff, 791 eigh calls in 2.8 s",
+    ),
+}
+
+
 def segment_seconds(
     ops: int, flops: dict[str, float], moved: float, machine: Machine, c: Constants, tf32: bool
 ) -> tuple[float, float]:
@@ -397,14 +416,16 @@ def memory(
     return out
 
 
-def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int = 1024, samples: int = 16):
+def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int = 1024):
     """The engine's own estimate of an evaluation's extra memory (:func:`curvwatch.engine.evaluation_bytes`, the
-    monitor's Lanczos settings) for one layer's blocks captured at the shape, with their sampled columns, and the
-    most a window of blocks evaluated together may hold by the engine's rule (``LOCKSTEP_MEMORY`` times the largest
-    block's): ``{"blocks": {name: bytes}, "window_bound": bytes}``."""
+    monitor's Lanczos settings) for one layer's blocks captured at the shape (the monitor's ``max_tokens``), with their
+    sampled columns (its default ``samples``), and the most a window of blocks evaluated together may hold by the
+    engine's rule (``LOCKSTEP_MEMORY`` times the largest block's): ``{"blocks": {name: bytes}, "window_bound":
+    bytes}``."""
     import torch.nn.functional as F
 
     from benchmarks import bench_dispatch
+    from curvwatch import Evaluation, Sharpness
     from curvwatch.adapters import find_blocks
     from curvwatch.capture import Capture
     from curvwatch.engine import MONITOR_LANCZOS, evaluation_bytes
@@ -416,7 +437,8 @@ def engine_estimate(arch: str, d_model: int = 768, vocab: int = 50304, seq: int 
     torch.manual_seed(0)
     model = bench_dispatch.build_model(arch, 1, vocab, seq, d_model)
     idx = torch.randint(0, vocab, (1, seq + 1))
-    with Capture(find_blocks(model), 512, logits_module=find_logits_module(model)[1]) as capture:
+    max_tokens, samples = Evaluation().max_tokens, Sharpness().samples
+    with Capture(find_blocks(model), max_tokens, logits_module=find_logits_module(model)[1]) as capture:
         logits = model(idx[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
         sample_outputs(capture, loss, samples, generator=torch.Generator().manual_seed(0))
@@ -615,17 +637,44 @@ def build(
     }
 
 
+def constants_table(result: dict[str, Any]) -> str:
+    """The markdown table of the constants a :func:`build` result priced with: each card's rates, the
+    :class:`Constants`, and where each comes from (:data:`SOURCES`)."""
+    machines, c = result["machines"], result["constants"]
+    fitted = any(f["use"] == "fit" for f in result["calibration"])
+    units = {"fp32": 1e12, "tf32": 1e12, "bf16": 1e12, "hbm": 1e12}
+    unit_names = {"fp32": "TFLOP/s", "tf32": "TFLOP/s", "bf16": "TFLOP/s", "hbm": "TB/s"}
+
+    def value(key: str, v: float) -> str:
+        if key in units:
+            return f"{v / units[key]:g} {unit_names[key]}"
+        if key.endswith("_efficiency"):
+            return f"{v:.1%}" if key == "tensor_efficiency" else f"{v:.0%}"
+        return f"{v * 1e6:g} us" if v < 1e-3 else f"{v * 1e3:g} ms"
+
+    lines = ["| constant | " + " | ".join(m["name"] for m in machines.values()) + " | source |",
+             "|---|" + "---|" * len(machines) + "---|"]  # fmt: skip
+    for key, (name, source) in SOURCES.items():
+        if key == "tensor_efficiency" and not fitted:
+            source = "assumed: no calibration point to fit"
+        values = (
+            [value(key, m[key]) for m in machines.values()] if key in units else [value(key, c[key])] * len(machines)
+        )
+        lines.append(f"| {name} | " + " | ".join(values) + f" | {source} |")
+    return "\n".join(lines)
+
+
 def report(result: dict[str, Any]) -> str:
     """The markdown of a :func:`build` result."""
-    c, shape = result["constants"], result["estimate_shape"]
-    fitted = "fitted" if any(f["use"] == "fit" for f in result["calibration"]) else "assumed: no calibration point fits"
+    shape = result["estimate_shape"]
     out = [
-        f"Constants: FP32 matmuls at {c['fp32_efficiency']:.0%} of peak, tensor-core matmuls (bf16, TF32) at "
-        f"{c['tensor_efficiency']:.1%} of peak ({fitted}), other kernels at {c['hbm_efficiency']:.0%} of the "
-        f"memory bandwidth, {c['host_op_s'] * 1e6:g} us of host time per operator, {c['sync_s'] * 1e6:g} us per "
-        f"sync, {c['factorization_s'] * 1e3:g} ms per dense eigh/SVD. Steps: training steps of the same model "
-        f"({shape['n_layer']} layers, B {shape['batch']} x L {shape['seq']}, {shape['precision']}, AdamW) priced "
-        "alike."
+        "Constants (the FP32 columns: float32 matmuls on the CUDA cores, torch's default; TF32: on the tensor cores):",
+        "",
+        constants_table(result),
+        "",
+        f"Steps: training steps of the same model ({shape['n_layer']} layers, B {shape['batch']} x L {shape['seq']}, "
+        f"{shape['precision']}, AdamW) priced alike.",
+        "",
     ]
     for fit in result["calibration"]:
         out.append(
