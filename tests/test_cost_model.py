@@ -3,6 +3,8 @@ extrapolation and the parts, the calibration, its counting on a tiny model, and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -187,3 +189,96 @@ def test_gpu_scale_comparison_runs_on_cpu(tmp_path):
     assert all(r["estimated"] > 0 for r in result["rows"])
     assert [p["use"] for p in result["points"]][:2] == ["fit", "check"]
     assert json.loads(out.read_text())["points"] == result["points"]
+
+
+def test_parts_that_grow_with_the_batch_are_priced_at_the_models_shape():
+    """The sampled passes: host-bound at batch 1 (1,000 operators, 5 ms; 1 TFLOP of bf16, 2 ms on an H200 at 50%), bound
+    by the device at 12 layers and batch 8 (their FLOPs grow with n B: 96 TFLOP, 194 ms): priced once from the counts
+    read there, not as a line through the small shapes' prices. The engine's part is priced stretch by stretch and read
+    linearly in the layers: 1 TFLOP of float32 a layer, 12 TFLOP at 12 layers, on an H100 at 50% of 67 TFLOP/s (FP32)
+    and of 494.7 TFLOP/s (TF32)."""
+    counts = _counts()
+    for key, cell in counts["full"].items():
+        n, b = cm._layers_batch(key)
+        parts = cell["steps"][0]["parts"]
+        parts["sampling"] = _tally([[1000, {"bfloat16": 1e12 * n * b}, 0]], syncs=1)
+        parts["engine"] = _tally([[10, {"float32": 1e12 * n}, 0]], syncs=0)
+    est = cm.estimate(counts, 12, 8, CONSTANTS)["full"]
+    sampling = est["real-loss sampling"]
+    assert sampling["flops"] == {"bfloat16": 96e12} and sampling["ops"] == 1000
+    assert sampling["ms"]["H200"]["fp32"] == pytest.approx(96e12 / (0.5 * 989.4e12) * 1e3 + 0.02)
+    assert sampling["ms"]["H200"]["fp32"] == pytest.approx(194.08, abs=0.01)
+    # the engine's part less the closed forms' (2,000 host-bound operators and a sync at every depth: 10.02 ms), plus
+    # the plugin's (10 operators and a sync: 0.07 ms)
+    solves = est["real-loss solves"]["ms"]["H100"]
+    assert solves["fp32"] == pytest.approx(12e12 / (0.5 * 67e12) * 1e3 - 10.02 + 0.07)
+    assert solves["tf32"] == pytest.approx(12e12 / (0.5 * 494.7e12) * 1e3 - 10.02 + 0.07)
+    assert solves["fp32"] == pytest.approx(348.26, abs=0.01) and solves["tf32"] == pytest.approx(38.56, abs=0.01)
+
+
+def test_memory_by_hand(monkeypatch):
+    """A model of 1 M parameters a layer (16 MB a layer of weights, gradients and AdamW moments), whose plain step peaks
+    at 100 MB n B, whose capture holds 10 MB a layer through the backward, whose engine works in 50 MB above that, and
+    whose sampled passes peak 200 MB above the plain step: at 12 layers and batch 8 the sampled passes set the peak,
+    9,800 MB, 200 MB (2.1%) over the plain step's 9,600 MB."""
+    monkeypatch.setattr(cm, "param_count", lambda arch, n, *args: 1_000_000 * n)
+    counts = _counts()
+    for cells in counts.values():
+        for key, cell in cells.items():
+            n, b = cm._layers_batch(key)
+            step = cell["steps"][0]
+            step["peak_bytes"] = 100e6 * n * b
+            if "engine" in step["parts"]:
+                step["parts"]["engine"].update(entry_live=16e6 * n + 10e6 * n, working=50e6)
+            if "sampling" in step["parts"]:
+                step["parts"]["sampling"].update(entry_live=100e6 * n * b, working=200e6)
+    mem = cm.memory(counts, "gpt", 12, 8)
+    assert mem["plain_peak"] == pytest.approx(9600e6) and mem["static"] == 16 * 12_000_000
+    full = mem["tiers"]["full"]
+    assert full["held"] == pytest.approx(120e6) and full["working"] == 50e6
+    assert full["candidates"] == pytest.approx({"backward": 9720e6, "evaluation": 192e6 + 120e6 + 50e6,
+                                                "sampling": 9800e6})  # fmt: skip
+    assert full["peak"] == pytest.approx(9800e6) and full["extra_fraction"] == pytest.approx(200 / 9600)
+    # without the sampled passes the captured tensors held through the backward set it: 120 MB over
+    assert mem["tiers"]["full_nrl"]["extra"] == pytest.approx(120e6)
+
+
+def test_constants_are_stated_once_with_their_source():
+    """Every rate of a card and every constant has a name and a source (:data:`SOURCES`), and the docs' table shows the
+    values the pricing uses."""
+    fields = {f.name for f in dataclasses.fields(cm.Machine)} - {"name"} | {
+        f.name for f in dataclasses.fields(cm.Constants)
+    }
+    assert set(cm.SOURCES) == fields
+    result = {"machines": {k: dataclasses.asdict(m) for k, m in cm.MACHINES.items()},
+              "constants": dataclasses.asdict(cm.Constants()), "calibration": []}  # fmt: skip
+    text = cm.constants_table(result)
+    assert "| FP32 matmul peak (CUDA cores) | 67 TFLOP/s | 67 TFLOP/s | datasheet, dense |" in text
+    assert "| memory bandwidth | 3.35 TB/s | 4.8 TB/s | datasheet |" in text
+    assert "| host time per dispatched operator (views too) | 5 us | 5 us |" in text
+    assert "| time per dense eigh/SVD, whatever its size | 3.5 ms | 3.5 ms |" in text
+    assert "assumed: no calibration point to fit" in text  # no fit point: the tensor-core efficiency is assumed
+
+
+def test_gpu_choices_are_made_while_counting():
+    """The count runs the solver's GPU code path (the Lanczos basis grown from 8 vectors), and leaves it as it was."""
+    from curvwatch.closed_form.solver import lanczos
+
+    assert lanczos._on_cpu("cpu")
+    with cost_count.gpu_choices():
+        assert not lanczos._on_cpu("cpu")
+    assert lanczos._on_cpu("cpu")
+
+
+def test_a_stopped_count_goes_on_from_the_same_commit_only(monkeypatch):
+    counted = []
+    monkeypatch.setattr(cost_count, "source_commit", lambda: "abc")
+    monkeypatch.setattr(
+        cost_count, "count_config", lambda arch, tier, n, b, *a, **k: counted.append((tier, n, b)) or []
+    )
+    kept = {"steps": [], "engine": True, "commit": "abc"}
+    old = {"steps": [], "engine": True, "commit": "old"}
+    counts = {"gpt": {"off": {"n1_b1": kept, "n2_b1": old}}}
+    cost_count.count_all(["gpt"], grid=((1, 1), (2, 1)), tiers=("off",), counts=counts)
+    assert counted == [("off", 2, 1)] and counts["gpt"]["off"]["n1_b1"] is kept
+    assert counts["gpt"]["off"]["n2_b1"]["commit"] == "abc"
