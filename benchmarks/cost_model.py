@@ -700,7 +700,10 @@ def compare(args) -> dict[str, Any]:
     counts = json.loads(Path(args.counts or RESULTS_DIR / f"{NAME}.json").read_text())["counts"]
     c, _ = calibrated(counts, load_points())
     device = measured.get("device_name", "")
-    machine = next((m for m in MACHINES if m in device), "H200")
+    machine = next((m for m in MACHINES if m in device), None)
+    if machine is None:
+        machine = "H200"
+        print(f"{device or 'The device'} is none of the cards priced ({', '.join(MACHINES)}): priced as an H200.")
     est = estimate(counts[arch], n, batch, c)
     mem = memory(counts[arch], arch, n, batch)
     plain = measured["plain_ms"]
@@ -745,7 +748,7 @@ def compare(args) -> dict[str, Any]:
     point = {
         "machine": device,
         "machine_kind": machine,
-        "command": f"python -m benchmarks.bench_dispatch --device cuda --arch {arch}",
+        "command": f"python -m benchmarks.bench_dispatch --device cuda --arch {arch} --tiers {a['tiers']}",
         "commit": commit,
         "date": measured.get("date"),
         "arch": arch,

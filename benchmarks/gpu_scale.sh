@@ -13,7 +13,7 @@
 #    1-3 met or not (goal 3: the monitor's default schedule on a clock of the measured costs,
 #    curvwatch.schedule.simulate); then benchmarks/cost_model.py --compare prints each measured row beside the cost
 #    model's estimate (the counts of benchmarks/results/cost_model.json, priced for the card) and writes the run's
-#    calibration points to $out/cost_compare_<arch>.json, to be added to benchmarks/results/calibration.json;
+#    calibration points to $out/cost_model_compare_<arch>.json, to be added to benchmarks/results/calibration.json;
 # 3. benchmarks/bench_sharpness.py --cost --device cuda: issue 24's goal 2 on a GPU, the real-loss part of a full
 #    evaluation (held-out HF GPT-2, 2 layers, d 768, vocabulary 50257, B 8, L 128) at 16 and at 64 samples (64: what
 #    goal 1's 15% needs on the W2 blocks), wall-clock seconds and operators, side by side in one process.
@@ -29,7 +29,7 @@ for arch in gpt llama; do
     step 170 "dispatch_$arch" $py -m benchmarks.bench_dispatch --device cuda --arch $arch --tiers full,full_nrl,terms \
         --out "$out/dispatch_$arch.json"
     step 30 "estimate_$arch" $py -m benchmarks.cost_model --compare "$out/dispatch_$arch.json" \
-        --out "$out/cost_compare_$arch.json"
+        --out "$out/cost_model_compare_$arch.json"
 done
 step 150 real_loss_cost $py -m benchmarks.bench_sharpness --cost --device cuda --width 768 --batch 8 --seq 128 \
     --samples 16 64 --repeats 2 --out "$out/real_loss_cost.md"
