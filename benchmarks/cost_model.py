@@ -797,7 +797,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--vocab", type=int, default=50304, help="the GPT's (the LLaMA's is 32000)")
     p.add_argument("--counts", default=None, help="price the counts of this cost_model.json instead of counting")
     p.add_argument("--partial", default=None, help="counting: keep what this file holds, write each count into it")
-    p.add_argument("--quick", action="store_true", help="a tiny shape (d 64, L 64, vocabulary 512, 2 layers)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny shape (d 64, L 64, vocabulary 512, 2 layers), one step counted"
+    )
     p.add_argument("--compare", default=None, help="a bench_dispatch --device cuda JSON: measured beside estimated")
     p.add_argument("--docs", default=None, help="write the tables into this Markdown file between its markers")
     p.add_argument("--top", type=int, default=0, help="print the N operators each part dispatches most")
@@ -828,9 +830,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         partial = Path(args.partial) if args.partial else None
         counts = json.loads(partial.read_text()) if partial and partial.exists() else {}
+        steps = (1,) if args.quick else (1, 2)  # quick: one warm step per configuration
         counts = count_all(
-            args.arch, args.seq, args.n_layer, d_model=args.d_model, vocab=args.vocab, path=partial, counts=counts
-        )
+            args.arch, args.seq, args.n_layer, d_model=args.d_model, vocab=args.vocab, steps=steps, path=partial,
+            counts=counts,
+        )  # fmt: skip
         env = environment(torch.device("cpu"))
         bounds = {arch: engine_estimate(arch, args.d_model, args.vocab, args.seq) for arch in counts}
         counted = {

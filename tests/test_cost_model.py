@@ -282,3 +282,18 @@ def test_a_stopped_count_goes_on_from_the_same_commit_only(monkeypatch):
     cost_count.count_all(["gpt"], grid=((1, 1), (2, 1)), tiers=("off",), counts=counts)
     assert counted == [("off", 2, 1)] and counts["gpt"]["off"]["n1_b1"] is kept
     assert counts["gpt"]["off"]["n2_b1"]["commit"] == "abc"
+
+
+def test_the_quick_count_writes_the_tables(tmp_path):
+    """``make cost-model ARGS=--quick``'s pipeline on a tiny shape: count every tier, price, and write the tables into a
+    page between its markers, with the commit counted and the constants' table."""
+    doc = tmp_path / "page.md"
+    doc.write_text(f"# Page\n\n{cm.DOCS_BEGIN}\nold\n{cm.DOCS_END}\n\nafter\n")
+    result = cm.main(["--quick", "--arch", "gpt", "--out", str(tmp_path / "q.json"), "--docs", str(doc)])
+    est = result["estimates"]["gpt"]
+    assert set(est) == {"full", "full_nrl", "terms", "step"}
+    assert est["full"]["total"]["ops"] > est["full_nrl"]["total"]["ops"] > est["terms"]["total"]["ops"] > 0
+    assert all(v > 0 for modes in est["full"]["total"]["ms"].values() for v in modes.values())
+    text = doc.read_text()
+    assert "old" not in text and text.endswith("after\n") and "| FP32 matmul peak (CUDA cores) |" in text
+    assert result["commit"] == cost_count.source_commit() and "### GPT-2-small" in text
