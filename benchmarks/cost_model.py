@@ -317,6 +317,8 @@ def calibrated(counts_by_arch: dict[str, Any], points: list[dict[str, Any]], bas
     model's figure beside the measured one (``"check"`` points too; ``"none"``: recorded, not priced)."""
     usable = [p for p in points if p["use"] != "none" and p["arch"] in counts_by_arch]
     fit = [p for p in usable if p["use"] == "fit"]
+    if any("ms" not in p for p in fit):
+        raise ValueError("A calibration point marked 'fit' has no 'ms': only times fit the tensor-core efficiency.")
 
     def error(eff: float) -> float:
         c = dataclasses.replace(base, tensor_efficiency=eff)
