@@ -29,8 +29,9 @@ depth; the parts that grow with the batch, and the capture, from their counts at
 Peak memory (:func:`memory`): the plain step's peak and the monitor's extra, from the bytes alive that the counter
 saw.
 
-Run ``python -m benchmarks.cost_model`` (counts both models, an hour or more on two CPU cores: ``--partial PATH`` keeps
-each count as it is made and goes on from there; ``--arch gpt``; ``--quick``: a tiny shape) or
+Run ``make cost-model`` (counts both models, an hour or more on two CPU cores, into the committed JSON and
+``docs/cost_model.md``; ``python -m benchmarks.cost_model --partial PATH`` keeps each count as it is made and goes on
+from there, from counts of the same commit; ``--arch gpt``; ``--quick``: a tiny shape, one step) or
 ``python -m benchmarks.cost_model --counts benchmarks/results/cost_model.json`` (re-price the committed counts, e.g.
 after a calibration point was added); ``--compare DISPATCH_JSON``: a GPU run of ``bench_dispatch`` beside the
 estimate (``gpu_scale.sh``).
