@@ -285,8 +285,13 @@ def gpu_choices() -> Iterator[None]:
         lanczos._on_cpu = on_cpu
 
 
+#: What a count runs: the package and the benchmark code that drives and counts it (not the pricing).
+COUNTED_PATHS = ("curvwatch", "benchmarks/cost_count.py", "benchmarks/bench_dispatch.py", "benchmarks/common.py")
+
+
 def source_commit() -> str:
-    """The checkout's commit, ``-dirty`` when ``curvwatch/`` or ``benchmarks/`` hold changes: what a count counted."""
+    """The last commit that changed :data:`COUNTED_PATHS`, ``-dirty`` when they hold changes: the code a count
+    counted (the same for any later commit that leaves them alone)."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
@@ -294,8 +299,8 @@ def source_commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", "curvwatch", "benchmarks")
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+    dirty = git("status", "--porcelain", "--", *COUNTED_PATHS)
+    return git("log", "-1", "--format=%h", "--", *COUNTED_PATHS) + ("-dirty" if dirty else "")
 
 
 @contextlib.contextmanager
