@@ -2,7 +2,8 @@
 #   make demo   the main job: train the small GPT on n-digit addition with the monitor attached
 #   make test   the test suite (what CI runs, via .ci/run)
 # Other targets: make docs (the documentation site, into build/docs; runs the example gallery), make setup (the
-# environment alone), make docs-keys (rewrite docs/metrics.md's key tables).
+# environment alone), make docs-keys (rewrite docs/metrics.md's key tables), make cost-model (count the GPU cost
+# model again: benchmarks/results/cost_model.json and docs/cost_model.md's tables).
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup docs docs-keys
+.PHONY: demo test setup docs docs-keys cost-model
 
 setup: $(STAMP)
 
@@ -47,3 +48,13 @@ docs: $(DOCS_STAMP)
 
 docs-keys: $(STAMP)
 	$(PY) -m curvwatch.keys docs/metrics.md
+
+# The GPU cost model counted on the CPU at the checkout's code (about an hour on two cores, the two models one after the
+# other): each count is kept in build/cost_counts.json as it is made, so a stopped run goes on where it stopped (only
+# from counts of the same commit). ARGS="--quick" counts a tiny shape in a minute (into build/, not the committed files).
+COST_OUT := $(if $(findstring --quick,$(ARGS)),--out build/cost_model_quick.json --partial build/cost_counts_quick.json,\
+	--out benchmarks/results/cost_model.json --docs docs/cost_model.md --partial build/cost_counts.json \
+	--checks build/cost_checks.json)
+cost-model: $(STAMP)
+	mkdir -p build
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m benchmarks.cost_model $(COST_OUT) $(ARGS)

@@ -249,7 +249,8 @@ class LitLM(L.LightningModule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+        # foreach: what torch picks on CUDA, so that a CPU count sees the GPU's optimizer operators
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
 
 
 class StepProbe(Callback):
@@ -290,13 +291,16 @@ class StepProbe(Callback):
 
 
 def run(model_fn, monitor: CurvatureMonitor | None, steps: int, at: int, batch: int, L_seq: int, vocab: int,
-        device: torch.device, precision: str, labels: ReadLabels | None = None) -> StepProbe:  # fmt: skip
+        device: torch.device, precision: str, labels: ReadLabels | None = None,
+        probe: Callback | None = None) -> Any:  # fmt: skip
+    """Train ``steps`` steps with ``monitor`` (or none) and return the probe: a :class:`StepProbe` counting step ``at``,
+    or ``probe``, any callback, put first among the callbacks."""
     torch.manual_seed(0)
     model = LitLM(model_fn())
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, vocab, (batch * steps, L_seq + 1), generator=g)
     data = DataLoader(TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=batch)
-    probe = StepProbe(at, device, labels)
+    probe = StepProbe(at, device, labels) if probe is None else probe
     callbacks: list[Callback] = [probe] + ([monitor] if monitor is not None else [])
     trainer = L.Trainer(max_steps=steps, accelerator=device.type, devices=1, precision=precision, logger=False,
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
@@ -308,11 +312,15 @@ def run(model_fn, monitor: CurvatureMonitor | None, steps: int, at: int, batch: 
 
 
 def variants() -> dict[str, Any]:
-    """The monitors compared: none, a full evaluation every step, a terms-only evaluation every step."""
+    """The monitors compared: none, a full evaluation every step (with and without the real-loss keys), a terms-only
+    evaluation every step."""
     return {
         "off": lambda: None,
         "full": lambda: CurvatureMonitor(
             every_n_train_steps=1, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=None)
+        ),
+        "full_nrl": lambda: CurvatureMonitor(
+            every_n_train_steps=1, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=None), sharpness=False
         ),
         "terms": lambda: CurvatureMonitor(
             every_n_train_steps=10**9, cadence=Cadence(max_overhead=None, terms_every_n_train_steps=1)
@@ -347,7 +355,7 @@ def count(args) -> dict[str, Any]:
             print(f"full: {len(labels.reads)} stopping-test reads; the runs each served:", file=sys.stderr)
             for i, served in enumerate(labels.reads, 1):
                 print(f"  {i:4d} " + "; ".join(f"{k} x{v}" for k, v in served.items()), file=sys.stderr)
-    for name in [n for n in ("full", "terms") if n in out]:
+    for name in [n for n in ("full", "full_nrl", "terms") if n in out]:
         out[f"{name}_per_layer"] = {
             "ops": (out[name]["ops"] - out["off"]["ops"]) / args.n_layer,
             "syncs": (out[name]["syncs"] - out["off"]["syncs"]) / args.n_layer,
@@ -394,24 +402,28 @@ def engine_only(args) -> dict[str, Any]:
 
 
 def timings(args) -> dict[str, Any]:
-    """Median step times (and peak memory) side by side on CUDA: plain, full evaluation, terms-only evaluation (on CPU,
-    ``--time``: a smoke test of this path, no peak memory)."""
+    """Median step times (and peak memory) side by side on CUDA: plain and the ``--tiers`` evaluations (on CPU,
+    ``--time``: a smoke test of this path, no peak memory). ``peak_gib``: the run's peak (a terms-only run's step 0 is a
+    full evaluation); ``warm_peak_gib``: that of the timed steps."""
     device = torch.device(args.device)
     model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq, args.d_model)
     res: dict[str, Any] = {}
     for round_ in range(args.rounds):
         for name, make in variants().items():
+            if name != "off" and name not in args.tiers.split(","):
+                continue
             # a full evaluation every step costs many steps: fewer of them (step 0 cold, step 1 warms up)
-            steps = (args.full_repeats if name == "full" else args.repeats) + 2
+            steps = (args.full_repeats if name.startswith("full") else args.repeats) + 2
             probe = run(model_fn, make(), steps, -1, args.batch, args.seq, args.vocab, device, args.precision)
             t = probe.times[2:]  # step 0 (a full evaluation in every monitored variant) and one warm-up step out
-            res.setdefault(name, {"times": [], "peak": [], "first": []})
+            res.setdefault(name, {"times": [], "peak": [], "warm_peak": [], "first": []})
             res[name]["times"] += t
             res[name]["first"].append(probe.times[0])
             res[name]["peak"].append(max(probe.peak, default=0))  # (none on CPU)
+            res[name]["warm_peak"].append(max(probe.peak[2:], default=0))
             print(f"round {round_} {name}: median {statistics.median(t) * 1e3:.1f} ms", file=sys.stderr)
     plain = statistics.median(res["off"]["times"])
-    for name in ("full", "terms"):
+    for name in [n for n in res if n != "off"]:
         med = statistics.median(res[name]["times"])
         res[name]["steps"] = (med - plain) / plain  # the evaluation's cost in plain training steps
     # step 0's cold full evaluation (every monitored variant's step 0), less the plain run's step 0
@@ -423,7 +435,8 @@ def timings(args) -> dict[str, Any]:
         if isinstance(res[name], dict):
             res[name]["median_ms"] = statistics.median(res[name]["times"]) * 1e3
             res[name]["peak_gib"] = max(res[name]["peak"]) / 2**30
-            del res[name]["times"], res[name]["first"]
+            res[name]["warm_peak_gib"] = max(res[name]["warm_peak"]) / 2**30
+            del res[name]["times"], res[name]["first"], res[name]["warm_peak"]
     plain_peak = res["off"]["peak_gib"] or math.nan  # (not measured on CPU)
     res["extra_peak_fraction"] = {n: res[n]["peak_gib"] / plain_peak - 1 for n in ("full", "terms")}
     res["goals"] = goals(res)
@@ -483,8 +496,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--tiers",
         default="full,terms",
-        help="CPU counts: the evaluations counted (full, terms); a full evaluation's real-loss sampling (the loss "
-        "weights, draws and sampled backward passes) is also counted on its own (full_sampling_per_layer)",
+        help="CPU counts: the evaluations counted or timed (full, full_nrl: without the real-loss keys, terms); a full "
+        "evaluation's real-loss sampling (the loss weights, draws and sampled backward passes) is also counted on its "
+        "own (full_sampling_per_layer)",
     )
     p.add_argument(
         "--reads",
@@ -515,6 +529,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measure = timings if cuda or args.time else engine_only if args.engine_only else count
     with forced(GPU) if args.choices == "gpu" else contextlib.nullcontext():
         result = {"args": vars(args), **measure(args)}
+    result["device_name"] = torch.cuda.get_device_name() if cuda else "cpu"
+    result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         with open(args.out, "w") as f:

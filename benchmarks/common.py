@@ -285,15 +285,22 @@ class PeakMemory(TorchDispatchMode):
         self.live -= n
         self._seen.discard(key)
 
+    def track(self, t: torch.Tensor, lifetime: Any = None) -> bool:
+        """Count the storage of ``t`` as alive, once, until ``lifetime`` is freed (``t`` by default; its storage: for
+        as long as any view of it lives). Returns whether it was new."""
+        storage = t.untyped_storage()
+        key, n = storage.data_ptr(), storage.nbytes()
+        if not n or key in self._seen:
+            return False
+        self._seen.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t if lifetime is None else lifetime, self._free, key, n)
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, n = storage.data_ptr(), storage.nbytes()
-                if n and key not in self._seen:
-                    self._seen.add(key)
-                    self.live += n
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._free, key, n)
+                self.track(t)
         return out
