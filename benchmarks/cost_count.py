@@ -188,6 +188,10 @@ class PartCounter(PeakMemory):
         tally.syncs = value
         self.segment += 1  # the host waits for the device here
 
+    def read_host(self) -> None:
+        """One host read without a dispatched operator (``tolist``, ``numpy``: :func:`count_host_reads`), a sync."""
+        self.host_reads += 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -268,21 +272,22 @@ def attributed(counter: PartCounter) -> Iterator[PartCounter]:
 
 @contextlib.contextmanager
 def gpu_choices() -> Iterator[None]:
-    """The solver's choices for a GPU, made on the CPU for the duration, so that the count is what a GPU dispatches.
-
-    The Lanczos solver picks some settings by device (:func:`curvwatch.closed_form.solver.lanczos._on_cpu`: on the
-    CPU the basis buffer is allocated whole, on a GPU it starts at 8 vectors and doubles). Every per-device choice of
-    the solver is forced to its GPU value here; a choice added to the solver is wired here too (the count would
-    otherwise be the CPU's).
+    """The GPU's choices, made on the CPU for the duration, so that the count is what a GPU dispatches: the solver's
+    (:func:`curvwatch.closed_form.solver.choices.forced` with ``GPU``: the stopping-test cadence, a growing basis,
+    stacked diagonal pairs, lockstep threads) and the real-loss sampling's (its sampled backward passes batched,
+    :data:`curvwatch.realloss.sampling.BATCH_ON_CPU`). A per-device choice added to the package is wired here too
+    (the count would otherwise be the CPU's).
     """
-    from curvwatch.closed_form.solver import lanczos
+    from curvwatch.closed_form.solver.choices import GPU, forced
+    from curvwatch.realloss import sampling
 
-    on_cpu = lanczos._on_cpu
-    lanczos._on_cpu = lambda device: False
+    batch_on_cpu = sampling.BATCH_ON_CPU
+    sampling.BATCH_ON_CPU = True
     try:
-        yield
+        with forced(GPU):
+            yield
     finally:
-        lanczos._on_cpu = on_cpu
+        sampling.BATCH_ON_CPU = batch_on_cpu
 
 
 #: What a count runs: the package and the benchmark code that drives and counts it (not the pricing).

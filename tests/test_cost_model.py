@@ -261,13 +261,15 @@ def test_constants_are_stated_once_with_their_source():
 
 
 def test_gpu_choices_are_made_while_counting():
-    """The count runs the solver's GPU code path (the Lanczos basis grown from 8 vectors), and leaves it as it was."""
-    from curvwatch.closed_form.solver import lanczos
+    """The count runs the GPU's code paths (the solver's GPU choices, the sampled passes batched), and leaves the
+    CPU's as they were."""
+    from curvwatch.closed_form.solver.choices import CPU, GPU, for_device
+    from curvwatch.realloss import sampling
 
-    assert lanczos._on_cpu("cpu")
+    assert for_device("cpu") == CPU and not sampling.BATCH_ON_CPU
     with cost_count.gpu_choices():
-        assert not lanczos._on_cpu("cpu")
-    assert lanczos._on_cpu("cpu")
+        assert for_device("cpu") == GPU and sampling.BATCH_ON_CPU
+    assert for_device("cpu") == CPU and not sampling.BATCH_ON_CPU
 
 
 def test_a_stopped_count_goes_on_from_the_same_commit_only(monkeypatch):
