@@ -127,6 +127,9 @@ LEVERS = (
     Lever("evaluation's operators halved", engine(ops=0.5)),
     Lever("evaluation's FLOPs, bytes and operators halved (half the Lanczos steps)", engine(0.5, 0.5, 0.5)),
     Lever("samples 16 -> 8 (sampled passes halved)", sampling(0.5)),
+    # the sampled operators' products are sums over their sampled columns: their solves priced in proportion (an upper
+    # bound on the operators, which partly serve all columns at once)
+    Lever("samples 16 -> 64 (sampled passes and real-loss solves x4)", sampling(4.0), parts={"real-loss solves": 4.0}),
     Lever("sampled passes through the evaluated sequence only (batch 1)", sampling_batch=1),
     Lever("real-loss solves at a tenth", parts={"real-loss solves": 0.1}),
 )
