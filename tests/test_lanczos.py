@@ -203,6 +203,7 @@ def test_a_top_the_start_missed_above_a_close_one_is_found_by_the_second_look(mo
         lam = torch.cat([torch.tensor([1.0, 0.95], dtype=DT), 0.85 * (2 * torch.rand(n - 2, generator=gen) - 1)])
         operators.append(((Q * lam) @ Q.T, start))
     assert _misses(monkeypatch, operators, "one look", both_ends=False) >= 6  # the failure mode is real
+    assert _misses(monkeypatch, operators, "default", both_ends=False, second_look=False) >= 6  # (the flag)
     assert _misses(monkeypatch, operators, "default", both_ends=False) == 0
 
 

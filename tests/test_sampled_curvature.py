@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from torch.func import hessian, jacrev
@@ -624,6 +625,37 @@ def test_gram_path_runs_lanczos_for_the_sharpness_only_and_none_for_linear_block
     for key, value in slow.items():
         if not key.startswith("residual/"):
             assert_close_report(out[key], value, CONVERGED, name=key)
+
+
+@pytest.mark.parametrize("kernel, case", [CASES[0], CASES[4]], ids=_ids)
+def test_the_sampled_runs_take_no_second_look_and_the_kernels_own_do(kernel, case, monkeypatch):
+    """The real-loss keys estimate from a few sampled output gradients: their relative uncertainty
+    (``sharpness_spread``) exceeds the 1-5% a second Lanczos look finds, so their runs take none; the kernel's own
+    norms in the same call keep it (``Lanczos.second_look``)."""
+    import curvwatch.closed_form.solver.lanczos as lanczos_module
+
+    looks = []
+    init = lanczos_module.LanczosRun.__init__
+
+    def spied(self, *args, second_look=True, **kwargs):
+        looks.append(np.asarray(second_look, dtype=bool).copy())
+        init(self, *args, second_look=second_look, **kwargs)
+
+    sampled = []
+    inner = sampled_keys.norm_run
+
+    def counted(op, emb, mv, parts, key, diagonal, lanczos, *args, **kwargs):
+        sampled.append(lanczos.second_look)
+        return inner(op, emb, mv, parts, key, diagonal, lanczos, *args, **kwargs)
+
+    monkeypatch.setattr(lanczos_module.LanczosRun, "__init__", spied)
+    monkeypatch.setattr(sampled_keys, "norm_run", counted)
+    monkeypatch.setattr(sampled_keys, "GRAM_STEPS", 0)  # every sampled key by Lanczos
+    prob = PROBLEMS[kernel](case)
+    prob.call(lanczos=Lanczos(), output_samples=prob.samples, precondition=prob.precondition)
+    assert sampled and not any(sampled), sampled
+    flat = np.concatenate([a.reshape(-1) for a in looks])
+    assert flat.any() and not flat.all(), looks  # the kernel's own members look twice where crowded, the sampled never
 
 
 @pytest.mark.parametrize("k, split", [(4, True), (5, True), (3, False)])

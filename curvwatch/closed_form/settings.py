@@ -149,6 +149,10 @@ class Lanczos:
             top eigenvector recurs at every evaluation for as long as that eigenvector stays, cold or warm (the
             noise a warm start carries is the same vector each time). A second look draws with ``seed +``
             :data:`~.solver.lanczos.SECOND_LOOK_SEED`.
+        second_look: Whether a norm whose top Ritz value had another within :data:`~.solver.lanczos.RELOOK` of it
+            when it converged takes a second look from an independent start (see ``max_iter``). The real-loss keys'
+            solves run without it: they estimate from a few sampled output gradients, with a relative uncertainty
+            (``sharpness_spread``) larger than the 1-5% a second look finds.
 
     Example:
         >>> Lanczos().max_iter, Lanczos(tol=1e-6).tol, EXACT.max_iter is None
@@ -166,6 +170,7 @@ class Lanczos:
     warn: bool = True
     solve_bytes: int | None = None
     seed: int = 0
+    second_look: bool = True
 
     def __post_init__(self) -> None:
         tol = self.tol
@@ -191,6 +196,8 @@ class Lanczos:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"Invalid seed={self.seed!r}. Must be an int >= 0.")
+        if not isinstance(self.second_look, bool):
+            raise ValueError(f"Invalid second_look={self.second_look!r}. Must be True or False.")
         if self.warm_start is not None and not isinstance(self.warm_start, WarmStart):
             raise ValueError(
                 f"Invalid warm_start={self.warm_start!r}. Must be a curvwatch.closed_form.WarmStart or None."

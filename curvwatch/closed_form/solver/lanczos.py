@@ -112,6 +112,7 @@ def lanczos_max_abs(
     info: dict | None = None,
     algebraic: bool = False,
     seed: int = 0,
+    second_look: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest eigenvalue magnitude ``|λ|`` (``algebraic``: largest eigenvalue) of a batch of symmetric operators.
 
@@ -162,6 +163,9 @@ def lanczos_max_abs(
             re-orthogonalises twice.
         seed: the seed of the second look's start vectors is ``seed + SECOND_LOOK_SEED`` (pass the seed ``start``
             was drawn with, :func:`start_vectors`, so that the two looks are independent draws).
+        second_look: whether a member whose top Ritz value had a close one when it converged takes the second look
+            (:data:`RELOOK`); ``False`` for an estimate whose own uncertainty is larger than what the look can find
+            (the real-loss keys: ``second_look`` of :class:`~..settings.Lanczos`).
 
     Returns:
         ``(norm, vec)``: ``norm`` of shape ``batch_shape`` is the largest ``|λ|`` found (the largest
@@ -175,7 +179,7 @@ def lanczos_max_abs(
         5.0
     """
     run = LanczosRun(matvec, start, tol=tol, max_iter=max_iter, max_basis=max_basis, both_ends=both_ends,
-                     pass_live=pass_live, algebraic=algebraic, seed=seed)  # fmt: skip
+                     pass_live=pass_live, algebraic=algebraic, seed=seed, second_look=second_look)  # fmt: skip
     solve([run])
     if info is not None:
         info["rel_residual"] = run.rel_residual
@@ -298,8 +302,8 @@ class Rounds:
 class LanczosRun:
     """One batched Lanczos run (the arguments of :func:`lanczos_max_abs`) as a state machine driven by :func:`solve`.
 
-    ``tol`` and ``algebraic`` may also be host arrays of ``batch_shape``, one per member: the members of several runs
-    merged into one (:func:`merge_runs`), each as in a run of its own.
+    ``tol``, ``algebraic`` and ``second_look`` may also be host arrays of ``batch_shape``, one per member: the members
+    of several runs merged into one (:func:`merge_runs`), each as in a run of its own.
 
     :meth:`step` does one product and its re-orthogonalisation on the device and never reads a device value;
     when :attr:`due`, :func:`solve` hands :meth:`check` the host copy of :meth:`host_parts` (alpha, beta and the
@@ -323,7 +327,7 @@ class LanczosRun:
     merged: list | None = None
 
     def __init__(self, matvec, start, *, tol=1e-6, max_iter=None, max_basis=None, both_ends=True, pass_live=False,
-                 algebraic=False, seed=0):  # fmt: skip
+                 algebraic=False, seed=0, second_look=True):  # fmt: skip
         batch_shape, n, dtype, device = tuple(start.shape[:-1]), start.shape[-1], start.dtype, start.device
         self.matvec, self.batch_shape, self.n, self.dtype, self.device = matvec, batch_shape, n, dtype, device
         self.pass_live, self.seed = pass_live, int(seed)
@@ -337,6 +341,7 @@ class LanczosRun:
             tol if np.isscalar(tol) else np.array(np.broadcast_to(np.asarray(tol, dtype=float), self.batch_shape))
         )
         self.alg_h = np.array(np.broadcast_to(np.asarray(algebraic, dtype=bool), self.batch_shape))
+        self.look_h = np.array(np.broadcast_to(np.asarray(second_look, dtype=bool), self.batch_shape))
         self.algebraic = bool(self.alg_h.all())
         self.done, self.due = False, False
         self.error: Exception | None = None  # why a shared run ended without its results (:meth:`fail`)
@@ -479,7 +484,7 @@ class LanczosRun:
         self.rel = np.where(live, v.rel, self.rel)
         self.theta = np.where(live, v.theta, self.theta)
         if self.first is None:  # a close Ritz value when the test passed: a second look (SECOND_LOOK_SEED)
-            self.relook |= live & v.converged & ~v.exhausted & (v.gap <= RELOOK)
+            self.relook |= live & v.converged & ~v.exhausted & (v.gap <= RELOOK) & self.look_h
         self.live = live & ~(v.exhausted | v.converged)
         done = not self.live.any() or self.j + 1 == self.k_max
         # A member takes its Ritz vector when it stops, from the steps it took: its later steps are zero (alpha = beta
@@ -526,8 +531,9 @@ class LanczosRun:
         )  # fmt: skip
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
-        # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same steps in a run merged with
-        # others (merge_runs) as alone; on the rounds of the Rounds clock where the first look ended on a regular test
+        # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same
+        # steps in a run merged with others (merge_runs) as alone; on the rounds of the Rounds clock where the first
+        # look ended on a regular test
         self.phase = 0
         self.j, self.size, self.alphas, self.betas, self.arrow, self.restarted = 0, 1, [], [], None, False
         self.buf = self.basis = self.v = self.w = None
@@ -625,11 +631,11 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
     """One run of the members of several :func:`mergeable` runs whose vectors have one size, dtype and device and whose
     ``max_iter`` and ``max_basis`` agree: one Lanczos step (two Gram-Schmidt passes, the norm, the next vector: ~17
     dispatched operators) per step for all of them, one stopping test. Each member keeps its run's start vector,
-    tolerance, ``algebraic`` and ends of the spectrum, and its product is its run's ``matvec`` on its rows; every member
-    is its own recurrence, so the numbers are those of the runs solved apart, to the bit on CPU. Runs whose batches
-    share their trailing dimensions (``(rows, H)`` of one ``H``) are rows of a ``(sum of rows, H)`` run; others (the
-    grouped-query attention's query view, ``H`` heads, and group view, ``G`` kv groups) members of a flat one. Solve the
-    returned run, then :func:`split_results` hands each run its results."""
+    tolerance, ``algebraic``, second look and ends of the spectrum, and its product is its run's ``matvec`` on its
+    rows; every member is its own recurrence, so the numbers are those of the runs solved apart, to the bit on CPU.
+    Runs whose batches share their trailing dimensions (``(rows, H)`` of one ``H``) are rows of a ``(sum of rows, H)``
+    run; others (the grouped-query attention's query view, ``H`` heads, and group view, ``G`` kv groups) members of a
+    flat one. Solve the returned run, then :func:`split_results` hands each run its results."""
     first = runs[0]
     n, same = first.n, len({r.batch_shape[1:] for r in runs}) == 1
 
@@ -666,6 +672,7 @@ def merge_runs(runs: Sequence[LanczosRun]) -> LanczosRun:
         both_ends=joined([r.both_h for r in runs], np.concatenate),
         algebraic=joined([r.alg_h for r in runs], np.concatenate),
         seed=first.seed,
+        second_look=joined([r.look_h for r in runs], np.concatenate),
     )
     for r in runs:
         r.start = r.ritz = None  # (the merged run holds the starts; a run's ritz is its start until it is solved)

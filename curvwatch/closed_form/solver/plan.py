@@ -294,6 +294,7 @@ def norm_run(
         both_ends=_both_ends(parts, diagonal=diagonal),
         algebraic=algebraic,
         seed=lanczos.seed,
+        second_look=lanczos.second_look,
     )
 
 

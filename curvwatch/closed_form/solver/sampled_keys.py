@@ -329,7 +329,8 @@ def _plan_members(est: _Estimates, group: list[_PairJob], viewed, lanczos: Lancz
     pair = "+".join(g.pair for g in group)
     key = ("sharpness", pair, tuple(prefixes), E) + (() if m == 2 else parts_one)
     # the members of a debiased key tighter than the key (see MEMBER_TOL); the warm starts are the same store
-    members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL) if est.split else lanczos
+    # (no second look: a sampled estimate's own uncertainty, sharpness_spread, exceeds what it would find)
+    members = lanczos.replace(tol=lanczos.tol * MEMBER_TOL if est.split else lanczos.tol, second_look=False)
     # (P E, H, size) per pair: member i E + e (parts_one is ("hessian",) where the Gram made the GGN keys) starts at its
     # estimate's top Gauss-Newton direction
     v0 = None if not job.tops or m != 1 else torch.cat([t for g in group for t in g.tops])
