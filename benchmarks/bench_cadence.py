@@ -1,4 +1,4 @@
-"""Benchmark: what the default schedule delivers on a run, from what its evaluations cost (issue 23's goal 3).
+"""Benchmark: what the default schedule delivers on a run, from what its evaluations cost.
 
 The monitor's own :class:`~curvwatch.schedule.Schedule` decides every step of a ``--steps``-step run on a clock of
 the given costs (:func:`~curvwatch.schedule.simulate`: the decisions and charges of a monitored run, nothing
@@ -6,7 +6,7 @@ trained), with its floor (a full evaluation at least every 500 steps within 5% o
 without it (the 1% budget alone). Costs are in plain training steps: ``FULL/TERMS``
 pairs, a full and a terms-only evaluation (step 0's full evaluation priced as a warm one unless ``--first`` says
 otherwise). Deterministic: no timing, no randomness; the costs to feed it come from ``bench_dispatch --device cuda``
-(which prints goal 3 from its own measured costs) or ``bench_overhead``.
+(which prints the cadence goal from its own measured costs) or ``bench_overhead``.
 
 Run ``python -m benchmarks.bench_cadence [--steps 2000] [--costs 10/0.25 550/17 ...] [--first F] [--out PATH]``.
 """

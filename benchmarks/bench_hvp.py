@@ -60,7 +60,7 @@ LABELS = {
     "(outer, functional and hessian norms, bound terms and bounds, as the callback logs them)",
 }
 BASELINES = ("hvp_power", "hvp_lanczos", "curvlinops")
-# Published reference (this machine kind, CPU): L=512, d=512, d_K=64, Q/K/V norms, warm.
+# Published reference (a 2-core CPU): L=512, d=512, d_K=64, Q/K/V norms, warm.
 PUBLISHED = {"L": 512, "d": 512, "d_K": 64, "hvp_power_s": 0.33, "curvlinops_s": 2.1}
 GOALS = {"hvp_power": 30.0, "curvlinops": 100.0}
 

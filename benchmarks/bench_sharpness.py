@@ -268,15 +268,15 @@ def cost_share(
     share is ``part / with``. The sampled passes run batched (:func:`~curvwatch.realloss.sampling.passes_at_once`), and
     in a third variant one at a time (``batched=False``), interleaved with the others. Held-out Hugging Face GPT-2
     (eager attention), random tokens. On ``device`` "cpu" the seconds are this process's CPU time (one thread: the
-    shared machine's load aside); on a GPU wall-clock seconds with the device synchronised at each reading (issue 24's
-    goal 2 on a GPU: ``benchmarks/gpu_scale.sh``)."""
+    shared machine's load aside); on a GPU wall-clock seconds with the device synchronised at each reading (the GPU's
+    figures: ``benchmarks/gpu_scale.sh``)."""
     from benchmarks.bench_dispatch import OpCounter
     from curvwatch.realloss.plugin import RealLoss
 
     model, x, y, specs, head, adam = _adam_gpt2(width, vocab, B, L, device)
     real, engine = RealLoss(), Engine()
     # new samples at every evaluation, as in training (with the same samples every time the warm starts were the last
-    # answers of the same matrices, and the Lanczos members looked cheaper than they are: session 15)
+    # answers of the same matrices, and the Lanczos members looked cheaper than they are)
     seeds = itertools.count()
     cuda = torch.device(device).type == "cuda"
 

@@ -1,4 +1,4 @@
-"""How many FSDP2 all-gathers the real-loss keys' sampled backward passes add (docs/strategies.md, issue 24).
+"""How many FSDP2 all-gathers the real-loss keys' sampled backward passes add (docs/strategies.md).
 
     python benchmarks/fsdp2_sampled_unshards.py
 

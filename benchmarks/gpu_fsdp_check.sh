@@ -6,10 +6,9 @@
 #
 # On min(2, number of GPUs) CUDA devices (nccl), the tiny 2-layer GPT of tests/fsdp_script.py trains 5 steps with a
 # CurvatureMonitor under strategy="ddp", under FSDP2 (ModelParallelStrategy, tensor_parallel_size=1) and under
-# Lightning's FSDPStrategy (FSDP1, per-layer wrap policy, use_orig_params False and True; enabled since issue 26,
-# after this check passed on one H200 as reported there). `compare` then prints, for each run, whether it logged the DDP run's keys and steps and its step-0
+# Lightning's FSDPStrategy (FSDP1, per-layer wrap policy, use_orig_params False and True). `compare` then prints, for each run, whether it logged the DDP run's keys and steps and its step-0
 # numbers to float32 round-off, and the most read weights alive at once; it exits 1 otherwise. The real-loss keys
-# are on (issue 24): FSDP2 must log DDP's (compare also prints their worst difference at every step), FSDP1 none.
+# are on: FSDP2 must log DDP's (compare also prints their worst difference at every step), FSDP1 none.
 # With one GPU every run has one rank: it checks Lightning's wiring (hooks under FSDP's, the reader's units in
 # Lightning's wrapped model, the collectives on nccl), not the cross-rank agreement, which the CPU tests
 # (tests/test_sharded.py, gloo) cover.

@@ -9,14 +9,14 @@
 #    default key, real-loss keys included), with one without the real-loss keys and with a terms-only evaluation,
 #    side by side, with peak memory, on the GPT-2-small-shaped curvwatch GPT (12 layers, d 768, 12 heads, vocabulary
 #    50304, B 8, L 1024, bf16-mixed, AdamW) and on a LLaMA-style HF LlamaForCausalLM (12 layers, d 768, 12 / 4 heads,
-#    ff 2048, vocabulary 32000) built from a config (the machine's own transformers). Each prints issue 23's goals
-#    1-3 met or not (goal 3: the monitor's default schedule on a clock of the measured costs,
+#    ff 2048, vocabulary 32000) built from a config (the machine's own transformers). Each prints the cost goals
+#    met or not (evaluations in training steps; the monitor's default schedule on a clock of the measured costs,
 #    curvwatch.schedule.simulate); then benchmarks/cost_model.py --compare prints each measured row beside the cost
 #    model's estimate (the counts of benchmarks/results/cost_model.json, priced for the card) and writes the run's
 #    calibration points to $out/cost_model_compare_<arch>.json, to be added to benchmarks/results/calibration.json;
-# 3. benchmarks/bench_sharpness.py --cost --device cuda: issue 24's goal 2 on a GPU, the real-loss part of a full
+# 3. benchmarks/bench_sharpness.py --cost --device cuda: the real-loss part of a full
 #    evaluation (held-out HF GPT-2, 2 layers, d 768, vocabulary 50257, B 8, L 128) at 16 and at 64 samples (64: what
-#    goal 1's 15% needs on the W2 blocks), wall-clock seconds and operators, side by side in one process.
+#    15% accuracy needs on the FFN W2 blocks), wall-clock seconds and operators, side by side in one process.
 # It uses the machine's own python3 (its PyTorch, Lightning, transformers); curvwatch comes from this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
