@@ -159,7 +159,7 @@ class Evaluation:
     """
 
     tol: float = 1e-2
-    max_iter: int = 40
+    max_iter: int = 60
     max_basis: int | None = 16
     dtype: str = "float32"
     pairs: str | Sequence[str] = "diagonal"

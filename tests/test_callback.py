@@ -220,7 +220,10 @@ def test_ln_collapse_warns(tmp_path):
         cadence=Cadence(max_overhead=None), evaluation=Evaluation(max_tokens=16),
     )  # fmt: skip
     trainer = make_trainer(tmp_path, monitor, max_steps=3)
-    with pytest.warns(CurvatureWarning) as record:
+    with pytest.warns(CurvatureWarning) as record, warnings.catch_warnings():
+        # LayerNorm inputs at 1e-4 of their scale leave attention's blocks degenerate (Ritz values at round-off that
+        # never stand still): a Lanczos norm there may stop unconverged, which the monitor says; not this test's subject
+        warnings.filterwarnings("ignore", message=".*Lanczos norms stopped at max_iter", category=CurvatureNotice)
         trainer.fit(model, loader())
     messages = [str(w.message) for w in record if issubclass(w.category, CurvatureWarning)]
     assert len(messages) == 2, messages  # ln_1 and ln_2 at step 0; cooldown silences the repeats at step 2
