@@ -837,3 +837,17 @@ def test_a_run_several_evaluations_hold_or_one_already_stepped_is_not_merged():
     made, solved = plan._made([(0, lambda r=r: r) for r in (shared, stepped, a, b)])
     assert [r for _, r in made] == [shared, stepped, a, b]
     assert len(solved) == 3 and [p[0] for p in solved[0].merged] == [a, b] and solved[1:] == [shared, stepped]
+
+
+def test_a_basis_that_spans_the_space_is_exact_and_converged():
+    """With as many Lanczos vectors as the dimension the Ritz values are the eigenvalues: converged at once, though
+    the drift window (more steps than the space has) never filled; a run cut short by ``max_iter`` before a whole
+    window reports a finite relative residual (at most 1), counted above tol."""
+    M = torch.diag(torch.tensor([3.0, -5.0, 1.0], dtype=DT))
+    info: dict = {}
+    val, _ = lanczos_max_abs(lambda v: v @ M, start_vectors((), 3, DT, "cpu"), tol=1e-6, info=info)
+    assert float(val) == pytest.approx(5.0, rel=1e-12) and float(info["rel_residual"]) <= 1e-6
+    A = torch.diag(torch.linspace(-1.0, 2.0, 64, dtype=DT))
+    info = {}
+    lanczos_max_abs(lambda v: v @ A, start_vectors((), 64, DT, "cpu"), tol=1e-6, max_iter=3, info=info)
+    assert 1e-6 < float(info["rel_residual"]) <= 1.0

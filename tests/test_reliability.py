@@ -438,7 +438,7 @@ def test_zero_variance_layernorm_reports_collapse(tmp_path, eps):
     assert row[f"{P}layer0/ln_1/ln/var_min"] == 0.0
     assert not [k for k, v in row.items() if math.isnan(v)]
     if eps:  # finite everywhere; ln_1 is a healthy evaluation
-        assert all(math.isfinite(v) for v in row.values())
+        assert all(math.isfinite(v) for v in row.values()), {k: v for k, v in row.items() if not math.isfinite(v)}
         assert f"{P}layer0/ln_1/skipped_nonfinite" not in row
     else:
         # eps = 0: the LayerNorm's own output is 0/0 = NaN, so every gradient is NaN. ln_1's input is finite:

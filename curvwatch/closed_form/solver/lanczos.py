@@ -480,6 +480,9 @@ class LanczosRun:
         evals, evecs = np.linalg.eigh(T)  # ascending
         v = verdict(T, evals, evecs, beta_h, tol=self.tol, algebraic=self.alg_h, both=self.both_h, kept=kept,
                     breakdown=self.breakdown, eps=torch.finfo(dtype).eps)  # fmt: skip
+        if size >= self.n and self.arrow is None:  # the basis spans the space: the Ritz values are the eigenvalues
+            every = np.ones_like(v.converged)
+            v = v._replace(rel=np.full_like(v.rel, torch.finfo(dtype).eps), converged=every, exhausted=every)
         live = self.live
         self.rel = np.where(live, v.rel, self.rel)
         self.theta = np.where(live, v.theta, self.theta)
@@ -795,7 +798,9 @@ def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarra
     moved = drift(T, evals, top, both, np.where(crowded, CROWDED_STEPS, STABLE_STEPS), kept)
     moving = ~exhausted & (moved > STABLE * tol)
     with np.errstate(invalid="ignore"):  # (inf / inf where STABLE is inf: not read, moving is False there)
-        rel = np.where(moving, np.maximum(rel, moved / STABLE), rel)
+        # a member still moving reports at least its drift (at most 1: a run cut short before a whole window, by
+        # max_iter, knows no more than that its norm is unresolved)
+        rel = np.where(moving, np.maximum(rel, np.minimum(moved / STABLE, 1.0)), rel)
     converged = (rel <= tol) & ~moving
     r_opp = np.take_along_axis(resid, opp, -1)[..., 0]
     settled = (r_opp <= tol * a_theta) | (t_opp + OVERTAKE_K * r_opp <= a_theta)
