@@ -20,7 +20,7 @@ L 128, as the issue that set the ceilings measured it.
 
 ``--device cuda`` also times, side by side in one process, the plain step and the step with a full / terms-only
 evaluation (median of ``--repeats`` steps after warm-up) and the peak memory of each (GPT-2-small shape by default on
-CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW), and prints issue 23's goals 1-3 met or not (:func:`goals`; goal 3
+CUDA: 12 layers, B 8, L 1024, bf16-mixed, AdamW), and prints the cost goals met or not (:func:`goals`; the third
 from the monitor's own schedule on a clock of the measured costs).
 
 Run ``python -m benchmarks.bench_dispatch [--n-layer 2] [--arch gpt|llama] [--device cpu|cuda] [--d-model 768]
@@ -446,7 +446,7 @@ def timings(args) -> dict[str, Any]:
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
-    """Issue 23's goals 1-3 from measured costs (``res``: :func:`timings`' numbers, costs in plain training steps):
+    """The cost goals from measured costs (``res``: :func:`timings`' numbers, costs in plain training steps):
     1. a full evaluation <= 10 steps, a terms-only one <= 0.25; 2. extra peak memory <= 15% of the plain run's;
     3. the defaults on a 2,000-step run (the monitor's own :class:`~curvwatch.schedule.Schedule`, on a clock of these
     costs: :func:`~curvwatch.schedule.simulate`): a terms-only evaluation every 10 steps, a full one at least every
