@@ -44,7 +44,7 @@ from curvwatch.reference.common import with_columns
 from curvwatch.reference.ffn import ffn_forward
 from curvwatch.reference.gated_ffn import gated_ffn_forward
 from tests.cases import DT, case_id, rand
-from tests.utils import assert_close_report
+from tests.utils import assert_close_report, live_memory
 
 # Tolerances, relative. The kernels' Lanczos with EXACT (run to the block size) vs dense eigvalsh, float64: round-off.
 RTOL = 1e-8
@@ -927,10 +927,7 @@ def test_gram_path_holds_its_columns_once():
     ends = sorted(e.start_ns() + e.duration_ns() for e in events if e.name() == "gram")
     spans = list(zip(starts, ends, strict=True))
     assert len(spans) == 2  # W1W1 (the GGN keys) and W2W2 (all keys): both by the Gram at 64 columns
-    live, timeline = 0, []
-    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        timeline.append((e.start_ns(), live))
+    timeline = live_memory(events)
     a_bytes = k * B * d * 4 * d * 4  # float32 columns of W_1 (W_2 has as many weights)
     for t0, t1 in spans:
         start = next((b for t, b in reversed(timeline) if t < t0), 0)  # live when the call starts

@@ -26,7 +26,7 @@ from curvwatch.realloss.samplers import LogitSampler
 from curvwatch.realloss.stability import StabilityRule, param_index_map, stability_keys, stability_rule
 from curvwatch.realloss.weights import LossKind, loss_weights
 from tests import zoo
-from tests.utils import assert_close_report
+from tests.utils import assert_close_report, live_memory
 
 
 def _grad(loss_fn, z):
@@ -593,10 +593,7 @@ def _sampling_peaks(B: int, max_tokens: int = 64, L: int = 32, V: int = 50_257) 
             with torch.profiler.record_function("backward"):
                 loss.backward()
     events = prof.profiler.kineto_results.events()
-    live, timeline = 0, []
-    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        timeline.append((e.start_ns(), live))
+    timeline = live_memory(events)
     spans = {
         e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() in ("sampling", "backward")
     }
@@ -1217,10 +1214,7 @@ def test_a_batched_pass_stays_within_its_memory_budget():
                     out = sample_outputs(cap, loss, 16, generator=torch.Generator().manual_seed(0), **kwargs)
                 loss.backward()
         events = prof.profiler.kineto_results.events()
-        live, timeline = 0, []
-        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-            live += e.nbytes()
-            timeline.append((e.start_ns(), live))
+        timeline = live_memory(events)
         ((t0, t1),) = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == "sampling"]
         return max(b for t, b in timeline if t0 <= t <= t1), out.at_once, per_sample
 

@@ -59,3 +59,13 @@ def assert_close_report(actual, expected, rtol: float, name: str = "", atol: flo
             f"worst entry at {pos}: actual {a.reshape(-1)[idx].item():.6e} vs expected {e.reshape(-1)[idx].item():.6e}"
         )
     return err / max(ref, 1e-300)
+
+
+def live_memory(events) -> list[tuple[int, int]]:
+    """``[(ns, bytes)]``: the live CPU memory after every allocation and free of a profile made with
+    ``profile_memory=True`` (``prof.profiler.kineto_results.events()``), in time order, counted from its start."""
+    live, timeline = 0, []
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        timeline.append((e.start_ns(), live))
+    return timeline
