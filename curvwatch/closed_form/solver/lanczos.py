@@ -479,10 +479,8 @@ class LanczosRun:
             T[..., kept, :kept] = arr
         evals, evecs = np.linalg.eigh(T)  # ascending
         v = verdict(T, evals, evecs, beta_h, tol=self.tol, algebraic=self.alg_h, both=self.both_h, kept=kept,
-                    breakdown=self.breakdown, eps=torch.finfo(dtype).eps)  # fmt: skip
-        if size >= self.n and self.arrow is None:  # the basis spans the space: the Ritz values are the eigenvalues
-            every = np.ones_like(v.converged)
-            v = v._replace(rel=np.full_like(v.rel, torch.finfo(dtype).eps), converged=every, exhausted=every)
+                    breakdown=self.breakdown, eps=torch.finfo(dtype).eps,
+                    spans=size >= self.n and self.arrow is None)  # fmt: skip
         live = self.live
         self.rel = np.where(live, v.rel, self.rel)
         self.theta = np.where(live, v.theta, self.theta)
@@ -743,7 +741,7 @@ class Verdict(NamedTuple):
 
 def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarray, *, tol: float | np.ndarray,
             algebraic: np.ndarray, both: np.ndarray, kept: int = 0, breakdown: float = 0.0,
-            eps: float = 0.0) -> Verdict:  # fmt: skip
+            eps: float = 0.0, spans: bool = False) -> Verdict:  # fmt: skip
     """The stopping test of a batch of Lanczos members from their projected matrices (host numpy only).
 
     A member passes when theta's residual ``|beta s_theta| <= tol |theta|`` (for a symmetric operator an eigenvalue
@@ -767,6 +765,8 @@ def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarra
         kept: Ritz vectors kept by the last thick restart (0: none).
         breakdown: beta at most this times the largest ``|alpha|``: the Krylov space is exhausted.
         eps: the least relative residual reported (the working precision).
+        spans: the basis spans the whole space (as many vectors as its dimension, no restart): every member's Ritz
+            values are its eigenvalues, so its Krylov space is exhausted whatever beta's round-off.
 
     Example:
         >>> T = np.diag([1.0, 3.0]); ev, V = np.linalg.eigh(T)
@@ -782,7 +782,7 @@ def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarra
     resid = np.abs(beta[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
     opp = np.where(top, 0, size - 1)[..., None]  # the other end: the lowest Ritz value when theta is the highest
     scale = np.maximum(np.abs(np.diagonal(T, axis1=-2, axis2=-1)).max(-1), np.finfo(np.float64).tiny)
-    exhausted = beta <= breakdown * scale
+    exhausted = (beta <= breakdown * scale) | spans
     a_theta, t_opp = np.abs(theta), np.abs(np.take_along_axis(evals, opp, -1)[..., 0])
     near = np.clip(np.where(top, size - 2, 1), 0, size - 1)[..., None]  # theta's neighbour at its end
     gap = np.abs(theta - np.take_along_axis(evals, near, -1)[..., 0])
