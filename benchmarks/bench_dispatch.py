@@ -2,7 +2,7 @@
 
 On a GPU an evaluation of many small tensors is bound by what the host dispatches and by how often it waits for the
 device, not by arithmetic. Both counts are the same on any device that takes the same solver choices, so they are
-measured here on the CPU with the GPU's (:func:`~curvwatch.closed_form.solver.choices.forced`; ``--choices device``:
+measured here on the CPU with the GPU's (:func:`gpu_choices`: the solver's and the sampling's; ``--choices device``:
 the CPU's own, for its timings):
 
 * **operators**: every ATen operator the dispatcher runs below autograd (a ``TorchDispatchMode`` counts them);
@@ -42,6 +42,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -328,12 +329,26 @@ def variants() -> dict[str, Any]:
     }
 
 
-def count(args) -> dict[str, Any]:
-    """Operators and host syncs of step 2 per variant, and the monitor's share per layer; the real-loss keys' sampled
-    passes batched as on a GPU (:data:`~curvwatch.realloss.sampling.BATCH_ON_CPU`)."""
+@contextlib.contextmanager
+def gpu_choices() -> Iterator[None]:
+    """The GPU's choices, made on the CPU for the duration, so that a count is what a GPU dispatches: the solver's
+    (:func:`~curvwatch.closed_form.solver.choices.forced` with ``GPU``: the stopping-test cadence, a growing basis,
+    stacked diagonal pairs, lockstep threads) and the real-loss sampling's (its sampled backward passes batched,
+    :data:`~curvwatch.realloss.sampling.BATCH_ON_CPU`). A per-device choice added to the package is wired here too
+    (the count would otherwise be the CPU's)."""
     from curvwatch.realloss import sampling
 
-    sampling.BATCH_ON_CPU = True  # count what a GPU dispatches (a CPU runs the passes one at a time)
+    batch_on_cpu = sampling.BATCH_ON_CPU
+    sampling.BATCH_ON_CPU = True
+    try:
+        with forced(GPU):
+            yield
+    finally:
+        sampling.BATCH_ON_CPU = batch_on_cpu
+
+
+def count(args) -> dict[str, Any]:
+    """Operators and host syncs of step 2 per variant, and the monitor's share per layer."""
     device = torch.device("cpu")
     model_fn = lambda: build_model(args.arch, args.n_layer, args.vocab, args.seq, args.d_model)
     out: dict[str, Any] = {}
@@ -527,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.arch == "llama":  # the LLaMA-style model's own vocabulary (build_model), whatever --vocab says
         args.vocab = 32000
     measure = timings if cuda or args.time else engine_only if args.engine_only else count
-    with forced(GPU) if args.choices == "gpu" else contextlib.nullcontext():
+    with gpu_choices() if args.choices == "gpu" else contextlib.nullcontext():
         result = {"args": vars(args), **measure(args)}
     result["device_name"] = torch.cuda.get_device_name() if cuda else "cpu"
     result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

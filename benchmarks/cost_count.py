@@ -270,26 +270,6 @@ def attributed(counter: PartCounter) -> Iterator[PartCounter]:
             setattr(cls, name, fn)
 
 
-@contextlib.contextmanager
-def gpu_choices() -> Iterator[None]:
-    """The GPU's choices, made on the CPU for the duration, so that the count is what a GPU dispatches: the solver's
-    (:func:`curvwatch.closed_form.solver.choices.forced` with ``GPU``: the stopping-test cadence, a growing basis,
-    stacked diagonal pairs, lockstep threads) and the real-loss sampling's (its sampled backward passes batched,
-    :data:`curvwatch.realloss.sampling.BATCH_ON_CPU`). A per-device choice added to the package is wired here too
-    (the count would otherwise be the CPU's).
-    """
-    from curvwatch.closed_form.solver.choices import GPU, forced
-    from curvwatch.realloss import sampling
-
-    batch_on_cpu = sampling.BATCH_ON_CPU
-    sampling.BATCH_ON_CPU = True
-    try:
-        with forced(GPU):
-            yield
-    finally:
-        sampling.BATCH_ON_CPU = batch_on_cpu
-
-
 #: What a count runs: the package and the benchmark code that drives and counts it (not the pricing).
 COUNTED_PATHS = ("curvwatch", "benchmarks/cost_count.py", "benchmarks/bench_dispatch.py", "benchmarks/common.py")
 
@@ -372,7 +352,7 @@ def count_config(
             one training step to the next).
         engine: ``False``: the engine evaluates nothing (:func:`engine_skipped`); its part is then empty.
 
-    The solver makes its GPU choices (:func:`gpu_choices`).
+    The GPU's choices are made (:func:`benchmarks.bench_dispatch.gpu_choices`).
     """
     from lightning.pytorch.callbacks import Callback
 
@@ -408,7 +388,7 @@ def count_config(
     model_fn = lambda: bench_dispatch.build_model(arch, n_layer, vocab, seq, d_model)  # noqa: E731
     probe = Probe()
     device = torch.device("cpu")
-    with gpu_choices(), contextlib.nullcontext() if engine else engine_skipped():
+    with bench_dispatch.gpu_choices(), contextlib.nullcontext() if engine else engine_skipped():
         monitor = _variants()[tier]()
         bench_dispatch.run(model_fn, monitor, max(steps) + 1, -1, batch, seq, vocab, device, precision, probe=probe)
     return probe.counts

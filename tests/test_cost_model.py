@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks import cost_count
+from benchmarks import bench_dispatch, cost_count
 from benchmarks import cost_model as cm
 from benchmarks.bench_dispatch import count_host_reads
 
@@ -171,7 +171,6 @@ def test_gpu_scale_comparison_runs_on_cpu(tmp_path):
     calibration points written."""
     import json
 
-    from benchmarks import bench_dispatch
 
     measured = tmp_path / "dispatch.json"
     argv = ["--time", "--n-layer", "1", "--d-model", "64", "--seq", "16", "--batch", "1", "--vocab", "64", "--repeats",
@@ -267,7 +266,7 @@ def test_gpu_choices_are_made_while_counting():
     from curvwatch.realloss import sampling
 
     assert for_device("cpu") == CPU and not sampling.BATCH_ON_CPU
-    with cost_count.gpu_choices():
+    with bench_dispatch.gpu_choices():
         assert for_device("cpu") == GPU and sampling.BATCH_ON_CPU
     assert for_device("cpu") == CPU and not sampling.BATCH_ON_CPU
 
