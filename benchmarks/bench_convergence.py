@@ -12,7 +12,7 @@ block's true norm, over the states of real training runs:
   (a Ritz value never exceeds the largest |eigenvalue|), their spread is reported. Saved under
   ``benchmarks/results/convergence/`` (tensors only: any commit's code can replay them).
 * **replay**: the recorded states through the monitor's default engine (``Engine()``: ``Evaluation()``'s tol 1e-2,
-  max_iter 40, max_basis 16, blocks in lockstep), in three set-ups:
+  max_iter 60, max_basis 16, blocks in lockstep), in three set-ups:
 
   - ``run``: one engine over all states in order (each evaluation warm-started from the last one's Ritz vectors);
   - ``resumed``: the same with a fresh engine at ``--resume-at`` steps that loaded the last one's checkpoint, as the

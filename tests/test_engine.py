@@ -24,6 +24,16 @@ def _captured(seed=0, n_layer=1):
     return capture.blocks()
 
 
+def test_the_engine_defaults_to_the_monitors_lanczos_settings():
+    """``Engine()`` (the benchmarks replay through it) solves as the monitor does with ``Evaluation()``'s defaults."""
+    from curvwatch import Evaluation
+    from curvwatch.engine import MONITOR_LANCZOS
+
+    e = Evaluation()
+    assert (MONITOR_LANCZOS.tol, MONITOR_LANCZOS.max_iter, MONITOR_LANCZOS.max_basis) == (e.tol, e.max_iter, e.max_basis)
+    assert Engine().lanczos == MONITOR_LANCZOS
+
+
 def test_results_equal_the_blocks_own_closed_forms():
     blocks = _captured()
     engine = Engine(dtype="float64", lanczos=Lanczos(tol=1e-6, max_iter=200, max_basis=None))

@@ -207,6 +207,34 @@ def test_a_top_the_start_missed_above_a_close_one_is_found_by_the_second_look(mo
     assert _misses(monkeypatch, operators, "default", both_ends=False) == 0
 
 
+def test_the_second_look_starts_without_the_direction_the_first_one_found(monkeypatch):
+    """Both starts short of the top: the first holds 1e-6 of a random vector's weight on its eigenvector, the second
+    look's (``seed + SECOND_LOOK_SEED``) 0.1, and the next eigenvalue is 1.3% below (an FFN's functional ``W1W1`` block
+    of a recorded training state, both looks from independent starts on its second eigenvalue, read 1.29% low so). A
+    look from the second start alone stops on the second eigenvalue too; the second look starts without the first
+    look's Ritz vector, so nothing close is left for the top to hide behind (tol 1e-2, the monitor's max_iter and
+    max_basis; ``_misses`` counts those reported converged more than 1% low)."""
+    n, cpu = 400, torch.device("cpu")
+    first, second = [], []
+    for trial in range(12):
+        gen = torch.Generator().manual_seed(300 + trial)
+        s1 = start_vectors((), n, DT, cpu, seed=trial)
+        s2 = start_vectors((), n, DT, cpu, seed=trial + _lanczos.SECOND_LOOK_SEED)
+        basis, _ = torch.linalg.qr(torch.stack([s1, s2]).T)
+        u = torch.randn(n, generator=gen, dtype=DT)
+        u = u - basis @ (basis.T @ u)
+        R = torch.randn(n, n, generator=gen, dtype=DT)
+        R[:, 0] = u / u.norm() + (1e-6 * s1 + 0.1 * s2) / n**0.5  # the top eigenvector
+        Q, _ = torch.linalg.qr(R)
+        lam = torch.cat([torch.tensor([1.0, 0.987], dtype=DT), 0.85 * (2 * torch.rand(n - 2, generator=gen) - 1)])
+        A = (Q * lam) @ Q.T
+        first.append((A, s1))
+        second.append((A, s2))
+    assert _misses(monkeypatch, first, "one look", both_ends=False) == 12  # the failure mode is real, for both starts
+    assert _misses(monkeypatch, second, "one look", both_ends=False) >= 6
+    assert _misses(monkeypatch, first, "default", both_ends=False) == 0
+
+
 def test_drift_is_how_far_the_deciding_ends_moved_over_the_window():
     """:func:`~curvwatch.closed_form.solver.lanczos.drift` from the projected matrix alone: the Ritz values of its
     leading block are those of the space ``window`` steps ago; inf before that many steps; the other end counted only

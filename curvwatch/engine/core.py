@@ -58,7 +58,7 @@ __all__ = ["MONITOR_LANCZOS", "NONFINITE", "BlockError", "Engine", "Evaluation",
 
 #: The monitor's Lanczos settings (:class:`curvwatch.Evaluation`'s defaults); ``python -m benchmarks.bench_accuracy``
 #: measures their true errors on the demo's model and a 6-layer d = 384 GPT against tightly converged norms.
-MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=40, max_basis=16, warn=False)
+MONITOR_LANCZOS = Lanczos(tol=1e-2, max_iter=60, max_basis=16, warn=False)
 
 #: Blocks evaluated together (their Lanczos stopping tests sharing one host read, see ``Engine._windows``) hold at
 #: most this many times the memory of the largest block's evaluation.
@@ -122,7 +122,7 @@ class Engine:
     """Evaluate captured blocks into named numbers (see the module docstring).
 
     Args:
-        lanczos: Settings of the iterative norms (default :data:`MONITOR_LANCZOS`: tol 1e-2, at most 40 steps and
+        lanczos: Settings of the iterative norms (default :data:`MONITOR_LANCZOS`: tol 1e-2, at most 60 steps and
             16 vectors per norm; its ``warm_start`` and ``warn`` are the engine's own: one warm start per block, and
             convergence is reported through the results' ``residual/...`` keys, not warnings).
         dtype: ``"float32"`` or ``"float64"``, the precision of the closed forms.

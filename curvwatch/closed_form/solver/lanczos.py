@@ -76,11 +76,13 @@ CROWDED_STEPS = 8
 #: values at a close eigenvalue stand still (on the FFN's ``W1W1`` blocks of trained models, about one norm in 10,000
 #: stopped 1-5% low so, the Ritz value next to theta 7-22% below it). A member whose theta has another Ritz value that
 #: could decide within :data:`RELOOK` of it when it passes the test therefore takes a second look: once the run's first
-#: looks have all ended, a Lanczos run from an independent start (seeded ``seed + SECOND_LOOK_SEED``, up to
-#: ``max_iter`` more products, the other members stopped) to the same test; the larger of the two looks is the norm,
-#: known to the better residual where they agree to ``tol``. Both miss the top only where both starts nearly miss its
-#: direction. (An offset in the low 32 bits: the CPU generator keeps only those of a seed, so ``seed + 2**32`` would
-#: draw the first look's start again.)
+#: looks have all ended, a Lanczos run from an independent start (seeded ``seed + SECOND_LOOK_SEED``) without the
+#: first look's Ritz vector (up to ``max_iter`` more products, the other members stopped) to the same test; the larger
+#: of the two looks is the norm, known to the better residual where they agree to ``tol``. Where the first look found
+#: the second eigenvalue, the second one's Krylov space holds nothing close for the top to hide behind (two independent
+#: starts both landed on a second eigenvalue 1.3% below the top once in 117,608 norms of recorded training states);
+#: where it found the top, the second look finds the next one or the top again. (An offset in the low 32 bits: the CPU
+#: generator keeps only those of a seed, so ``seed + 2**32`` would draw the first look's start again.)
 SECOND_LOOK_SEED = 0x9E3779B9
 #: The members that take the second look (:data:`SECOND_LOOK_SEED`): theta's gap to the nearest Ritz value that could
 #: decide (:attr:`Verdict.gap`) is at most this fraction of ``|theta|`` when they pass the test.
@@ -517,8 +519,9 @@ class LanczosRun:
 
     def _second_look(self) -> None:
         """Start the second look of the members whose top was crowded when they passed the stopping test: a new Krylov
-        space from an independent seeded start (:data:`SECOND_LOOK_SEED`), up to ``max_iter`` more products, the other
-        members stopped; :meth:`_finish` then keeps the larger of the two looks."""
+        space from an independent seeded start (:data:`SECOND_LOOK_SEED`) without the first look's Ritz vector, up to
+        ``max_iter`` more products, the other members stopped; :meth:`_finish` then keeps the larger of the two
+        looks."""
         self.first = (self.theta.copy(), self.rel.copy(), self.ritz)
         n, dtype, device = self.n, self.dtype, self.device
         # each run merged into this one (merge_runs) draws its own members' starts, as it would solved alone
@@ -530,6 +533,11 @@ class LanczosRun:
                 for r, _, _ in self.merged
             ]).view(*self.batch_shape, n)
         )  # fmt: skip
+        # without the direction the first look found: where that is the second eigenvalue and the first start nearly
+        # missed the top one, the second look's Krylov space holds nothing else that the top can hide behind
+        ritz = self.ritz
+        start = start - ritz * ((ritz * start).sum(-1, keepdim=True) / (ritz * ritz).sum(-1, keepdim=True).clamp_min(
+            torch.finfo(dtype).tiny))
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
         # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same
