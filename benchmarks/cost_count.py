@@ -302,6 +302,42 @@ def engine_skipped() -> Iterator[None]:
         Engine.evaluate = evaluate
 
 
+#: The shape the cost model estimates, ``(n_layer, batch)``: the sampled passes are counted batched as they would be
+#: there (:func:`passes_as_at`).
+TARGET = (12, 8)
+
+
+@contextlib.contextmanager
+def passes_as_at(n_layer: int, batch: int, target: tuple[int, int], chosen: list[int]) -> Iterator[None]:
+    """The real-loss sampled passes batched for the duration as at the ``target`` shape ``(n_layer, batch)``, not as at
+    the counted one: :func:`~curvwatch.realloss.sampling.passes_at_once` fits a batch of passes into its memory budget
+    by one sample's bytes (:func:`~curvwatch.realloss.sampling.pass_bytes`: its cotangent and gradients at every block
+    output, which grow with the layers and the batch), so a small counted shape would batch passes that the target runs
+    one at a time. Each number of passes at once is appended to ``chosen``."""
+    from curvwatch.realloss import sampling
+
+    own = sampling.passes_at_once
+
+    def at_target(live, start, samples, **kwargs) -> int:
+        counted = own(live, start, samples, **kwargs)
+        if counted > 1:  # batched at the counted shape: scale one sample's bytes to the target's
+            sizes = [item.output.numel() * item.output.element_size() for item in live]
+            grow = target[1] / batch
+            per_sample = grow * (
+                start.numel() * start.element_size() + sum(sizes) * target[0] / n_layer + 12 * max(sizes, default=0)
+            )
+            budget = kwargs.get("memory_mb") or sampling.BATCH_MEMORY_MB
+            counted = int(max(1, min(counted, budget * 2**20 // per_sample)))
+        chosen.append(counted)
+        return counted
+
+    sampling.passes_at_once = at_target
+    try:
+        yield
+    finally:
+        sampling.passes_at_once = own
+
+
 def _variants() -> dict[str, Any]:
     """The tiers counted: the plain step, a full evaluation every step (defaults: real-loss keys on), the same without
     the real-loss keys, a terms-only evaluation every step. In the last the schedule's step-0 full evaluation is made a
@@ -339,6 +375,7 @@ def count_config(
     vocab: int = 50304,
     steps: tuple[int, ...] = (1, 2),
     engine: bool = True,
+    target: tuple[int, int] = TARGET,
 ) -> list[dict[str, Any]]:
     """The parts' counts of each of ``steps`` (warm: step 0 evaluates too) of one Lightning run of ``tier`` on the CPU.
 
@@ -351,6 +388,8 @@ def count_config(
         steps: The steps counted, one :meth:`PartCounter.as_dict` each (a warm evaluation's Lanczos steps vary from
             one training step to the next).
         engine: ``False``: the engine evaluates nothing (:func:`engine_skipped`); its part is then empty.
+        target: The estimate's ``(n_layer, batch)``: the sampled passes are batched as there (:func:`passes_as_at`);
+            each step's count records it (``passes_at_once``).
 
     The GPU's choices are made (:func:`benchmarks.bench_dispatch.gpu_choices`).
     """
@@ -382,13 +421,18 @@ def count_config(
             if self.stack is not None:
                 self.stack.close()
                 self.stack = None
-                self.counts.append(self.counter.as_dict())
+                self.counts.append({**self.counter.as_dict(), "passes_at_once": chosen[-1] if chosen else None})
 
     vocab = 32000 if arch == "llama" else vocab
     model_fn = lambda: bench_dispatch.build_model(arch, n_layer, vocab, seq, d_model)  # noqa: E731
     probe = Probe()
     device = torch.device("cpu")
-    with bench_dispatch.gpu_choices(), contextlib.nullcontext() if engine else engine_skipped():
+    chosen: list[int] = []
+    with (
+        bench_dispatch.gpu_choices(),
+        passes_as_at(n_layer, batch, target, chosen),
+        contextlib.nullcontext() if engine else engine_skipped(),
+    ):
         monitor = _variants()[tier]()
         bench_dispatch.run(model_fn, monitor, max(steps) + 1, -1, batch, seq, vocab, device, precision, probe=probe)
     return probe.counts
@@ -404,7 +448,7 @@ TIERS = ("off", "full", "full_nrl", "terms")
 def count_all(
     archs,
     seq: int = 1024,
-    depth: int = 12,
+    depth: int = TARGET[0],
     grid=GRID,
     tiers=TIERS,
     d_model: int = 768,
@@ -413,9 +457,10 @@ def count_all(
     steps=(1, 2),
     path=None,
     counts: dict | None = None,
+    batch: int = TARGET[1],
 ) -> dict[str, Any]:
     """Count every tier of every model of ``archs`` on the ``grid`` (the terms-only tier at ``depth`` layers, batch 1
-    and 2), written to ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped
+    and 2; the sampled passes batched as at ``depth`` layers and batch ``batch``, :func:`passes_as_at`), written to ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped
     goes on where it stopped). Each configuration records the commit it counted (:func:`source_commit`) and its
     seconds; an entry counted at another commit is counted again."""
     import json
@@ -434,7 +479,8 @@ def count_all(
                     continue
                 start = time.perf_counter()
                 engine = b == 1 or tier == "off"
-                counted = count_config(arch, tier, n, b, seq, precision, d_model, vocab, steps=steps, engine=engine)
+                counted = count_config(arch, tier, n, b, seq, precision, d_model, vocab, steps=steps, engine=engine,
+                                       target=(depth, batch))  # fmt: skip
                 seconds = round(time.perf_counter() - start, 1)
                 done[key] = {"steps": counted, "engine": engine, "cpu_seconds": seconds, "commit": commit}
                 print(f"counted {arch} {tier} {key} in {done[key]['cpu_seconds']} s", file=sys.stderr)

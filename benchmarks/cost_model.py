@@ -669,6 +669,8 @@ def constants_table(result: dict[str, Any]) -> str:
 
 def report(result: dict[str, Any]) -> str:
     """The markdown of a :func:`build` result."""
+    from curvwatch import Sharpness
+
     shape = result["estimate_shape"]
     out = [
         "Constants (the FP32 columns: float32 matmuls on the CUDA cores, torch's default; TF32: on the tensor cores):",
@@ -686,6 +688,11 @@ def report(result: dict[str, Any]) -> str:
         )
     for arch, est in result["estimates"].items():
         out += ["", f"### {MODELS.get(arch, arch)}", "", table(est), "", memory_table(result["memory"][arch])]
+        at_once = sorted({s.get("passes_at_once") for cell in result["counts"].get(arch, {}).get("full", {}).values()
+                          for s in cell["steps"]} - {None})  # fmt: skip
+        if at_once:
+            out += ["", f"Sampled passes at once (as at this shape, within the memory budget): "
+                        f"{', '.join(map(str, at_once))} of {Sharpness().samples}."]  # fmt: skip
     return "\n".join(out)
 
 
@@ -836,7 +843,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps = (1,) if args.quick else (1, 2)  # quick: one warm step per configuration
         counts = count_all(
             args.arch, args.seq, args.n_layer, d_model=args.d_model, vocab=args.vocab, steps=steps, path=partial,
-            counts=counts,
+            counts=counts, batch=args.batch,
         )  # fmt: skip
         env = environment(torch.device("cpu"))
         bounds = {arch: engine_estimate(arch, args.d_model, args.vocab, args.seq) for arch in counts}

@@ -165,6 +165,27 @@ def test_counting_a_tiny_model():
     assert (Engine.evaluate, RealLoss.sample) == before
 
 
+def test_sampled_passes_counted_as_batched_at_the_target_shape():
+    """A small counted shape batches as many sampled passes as the target shape's memory budget would: one sample's
+    bytes (its cotangent, its gradients at every block output, 12 x the largest output) grow with the layers and the
+    batch."""
+    from curvwatch.capture import LiveOutput
+    from curvwatch.realloss import sampling
+
+    own = sampling.passes_at_once
+    live = [LiveOutput(None, torch.zeros(2, 4, 8), (2, 4))] * 2  # 1 layer's two block outputs at batch 2, 256 B each
+    start = torch.zeros(2, 4, 8)
+    # one sample: 256 + 2 x 256 + 12 x 256 = 3,840 B counted; at 4 layers x batch 8: 4 x (256 + 8 x 256 + 12 x 256)
+    budget_mb = 16 * 3840 / 2**20  # 16 passes fit at the counted shape; 61,440 // 21,504 = 2 at the target
+    chosen: list[int] = []
+    with cost_count.passes_as_at(1, 2, (4, 8), chosen):
+        assert sampling.passes_at_once(live, start, 16, batched=True, memory_mb=budget_mb) == 2
+        assert sampling.passes_at_once(live, start, 16, batched=False) == 1
+    with cost_count.passes_as_at(1, 2, (1, 2), chosen):
+        assert sampling.passes_at_once(live, start, 16, batched=True, memory_mb=budget_mb) == 16
+    assert chosen == [2, 1, 16] and sampling.passes_at_once is own
+
+
 def test_gpu_scale_comparison_runs_on_cpu(tmp_path):
     """``gpu_scale.sh``'s two steps per model on CPU: ``bench_dispatch``'s timing path (``--time``, the tiers the GPU
     script times) and ``cost_model --compare`` of its JSON: a measured and an estimated figure per row, and the run's
