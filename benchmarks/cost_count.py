@@ -460,9 +460,10 @@ def count_all(
     batch: int = TARGET[1],
 ) -> dict[str, Any]:
     """Count every tier of every model of ``archs`` on the ``grid`` (the terms-only tier at ``depth`` layers, batch 1
-    and 2; the sampled passes batched as at ``depth`` layers and batch ``batch``, :func:`passes_as_at`), written to ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped
-    goes on where it stopped). Each configuration records the commit it counted (:func:`source_commit`) and its
-    seconds; an entry counted at another commit is counted again."""
+    and 2; the sampled passes batched as at ``depth`` layers and batch ``batch``, :func:`passes_as_at`), written to
+    ``path`` after each configuration (an existing entry of ``counts`` is kept: a run that stopped goes on where it
+    stopped). Each configuration records the commit it counted (:func:`source_commit`) and its seconds; an entry
+    counted at another commit is counted again."""
     import json
     import sys
     import time

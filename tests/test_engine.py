@@ -29,8 +29,8 @@ def test_the_engine_defaults_to_the_monitors_lanczos_settings():
     from curvwatch import Evaluation
     from curvwatch.engine import MONITOR_LANCZOS
 
-    e = Evaluation()
-    assert (MONITOR_LANCZOS.tol, MONITOR_LANCZOS.max_iter, MONITOR_LANCZOS.max_basis) == (e.tol, e.max_iter, e.max_basis)
+    e, m = Evaluation(), MONITOR_LANCZOS
+    assert (m.tol, m.max_iter, m.max_basis) == (e.tol, e.max_iter, e.max_basis)
     assert Engine().lanczos == MONITOR_LANCZOS
 
 

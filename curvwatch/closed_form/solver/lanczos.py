@@ -536,8 +536,10 @@ class LanczosRun:
         # without the direction the first look found: where that is the second eigenvalue and the first start nearly
         # missed the top one, the second look's Krylov space holds nothing else that the top can hide behind
         ritz = self.ritz
-        start = start - ritz * ((ritz * start).sum(-1, keepdim=True) / (ritz * ritz).sum(-1, keepdim=True).clamp_min(
-            torch.finfo(dtype).tiny))
+        start = start - ritz * (
+            (ritz * start).sum(-1, keepdim=True)
+            / (ritz * ritz).sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        )
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
         # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same
