@@ -16,7 +16,7 @@ import math
 import pytest
 
 from benchmarks import bench_convergence
-from curvwatch.closed_form.solver import choices, lanczos
+from curvwatch.closed_form.solver import choices, lanczos, stopping
 from curvwatch.engine import Engine
 
 
@@ -38,8 +38,8 @@ def _replay(recording, monkeypatch, residual_alone: bool, chosen: choices.Solver
 
     monkeypatch.setattr(Engine, "evaluate", one_seed)
     if residual_alone:
-        monkeypatch.setattr(lanczos, "STABLE", math.inf)
-        monkeypatch.setattr(lanczos, "CROWDED", 0.0)
+        monkeypatch.setattr(stopping, "STABLE", math.inf)
+        monkeypatch.setattr(stopping, "CROWDED", 0.0)
         monkeypatch.setattr(lanczos, "RELOOK", -math.inf)
     with choices.forced(chosen):
         return bench_convergence.replay_all(recording["states"], recording["resume_at"])

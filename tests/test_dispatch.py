@@ -89,7 +89,7 @@ def test_terms_only_evaluation_of_a_deep_model_meets_in_gathered_calls(monkeypat
 # Ceilings about 15% above the counts of this 2-layer d 32 GPT (python -m benchmarks.bench_dispatch prints them: full
 # ~8,050 operators and 16.5 syncs per layer, terms-only ~165 and 0.5). The full evaluation's syncs: one NaN/Inf read,
 # then one read per round of stopping tests of the layer's blocks evaluated together (Engine._windows); a member
-# converges only once its Ritz values stood still over the last solver.lanczos.STABLE_STEPS steps, so a run takes at
+# converges only once its Ritz values stood still over the last solver.stopping.STABLE_STEPS steps, so a run takes at
 # least one more round than its residual test alone would, and a member whose theta has a Ritz value within
 # solver.lanczos.RELOOK of it when it converges takes a second look from an independent start once its run's first
 # looks have ended (at this shape most runs: their spectra are dense at the top), steps and rounds after the first
@@ -175,7 +175,7 @@ def test_sampled_sharpness_keys_stay_under_their_ceilings(gram_steps, monkeypatc
     }  # fmt: skip
     # the calls without samples (the engine's own runs, tol 1e-3): attention ~27,900, FFN ~13,820, GQA ~38,800;
     # ceilings about 15% above. The FFN's functional W1W1 has a crowded top at this shape (Ritz values within 5%): its
-    # Ritz value next to the top must converge too (solver.lanczos.CROWDED); and most members' theta has a Ritz value
+    # Ritz value next to the top must converge too (solver.stopping.CROWDED); and most members' theta has a Ritz value
     # within solver.lanczos.RELOOK when they converge: they take a second look from an independent start, after the
     # run's first looks (without second looks ~14,150, ~6,790, ~20,330)
     own = {"attention": 32_100, "ffn": 15_900, "gqa": 44_600}

@@ -18,6 +18,7 @@ from curvwatch.closed_form import (
 )
 from curvwatch.closed_form.settings import Lanczos, WarmStart
 from curvwatch.closed_form.solver import lanczos as _lanczos
+from curvwatch.closed_form.solver import stopping as _stopping
 from curvwatch.closed_form.solver.choices import CPU, GPU, forced
 from curvwatch.closed_form.solver.lanczos import lanczos_max_abs, start_vectors
 from tests.utils import TOL, assert_close_report
@@ -117,8 +118,8 @@ def test_two_gram_schmidt_passes_every_step_and_no_read_of_a_device_value(monkey
 def _residual_test_alone(m: pytest.MonkeyPatch) -> None:
     """The stopping test without its drift and crowded-top rules (``STABLE`` off, nothing crowded) and no second
     look."""
-    m.setattr(_lanczos, "STABLE", math.inf)
-    m.setattr(_lanczos, "CROWDED", 0.0)
+    m.setattr(_stopping, "STABLE", math.inf)
+    m.setattr(_stopping, "CROWDED", 0.0)
     m.setattr(_lanczos, "RELOOK", -math.inf)
 
 
@@ -236,10 +237,10 @@ def test_the_second_look_starts_without_the_direction_the_first_one_found(monkey
 
 
 def test_drift_is_how_far_the_deciding_ends_moved_over_the_window():
-    """:func:`~curvwatch.closed_form.solver.lanczos.drift` from the projected matrix alone: the Ritz values of its
+    """:func:`~curvwatch.closed_form.solver.stopping.drift` from the projected matrix alone: the Ritz values of its
     leading block are those of the space ``window`` steps ago; inf before that many steps; the other end counted only
     where both ends decide and it could overtake; after a thick restart never less than the kept Ritz vectors."""
-    drift = _lanczos.drift
+    drift = _stopping.drift
     T = np.diag([3.0, -1.0, 2.0, -2.9, 4.0, 0.2])  # steps 3-6 moved the top 3 -> 4 and the bottom -1 -> -2.9
     evals = np.sort(np.diag(T))
     up, one_end, both = np.array(True), np.array(False), np.array(True)

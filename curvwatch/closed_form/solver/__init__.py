@@ -7,6 +7,8 @@ the outer and functional parts) and asks this package for norms:
   products, lockstep), and :func:`~.choices.forced` to take a GPU's on a CPU;
 * :mod:`~.lanczos`: batched Lanczos (:class:`LanczosRun`, :func:`lanczos_max_abs`) and the solve that advances many
   runs with one host read per round of stopping tests (:func:`solve`);
+* :mod:`~.stopping`: the stopping test on each run's projected matrix (:func:`~.stopping.verdict`: the residual, the
+  drift of the deciding Ritz values, a crowded top, the other end of an indefinite spectrum);
 * :mod:`~.lockstep`: several evaluations whose solves and exact pieces meet (:class:`Lockstep`, :func:`gathered`);
 * :mod:`~.operator`: the operator interface and the symmetric matvecs of its blocks (:func:`pair_matvec`), dense
   blocks for tests;

@@ -5,30 +5,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from .choices import for_device
+from .stopping import verdict
 
 __all__ = [
-    "CROWDED",
-    "CROWDED_STEPS",
     "LOCKSTEP",
-    "OVERTAKE_K",
     "RELOOK",
     "RESTART_CHUNKS",
     "SECOND_LOOK_SEED",
-    "STABLE",
-    "STABLE_STEPS",
-    "TIE",
     "WARM_NOISE",
     "LanczosRun",
     "Rounds",
     "SharedRunError",
-    "Verdict",
-    "drift",
     "lanczos_max_abs",
     "merge_runs",
     "mergeable",
@@ -37,14 +30,7 @@ __all__ = [
     "split_results",
     "start_vectors",
     "to_host",
-    "verdict",
 ]
-
-#: The other end of an indefinite spectrum counts as settled once it could not overtake theta even at
-#: ``OVERTAKE_K`` times its residual. With eigenvalues 1 and -0.95 above a cluster in [0, 0.9], K = 1 stops on -0.95
-#: in about one random start of ten, K = 10 in none of 80; on attention and FFN Hessians K = 10 costs no extra products
-#: at L = d = 512 and ~4% more on small blocks.
-OVERTAKE_K = 10.0
 
 #: Norm of the noise mixed into a warm start, relative to the start vector's norm. A warm start is the last
 #: evaluation's Ritz vector: near an eigenvector of the operator as it was. With little noise the Krylov space stays
@@ -54,42 +40,23 @@ OVERTAKE_K = 10.0
 #: operator whose other end is 1.5 against 1 is found from the old top vector).
 WARM_NOISE = 1.0
 
-#: A Ritz value that passed the residual test sits on *an* eigenvalue, not necessarily the largest: a direction the
-#: start vector nearly missed has no Ritz value yet (an unlucky draw, a near-degenerate top, a warm start at last time's
-#: top vector when another has overtaken it). Once the Krylov space holds the eigenvalues it found, each further step
-#: amplifies such a direction by its gap to the rest of the spectrum, so a member also waits until the extreme Ritz
-#: values that decide (theta's end, and the other end where both matter) moved by at most ``STABLE * tol * |theta|``
-#: over its last ``STABLE_STEPS`` steps (:func:`drift`). ``benchmarks/bench_convergence.py`` counts the norms reported
-#: converged that are more than 1% off a tight solve over recorded training states.
-STABLE = 0.1
-#: The window of :data:`STABLE`, in Lanczos steps: independent of how often the stopping test runs (the device's
-#: ``check_every``, :mod:`~.choices`), so that the test's cadence changes only when a member that met the rule is seen
-#: to.
-STABLE_STEPS = 4
-#: A crowded top: another Ritz value that could decide within this fraction of ``|theta|``. Theta's residual then does
-#: not say which of the close eigenvalues it found, and a missed one just above grows slowly: the close Ritz value at
-#: theta's end must meet the residual test too, and the window of :data:`STABLE` is :data:`CROWDED_STEPS`.
-CROWDED = 0.05
-CROWDED_STEPS = 8
 #: No test on one Krylov space rules out an eigenvalue it has not reached yet: a direction the start (or, warm, the
 #: noise mixed into last time's top vector) holds at ~1/sqrt(n) of its weight grows too slowly to show before the Ritz
 #: values at a close eigenvalue stand still (on the FFN's ``W1W1`` blocks of trained models, about one norm in 10,000
 #: stopped 1-5% low so, the Ritz value next to theta 7-22% below it). A member whose theta has another Ritz value that
 #: could decide within :data:`RELOOK` of it when it passes the test therefore takes a second look: once the run's first
-#: looks have all ended, a Lanczos run from an independent start (seeded ``seed + SECOND_LOOK_SEED``) without the
-#: first look's Ritz vector (up to ``max_iter`` more products, the other members stopped) to the same test; the larger
-#: of the two looks is the norm, known to the better residual where they agree to ``tol``. Where the first look found
-#: the second eigenvalue, the second one's Krylov space holds nothing close for the top to hide behind (two independent
-#: starts both landed on a second eigenvalue 1.3% below the top once in 117,608 norms of recorded training states);
-#: where it found the top, the second look finds the next one or the top again. (An offset in the low 32 bits: the CPU
-#: generator keeps only those of a seed, so ``seed + 2**32`` would draw the first look's start again.)
+#: looks have all ended, a Lanczos run from an independent start (seeded ``seed + SECOND_LOOK_SEED``) on the operator
+#: with the first look's Ritz vector projected out (up to ``max_iter`` more products, the other members stopped) to
+#: the same test; the larger of the two looks is the norm, known to the better residual where they agree to ``tol``.
+#: Where the first look found the second eigenvalue, the second one holds nothing close for the top to hide behind (two
+#: independent starts both landed on a second eigenvalue 1.3% below the top once in 117,608 norms of recorded training
+#: states); where it found the top, the second look finds the next eigenvalue (or the top again where it is
+#: repeated). (An offset in the low 32 bits: the CPU generator keeps only those of a seed, so ``seed + 2**32`` would
+#: draw the first look's start again.)
 SECOND_LOOK_SEED = 0x9E3779B9
 #: The members that take the second look (:data:`SECOND_LOOK_SEED`): theta's gap to the nearest Ritz value that could
-#: decide (:attr:`Verdict.gap`) is at most this fraction of ``|theta|`` when they pass the test.
+#: decide (:attr:`~.stopping.Verdict.gap`) is at most this fraction of ``|theta|`` when they pass the test.
 RELOOK = 0.2
-#: Relative difference below which the two ends of a member's Ritz values count as tied (theta is then the top one).
-TIE = 1e-9
-
 #: A thick restart's kept Ritz vectors (half the basis) are made this many slices of a run's members at a time: the
 #: temporary is then an eighth of the basis, not half (a run merged from several, :func:`merge_runs`, restarts all of
 #: them at once: at GPT-2-small width the FFN's own and sampled rows are 680 MiB). Every member is its own bmm row: the
@@ -123,10 +90,11 @@ def lanczos_max_abs(
     (for a symmetric operator an eigenvalue lies within that residual) and, where ``both_ends``, the Ritz
     value ``theta_o`` at the other end of the spectrum has too or cannot overtake it
     (``|theta_o| + 10 r_o <= |theta|``), so an indefinite operator does not stop on the wrong end, and these
-    extreme Ritz values moved by at most ``STABLE tol |theta|`` over the last :data:`STABLE_STEPS` steps
-    (:func:`drift`); where the top is crowded (another Ritz value within :data:`CROWDED` of theta) its close neighbour
-    must meet the residual test too and the window is :data:`CROWDED_STEPS` steps. Or when its Krylov space is
-    exhausted (then the answer is exact up to round-off). The test is :func:`verdict`. A residual test alone cannot
+    extreme Ritz values moved by at most ``STABLE tol |theta|`` over the last :data:`~.stopping.STABLE_STEPS` steps
+    (:func:`~.stopping.drift`); where the top is crowded (another Ritz value within :data:`~.stopping.CROWDED` of
+    theta) its close neighbour must meet the residual test too and the window is :data:`~.stopping.CROWDED_STEPS`
+    steps. Or when its Krylov space is exhausted (then the answer is exact up to round-off). The test is
+    :func:`~.stopping.verdict`. A residual test alone cannot
     see an eigenvalue the Krylov space has not reached yet (a start nearly orthogonal to its eigenvector, a crowded
     top): the drift test gives such a direction the steps in which, once the others are found, it grows by its gap to
     the rest; no test on one Krylov space rules it out, so a member whose top was crowded when it passed takes a second
@@ -154,10 +122,10 @@ def lanczos_max_abs(
             extra host-device sync: the stopping test reads it anyway.
         info: optional dict; receives ``"rel_residual"`` (shape ``batch_shape``): ``|beta_j s_j| / |theta|`` of
             the returned Ritz value when its member stopped (with a crowded top the larger of theta's and its
-            neighbour's; where its Ritz values still moved, their drift / ``STABLE`` when larger; at least the
-            working precision). Some eigenvalue lies within that fraction of the norm; it is ``<= tol`` where the
-            member converged and larger where ``max_iter`` cut it short (the norm may then read low: Ritz values never
-            exceed the largest ``|λ|``).
+            neighbour's; where its Ritz values still moved, their drift / :data:`~.stopping.STABLE` when larger; at
+            least the working precision). Some eigenvalue lies within that fraction of the norm; it is ``<= tol`` where
+            the member converged and larger where ``max_iter`` cut it short (the norm may then read low: Ritz values
+            never exceed the largest ``|λ|``).
         algebraic: follow the largest Ritz value ``theta`` (not the largest in magnitude) and return it with
             its sign: the largest algebraic eigenvalue, e.g. of an indefinite Hessian whose most negative
             eigenvalue is the largest in magnitude. The same stopping test on ``theta`` alone (``both_ends`` is
@@ -338,6 +306,7 @@ class LanczosRun:
         # (theta, rel, ritz) while the second runs
         self.relook = np.zeros(batch_shape, dtype=bool)
         self.first: tuple | None = None
+        self.found: torch.Tensor | None = None  # (b, 1, n): the first look's unit Ritz vector, while the second runs
         # tol and algebraic: one for every member, or a host array of batch_shape (runs merged by merge_runs)
         self.tol = (
             tol if np.isscalar(tol) else np.array(np.broadcast_to(np.asarray(tol, dtype=float), self.batch_shape))
@@ -410,6 +379,8 @@ class LanczosRun:
         v = self.v.view(*self.batch_shape, self.n)
         w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
         w = w.reshape(self.b, 1, self.n)
+        if self.found is not None:  # the second look runs on P H P, P projecting out what the first look found
+            w = torch.baddbmm(w, torch.bmm(w, self.found.mT), self.found, alpha=-1)
         # Two passes always ("twice is enough", Giraud et al. 2005), on every device: the second is needed where the
         # first cancelled most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a
         # second pass only below 0.1 ||w_before|| lets them compound: a 60 x 60 operator with eigenvalues in [0.1, 3]
@@ -519,9 +490,9 @@ class LanczosRun:
 
     def _second_look(self) -> None:
         """Start the second look of the members whose top was crowded when they passed the stopping test: a new Krylov
-        space from an independent seeded start (:data:`SECOND_LOOK_SEED`) without the first look's Ritz vector, up to
-        ``max_iter`` more products, the other members stopped; :meth:`_finish` then keeps the larger of the two
-        looks."""
+        space from an independent seeded start (:data:`SECOND_LOOK_SEED`) on the operator with the first look's Ritz
+        vector projected out, up to ``max_iter`` more products, the other members stopped; :meth:`_finish` then keeps
+        the larger of the two looks."""
         self.first = (self.theta.copy(), self.rel.copy(), self.ritz)
         n, dtype, device = self.n, self.dtype, self.device
         # each run merged into this one (merge_runs) draws its own members' starts, as it would solved alone
@@ -533,13 +504,19 @@ class LanczosRun:
                 for r, _, _ in self.merged
             ]).view(*self.batch_shape, n)
         )  # fmt: skip
-        # without the direction the first look found: where that is the second eigenvalue and the first start nearly
-        # missed the top one, the second look's Krylov space holds nothing else that the top can hide behind
-        ritz = self.ritz
-        start = start - ritz * (
-            (ritz * start).sum(-1, keepdim=True)
-            / (ritz * ritz).sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-        )
+        # On P H P, P = I - u u^T projecting out the direction u the first look found (its unit Ritz vector), from a
+        # start without u: where u is the second eigenvector and the first start nearly missed the top one, nothing
+        # close is left for the top to hide behind; where u is the top's, the look finds the next eigenvalue, below.
+        # (u is projected out of every product, not only the start: u's round-off grown back by the products would
+        # make a look whose top re-emerges from round-off.)
+        ritz = self.ritz.reshape(self.b, 1, n)
+        found = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        self.found = found
+        start = start.reshape(self.b, 1, n)
+        start = torch.baddbmm(start, torch.bmm(start, found.mT), found, alpha=-1)
+        start = (start / torch.linalg.vector_norm(start, dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)).view(
+            *self.batch_shape, n
+        )  # unit, as every basis vector
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
         # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same
@@ -620,7 +597,7 @@ class LanczosRun:
                 self.ritz = torch.where(_to_device(second[..., None], None, self.device), self.ritz, ritz1)
             else:
                 self.ritz = ritz1
-            self.first = None
+            self.first = self.found = None
         theta = _to_device(self.theta, self.dtype, self.device)
         self.rel_residual = _to_device(self.rel, self.dtype, self.device)
         self.norm = (
@@ -725,143 +702,6 @@ def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device
             WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
         )
     return v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
-
-
-class Verdict(NamedTuple):
-    """The stopping test's outcome for every member of a run (:func:`verdict`), host arrays of ``batch_shape``."""
-
-    #: theta: the largest-magnitude Ritz value (the largest one where algebraic), with its sign
-    theta: np.ndarray
-    #: its index among the ascending Ritz values (the first or the last)
-    index: np.ndarray
-    #: what the norm is known to, relative (reported as the relative residual): theta's residual / |theta| (with a
-    #: crowded top the larger of theta's and its neighbour's), or the drift of the deciding Ritz values / STABLE where
-    #: larger; at least ``eps``
-    rel: np.ndarray
-    #: whether the member passed the stopping test
-    converged: np.ndarray
-    #: whether its Krylov space is exhausted (the answer is exact up to round-off)
-    exhausted: np.ndarray
-    #: whether its top is crowded (:data:`CROWDED`)
-    crowded: np.ndarray
-    #: theta's gap to the nearest other Ritz value that could decide (its neighbour at theta's end; where both ends
-    #: decide, the other end too), relative to ``|theta|``
-    gap: np.ndarray
-
-
-def verdict(T: np.ndarray, evals: np.ndarray, evecs: np.ndarray, beta: np.ndarray, *, tol: float | np.ndarray,
-            algebraic: np.ndarray, both: np.ndarray, kept: int = 0, breakdown: float = 0.0,
-            eps: float = 0.0, spans: bool = False) -> Verdict:  # fmt: skip
-    """The stopping test of a batch of Lanczos members from their projected matrices (host numpy only).
-
-    A member passes when theta's residual ``|beta s_theta| <= tol |theta|`` (for a symmetric operator an eigenvalue
-    lies within that residual); where ``both`` ends decide, the Ritz value at the other end has too or cannot overtake
-    theta (``|theta_o| + OVERTAKE_K r_o <= |theta|``; with eigenvalues 1 and -0.95 the isolated smaller end converges
-    first, and stopping on it returns 0.95 in about a third of random starts), and the member holds two Ritz values at
-    least; and the deciding extreme Ritz values moved by at most ``STABLE tol |theta|`` over the last
-    :data:`STABLE_STEPS` steps (:func:`drift`). With a crowded top (another deciding Ritz value within :data:`CROWDED`
-    of theta) theta's close neighbour must pass the residual test too and the window is :data:`CROWDED_STEPS`. Theta
-    is the top one where the two ends tie to round-off (:data:`TIE`: the ``+-sigma`` of an off-diagonal pair's
-    symmetric embedding), so that which end decides does not hang on the rounding of the products.
-
-    Args:
-        T: ``(*batch_shape, size, size)`` projected matrices.
-        evals: ``(*batch_shape, size)`` their eigenvalues, ascending; ``evecs`` ``(*batch_shape, size, size)`` their
-            eigenvectors.
-        beta: ``(*batch_shape,)`` the current beta (the norm of the residual direction).
-        tol: relative tolerance, one or ``(*batch_shape,)``.
-        algebraic: ``(*batch_shape,)`` bool: the largest eigenvalue (else the largest magnitude).
-        both: ``(*batch_shape,)`` bool: both ends of the spectrum decide.
-        kept: Ritz vectors kept by the last thick restart (0: none).
-        breakdown: beta at most this times the largest ``|alpha|``: the Krylov space is exhausted.
-        eps: the least relative residual reported (the working precision).
-        spans: the basis spans the whole space (as many vectors as its dimension, no restart): every member's Ritz
-            values are its eigenvalues, so its Krylov space is exhausted whatever beta's round-off.
-
-    Example:
-        >>> T = np.diag([1.0, 3.0]); ev, V = np.linalg.eigh(T)
-        >>> v = verdict(T, ev, V, np.array(0.0), tol=1e-2, algebraic=np.array(False), both=np.array(False))
-        >>> float(v.theta), bool(v.exhausted)
-        (3.0, True)
-    """
-    size = T.shape[-1]
-    upper = algebraic | (np.abs(evals[..., -1]) >= (1 - TIE) * np.abs(evals[..., 0]))
-    idx = np.where(upper, size - 1, 0)
-    top = upper
-    theta = np.take_along_axis(evals, idx[..., None], -1)[..., 0]
-    resid = np.abs(beta[..., None] * evecs[..., -1, :])  # residual of every Ritz pair
-    opp = np.where(top, 0, size - 1)[..., None]  # the other end: the lowest Ritz value when theta is the highest
-    scale = np.maximum(np.abs(np.diagonal(T, axis1=-2, axis2=-1)).max(-1), np.finfo(np.float64).tiny)
-    exhausted = (beta <= breakdown * scale) | spans
-    a_theta, t_opp = np.abs(theta), np.abs(np.take_along_axis(evals, opp, -1)[..., 0])
-    near = np.clip(np.where(top, size - 2, 1), 0, size - 1)[..., None]  # theta's neighbour at its end
-    gap = np.abs(theta - np.take_along_axis(evals, near, -1)[..., 0])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        gap = np.where(size > 1, gap / a_theta, np.inf)
-        gap = np.minimum(gap, np.where(both & (size > 1), 1 - t_opp / a_theta, np.inf))
-    close = (np.abs(theta - np.take_along_axis(evals, near, -1)[..., 0]) <= CROWDED * a_theta) & (size > 1)
-    crowded = close | (both & (t_opp >= (1 - CROWDED) * a_theta))
-    r_theta = np.take_along_axis(resid, idx[..., None], -1)[..., 0]
-    r_theta = np.where(close, np.maximum(r_theta, np.take_along_axis(resid, near, -1)[..., 0]), r_theta)
-    with np.errstate(divide="ignore", invalid="ignore"):  # r / |theta|: inf for a zero Ritz value (unresolved)
-        rel = np.where(r_theta > 0, r_theta / a_theta, 0.0)
-    moved = drift(T, evals, top, both, np.where(crowded, CROWDED_STEPS, STABLE_STEPS), kept)
-    moving = ~exhausted & (moved > STABLE * tol)
-    with np.errstate(invalid="ignore"):  # (inf / inf where STABLE is inf: not read, moving is False there)
-        # a member still moving reports at least its drift (at most 1: a run cut short before a whole window, by
-        # max_iter, knows no more than that its norm is unresolved)
-        rel = np.where(moving, np.maximum(rel, np.minimum(moved / STABLE, 1.0)), rel)
-    converged = (rel <= tol) & ~moving
-    r_opp = np.take_along_axis(resid, opp, -1)[..., 0]
-    settled = (r_opp <= tol * a_theta) | (t_opp + OVERTAKE_K * r_opp <= a_theta)
-    converged = converged & (~both | (settled & (size > 1)))
-    return Verdict(theta, idx, np.maximum(rel, eps), converged, exhausted, crowded, gap)
-
-
-def drift(T: np.ndarray, evals: np.ndarray, top: np.ndarray, both: np.ndarray, window: np.ndarray | int,
-          kept: int = 0) -> np.ndarray:  # fmt: skip
-    """How far the extreme Ritz values that decide a member's norm moved over its last ``window`` steps, relative to
-    the norm: ``(*batch_shape,)``, ``inf`` where the member has not taken more steps than that yet.
-
-    The Ritz values of the space of the first ``m`` basis vectors are those of ``T[:m, :m]`` (Rayleigh-Ritz on a nested
-    space), and by interlacing the extremes of ``T`` lie outside theirs: the drift is how far the end of theta
-    (``top``: its highest Ritz value, else its lowest) moved outward since the space was ``window`` vectors smaller;
-    with ``both`` also the other end's, where at that pace it could overtake theta within :data:`OVERTAKE_K` more such
-    windows. After a thick restart the space compared keeps at least the ``kept`` Ritz vectors (the first rows of
-    ``T``): never less than what the restart kept. Host numpy only.
-
-    Args:
-        T: ``(*batch_shape, size, size)`` projected matrices.
-        evals: ``(*batch_shape, size)`` their eigenvalues, ascending.
-        top: ``(*batch_shape,)`` bool: whether theta is the highest Ritz value (else the lowest).
-        both: ``(*batch_shape,)`` bool: whether both ends of the spectrum decide.
-        window: Steps looked back, one for all members or ``(*batch_shape,)``.
-        kept: Ritz vectors kept by the last thick restart (0: none).
-
-    Example:
-        >>> T = np.diag([3.0, 1.0, 2.0, 0.5, 4.0, 0.2])  # the top Ritz value grew from 3 to 4 in the last 4 steps
-        >>> drift(T, np.sort(np.diag(T)), np.array(True), np.array(False), 4)
-        array(0.25)
-    """
-    size = T.shape[-1]
-    theta = np.abs(np.where(top, evals[..., -1], evals[..., 0]))  # |theta|: the largest |Ritz value|, or largest one
-    other = np.abs(np.where(top, evals[..., 0], evals[..., -1]))
-    window = np.broadcast_to(window, theta.shape)
-    out = np.full(theta.shape, np.inf)
-    for w in np.unique(window):
-        m = max(size - int(w), kept)
-        if m < 1 or m >= size:
-            continue
-        before = np.linalg.eigvalsh(T[..., :m, :m])  # ascending
-        up = evals[..., -1] - before[..., -1]  # (>= 0 up to round-off: interlacing)
-        down = before[..., 0] - evals[..., 0]
-        mine, theirs = np.where(top, up, down), np.where(top, down, up)
-        theirs = np.where(both & (other + OVERTAKE_K * theirs > theta), theirs, 0.0)
-        moved = np.maximum(np.maximum(mine, theirs), 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            moved = np.where(theta != 0, moved / theta, np.where(moved > 0, np.inf, 0.0))
-        out = np.where(window == w, moved, out)
-    return out
 
 
 def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
