@@ -129,8 +129,8 @@ class Lanczos:
             it, relative); ``0`` runs every norm to ``max_iter``.
         max_iter: Most Lanczos steps (Hessian products) per norm; ``None``: the block size (exact in exact
             arithmetic, only for small blocks). A norm whose top Ritz value had a close one below it when it
-            converged takes a second look from an independent start, of up to as many steps
-            (:data:`~.solver.lanczos.RELOOK`).
+            converged takes a second look, of up to as many steps, from an independent start on the operator with
+            the first look's direction projected out (:data:`~.solver.lanczos.RELOOK`).
         max_basis: Most Lanczos vectors held per norm (``>= 4``); ``None``: ``max_iter``. A norm that needs more
             steps restarts thickly (same accuracy, a few more products), so memory is bounded whatever
             ``max_iter``.
@@ -140,8 +140,7 @@ class Lanczos:
         solve_bytes: Most bytes of Lanczos bases one kernel call holds at once so that its runs share their stopping
             tests (one host read per round of tests for all of them, a sync on a GPU); runs beyond it are solved one
             after the other. ``None``: :data:`~.solver.plan.SOLVE_BYTES` (1 GiB). The monitor passes each block's
-            own
-            estimate of its bases (:func:`~curvwatch.engine.memory.basis_bytes`, which its memory windows
+            own estimate of its bases (:func:`~curvwatch.engine.memory.basis_bytes`, which its memory windows
             already count), at least that.
         seed: Seed of the start vectors' random part (the whole of a cold start, the noise mixed into a warm start).
             The monitor's engine passes its count of evaluations, checkpointed with it: successive evaluations and a
@@ -150,7 +149,7 @@ class Lanczos:
             noise a warm start carries is the same vector each time). A second look draws with ``seed +``
             :data:`~.solver.lanczos.SECOND_LOOK_SEED`.
         second_look: Whether a norm whose top Ritz value had another within :data:`~.solver.lanczos.RELOOK` of it
-            when it converged takes a second look from an independent start (see ``max_iter``). The real-loss keys'
+            when it converged takes a second look (see ``max_iter``). The real-loss keys'
             solves run without it: they estimate from a few sampled output gradients, with a relative uncertainty
             (``sharpness_spread``) larger than the 1-5% a second look finds.
 
