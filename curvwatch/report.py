@@ -51,7 +51,7 @@ def summary_text(
     Example:
         >>> print(summary_text(evaluations=1, terms_evaluations=None, skipped=0, last_step=0, fired=0,
         ...                    last_norms={"layer0/attn": 2.0}, last_summary={}, peak={}, history=[], errors=[],
-        ...                    max_iter=40, tol=1e-2))
+        ...                    max_iter=60, tol=1e-2))
         CurvatureMonitor: 1 evaluation(s) (last at step 0), 0 skipped, 0 warning(s)
         Most curved blocks at the last evaluation (largest Hessian spectral norm):
           layer0/attn  2.000e+00
