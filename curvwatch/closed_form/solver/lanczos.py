@@ -380,7 +380,7 @@ class LanczosRun:
         w = self.matvec(v, self.live) if self.pass_live else self.matvec(v)
         w = w.reshape(self.b, 1, self.n)
         if self.found is not None:  # the second look runs on P H P, P projecting out what the first look found
-            w = torch.baddbmm(w, torch.bmm(w, self.found.mT), self.found, alpha=-1)
+            w, _ = _project_out(w, self.found, self.found.mT)
         # Two passes always ("twice is enough", Giraud et al. 2005), on every device: the second is needed where the
         # first cancelled most of w (its rounding errors, ~eps ||w_before||, are then large next to what is left; a
         # second pass only below 0.1 ||w_before|| lets them compound: a 60 x 60 operator with eigenvalues in [0.1, 3]
@@ -509,14 +509,9 @@ class LanczosRun:
         # close is left for the top to hide behind; where u is the top's, the look finds the next eigenvalue, below.
         # (u is projected out of every product, not only the start: u's round-off grown back by the products would
         # make a look whose top re-emerges from round-off.)
-        ritz = self.ritz.reshape(self.b, 1, n)
-        found = ritz / torch.linalg.vector_norm(ritz, dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-        self.found = found
-        start = start.reshape(self.b, 1, n)
-        start = torch.baddbmm(start, torch.bmm(start, found.mT), found, alpha=-1)
-        start = (start / torch.linalg.vector_norm(start, dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)).view(
-            *self.batch_shape, n
-        )  # unit, as every basis vector
+        self.found = _unit(self.ritz.reshape(self.b, 1, n))
+        start, _ = _project_out(start.reshape(self.b, 1, n), self.found, self.found.mT)
+        start = _unit(start).view(*self.batch_shape, n)  # unit, as every basis vector
         self.live = self.relook.copy()
         self.start = start * _to_device(self.live[..., None], dtype, device)  # stopped members: zero rows
         # the look's tests every check_every (the device's choice) of its own steps, whenever it starts: the same
@@ -698,10 +693,13 @@ def start_vectors(batch_shape: Sequence[int], n: int, dtype: torch.dtype, device
         v = noise
     else:
         v = v0.to(dtype=dtype, device=device)
-        v = v / v.norm(dim=-1, keepdim=True).clamp_min(tiny) + noise * (
-            WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny)
-        )
-    return v / v.norm(dim=-1, keepdim=True).clamp_min(tiny)
+        v = _unit(v) + noise * (WARM_NOISE / noise.norm(dim=-1, keepdim=True).clamp_min(tiny))
+    return _unit(v)
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    """``v`` scaled to unit norm along its last dimension (a zero vector stays zero)."""
+    return v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
 
 
 def _to_device(a: np.ndarray, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
