@@ -321,13 +321,12 @@ def passes_as_at(n_layer: int, batch: int, target: tuple[int, int], chosen: list
     def at_target(live, start, samples, **kwargs) -> int:
         counted = own(live, start, samples, **kwargs)
         if counted > 1:  # batched at the counted shape: scale one sample's bytes to the target's
-            sizes = [item.output.numel() * item.output.element_size() for item in live]
-            grow = target[1] / batch
-            per_sample = grow * (
-                start.numel() * start.element_size() + sum(sizes) * target[0] / n_layer + 12 * max(sizes, default=0)
-            )
-            budget = kwargs.get("memory_mb") or sampling.BATCH_MEMORY_MB
-            counted = int(max(1, min(counted, budget * 2**20 // per_sample)))
+            # every term of pass_bytes grows with the batch; the gradients at the block outputs also with the layers
+            outputs = sum(item.output.numel() * item.output.element_size() for item in live)
+            per_sample = target[1] / batch * (sampling.pass_bytes(live, start) + outputs * (target[0] / n_layer - 1))
+            memory_mb = kwargs.get("memory_mb")
+            budget = (sampling.BATCH_MEMORY_MB if memory_mb is None else memory_mb) * 2**20
+            counted = int(max(1, min(counted, budget // per_sample)))
         chosen.append(counted)
         return counted
 
