@@ -125,9 +125,9 @@ def _residual_test_alone(m: pytest.MonkeyPatch) -> None:
 
 def _misses(monkeypatch, operators, rule: str, **kw) -> int:
     """How many of ``operators`` (``(A, start)``: a dense symmetric ``(n, n)`` and a unit start) the solver reports
-    converged (``tol`` 1e-2, the monitor's ``max_iter`` and ``max_basis``) more than 1% below their largest
-    |eigenvalue|, 1 by construction: with the default stopping test, ``rule="residual"``, the residual test alone
-    (:func:`_residual_test_alone`), or ``rule="one look"``, the default test without the second look."""
+    converged (``tol`` 1e-2, ``max_iter`` 40, ``max_basis`` 16: the monitor's but for its 60 steps) more than 1% below
+    their largest |eigenvalue|, 1 by construction: with the default stopping test, ``rule="residual"``, the residual
+    test alone (:func:`_residual_test_alone`), or ``rule="one look"``, the default test without the second look."""
     wrong = 0
     for i, (A, start) in enumerate(operators):
         with monkeypatch.context() as m:
@@ -212,9 +212,9 @@ def test_the_second_look_starts_without_the_direction_the_first_one_found(monkey
     """Both starts short of the top: the first holds 1e-6 of a random vector's weight on its eigenvector, the second
     look's (``seed + SECOND_LOOK_SEED``) 0.1, and the next eigenvalue is 1.3% below (an FFN's functional ``W1W1`` block
     of a recorded training state, both looks from independent starts on its second eigenvalue, read 1.29% low so). A
-    look from the second start alone stops on the second eigenvalue too; the second look starts without the first
-    look's Ritz vector, so nothing close is left for the top to hide behind (tol 1e-2, the monitor's max_iter and
-    max_basis; ``_misses`` counts those reported converged more than 1% low)."""
+    look from the second start alone stops on the second eigenvalue too; the second look runs on the operator with the
+    first look's Ritz vector projected out (its start too), so nothing close is left for the top to hide behind
+    (``_misses`` counts those reported converged more than 1% low)."""
     n, cpu = 400, torch.device("cpu")
     first, second = [], []
     for trial in range(12):
