@@ -473,15 +473,37 @@ class AttentionOperator(BlockOperator):
             group = self.H if mix == "all" else self.G
             return self.sampled(dF, group=group if mix and self.W_O is not None else 1)
         if mix == "all" and self.W_O is not None and self.H > 1:
-            Y = torch.einsum("nbhlv,hvm->nblm", dF, self.W_O)  # the layer's output tangent
-            u = torch.einsum("nblm,hvm->nbhlv", Y, self.W_O)
+            u = self._through_metric(dF, 1)
         elif self.G == 1 or not mix or self.W_O is None:
             u = dF if self.Mo is None else per_head(dF, self.Mo)
         else:
-            W_O = self.W_O.unflatten(0, (self.H_kv, self.G))  # (H_kv, G, d_V, m)
-            Y = torch.einsum("nbgslv,gsvm->nbglm", dF.unflatten(2, (self.H_kv, self.G)), W_O)  # group output tangent
-            u = torch.einsum("nbglm,gsvm->nbgslv", Y, W_O).flatten(2, 3)  # (n, B, H, L, d_V)
+            u = self._through_metric(dF, self.H_kv)
         return u * self.c_rows
+
+    def _through_metric(self, dF: torch.Tensor, n_groups: int) -> torch.Tensor:
+        """``u_h = (sum_{h' in g} dF_h' W_O^h') W_O^h^T`` for every head ``h`` of each of ``n_groups`` groups of
+        consecutive heads (``H_kv`` kv groups, or 1: every head), ``(n, B, H, L, d_V)``: the output tangent's trip
+        through ``W_O`` and back. One product with the group's metric ``W_g W_g^T`` (:meth:`_group_metric`, ``(G'
+        d_V)^2`` per row for ``G'`` heads a group) where that is narrower than the trip through the ``d_out`` outputs
+        and back (``2 G' d_V d_out``); else the two products."""
+        H, d_V, d_out = self.H, self.d_V, self.W_O.shape[-1]
+        per = H // n_groups
+        if per * d_V <= 2 * d_out:  # (always, but for a projection to fewer outputs than half the group's values)
+            M = self._group_metric(n_groups)  # (n_groups, per d_V, per d_V)
+            return torch.einsum("nbgslv,gsvtw->nbgtlw", dF.unflatten(2, (n_groups, per)), M).flatten(2, 3)
+        W_O = self.W_O.unflatten(0, (n_groups, per))  # (n_groups, per, d_V, m)
+        Y = torch.einsum("nbgslv,gsvm->nbglm", dF.unflatten(2, (n_groups, per)), W_O)  # each group's output tangent
+        return torch.einsum("nbglm,gsvm->nbgslv", Y, W_O).flatten(2, 3)  # (n, B, H, L, d_V)
+
+    def _group_metric(self, n_groups: int) -> torch.Tensor:
+        """``W_g W_g^T`` for ``n_groups`` groups of consecutive heads, ``W_g = [W_O^h]_{h in g}`` ``(G' d_V, d_out)``:
+        ``(n_groups, G', d_V, G', d_V)``; made once per group size."""
+        cache = self.__dict__.setdefault("_metrics", {})
+        if n_groups not in cache:
+            W = self.W_O.reshape(n_groups, -1, self.W_O.shape[-1])  # (n_groups, G' d_V, d_out)
+            per = self.H // n_groups
+            cache[n_groups] = torch.bmm(W, W.mT).view(n_groups, per, self.d_V, per, self.d_V)
+        return cache[n_groups]
 
     @cached_property
     def c_rows(self) -> torch.Tensor:

@@ -180,8 +180,11 @@ def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: 
     # per product): the group's heads stacked on the rows, (m B H_kv, G L, L_kv); W_O per group, (m H_kv, G d_V, d_out)
     A3 = A.reshape(m * B * H_kv, G * L, L_kv)
     A3T = A3.mT
+    # the group's output metric W_g W_g^T, (m H_kv, G d_V, G d_V), W_g = [W_O^h]_{h in g} (G d_V, d_out): the output
+    # tangent's trip through W_O and back, c (sum_h A_h X dW W_O^h) W_O^h'^T, is then one (G d_V)-wide product per row
+    # instead of two d_out-wide ones (the curvature c_b is a row scaling: it commutes with the metric)
     W3 = W_O.reshape(m * H_kv, G * d_V, d_out)
-    W3T = W3.mT
+    Mg = torch.bmm(W3, W3.mT)
     Xf = X.reshape(m, B * L_kv, d)
     XfT = Xf.mT
     rows = (c.unsqueeze(-1) * row_keep).reshape(m, 1, B * L, 1)  # c_b on the kept rows, 0 on the padded ones
@@ -191,8 +194,8 @@ def grouped_vv_run(A: torch.Tensor, c: torch.Tensor, row_keep: torch.Tensor, X: 
         XdW = torch.bmm(Xf, dW).view(m, B, L_kv, H_kv, d_V).permute(0, 1, 3, 2, 4).reshape(m * B * H_kv, L_kv, d_V)
         Yh = torch.bmm(A3, XdW).view(m, B, H_kv, G, L, d_V)  # every head's output tangent A_h X dW
         Yh = Yh.permute(0, 2, 1, 4, 3, 5).reshape(m * H_kv, B * L, G * d_V)
-        U = torch.bmm(Yh, W3).view(m, H_kv, B * L, d_out).mul_(rows)  # c (sum_h A_h X dW W_O^h), per group
-        S = torch.bmm(U.view(m * H_kv, B * L, d_out), W3T).view(m, H_kv, B, L, G, d_V)  # U W_O^h^T per head
+        # c (sum_h A_h X dW W_O^h) W_O^h'^T per head h' of the group, (m, H_kv, B, L, G, d_V)
+        S = torch.bmm(Yh, Mg).view(m, H_kv, B * L, G * d_V).mul_(rows).view(m, H_kv, B, L, G, d_V)
         S = S.permute(0, 2, 1, 4, 3, 5).reshape(m * B * H_kv, G * L, d_V)
         T = torch.bmm(A3T, S).view(m, B, H_kv, L_kv, d_V)  # sum_h A_h^T (U W_O^h^T), per group
         T = T.permute(0, 1, 3, 2, 4).reshape(m, B * L_kv, H_kv * d_V)
