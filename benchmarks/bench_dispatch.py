@@ -146,13 +146,20 @@ class ReadLabels:
     function, batch shape and dimension; a run merged from several, ``merge_runs``, as ``merged[...]`` of theirs: those
     never step themselves), its steps counted, and every :func:`~curvwatch.closed_form.solver.lanczos.to_host` read
     records the labels of the runs whose stopping tests it fed. Reads in one row are one sync; runs that never share a
-    row are solved one after the other (a chain of reads)."""
+    row are solved one after the other (a chain of reads).
+
+    Where the products go (:attr:`members`, per label): a run's product takes every member's row at every step, and a
+    member that stopped has a zero row (a product may leave out a part none of whose members is live, not a single
+    head of a part). Per label, the member-steps (members times steps), those of live members, and those of second
+    looks (``_second_look``) and of their live members: what a product restricted to its live members would save."""
 
     def __init__(self) -> None:
         self.active = False
         self.reads: list[Counter[str]] = []  # per read: label -> runs tested
         self.runs: Counter[str] = Counter()  # label -> runs made
         self.steps: Counter[str] = Counter()  # label -> Lanczos steps
+        # label -> {"member_steps", "live", "second", "second_live"}
+        self.members: dict[str, Counter[str]] = {}
 
     @staticmethod
     def label(run) -> str:
@@ -184,6 +191,13 @@ class ReadLabels:
                     run._bench_label = rec.label(run)
                     rec.runs[run._bench_label] += 1
                 rec.steps[run._bench_label] += 1
+                live = int(run.live.sum())
+                m = rec.members.setdefault(run._bench_label, Counter())
+                m["member_steps"] += run.b
+                m["live"] += live
+                if run.found is not None:  # (a second look: the first look's direction projected out)
+                    m["second"] += run.b
+                    m["second_live"] += live
             step(run)
 
         def to_host_(t):
@@ -205,9 +219,18 @@ class ReadLabels:
     def summary(self) -> dict[str, Any]:
         return {
             "reads": len(self.reads),
-            "runs": {k: {"made": self.runs[k], "steps": self.steps[k]} for k in self.runs},
+            "runs": {k: {"made": self.runs[k], "steps": self.steps[k], **self.members.get(k, {})} for k in self.runs},
+            "members": self.member_totals(),
             "per_read": [dict(c) for c in self.reads],
         }
+
+    def member_totals(self) -> dict[str, float]:
+        """The member-steps of every run labelled, live and in second looks, and their shares."""
+        total = Counter(dict.fromkeys(("member_steps", "live", "second", "second_live"), 0))
+        for m in self.members.values():
+            total.update(m)
+        steps = max(total["member_steps"], 1)
+        return {**total, "live_share": total["live"] / steps, "second_share": total["second"] / steps}
 
 
 def build_model(arch: str, n_layer: int, vocab: int, L_seq: int, d_model: int = 768) -> torch.nn.Module:
@@ -370,6 +393,9 @@ def count(args) -> dict[str, Any]:
             print(f"full: {len(labels.reads)} stopping-test reads; the runs each served:", file=sys.stderr)
             for i, served in enumerate(labels.reads, 1):
                 print(f"  {i:4d} " + "; ".join(f"{k} x{v}" for k, v in served.items()), file=sys.stderr)
+            t = labels.member_totals()
+            print(f"full: {t['member_steps']} member-steps in the products, {t['live_share']:.0%} of them live; "
+                  f"{t['second_share']:.0%} in second looks ({t['second_live']} live)", file=sys.stderr)  # fmt: skip
     for name in [n for n in ("full", "full_nrl", "terms") if n in out]:
         out[f"{name}_per_layer"] = {
             "ops": (out[name]["ops"] - out["off"]["ops"]) / args.n_layer,

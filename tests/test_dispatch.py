@@ -290,7 +290,34 @@ def test_read_labels_name_the_runs_each_stopping_test_read_served():
     assert labels.runs == {one: 1, two: 1, three: 1, both: 1}
     assert labels.steps[one] == labels.steps[two] == 12 == labels.steps[three]  # max_iter, tol out of reach
     summary = labels.summary()
-    assert summary["reads"] == len(labels.reads) and summary["runs"][three] == {"made": 1, "steps": 12}
+    assert summary["reads"] == len(labels.reads) and summary["runs"][three]["steps"] == 12
+    # every member live at every step (tol out of reach), no second look: members times steps
+    assert summary["runs"][three]["member_steps"] == summary["runs"][three]["live"] == 3 * 12
+    assert summary["members"]["member_steps"] == 12 * (1 + 2 + 3 + 3) and summary["members"]["second"] == 0
+
+
+def test_read_labels_count_the_stopped_members_rows_and_the_second_looks():
+    """:class:`~benchmarks.bench_dispatch.ReadLabels`'s member-steps: a member that stopped still has its (zero) row in
+    every later product, and a second look's steps are counted as such, with its live members."""
+    from benchmarks.bench_dispatch import ReadLabels
+    from curvwatch.closed_form.solver import lanczos as _lanczos
+
+    easy = torch.diag(torch.tensor([1.0, 0.5, 0.1], dtype=torch.float64))  # three Ritz values: exact after 3 steps
+    crowded = torch.diag(torch.cat([torch.tensor([2.0, 1.9]), torch.linspace(0.0, 1.0, 38)]).to(torch.float64))
+    ops = torch.stack([torch.nn.functional.pad(easy, (0, 37, 0, 37)), crowded])  # (2, 40, 40)
+
+    labels = ReadLabels()
+    with labels.patched():
+        labels.active = True
+        run = _lanczos.LanczosRun(lambda v: (v.unsqueeze(-2) @ ops).squeeze(-2),
+                                  _lanczos.start_vectors((2,), 40, ops.dtype, ops.device), tol=1e-6, max_iter=40)  # fmt: skip
+        _lanczos.solve([run])
+        labels.active = False
+    m = labels.summary()["members"]
+    assert m["member_steps"] == 2 * labels.steps[next(iter(labels.steps))]  # both rows at every step
+    assert m["live"] < m["member_steps"]  # the first member stopped early, its row went on
+    assert m["second"] > 0 and 0 < m["second_live"] <= m["second"] / 2  # the crowded member's second look, alone
+    assert 0 < m["live_share"] < 1 and 0 < m["second_share"] < 1
 
 
 def test_the_gpu_benchmark_reads_issue_23s_goals_from_its_measured_costs():
