@@ -309,8 +309,8 @@ def test_read_labels_count_the_stopped_members_rows_and_the_second_looks():
     labels = ReadLabels()
     with labels.patched():
         labels.active = True
-        run = _lanczos.LanczosRun(lambda v: (v.unsqueeze(-2) @ ops).squeeze(-2),
-                                  _lanczos.start_vectors((2,), 40, ops.dtype, ops.device), tol=1e-6, max_iter=40)  # fmt: skip
+        start = _lanczos.start_vectors((2,), 40, ops.dtype, ops.device)
+        run = _lanczos.LanczosRun(lambda v: (v.unsqueeze(-2) @ ops).squeeze(-2), start, tol=1e-6, max_iter=40)
         _lanczos.solve([run])
         labels.active = False
     m = labels.summary()["members"]
