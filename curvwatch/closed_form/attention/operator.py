@@ -44,6 +44,7 @@ the bound terms in :mod:`~.terms`, the products' tensor layouts in :mod:`~.layou
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,8 +59,9 @@ from ..settings import Lanczos
 from ..solver.lanczos import LanczosRun, start_vectors
 from ..solver.linalg import gram_lambda_max
 from ..solver.lockstep import Shared, gathered, made_together
-from ..solver.operator import BlockOperator, ParamInfo, rows_times, run_parts, select_rows
+from ..solver.operator import LIVE_HEADS, BlockOperator, ParamInfo, rows_times, run_parts, select_rows
 from ..solver.plan import Planned, solve_planned
+from ..solver.sampled import SampledCurvature
 from .layout import as_view, lmul, per_head, rmul, xtm, xw
 
 __all__ = ["ATTENTION_PAIRS", "GROUP_PAIRS", "QUERY_PAIRS", "AttentionOperator", "HeadWeights", "softmax_jvp"]
@@ -266,7 +268,7 @@ class AttentionOperator(BlockOperator):
         """
         self.c = c
         self._g = g
-        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn", "c_rows"):
+        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn", "c_rows", "_heads_view"):
             self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
 
     @cached_property
@@ -510,6 +512,49 @@ class AttentionOperator(BlockOperator):
         """``c_b`` on the kept rows, 0 on the others, ``(B, 1, L, 1)``: the curvature of :meth:`_outer_cotangent`."""
         return self.c[:, None, None, None] * self.row_keep[:, None, :, None]
 
+    # ---- products over the heads with a live member ---------------------------------------------
+    def _live_view(self, mix) -> tuple[AttentionOperator, torch.Tensor] | None:
+        """Where a Lanczos product names the heads with a live member (:data:`~..solver.operator.LIVE_HEADS`) and
+        the heads do not mix (``G = 1``, no QK-norm, not ``mix="all"``): this operator restricted to those heads
+        (:meth:`heads_view`) and their indices; else None. Every head's block depends on its own slices alone
+        then, and the other heads' tangents are zero: computing them gave zero rows."""
+        mask = LIVE_HEADS.get()
+        if (mask is None or len(mask) != self.H or mask.all() or self.G != 1 or mix == "all"
+                or self.q_rows is not None or self.k_rows is not None):  # fmt: skip
+            return None
+        return self.heads_view(mask)
+
+    def heads_view(self, mask) -> tuple[AttentionOperator, torch.Tensor]:
+        """``(operator, indices)``: a copy of this operator (``G = 1``) holding only the heads where ``mask`` (host
+        bool ``(H,)``) is True, its per-head tensors sliced to them (the cotangent factors already made too), and
+        their indices on the device. The last one made is kept until the cotangent changes (the heads with a live
+        member change only at the solver's stopping tests)."""
+        key = tuple(bool(x) for x in mask)
+        kept = self.__dict__.get("_heads_view")
+        if kept is not None and kept[0] == key and kept[3] is self:  # (not a copy's: with_sampled copies the dict)
+            return kept[1], kept[2]
+        idx = torch.tensor([i for i, x in enumerate(key) if x], device=self.device)
+        view = copy.copy(self)
+        view.__dict__.pop("_heads_view", None)
+        view.__dict__.pop("_bh_views", None)  # (views of the full tensors)
+        view.__dict__.pop("_metrics", None)
+        view.H = view.H_kv = view.n_heads = len(idx)
+        for name, dim in _HEAD_DIMS.items():
+            t = self.__dict__.get(name)
+            if t is not None:
+                view.__dict__[name] = t.index_select(dim, idx)
+        if self.sampled is not None:  # (k, B, H, n) samples as each head sees them
+            sampled = SampledCurvature(self.sampled.sigma.index_select(2, idx))
+            sampled.row_weights = self.sampled.row_weights
+            view.sampled = sampled
+        self.__dict__["_heads_view"] = (key, view, idx, self)
+        return view, idx
+
+    @staticmethod
+    def _scatter_heads(out: dict[str, torch.Tensor], idx: torch.Tensor, H: int) -> dict[str, torch.Tensor]:
+        """Results ``(n, h, ...)`` of :meth:`heads_view`'s heads as ``(n, H, ...)``, zero on the other heads."""
+        return {nm: o.new_zeros((o.shape[0], H, *o.shape[2:])).index_copy_(1, idx, o) for nm, o in out.items()}
+
     def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None, mix=True):
         """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs`` (and ``H v`` with ``total_rows``).
 
@@ -518,7 +563,14 @@ class AttentionOperator(BlockOperator):
         ``func_rows`` default to all rows; with ``total_rows`` a third dict ``H v`` (both parts, fused) is
         returned. ``mix``: see :meth:`_outer_cotangent`. ``outputs`` and ``tangent`` may name the QK-norm
         parameters ``"N1"``, ``"N2"`` instead (see :class:`~curvwatch.closed_form._qk_norm_blocks.QKNormView`).
+        Inside a Lanczos product that names the heads with a live member, only those are computed (:meth:`_live_view`).
         """
+        live = self._live_view(mix)
+        if live is not None:
+            view, idx = live
+            sub = {nm: t.index_select(1, idx) for nm, t in tangent.items()}
+            parts = view.apply(sub, outputs, outer_rows, func_rows, total_rows, mix)
+            return tuple(self._scatter_heads(p, idx, self.H) for p in parts)
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
         if dF is None:  # no perturbation at all
@@ -537,7 +589,13 @@ class AttentionOperator(BlockOperator):
         ``(n,)`` is 1, the functional part where ``func_mask`` is 1 (both: the total ``H v``). Either mask may be
         None (no row needs that part). The same numbers as :meth:`apply` with row subsets, in a third of its
         operators: one cotangent and one pull for all rows instead of one per part (zero rows cost arithmetic, not
-        dispatches)."""
+        dispatches). Inside a Lanczos product that names the heads with a live member, only those are computed
+        (:meth:`_live_view`)."""
+        live = self._live_view(mix)
+        if live is not None:
+            view, idx = live
+            sub = {nm: t.index_select(1, idx) for nm, t in tangent.items()}
+            return self._scatter_heads(view.apply_masked(sub, outputs, outer_mask, func_mask, mix), idx, self.H)
         dF, inter = self.jvp(tangent)
         if dF is None:
             n = next(iter(tangent.values())).shape[0]
@@ -600,6 +658,15 @@ class AttentionOperator(BlockOperator):
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
         return gram
+
+
+#: The per-head tensors of :class:`AttentionOperator` (``G = 1``) and their head dimension, those :meth:`heads_view`
+#: slices (attributes and cached cotangent factors; those not made yet are made from the slices when read).
+_HEAD_DIMS = {
+    "W_Q": 0, "W_K": 0, "W_V": 0, "W_O": 0, "Mo": 0,
+    "P": 1, "K_kv": 1, "V_kv": 1, "Kk": 1, "Vv": 1, "A": 1, "g_h": 1, "G_A": 1, "Gamma": 1, "rG": 1, "KsT": 1, "Ps": 1,
+    "A1": 2, "G_A1": 2, "GmR1": 2,
+}  # fmt: skip
 
 
 def _attention_probs(X: torch.Tensor, W_Q: torch.Tensor, W_K: torch.Tensor, *given: torch.Tensor, scale: float,

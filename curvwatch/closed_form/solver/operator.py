@@ -13,15 +13,19 @@ contracted second derivatives, never from autograd. This module holds the interf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..settings import PARTS
 
 __all__ = [
     "ALL_ROWS",
+    "LIVE_HEADS",
     "BlockOperator",
     "Embedding",
     "ParamInfo",
@@ -283,29 +287,60 @@ def apply_parts(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     return out
 
 
+#: While a product of :func:`skip_dead_parts` runs: the heads (host bool mask ``(H,)``) with a live member in one of the
+#: parts it computes, where some head has none (else None). A head-diagonal operator may compute only those heads and
+#: give the others zero rows, exactly what computing them gave (their tangents are zero):
+#: :class:`~curvwatch.closed_form.attention.operator.AttentionOperator` does, where its heads do not mix.
+LIVE_HEADS: ContextVar[np.ndarray | None] = ContextVar("live_heads", default=None)
+
+
+@contextlib.contextmanager
+def live_heads(mask: np.ndarray | None) -> Iterator[None]:
+    """:data:`LIVE_HEADS` set to ``mask`` inside the block (None: not set)."""
+    if mask is None:
+        yield
+        return
+    token = LIVE_HEADS.set(mask)
+    try:
+        yield
+    finally:
+        LIVE_HEADS.reset(token)
+
+
 def skip_dead_parts(parts: Sequence, make):
     """``mv(u, live=None)`` over the batch ``(len(parts), H, n)`` from ``make(sub_parts)``, a plain ``mv`` for a
     subset of the parts (row labels: part names, or any labels ``make`` understands).
 
     With ``live`` (the host mask of :func:`lanczos_max_abs` with ``pass_live``), a part none of whose members
     is live (all converged: zero vectors) is left out of the product and gets zero rows, which is exactly
-    what computing it gave.
+    what computing it gave; and where some head has no live member in the parts computed, the product runs with
+    :data:`LIVE_HEADS` naming the others (an operator that reads it computes those heads only).
     """
     full = make(parts)
     subsets: dict[tuple[int, ...], tuple] = {}
 
-    def mv(u: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-        keep = None if live is None else live.reshape(len(parts), -1).any(-1).tolist()
-        if keep is None or all(keep):
-            return full(u)
-        sub = tuple(i for i, x in enumerate(keep) if x)
-        out = torch.zeros_like(u)
-        if not sub:
-            return out
-        if sub not in subsets:  # at most 2^len(parts) of them, built once per Lanczos run
-            subsets[sub] = (torch.tensor(sub, device=u.device), make([parts[i] for i in sub]))
-        idx, fn = subsets[sub]
-        return out.index_copy_(0, idx, fn(u.index_select(0, idx)))
+    def mv(u: torch.Tensor, live: np.ndarray | None = None) -> torch.Tensor:
+        heads = None
+        if live is None:
+            keep = None
+        else:
+            by_part = live.reshape(len(parts), -1)
+            alive = by_part.any(-1)
+            keep = alive.tolist()
+            heads = by_part[alive].any(0)
+            if heads.size < 2 or heads.all() or not heads.any():
+                heads = None
+        with live_heads(heads):
+            if keep is None or all(keep):
+                return full(u)
+            sub = tuple(i for i, x in enumerate(keep) if x)
+            out = torch.zeros_like(u)
+            if not sub:
+                return out
+            if sub not in subsets:  # at most 2^len(parts) of them, built once per Lanczos run
+                subsets[sub] = (torch.tensor(sub, device=u.device), make([parts[i] for i in sub]))
+            idx, fn = subsets[sub]
+            return out.index_copy_(0, idx, fn(u.index_select(0, idx)))
 
     return mv
 
