@@ -533,7 +533,8 @@ class AttentionOperator(BlockOperator):
         kept = self.__dict__.get("_heads_view")
         if kept is not None and kept[0] == key and kept[3] is self:  # (not a copy's: with_sampled copies the dict)
             return kept[1], kept[2]
-        idx = torch.tensor([i for i, x in enumerate(key) if x], device=self.device)
+        idx = torch.tensor([i for i, x in enumerate(key) if x])  # (non-blocking: the host does not wait for the device)
+        idx = idx.to(self.device, non_blocking=self.device.type != "cpu")
         view = copy.copy(self)
         view.__dict__.pop("_heads_view", None)
         view.__dict__.pop("_bh_views", None)  # (views of the full tensors)
