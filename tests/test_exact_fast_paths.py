@@ -150,7 +150,7 @@ def test_attention_grad_output_mode_needs_no_forward_output():
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_product_over_the_live_heads_gives_the_full_products_rows(sampled):
+def test_a_product_over_the_live_heads_gives_the_full_products_rows(sampled, monkeypatch):
     """Inside a Lanczos product that names the heads with a live member (``LIVE_HEADS``, set by ``skip_dead_parts``),
     the attention operator computes only those heads (:meth:`AttentionOperator.heads_view`): the same rows as the
     full product, zero on the other heads (whose tangents are zero), for every part, in one pass (``apply_masked``)
@@ -158,7 +158,10 @@ def test_a_product_over_the_live_heads_gives_the_full_products_rows(sampled):
     live in the parts it computes. Grouped-query heads (``G > 1``) mix: the full product."""
     import numpy as np
 
+    from curvwatch.closed_form.attention import operator as attention_operator
     from curvwatch.closed_form.solver.operator import LIVE_HEADS, RowMask, live_heads, skip_dead_parts
+
+    monkeypatch.setattr(attention_operator, "HEADS_VIEW_MIN", 0)  # (this operator is below it)
     from curvwatch.closed_form.solver.sampled import SampledCurvature, with_sampled
 
     gen = torch.Generator().manual_seed(7)

@@ -522,6 +522,8 @@ class AttentionOperator(BlockOperator):
         if (mask is None or len(mask) != self.H or mask.all() or self.G != 1 or mix == "all"
                 or self.q_rows is not None or self.k_rows is not None):  # fmt: skip
             return None
+        if self.A.numel() // self.H * int((~mask).sum()) < HEADS_VIEW_MIN:  # too little left out to pay for the slicing
+            return None
         return self.heads_view(mask)
 
     def heads_view(self, mask) -> tuple[AttentionOperator, torch.Tensor]:
@@ -660,6 +662,12 @@ class AttentionOperator(BlockOperator):
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
         return gram
 
+
+#: A product leaves out the heads without a live member (:meth:`AttentionOperator._live_view`) only where their
+#: attention entries (``B L L_kv`` a head) number at least this many: below it the slicing and the scatter back cost
+#: more than the arithmetic they save on a CPU (the demo model's replays of ``tests/test_bench_convergence.py``: 14%
+#: slower with it).
+HEADS_VIEW_MIN = 2**16
 
 #: The per-head tensors of :class:`AttentionOperator` (``G = 1``) and their head dimension, those :meth:`heads_view`
 #: slices (attributes and cached cotangent factors; those not made yet are made from the slices when read).
