@@ -149,9 +149,10 @@ class ReadLabels:
     row are solved one after the other (a chain of reads).
 
     Where the products go (:attr:`members`, per label): a run's product takes every member's row at every step, and a
-    member that stopped has a zero row (a product may leave out a part none of whose members is live, not a single
-    head of a part). Per label, the member-steps (members times steps), those of live members, and those of second
-    looks (``_second_look``) and of their live members: what a product restricted to its live members would save."""
+    member that stopped has a zero row (a product leaves out a part none of whose members is live, and an attention
+    product whose heads do not mix the heads with none: ``solver.operator.LIVE_HEADS``; the other stopped rows it
+    computes). Per label, the member-steps (members times steps), those of live members, and those of second looks
+    (``_second_look``) and of their live members: the rows a run holds, and how many of them still iterate."""
 
     def __init__(self) -> None:
         self.active = False

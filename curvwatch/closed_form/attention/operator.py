@@ -571,8 +571,7 @@ class AttentionOperator(BlockOperator):
         live = self._live_view(mix)
         if live is not None:
             view, idx = live
-            sub = {nm: t.index_select(1, idx) for nm, t in tangent.items()}
-            parts = view.apply(sub, outputs, outer_rows, func_rows, total_rows, mix)
+            parts = view.apply(_take_heads(tangent, idx), outputs, outer_rows, func_rows, total_rows, mix)
             return tuple(self._scatter_heads(p, idx, self.H) for p in parts)
         dF, inter = self.jvp(tangent)
         n = next(iter(tangent.values())).shape[0]
@@ -597,8 +596,8 @@ class AttentionOperator(BlockOperator):
         live = self._live_view(mix)
         if live is not None:
             view, idx = live
-            sub = {nm: t.index_select(1, idx) for nm, t in tangent.items()}
-            return self._scatter_heads(view.apply_masked(sub, outputs, outer_mask, func_mask, mix), idx, self.H)
+            out = view.apply_masked(_take_heads(tangent, idx), outputs, outer_mask, func_mask, mix)
+            return self._scatter_heads(out, idx, self.H)
         dF, inter = self.jvp(tangent)
         if dF is None:
             n = next(iter(tangent.values())).shape[0]
@@ -661,6 +660,11 @@ class AttentionOperator(BlockOperator):
         if self.W_O is not None:
             gram = gram * (gram_lambda_max(self.W_O)[0] if wo2 is None else wo2).clamp_min(0)
         return gram
+
+
+def _take_heads(tangent: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The heads ``idx`` of every tangent ``(n, H, ...)`` (:meth:`AttentionOperator.heads_view`'s)."""
+    return {nm: t.index_select(1, idx) for nm, t in tangent.items()}
 
 
 #: A product leaves out the heads without a live member (:meth:`AttentionOperator._live_view`) only where their

@@ -328,7 +328,7 @@ def skip_dead_parts(parts: Sequence, make):
             alive = by_part.any(-1)
             keep = alive.tolist()
             heads = by_part[alive].any(0)
-            if heads.size < 2 or heads.all() or not heads.any():
+            if heads.size < 2 or heads.all():  # (none alive: no product runs)
                 heads = None
         with live_heads(heads):
             if keep is None or all(keep):
