@@ -150,8 +150,8 @@ class ReadLabels:
 
     Where the products go (:attr:`members`, per label): a run's product takes every member's row at every step, and a
     member that stopped has a zero row (a product leaves out a part none of whose members is live, and an attention
-    product whose heads do not mix the heads with none: ``solver.operator.LIVE_HEADS``; the other stopped rows it
-    computes). Per label, the member-steps (members times steps), those of live members, and those of second looks
+    product whose heads do not mix every member that is not: ``solver.operator.LIVE_MEMBERS``; the other stopped rows
+    it computes). Per label, the member-steps (members times steps), those of live members, and those of second looks
     (``_second_look``) and of their live members: the rows a run holds, and how many of them still iterate."""
 
     def __init__(self) -> None:

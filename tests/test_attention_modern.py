@@ -284,6 +284,32 @@ def test_the_vv_run_joins_the_kernels_solve_with_the_values_of_a_solve_of_its_ow
             assert_close_report(together[key], value, 1e-8, name=key)
 
 
+def test_products_over_the_live_members_give_the_norms_of_the_full_products(monkeypatch):
+    """A Lanczos product computes only its live members (the heads with one, or the live members packed into the heads
+    of one row: ``AttentionOperator.apply_masked``, forced here on a model below the size where it pays): the norms
+    of every pair and part as with the full products (float64, tight Lanczos; the products differ in their rounding
+    only, so the runs agree to their tolerance)."""
+    from curvwatch.closed_form.attention import operator as attention_operator
+
+    X, W, kw = _inputs(_case(L=6, d=6, d_K=3, d_V=3, H=4, H_kv=4, rotary="half", r=2), seed=3)
+    tight = dict(lanczos=Lanczos(tol=1e-10, max_iter=400), terms=False, parts=("outer", "functional", "hessian"))
+    pairs = ["QQ", "KK", "VV", "VQ", "VK", "QK"]
+    monkeypatch.setattr(attention_operator, "HEADS_VIEW_MIN", math.inf)
+    full = multi_head_attention(X, W, **kw, **tight, pairs=pairs)
+    packed = []
+    inner = attention_operator.AttentionOperator._apply_packed
+    monkeypatch.setattr(attention_operator.AttentionOperator, "_apply_packed",
+                        lambda self, t, *a: packed.append((len(a[-1]), next(iter(t.values())).shape[:2].numel()))
+                        or inner(self, t, *a))  # fmt: skip
+    monkeypatch.setattr(attention_operator, "HEADS_VIEW_MIN", 0)
+    live = multi_head_attention(X, W, **kw, **tight, pairs=pairs)
+    assert packed and all(slots < members for slots, members in packed), packed  # the live members alone
+    assert set(live) == set(full)
+    for key, value in full.items():
+        if not key.startswith("residual/"):
+            assert_close_report(live[key], value, 1e-8, name=key)
+
+
 def _modern_kwargs() -> tuple:
     X, W, kw = _inputs(_case(d_K=4, rotary="half", r=4, window=3, pad=True, H=4, H_kv=4), seed=5)
     return X, W, kw

@@ -150,16 +150,18 @@ def test_attention_grad_output_mode_needs_no_forward_output():
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_product_over_the_live_heads_gives_the_full_products_rows(sampled, monkeypatch):
-    """Inside a Lanczos product that names the heads with a live member (``LIVE_HEADS``, set by ``skip_dead_parts``),
-    the attention operator computes only those heads (:meth:`AttentionOperator.heads_view`): the same rows as the
-    full product, zero on the other heads (whose tangents are zero), for every part, in one pass (``apply_masked``)
-    and per part (``apply``), with a stand-in and a sampled curvature; and ``skip_dead_parts`` names exactly the heads
-    live in the parts it computes. Grouped-query heads (``G > 1``) mix: the full product."""
+def test_a_product_over_the_live_members_gives_the_full_products_rows(sampled, monkeypatch):
+    """Inside a Lanczos product that names its live members (``LIVE_MEMBERS``, ``(rows, H)``, set by
+    ``skip_dead_parts``), the attention operator computes only those: per part (``apply``) the heads with a live member
+    (:meth:`AttentionOperator.heads_view`), in one pass (``apply_masked``) the live members packed into the heads of one
+    row (:meth:`AttentionOperator.slots_view`), the rows tiled where the tangent repeats the parts (an off-diagonal
+    pair's two halves). The same rows as the full product, zero on the members whose tangents are zero, with a
+    stand-in and a sampled curvature; ``skip_dead_parts`` names exactly the members of the parts it computes.
+    Grouped-query heads (``G > 1``) mix: the full product."""
     import numpy as np
 
     from curvwatch.closed_form.attention import operator as attention_operator
-    from curvwatch.closed_form.solver.operator import LIVE_HEADS, RowMask, live_heads, skip_dead_parts
+    from curvwatch.closed_form.solver.operator import ALL_ROWS, LIVE_MEMBERS, RowMask, live_members, skip_dead_parts
 
     monkeypatch.setattr(attention_operator, "HEADS_VIEW_MIN", 0)  # (this operator is below it)
     from curvwatch.closed_form.solver.sampled import SampledCurvature, with_sampled
@@ -173,34 +175,41 @@ def test_a_product_over_the_live_heads_gives_the_full_products_rows(sampled, mon
     op.set_cotangent(_rand(gen, B, L, m), torch.rand(B, generator=gen, dtype=DT) + 0.1)
     if sampled:
         op = with_sampled(op, SampledCurvature.of_heads(_rand(gen, 6, B, L, m), W_O))
-    mask = np.array([True, False, True, False])
-    tangent = {nm: _rand(gen, 3, H, d, k) * torch.tensor(mask, dtype=DT)[None, :, None, None] for nm in "QKV"}
-    rows = torch.tensor([0, 2]), torch.tensor([1, 2]), torch.tensor([0])
-    full = op.apply(tangent, total_rows=rows[2], outer_rows=rows[0], func_rows=rows[1])
-    masks = (torch.tensor([1.0, 0.0, 1.0], dtype=DT), torch.tensor([0.0, 1.0, 1.0], dtype=DT))
-    one = op.apply_masked(tangent, ("V", "Q", "K"), RowMask(masks[0]), RowMask(masks[1]))
-    with live_heads(mask):
-        assert LIVE_HEADS.get() is mask
-        got = op.apply(tangent, total_rows=rows[2], outer_rows=rows[0], func_rows=rows[1])
-        got_one = op.apply_masked(tangent, ("V", "Q", "K"), RowMask(masks[0]), RowMask(masks[1]))
-    assert LIVE_HEADS.get() is None
-    assert op.__dict__["_heads_view"][1].H == 2  # the product ran on the two live heads
-    for part, (a, b) in enumerate(zip(full, got, strict=True)):
+    members = np.array([[True, False, False, False], [False, False, True, False], [True, False, True, False]])
+    for repeat in (1, 2):  # (2: the rows repeat the parts, as an off-diagonal pair's product)
+        live = np.tile(members, (repeat, 1))
+        on = torch.tensor(live, dtype=DT)[:, :, None, None]
+        tangent = {nm: _rand(gen, 3 * repeat, H, d, k) * on for nm in "QKV"}
+        rows = torch.tensor([0, 2]), torch.tensor([1, 2]), torch.tensor([0])
+        full = op.apply(tangent, total_rows=rows[2], outer_rows=rows[0], func_rows=rows[1])
+        masks = [torch.tensor([1.0, 0.0, 1.0] * repeat, dtype=DT), torch.tensor([0.0, 1.0, 1.0] * repeat, dtype=DT)]
+        one = op.apply_masked(tangent, ("V", "Q", "K"), RowMask(masks[0]), RowMask(masks[1]))
+        with live_members(members):
+            assert LIVE_MEMBERS.get() is members
+            got = op.apply(tangent, total_rows=rows[2], outer_rows=rows[0], func_rows=rows[1])
+            views = op.__dict__["_views"][1]
+            assert list(views)[-1] == (0, 2)  # per part: the two heads with a live member
+            got_one = op.apply_masked(tangent, ("V", "Q", "K"), RowMask(masks[0]), RowMask(masks[1]))
+            assert list(views)[-1] == tuple(np.nonzero(live)[1])  # in one pass: a slot per live member
+        assert LIVE_MEMBERS.get() is None
+        for part, (a, b) in enumerate(zip(full, got, strict=True)):
+            for nm in "QKV":
+                assert_close_report(b[nm], a[nm], 1e-12, name=f"part {part} {nm}")
+                assert b[nm][:, [1, 3]].abs().max() == 0
         for nm in "QKV":
-            assert_close_report(b[nm], a[nm], 1e-12, name=f"part {part} {nm}")
-            assert b[nm][:, ~torch.tensor(mask)].abs().max() == 0
-    for nm in "QKV":
-        assert_close_report(got_one[nm], one[nm], 1e-12, name=f"one pass {nm}")
-    # skip_dead_parts names the heads live in the parts it computes (part 1: none live, left out)
+            assert_close_report(got_one[nm], one[nm], 1e-12, name=f"one pass {nm}, rows x{repeat}")
+            assert got_one[nm][~torch.tensor(live)].abs().max() == 0
+    # skip_dead_parts names the members of the parts it computes (part 1: none live, left out)
     seen = []
-    mv = skip_dead_parts(["a", "b", "c"], lambda ks: lambda u: seen.append(LIVE_HEADS.get()) or u)
+    mv = skip_dead_parts(["a", "b", "c"], lambda ks: lambda u: seen.append(LIVE_MEMBERS.get()) or u)
     live = np.array([[False, True, False, False], [False, False, False, False], [True, False, False, False]])
     mv(torch.zeros(3, H, 2), live)
     mv(torch.zeros(3, H, 2), np.ones((3, H), dtype=bool))
-    assert seen[0].tolist() == [True, True, False, False] and seen[1] is None
+    assert seen[0].tolist() == live[[0, 2]].tolist() and seen[1] is None
     # grouped-query attention: the heads of a group mix, every head is computed
     gq = AttentionOperator(X, HeadWeights(W_Q, W_K[:2], W_V[:2], W_O), keep, row_keep, _rand(gen, B, L, m))
     gq.set_cotangent(_rand(gen, B, L, m), torch.ones(B, dtype=DT))
-    with live_heads(mask):
+    with live_members(members):
         gq.apply({"Q": tangent["Q"]})
-    assert "_heads_view" not in gq.__dict__
+        gq.apply_masked({"Q": tangent["Q"]}, ("Q",), None, ALL_ROWS)
+    assert "_views" not in gq.__dict__

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._qk_norm_blocks import affine_grad, affine_tangent
@@ -59,7 +60,16 @@ from ..settings import Lanczos
 from ..solver.lanczos import LanczosRun, start_vectors
 from ..solver.linalg import gram_lambda_max
 from ..solver.lockstep import Shared, gathered, made_together
-from ..solver.operator import LIVE_HEADS, BlockOperator, ParamInfo, rows_times, run_parts, select_rows
+from ..solver.operator import (
+    ALL_ROWS,
+    LIVE_MEMBERS,
+    BlockOperator,
+    ParamInfo,
+    SlotMask,
+    rows_times,
+    run_parts,
+    select_rows,
+)
 from ..solver.plan import Planned, solve_planned
 from ..solver.sampled import SampledCurvature
 from .layout import as_view, lmul, per_head, rmul, xtm, xw
@@ -130,6 +140,9 @@ class AttentionOperator(BlockOperator):
     """
 
     suffix_heads = True
+    #: Whether this is a view of some heads of another operator (:meth:`slots_view`): it computes every member it is
+    #: given, whatever :data:`~..solver.operator.LIVE_MEMBERS` says (which names the other operator's).
+    gathered = False
     supports_subsets = True
     supports_total = True
     sampled = None
@@ -268,7 +281,7 @@ class AttentionOperator(BlockOperator):
         """
         self.c = c
         self._g = g
-        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn", "c_rows", "_heads_view"):
+        for name in ("g_h", "G_A", "Gamma", "rG", "G_A1", "GmR1", "GQn", "GKn", "c_rows", "_views", "_packs"):
             self.__dict__.pop(name, None)  # drop what an earlier cotangent cached
 
     @cached_property
@@ -512,51 +525,96 @@ class AttentionOperator(BlockOperator):
         """``c_b`` on the kept rows, 0 on the others, ``(B, 1, L, 1)``: the curvature of :meth:`_outer_cotangent`."""
         return self.c[:, None, None, None] * self.row_keep[:, None, :, None]
 
-    # ---- products over the heads with a live member ---------------------------------------------
-    def _live_view(self, mix) -> tuple[AttentionOperator, torch.Tensor] | None:
-        """Where a Lanczos product names the heads with a live member (:data:`~..solver.operator.LIVE_HEADS`) and
-        the heads do not mix (``G = 1``, no QK-norm, not ``mix="all"``): this operator restricted to those heads
-        (:meth:`heads_view`) and their indices; else None. Every head's block depends on its own slices alone
-        then, and the other heads' tangents are zero: computing them gave zero rows."""
-        mask = LIVE_HEADS.get()
-        if (mask is None or len(mask) != self.H or mask.all() or self.G != 1 or mix == "all"
+    # ---- products over the live members -----------------------------------------------------------
+    def _live(self, n: int, mix) -> np.ndarray | None:
+        """The live members ``(n, H)`` of a Lanczos product of ``n`` tangent rows (:data:`~..solver.operator.
+        LIVE_MEMBERS`, tiled where the rows repeat its parts) where some are not live and the heads do not mix
+        (``G = 1``, no QK-norm, not ``mix="all"``); else None. Every head's block depends on its own slices alone then,
+        and a member that is not live has a zero tangent: computing it gave zero rows."""
+        mask = LIVE_MEMBERS.get()
+        if (mask is None or self.gathered or mask.shape[-1] != self.H or self.G != 1 or mix == "all"
                 or self.q_rows is not None or self.k_rows is not None):  # fmt: skip
             return None
-        if self.A.numel() // self.H * int((~mask).sum()) < HEADS_VIEW_MIN:  # too little left out to pay for the slicing
+        if n % mask.shape[0]:  # (rows that do not repeat the parts: every row may need a head with a live member)
+            return np.broadcast_to(mask.any(0), (n, self.H))
+        return np.tile(mask, (n // mask.shape[0], 1))
+
+    def _worth(self, left_out: float) -> bool:
+        """Whether leaving ``left_out`` heads' attention entries per tangent row out of a product pays for the
+        slicing and the scatter back (:data:`HEADS_VIEW_MIN`)."""
+        return self.A.numel() // self.H * left_out >= HEADS_VIEW_MIN
+
+    def _live_heads(self, n: int, mix) -> tuple[AttentionOperator, torch.Tensor] | None:
+        """``(view, indices)`` of :meth:`heads_view` over the heads with a live member (:meth:`_live`), where leaving
+        the others out is worth it; else None."""
+        live = self._live(n, mix)
+        if live is None:
             return None
-        return self.heads_view(mask)
+        heads = live.any(0)
+        if heads.all() or not self._worth(int((~heads).sum())):
+            return None
+        return self.heads_view(heads)
 
     def heads_view(self, mask) -> tuple[AttentionOperator, torch.Tensor]:
         """``(operator, indices)``: a copy of this operator (``G = 1``) holding only the heads where ``mask`` (host
         bool ``(H,)``) is True, its per-head tensors sliced to them (the cotangent factors already made too), and
-        their indices on the device. The last one made is kept until the cotangent changes (the heads with a live
-        member change only at the solver's stopping tests)."""
-        key = tuple(bool(x) for x in mask)
-        kept = self.__dict__.get("_heads_view")
-        if kept is not None and kept[0] == key and kept[3] is self:  # (not a copy's: with_sampled copies the dict)
-            return kept[1], kept[2]
-        idx = torch.tensor([i for i, x in enumerate(key) if x])  # (non-blocking: the host does not wait for the device)
+        their indices on the device (:meth:`slots_view`)."""
+        return self.slots_view(np.flatnonzero(mask))
+
+    def slots_view(self, heads: np.ndarray) -> tuple[AttentionOperator, torch.Tensor]:
+        """``(operator, indices)``: a copy of this operator (``G = 1``) whose head ``s`` is this one's head
+        ``heads[s]`` (host ints; a head may fill several slots), its per-head tensors gathered (the cotangent factors
+        already made too), and ``heads`` on the device. The last :data:`VIEWS_KEPT` made are kept until the cotangent
+        changes (the live members change only at the solver's stopping tests)."""
+        key = tuple(int(h) for h in heads)
+        views = self.__dict__.get("_views")
+        if views is None or views[0] is not self:  # (not a copy's: with_sampled copies the dict)
+            views = self.__dict__["_views"] = (self, {})
+        kept = views[1].pop(key, None)
+        if kept is None:
+            kept = self._gathered(key)
+        views[1][key] = kept  # (the most recent last)
+        while len(views[1]) > VIEWS_KEPT:
+            views[1].pop(next(iter(views[1])))
+        return kept
+
+    def _gathered(self, key: tuple[int, ...]) -> tuple[AttentionOperator, torch.Tensor]:
+        idx = torch.tensor(key)  # (non-blocking: the host does not wait for the device)
         idx = idx.to(self.device, non_blocking=self.device.type != "cpu")
         view = copy.copy(self)
-        view.__dict__.pop("_heads_view", None)
-        view.__dict__.pop("_bh_views", None)  # (views of the full tensors)
-        view.__dict__.pop("_metrics", None)
-        view.H = view.H_kv = view.n_heads = len(idx)
+        for name in ("_views", "_packs", "_bh_views", "_metrics", "A1", "G_A1", "GmR1", "K_kv", "V_kv"):
+            view.__dict__.pop(name, None)  # (views of the full tensors, or made again from the gathered ones)
+        view.H = view.H_kv = view.n_heads = len(key)
+        view.gathered = True
         for name, dim in _HEAD_DIMS.items():
             t = self.__dict__.get(name)
             if t is not None:
                 view.__dict__[name] = t.index_select(dim, idx)
+        view.A1 = view.A.unsqueeze(0)
+        view.K_kv, view.V_kv = view.Kk, view.Vv  # (G = 1: one tensor each)
         if self.sampled is not None:  # (k, B, H, n) samples as each head sees them
             sampled = SampledCurvature(self.sampled.sigma.index_select(2, idx))
             sampled.row_weights = self.sampled.row_weights
             view.sampled = sampled
-        self.__dict__["_heads_view"] = (key, view, idx, self)
         return view, idx
 
     @staticmethod
     def _scatter_heads(out: dict[str, torch.Tensor], idx: torch.Tensor, H: int) -> dict[str, torch.Tensor]:
         """Results ``(n, h, ...)`` of :meth:`heads_view`'s heads as ``(n, H, ...)``, zero on the other heads."""
         return {nm: o.new_zeros((o.shape[0], H, *o.shape[2:])).index_copy_(1, idx, o) for nm, o in out.items()}
+
+    def _packed(self, n: int, mix) -> tuple[np.ndarray, np.ndarray] | None:
+        """The live members ``(rows, heads)`` (host ints, row-major) of a one-pass product of ``n`` tangent rows, where
+        packing them into the heads of one row (a slot each, :meth:`slots_view`) computes at most :data:`PACK_SHARE`
+        of the rows and heads that :meth:`_live_heads` computes and leaves out enough to be worth it; else None."""
+        live = self._live(n, mix)
+        if live is None:
+            return None
+        slots = int(live.sum())
+        rectangle = n * int(live.any(0).sum())
+        if slots > PACK_SHARE * rectangle or not self._worth((n * self.H - slots) / n):
+            return None
+        return np.nonzero(live)
 
     def apply(self, tangent, outputs=("V", "Q", "K"), outer_rows=None, func_rows=None, total_rows=None, mix=True):
         """``(H_o v, H_f v)`` restricted to the weight blocks in ``outputs`` (and ``H v`` with ``total_rows``).
@@ -566,15 +624,16 @@ class AttentionOperator(BlockOperator):
         ``func_rows`` default to all rows; with ``total_rows`` a third dict ``H v`` (both parts, fused) is
         returned. ``mix``: see :meth:`_outer_cotangent`. ``outputs`` and ``tangent`` may name the QK-norm
         parameters ``"N1"``, ``"N2"`` instead (see :class:`~curvwatch.closed_form._qk_norm_blocks.QKNormView`).
-        Inside a Lanczos product that names the heads with a live member, only those are computed (:meth:`_live_view`).
+        Inside a Lanczos product that names its live members, only the heads with one are computed
+        (:meth:`_live_heads`).
         """
-        live = self._live_view(mix)
+        n = next(iter(tangent.values())).shape[0]
+        live = self._live_heads(n, mix)
         if live is not None:
             view, idx = live
             parts = view.apply(_take_heads(tangent, idx), outputs, outer_rows, func_rows, total_rows, mix)
             return tuple(self._scatter_heads(p, idx, self.H) for p in parts)
         dF, inter = self.jvp(tangent)
-        n = next(iter(tangent.values())).shape[0]
         if dF is None:  # no perturbation at all
             zero = {nm: self._zero_out(n, nm) for nm in outputs}
             return (zero, zero) if total_rows is None else (zero, zero, zero)
@@ -591,20 +650,64 @@ class AttentionOperator(BlockOperator):
         ``(n,)`` is 1, the functional part where ``func_mask`` is 1 (both: the total ``H v``). Either mask may be
         None (no row needs that part). The same numbers as :meth:`apply` with row subsets, in a third of its
         operators: one cotangent and one pull for all rows instead of one per part (zero rows cost arithmetic, not
-        dispatches). Inside a Lanczos product that names the heads with a live member, only those are computed
-        (:meth:`_live_view`)."""
-        live = self._live_view(mix)
+        dispatches). Inside a Lanczos product that names its live members, only those are computed: packed into the
+        heads of one row (:meth:`_packed`), or the heads with one (:meth:`_live_heads`)."""
+        n = next(iter(tangent.values())).shape[0]
+        packed = self._packed(n, mix)
+        if packed is not None:
+            return self._apply_packed(tangent, outputs, outer_mask, func_mask, mix, *packed)
+        live = self._live_heads(n, mix)
         if live is not None:
             view, idx = live
             out = view.apply_masked(_take_heads(tangent, idx), outputs, outer_mask, func_mask, mix)
             return self._scatter_heads(out, idx, self.H)
         dF, inter = self.jvp(tangent)
         if dF is None:
-            n = next(iter(tangent.values())).shape[0]
             return {nm: self._zero_out(n, nm) for nm in outputs}
         u = None if outer_mask is None else rows_times(self._outer_cotangent(dF, mix), outer_mask)
         inter = (None,) * 8 if func_mask is None else tuple(rows_times(t, func_mask) for t in inter)
         return self.pull(inter, u=u, second_order=func_mask is not None, outputs=outputs)
+
+    def _apply_packed(self, tangent, outputs, outer_mask, func_mask, mix, rows: np.ndarray, heads: np.ndarray):
+        """:meth:`apply_masked` of the members ``(rows[s], heads[s])`` alone: each is slot ``s`` of one tangent row
+        over :meth:`slots_view`'s heads, its part picked by a mask over the slots (:class:`~..solver.operator.
+        SlotMask`); the results are scattered back to ``(n, H, ...)``, zero on the other members."""
+        view, _ = self.slots_view(heads)
+        n, H = next(iter(tangent.values())).shape[:2]
+        flat, rows_d, slot_masks = self._slots(rows, heads, H)
+        packed = {nm: t.flatten(0, 1).index_select(0, flat).unsqueeze(0) for nm, t in tangent.items()}
+
+        def slots(mask):
+            if mask is None or mask is ALL_ROWS:
+                return mask
+            hit = slot_masks.get(id(mask))
+            if hit is None or hit[0] is not mask:
+                hit = slot_masks[id(mask)] = (mask, SlotMask(mask.values.index_select(0, rows_d)))
+            return hit[1]
+
+        out = view.apply_masked(packed, outputs, slots(outer_mask), slots(func_mask), mix)
+        return {
+            nm: o.new_zeros((n * H, *o.shape[2:])).index_copy_(0, flat, o[0]).unflatten(0, (n, H))
+            for nm, o in out.items()
+        }
+
+    def _slots(self, rows: np.ndarray, heads: np.ndarray, H: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The device indices of the packed members (``rows * H + heads``, and ``rows``) and a store of their slot masks
+        (row mask -> :class:`~..solver.operator.SlotMask`), made once per set of members (it changes only at the
+        solver's stopping tests; the last :data:`VIEWS_KEPT` are kept)."""
+        key = tuple((rows * H + heads).tolist())
+        packs = self.__dict__.get("_packs")
+        if packs is None or packs[0] is not self:  # (not a copy's: with_sampled copies the dict)
+            packs = self.__dict__["_packs"] = (self, {})
+        kept = packs[1].pop(key, None)
+        if kept is None:
+            blocking = self.device.type == "cpu"  # (non-blocking: the host does not wait for the device)
+            flat = torch.tensor(key).to(self.device, non_blocking=not blocking)
+            kept = (flat, torch.from_numpy(rows).to(self.device, non_blocking=not blocking), {})
+        packs[1][key] = kept  # (the most recent last)
+        while len(packs[1]) > VIEWS_KEPT:
+            packs[1].pop(next(iter(packs[1])))
+        return kept
 
     # ---- exact pieces (G = 1) ----------------------------------------------------------------
     def _vv_rows(self) -> torch.Tensor:
@@ -667,18 +770,25 @@ def _take_heads(tangent: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str
     return {nm: t.index_select(1, idx) for nm, t in tangent.items()}
 
 
-#: A product leaves out the heads without a live member (:meth:`AttentionOperator._live_view`) only where their
-#: attention entries (``B L L_kv`` a head) number at least this many: below it the slicing and the scatter back cost
-#: more than the arithmetic they save on a CPU (the demo model's replays of ``tests/test_bench_convergence.py``: 14%
-#: slower with it).
+#: A product leaves out the members that are not live (:meth:`AttentionOperator._live_heads`,
+#: :meth:`~AttentionOperator._packed`) only where the attention entries (``B L L_kv`` a head) it leaves out number at
+#: least this many per tangent row: below it the slicing and the scatter back cost more than the arithmetic they save
+#: on a CPU (the demo model's replays of ``tests/test_bench_convergence.py``: 14% slower with the heads left out).
 HEADS_VIEW_MIN = 2**16
+#: A one-pass product packs its live members into the heads of one row (:meth:`AttentionOperator._packed`) where they
+#: are at most this share of the rows times the heads with a live member that it computes otherwise: each slot holds
+#: its head's attention tensors, gathered again when the live members change.
+PACK_SHARE = 0.75
+#: The gathered views an attention operator keeps (:meth:`AttentionOperator.slots_view`): the products of one Lanczos
+#: round (its pairs, the closed-form and sampled keys) read different members of one operator.
+VIEWS_KEPT = 2
 
-#: The per-head tensors of :class:`AttentionOperator` (``G = 1``) and their head dimension, those :meth:`heads_view`
-#: slices (attributes and cached cotangent factors; those not made yet are made from the slices when read).
+#: The per-head tensors of :class:`AttentionOperator` (``G = 1``) and their head dimension, those
+#: :meth:`~AttentionOperator.slots_view` gathers (attributes and cached cotangent factors; those not made yet, and
+#: ``A1``, ``K_kv``, ``V_kv``, are made from the gathered ones).
 _HEAD_DIMS = {
     "W_Q": 0, "W_K": 0, "W_V": 0, "W_O": 0, "Mo": 0,
-    "P": 1, "K_kv": 1, "V_kv": 1, "Kk": 1, "Vv": 1, "A": 1, "g_h": 1, "G_A": 1, "Gamma": 1, "rG": 1, "KsT": 1, "Ps": 1,
-    "A1": 2, "G_A1": 2, "GmR1": 2,
+    "P": 1, "Kk": 1, "Vv": 1, "A": 1, "g_h": 1, "G_A": 1, "Gamma": 1, "rG": 1, "KsT": 1, "Ps": 1,
 }  # fmt: skip
 
 

@@ -25,11 +25,12 @@ from ..settings import PARTS
 
 __all__ = [
     "ALL_ROWS",
-    "LIVE_HEADS",
+    "LIVE_MEMBERS",
     "BlockOperator",
     "Embedding",
     "ParamInfo",
     "RowMask",
+    "SlotMask",
     "apply_parts",
     "dense_blocks",
     "head_keys",
@@ -195,23 +196,36 @@ class RowMask:
     for ``(n, ...)`` tensors of each rank, each made once (a product masks several tensors of one rank: one view for
     all of them, not a dispatched ``view`` each)."""
 
+    #: The dimension of the masked tensors that ``values`` runs along.
+    dim = 0
+
     def __init__(self, values: torch.Tensor):
         self.values = values
         self._shaped: dict[int, torch.Tensor] = {}
 
     def times(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` ``(n, ...)`` with row ``i`` multiplied by ``values[i]``."""
+        """``t`` with its index ``i`` along :attr:`dim` (a row) multiplied by ``values[i]``."""
         m = self._shaped.get(t.dim())
         if m is None:
-            m = self._shaped[t.dim()] = self.values.reshape(-1, *(1,) * (t.dim() - 1))
+            shape = [1] * t.dim()
+            shape[self.dim] = -1
+            m = self._shaped[t.dim()] = self.values.reshape(shape)
         return t * m
 
     def repeat_interleave(self, repeats: int) -> RowMask:
         """Each row's entry ``repeats`` times (a product that expands each row to ``repeats`` rows)."""
-        return RowMask(self.values.repeat_interleave(repeats))
+        return type(self)(self.values.repeat_interleave(repeats))
 
 
-def rows_times(t: torch.Tensor | None, mask: RowMask) -> torch.Tensor | None:
+class SlotMask(RowMask):
+    """A 0/1 mask ``values`` ``(S,)`` over the head dimension (dim 2) of ``(1, B, S, ...)`` tensors: the row mask of a
+    product whose members were packed into the heads of one tangent row, a slot each (the live members,
+    :meth:`~curvwatch.closed_form.attention.operator.AttentionOperator.apply_masked`)."""
+
+    dim = 2
+
+
+def rows_times(t: torch.Tensor | None, mask: RowMask | SlotMask) -> torch.Tensor | None:
     """``t`` ``(n, ...)`` with row ``i`` multiplied by the mask's ``values[i]`` (0 or 1); an all-ones mask is
     :data:`ALL_ROWS` (no product)."""
     if t is None or mask is ALL_ROWS:
@@ -287,24 +301,27 @@ def apply_parts(op: BlockOperator, tangent: dict, outputs: Sequence[str], rows: 
     return out
 
 
-#: While a product of :func:`skip_dead_parts` runs: the heads (host bool mask ``(H,)``) with a live member in one of the
-#: parts it computes, where some head has none (else None). A head-diagonal operator may compute only those heads and
-#: give the others zero rows, exactly what computing them gave (their tangents are zero):
-#: :class:`~curvwatch.closed_form.attention.operator.AttentionOperator` does, where its heads do not mix.
-LIVE_HEADS: ContextVar[np.ndarray | None] = ContextVar("live_heads", default=None)
+#: While a product of :func:`skip_dead_parts` runs: which of its members are live, a host bool array ``(rows, H)``
+#: (``rows``: the parts it computes, in their order; ``H``: the heads), where some of them are not (else None). A
+#: head-diagonal operator may compute only the live members (or the heads with one) and give the others zero rows,
+#: exactly what computing them gave (their tangents are zero):
+#: :class:`~curvwatch.closed_form.attention.operator.AttentionOperator` does, where its heads do not mix. An operator
+#: whose tangent batch repeats the parts (``repeat`` copies: the two halves of an off-diagonal pair,
+#: :func:`pair_matvec`) reads the mask tiled ``repeat`` times along the rows.
+LIVE_MEMBERS: ContextVar[np.ndarray | None] = ContextVar("live_members", default=None)
 
 
 @contextlib.contextmanager
-def live_heads(mask: np.ndarray | None) -> Iterator[None]:
-    """:data:`LIVE_HEADS` set to ``mask`` inside the block (None: not set)."""
+def live_members(mask: np.ndarray | None) -> Iterator[None]:
+    """:data:`LIVE_MEMBERS` set to ``mask`` inside the block (None: not set)."""
     if mask is None:
         yield
         return
-    token = LIVE_HEADS.set(mask)
+    token = LIVE_MEMBERS.set(mask)
     try:
         yield
     finally:
-        LIVE_HEADS.reset(token)
+        LIVE_MEMBERS.reset(token)
 
 
 def skip_dead_parts(parts: Sequence, make):
@@ -313,24 +330,24 @@ def skip_dead_parts(parts: Sequence, make):
 
     With ``live`` (the host mask of :func:`lanczos_max_abs` with ``pass_live``), a part none of whose members
     is live (all converged: zero vectors) is left out of the product and gets zero rows, which is exactly
-    what computing it gave; and where some head has no live member in the parts computed, the product runs with
-    :data:`LIVE_HEADS` naming the others (an operator that reads it computes those heads only).
+    what computing it gave; and where some member of the parts computed is not live, the product runs with
+    :data:`LIVE_MEMBERS` naming the live ones (an operator that reads it computes those only).
     """
     full = make(parts)
     subsets: dict[tuple[int, ...], tuple] = {}
 
     def mv(u: torch.Tensor, live: np.ndarray | None = None) -> torch.Tensor:
-        heads = None
+        members = None
         if live is None:
             keep = None
         else:
             by_part = live.reshape(len(parts), -1)
             alive = by_part.any(-1)
             keep = alive.tolist()
-            heads = by_part[alive].any(0)
-            if heads.size < 2 or heads.all():  # (none alive: no product runs)
-                heads = None
-        with live_heads(heads):
+            members = by_part[alive]
+            if members.shape[-1] < 2 or members.all():  # (none alive: no product runs)
+                members = None
+        with live_members(members):
             if keep is None or all(keep):
                 return full(u)
             sub = tuple(i for i, x in enumerate(keep) if x)
