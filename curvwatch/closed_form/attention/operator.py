@@ -579,6 +579,7 @@ class AttentionOperator(BlockOperator):
         return kept
 
     def _gathered(self, key: tuple[int, ...]) -> tuple[AttentionOperator, torch.Tensor]:
+        """:meth:`slots_view`'s copy and indices for the heads ``key``, made anew."""
         idx = torch.tensor(key)  # (non-blocking: the host does not wait for the device)
         idx = idx.to(self.device, non_blocking=self.device.type != "cpu")
         view = copy.copy(self)
