@@ -544,10 +544,9 @@ class AttentionOperator(BlockOperator):
         slicing and the scatter back (:data:`HEADS_VIEW_MIN`)."""
         return self.A.numel() // self.H * left_out >= HEADS_VIEW_MIN
 
-    def _live_heads(self, n: int, mix) -> tuple[AttentionOperator, torch.Tensor] | None:
-        """``(view, indices)`` of :meth:`heads_view` over the heads with a live member (:meth:`_live`), where leaving
-        the others out is worth it; else None."""
-        live = self._live(n, mix)
+    def _live_heads(self, live: np.ndarray | None) -> tuple[AttentionOperator, torch.Tensor] | None:
+        """``(view, indices)`` of :meth:`heads_view` over the heads with a live member (``live``: :meth:`_live`), where
+        leaving the others out is worth it; else None."""
         if live is None:
             return None
         heads = live.any(0)
@@ -566,17 +565,21 @@ class AttentionOperator(BlockOperator):
         ``heads[s]`` (host ints; a head may fill several slots), its per-head tensors gathered (the cotangent factors
         already made too), and ``heads`` on the device. The last :data:`VIEWS_KEPT` made are kept until the cotangent
         changes (the live members change only at the solver's stopping tests)."""
-        key = tuple(int(h) for h in heads)
-        views = self.__dict__.get("_views")
-        if views is None or views[0] is not self:  # (not a copy's: with_sampled copies the dict)
-            views = self.__dict__["_views"] = (self, {})
-        kept = views[1].pop(key, None)
-        if kept is None:
-            kept = self._gathered(key)
-        views[1][key] = kept  # (the most recent last)
-        while len(views[1]) > VIEWS_KEPT:
-            views[1].pop(next(iter(views[1])))
-        return kept
+        return self._kept("_views", tuple(int(h) for h in heads), self._gathered)
+
+    def _kept(self, store: str, key: tuple, make: Callable[[tuple], Any]) -> Any:
+        """``make(key)``, kept in ``self.<store>`` with the last :data:`VIEWS_KEPT` made (dropped when the cotangent
+        changes, :meth:`set_cotangent`)."""
+        kept = self.__dict__.get(store)
+        if kept is None or kept[0] is not self:  # (not a copy's: with_sampled copies the dict)
+            kept = self.__dict__[store] = (self, {})
+        made = kept[1].pop(key, None)
+        if made is None:
+            made = make(key)
+        kept[1][key] = made  # (the most recent last)
+        while len(kept[1]) > VIEWS_KEPT:
+            kept[1].pop(next(iter(kept[1])))
+        return made
 
     def _gathered(self, key: tuple[int, ...]) -> tuple[AttentionOperator, torch.Tensor]:
         """:meth:`slots_view`'s copy and indices for the heads ``key``, made anew."""
@@ -604,13 +607,13 @@ class AttentionOperator(BlockOperator):
         """Results ``(n, h, ...)`` of :meth:`heads_view`'s heads as ``(n, H, ...)``, zero on the other heads."""
         return {nm: o.new_zeros((o.shape[0], H, *o.shape[2:])).index_copy_(1, idx, o) for nm, o in out.items()}
 
-    def _packed(self, n: int, mix) -> tuple[np.ndarray, np.ndarray] | None:
-        """The live members ``(rows, heads)`` (host ints, row-major) of a one-pass product of ``n`` tangent rows, where
+    def _packed(self, live: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The live members ``(rows, heads)`` (host ints, row-major) of ``live`` (:meth:`_live`, ``(n, H)``), where
         packing them into the heads of one row (a slot each, :meth:`slots_view`) computes at most :data:`PACK_SHARE`
         of the rows and heads that :meth:`_live_heads` computes and leaves out enough to be worth it; else None."""
-        live = self._live(n, mix)
         if live is None:
             return None
+        n = live.shape[0]
         slots = int(live.sum())
         rectangle = n * int(live.any(0).sum())
         if slots > PACK_SHARE * rectangle or not self._worth((n * self.H - slots) / n):
@@ -629,7 +632,7 @@ class AttentionOperator(BlockOperator):
         (:meth:`_live_heads`).
         """
         n = next(iter(tangent.values())).shape[0]
-        live = self._live_heads(n, mix)
+        live = self._live_heads(self._live(n, mix))
         if live is not None:
             view, idx = live
             parts = view.apply(_take_heads(tangent, idx), outputs, outer_rows, func_rows, total_rows, mix)
@@ -654,10 +657,11 @@ class AttentionOperator(BlockOperator):
         dispatches). Inside a Lanczos product that names its live members, only those are computed: packed into the
         heads of one row (:meth:`_packed`), or the heads with one (:meth:`_live_heads`)."""
         n = next(iter(tangent.values())).shape[0]
-        packed = self._packed(n, mix)
+        members = self._live(n, mix)
+        packed = self._packed(members)
         if packed is not None:
             return self._apply_packed(tangent, outputs, outer_mask, func_mask, mix, *packed)
-        live = self._live_heads(n, mix)
+        live = self._live_heads(members)
         if live is not None:
             view, idx = live
             out = view.apply_masked(_take_heads(tangent, idx), outputs, outer_mask, func_mask, mix)
@@ -696,19 +700,13 @@ class AttentionOperator(BlockOperator):
         """The device indices of the packed members (``rows * H + heads``, and ``rows``) and a store of their slot masks
         (row mask -> :class:`~..solver.operator.SlotMask`), made once per set of members (it changes only at the
         solver's stopping tests; the last :data:`VIEWS_KEPT` are kept)."""
-        key = tuple((rows * H + heads).tolist())
-        packs = self.__dict__.get("_packs")
-        if packs is None or packs[0] is not self:  # (not a copy's: with_sampled copies the dict)
-            packs = self.__dict__["_packs"] = (self, {})
-        kept = packs[1].pop(key, None)
-        if kept is None:
-            blocking = self.device.type == "cpu"  # (non-blocking: the host does not wait for the device)
-            flat = torch.tensor(key).to(self.device, non_blocking=not blocking)
-            kept = (flat, torch.from_numpy(rows).to(self.device, non_blocking=not blocking), {})
-        packs[1][key] = kept  # (the most recent last)
-        while len(packs[1]) > VIEWS_KEPT:
-            packs[1].pop(next(iter(packs[1])))
-        return kept
+        non_blocking = self.device.type != "cpu"  # (the host does not wait for the device)
+
+        def make(key: tuple) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            flat = torch.tensor(key).to(self.device, non_blocking=non_blocking)
+            return flat, torch.from_numpy(rows).to(self.device, non_blocking=non_blocking), {}
+
+        return self._kept("_packs", tuple((rows * H + heads).tolist()), make)
 
     # ---- exact pieces (G = 1) ----------------------------------------------------------------
     def _vv_rows(self) -> torch.Tensor:

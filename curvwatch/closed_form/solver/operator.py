@@ -225,7 +225,7 @@ class SlotMask(RowMask):
     dim = 2
 
 
-def rows_times(t: torch.Tensor | None, mask: RowMask | SlotMask) -> torch.Tensor | None:
+def rows_times(t: torch.Tensor | None, mask: RowMask) -> torch.Tensor | None:
     """``t`` ``(n, ...)`` with row ``i`` multiplied by the mask's ``values[i]`` (0 or 1); an all-ones mask is
     :data:`ALL_ROWS` (no product)."""
     if t is None or mask is ALL_ROWS:
