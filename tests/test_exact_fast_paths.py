@@ -12,7 +12,8 @@ from curvwatch.closed_form.attention.views import grouped_vv_plan
 from curvwatch.closed_form.bounds import softmax_bound_factors, softmax_hessian_frobenius, softmax_jacobian_norm
 from curvwatch.closed_form.masks import keep_masks
 from curvwatch.closed_form.settings import EXACT
-from curvwatch.closed_form.solver import gram_lambda_max, solve_planned, spectral_norm_2d, spectral_norms
+from curvwatch.closed_form.solver import choices, gram_lambda_max, solve_planned, spectral_norm_2d, spectral_norms
+from curvwatch.closed_form.solver.linalg import SQUARING_TOL, top_by_squaring
 from tests.utils import TOL, assert_close_report
 
 DT = torch.float64
@@ -22,16 +23,98 @@ def _rand(gen, *shape):
     return torch.randn(*shape, generator=gen, dtype=DT)
 
 
-def test_gram_lambda_max_groups_by_gram_size_and_keeps_batch_shapes():
+@pytest.mark.parametrize("chosen", [choices.CPU, choices.GPU], ids=["eigvalsh", "squaring"])
+def test_gram_lambda_max_groups_by_gram_size_and_keeps_batch_shapes(chosen):
     gen = torch.Generator().manual_seed(0)
     mats = [_rand(gen, 3, 2, 5, 4), _rand(gen, 7, 4), _rand(gen, 4, 9), _rand(gen, 6, 3), _rand(gen, 2, 3, 3)]
-    lams = gram_lambda_max(*mats)
+    with choices.forced(chosen):
+        lams = gram_lambda_max(*mats)
+        norm = spectral_norm_2d(mats[0])
     assert len(lams) == len(mats)
     for i, (M, lam) in enumerate(zip(mats, lams, strict=True)):
         assert lam.shape == M.shape[:-2]
         expected = torch.linalg.matrix_norm(M, ord=2) ** 2
         assert_close_report(lam, expected, TOL["float64"], name=f"lambda_max {i}")
-    assert_close_report(spectral_norm_2d(mats[0]), torch.linalg.matrix_norm(mats[0], ord=2), TOL["float64"])
+    assert_close_report(norm, torch.linalg.matrix_norm(mats[0], ord=2), TOL["float64"])
+
+
+def _spectrum(gen, k: int, top: list[float], spread: bool = False) -> torch.Tensor:
+    """A ``(k, k)`` float64 PSD matrix with the eigenvalues ``top`` above a random rest in ``[0, 0.9]``, in a random
+    basis; ``spread``: the top eigenvector is ``1 / sqrt(k)`` in every coordinate (the least any column of ``G^p``
+    holds of it, the case the tolerance is derived for)."""
+    Q, _ = torch.linalg.qr(_rand(gen, k, k))
+    if spread:  # a Householder reflection taking e_1 to the uniform vector, applied to Q's columns
+        u = torch.ones(k, dtype=DT) / k**0.5
+        w = torch.zeros(k, dtype=DT)
+        w[0] = 1.0
+        w = w - u
+        R = torch.eye(k, dtype=DT) - 2 * torch.outer(w, w) / (w @ w)
+        Q = R @ torch.eye(k, dtype=DT)
+    ev = torch.rand(k, generator=gen, dtype=DT) * 0.9
+    ev[: len(top)] = torch.tensor(top, dtype=DT)
+    return (Q * ev) @ Q.mT
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_top_by_squaring_is_a_rayleigh_quotient_within_its_tolerance(dtype):
+    """:func:`top_by_squaring` never exceeds ``lambda_max`` (beyond round-off) and falls short by at most
+    ``SQUARING_TOL``: random Grams of the shapes the bound terms take (432 of 64 rows, 12 of 512), clustered and
+    degenerate tops, a top eigenvector spread evenly over the coordinates, zero and extreme scales. Measured: float64
+    errors of round-off size but where the top two eigenvalues are closer than ``SQUARING_TOL`` (the quotient lies
+    between them: 7.4e-7 for a gap of 1e-6, 2e-9 for 1e-4), float32 ones below 2e-6 (float32 ``eigvalsh``'s reach 6e-6
+    on random Grams of these shapes)."""
+    gen = torch.Generator().manual_seed(3)
+    cases = {
+        "random 64": (lambda M: M.mT @ M)(_rand(gen, 432, 192, 64)),
+        "random 512": (lambda M: M.mT @ M)(_rand(gen, 12, 600, 512)),
+    }
+    for k in (64, 512):
+        for top in ([1.0, 1 - 1e-4], [1.0, 1 - 1e-3, 1 - 2e-3], [1.0] * 5, [1.0, 1 - 1e-6], [1.0, 1 - 2e-3]):
+            cases[f"clustered {k} {top}"] = _spectrum(gen, k, top)[None]
+        cases[f"spread {k}"] = _spectrum(gen, k, [1.0, 1 - 2e-3], spread=True)[None]
+    scaled = torch.zeros(3, 64, 64, dtype=DT)
+    scaled[1], scaled[2] = torch.eye(64, dtype=DT) * 1e-30, _spectrum(gen, 64, [1.0]) * 1e30
+    cases["zero, tiny, huge"] = scaled
+    worst = 0.0
+    for name, G in cases.items():
+        exact = torch.linalg.eigvalsh(G)[:, -1]
+        got = top_by_squaring(G.to(dtype)).to(DT)
+        rel = (exact - got) / exact.clamp_min(torch.finfo(DT).tiny)
+        assert (rel >= -(1e-12 if dtype == torch.float64 else 1e-6)).all(), (name, rel.min().item())
+        assert (rel <= SQUARING_TOL).all(), (name, rel.max().item())
+        worst = max(worst, rel.abs().max().item())
+    assert worst < (1e-6 if dtype == torch.float64 else 2e-6), worst
+
+
+@pytest.mark.parametrize("chosen", [choices.CPU, choices.GPU], ids=["eigvalsh", "squaring"])
+def test_the_bound_matrices_top_eigenvalue_is_their_perron_root(chosen):
+    """The whole ``QKV`` bound is the largest eigenvalue of a symmetric matrix of block bounds (entries >= 0): its
+    spectral norm, taken as :func:`gram_lambda_max`'s square root; zero diagonals and zero matrices included."""
+    from curvwatch.closed_form.bounds import _perron_root
+
+    gen = torch.Generator().manual_seed(6)
+    N = _rand(gen, 50, 5, 5).abs() * torch.logspace(-3, 3, 50, dtype=DT)[:, None, None]
+    N = N + N.mT
+    N[:10].diagonal(dim1=-2, dim2=-1).zero_()
+    N[10] = 0.0
+    with choices.forced(chosen):
+        got = _perron_root(N)
+    assert_close_report(got, torch.linalg.eigvalsh(N)[:, -1], 1e-12, name="perron root")
+
+
+def test_the_gpu_choices_take_no_eigen_decomposition_for_the_exact_norms(monkeypatch):
+    """Under the GPU's choices :func:`gram_lambda_max` dispatches no ``eigvalsh`` (a sync and milliseconds on a GPU);
+    on the host it does."""
+    calls = []
+    eigvalsh = torch.linalg.eigvalsh
+    monkeypatch.setattr(torch.linalg, "eigvalsh", lambda *a, **k: calls.append(1) or eigvalsh(*a, **k))
+    M = _rand(torch.Generator().manual_seed(4), 3, 9, 5)
+    with choices.forced(choices.GPU):
+        gram_lambda_max(M)
+    assert not calls
+    with choices.forced(choices.CPU):
+        gram_lambda_max(M)
+    assert calls
 
 
 def test_softmax_bound_factors_equal_the_separate_terms():

@@ -505,6 +505,56 @@ def test_softmax_jacobian_norm_newton_row_by_row():
             assert_close_report(got, expected, 1e-12, name=f"alpha L={L} scale={scale}", atol=1e-15)
 
 
+def test_softmax_jacobian_norm_solves_the_rows_of_the_largest_bounds(monkeypatch):
+    """The row bound of :func:`~curvwatch.closed_form.bounds._row_upper_bound` lies above every row's eigenvalue
+    (exact on two-entry and uniform rows), and the norm of matrices of more than ``TOP_ROWS`` rows, solved on the rows
+    of the largest bounds, equals eigvalsh's maximum over all rows: causal and full, flat and peaked. Where rows left
+    out could hold the maximum (more than ``TOP_ROWS`` rows alike) every row is solved, with the same result."""
+    from curvwatch.closed_form import bounds
+
+    gen = torch.Generator().manual_seed(5)
+    A = torch.softmax(torch.randn(6, 300, 40, generator=gen, dtype=DT) * torch.tensor([0.1, 1, 3, 8, 20, 60.0],
+                      dtype=DT)[:, None, None], -1).flatten(0, 1)  # fmt: skip
+    A[:3] = 0.0
+    A[3, :2], A[3, 2:] = 0.5, 0.0  # two entries
+    A[4] = 1 / 40  # uniform
+    a1, i1, others = bounds._split_top(A.unsqueeze(0))
+    a1, a2 = a1.unsqueeze(-1), others.amax(-1, keepdim=True)
+    bound = bounds._row_upper_bound(a1, a2, others.sum(-1, keepdim=True), (others * others).sum(-1, keepdim=True))
+    J = torch.diag_embed(A) - A.unsqueeze(-1) * A.unsqueeze(-2)
+    exact = torch.linalg.eigvalsh(J)[:, -1]
+    assert (bound.flatten() >= exact - 1e-15).all()
+    assert_close_report(bound.flatten()[3:5], exact[3:5], 2e-6, name="exact bounds")
+    assert float((bound.flatten() / exact.clamp_min(1e-300))[5:].median()) < 1.1  # tight on most rows
+
+    solved = []
+    newton = bounds._newton_rows
+    monkeypatch.setattr(bounds, "_newton_rows", lambda *a: solved.append(a[-2].shape[-2]) or newton(*a))
+    L = 3 * bounds.TOP_ROWS
+    for scale in (0.05, 1.0, 4.0, 30.0):
+        T = scale * torch.randn(3, 5, L, L, generator=gen, dtype=DT)
+        T[1] = T[1].masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))  # causal
+        A = torch.nan_to_num(torch.softmax(T, -1))
+        A[2, 0, -5:] = 0.0  # fully masked rows
+        J = torch.diag_embed(A) - A.unsqueeze(-1) * A.unsqueeze(-2)
+        expected = torch.linalg.eigvalsh(J)[..., -1].amax(-1)
+        solved.clear()
+        assert_close_report(softmax_jacobian_norm(A), expected, 1e-12, name=f"alpha scale={scale}", atol=1e-15)
+        assert solved == [bounds.TOP_ROWS], solved  # the top rows held the maximum of every matrix
+    # TOP_ROWS + 1 rows whose bound (0.3873) is 1.8% above their eigenvalue (0.3806) hide a row of 0.384, bound exactly
+    A = torch.zeros(2, L, L, dtype=DT)
+    A[:, : bounds.TOP_ROWS + 1, :3] = torch.tensor([0.26378460581359203, 0.17583476348140817, 0.5603806307049998])
+    p = (1 + (1 - 4 * 0.192) ** 0.5) / 2
+    A[:, -1, :2] = torch.tensor([p, 1 - p], dtype=DT)  # 2 p (1 - p) = 0.384
+    A[1, bounds.TOP_ROWS + 1 : -1] = torch.softmax(torch.randn(L - bounds.TOP_ROWS - 2, L, generator=gen, dtype=DT), -1)
+    J = torch.diag_embed(A) - A.unsqueeze(-1) * A.unsqueeze(-2)
+    solved.clear()
+    got = softmax_jacobian_norm(A)
+    assert_close_report(got, torch.linalg.eigvalsh(J)[..., -1].amax(-1), 1e-12, name="hidden")
+    assert_close_report(got, torch.full((2,), 0.384, dtype=DT), 1e-12, name="hidden row")
+    assert solved == [bounds.TOP_ROWS, L], solved
+
+
 def test_lanczos_tolerance_is_relative_accuracy_on_hard_spectra():
     """``tol`` is the relative accuracy of the norm: clustered, power-law, indefinite and flat spectra."""
     gen = torch.Generator().manual_seed(3)

@@ -37,7 +37,7 @@ from curvwatch.closed_form import (
     self_attention,
 )
 from curvwatch.closed_form.ffn import activation_derivatives
-from curvwatch.closed_form.solver import debiasing, gram, members, plan, sampled, sampled_keys
+from curvwatch.closed_form.solver import choices, debiasing, gram, members, plan, sampled, sampled_keys
 from curvwatch.closed_form.solver.debiasing import debias
 from curvwatch.reference.attention import attention_blocked, attention_forward, attention_head, blocked_logits
 from curvwatch.reference.common import with_columns
@@ -658,13 +658,14 @@ def test_the_sampled_runs_take_no_second_look_and_the_kernels_own_do(kernel, cas
     assert flat.any() and not flat.all(), looks  # the kernel's own members look twice where crowded, the sampled never
 
 
+@pytest.mark.parametrize("chosen", [choices.CPU, choices.GPU], ids=["eigh", "squaring"])
 @pytest.mark.parametrize("k, split", [(4, True), (5, True), (3, False)])
-def test_gram_eigenvalues_of_several_blocks_in_one_batch_equal_each_blocks_dense_ones(k, split):
+def test_gram_eigenvalues_of_several_blocks_in_one_batch_equal_each_blocks_dense_ones(k, split, chosen):
     """``gram_eigen``: the Gram matrices (``gram_matrices``) of blocks with different head counts and scales,
-    decomposed in one batch (the full samples' in one ``eigh``, the halves' in a second when of one size, ``k`` odd:
-    one each), give each block's top eigenvalue of ``D A_S A_S^T D / k_S`` per estimate (``S``: all samples, the first
-    ``k // 2``, the others) and its top eigenvector ``D A_S u`` (float64, to 1e-10 against ``eigvalsh`` / ``eigh`` of
-    the dense ``size x size`` blocks)."""
+    decomposed in one batch (the full samples' in one call, the halves' in a second when of one size, ``k`` odd:
+    one each; ``eigh`` on the host, repeated squaring with the GPU's choices), give each block's top eigenvalue of
+    ``D A_S A_S^T D / k_S`` per estimate (``S``: all samples, the first ``k // 2``, the others) and its top eigenvector
+    ``D A_S u`` (float64, to 1e-10 against ``eigvalsh`` / ``eigh`` of the dense ``size x size`` blocks)."""
     g = torch.Generator().manual_seed(0)
     B = 2
     curvature = sampled.SampledCurvature(torch.randn(k, B, 1, 3, generator=g, dtype=DT))
@@ -675,7 +676,8 @@ def test_gram_eigenvalues_of_several_blocks_in_one_batch_equal_each_blocks_dense
     for j, (A, D) in enumerate(blocks):
         (G,) = gram.gram_matrices(A, curvature, [D])
         items.append((j, G, A, D))
-    out = gram.gram_eigen(items, curvature, split, DT)
+    with choices.forced(chosen):
+        out = gram.gram_eigen(items, curvature, split, DT)
     estimates = [(slice(None), k)] + ([(slice(None, ka * B), ka), (slice(ka * B, None), kb)] if split else [])
     for (A, D), (values, tops, _) in zip(blocks, out, strict=True):
         assert values.shape == (len(estimates), A.shape[0]) and tops.shape == (len(estimates), *A.shape[::2])
@@ -689,8 +691,9 @@ def test_gram_eigenvalues_of_several_blocks_in_one_batch_equal_each_blocks_dense
             assert_close_report((v * U[..., -1]).sum(-1).abs(), torch.ones(A.shape[0], dtype=DT), 1e-10, name=f"{e}")
 
 
+@pytest.mark.parametrize("chosen", [choices.CPU, choices.GPU], ids=["eigh", "squaring"])
 @pytest.mark.parametrize("spectrum", ["spike", "decay"])
-def test_the_debiased_values_standard_error_matches_their_spread_over_repeated_samples(spectrum):
+def test_the_debiased_values_standard_error_matches_their_spread_over_repeated_samples(spectrum, chosen):
     """``debias``'s noise term, two standard errors by the delta method from each sample's part of each estimate's
     value (``shares``, here from ``gram_eigen``), is calibrated: over 200 independent sample sets of a Gaussian
     Gauss-Newton block (20 weights: one spiked eigenvalue, or a decaying spectrum; 16 samples of 4 sequences, as the
@@ -709,7 +712,8 @@ def test_the_debiased_values_standard_error_matches_their_spread_over_repeated_s
     for _ in range(R):
         A = torch.randn(1, k * B, p, generator=g, dtype=DT) * spec.sqrt()  # columns of the block's samples
         (G,) = gram.gram_matrices(A, curvature, [None])
-        ((values, _, shares),) = gram.gram_eigen([(0, G, None, None)], curvature, True, DT)
+        with choices.forced(chosen):
+            ((values, _, shares),) = gram.gram_eigen([(0, G, None, None)], curvature, True, DT)
         est, width = debias(*values.unbind(), curvature.counts, psd=True, shares=shares)
         correction = ((values[1] + values[2]) / 2 - values[0]) * q
         errors.append(float((width * est.abs() - debiasing.SPREAD_FACTOR * correction.abs()) / debiasing.NOISE_SE))

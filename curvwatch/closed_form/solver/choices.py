@@ -2,9 +2,10 @@
 
 On a GPU an evaluation of many small tensors waits on every host read of a device value (a sync) and on every
 dispatched operator, not on arithmetic; on a CPU a read costs nothing and the arithmetic is the whole cost. The solver
-makes four choices by that (the first the same on both for now, see :data:`CPU`): how often the Lanczos stopping test
+makes five choices by that (the first the same on both for now, see :data:`CPU`): how often the Lanczos stopping test
 reads the projected matrices, how the basis buffer is allocated, whether diagonal block pairs of one shape share one
-product, and whether the engine evaluates consecutive blocks in lockstep threads. :func:`for_device` gives them for a
+product, whether the engine evaluates consecutive blocks in lockstep threads, and how the exact spectral norms find
+their Gram matrices' largest eigenvalues. :func:`for_device` gives them for a
 device: :data:`GPU` off the host, :data:`CPU` on it. (Both Gram-Schmidt passes run at every step on every device: see
 :meth:`~.lanczos.LanczosRun.step`.)
 
@@ -47,12 +48,17 @@ class SolverChoices:
             tangent); otherwise each pair has its own product, with the arithmetic of its block alone.
         lockstep: The engine evaluates consecutive blocks in lockstep threads (:class:`~.lockstep.Lockstep`: their
             stopping tests share one host read, their exact pieces gathered calls); otherwise one block after the other.
+        top_by_squaring: The exact spectral norms' largest Gram eigenvalues (:func:`~.linalg.gram_lambda_max`) by
+            repeated squaring (:func:`~.linalg.top_by_squaring`: matmuls, no sync, at most ``SQUARING_TOL`` low);
+            otherwise by ``eigvalsh`` (exact to round-off, and faster on the host: 36 vs 38 ms for 432 Grams of 64
+            rows, 85 vs 298 ms for 12 of 512, one thread).
     """
 
     check_every: int
     grow_basis: bool
     stack_pairs: bool
     lockstep: bool
+    top_by_squaring: bool
 
     def __post_init__(self) -> None:
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 1:
@@ -60,13 +66,13 @@ class SolverChoices:
 
 
 #: Off the host: few syncs and few dispatches, at some arithmetic.
-GPU = SolverChoices(check_every=4, grow_basis=True, stack_pairs=True, lockstep=True)
+GPU = SolverChoices(check_every=4, grow_basis=True, stack_pairs=True, lockstep=True, top_by_squaring=True)
 #: On the host: the least arithmetic (a read of a value and a dispatch cost microseconds). The stopping test stays every
 #: 4 steps all the same: which norms the stopping rule reports converged depends on the steps the tests fall on
 #: (``benchmarks/bench_convergence.py --quick`` replayed with one seed, ``tests/test_bench_convergence.py``: with a test
 #: every step, or every 3, one norm is reported converged 4.7% low, ``layer0/attn/outer/QQ/h3`` at step 20; every 2
 #: or 4 steps none), so the host tests when a GPU does and reports what a GPU reports.
-CPU = SolverChoices(check_every=4, grow_basis=False, stack_pairs=False, lockstep=False)
+CPU = SolverChoices(check_every=4, grow_basis=False, stack_pairs=False, lockstep=False, top_by_squaring=False)
 
 #: Set by :func:`forced`: the choices every device takes, or ``None`` for each device its own. A context variable, so
 #: the lockstep threads (each runs in a copy of its caller's context) see it too.

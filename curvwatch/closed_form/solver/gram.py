@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .choices import for_device
 from .debiasing import has_shares
+from .linalg import top_pair_by_squaring
 from .operator import BlockOperator, Embedding, pair_matvec
 from .sampled import SampledCurvature, with_sampled
 
@@ -111,11 +113,13 @@ def gram_eigen(
     (:func:`~.debiasing.debias`'s ``shares``), ``lambda_e sum_b u_{j B + b}^2`` (the unit top eigenvector ``v`` of the
     estimate's block ``sum_c w_c (D A_c) (D A_c)^T`` has ``w_c <D A_c, v>^2 = lambda_e u_c^2``); else None.
 
-    Exact eigenvalues (float64) instead of the Lanczos runs of every estimate and preconditioning. Every item's
-    matrices go through one ``eigh`` (the halves, when of one size, through a second): on a GPU each call on small
-    matrices costs milliseconds whatever the batch, and a kernel call has up to three pairs x two preconditionings x
-    three estimates of them (:func:`~.sampled_keys.sampled_plan` batches them while the matrices stay within the
-    largest pair's Gram columns: all of them at realistic sizes).
+    Eigenvalues of the Gram matrices (float64) instead of the Lanczos runs of every estimate and preconditioning.
+    Every item's matrices go through one call (the halves, when of one size, through a second): ``eigh`` on the host
+    (exact), :func:`~.linalg.top_pair_by_squaring` where :attr:`~.choices.SolverChoices.top_by_squaring` says (on a
+    GPU, where an ``eigh`` of small matrices costs milliseconds whatever the batch and syncs; at most ``SQUARING_TOL``
+    low). A kernel call has up to three pairs x two preconditionings x three estimates of them
+    (:func:`~.sampled_keys.sampled_plan` batches them while the matrices stay within the largest pair's Gram columns:
+    all of them at realistic sizes).
     """
     k, B = curvature.sigma.shape[:2]
     _, ka, kb = curvature.counts
@@ -126,7 +130,12 @@ def gram_eigen(
     shared = split and has_shares(curvature.counts)
     want = shared or any(item[2] is not None for item in items)  # (the shares need the eigenvectors too)
 
+    squaring = for_device(G.device).top_by_squaring
+
     def tops_of(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # (top eigenvalues, their vectors)
+        if squaring:  # matmuls, no eigh (a GPU's choice: linalg.top_pair_by_squaring)
+            lam, u = top_pair_by_squaring(M)
+            return lam, u if want else None
         if not want:
             return torch.linalg.eigvalsh(M)[:, -1], None
         lam, U = torch.linalg.eigh(M)
