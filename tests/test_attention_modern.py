@@ -450,6 +450,23 @@ def test_rotary_transpose_is_the_adjoint():
         assert_close_report(lhs, rhs, 1e-14, name=f"adjoint interleaved={interleaved}")
 
 
+def test_the_rotary_maps_call_is_apply_rotary():
+    """:class:`~curvwatch.closed_form.rotary.Rotary` applies ``R`` (and ``R^T``) from its per-feature tables, a
+    partner permutation and a signed sine, as :func:`apply_rotary` does: both layouts, full and partial rotary,
+    per-sequence tables, scaled (non-rotation) tables."""
+    gen = torch.Generator().manual_seed(13)
+    B, H, L = 2, 3, 5
+    for d_K, r in ((6, 6), (8, 4), (6, 2)):
+        for batched in (False, True):
+            cos, sin = _tables(gen, B, L, r, batched=batched, scaling=1.3)
+            for interleaved in (False, True):
+                rot = check_rotary((cos, sin), interleaved, B, L, d_K, rand(gen, B, L, 4))
+                x = rand(gen, B, H, L, d_K)
+                for transpose in (False, True):
+                    assert_close_report(rot(x, transpose), apply_rotary(x, rot.cos, rot.sin, interleaved, transpose),
+                                        1e-15, name=f"{d_K} {r} {batched} {interleaved} {transpose}")  # fmt: skip
+
+
 # ---- the reference against the libraries' own attention --------------------------------------------------------
 
 

@@ -61,15 +61,39 @@ def apply_rotary(
 
 
 class Rotary:
-    """The rotary map of one call: validated tables ``(B or 1, L, r)`` broadcast over heads, and its norm."""
+    """The rotary map of one call: validated tables ``(B or 1, L, r)`` broadcast over heads, and its norm.
+
+    A call applies ``R`` as ``x * C + x[..., perm] * S`` (three kernels, where :func:`apply_rotary` takes seven to
+    nine: a Lanczos product applies it to every tangent and cotangent): ``perm`` pairs each feature with its partner
+    (``i`` with ``i +- r/2``, or ``2i`` with ``2i + 1``), ``C`` holds each feature's cosine and ``S`` its signed sine
+    (``-sin`` on the feature whose partner comes second in its pair, ``R^T``'s flipped); features ``r:`` of a partial
+    rotary have ``C = 1``, ``S = 0`` and themselves as partner. Tables ``(B or 1, 1, L, d_K)``.
+    """
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, d_K: int):
         self.cos, self.sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (B or 1, 1, L, r): broadcast over heads
         self.interleaved = interleaved
-        self.partial = cos.shape[-1] < d_K
+        r = cos.shape[-1]
+        self.partial = r < d_K
+        h = r // 2
+        idx = torch.arange(d_K, device=cos.device)
+        first = torch.zeros(d_K, dtype=torch.bool, device=cos.device)  # the features whose partner comes second
+        if interleaved:  # pair (2i, 2i+1) turns by frequency i: y_2i = x_2i c_i - x_2i+1 s_i
+            self.perm = torch.where(idx < r, idx ^ 1, idx)
+            first[:r:2] = True
+            c, s = (t[..., :h].repeat_interleave(2, -1) for t in (self.cos, self.sin))
+        else:  # feature i pairs with i + r/2: y_i = x_i c_i - x_{i+r/2} s_i for i < r/2
+            self.perm = torch.where(idx < h, idx + h, torch.where(idx < r, idx - h, idx))
+            first[:h] = True
+            c, s = self.cos, self.sin
+        pad = self.cos.new_zeros((*self.cos.shape[:-1], d_K - r))
+        self.C = torch.cat([c, pad + 1], -1)
+        self.S = torch.cat([torch.where(first[:r], -s, s), pad], -1)
+        self.S_T = -self.S
 
     def __call__(self, x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-        return apply_rotary(x, self.cos, self.sin, self.interleaved, transpose)
+        """``R x`` (``R^T x`` with ``transpose``) of ``x`` ``(..., B or 1, H, L, d_K)``, as :func:`apply_rotary`."""
+        return torch.addcmul(x * self.C, x.index_select(-1, self.perm), self.S_T if transpose else self.S)
 
     def norm(self) -> torch.Tensor:
         """``max_i ||R_i||_2`` over positions: ``max sqrt(cos^2 + sin^2)`` (1 for a rotation; YaRN scales it)."""
