@@ -115,9 +115,9 @@ def gram_eigen(
 
     Eigenvalues of the Gram matrices (float64) instead of the Lanczos runs of every estimate and preconditioning.
     Every item's matrices go through one call (the halves, when of one size, through a second): ``eigh`` on the host
-    (exact), :func:`~.linalg.top_pair_by_squaring` where :attr:`~.choices.SolverChoices.top_by_squaring` says (on a
-    GPU, where an ``eigh`` of small matrices costs milliseconds whatever the batch and syncs; at most ``SQUARING_TOL``
-    low). A kernel call has up to three pairs x two preconditionings x three estimates of them
+    (exact), :func:`~.linalg.top_pair_by_squaring` where :class:`~.choices.SolverChoices`'s ``top_by_squaring``
+    says (on a GPU, where an ``eigh`` of small matrices costs milliseconds whatever the batch and syncs; at most
+    ``SQUARING_TOL`` low). A kernel call has up to three pairs x two preconditionings x three estimates of them
     (:func:`~.sampled_keys.sampled_plan` batches them while the matrices stay within the largest pair's Gram columns:
     all of them at realistic sizes).
     """

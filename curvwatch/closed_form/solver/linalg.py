@@ -42,7 +42,7 @@ def gram_lambda_max(*Ms: torch.Tensor) -> list[torch.Tensor]:
     that have the same size go through one call: on the host one ``eigvalsh`` (exact to round-off; its fixed cost per
     call is comparable to the work of a small matrix, and the bound terms need many small norms), on a GPU
     :func:`top_by_squaring` (matmuls only: a dense eigen-decomposition there costs milliseconds whatever its size and
-    reads its error flag on the host), as :attr:`~.choices.SolverChoices.top_by_squaring` says.
+    reads its error flag on the host), as :class:`~.choices.SolverChoices`'s ``top_by_squaring`` says.
 
     Returns:
         One ``(...)`` tensor per argument, in order.
@@ -85,8 +85,8 @@ def top_by_squaring(G: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tensor
     share of ``|x|^2``, ``4e-7`` at ``delta = 1e-3``, ``p = 2^14``, ``k = 8000``, and the quotient is at least ``1 -
     delta`` less that share. In float32 the squarings act as a perturbed power iteration (the quotient is taken with
     ``G`` itself): the tests measure errors of round-off size, below float32 ``eigvalsh``'s, but where two top
-    eigenvalues are closer than :data:`SQUARING_TOL` (the quotient lies between them). No host sync, ``squarings + 4``
-    matmuls' worth of dispatches and ``2 squarings k^3`` FLOPs per matrix.
+    eigenvalues are closer than :data:`SQUARING_TOL` (the quotient lies between them). No host sync, about 45
+    dispatched operators per call and ``2 squarings k^3`` FLOPs per matrix.
 
     Example:
         >>> G = torch.diag(torch.tensor([3.0, 1.0, 2.0]))[None]
