@@ -42,14 +42,12 @@ def _spectrum(gen, k: int, top: list[float], spread: bool = False) -> torch.Tens
     """A ``(k, k)`` float64 PSD matrix with the eigenvalues ``top`` above a random rest in ``[0, 0.9]``, in a random
     basis; ``spread``: the top eigenvector is ``1 / sqrt(k)`` in every coordinate (the least any column of ``G^p``
     holds of it, the case the tolerance is derived for)."""
-    Q, _ = torch.linalg.qr(_rand(gen, k, k))
-    if spread:  # a Householder reflection taking e_1 to the uniform vector, applied to Q's columns
-        u = torch.ones(k, dtype=DT) / k**0.5
-        w = torch.zeros(k, dtype=DT)
-        w[0] = 1.0
-        w = w - u
-        R = torch.eye(k, dtype=DT) - 2 * torch.outer(w, w) / (w @ w)
-        Q = R @ torch.eye(k, dtype=DT)
+    if spread:  # the Householder reflection taking e_1 to the uniform vector: its first column is that vector
+        w = -torch.ones(k, dtype=DT) / k**0.5
+        w[0] += 1.0
+        Q = torch.eye(k, dtype=DT) - 2 * torch.outer(w, w) / (w @ w)
+    else:
+        Q, _ = torch.linalg.qr(_rand(gen, k, k))
     ev = torch.rand(k, generator=gen, dtype=DT) * 0.9
     ev[: len(top)] = torch.tensor(top, dtype=DT)
     return (Q * ev) @ Q.mT
